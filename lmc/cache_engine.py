@@ -1,0 +1,284 @@
+"""``CacheEngine``: the public API over content addressing, transfer and the storage tiers.
+
+``store`` gathers the engine's KV for new chunks into pool objects and makes them visible only
+once complete; ``lookup`` answers how many leading prompt tokens lmc can supply; ``retrieve``
+scatters them back into the engine's cache. ``store_layer`` / ``retrieve_layer`` are the
+layer-wise forms a connector uses to overlap copies with compute. All methods are thread-safe.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+import torch
+
+from lmc.config import CacheConfig
+from lmc.kv_spec import KVCaches, KVSpec
+from lmc.layerwise import LayerwiseRetrieve, LayerwiseStore
+from lmc.memory import Lease, MemoryObj, MemoryPool
+from lmc.metrics import EngineMetrics
+from lmc.storage_backend import Key, StorageBackend, create_backend
+from lmc.storage_manager import StorageManager
+from lmc.token_database import ChunkedTokenDatabase, Tokens, namespace_digest
+from lmc.transfer import KVTransfer, make_transfer
+
+log = logging.getLogger(__name__)
+Chunk = tuple[int, int, Key]
+
+
+class CacheEngine:
+    """Stores and retrieves an engine's KV cache by token prefix.
+
+    ``model_id``, the spec's shape/dtype, ``tp_rank``/``tp_size``, ``chunk_size`` and the
+    config's ``tenant`` form the key namespace: engines agreeing on all of them share KV.
+    """
+
+    def __init__(self, config: CacheConfig, spec: KVSpec, model_id: str, tp_rank: int = 0,
+                 tp_size: int = 1, *, tiers: Sequence[StorageBackend] | None = None,
+                 transfer: str = "auto") -> None:
+        if not isinstance(config, CacheConfig):
+            raise TypeError(f"config must be a CacheConfig, got {type(config).__name__}")
+        if not isinstance(spec, KVSpec):
+            raise TypeError(f"spec must be a KVSpec, got {type(spec).__name__}")
+        self.config = config
+        self.spec = spec
+        self.model_id = model_id
+        ns = namespace_digest(model_id, spec.namespace_fields(), tp_rank, tp_size,
+                              config.chunk_size, config.tenant)
+        self.db = ChunkedTokenDatabase(config.chunk_size, config.save_unfull_chunk, ns)
+        self.pool = MemoryPool(config.local_cpu_size, config.pin_memory,
+                               debug=config.debug_leaks)
+        l1 = create_backend("cpu", config, self.pool)
+        self.storage = StorageManager([l1, *(tiers or ())])
+        self.metrics = EngineMetrics()
+        self._transfer_pref = transfer
+        self._transfers: OrderedDict[tuple, KVTransfer] = OrderedDict()
+        self._pins: dict[Key, list[MemoryObj]] = {}
+        self._lock = threading.RLock()
+        self._worker: ThreadPoolExecutor | None = None
+        self._closed = False
+
+    # ------------------------------------------------------------- plumbing
+    def transfer_for(self, kv_caches: KVCaches) -> KVTransfer:
+        """The (cached) transfer object bound to these cache tensors; validates new ones."""
+        layers = self.spec.split_layers(kv_caches)
+        sig = tuple((t.data_ptr(), t.shape, t.dtype, t.device) for _, ts in layers for t in ts)
+        with self._lock:
+            tr = self._transfers.get(sig)
+            if tr is not None:
+                self._transfers.move_to_end(sig)
+                return tr
+        tr = make_transfer(self.spec, kv_caches, self._transfer_pref)
+        with self._lock:
+            self._transfers[sig] = tr
+            while len(self._transfers) > 4:
+                self._transfers.popitem(last=False)
+        return tr
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("CacheEngine is closed")
+
+    def executor(self) -> ThreadPoolExecutor:
+        """One background thread, in order: layer-wise copies and prefetches."""
+        with self._lock:
+            if self._worker is None:
+                self._worker = ThreadPoolExecutor(1, thread_name_prefix="lmc-io")
+            return self._worker
+
+    # ---------------------------------------------------------------- store
+    def _plan_store(self, tokens: Tokens, tr: KVTransfer, slots: torch.Tensor,
+                    mask: Any) -> tuple[list[Chunk], list[MemoryObj]]:
+        """Chunks to store and their freshly allocated objects (owned by the caller)."""
+        chunks = self.db.process_tokens(tokens, mask)
+        if not chunks:
+            return [], []
+        present = self.storage.l1_contains([k for _, _, k in chunks])
+        todo = [c for c, p in zip(chunks, present) if not p]
+        self.metrics.skipped("present", len(chunks) - len(todo))
+        if todo and bool((slots[todo[0][0]:] < 0).any()):
+            neg = (slots < 0).cpu().numpy()
+            keep = [c for c in todo if not neg[c[0]:c[1]].any()]
+            self.metrics.skipped("unmapped_slots", len(todo) - len(keep))
+            todo = keep
+        objs: list[MemoryObj] = []
+        for i, (s, e, _) in enumerate(todo):
+            obj = self.storage.allocate(self.spec.chunk_shape(e - s), self.spec.dtype, e - s)
+            if obj is None:  # pool full of referenced chunks: later chunks are useless too
+                self.metrics.skipped("pool_full", len(todo) - i)
+                todo = todo[:i]
+                break
+            objs.append(obj)
+        return todo, objs
+
+    def store(self, tokens: Tokens, kv_caches: KVCaches, slot_mapping: torch.Tensor,
+              mask: Any = None) -> int:
+        """Save the KV of ``tokens`` (at ``slot_mapping`` in ``kv_caches``); returns new tokens
+        stored. Chunks already in L1 are skipped without copying; a chunk with an unmapped
+        (negative) slot or no room in the pool is skipped and counted, never half-stored."""
+        self._check_open()
+        t0 = time.perf_counter()
+        tr = self.transfer_for(kv_caches)
+        slots = tr.check_slots(slot_mapping, self.db.num_tokens(tokens))
+        chunks, objs = self._plan_store(tokens, tr, slots, mask)
+        if not chunks:
+            return 0
+        with Lease(objs):
+            tr.gather(tr.plan(slots, [(s, e) for s, e, _ in chunks]), [o.tensor for o in objs])
+            tr.synchronize()
+            self.storage.put([k for _, _, k in chunks], objs)
+        n = sum(e - s for s, e, _ in chunks)
+        self.metrics.transfer("store", n, sum(o.nbytes for o in objs), time.perf_counter() - t0)
+        self.metrics.pool(self.pool.used_bytes, self.pool.size)
+        return n
+
+    def store_layer(self, tokens: Tokens, kv_caches: KVCaches, slot_mapping: torch.Tensor,
+                    mask: Any = None) -> LayerwiseStore:
+        """Layer-wise store: call ``.save(layer)`` once each layer's KV is in the cache, then
+        ``.commit()``; nothing is visible before the commit. See :class:`LayerwiseStore`."""
+        self._check_open()
+        tr = self.transfer_for(kv_caches)
+        slots = tr.check_slots(slot_mapping, self.db.num_tokens(tokens))
+        chunks, objs = self._plan_store(tokens, tr, slots, mask)
+        plan = tr.plan(slots, [(s, e) for s, e, _ in chunks]) if chunks else None
+        return LayerwiseStore(self, tr, plan, chunks, objs)
+
+    # --------------------------------------------------------------- lookup
+    def lookup(self, tokens: Tokens, pin: bool = False) -> int:
+        """Leading prompt tokens that lmc can supply now. ``pin=True`` holds the L1 chunks
+        against eviction until ``retrieve`` of the same tokens or ``unpin``."""
+        self._check_open()
+        t0 = time.perf_counter()
+        n = self.db.num_tokens(tokens)
+        keys = self.db.keys(tokens)
+        hits = self.storage.prefix_hits(keys)
+        if pin and hits:
+            objs = self.storage.l1.get(keys[:hits])
+            with self._lock:
+                for k, o in zip(keys, objs):
+                    if o is not None:
+                        self._pins.setdefault(k, []).append(o)
+        hit_tokens = min(hits * self.config.chunk_size, n)
+        self.metrics.lookup(n, hit_tokens, time.perf_counter() - t0)
+        return hit_tokens
+
+    def unpin(self, tokens: Tokens) -> int:
+        """Drop the pins a ``lookup(pin=True)`` of these tokens took; returns chunks unpinned."""
+        return self._unpin_keys(self.db.keys(tokens))
+
+    def _unpin_keys(self, keys: Sequence[Key]) -> int:
+        released = []
+        with self._lock:
+            for k in keys:
+                lst = self._pins.get(k)
+                if lst:
+                    released.append(lst.pop())
+                    if not lst:
+                        del self._pins[k]
+        for o in released:
+            o.release()
+        return len(released)
+
+    # ------------------------------------------------------------- retrieve
+    def _fetch(self, tokens: Tokens, mask: Any) -> tuple[list[Chunk], list[MemoryObj]]:
+        """The longest stored prefix (after the mask's False prefix) and its objects."""
+        chunks = self.db.process_tokens(tokens, mask)
+        objs = self.storage.get_prefix([k for _, _, k in chunks]) if chunks else []
+        for i, (o, (s, e, _)) in enumerate(zip(objs, chunks)):
+            if o.shape != self.spec.chunk_shape(e - s) or o.dtype != self.spec.dtype:
+                log.error("chunk %d holds %s %s, expected %s %s: treated as a miss", i, o.shape,
+                          o.dtype, self.spec.chunk_shape(e - s), self.spec.dtype)
+                for bad in objs[i:]:
+                    bad.release()
+                objs = objs[:i]
+                break
+        return chunks[: len(objs)], objs
+
+    def retrieve(self, tokens: Tokens, kv_caches: KVCaches, slot_mapping: torch.Tensor,
+                 mask: Any = None) -> int:
+        """Write the stored KV of the longest hit prefix into ``kv_caches`` at
+        ``slot_mapping``; returns the number of tokens written. Tokens under the mask's False
+        prefix are neither looked up nor written (the engine has them); negative slots are
+        skipped."""
+        self._check_open()
+        t0 = time.perf_counter()
+        tr = self.transfer_for(kv_caches)
+        slots = tr.check_slots(slot_mapping, self.db.num_tokens(tokens))
+        chunks, objs = self._fetch(tokens, mask)
+        if not chunks:
+            return 0
+        with Lease(objs):
+            tr.scatter(tr.plan(slots, [(s, e) for s, e, _ in chunks]), [o.tensor for o in objs])
+            tr.synchronize()
+        self._unpin_keys([k for _, _, k in chunks])
+        n = sum(e - s for s, e, _ in chunks)
+        self.metrics.transfer("retrieve", n, sum(o.nbytes for o in objs),
+                              time.perf_counter() - t0)
+        return n
+
+    def retrieve_layer(self, tokens: Tokens, kv_caches: KVCaches, slot_mapping: torch.Tensor,
+                       mask: Any = None) -> LayerwiseRetrieve:
+        """Layer-wise retrieve: ``.num_tokens`` says how many will load; ``.start()`` loads all
+        layers in order on a background thread and ``.wait(layer)`` blocks until that layer is
+        in the cache (or ``.load(layer)`` synchronously). See :class:`LayerwiseRetrieve`."""
+        self._check_open()
+        tr = self.transfer_for(kv_caches)
+        slots = tr.check_slots(slot_mapping, self.db.num_tokens(tokens))
+        chunks, objs = self._fetch(tokens, mask)
+        plan = tr.plan(slots, [(s, e) for s, e, _ in chunks]) if chunks else None
+        return LayerwiseRetrieve(self, tr, plan, chunks, objs)
+
+    # ------------------------------------------------------------- prefetch
+    def prefetch(self, tokens: Tokens) -> Future:
+        """Pull the prompt's chunks from lower tiers into L1 in the background (a hit in a
+        lower tier is promoted on read). Returns a future of the prefix tokens then in L1."""
+        self._check_open()
+        keys = self.db.keys(tokens)
+        n = self.db.num_tokens(tokens)
+
+        def run() -> int:
+            objs = self.storage.get_prefix(keys)
+            Lease(objs).release()
+            return min(len(objs) * self.config.chunk_size, n)
+
+        return self.executor().submit(run)
+
+    # ----------------------------------------------------------------- misc
+    def contains_chunks(self, tokens: Tokens) -> np.ndarray:
+        """Per chunk, whether L1 has it (diagnostics and tests)."""
+        return np.array(self.storage.l1_contains(self.db.keys(tokens)), dtype=bool)
+
+    def stats(self) -> dict[str, Any]:
+        out: dict[str, Any] = dict(self.metrics.snapshot())
+        for tier in self.storage.tiers:
+            for k, v in tier.stats().items():
+                out[f"{tier.name}.{k}"] = v
+        out["pinned_chunks"] = sum(len(v) for v in self._pins.values())
+        return out
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self._worker is not None:
+            self._worker.shutdown(wait=True)
+        with self._lock:
+            pins, self._pins = self._pins, {}
+        for lst in pins.values():
+            for o in lst:
+                o.release()
+        self.storage.close()
+        self.pool.close()
+
+    def __enter__(self) -> CacheEngine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

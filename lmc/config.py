@@ -1,0 +1,197 @@
+"""Typed configuration: YAML file, then ``LMC_<KEY>`` environment variables, then an explicit dict.
+
+One schema (``CacheConfig``) is the single source of truth for every key, its type, its default
+and what values are allowed, so that a bad key or value fails at start-up with a message that
+names it, rather than deep inside a tier at the first request.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+import re
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+_SIZE_UNITS = {
+    "": 1, "b": 1,
+    "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
+    "t": 1000**4, "tb": 1000**4,
+    "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4,
+}
+_SIZE_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_size(value: Any, key: str = "size") -> int:
+    """Bytes from an int or a string like ``"4GiB"``, ``"512MB"``, ``"1.5 GiB"``, ``"1048576"``.
+
+    SI suffixes (kB, MB, GB) are powers of 1000, IEC suffixes (KiB, MiB, GiB) powers of 1024.
+    """
+    if isinstance(value, bool):
+        raise ValueError(f"{key}: expected a size like '4GiB' or a byte count, got {value!r}")
+    if isinstance(value, int):
+        if value < 0:
+            raise ValueError(f"{key}: size must be >= 0, got {value}")
+        return value
+    if isinstance(value, float) and value.is_integer() and value >= 0:
+        return int(value)
+    if isinstance(value, str):
+        m = _SIZE_RE.match(value)
+        if m and m.group(2).lower() in _SIZE_UNITS:
+            return int(float(m.group(1)) * _SIZE_UNITS[m.group(2).lower()])
+    raise ValueError(
+        f"{key}: cannot parse size {value!r}; use bytes or a number with one of "
+        "B, kB, MB, GB, TB, KiB, MiB, GiB, TiB (e.g. '4GiB', '512MB')"
+    )
+
+
+def _parse_bool(value: Any, key: str) -> bool:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int) and value in (0, 1):
+        return bool(value)
+    if isinstance(value, str) and value.strip().lower() in ("1", "true", "yes", "on"):
+        return True
+    if isinstance(value, str) and value.strip().lower() in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"{key}: expected true/false, got {value!r}")
+
+
+def _parse_int(value: Any, key: str, minimum: int | None = None) -> int:
+    if isinstance(value, bool):
+        raise ValueError(f"{key}: expected an integer, got {value!r}")
+    try:
+        out = int(value) if not isinstance(value, float) or value.is_integer() else None
+    except (TypeError, ValueError):
+        out = None
+    if out is None:
+        raise ValueError(f"{key}: expected an integer, got {value!r}")
+    if minimum is not None and out < minimum:
+        raise ValueError(f"{key}: must be >= {minimum}, got {out}")
+    return out
+
+
+def _parse_float(value: Any, key: str, minimum: float | None = None) -> float:
+    try:
+        out = float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{key}: expected a number, got {value!r}") from None
+    if isinstance(value, bool) or out != out:
+        raise ValueError(f"{key}: expected a number, got {value!r}")
+    if minimum is not None and out < minimum:
+        raise ValueError(f"{key}: must be >= {minimum}, got {out}")
+    return out
+
+
+def _parse_choice(value: Any, key: str, choices: tuple[str, ...]) -> str:
+    if isinstance(value, str) and value in choices:
+        return value
+    raise ValueError(f"{key}: {value!r} is not allowed; choose one of {', '.join(choices)}")
+
+
+def _parse_opt_str(value: Any, key: str) -> str | None:
+    if value is None or value == "":
+        return None
+    if isinstance(value, (str, int)) and not isinstance(value, bool):
+        return str(value)
+    raise ValueError(f"{key}: expected a string, got {value!r}")
+
+
+def _field(default: Any, parse, doc: str) -> Any:
+    return dataclasses.field(default=default, metadata={"parse": parse, "doc": doc})
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheConfig:
+    """Every lmc setting. Construct directly, or with :meth:`load` / :meth:`from_yaml`."""
+
+    chunk_size: int = _field(
+        256, lambda v, k: _parse_int(v, k, minimum=1),
+        "tokens per chunk; each chunk is one content-addressed object")
+    local_cpu_size: int = _field(
+        "2GiB", parse_size, "bytes of the pinned/plain CPU pool that backs the L1 tier")
+    save_unfull_chunk: bool = _field(
+        True, _parse_bool, "also key and store the last partial chunk of a prompt")
+    tenant: str | None = _field(
+        None, _parse_opt_str, "salt mixed into every key: tenants never share KV")
+    eviction_policy: str = _field(
+        "lru", lambda v, k: _parse_choice(v, k, ("lru", "fifo")),
+        "which unreferenced chunk the L1 tier evicts first")
+    pin_memory: str = _field(
+        "auto", lambda v, k: _parse_choice(str(v).lower(), k, ("auto", "true", "false")),
+        "page-lock the pool: auto = when CUDA is available")
+    debug_leaks: bool = _field(
+        False, _parse_bool, "record allocation sites of memory objects and report leaks")
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            parsed = f.metadata["parse"](getattr(self, f.name), f.name)
+            object.__setattr__(self, f.name, parsed)
+
+    # ----------------------------------------------------------------- loading
+    @classmethod
+    def keys(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in dataclasses.fields(cls))
+
+    @classmethod
+    def _check_keys(cls, data: Mapping[str, Any], origin: str) -> None:
+        valid = cls.keys()
+        for key in data:
+            if key not in valid:
+                close = difflib.get_close_matches(str(key), valid, n=1)
+                hint = f"; did you mean {close[0]!r}?" if close else ""
+                raise ValueError(f"unknown config key {key!r} in {origin}{hint}")
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> dict[str, str]:
+        """The ``LMC_<KEY>`` variables that name a known key (others are left alone)."""
+        environ = os.environ if environ is None else environ
+        out = {}
+        for key in cls.keys():
+            var = f"LMC_{key.upper()}"
+            if var in environ:
+                out[key] = environ[var]
+        return out
+
+    @classmethod
+    def load(
+        cls,
+        path: str | os.PathLike | None = None,
+        overrides: Mapping[str, Any] | None = None,
+        environ: Mapping[str, str] | None = None,
+    ) -> CacheConfig:
+        """Defaults < YAML file < ``LMC_<KEY>`` environment < ``overrides``."""
+        merged: dict[str, Any] = {}
+        if path is not None:
+            text = Path(path).read_text()
+            data = yaml.safe_load(text) or {}
+            if not isinstance(data, dict):
+                raise ValueError(f"{path}: top level must be a mapping of config keys")
+            cls._check_keys(data, str(path))
+            merged.update(data)
+        merged.update(cls.from_env(environ))
+        if overrides:
+            cls._check_keys(overrides, "overrides")
+            merged.update(overrides)
+        return cls(**merged)
+
+    @classmethod
+    def from_yaml(cls, path: str | os.PathLike, overrides: Mapping[str, Any] | None = None
+                  ) -> CacheConfig:
+        return cls.load(path, overrides=overrides)
+
+    def replace(self, **changes: Any) -> CacheConfig:
+        self._check_keys(changes, "replace()")
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def describe(cls) -> list[tuple[str, Any, str]]:
+        """(key, default, doc) for each key: the README's config reference is made from this."""
+        return [(f.name, f.default, f.metadata["doc"]) for f in dataclasses.fields(cls)]

@@ -1,0 +1,222 @@
+"""The process's KV memory: one buffer allocated once, carved by TLSF into ``MemoryObj`` views.
+
+Why one buffer: pinned (page-locked) memory is expensive to allocate and register, and an
+allocation per chunk from the OS would fragment the heap and stall the engine. Every chunk of
+every tier passes through this pool.
+
+Ownership is explicit. ``pool.allocate`` returns an object holding one reference, owned by the
+caller. Whoever keeps the object (a tier, a pending transfer) calls ``acquire()``; whoever is
+done calls ``release()``; the memory returns to the pool at zero. A tier evicts only objects
+it alone references, so nothing in use is ever evicted or reused. ``with obj:`` and
+:class:`Lease` release on exit. In debug mode every object records where it was allocated and
+an object garbage-collected while still referenced is reported as a leak with that site (and
+its memory reclaimed).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import traceback
+import weakref
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import torch
+
+from lmc.allocator import TLSFAllocator
+
+log = logging.getLogger(__name__)
+
+
+class MemoryObj:
+    """A contiguous tensor view into the pool plus a reference count and metadata."""
+
+    __slots__ = ("pool", "offset", "nbytes", "shape", "dtype", "num_tokens", "meta",
+                 "_refs", "_tensor", "site", "__weakref__")
+
+    def __init__(self, pool: MemoryPool, offset: int, nbytes: int, shape: tuple[int, ...],
+                 dtype: torch.dtype, num_tokens: int, site: str | None) -> None:
+        self.pool = pool
+        self.offset = offset
+        self.nbytes = nbytes
+        self.shape = shape
+        self.dtype = dtype
+        self.num_tokens = num_tokens
+        self.meta: Any = None
+        self._refs = 1
+        self._tensor: torch.Tensor | None = None
+        self.site = site
+
+    @property
+    def tensor(self) -> torch.Tensor:
+        t = self._tensor
+        if t is None:
+            if self._refs <= 0:
+                raise RuntimeError("MemoryObj used after its last release")
+            t = self._tensor = self.pool.view(self.offset, self.shape, self.dtype)
+        return t
+
+    @property
+    def ref_count(self) -> int:
+        return self._refs
+
+    def acquire(self) -> MemoryObj:
+        with self.pool.lock:
+            if self._refs <= 0:
+                raise RuntimeError("acquire() of a MemoryObj that was already freed")
+            self._refs += 1
+        return self
+
+    def release(self) -> None:
+        with self.pool.lock:
+            if self._refs <= 0:
+                raise RuntimeError("release() of a MemoryObj that was already freed "
+                                   f"(allocated at {self.site or 'unknown; set debug_leaks'})")
+            self._refs -= 1
+            if self._refs == 0:
+                self._tensor = None
+                self.pool._free_locked(self)
+
+    def __enter__(self) -> MemoryObj:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+    def __del__(self) -> None:
+        if self._refs > 0:
+            try:
+                self.pool._leaked(self)
+            except Exception:  # interpreter shutdown: nothing left to report to
+                pass
+
+    def __repr__(self) -> str:
+        return (f"MemoryObj(offset={self.offset}, shape={self.shape}, dtype={self.dtype}, "
+                f"tokens={self.num_tokens}, refs={self._refs})")
+
+
+class Lease:
+    """Releases a batch of objects on exit: ``with Lease(objs): ...``."""
+
+    def __init__(self, objs: Iterable[MemoryObj | None]) -> None:
+        self.objs = [o for o in objs if o is not None]
+
+    def __enter__(self) -> list[MemoryObj]:
+        return self.objs
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+    def release(self) -> None:
+        objs, self.objs = self.objs, []
+        for o in objs:
+            o.release()
+
+
+def _want_pinned(pin: str | bool | None) -> bool:
+    if pin in (None, "auto"):
+        return torch.cuda.is_available()
+    if pin in (True, "true"):
+        if not torch.cuda.is_available():
+            raise ValueError("pin_memory=true but CUDA is not available; use 'auto' or 'false'")
+        return True
+    return False
+
+
+class MemoryPool:
+    """A fixed buffer of ``size`` bytes: pinned where CUDA is present, plain otherwise."""
+
+    def __init__(self, size: int, pin_memory: str | bool | None = "auto", align: int = 4096,
+                 debug: bool = False) -> None:
+        if size < align:
+            raise ValueError(f"pool size {size} B is smaller than its alignment {align} B")
+        self.pinned = _want_pinned(pin_memory)
+        raw = torch.empty(size + align, dtype=torch.uint8, pin_memory=self.pinned)
+        skew = (-raw.data_ptr()) % align  # start on an aligned address (O_DIRECT-ready)
+        self.buffer = raw[skew: skew + size]
+        self.allocator = TLSFAllocator(size, align)
+        self.size = self.allocator.capacity
+        self.lock = threading.RLock()
+        self.debug = debug
+        self._typed: dict[torch.dtype, torch.Tensor] = {}
+        self._live: weakref.WeakSet[MemoryObj] = weakref.WeakSet()
+        self.leaks: list[str] = []
+        self.closed = False
+
+    # ---------------------------------------------------------------- memory
+    def view(self, offset: int, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+        typed = self._typed.get(dtype)
+        if typed is None:
+            item = torch.empty((), dtype=dtype).element_size()
+            typed = self._typed[dtype] = self.buffer[: self.size // item * item].view(dtype)
+        item = typed.element_size()
+        strides, acc = [], 1
+        for d in reversed(shape):
+            strides.append(acc)
+            acc *= d
+        return typed.as_strided(tuple(shape), tuple(reversed(strides)), offset // item)
+
+    def allocate(self, shape: Sequence[int], dtype: torch.dtype, num_tokens: int = 0
+                 ) -> MemoryObj | None:
+        """An object of ``shape``/``dtype`` holding one reference, or None if nothing fits."""
+        n = 1
+        for d in shape:
+            n *= d
+        nbytes = n * torch.empty((), dtype=dtype).element_size()
+        with self.lock:
+            if self.closed:
+                raise RuntimeError("allocate() on a closed MemoryPool")
+            off = self.allocator.allocate(nbytes)
+            if off is None:
+                return None
+            site = "".join(traceback.format_stack(limit=8)[:-1]) if self.debug else None
+            obj = MemoryObj(self, off, nbytes, tuple(shape), dtype, num_tokens, site)
+            if self.debug:
+                self._live.add(obj)
+        return obj
+
+    def _free_locked(self, obj: MemoryObj) -> None:
+        if not self.closed:
+            self.allocator.free(obj.offset)
+
+    def _leaked(self, obj: MemoryObj) -> None:
+        """Called from ``MemoryObj.__del__``: report, then reclaim the memory."""
+        with self.lock:
+            if self.closed:
+                return
+            msg = (f"leaked {obj!r}: garbage-collected with {obj._refs} reference(s) held; "
+                   f"allocated at:\n{obj.site or '(enable debug_leaks to record the site)'}")
+            self.leaks.append(msg)
+            if self.debug:
+                log.warning(msg)
+            obj._refs = 0
+            self.allocator.free(obj.offset)
+
+    def outstanding(self) -> list[tuple[MemoryObj, str | None]]:
+        """Live objects and their allocation sites (debug mode only)."""
+        with self.lock:
+            return [(o, o.site) for o in list(self._live) if o._refs > 0]
+
+    # ----------------------------------------------------------------- stats
+    @property
+    def used_bytes(self) -> int:
+        return self.allocator.used_bytes
+
+    @property
+    def free_bytes(self) -> int:
+        return self.allocator.free_bytes
+
+    def stats(self) -> dict[str, float]:
+        with self.lock:
+            return {
+                "capacity": self.size,
+                "used": self.allocator.used_bytes,
+                "objects": self.allocator.num_allocations,
+                "fragmentation": self.allocator.fragmentation(),
+                "pinned": float(self.pinned),
+            }
+
+    def close(self) -> None:
+        with self.lock:
+            self.closed = True

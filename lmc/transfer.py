@@ -1,0 +1,309 @@
+"""Gather (engine paged KV -> chunk buffers) and scatter (chunk buffers -> engine paged KV).
+
+A call is planned once (slot indices turned into row indices, per chunk) and then executed for
+all layers or one layer at a time, so layer-wise pipelining pays the planning cost once.
+
+Two implementations share the :class:`KVTransfer` interface:
+
+* :class:`TorchTransfer` (here): CPU, and GPU without CuPy. Gather is ``torch.index_select``
+  straight into the chunk buffer; scatter on CPU is numpy fancy assignment on an integer view
+  of the same width (bit-exact for every float dtype, ~3x faster than ``index_copy_`` on CPU, and
+  it releases the GIL so a background thread overlaps it with compute). When a chunk's slots
+  cover whole, aligned blocks (the normal case: ``block_size`` divides ``chunk_size``) rows are
+  moved a block at a time (``block_size * heads * dim`` elements per index), else a token at a
+  time.
+* ``lmc.cuda_transfer.CudaTransfer``: one kernel launch for all layers of a batch of chunks.
+
+:func:`make_transfer` picks one.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+from collections.abc import Iterable, Sequence
+
+import numpy as np
+import torch
+
+from lmc.kv_spec import KVCaches, KVSpec
+
+_INT_VIEW = {1: (torch.uint8, np.uint8), 2: (torch.int16, np.int16), 4: (torch.int32, np.int32),
+             8: (torch.int64, np.int64)}
+
+
+def int_view(t: torch.Tensor) -> np.ndarray:
+    """A numpy view of a CPU tensor as same-width integers: moves bits, never converts."""
+    tdt, _ = _INT_VIEW[t.element_size()]
+    return t.view(tdt).numpy()
+
+
+@dataclasses.dataclass
+class ChunkPlan:
+    """Row indices for one chunk: the tokens ``[start, end)`` of the call."""
+
+    start: int
+    end: int
+    mode: str                      # "block" | "token" | "masked"
+    index: torch.Tensor            # row indices, plane-major, on the cache's device
+    index_np: np.ndarray | None    # the same for numpy scatter (CPU caches)
+    valid: torch.Tensor | None     # "masked": positions within the chunk whose slot is >= 0
+
+
+@dataclasses.dataclass
+class TransferPlan:
+    chunks: list[ChunkPlan]
+
+
+class KVTransfer(abc.ABC):
+    """Moves KV between an engine's cache (fixed at construction) and chunk buffers.
+
+    Chunk buffers are ``[layers, planes, tokens, heads*dim]`` tensors (``KVSpec.chunk_shape``).
+    Slots ``< 0`` are skipped: gather leaves those rows untouched, scatter does not write them.
+    """
+
+    def __init__(self, spec: KVSpec, kv_caches: KVCaches) -> None:
+        self.spec = spec
+        self.layers = spec.validate(kv_caches)
+        self.device = self.layers[0][0].device
+
+    @abc.abstractmethod
+    def plan(self, slots: torch.Tensor, ranges: Sequence[tuple[int, int]]) -> TransferPlan:
+        """Prepare moving tokens ``slots[start:end]`` for each ``(start, end)`` in ``ranges``."""
+
+    @abc.abstractmethod
+    def gather(self, plan: TransferPlan, bufs: Sequence[torch.Tensor],
+               layers: Iterable[int] | None = None) -> None:
+        """Engine cache -> ``bufs[i]`` (one per planned chunk), for ``layers`` (default all)."""
+
+    @abc.abstractmethod
+    def scatter(self, plan: TransferPlan, bufs: Sequence[torch.Tensor],
+                layers: Iterable[int] | None = None) -> None:
+        """``bufs[i]`` -> engine cache, for ``layers`` (default all)."""
+
+    def synchronize(self) -> None:
+        """Wait until every transfer issued so far is complete (no-op on CPU)."""
+
+    def check_slots(self, slots: torch.Tensor, num_tokens: int) -> torch.Tensor:
+        """Validate a slot mapping; return it as int64 on the cache's device."""
+        if not isinstance(slots, torch.Tensor):
+            raise TypeError(f"slot_mapping must be a torch.Tensor, got {type(slots).__name__}")
+        if slots.dim() != 1:
+            raise ValueError(f"slot_mapping must be 1-D, got shape {tuple(slots.shape)}")
+        if slots.dtype not in (torch.int32, torch.int64):
+            raise TypeError(f"slot_mapping must be int32 or int64, got {slots.dtype}")
+        if slots.numel() != num_tokens:
+            raise ValueError(f"slot_mapping has {slots.numel()} entries for {num_tokens} tokens")
+        if slots.device != self.device:
+            raise ValueError(f"slot_mapping is on {slots.device}, the KV cache is on {self.device}")
+        return slots.to(torch.int64)
+
+
+class TorchTransfer(KVTransfer):
+    """Portable path: torch indexing (and numpy for CPU scatter); bit-exact for every dtype."""
+
+    def __init__(self, spec: KVSpec, kv_caches: KVCaches) -> None:
+        super().__init__(spec, kv_caches)
+        s = spec
+        self.W = s.row_width
+        self.strides = s.plane_strides()
+        self.num_slots = self._num_slots()
+        self.cpu = self.device.type == "cpu"
+        self.special = s.layout == "vllm_cpu"  # K transposed within a block: no row structure
+        # Per layer: row tables. Single-tensor layouts use one table for both planes.
+        self.tok_tables: list[list[torch.Tensor]] = []
+        self.blk_tables: list[list[torch.Tensor]] | None = None
+        self.block_ok = (not self.special and s.block_size > 1
+                         and all(p.s_off == self.W and p.base % (s.block_size * self.W) == 0
+                                 and p.s_blk % (s.block_size * self.W) == 0 for p in self.strides))
+        for tensors in self.layers:
+            self.tok_tables.append([t.view(-1, self.W) for t in tensors]
+                                   if not self.special else list(tensors))
+        if self.block_ok:
+            bw = s.block_size * self.W
+            self.blk_tables = [[t.view(-1, bw) for t in tensors] for tensors in self.layers]
+        self.tok_np = ([[int_view(t) for t in tabs] for tabs in self.tok_tables]
+                       if self.cpu and not self.special else None)
+        self.blk_np = ([[int_view(t) for t in tabs] for tabs in self.blk_tables]
+                       if self.cpu and self.blk_tables is not None else None)
+        self._arange_bs = torch.arange(s.block_size, device=self.device)
+
+    def _num_slots(self) -> int:
+        t = self.layers[0][0]
+        s = self.spec
+        if s.layout in ("sglang_mha", "sglang_mla"):
+            return t.shape[0]
+        nb = t.shape[1] if s.layout == "vllm_flash" else t.shape[0]
+        return nb * s.block_size
+
+    # ------------------------------------------------------------------ plan
+    def _rows(self, first_slots: torch.Tensor, unit: int) -> torch.Tensor:
+        """Row indices ``[planes, n]`` in rows of ``unit`` elements.
+
+        ``unit == W``: one row per token slot. ``unit == block_size * W``: ``first_slots`` are
+        the first slot of each block, one row per block.
+        """
+        bs = self.spec.block_size
+        blk = torch.div(first_slots, bs, rounding_mode="floor")
+        off = first_slots - blk * bs if unit == self.W else None
+        parts = []
+        for p in self.strides:
+            elem = blk * p.s_blk + p.base
+            if off is not None and p.s_off:
+                elem = elem + off * p.s_off
+            parts.append(torch.div(elem, unit, rounding_mode="floor"))
+        return torch.stack(parts)
+
+    def _flat(self, rows: torch.Tensor) -> torch.Tensor:
+        """Single-table layouts index both planes in one call: plane-major, flattened."""
+        return rows.reshape(-1) if len(self.tok_tables[0]) == 1 else rows
+
+    def plan(self, slots: torch.Tensor, ranges: Sequence[tuple[int, int]]) -> TransferPlan:
+        """Rows for the whole call are computed once, vectorised; each chunk takes a slice."""
+        bs, n_all = self.spec.block_size, slots.numel()
+        chunks: list[ChunkPlan] = []
+        if n_all == 0:
+            return TransferPlan(chunks)
+        lo, hi = (int(x) for x in torch.aminmax(slots))
+        if hi >= self.num_slots:
+            raise ValueError(f"slot_mapping holds slot {hi}, but the KV cache has only "
+                             f"{self.num_slots} slots")
+        neg = (slots < 0).cpu().numpy() if lo < 0 else None
+        tok_rows = None if self.special else self._rows(slots.clamp(min=0), self.W)
+        blk_ok = blk_rows = None
+        if self.block_ok and n_all >= bs:
+            v = slots[: n_all // bs * bs].view(-1, bs)
+            heads = v[:, 0]
+            ok = ((heads % bs) == 0) & (v == heads[:, None] + self._arange_bs).all(1)
+            blk_ok = ok.cpu().numpy()
+            blk_rows = self._rows(heads.clamp(min=0), bs * self.W)
+        for start, end in ranges:
+            n = end - start
+            if neg is not None and neg[start:end].any():
+                valid = torch.from_numpy(~neg[start:end]).nonzero().flatten().to(slots.device)
+                idx = (slots[start:end][valid] if self.special
+                       else self._flat(tok_rows[:, start:end][:, valid]))
+                chunks.append(ChunkPlan(start, end, "masked", idx, None, valid))
+                continue
+            if (blk_ok is not None and start % bs == 0 and n % bs == 0
+                    and blk_ok[start // bs: end // bs].all()):
+                idx = self._flat(blk_rows[:, start // bs: end // bs])
+                mode = "block"
+            elif self.special:
+                idx, mode = slots[start:end], "token"
+            else:
+                idx, mode = self._flat(tok_rows[:, start:end]), "token"
+            idx_np = idx.numpy() if self.cpu and not self.special else None
+            chunks.append(ChunkPlan(start, end, mode, idx, idx_np, None))
+        return TransferPlan(chunks)
+
+    # --------------------------------------------------------------- execute
+    def gather(self, plan: TransferPlan, bufs: Sequence[torch.Tensor],
+               layers: Iterable[int] | None = None) -> None:
+        layer_ids = range(self.spec.num_layers) if layers is None else layers
+        for cp, buf in zip(plan.chunks, bufs, strict=True):
+            for layer in layer_ids:
+                dst = buf[layer]
+                if self.special:
+                    self._cpu_layout_gather(layer, cp, dst)
+                elif cp.mode == "masked":
+                    tabs = self.tok_tables[layer]
+                    src = self._index(tabs, cp.index).to(dst.device, non_blocking=False)
+                    dst[:, cp.valid.to(dst.device)] = src.view(dst.shape[0], -1, self.W)
+                else:
+                    tabs = self.tok_tables[layer] if cp.mode == "token" else self.blk_tables[layer]
+                    self._index_into(tabs, cp.index, dst)
+
+    def _index(self, tabs: list[torch.Tensor], idx: torch.Tensor) -> torch.Tensor:
+        if len(tabs) == 1:
+            return tabs[0].index_select(0, idx)
+        return torch.stack([t.index_select(0, i) for t, i in zip(tabs, idx)])
+
+    def _index_into(self, tabs: list[torch.Tensor], idx: torch.Tensor, dst: torch.Tensor) -> None:
+        """``dst`` is one layer of a chunk, ``[planes, tokens, W]``, contiguous."""
+        if dst.device != tabs[0].device:  # GPU cache -> host chunk via a device temporary
+            dst.copy_(self._index(tabs, idx).view(dst.shape), non_blocking=False)
+            return
+        if len(tabs) == 1:
+            torch.index_select(tabs[0], 0, idx, out=dst.view(idx.numel(), -1))
+        else:
+            for p, (t, i) in enumerate(zip(tabs, idx)):
+                torch.index_select(t, 0, i, out=dst[p].view(i.numel(), -1))
+
+    def scatter(self, plan: TransferPlan, bufs: Sequence[torch.Tensor],
+                layers: Iterable[int] | None = None) -> None:
+        layer_ids = range(self.spec.num_layers) if layers is None else layers
+        for cp, buf in zip(plan.chunks, bufs, strict=True):
+            src_np = int_view(buf) if self.cpu and cp.index_np is not None else None
+            for layer in layer_ids:
+                src = buf[layer]
+                if self.special:
+                    self._cpu_layout_scatter(layer, cp, src)
+                    continue
+                if cp.mode == "masked":
+                    src = src[:, cp.valid.to(src.device)]
+                    tabs = self.tok_tables[layer]
+                elif src_np is not None:
+                    np_tabs = self.tok_np[layer] if cp.mode == "token" else self.blk_np[layer]
+                    rows = src_np[layer]
+                    if len(np_tabs) == 1:
+                        np_tabs[0][cp.index_np] = rows.reshape(cp.index_np.shape[0], -1)
+                    else:
+                        for p, t in enumerate(np_tabs):
+                            t[cp.index_np[p]] = rows[p].reshape(cp.index_np.shape[1], -1)
+                    continue
+                else:
+                    tabs = self.tok_tables[layer] if cp.mode == "token" else self.blk_tables[layer]
+                src = src.to(self.device, non_blocking=False)
+                if len(tabs) == 1:
+                    tabs[0].index_copy_(0, cp.index, src.reshape(cp.index.numel(), -1))
+                else:
+                    for p, (t, i) in enumerate(zip(tabs, cp.index)):
+                        t.index_copy_(0, i, src[p].reshape(i.numel(), -1))
+
+    # vLLM CPU_ATTN: per (block, head) K^T [D, bs] then V [bs, D]; plain advanced indexing.
+    def _cpu_views(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        t = self.layers[layer][0]
+        nb, H, bs, D2 = t.shape
+        D = D2 // 2
+        slab = t.view(nb, H, bs * D2)
+        return slab[:, :, : D * bs].view(nb, H, D, bs), slab[:, :, D * bs:].view(nb, H, bs, D)
+
+    def _cpu_layout_gather(self, layer: int, cp: ChunkPlan, dst: torch.Tensor) -> None:
+        k4, v4 = self._cpu_views(layer)
+        bs, H, D = self.spec.block_size, self.spec.num_kv_heads, self.spec.head_size
+        blk, off = torch.div(cp.index, bs, rounding_mode="floor"), cp.index % bs
+        pos = slice(None) if cp.valid is None else cp.valid
+        dst[0, pos] = k4[blk, :, :, off].reshape(-1, H * D).to(dst.device)
+        dst[1, pos] = v4[blk, :, off, :].reshape(-1, H * D).to(dst.device)
+
+    def _cpu_layout_scatter(self, layer: int, cp: ChunkPlan, src: torch.Tensor) -> None:
+        k4, v4 = self._cpu_views(layer)
+        bs, H, D = self.spec.block_size, self.spec.num_kv_heads, self.spec.head_size
+        blk, off = torch.div(cp.index, bs, rounding_mode="floor"), cp.index % bs
+        pos = slice(None) if cp.valid is None else cp.valid
+        k4[blk, :, :, off] = src[0, pos].reshape(-1, H, D).to(k4.device)
+        v4[blk, :, off, :] = src[1, pos].reshape(-1, H, D).to(v4.device)
+
+
+def make_transfer(spec: KVSpec, kv_caches: KVCaches, prefer: str = "auto") -> KVTransfer:
+    """The CUDA kernels when the cache is on CUDA and CuPy imports, else the torch path.
+
+    ``prefer="torch"`` forces the portable path (tests compare the two bit for bit).
+    """
+    if prefer not in ("auto", "torch", "cuda"):
+        raise ValueError(f"prefer must be 'auto', 'torch' or 'cuda', got {prefer!r}")
+    layers = spec.validate(kv_caches)
+    on_cuda = layers[0][0].device.type == "cuda"
+    if prefer != "torch" and on_cuda:
+        try:
+            from lmc.cuda_transfer import CudaTransfer, cuda_kernels_available
+        except ImportError:
+            CudaTransfer = None  # noqa: N806
+        if CudaTransfer is not None and cuda_kernels_available():
+            return CudaTransfer(spec, kv_caches)
+        if prefer == "cuda":
+            raise RuntimeError("prefer='cuda' but CuPy (pip install lmc-kvcache[gpu]) is missing")
+    elif prefer == "cuda":
+        raise ValueError(f"prefer='cuda' but the KV cache is on {layers[0][0].device}")
+    return TorchTransfer(spec, kv_caches)

@@ -1,0 +1,142 @@
+"""L1: chunks kept in the process's memory pool, evicted by policy when the pool is full.
+
+The tier's capacity is the pool itself (``local_cpu_size``). It holds one reference on each
+stored object; an object anyone else still references (a pending retrieve, a pinned lookup) is
+passed over by eviction, so it is never freed or reused under a reader.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from lmc.config import CacheConfig
+from lmc.memory import MemoryObj, MemoryPool
+from lmc.metrics import EVICTIONS
+from lmc.storage_backend import Key, StorageBackend, register_backend
+
+EvictListener = Callable[[list[tuple[Key, MemoryObj]]], None]
+
+
+@register_backend("cpu")
+class CPUBackend(StorageBackend):
+    """LRU (or FIFO) map from key to pool object."""
+
+    def __init__(self, spec: str = "cpu", *, config: CacheConfig, pool: MemoryPool,
+                 **_: Any) -> None:
+        self.pool = pool
+        self.policy = config.eviction_policy
+        self._map: OrderedDict[Key, MemoryObj] = OrderedDict()
+        self._lock = threading.RLock()
+        self.on_evict: EvictListener | None = None  # lower tiers hook write-on-evict here
+        self.evictions = 0
+        self.evicted_bytes = 0
+
+    # ------------------------------------------------------------------ reads
+    def contains(self, keys: Sequence[Key]) -> list[bool]:
+        m = self._map
+        return [k in m for k in keys]
+
+    def prefix_hits(self, keys: Sequence[Key]) -> int:
+        m = self._map
+        n = 0
+        for k in keys:
+            if k not in m:
+                break
+            n += 1
+        return n
+
+    def get(self, keys: Sequence[Key]) -> list[MemoryObj | None]:
+        out: list[MemoryObj | None] = []
+        with self._lock:
+            m = self._map
+            touch = self.policy == "lru"
+            for k in keys:
+                obj = m.get(k)
+                if obj is not None:
+                    obj.acquire()
+                    if touch:
+                        m.move_to_end(k)
+                out.append(obj)
+        return out
+
+    # ----------------------------------------------------------------- writes
+    def put(self, keys: Sequence[Key], objs: Sequence[MemoryObj]) -> int:
+        with self._lock:
+            m = self._map
+            for k, obj in zip(keys, objs, strict=True):
+                if k in m:
+                    continue
+                m[k] = obj.acquire()
+        return len(keys)
+
+    def delete(self, keys: Sequence[Key]) -> int:
+        n = 0
+        with self._lock:
+            for k in keys:
+                obj = self._map.pop(k, None)
+                if obj is not None:
+                    obj.release()
+                    n += 1
+        return n
+
+    def allocate(self, shape: Sequence[int], dtype: torch.dtype, num_tokens: int
+                 ) -> MemoryObj | None:
+        """A pool object, evicting unreferenced chunks until it fits; None if it cannot."""
+        obj = self.pool.allocate(shape, dtype, num_tokens)
+        if obj is not None:
+            return obj
+        need = 1
+        for d in shape:
+            need *= d
+        need *= torch.empty((), dtype=dtype).element_size()
+        with self._lock:
+            while obj is None:
+                evicted = self._evict(need)
+                if not evicted:
+                    return None
+                obj = self.pool.allocate(shape, dtype, num_tokens)
+        return obj
+
+    def _evict(self, need: int) -> int:
+        """Evict unreferenced chunks, oldest first, until about ``need`` bytes are freed."""
+        victims: list[tuple[Key, MemoryObj]] = []
+        freed = 0
+        for k, obj in self._map.items():
+            if obj.ref_count == 1:  # only this tier holds it
+                victims.append((k, obj))
+                freed += obj.nbytes
+                if freed >= need:
+                    break
+        if not victims:
+            return 0
+        if self.on_evict is not None:
+            self.on_evict(victims)
+        for k, obj in victims:
+            del self._map[k]
+            obj.release()
+        self.evictions += len(victims)
+        self.evicted_bytes += freed
+        EVICTIONS.labels(self.name).inc(len(victims))
+        return len(victims)
+
+    def clear(self) -> None:
+        with self._lock:
+            objs = list(self._map.values())
+            self._map.clear()
+        for o in objs:
+            o.release()
+
+    def close(self) -> None:
+        self.clear()
+
+    def __len__(self) -> int:
+        return len(self._map)
+
+    def stats(self) -> dict[str, Any]:
+        return {"chunks": len(self._map), "evictions": self.evictions,
+                "evicted_bytes": self.evicted_bytes, **self.pool.stats()}

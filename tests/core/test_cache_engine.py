@@ -1,0 +1,253 @@
+"""CacheEngine end to end on the CPU: round trips for every layout and dtype, cross-layout
+loads, prefix / partial-chunk / mask / dedup behaviour, eviction under pins, threads."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from lmc import CacheConfig, CacheEngine, KVSpec
+from lmc.kv_spec import LAYOUTS
+from tests.kvutil import DTYPES, assert_bits_equal, make_caches, spec_for, token_kv
+
+CHUNK = 16
+
+
+def _cfg(**kw) -> CacheConfig:
+    return CacheConfig(**{"chunk_size": CHUNK, "local_cpu_size": "8MiB", **kw})
+
+
+def _slots_for(spec: KVSpec, n: int, seed: int) -> torch.Tensor:
+    """A random paged allocation: shuffled whole blocks, like an engine's block manager."""
+    g = torch.Generator().manual_seed(seed)
+    bs = spec.block_size
+    blocks = torch.randperm(spec.num_blocks, generator=g)[: -(-n // bs)]
+    return (blocks[:, None] * bs + torch.arange(bs)).flatten()[:n]
+
+
+def _engine(caches, layout, **cfg) -> CacheEngine:
+    return CacheEngine(_cfg(**cfg), spec_for(layout, caches), model_id="test-model")
+
+
+def _tokens(n: int, seed: int = 0) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 30000, (n,), generator=g).tolist()
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_store_retrieve_bit_exact_under_new_slot_mapping(layout, dtype):
+    n = 40  # two full chunks and a partial one
+    src = make_caches(layout, dtype=dtype, blocks=16, block_size=4)
+    dst = make_caches(layout, dtype=dtype, blocks=16, block_size=4, zeros=True)
+    spec = spec_for(layout, src)
+    toks = _tokens(n)
+    s1, s2 = _slots_for(spec, n, 1), _slots_for(spec, n, 2)
+    with _engine(src, layout) as eng:
+        assert eng.store(toks, src, s1) == n
+        assert eng.lookup(toks) == n
+        assert eng.retrieve(toks, dst, s2) == n
+    assert_bits_equal(token_kv(spec, dst, s2), token_kv(spec, src, s1), layout)
+
+
+@pytest.mark.parametrize("dst_layout", ["sglang_mha", "vllm_cpu", "vllm_flashinfer"])
+def test_cross_layout_load_is_bit_exact(dst_layout):
+    """KV stored from vLLM's flash layout loads into another engine's layout, same model."""
+    n = 48
+    src = make_caches("vllm_flash", dtype=torch.bfloat16, blocks=16, block_size=4)
+    dst = make_caches(dst_layout, dtype=torch.bfloat16, blocks=16, block_size=4, zeros=True)
+    sspec, dspec = spec_for("vllm_flash", src), spec_for(dst_layout, dst)
+    assert sspec.namespace_fields() == dspec.namespace_fields()
+    toks = _tokens(n)
+    s1, s2 = _slots_for(sspec, n, 3), _slots_for(dspec, n, 4)
+    with CacheEngine(_cfg(), sspec, "m") as a:
+        a.store(toks, src, s1)
+        objs = a.storage.get_prefix(a.db.keys(toks))
+        with CacheEngine(_cfg(), dspec, "m") as b:
+            # Same namespace -> same keys; move the chunks over as a shared tier would.
+            assert b.db.keys(toks) == a.db.keys(toks)
+            b.storage.put(b.db.keys(toks), objs)
+            for o in objs:
+                o.release()
+            assert b.retrieve(toks, dst, s2) == n
+    assert_bits_equal(token_kv(dspec, dst, s2), token_kv(sspec, src, s1), dst_layout)
+
+
+def test_prefix_hits_and_divergence():
+    src = make_caches("vllm_flash", blocks=32, block_size=4)
+    spec = spec_for("vllm_flash", src)
+    base = _tokens(64)
+    with _engine(src, "vllm_flash") as eng:
+        eng.store(base, src, _slots_for(spec, 64, 0))
+        assert eng.lookup(base) == 64
+        assert eng.lookup(base[:40]) == 32  # partial tail of 8 tokens was never stored
+        assert eng.lookup(base[:48]) == 48
+        diverged = base[:20] + [1] + base[21:]
+        assert eng.lookup(diverged) == 16   # chunk 1 differs, so every later chunk differs
+        assert eng.lookup([7] + base[1:]) == 0
+        assert eng.lookup(base + [5, 6, 7]) == 64
+
+
+def test_partial_chunk_saved_only_when_configured():
+    src = make_caches("vllm_flash", blocks=32, block_size=4)
+    spec = spec_for("vllm_flash", src)
+    toks = _tokens(40)
+    for save_unfull, expect in [(True, 40), (False, 32)]:
+        with _engine(src, "vllm_flash", save_unfull_chunk=save_unfull) as eng:
+            assert eng.store(toks, src, _slots_for(spec, 40, 0)) == expect
+            assert eng.lookup(toks) == expect
+
+
+def test_mask_skips_a_chunk_aligned_prefix():
+    src = make_caches("vllm_flash", blocks=32, block_size=4)
+    dst = make_caches("vllm_flash", blocks=32, block_size=4, zeros=True)
+    spec = spec_for("vllm_flash", src)
+    toks, slots = _tokens(48), _slots_for(spec, 48, 0)
+    mask = torch.ones(48, dtype=torch.bool)
+    mask[:16] = False
+    with _engine(src, "vllm_flash") as eng:
+        assert eng.store(toks, src, slots, mask=mask) == 32
+        assert eng.lookup(toks) == 0           # chunk 0 was never stored: no prefix hit
+        assert eng.retrieve(toks, dst, slots, mask=mask) == 32
+        assert_bits_equal(token_kv(spec, dst, slots[16:]), token_kv(spec, src, slots[16:]))
+        assert bool((token_kv(spec, dst, slots[:16]) == 0).all()), "masked prefix written"
+        bad = torch.ones(48, dtype=torch.bool)
+        bad[:10] = False
+        with pytest.raises(ValueError, match="multiple of chunk_size"):
+            eng.store(toks, src, slots, mask=bad)
+        holes = torch.ones(48, dtype=torch.bool)
+        holes[20] = False
+        with pytest.raises(ValueError, match="False prefix"):
+            eng.store(toks, src, slots, mask=holes)
+
+
+def test_dedup_skips_present_chunks_without_copying():
+    src = make_caches("vllm_flash", blocks=32, block_size=4)
+    spec = spec_for("vllm_flash", src)
+    toks, slots = _tokens(64), _slots_for(spec, 64, 0)
+    with _engine(src, "vllm_flash") as eng:
+        assert eng.store(toks[:32], src, slots[:32]) == 32
+        used = eng.pool.used_bytes
+        assert eng.store(toks, src, slots) == 32         # only the two new chunks
+        assert eng.store(toks, src, slots) == 0
+        assert eng.pool.used_bytes == used * 2
+        assert eng.stats()["skipped_present"] == 2 + 4
+
+
+def test_unmapped_slots_are_not_stored():
+    src = make_caches("vllm_flash", blocks=32, block_size=4)
+    spec = spec_for("vllm_flash", src)
+    toks, slots = _tokens(48), _slots_for(spec, 48, 0).clone()
+    slots[20] = -1
+    with _engine(src, "vllm_flash") as eng:
+        assert eng.store(toks, src, slots) == 16 + 16    # chunk 1 skipped, chunks 0 and 2 kept
+        assert eng.lookup(toks) == 16
+        assert eng.stats()["skipped_unmapped_slots"] == 1
+
+
+def test_eviction_respects_pins_and_skips_when_all_pinned():
+    src = make_caches("vllm_flash", layers=2, heads=2, dim=64, blocks=64, block_size=4)
+    spec = spec_for("vllm_flash", src)
+    chunk_bytes = spec.chunk_nbytes(CHUNK)  # 16 KiB
+    with _engine(src, "vllm_flash", local_cpu_size=4 * chunk_bytes) as eng:
+        a, b = _tokens(32, 1), _tokens(32, 2)
+        assert eng.store(a, src, _slots_for(spec, 32, 1)) == 32
+        assert eng.lookup(a, pin=True) == 32
+        # a is pinned: storing b fills the pool, then c cannot evict a -> skipped, counted
+        assert eng.store(b, src, _slots_for(spec, 32, 2)) == 32
+        c = _tokens(32, 3)
+        eng.lookup(b, pin=True)
+        assert eng.store(c, src, _slots_for(spec, 32, 3)) == 0
+        assert eng.stats()["skipped_pool_full"] == 2
+        assert eng.lookup(a) == 32 and eng.lookup(b) == 32
+        assert eng.unpin(a) == 2
+        assert eng.store(c, src, _slots_for(spec, 32, 3)) == 32  # evicts a, never b
+        assert eng.lookup(a) == 0 and eng.lookup(b) == 32 and eng.lookup(c) == 32
+
+
+def test_retrieve_releases_lookup_pins():
+    src = make_caches("vllm_flash", blocks=32, block_size=4)
+    dst = make_caches("vllm_flash", blocks=32, block_size=4, zeros=True)
+    spec = spec_for("vllm_flash", src)
+    toks, slots = _tokens(32), _slots_for(spec, 32, 0)
+    with _engine(src, "vllm_flash") as eng:
+        eng.store(toks, src, slots)
+        eng.lookup(toks, pin=True)
+        assert eng.stats()["pinned_chunks"] == 2
+        eng.retrieve(toks, dst, slots)
+        assert eng.stats()["pinned_chunks"] == 0
+        assert all(o.ref_count == 1 for o in eng.storage.l1._map.values())
+
+
+def test_eight_threads_store_and_retrieve_without_corruption():
+    layout = "vllm_flash"
+    src = make_caches(layout, blocks=256, block_size=4, dtype=torch.float16)
+    spec = spec_for(layout, src)
+    errors: list[BaseException] = []
+    with _engine(src, layout, local_cpu_size="1MiB") as eng:  # small: eviction races too
+        def worker(i: int) -> None:
+            try:
+                dst = make_caches(layout, blocks=256, block_size=4, dtype=torch.float16,
+                                  zeros=True)
+                for r in range(12):
+                    n = 16 * (1 + (i + r) % 4) + (r % 3)
+                    toks = _tokens(n, seed=(i * 7 + r) % 10)  # overlapping prompts
+                    s_in = _slots_for(spec, n, seed=(i * 7 + r) % 10)
+                    eng.store(toks, src, s_in)
+                    s_out = _slots_for(spec, n, seed=100 + i)
+                    got = eng.retrieve(toks, dst, s_out)
+                    if got:
+                        assert_bits_equal(token_kv(spec, dst, s_out[:got]),
+                                          token_kv(spec, src, s_in[:got]), f"thread {i}")
+            except BaseException as e:  # noqa: BLE001 - reported below
+                errors.append(e)
+
+        threads = [threading.Thread(target=worker, args=(i,)) for i in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert not errors, errors[0]
+        assert eng.stats()["pinned_chunks"] == 0
+        assert all(o.ref_count == 1 for o in eng.storage.l1._map.values())
+
+
+def test_bad_input_is_named():
+    src = make_caches("vllm_flash", blocks=32, block_size=4)
+    spec = spec_for("vllm_flash", src)
+    toks = _tokens(32)
+    with _engine(src, "vllm_flash") as eng:
+        with pytest.raises(ValueError, match="31 entries for 32 tokens"):
+            eng.store(toks, src, torch.arange(31))
+        wrong = make_caches("vllm_flash", blocks=32, block_size=4, dtype=torch.float16)
+        with pytest.raises(TypeError, match="layer0 has dtype torch.float16"):
+            eng.store(toks, wrong, torch.arange(32))
+        shaped = make_caches("vllm_flash", blocks=32, block_size=4, heads=3)
+        with pytest.raises(ValueError, match=r"layer0 has shape \(2, 32, 4, 3, 8\)"):
+            eng.retrieve(toks, shaped, torch.arange(32))
+        with pytest.raises(ValueError, match="has 2 layers, spec expects 3"):
+            eng.store(toks, src[:2], torch.arange(32))
+        with pytest.raises(TypeError, match="tokens must be"):
+            eng.lookup("hello")
+        with pytest.raises(ValueError, match="token ids"):
+            eng.lookup([1, -5, 3])
+        assert eng.lookup(toks) == 0, "nothing partly stored after failed calls"
+
+
+def test_failed_gather_leaves_nothing_visible(monkeypatch):
+    src = make_caches("vllm_flash", blocks=32, block_size=4)
+    spec = spec_for("vllm_flash", src)
+    toks, slots = _tokens(32), _slots_for(spec, 32, 0)
+    with _engine(src, "vllm_flash") as eng:
+        tr = eng.transfer_for(src)
+
+        def boom(*a, **k):
+            raise RuntimeError("device lost")
+
+        monkeypatch.setattr(tr, "gather", boom)
+        with pytest.raises(RuntimeError, match="device lost"):
+            eng.store(toks, src, slots)
+        assert eng.lookup(toks) == 0
+        assert eng.pool.used_bytes == 0, "objects of a failed store must return to the pool"

@@ -1,0 +1,91 @@
+"""Test helpers: engine KV caches of every layout filled with random bits, and bit-exact checks."""
+
+from __future__ import annotations
+
+import torch
+
+from lmc.kv_spec import KVSpec
+from lmc.transfer import _INT_VIEW
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16] + (
+    [torch.float8_e4m3fn] if hasattr(torch, "float8_e4m3fn") else [])
+
+
+def random_bits(shape, dtype, gen: torch.Generator, device="cpu") -> torch.Tensor:
+    """Arbitrary bit patterns (NaNs and infs included): a round trip must keep every bit."""
+    nbytes = torch.empty((), dtype=dtype).element_size()
+    raw = torch.randint(0, 256, (*shape[:-1], shape[-1] * nbytes), dtype=torch.uint8,
+                        generator=gen)
+    return raw.view(dtype).to(device)
+
+
+def make_caches(layout: str, *, layers=3, heads=2, dim=8, blocks=12, block_size=4,
+                dtype=torch.float32, device="cpu", seed=0, zeros=False):
+    """KV caches as the engine of ``layout`` holds them (MLA: ``dim`` is the latent size)."""
+    gen = torch.Generator().manual_seed(seed)
+    slots = blocks * block_size
+    shapes = {
+        "vllm_flash": (2, blocks, block_size, heads, dim),
+        "vllm_flashinfer": (blocks, 2, block_size, heads, dim),
+        "vllm_mla": (blocks, block_size, dim),
+        "vllm_cpu": (blocks, heads, block_size, 2 * dim),
+        "sglang_mha": (slots, heads, dim),
+        "sglang_mla": (slots, 1, dim),
+    }
+    shape = shapes[layout]
+
+    def one():
+        if zeros:
+            return torch.zeros(shape, dtype=torch.uint8 if dtype.itemsize == 1 else dtype,
+                               device=device).view(dtype)
+        return random_bits(shape, dtype, gen, device)
+
+    if layout == "sglang_mha":
+        return ([one() for _ in range(layers)], [one() for _ in range(layers)])
+    return [one() for _ in range(layers)]
+
+
+def spec_for(layout: str, caches) -> KVSpec:
+    return KVSpec.from_tensors(caches, layout)
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(_INT_VIEW[t.element_size()][0])
+
+
+def assert_bits_equal(a: torch.Tensor, b: torch.Tensor, what: str = "") -> None:
+    assert a.shape == b.shape, f"{what}: shape {tuple(a.shape)} != {tuple(b.shape)}"
+    assert a.dtype == b.dtype, f"{what}: dtype {a.dtype} != {b.dtype}"
+    ne = (bits(a.cpu()) != bits(b.cpu()))
+    assert not bool(ne.any()), f"{what}: {int(ne.sum())} elements differ"
+
+
+def token_kv(spec: KVSpec, caches, slots: torch.Tensor) -> torch.Tensor:
+    """Reference gather written the slow, obvious way: ``[layers, planes, n, heads*dim]``.
+
+    Independent of lmc.transfer so that tests check it against the layout definitions.
+    """
+    layers = spec.split_layers(caches)
+    bs, H, D = spec.block_size, spec.num_kv_heads, spec.head_size
+    out = torch.zeros(spec.chunk_shape(len(slots)), dtype=torch.uint8 if spec.dtype.itemsize == 1
+                      else spec.dtype).view(spec.dtype)
+    for li, (_, ts) in enumerate(layers):
+        for i, s in enumerate(slots.tolist()):
+            b, o = divmod(s, bs)
+            for p in range(spec.num_planes):
+                if spec.layout == "vllm_flash":
+                    v = ts[0][p, b, o]
+                elif spec.layout == "vllm_flashinfer":
+                    v = ts[0][b, p, o]
+                elif spec.layout == "vllm_mla":
+                    v = ts[0][b, o]
+                elif spec.layout == "vllm_cpu":
+                    slab = ts[0][b].reshape(H, -1)
+                    v = (slab[:, : D * bs].reshape(H, D, bs)[:, :, o] if p == 0
+                         else slab[:, D * bs:].reshape(H, bs, D)[:, o, :])
+                elif spec.layout == "sglang_mha":
+                    v = ts[p][s]
+                else:
+                    v = ts[0][s]
+                out[li, p, i] = v.reshape(-1).cpu()
+    return out
