@@ -1,0 +1,168 @@
+"""Paged attention over a vLLM flash-layout KV cache, in plain torch.
+
+Cache layout, one tensor per layer: ``[2, num_blocks, block_size, num_kv_heads,
+head_size]``, K in plane 0 and V in plane 1. Token position ``p`` of a sequence lives in
+slot ``block_ids[p // block_size] * block_size + p % block_size``; viewing a plane as
+``[num_blocks * block_size, heads, head_size]`` makes a slot a row index.
+
+A step's tokens arrive flattened (all sequences back to back). Attention is two moves:
+``write_kv`` scatters the new tokens' K/V into their slots, then ``attend`` gathers each
+sequence's whole context back from the cache by slot and runs
+``scaled_dot_product_attention``. Reading everything back from the cache (rather than
+using the freshly computed K/V) is deliberate: it is what makes KV loaded by a connector
+count exactly like KV computed here.
+
+Sequences with one new token (decodes, and prefills whose last chunk is a single token)
+are batched into one padded SDPA call; longer chunks run one SDPA call per sequence,
+so no work is spent on padding a decode row to a prefill's length.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(frozen=True)
+class SequenceChunk:
+    """What one sequence contributes to a step: positions
+    ``[num_computed_tokens, num_computed_tokens + num_new_tokens)`` are computed now,
+    everything before is already in the cache (``block_ids`` cover all of it)."""
+
+    num_computed_tokens: int
+    num_new_tokens: int
+    block_ids: Sequence[int]
+
+
+@dataclass
+class PrefillSlice:
+    """A multi-token chunk: its rows in the flat batch and its full context."""
+
+    query_start: int
+    query_len: int
+    context_slots: torch.Tensor  # [context_len] slots of positions 0..context_len-1
+    mask: torch.Tensor | None  # [query_len, context_len] bool; None means plain causal
+
+
+@dataclass
+class AttentionMetadata:
+    """Everything attention needs about the step's batch; built once, used by all layers."""
+
+    slot_mapping: torch.Tensor  # [num_tokens] slot of each new token
+    prefills: list[PrefillSlice]
+    decode_rows: torch.Tensor | None  # [num_decodes] rows of single-token sequences
+    decode_context_slots: torch.Tensor | None  # [num_decodes, max_context] padded
+    decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_context] bool
+    num_tokens: int
+
+
+def slots_for_positions(block_ids: torch.Tensor, positions: torch.Tensor, block_size: int) -> torch.Tensor:
+    """Map token positions to cache slots through a sequence's block table."""
+    return block_ids[positions // block_size] * block_size + positions % block_size
+
+
+def build_attention_metadata(
+    chunks: Sequence[SequenceChunk], block_size: int, device: torch.device | str
+) -> AttentionMetadata:
+    """Slot mappings, gather indices and masks for a batch of sequence chunks.
+
+    Computed on the CPU with vectorised torch ops (one small loop per sequence, none per
+    token) and moved to ``device`` once.
+    """
+    device = torch.device(device)
+    slot_parts: list[torch.Tensor] = []
+    prefills: list[PrefillSlice] = []
+    decode_rows: list[int] = []
+    decode_slots: list[torch.Tensor] = []
+    row = 0
+    for chunk in chunks:
+        start, n = chunk.num_computed_tokens, chunk.num_new_tokens
+        if n <= 0:
+            raise ValueError(f"a scheduled sequence must have new tokens, got num_new_tokens={n}")
+        context_len = start + n
+        needed_blocks = -(-context_len // block_size)
+        if len(chunk.block_ids) < needed_blocks:
+            raise ValueError(
+                f"sequence needs {needed_blocks} blocks for {context_len} tokens, "
+                f"has {len(chunk.block_ids)}"
+            )
+        table = torch.as_tensor(list(chunk.block_ids[:needed_blocks]), dtype=torch.long)
+        context_slots = slots_for_positions(table, torch.arange(context_len), block_size)
+        slot_parts.append(context_slots[start:])
+        if n == 1:
+            decode_rows.append(row)
+            decode_slots.append(context_slots)
+        else:
+            mask = None
+            if start > 0:
+                query_pos = torch.arange(start, context_len)
+                mask = torch.arange(context_len)[None, :] <= query_pos[:, None]
+                mask = mask.to(device)
+            prefills.append(PrefillSlice(row, n, context_slots.to(device), mask))
+        row += n
+
+    decode_rows_t = decode_slots_t = decode_mask = None
+    if decode_rows:
+        lengths = torch.tensor([len(s) for s in decode_slots])
+        width = int(lengths.max())
+        # Pad with the sequence's own first slot: always valid, written data, so the
+        # masked-out columns can never carry NaN/garbage into the product with V.
+        padded = torch.stack([F.pad(s, (0, width - len(s)), value=int(s[0])) for s in decode_slots])
+        decode_mask = (torch.arange(width)[None, :] < lengths[:, None])[:, None, None, :]
+        decode_rows_t = torch.tensor(decode_rows, dtype=torch.long, device=device)
+        decode_slots_t = padded.to(device)
+        decode_mask = decode_mask.to(device)
+
+    return AttentionMetadata(
+        slot_mapping=torch.cat(slot_parts).to(device) if slot_parts else torch.empty(0, dtype=torch.long, device=device),
+        prefills=prefills,
+        decode_rows=decode_rows_t,
+        decode_context_slots=decode_slots_t,
+        decode_mask=decode_mask,
+        num_tokens=row,
+    )
+
+
+def write_kv(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Scatter new ``key/value [num_tokens, kv_heads, head_size]`` into their slots."""
+    _, _, _, kv_heads, head_size = kv_cache.shape
+    kv_cache[0].view(-1, kv_heads, head_size).index_copy_(0, slot_mapping, key.to(kv_cache.dtype))
+    kv_cache[1].view(-1, kv_heads, head_size).index_copy_(0, slot_mapping, value.to(kv_cache.dtype))
+
+
+def _expand_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
+    """GQA: repeat each KV head for the ``groups`` query heads that share it (dim -3)."""
+    return x if groups == 1 else x.repeat_interleave(groups, dim=-3)
+
+
+def attend(query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    """Causal attention of ``query [num_tokens, heads, head_size]`` over each sequence's
+    context as it stands in the cache. Returns ``[num_tokens, heads, head_size]``."""
+    _, _, _, kv_heads, head_size = kv_cache.shape
+    groups = query.shape[1] // kv_heads
+    k_rows = kv_cache[0].view(-1, kv_heads, head_size)
+    v_rows = kv_cache[1].view(-1, kv_heads, head_size)
+    out = torch.empty_like(query)
+
+    for p in meta.prefills:
+        q = query[p.query_start : p.query_start + p.query_len].transpose(0, 1)  # [H, n, D]
+        k = _expand_kv(k_rows.index_select(0, p.context_slots).transpose(0, 1), groups)
+        v = _expand_kv(v_rows.index_select(0, p.context_slots).transpose(0, 1), groups)
+        o = F.scaled_dot_product_attention(
+            q[None], k[None].to(q.dtype), v[None].to(q.dtype),
+            attn_mask=p.mask, is_causal=p.mask is None,
+        )
+        out[p.query_start : p.query_start + p.query_len] = o[0].transpose(0, 1)
+
+    if meta.decode_rows is not None:
+        q = query.index_select(0, meta.decode_rows)[:, :, None, :]  # [B, H, 1, D]
+        k = _expand_kv(k_rows[meta.decode_context_slots].permute(0, 2, 1, 3), groups)
+        v = _expand_kv(v_rows[meta.decode_context_slots].permute(0, 2, 1, 3), groups)
+        o = F.scaled_dot_product_attention(
+            q, k.to(q.dtype), v.to(q.dtype), attn_mask=meta.decode_mask
+        )
+        out[meta.decode_rows] = o[:, :, 0, :]
+    return out

@@ -1,0 +1,186 @@
+"""Model configuration: the subset of a Hugging Face ``config.json`` the engine needs.
+
+Only Llama-family decoders (Llama 2/3, Qwen2) are supported. Reading the config is
+strict on purpose: a missing or malformed field raises ``ValueError`` naming the field
+and the file, so a bad checkpoint fails at load time instead of producing garbage.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
+
+# Fields without which the model cannot be built. Everything else has a default.
+REQUIRED_FIELDS = (
+    "hidden_size",
+    "intermediate_size",
+    "num_attention_heads",
+    "num_hidden_layers",
+    "vocab_size",
+)
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    """Rotary embedding parameters. ``kind`` is "default", "linear" or "llama3"."""
+
+    theta: float = 10000.0
+    kind: str = "default"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Architecture of a Llama-family decoder, with HF defaults filled in."""
+
+    model_type: str
+    hidden_size: int
+    intermediate_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    num_hidden_layers: int
+    vocab_size: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    max_position_embeddings: int = 2048
+    rope: RopeConfig = RopeConfig()
+    attention_bias: bool = False
+    mlp_bias: bool = False
+    tie_word_embeddings: bool = False
+    torch_dtype: str | None = None
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    @property
+    def num_query_groups(self) -> int:
+        """How many query heads share one KV head (GQA)."""
+        return self.num_attention_heads // self.num_key_value_heads
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any], source: str = "config.json") -> ModelConfig:
+        """Validate a parsed ``config.json``; errors name the offending field."""
+        missing = [k for k in REQUIRED_FIELDS if k not in raw]
+        if missing:
+            raise ValueError(f"{source}: missing required field(s): {', '.join(missing)}")
+        model_type = raw.get("model_type", "llama")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(
+                f"{source}: model_type={model_type!r} is not supported "
+                f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
+            )
+        if raw.get("use_sliding_window"):
+            raise ValueError(f"{source}: use_sliding_window=true is not supported")
+
+        def positive_int(key: str, value: Any) -> int:
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"{source}: field {key!r} must be a positive integer, got {value!r}")
+            return value
+
+        hidden = positive_int("hidden_size", raw["hidden_size"])
+        heads = positive_int("num_attention_heads", raw["num_attention_heads"])
+        kv_heads = positive_int(
+            "num_key_value_heads", raw.get("num_key_value_heads") or heads
+        )
+        if heads % kv_heads:
+            raise ValueError(
+                f"{source}: num_attention_heads={heads} is not a multiple of "
+                f"num_key_value_heads={kv_heads}"
+            )
+        head_dim = raw.get("head_dim")
+        if head_dim is None:
+            if hidden % heads:
+                raise ValueError(
+                    f"{source}: hidden_size={hidden} is not divisible by num_attention_heads={heads}"
+                )
+            head_dim = hidden // heads
+        head_dim = positive_int("head_dim", head_dim)
+        if head_dim % 2:
+            raise ValueError(f"{source}: head_dim={head_dim} must be even for rotary embeddings")
+
+        return cls(
+            model_type=model_type,
+            hidden_size=hidden,
+            intermediate_size=positive_int("intermediate_size", raw["intermediate_size"]),
+            num_attention_heads=heads,
+            num_key_value_heads=kv_heads,
+            num_hidden_layers=positive_int("num_hidden_layers", raw["num_hidden_layers"]),
+            vocab_size=positive_int("vocab_size", raw["vocab_size"]),
+            head_dim=head_dim,
+            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+            max_position_embeddings=positive_int(
+                "max_position_embeddings", raw.get("max_position_embeddings", 2048)
+            ),
+            rope=_parse_rope(raw, source),
+            # Qwen2 always has q/k/v biases; Llama declares them with attention_bias.
+            attention_bias=bool(raw.get("attention_bias", model_type == "qwen2")),
+            mlp_bias=bool(raw.get("mlp_bias", False)),
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            torch_dtype=raw.get("torch_dtype"),
+            bos_token_id=raw.get("bos_token_id"),
+            eos_token_ids=_as_id_tuple(raw.get("eos_token_id"), "eos_token_id", source),
+        )
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> ModelConfig:
+        path = Path(path)
+        if not path.is_file():
+            raise FileNotFoundError(f"no config.json at {path}")
+        try:
+            raw = json.loads(path.read_text())
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{path}: not valid JSON: {exc}") from exc
+        if not isinstance(raw, dict):
+            raise ValueError(f"{path}: expected a JSON object")
+        return cls.from_dict(raw, source=str(path))
+
+
+def _as_id_tuple(value: Any, key: str, source: str) -> tuple[int, ...]:
+    """HF stores token ids as an int, a list of ints, or null."""
+    if value is None:
+        return ()
+    values = value if isinstance(value, list) else [value]
+    if not all(isinstance(v, int) and not isinstance(v, bool) for v in values):
+        raise ValueError(f"{source}: field {key!r} must be an int or a list of ints, got {value!r}")
+    return tuple(values)
+
+
+def _parse_rope(raw: dict[str, Any], source: str) -> RopeConfig:
+    theta = float(raw.get("rope_theta", 10000.0))
+    scaling = raw.get("rope_scaling")
+    if not scaling:
+        return RopeConfig(theta=theta)
+    if not isinstance(scaling, dict):
+        raise ValueError(f"{source}: field 'rope_scaling' must be an object, got {scaling!r}")
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind == "default":
+        return RopeConfig(theta=theta)
+    if "factor" not in scaling:
+        raise ValueError(f"{source}: rope_scaling of type {kind!r} is missing field 'factor'")
+    factor = float(scaling["factor"])
+    if not math.isfinite(factor) or factor <= 0:
+        raise ValueError(f"{source}: rope_scaling.factor must be positive, got {factor!r}")
+    if kind == "linear":
+        return RopeConfig(theta=theta, kind="linear", factor=factor)
+    if kind == "llama3":
+        for key in ("low_freq_factor", "high_freq_factor", "original_max_position_embeddings"):
+            if key not in scaling:
+                raise ValueError(f"{source}: rope_scaling of type 'llama3' is missing field {key!r}")
+        return RopeConfig(
+            theta=theta,
+            kind="llama3",
+            factor=factor,
+            low_freq_factor=float(scaling["low_freq_factor"]),
+            high_freq_factor=float(scaling["high_freq_factor"]),
+            original_max_position_embeddings=int(scaling["original_max_position_embeddings"]),
+        )
+    raise ValueError(
+        f"{source}: rope_scaling type {kind!r} is not supported (supported: default, linear, llama3)"
+    )

@@ -1,0 +1,143 @@
+"""The KV connector interface: how an external KV store (lmc) plugs into the engine.
+
+Shaped after vLLM's ``KVConnectorBase_V1``, simplified: one object serves both the
+scheduler side and the worker side (the reference engine runs both in one process),
+layers are named by index, and lookups answer with a plain int.
+
+Call order in one engine step (``LLM.step``)::
+
+    scheduler.schedule()
+        for each request admitted from the waiting queue (new, or resumed after
+        preemption; its num_computed_tokens is 0):
+            n = get_num_new_matched_tokens(request, request.num_computed_tokens)
+            n is clamped by the engine (below), blocks are allocated, then
+            update_state_after_alloc(request, block_ids, n)
+    meta = build_connector_meta(scheduler_output)            # once per step
+    start_load_kv(meta)                                       # before the forward
+    for layer i:  wait_for_layer_load(i)   # before layer i writes or reads its cache
+                  ... new K/V written, attention computed ...
+                  save_kv_layer(i, kv_caches[i], meta)         # layer i's new K/V are in
+    wait_for_save()                                           # after the forward
+    get_block_ids_with_load_errors()                          # after the step
+    for each request that finished or was aborted:
+        request_finished(request)              # blocks still allocated and intact
+
+The worker-side calls happen only in steps that schedule at least one token.
+
+Engine guarantees:
+
+* **Last token computed.** The engine never lets the connector supply every token:
+  ``n`` is clamped to ``request.num_tokens - 1 - num_computed_tokens`` so the last
+  token's logits are computed here. ``n`` is *not* rounded to a block boundary; when it
+  ends inside a block, the connector loads only positions ``[num_computed_tokens,
+  num_computed_tokens + n)`` of that block, or the whole block: the engine writes the
+  positions it computes after ``wait_for_layer_load``, so its values win.
+* **Admission.** The connector is asked only when a request is admitted from the
+  waiting queue; a running request is never asked again. When admission fails for lack
+  of blocks the request stays waiting and is asked again at a later step.
+* **Load failures.** Blocks returned by ``get_block_ids_with_load_errors`` are treated as
+  never loaded: each affected request's ``num_computed_tokens`` drops back to the start
+  of its first failed block, the tokens of that step for it are discarded (nothing is
+  sampled from them) and recomputed in later steps, overwriting the bad blocks before
+  anything reads them. Its ``num_cached_tokens`` is reduced to match.
+* **Block ids** are indices into dim 1 of each layer tensor; all blocks are usable
+  (no reserved null block). Slot = ``block_id * block_size + offset``.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING, Any, Protocol
+
+import torch
+
+if TYPE_CHECKING:
+    from lmc.reference.scheduler_output import SchedulerOutput
+
+
+class ConnectorRequest(Protocol):
+    """The request fields a connector may read (``lmc.reference.request.Request``).
+
+    ``all_token_ids`` is the prompt followed by the tokens generated so far: a request
+    resumed after preemption recomputes all of them, so a connector may match against
+    it, not only the prompt. ``block_ids`` are in position order.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    num_computed_tokens: int
+    block_ids: list[int]
+    num_cached_tokens: int
+
+    @property
+    def all_token_ids(self) -> list[int]: ...
+
+    @property
+    def num_tokens(self) -> int: ...
+
+
+class KVConnector(ABC):
+    """Base class for KV connectors. Methods without a body here are optional hooks."""
+
+    # ---------------------------------------------------------------- scheduler side
+
+    @abstractmethod
+    def get_num_new_matched_tokens(self, request: ConnectorRequest, num_computed_tokens: int) -> int:
+        """How many tokens past ``num_computed_tokens`` the connector can supply.
+
+        Must not block for long: it runs inside scheduling. The engine clamps the
+        answer (see the module docstring), so over-reporting is safe but wasteful.
+        """
+
+    @abstractmethod
+    def update_state_after_alloc(
+        self, request: ConnectorRequest, block_ids: list[int], num_external_tokens: int
+    ) -> None:
+        """Called once per admission, after blocks were allocated for the request.
+
+        ``block_ids`` are the request's blocks (covering at least
+        ``num_computed_tokens + num_external_tokens`` positions plus this step's
+        tokens); ``num_external_tokens`` is the clamped count the connector must load
+        (0 when there is nothing to load; the call still happens).
+        """
+
+    @abstractmethod
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> Any:
+        """Once per step after scheduling: package what the worker side needs (loads to
+        run, saves to make). The engine passes the result to ``start_load_kv`` and
+        ``save_kv_layer`` unchanged."""
+
+    def request_finished(self, request: ConnectorRequest) -> None:  # noqa: B027 - optional hook
+        """The request finished or was aborted. Its blocks are still allocated and hold
+        its K/V; they are freed as soon as this returns."""
+
+    # ------------------------------------------------------------------- worker side
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:  # noqa: B027
+        """Once at start: layer name -> cache tensor ``[2, num_blocks, block_size,
+        num_kv_heads, head_size]``, in layer order (names ``model.layers.N.self_attn``)."""
+
+    @abstractmethod
+    def start_load_kv(self, meta: Any) -> None:
+        """Before the forward pass: begin loading this step's external KV."""
+
+    @abstractmethod
+    def wait_for_layer_load(self, layer_idx: int) -> None:
+        """Block until layer ``layer_idx``'s external KV is in its cache tensor."""
+
+    @abstractmethod
+    def save_kv_layer(self, layer_idx: int, kv_layer: torch.Tensor, meta: Any) -> None:
+        """Layer ``layer_idx``'s K/V for this step's tokens are in ``kv_layer``: save
+        what should be saved (may be asynchronous until ``wait_for_save``)."""
+
+    @abstractmethod
+    def wait_for_save(self) -> None:
+        """After the forward pass: block until this step's saves no longer need the
+        cache contents (the blocks may be freed or reused after this)."""
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        """Blocks whose external load failed in this step (cleared once reported)."""
+        return set()
+
+    def shutdown(self) -> None:  # noqa: B027 - optional hook
+        """Release resources; called by ``LLM.close``."""

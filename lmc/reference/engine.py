@@ -1,0 +1,240 @@
+"""``LLM``: the reference engine's front door. Loads a local checkpoint, owns the
+scheduler, block manager and model runner, and runs steps until requests finish.
+
+A step is: schedule -> connector meta -> forward (with per-layer connector hooks) ->
+load-error rollback -> sample -> advance/finish requests. See ``connector_api`` for the
+exact order of the connector calls.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from lmc.reference.block_manager import BlockManager
+from lmc.reference.connector_api import KVConnector
+from lmc.reference.kv_cache import bytes_per_block
+from lmc.reference.loader import load_model, resolve_dtype
+from lmc.reference.model_runner import ModelRunner
+from lmc.reference.outputs import RequestOutput
+from lmc.reference.request import Request, SamplingParams
+from lmc.reference.sampling import sample_tokens
+from lmc.reference.scheduler import Scheduler
+from lmc.reference.tokenizer import Tokenizer, load_eos_token_ids
+
+logger = logging.getLogger(__name__)
+
+Prompt = str | Sequence[int]
+
+
+class LLM:
+    """A paged-KV inference engine for a local Llama/Qwen2 checkpoint.
+
+    Args:
+        model_dir: directory with ``config.json``, ``*.safetensors`` and (for text
+            prompts) ``tokenizer.json``. Never downloads anything.
+        dtype: "float32" | "bfloat16" | "float16" | "auto" (checkpoint's) or a torch dtype.
+        device: "cpu", "cuda", "cuda:N".
+        block_size: tokens per KV block.
+        num_blocks: KV blocks in the cache; by default enough for ``max_num_seqs``
+            sequences of ``max_model_len`` tokens, capped at ``kv_cache_memory`` bytes.
+        max_num_batched_tokens: token budget per step (prefills longer than this are
+            chunked across steps).
+        max_num_seqs: most requests running at once.
+        max_model_len: longest sequence (prompt + output); defaults to the config's
+            ``max_position_embeddings`` and is lowered to what the cache can hold, so a
+            request alone always fits.
+        kv_cache_memory: byte cap for the default ``num_blocks``.
+        kv_connector: optional ``KVConnector``; absent means no external KV at all.
+    """
+
+    def __init__(
+        self,
+        model_dir: str | Path,
+        *,
+        dtype: str | torch.dtype = "float32",
+        device: str | torch.device = "cpu",
+        block_size: int = 16,
+        num_blocks: int | None = None,
+        max_num_batched_tokens: int = 2048,
+        max_num_seqs: int = 64,
+        max_model_len: int | None = None,
+        kv_cache_memory: int = 256 << 20,
+        kv_connector: KVConnector | None = None,
+    ) -> None:
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        self.model_dir = Path(model_dir)
+        self.device = torch.device(device)
+        self.model = load_model(self.model_dir, dtype, self.device)
+        self.config = self.model.config
+        self.dtype = resolve_dtype(dtype, self.config)
+        self.block_size = block_size
+
+        tok_path = self.model_dir / "tokenizer.json"
+        self.tokenizer = Tokenizer(tok_path) if tok_path.is_file() else None
+        self.eos_token_ids = load_eos_token_ids(self.model_dir, self.config)
+
+        max_len = max_model_len or self.config.max_position_embeddings
+        if num_blocks is None:
+            wanted = max_num_seqs * -(-max_len // block_size)
+            affordable = kv_cache_memory // bytes_per_block(self.config, block_size, self.dtype)
+            num_blocks = max(1, min(wanted, affordable))
+        if max_len > num_blocks * block_size:
+            logger.info("max_model_len lowered to %d to fit the KV cache", num_blocks * block_size)
+            max_len = num_blocks * block_size
+        self.max_model_len = max_len
+        self.num_blocks = num_blocks
+
+        self.block_manager = BlockManager(num_blocks)
+        self.runner = ModelRunner(self.model, num_blocks, block_size, self.dtype, self.device)
+        self.kv_connector = kv_connector
+        self.scheduler = Scheduler(
+            self.block_manager, block_size, max_num_batched_tokens, max_num_seqs,
+            self.max_model_len, kv_connector,
+        )
+        if kv_connector is not None:
+            kv_connector.register_kv_caches(self.runner.named_kv_caches())
+        self._ids = itertools.count()
+
+    @property
+    def kv_caches(self) -> list[torch.Tensor]:
+        return self.runner.kv_caches
+
+    # --------------------------------------------------------------- requests
+
+    def encode(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError(f"{self.model_dir} has no tokenizer.json; pass token ids")
+            return self.tokenizer.encode(prompt)
+        ids = [int(t) for t in prompt]
+        bad = [t for t in ids if not 0 <= t < self.config.vocab_size]
+        if bad:
+            raise ValueError(f"token id(s) out of range [0, {self.config.vocab_size}): {bad[:5]}")
+        return ids
+
+    def add_request(
+        self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None
+    ) -> str:
+        """Queue a request; returns its id. Arrival time (for TTFT) is now."""
+        params = params or SamplingParams()
+        request_id = request_id if request_id is not None else str(next(self._ids))
+        request = Request(
+            request_id=request_id,
+            prompt_token_ids=self.encode(prompt),
+            sampling_params=params,
+            eos_token_ids=self.eos_token_ids,
+            prompt=prompt if isinstance(prompt, str) else None,
+        )
+        self.scheduler.add_request(request)
+        return request_id
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Stop a request now and free its blocks; returns its (partial) output."""
+        request = self.scheduler.requests.get(request_id)
+        if request is None or not self.scheduler.abort_request(request_id):
+            return None
+        return self._output(request)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    # ------------------------------------------------------------------- step
+
+    def step(self) -> list[RequestOutput]:
+        """Run one engine step; returns the requests that finished in it."""
+        output = self.scheduler.schedule()
+        connector = self.kv_connector
+        meta = connector.build_connector_meta(output) if connector is not None else None
+        if output.is_empty:
+            return []
+        sample_ids, logits = self.runner.execute(output, connector, meta)
+        invalid: set[str] = set()
+        if connector is not None:
+            bad_blocks = set(connector.get_block_ids_with_load_errors())
+            invalid = self.scheduler.handle_load_errors(output, bad_blocks)
+
+        keep = [i for i, rid in enumerate(sample_ids) if rid not in invalid]
+        requests = [self.scheduler.requests[sample_ids[i]] for i in keep]
+        logits = logits[keep].cpu()
+        tokens = sample_tokens(
+            logits, [r.sampling_params for r in requests], [r.generator for r in requests]
+        )
+        now = time.perf_counter()
+        for row, request in enumerate(requests):
+            if request.first_token_time is None:
+                request.first_token_time = now
+            if request.sampling_params.return_logits:
+                request.logits.append(logits[row].clone())
+        sampled = {r.request_id: t for r, t in zip(requests, tokens, strict=True)}
+        finished = self.scheduler.update_after_step(output, sampled, invalid)
+        return [self._output(r) for r in finished]
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        max_tokens: int = 16,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        seed: int | None = None,
+        *,
+        ignore_eos: bool = False,
+        stop_token_ids: Sequence[int] = (),
+        return_logits: bool = False,
+    ) -> list[RequestOutput]:
+        """Generate for each prompt (text, or a list of token ids); outputs in prompt
+        order. ``seed`` seeds every request's own generator (see ``SamplingParams``).
+        Runs the engine until these requests finish (other queued requests progress
+        too)."""
+        if isinstance(prompts, str) or (
+            isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)
+        ):
+            prompts = [prompts]  # a single prompt
+        params = SamplingParams(
+            max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed,
+            ignore_eos=ignore_eos, stop_token_ids=tuple(stop_token_ids),
+            return_logits=return_logits,
+        )
+        ids = [self.add_request(p, params) for p in prompts]
+        pending = set(ids)
+        results: dict[str, RequestOutput] = {}
+        while pending and self.has_unfinished_requests():
+            for out in self.step():
+                results[out.request_id] = out
+                pending.discard(out.request_id)
+        return [results[i] for i in ids]
+
+    def close(self) -> None:
+        if self.kv_connector is not None:
+            self.kv_connector.shutdown()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ---------------------------------------------------------------- helpers
+
+    def _output(self, request: Request) -> RequestOutput:
+        text = self.tokenizer.decode(request.output_token_ids) if self.tokenizer else ""
+        ttft = None
+        if request.first_token_time is not None:
+            ttft = request.first_token_time - request.arrival_time
+        return RequestOutput(
+            request_id=request.request_id,
+            prompt=request.prompt,
+            prompt_token_ids=list(request.prompt_token_ids),
+            token_ids=list(request.output_token_ids),
+            text=text,
+            ttft_s=ttft,
+            num_cached_tokens=request.num_cached_tokens,
+            finish_reason=request.finish_reason,
+            logits=torch.stack(request.logits) if request.logits else None,
+        )

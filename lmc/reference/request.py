@@ -1,0 +1,121 @@
+"""A request's lifetime state: tokens, progress through the KV cache, blocks, status.
+
+The fields a KV connector reads are the stable part of this object (see
+``connector_api.ConnectorRequest``): ``request_id``, ``prompt_token_ids``,
+``all_token_ids``, ``num_computed_tokens``, ``block_ids``, ``num_tokens``.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick tokens and when to stop.
+
+    ``temperature == 0`` is greedy. ``seed`` seeds the request's own generator, so a
+    sampled request is reproducible whatever else is in the batch; two requests with
+    the same seed and prompt sample the same tokens. ``seed=None`` draws a seed from
+    torch's global generator.
+    """
+
+    max_tokens: int = 16
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
+    ignore_eos: bool = False
+    stop_token_ids: tuple[int, ...] = ()
+    return_logits: bool = False
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def is_finished(self) -> bool:
+        return self in (
+            RequestStatus.FINISHED_STOPPED,
+            RequestStatus.FINISHED_LENGTH,
+            RequestStatus.FINISHED_ABORTED,
+        )
+
+
+@dataclass(eq=False)
+class Request:
+    """One generation request.
+
+    ``num_computed_tokens`` counts the leading tokens of ``all_token_ids`` whose K/V are
+    in the cache (computed here or loaded by the connector). ``block_ids`` hold those
+    tokens in order: position ``p`` is in block ``block_ids[p // block_size]``.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_ids: frozenset[int] = frozenset()
+    prompt: str | None = None
+    arrival_time: float = field(default_factory=time.perf_counter)
+
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    block_ids: list[int] = field(default_factory=list)
+    status: RequestStatus = RequestStatus.WAITING
+    num_cached_tokens: int = 0  # prompt tokens supplied by the connector (last admission)
+    num_preemptions: int = 0
+    first_token_time: float | None = None
+    logits: list[torch.Tensor] = field(default_factory=list)
+    generator: torch.Generator | None = None
+
+    def __post_init__(self) -> None:
+        if not self.prompt_token_ids:
+            raise ValueError(f"request {self.request_id}: empty prompt")
+        self.prompt_token_ids = list(self.prompt_token_ids)
+        self._all_token_ids = list(self.prompt_token_ids)
+        if self.sampling_params.temperature > 0:
+            seed = self.sampling_params.seed
+            if seed is None:
+                seed = int(torch.randint(0, 2**62, (1,)).item())
+            self.generator = torch.Generator(device="cpu").manual_seed(seed)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        """Prompt then generated tokens (do not mutate; use ``append_output_token``)."""
+        return self._all_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self._all_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.status.value if self.is_finished else None
+
+    def append_output_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self._all_token_ids.append(token_id)
