@@ -95,10 +95,12 @@ class KVConnector(ABC):
     ) -> None:
         """Called once per admission, after blocks were allocated for the request.
 
-        ``block_ids`` are the request's blocks (covering at least
-        ``num_computed_tokens + num_external_tokens`` positions plus this step's
-        tokens); ``num_external_tokens`` is the clamped count the connector must load
-        (0 when there is nothing to load; the call still happens).
+        ``block_ids`` are the request's blocks, covering the external tokens and this
+        step's tokens. ``num_external_tokens`` is the clamped count the connector must
+        load (0 when there is nothing to load; the call still happens). At this call
+        ``request.num_computed_tokens`` does not yet include the external tokens: the
+        load covers positions ``[request.num_computed_tokens,
+        request.num_computed_tokens + num_external_tokens)`` (vLLM's order).
         """
 
     @abstractmethod

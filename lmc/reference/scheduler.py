@@ -118,12 +118,14 @@ class Scheduler:
             if not self._grow_blocks(request, start + num_new):
                 break
             self.waiting.popleft()
+            if self.connector is not None:
+                # Before num_computed_tokens moves: the load covers
+                # [request.num_computed_tokens, request.num_computed_tokens + num_external).
+                self.connector.update_state_after_alloc(request, list(request.block_ids), num_external)
             request.status = RequestStatus.RUNNING
             request.num_computed_tokens = start
             if is_new:
                 request.num_cached_tokens = num_external
-            if self.connector is not None:
-                self.connector.update_state_after_alloc(request, list(request.block_ids), num_external)
             self.running.append(request)
             output.scheduled_requests.append(
                 self._scheduled(request, num_new, num_external, is_new, is_resumed)

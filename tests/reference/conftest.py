@@ -1,0 +1,20 @@
+"""Shared tiny checkpoints, made once per session, offline."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from lmc.reference import make_tiny_checkpoint
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("ckpt") / "llama")
+
+
+@pytest.fixture(scope="session")
+def qwen_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("ckpt") / "qwen2", model_type="qwen2", seed=1)
+
