@@ -101,6 +101,19 @@ __host__ __device__ __forceinline__ void lmc_copy_segmented(char* cache, char* b
   }
 }
 
+// q = a / b, *rem = a % b for a >= 0, b > 0. Index math runs once per row and all of it fits in
+// 32 bits in practice; the 32-bit hardware path is several times cheaper than 64-bit division.
+__host__ __device__ __forceinline__ lmc_i64 lmc_divmod(lmc_i64 a, lmc_i64 b, lmc_i64* rem) {
+  if (((lmc_u64)a | (lmc_u64)b) <= 0xffffffffULL) {
+    const unsigned q = (unsigned)a / (unsigned)b;
+    *rem = (lmc_i64)((unsigned)a - q * (unsigned)b);
+    return (lmc_i64)q;
+  }
+  const lmc_i64 q = a / b;
+  *rem = a - q * b;
+  return q;
+}
+
 // The work of thread `tid` out of `nthreads` (a multiple of a.lanes).
 // TO_CACHE = false: gather (cache -> chunk buffers); true: scatter (chunk buffers -> cache).
 template <typename T, bool TO_CACHE>
@@ -115,19 +128,18 @@ __host__ __device__ inline void lmc_kv_copy_thread(const KVCopyArgs& a, lmc_i64 
   const int lane = (int)(tid % a.lanes);
   const lmc_i64 groups = nthreads / a.lanes;
   for (lmc_i64 row = tid / a.lanes; row < rows; row += groups) {
-    const lmc_i64 t = row % a.n_tokens;
-    const lmc_i64 lp = row / a.n_tokens;
-    const int p = (int)(lp % P);
-    const int li = (int)(lp / P);
+    lmc_i64 t, p, in_blk;
+    const lmc_i64 lp = lmc_divmod(row, a.n_tokens, &t);
+    const lmc_i64 li = lmc_divmod(lp, P, &p);
     const lmc_i64 slot = a.tokens[t];
     if (slot < 0) continue;  // padding / not-to-be-moved token
     const lmc_i64 code = a.tokens[a.n_tokens + t];
     const lmc_i64 chunk = code >> 32;
     const lmc_i64 r = code & 0xffffffffLL;
     const lmc_i64* g = geom + p * LMC_GEOM;
-    const lmc_i64 blk = slot / a.block_size;
+    const lmc_i64 blk = lmc_divmod(slot, a.block_size, &in_blk);
     char* cache = reinterpret_cast<char*>((lmc_u64)cache_ptr[li * P + p]) + blk * g[0] +
-                  (slot - blk * a.block_size) * g[1];
+                  in_blk * g[1];
     char* buf = reinterpret_cast<char*>((lmc_u64)buf_ptr[(chunk * a.n_layers + li) * P + p]) +
                 r * a.row_bytes;
     if (g[5] == a.row_bytes) {

@@ -135,7 +135,9 @@ def test_nvrtc_compiles_with_the_wrapper_options(arch):
 # --------------------------------------------------------------------- host emulation
 def _harness() -> str:
     lines = [f'#include "{ct.KERNEL_SOURCE}"',
-             'extern "C" int lmc_emu_args_size() { return (int)sizeof(KVCopyArgs); }']
+             'extern "C" int lmc_emu_args_size() { return (int)sizeof(KVCopyArgs); }',
+             'extern "C" long long lmc_emu_divmod(long long a, long long b, long long* r) '
+             "{ return lmc_divmod(a, b, r); }"]
     for name in ct.KERNEL_NAMES:
         width = int(name.rsplit("_v", 1)[1])
         to_cache = "true" if "scatter" in name else "false"
@@ -204,6 +206,16 @@ class HostBackend:
 
 def test_args_struct_layout_matches(emu_lib):
     assert emu_lib.lmc_emu_args_size() == ctypes.sizeof(ct.KVCopyArgs)
+
+
+def test_divmod_both_widths(emu_lib):
+    fn = emu_lib.lmc_emu_divmod
+    fn.restype = ctypes.c_longlong
+    fn.argtypes = [ctypes.c_longlong, ctypes.c_longlong, ctypes.POINTER(ctypes.c_longlong)]
+    rem = ctypes.c_longlong()
+    for a, b in [(0, 1), (7, 2), (2**32 - 1, 16), (2**32, 16), (2**40 + 5, 3), (5, 2**33),
+                 (2**31 + 7, 2**31 - 1)]:
+        assert (fn(a, b, ctypes.byref(rem)), rem.value) == divmod(a, b), (a, b)
 
 
 def _emulated(lib, mode: str, max_blocks: int | None = None, log: list | None = None):
