@@ -89,6 +89,9 @@ class Scheduler:
         while index < len(self.running) and budget > 0:
             request = self.running[index]
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if num_new <= 0:  # nothing left to compute (not reachable in normal flow)
+                index += 1
+                continue
             preempted_self = False
             while not self._grow_blocks(request, request.num_computed_tokens + num_new):
                 victim = self.running.pop()
@@ -137,7 +140,8 @@ class Scheduler:
         """Ask the connector, then clamp: the last token is always computed here."""
         if self.connector is None:
             return 0
-        offered = int(self.connector.get_num_new_matched_tokens(request, request.num_computed_tokens))
+        offered = self.connector.get_num_new_matched_tokens(request, request.num_computed_tokens)
+        offered = int(offered or 0)  # None (vLLM's "not yet") counts as no hit
         return max(0, min(offered, request.num_tokens - 1 - request.num_computed_tokens))
 
     def _grow_blocks(self, request: Request, num_tokens: int) -> bool:
