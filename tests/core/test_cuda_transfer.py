@@ -248,6 +248,7 @@ def test_gpu_layerwise_events_on_a_side_stream():
     bufs = [torch.empty(spec.chunk_shape(16), dtype=spec.dtype, pin_memory=True)
             for _ in range(2)]
     side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())  # the caches were filled on this stream
     events = [tr.gather(plan, bufs, layers=[i], stream=side) for i in range(spec.num_layers)]
     assert all(isinstance(e, torch.cuda.Event) for e in events)
     events[-1].synchronize()
@@ -259,6 +260,7 @@ def test_gpu_layerwise_events_on_a_side_stream():
     # scatter back layer by layer into zeroed caches; the compute stream waits per layer
     zeros = make_caches("vllm_flash", layers=4, dtype=torch.bfloat16, device="cuda", zeros=True)
     tr2 = CudaTransfer(spec, zeros)
+    side.wait_stream(torch.cuda.current_stream())
     plan2 = tr2.plan(slots, [(0, 16), (16, 32)])
     for i in range(spec.num_layers):
         tr2.scatter(plan2, bufs, layers=[i], stream=side).wait(torch.cuda.current_stream())
@@ -275,7 +277,7 @@ def test_gpu_errors_name_the_problem():
     tr = CudaTransfer(spec, caches)
     with pytest.raises(ValueError, match="slot 48"):
         tr.plan(torch.tensor([0, 48], device="cuda"), [(0, 2)])
-    with pytest.raises(ValueError, match="is on cpu"):
+    with pytest.raises(ValueError, match="slots are on cpu"):
         tr.plan(torch.tensor([0, 1]), [(0, 2)])
     plan = tr.plan(torch.arange(4, device="cuda"), [(0, 4)])
     with pytest.raises(TypeError, match="chunk buffer 0 has dtype"):
