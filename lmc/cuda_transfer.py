@@ -259,7 +259,14 @@ def num_slots(spec: KVSpec, layer0: torch.Tensor) -> int:
 
 # --------------------------------------------------------------------------- the transfer
 class CudaTransfer(KVTransfer):
-    """Gather/scatter with the ``kv_transfer.cu`` kernels; see the module docstring."""
+    """Gather/scatter with the ``kv_transfer.cu`` kernels; see the module docstring.
+
+    ``gather_mode`` / ``scatter_mode``: how pinned host buffers are reached, "direct" or
+    "staged" (default: ``LMC_CUDA_GATHER_MODE`` / ``LMC_CUDA_SCATTER_MODE``, else the module
+    defaults). ``max_blocks``: grid cap, default 4 per SM; lower it to leave SMs to the model
+    while layer-wise copies overlap compute. ``backend``: the CUDA runtime shim (the tests pass
+    a host emulation).
+    """
 
     def __init__(self, spec: KVSpec, kv_caches: KVCaches, *, gather_mode: str | None = None,
                  scatter_mode: str | None = None, max_blocks: int | None = None,
