@@ -106,6 +106,32 @@ class TLSFAllocator:
         self.used_bytes += units * self.align
         return off * self.align
 
+    def allocate_many(self, nbytes: int, count: int) -> list[int]:
+        """Offsets of up to ``count`` blocks of ``nbytes``; fewer when the space runs out.
+
+        Tries one free block large enough for all of them first (one search, neighbouring
+        blocks: a batch of chunks then moves with fewer, larger copies), else allocates one by
+        one. Each block is freed on its own, exactly as if allocated singly.
+        """
+        if count <= 0:
+            return []
+        units = -(-nbytes // self.align)
+        whole = self.allocate(units * count * self.align) if count > 1 else None
+        if whole is None:
+            out = []
+            for _ in range(count):
+                off = self.allocate(nbytes)
+                if off is None:
+                    break
+                out.append(off)
+            return out
+        base = whole // self.align
+        del self._used[base]
+        used = self._used
+        for i in range(count):
+            used[base + i * units] = units
+        return [(base + i * units) * self.align for i in range(count)]
+
     def free(self, offset: int) -> None:
         """Return a block; it merges with free physical neighbours."""
         off = offset // self.align

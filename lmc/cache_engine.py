@@ -68,10 +68,18 @@ class CacheEngine:
     # ------------------------------------------------------------- plumbing
     def transfer_for(self, kv_caches: KVCaches) -> KVTransfer:
         """The (cached) transfer object bound to these cache tensors; validates new ones."""
-        layers = self.spec.split_layers(kv_caches)
-        sig = tuple((t.data_ptr(), t.shape, t.dtype, t.device) for _, ts in layers for t in ts)
+        if isinstance(kv_caches, (list, tuple)) and self.spec.layout != "sglang_mha":
+            tensors = kv_caches
+        else:
+            tensors = [t for _, ts in self.spec.split_layers(kv_caches) for t in ts]
+        try:  # address + shape + dtype identify a bound cache; anything new is validated
+            sig = tuple((t.data_ptr(), t.shape, t.dtype) for t in tensors)
+        except AttributeError:
+            sig = None
+        if sig is not None and len(tensors):
+            sig += (tensors[0].device,)
         with self._lock:
-            tr = self._transfers.get(sig)
+            tr = self._transfers.get(sig) if sig is not None else None
             if tr is not None:
                 self._transfers.move_to_end(sig)
                 return tr
@@ -103,19 +111,26 @@ class CacheEngine:
         present = self.storage.l1_contains([k for _, _, k in chunks])
         todo = [c for c, p in zip(chunks, present) if not p]
         self.metrics.skipped("present", len(chunks) - len(todo))
-        if todo and bool((slots[todo[0][0]:] < 0).any()):
+        if todo and tr.has_negative(slots):
             neg = (slots < 0).cpu().numpy()
             keep = [c for c in todo if not neg[c[0]:c[1]].any()]
             self.metrics.skipped("unmapped_slots", len(todo) - len(keep))
             todo = keep
         objs: list[MemoryObj] = []
-        for i, (s, e, _) in enumerate(todo):
-            obj = self.storage.allocate(self.spec.chunk_shape(e - s), self.spec.dtype, e - s)
-            if obj is None:  # pool full of referenced chunks: later chunks are useless too
-                self.metrics.skipped("pool_full", len(todo) - i)
-                todo = todo[:i]
+        i = 0
+        while i < len(todo):  # runs of equal-size chunks are allocated together
+            size = todo[i][1] - todo[i][0]
+            j = i + 1
+            while j < len(todo) and todo[j][1] - todo[j][0] == size:
+                j += 1
+            got = self.storage.allocate_many(self.spec.chunk_shape(size), self.spec.dtype,
+                                             j - i, size)
+            objs += got
+            if len(got) < j - i:  # pool full of referenced chunks: later ones are useless too
+                self.metrics.skipped("pool_full", len(todo) - len(objs))
+                todo = todo[: len(objs)]
                 break
-            objs.append(obj)
+            i = j
         return todo, objs
 
     def store(self, tokens: Tokens, kv_caches: KVCaches, slot_mapping: torch.Tensor,
@@ -215,7 +230,9 @@ class CacheEngine:
         if not chunks:
             return 0
         with Lease(objs):
-            tr.scatter(tr.plan(slots, [(s, e) for s, e, _ in chunks]), [o.tensor for o in objs])
+            arrays = [o.array for o in objs] if tr.device.type == "cpu" else None
+            tr.scatter(tr.plan(slots, [(s, e) for s, e, _ in chunks]), [o.tensor for o in objs],
+                       arrays=arrays)
             tr.synchronize()
         self._unpin_keys([k for _, _, k in chunks])
         n = sum(e - s for s, e, _ in chunks)

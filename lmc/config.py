@@ -134,12 +134,12 @@ class CacheConfig:
 
     # ----------------------------------------------------------------- loading
     @classmethod
-    def keys(cls) -> tuple[str, ...]:
+    def field_names(cls) -> tuple[str, ...]:
         return tuple(f.name for f in dataclasses.fields(cls))
 
     @classmethod
     def _check_keys(cls, data: Mapping[str, Any], origin: str) -> None:
-        valid = cls.keys()
+        valid = cls.field_names()
         for key in data:
             if key not in valid:
                 close = difflib.get_close_matches(str(key), valid, n=1)
@@ -151,7 +151,7 @@ class CacheConfig:
         """The ``LMC_<KEY>`` variables that name a known key (others are left alone)."""
         environ = os.environ if environ is None else environ
         out = {}
-        for key in cls.keys():
+        for key in cls.field_names():
             var = f"LMC_{key.upper()}"
             if var in environ:
                 out[key] = environ[var]

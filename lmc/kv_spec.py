@@ -96,7 +96,7 @@ class KVSpec:
 
     @property
     def element_size(self) -> int:
-        return torch.empty((), dtype=self.dtype).element_size()
+        return self.dtype.itemsize
 
     def chunk_shape(self, num_tokens: int) -> tuple[int, int, int, int]:
         """The stored, layout-independent format: ``[layers, planes, tokens, heads*dim]``."""

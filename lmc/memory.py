@@ -15,6 +15,7 @@ its memory reclaimed).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import traceback
@@ -22,9 +23,11 @@ import weakref
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
 from lmc.allocator import TLSFAllocator
+from lmc.transfer import int_view
 
 log = logging.getLogger(__name__)
 
@@ -33,7 +36,7 @@ class MemoryObj:
     """A contiguous tensor view into the pool plus a reference count and metadata."""
 
     __slots__ = ("pool", "offset", "nbytes", "shape", "dtype", "num_tokens", "meta",
-                 "_refs", "_tensor", "site", "__weakref__")
+                 "_refs", "_tensor", "_array", "site", "__weakref__")
 
     def __init__(self, pool: MemoryPool, offset: int, nbytes: int, shape: tuple[int, ...],
                  dtype: torch.dtype, num_tokens: int, site: str | None) -> None:
@@ -46,6 +49,7 @@ class MemoryObj:
         self.meta: Any = None
         self._refs = 1
         self._tensor: torch.Tensor | None = None
+        self._array: np.ndarray | None = None
         self.site = site
 
     @property
@@ -56,6 +60,14 @@ class MemoryObj:
                 raise RuntimeError("MemoryObj used after its last release")
             t = self._tensor = self.pool.view(self.offset, self.shape, self.dtype)
         return t
+
+    @property
+    def array(self) -> np.ndarray:
+        """The same bytes as a numpy array of same-width integers (CPU pools), cached."""
+        a = self._array
+        if a is None:
+            a = self._array = int_view(self.tensor)
+        return a
 
     @property
     def ref_count(self) -> int:
@@ -75,7 +87,7 @@ class MemoryObj:
                                    f"(allocated at {self.site or 'unknown; set debug_leaks'})")
             self._refs -= 1
             if self._refs == 0:
-                self._tensor = None
+                self._tensor = self._array = None
                 self.pool._free_locked(self)
 
     def __enter__(self) -> MemoryObj:
@@ -86,10 +98,8 @@ class MemoryObj:
 
     def __del__(self) -> None:
         if self._refs > 0:
-            try:
+            with contextlib.suppress(Exception):  # interpreter shutdown: nowhere to report
                 self.pool._leaked(self)
-            except Exception:  # interpreter shutdown: nothing left to report to
-                pass
 
     def __repr__(self) -> str:
         return (f"MemoryObj(offset={self.offset}, shape={self.shape}, dtype={self.dtype}, "
@@ -110,8 +120,8 @@ class Lease:
 
     def release(self) -> None:
         objs, self.objs = self.objs, []
-        for o in objs:
-            o.release()
+        if objs:
+            objs[0].pool.release_many(objs)
 
 
 def _want_pinned(pin: str | bool | None) -> bool:
@@ -148,33 +158,65 @@ class MemoryPool:
     def view(self, offset: int, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
         typed = self._typed.get(dtype)
         if typed is None:
-            item = torch.empty((), dtype=dtype).element_size()
+            item = dtype.itemsize
             typed = self._typed[dtype] = self.buffer[: self.size // item * item].view(dtype)
         item = typed.element_size()
         strides, acc = [], 1
         for d in reversed(shape):
             strides.append(acc)
             acc *= d
-        return typed.as_strided(tuple(shape), tuple(reversed(strides)), offset // item)
+        # as_strided's offset counts from the storage's start, not from this view's
+        return typed.as_strided(tuple(shape), tuple(reversed(strides)),
+                                typed.storage_offset() + offset // item)
 
     def allocate(self, shape: Sequence[int], dtype: torch.dtype, num_tokens: int = 0
                  ) -> MemoryObj | None:
         """An object of ``shape``/``dtype`` holding one reference, or None if nothing fits."""
-        n = 1
+        objs = self.allocate_many(shape, dtype, 1, num_tokens)
+        return objs[0] if objs else None
+
+    def allocate_many(self, shape: Sequence[int], dtype: torch.dtype, count: int,
+                      num_tokens: int = 0) -> list[MemoryObj]:
+        """Up to ``count`` objects of one shape (fewer when the pool runs out), one lock.
+
+        Neighbouring objects (the usual case) get their tensor views from one ``unbind``.
+        """
+        shape = tuple(shape)
+        n = dtype.itemsize
         for d in shape:
             n *= d
-        nbytes = n * torch.empty((), dtype=dtype).element_size()
+        if n <= 0:
+            raise ValueError(f"cannot allocate an empty object of shape {shape}")
         with self.lock:
             if self.closed:
                 raise RuntimeError("allocate() on a closed MemoryPool")
-            off = self.allocator.allocate(nbytes)
-            if off is None:
-                return None
+            offs = self.allocator.allocate_many(n, count)
+            if not offs:
+                return []
             site = "".join(traceback.format_stack(limit=8)[:-1]) if self.debug else None
-            obj = MemoryObj(self, off, nbytes, tuple(shape), dtype, num_tokens, site)
+            objs = [MemoryObj(self, off, n, shape, dtype, num_tokens, site) for off in offs]
             if self.debug:
-                self._live.add(obj)
-        return obj
+                for o in objs:
+                    self._live.add(o)
+        step = self.allocator.block_size(offs[0])
+        if len(offs) > 1 and step == n and offs[-1] - offs[0] == step * (len(offs) - 1):
+            # one block carved into neighbours: all views from one call
+            for o, t in zip(objs, self.view(offs[0], (len(offs), *shape), dtype).unbind(0)):
+                o._tensor = t
+        return objs
+
+    def acquire_many(self, objs: Iterable[MemoryObj]) -> None:
+        with self.lock:
+            for o in objs:
+                if o._refs <= 0:
+                    raise RuntimeError("acquire() of a MemoryObj that was already freed")
+                o._refs += 1
+
+    def release_many(self, objs: Iterable[MemoryObj]) -> None:
+        """``release()`` each object under one lock."""
+        with self.lock:
+            for o in objs:
+                o.release()
 
     def _free_locked(self, obj: MemoryObj) -> None:
         if not self.closed:

@@ -26,6 +26,17 @@ POOL_USED = Gauge("lmc_pool_used_bytes", "Bytes in use in the memory pool")
 POOL_CAPACITY = Gauge("lmc_pool_capacity_bytes", "Size of the memory pool")
 
 
+_CHILDREN: dict[str, tuple] = {}
+
+
+def _children(op: str) -> tuple:
+    """Labelled children cached: ``labels()`` costs a lock and a dict lookup per call."""
+    c = _CHILDREN.get(op)
+    if c is None:
+        c = _CHILDREN[op] = (OP_BYTES.labels(op), OP_TOKENS.labels(op), OP_SECONDS.labels(op))
+    return c
+
+
 class EngineMetrics:
     """Per-engine plain counters that also feed the process-wide Prometheus metrics."""
 
@@ -42,13 +53,14 @@ class EngineMetrics:
         LOOKUPS.inc()
         LOOKUP_TOKENS.inc(query_tokens)
         HIT_TOKENS.inc(hit_tokens)
-        OP_SECONDS.labels("lookup").observe(seconds)
+        _children("lookup")[2].observe(seconds)
         self._add(lookups=1, lookup_tokens=query_tokens, hit_tokens=hit_tokens)
 
     def transfer(self, op: str, tokens: int, nbytes: int, seconds: float) -> None:
-        OP_BYTES.labels(op).inc(nbytes)
-        OP_TOKENS.labels(op).inc(tokens)
-        OP_SECONDS.labels(op).observe(seconds)
+        b, t, s = _children(op)
+        b.inc(nbytes)
+        t.inc(tokens)
+        s.observe(seconds)
         self._add(**{f"{op}_calls": 1, f"{op}_tokens": tokens, f"{op}_bytes": nbytes,
                      f"{op}_seconds": seconds})
 

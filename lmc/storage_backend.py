@@ -66,7 +66,7 @@ class StorageBackend(abc.ABC):
     def delete(self, keys: Sequence[Key]) -> int:
         """Remove keys; returns how many were present."""
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 - optional hook, most tiers hold nothing
         """Release resources; further calls may fail."""
 
     def stats(self) -> dict[str, Any]:

@@ -34,6 +34,10 @@ class StorageManager:
                  ) -> MemoryObj | None:
         return self.l1.allocate(shape, dtype, num_tokens)
 
+    def allocate_many(self, shape: Sequence[int], dtype: torch.dtype, count: int,
+                      num_tokens: int) -> list[MemoryObj]:
+        return self.l1.allocate_many(shape, dtype, count, num_tokens)
+
     def l1_contains(self, keys: Sequence[Key]) -> list[bool]:
         return self.l1.contains(keys)
 

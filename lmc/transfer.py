@@ -78,11 +78,19 @@ class KVTransfer(abc.ABC):
 
     @abc.abstractmethod
     def scatter(self, plan: TransferPlan, bufs: Sequence[torch.Tensor],
-                layers: Iterable[int] | None = None) -> None:
-        """``bufs[i]`` -> engine cache, for ``layers`` (default all)."""
+                layers: Iterable[int] | None = None,
+                arrays: Sequence[np.ndarray] | None = None) -> None:
+        """``bufs[i]`` -> engine cache, for ``layers`` (default all). ``arrays`` may carry
+        integer numpy views of the same buffers; implementations may ignore it."""
 
-    def synchronize(self) -> None:
+    def synchronize(self) -> None:  # noqa: B027 - a no-op where transfers are synchronous
         """Wait until every transfer issued so far is complete (no-op on CPU)."""
+
+    def has_negative(self, slots: torch.Tensor) -> bool:
+        """Whether any slot is unmapped (numpy on host: far cheaper than a torch reduction)."""
+        if slots.device.type == "cpu":
+            return bool(slots.numpy().min() < 0) if slots.numel() else False
+        return bool((slots < 0).any())
 
     def check_slots(self, slots: torch.Tensor, num_tokens: int) -> torch.Tensor:
         """Validate a slot mapping; return it as int64 on the cache's device."""
@@ -126,7 +134,6 @@ class TorchTransfer(KVTransfer):
                        if self.cpu and not self.special else None)
         self.blk_np = ([[int_view(t) for t in tabs] for tabs in self.blk_tables]
                        if self.cpu and self.blk_tables is not None else None)
-        self._arange_bs = torch.arange(s.block_size, device=self.device)
 
     def _num_slots(self) -> int:
         t = self.layers[0][0]
@@ -137,65 +144,106 @@ class TorchTransfer(KVTransfer):
         return nb * s.block_size
 
     # ------------------------------------------------------------------ plan
-    def _rows(self, first_slots: torch.Tensor, unit: int) -> torch.Tensor:
+    # Planning works on a host copy of the slots in numpy: small-array numpy ops cost ~1 us
+    # where torch ops cost 5-10 us, and a call plans once for every layer.
+    def _rows(self, first_slots: np.ndarray, unit: int) -> np.ndarray:
         """Row indices ``[planes, n]`` in rows of ``unit`` elements.
 
         ``unit == W``: one row per token slot. ``unit == block_size * W``: ``first_slots`` are
         the first slot of each block, one row per block.
         """
         bs = self.spec.block_size
-        blk = torch.div(first_slots, bs, rounding_mode="floor")
+        blk = first_slots // bs
         off = first_slots - blk * bs if unit == self.W else None
         parts = []
         for p in self.strides:
             elem = blk * p.s_blk + p.base
             if off is not None and p.s_off:
                 elem = elem + off * p.s_off
-            parts.append(torch.div(elem, unit, rounding_mode="floor"))
-        return torch.stack(parts)
+            parts.append(elem // unit)
+        return np.stack(parts)
 
-    def _flat(self, rows: torch.Tensor) -> torch.Tensor:
-        """Single-table layouts index both planes in one call: plane-major, flattened."""
-        return rows.reshape(-1) if len(self.tok_tables[0]) == 1 else rows
+    def _to_index(self, arr: np.ndarray) -> torch.Tensor:
+        t = torch.from_numpy(arr)
+        return t if self.cpu else t.to(self.device, non_blocking=False)
 
     def plan(self, slots: torch.Tensor, ranges: Sequence[tuple[int, int]]) -> TransferPlan:
-        """Rows for the whole call are computed once, vectorised; each chunk takes a slice."""
+        """Rows for the whole call are computed once, vectorised; runs of consecutive
+        equal-size chunks (a prompt's full chunks) get their indices from one reshape."""
         bs, n_all = self.spec.block_size, slots.numel()
-        chunks: list[ChunkPlan] = []
-        if n_all == 0:
-            return TransferPlan(chunks)
-        lo, hi = (int(x) for x in torch.aminmax(slots))
+        if n_all == 0 or not ranges:
+            return TransferPlan([])
+        s = slots.cpu().numpy()
+        lo, hi = int(s.min()), int(s.max())
         if hi >= self.num_slots:
             raise ValueError(f"slot_mapping holds slot {hi}, but the KV cache has only "
                              f"{self.num_slots} slots")
-        neg = (slots < 0).cpu().numpy() if lo < 0 else None
-        tok_rows = None if self.special else self._rows(slots.clamp(min=0), self.W)
+        neg = s < 0 if lo < 0 else None
+        if neg is not None:
+            s = np.maximum(s, 0)
+        tok: list[np.ndarray] = []  # per-token rows, computed only if a chunk needs them
+
+        def tok_rows() -> np.ndarray | None:
+            if not tok and not self.special:
+                tok.append(self._rows(s, self.W))
+            return tok[0] if tok else None
+
         blk_ok = blk_rows = None
         if self.block_ok and n_all >= bs:
-            v = slots[: n_all // bs * bs].view(-1, bs)
+            v = s[: n_all // bs * bs].reshape(-1, bs)
             heads = v[:, 0]
-            ok = ((heads % bs) == 0) & (v == heads[:, None] + self._arange_bs).all(1)
-            blk_ok = ok.cpu().numpy()
-            blk_rows = self._rows(heads.clamp(min=0), bs * self.W)
-        for start, end in ranges:
-            n = end - start
-            if neg is not None and neg[start:end].any():
-                valid = torch.from_numpy(~neg[start:end]).nonzero().flatten().to(slots.device)
-                idx = (slots[start:end][valid] if self.special
-                       else self._flat(tok_rows[:, start:end][:, valid]))
-                chunks.append(ChunkPlan(start, end, "masked", idx, None, valid))
-                continue
-            if (blk_ok is not None and start % bs == 0 and n % bs == 0
-                    and blk_ok[start // bs: end // bs].all()):
-                idx = self._flat(blk_rows[:, start // bs: end // bs])
-                mode = "block"
-            elif self.special:
-                idx, mode = slots[start:end], "token"
+            blk_ok = ((heads % bs) == 0) & (v == heads[:, None] + np.arange(bs)).all(1)
+            blk_rows = self._rows(heads, bs * self.W)
+        chunks: list[ChunkPlan] = []
+        i = 0
+        while i < len(ranges):
+            s0, e0 = ranges[i]
+            n = e0 - s0
+            j = i + 1
+            while j < len(ranges) and ranges[j] == (ranges[j - 1][1], ranges[j - 1][1] + n):
+                j += 1
+            end = ranges[j - 1][1]
+            if neg is not None and neg[s0:end].any() or self.special:
+                chunks += [self._plan_one(slots, neg, tok_rows(), r) for r in ranges[i:j]]
+            elif (blk_ok is not None and s0 % bs == 0 and n % bs == 0
+                    and blk_ok[s0 // bs: end // bs].all()):
+                chunks += self._plan_run(blk_rows, s0 // bs, n // bs, ranges[i:j], "block")
             else:
-                idx, mode = self._flat(tok_rows[:, start:end]), "token"
-            idx_np = idx.numpy() if self.cpu and not self.special else None
-            chunks.append(ChunkPlan(start, end, mode, idx, idx_np, None))
+                chunks += self._plan_run(tok_rows(), s0, n, ranges[i:j], "token")
+            i = j
         return TransferPlan(chunks)
+
+    def _plan_run(self, rows: np.ndarray, first: int, per: int,
+                  ranges: Sequence[tuple[int, int]], mode: str) -> list[ChunkPlan]:
+        """Consecutive chunks of ``per`` rows each, starting at row column ``first``."""
+        c = len(ranges)
+        planes = rows.shape[0]
+        r = rows[:, first: first + c * per].reshape(planes, c, per).transpose(1, 0, 2)
+        r = (r.reshape(c, planes * per) if len(self.tok_tables[0]) == 1
+             else np.ascontiguousarray(r))
+        idx = self._to_index(r).unbind(0)
+        arrs = list(r) if self.cpu else [None] * c
+        return [ChunkPlan(s, e, mode, t, a, None) for (s, e), t, a in zip(ranges, idx, arrs)]
+
+    def _plan_one(self, slots: torch.Tensor, neg: np.ndarray | None, tok_rows: np.ndarray | None,
+                  rng: tuple[int, int]) -> ChunkPlan:
+        """A chunk with unmapped slots, or of the K-transposed layout: token by token."""
+        start, end = rng
+        if neg is not None and neg[start:end].any():
+            keep = np.flatnonzero(~neg[start:end])
+            valid = self._to_index(keep)
+            idx = (slots[start:end][valid] if self.special
+                   else self._to_index(self._flat(tok_rows[:, start:end][:, keep])))
+            return ChunkPlan(start, end, "masked", idx, None, valid)
+        if self.special:
+            return ChunkPlan(start, end, "token", slots[start:end], None, None)
+        arr = self._flat(tok_rows[:, start:end])
+        return ChunkPlan(start, end, "token", self._to_index(arr), arr if self.cpu else None, None)
+
+    def _flat(self, rows: np.ndarray) -> np.ndarray:
+        """Single-table layouts index both planes in one call: plane-major, flattened."""
+        return (rows.reshape(-1) if len(self.tok_tables[0]) == 1
+                else np.ascontiguousarray(rows))
 
     # --------------------------------------------------------------- execute
     def gather(self, plan: TransferPlan, bufs: Sequence[torch.Tensor],
@@ -231,10 +279,14 @@ class TorchTransfer(KVTransfer):
                 torch.index_select(t, 0, i, out=dst[p].view(i.numel(), -1))
 
     def scatter(self, plan: TransferPlan, bufs: Sequence[torch.Tensor],
-                layers: Iterable[int] | None = None) -> None:
+                layers: Iterable[int] | None = None,
+                arrays: Sequence[np.ndarray] | None = None) -> None:
+        """``arrays``: optional integer numpy views of ``bufs`` (saves a conversion each)."""
         layer_ids = range(self.spec.num_layers) if layers is None else layers
-        for cp, buf in zip(plan.chunks, bufs, strict=True):
-            src_np = int_view(buf) if self.cpu and cp.index_np is not None else None
+        for i, (cp, buf) in enumerate(zip(plan.chunks, bufs, strict=True)):
+            src_np = None
+            if self.cpu and cp.index_np is not None:
+                src_np = arrays[i] if arrays is not None else int_view(buf)
             for layer in layer_ids:
                 src = buf[layer]
                 if self.special:

@@ -68,10 +68,9 @@ class CPUBackend(StorageBackend):
     def put(self, keys: Sequence[Key], objs: Sequence[MemoryObj]) -> int:
         with self._lock:
             m = self._map
-            for k, obj in zip(keys, objs, strict=True):
-                if k in m:
-                    continue
-                m[k] = obj.acquire()
+            new = [(k, o) for k, o in zip(keys, objs, strict=True) if k not in m]
+            self.pool.acquire_many(o for _, o in new)
+            m.update(new)
         return len(keys)
 
     def delete(self, keys: Sequence[Key]) -> int:
@@ -86,21 +85,26 @@ class CPUBackend(StorageBackend):
 
     def allocate(self, shape: Sequence[int], dtype: torch.dtype, num_tokens: int
                  ) -> MemoryObj | None:
-        """A pool object, evicting unreferenced chunks until it fits; None if it cannot."""
-        obj = self.pool.allocate(shape, dtype, num_tokens)
-        if obj is not None:
-            return obj
-        need = 1
+        objs = self.allocate_many(shape, dtype, 1, num_tokens)
+        return objs[0] if objs else None
+
+    def allocate_many(self, shape: Sequence[int], dtype: torch.dtype, count: int,
+                      num_tokens: int) -> list[MemoryObj]:
+        """Pool objects, evicting unreferenced chunks until they fit; fewer than ``count``
+        (possibly none) when everything left is referenced."""
+        objs = self.pool.allocate_many(shape, dtype, count, num_tokens)
+        if len(objs) == count:
+            return objs
+        need = dtype.itemsize
         for d in shape:
             need *= d
-        need *= torch.empty((), dtype=dtype).element_size()
         with self._lock:
-            while obj is None:
-                evicted = self._evict(need)
-                if not evicted:
-                    return None
-                obj = self.pool.allocate(shape, dtype, num_tokens)
-        return obj
+            while len(objs) < count:
+                more = self.pool.allocate_many(shape, dtype, count - len(objs), num_tokens)
+                objs += more
+                if len(objs) < count and not self._evict(need * (count - len(objs))):
+                    break
+        return objs
 
     def _evict(self, need: int) -> int:
         """Evict unreferenced chunks, oldest first, until about ``need`` bytes are freed."""

@@ -216,7 +216,6 @@ def test_eight_threads_store_and_retrieve_without_corruption():
 
 def test_bad_input_is_named():
     src = make_caches("vllm_flash", blocks=32, block_size=4)
-    spec = spec_for("vllm_flash", src)
     toks = _tokens(32)
     with _engine(src, "vllm_flash") as eng:
         with pytest.raises(ValueError, match="31 entries for 32 tokens"):

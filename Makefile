@@ -1,0 +1,20 @@
+# The README's two commands are `make demo` and `make test`; both install what they need.
+PY ?= python3
+
+.PHONY: install demo test bench lint
+
+install:
+	@$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install torch==2.13.0
+	$(PY) -m pip install -q -e ".[test]"
+
+demo: install
+	$(PY) benchmarks/bench_core.py --quick
+
+test: install
+	$(PY) -m pytest -q
+
+bench: install
+	$(PY) benchmarks/bench_core.py
+
+lint:
+	$(PY) -m ruff check lmc connectors storage_backends tests benchmarks

@@ -1,0 +1,195 @@
+"""Core data path benchmark: hashing, CPU-tier store/retrieve bandwidth, per-chunk overhead.
+
+Every figure is printed next to its limit measured in the same run, as a ratio:
+  * chunk keys vs a bare xxh3_128 chain over the same bytes;
+  * paged store (engine cache -> pool) and retrieve (pool -> engine cache) vs a one-thread
+    torch copy of the same number of bytes (torch runs with one thread throughout);
+  * engine overhead per chunk = (engine call - time inside its gather/scatter) / chunks,
+    measured inside the same calls: hashing, lookup, allocation, planning, bookkeeping.
+
+    python benchmarks/bench_core.py            # full sizes (~1 minute)
+    python benchmarks/bench_core.py --quick    # smaller sizes, for the demo / smoke runs
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from collections.abc import Callable
+
+import numpy as np
+import torch
+import xxhash
+
+from lmc import CacheConfig, CacheEngine, KVSpec
+from lmc.token_database import ChunkedTokenDatabase
+
+GiB = 2**30
+
+
+def median_time(fn: Callable[[], object], reps: int, setup: Callable[[], object] | None = None
+                ) -> float:
+    times = []
+    for _ in range(reps + 1):  # the first run warms caches and page tables
+        if setup:
+            setup()
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times[1:])
+
+
+def row(name: str, value: float, unit: str, limit: float, limit_name: str, target: str) -> dict:
+    ratio = value / limit if limit else float("nan")
+    print(f"  {name:34s} {value:10.2f} {unit:8s} | {limit_name:28s} {limit:9.2f} | "
+          f"ratio {ratio:6.2f}  (target {target})")
+    return {"name": name, "value": value, "unit": unit, "limit": limit,
+            "limit_name": limit_name, "ratio": ratio, "target": target}
+
+
+# ------------------------------------------------------------------- hashing
+def bench_hashing(n_tokens: int, reps: int) -> list[dict]:
+    rng = np.random.default_rng(0)
+    base = rng.integers(0, 150_000, n_tokens, dtype=np.int64)
+    db = ChunkedTokenDatabase(256, True, b"\x01" * 16)
+    as_list = [int(x) for x in base]
+    as_tensor = torch.from_numpy(base.copy())
+
+    def bare_chain() -> None:
+        data = base.astype("<u4").tobytes()  # fresh bytes: CPython caches hashes of bytes
+        mv = memoryview(data)
+        prev = b"\x01" * 16
+        for off in range(0, len(data), 1024):
+            prev = xxhash.xxh3_128_digest(prev + mv[off: off + 1024])
+
+    t_bare = median_time(bare_chain, reps)
+    t_tensor = median_time(lambda: db.keys(as_tensor), reps)
+    t_list = median_time(lambda: db.keys(list(as_list)), reps)
+    t_copy = median_time(lambda: list(as_list), reps)  # the list copy is not ours to count
+    bare = n_tokens / t_bare / 1e6
+    print(f"Chunk keys, {n_tokens} tokens, chunk 256 (M tokens/s)")
+    return [
+        row("keys, int64 tensor", n_tokens / t_tensor / 1e6, "Mtok/s", bare,
+            "bare xxh3_128 chain", ">= 150 Mtok/s"),
+        row("keys, Python list", n_tokens / max(t_list - t_copy, 1e-9) / 1e6, "Mtok/s", bare,
+            "bare xxh3_128 chain", ">= 100 Mtok/s"),
+    ]
+
+
+# ------------------------------------------------------------ CPU-tier paged
+def _paged_cache(layers: int, heads: int, dim: int, blocks: int, bs: int, dtype) -> list:
+    return [torch.randn(2, blocks, bs, heads, dim).to(dtype) for _ in range(layers)]
+
+
+def _shuffled_slots(n: int, blocks: int, bs: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    perm = torch.randperm(blocks, generator=g)[: -(-n // bs)]
+    return (perm[:, None] * bs + torch.arange(bs)).flatten()[:n]
+
+
+def bench_paged(layers: int, heads: int, dim: int, n_tokens: int, reps: int, label: str
+                ) -> tuple[list[dict], dict]:
+    bs, dtype = 16, torch.bfloat16
+    blocks = n_tokens // bs + 64
+    src = _paged_cache(layers, heads, dim, blocks, bs, dtype)
+    dst = _paged_cache(layers, heads, dim, blocks, bs, dtype)
+    spec = KVSpec.from_tensors(src, "vllm_flash", block_size=bs)
+    nbytes = spec.chunk_nbytes(n_tokens)
+    cfg = CacheConfig(chunk_size=256, local_cpu_size=int(nbytes * 1.1) + (64 << 20),
+                      save_unfull_chunk=True)
+    eng = CacheEngine(cfg, spec, "bench-llama")
+    s_in = _shuffled_slots(n_tokens, blocks, bs, 1)
+    s_out = _shuffled_slots(n_tokens, blocks, bs, 2)
+    toks = torch.randint(0, 100_000, (n_tokens,), generator=torch.Generator().manual_seed(3))
+
+    a = torch.empty(nbytes, dtype=torch.uint8)
+    b = torch.empty(nbytes, dtype=torch.uint8)
+    a.fill_(1)
+    b.fill_(2)
+    t_copy = median_time(lambda: b.copy_(a), reps)
+
+    # Time spent moving bytes inside the engine's own calls: overhead = the rest of the call.
+    moved = {"t": 0.0}
+    for tr in (eng.transfer_for(src), eng.transfer_for(dst)):
+        for name in ("gather", "scatter"):
+            real = getattr(tr, name)
+
+            def timed(*a, _real=real, **k):
+                t0 = time.perf_counter()
+                try:
+                    return _real(*a, **k)
+                finally:
+                    moved["t"] += time.perf_counter() - t0
+
+            setattr(tr, name, timed)
+
+    def call_and_overhead(fn: Callable[[], object], setup=None) -> tuple[float, float]:
+        calls, overs = [], []
+        for _ in range(reps + 1):
+            if setup:
+                setup()
+            moved["t"] = 0.0
+            t0 = time.perf_counter()
+            fn()
+            dt = time.perf_counter() - t0
+            calls.append(dt)
+            overs.append(dt - moved["t"])
+        return statistics.median(calls[1:]), statistics.median(overs[1:])
+
+    t_store, o_store = call_and_overhead(lambda: eng.store(toks, src, s_in),
+                                         setup=lambda: eng.storage.l1.clear())
+    eng.store(toks, src, s_in)
+    assert eng.lookup(toks) == n_tokens
+    t_retr, o_retr = call_and_overhead(lambda: eng.retrieve(toks, dst, s_out))
+    eng.close()
+    ranges = range(0, n_tokens, 256)
+
+    chunks = len(ranges)
+    copy_bw = nbytes / t_copy / GiB
+    print(f"CPU tier, {label}: {layers} layers x {heads} KV heads x {dim}, bf16, block {bs}, "
+          f"{n_tokens} tokens = {nbytes / GiB:.2f} GiB, {chunks} chunks")
+    rows = [
+        row("store (paged -> pool)", nbytes / t_store / GiB, "GiB/s", copy_bw,
+            "torch copy, 1 thread", ">= 0.75x copy"),
+        row("retrieve (pool -> paged)", nbytes / t_retr / GiB, "GiB/s", copy_bw,
+            "torch copy, 1 thread", ">= 0.75x copy"),
+    ]
+    over = {"store": o_store / chunks * 1e6, "retrieve": o_retr / chunks * 1e6,
+            "store_total": t_store / chunks * 1e6, "retrieve_total": t_retr / chunks * 1e6}
+    return rows, over
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="smaller sizes, fewer repetitions")
+    ap.add_argument("--json", help="also write the figures to this file")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(1)
+    reps = 3 if args.quick else 7
+    print(f"lmc core benchmark (torch {torch.__version__}, 1 thread)\n")
+    results = bench_hashing(32768, 20 if args.quick else 50)
+    print()
+    n = 2048 if args.quick else 8192
+    rows, over_big = bench_paged(32, 8, 128, n, reps, "Llama-8B-like")
+    results += rows
+    print()
+    _, over_tiny = bench_paged(1, 1, 8, 32768, reps * 3, "tiny (bookkeeping only)")
+    print("\nEngine overhead per chunk: call time minus byte moving (us; LMCache 0.5.6 here: "
+          "37 store / 31 retrieve; target <= 5)")
+    for label, over in (("Llama-8B-like", over_big), ("tiny", over_tiny)):
+        print(f"  {label:14s} store {over['store']:7.2f} us  retrieve {over['retrieve']:7.2f} us"
+              f"   (whole call per chunk: {over['store_total']:.1f} / "
+              f"{over['retrieve_total']:.1f} us)")
+        results.append({"name": f"overhead per chunk, {label}", "store_us": over["store"],
+                        "retrieve_us": over["retrieve"]})
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,87 @@
+"""Backend registry and the multi-tier prefix logic (two real CPU tiers)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lmc import CacheConfig
+from lmc.memory import MemoryPool
+from lmc.storage_backend import StorageBackend, backend_factory, create_backend
+from lmc.storage_manager import StorageManager
+
+
+def test_registry_finds_backends_by_name_and_rejects_unknown():
+    from lmc.storage_backends.cpu import CPUBackend
+
+    assert backend_factory("cpu") is CPUBackend
+    with pytest.raises(ValueError, match="unknown storage backend 'tape'"):
+        backend_factory("tape")
+    with pytest.raises(ValueError, match="no storage backend handles URL scheme 'ftp'"):
+        backend_factory("ftp://x")
+
+
+def _tier(size=1 << 20):
+    cfg = CacheConfig(local_cpu_size=size)
+    pool = MemoryPool(size, pin_memory=False)
+    return create_backend("cpu", cfg, pool), pool
+
+
+def _obj(pool, val):
+    o = pool.allocate((8,), torch.float32, 1)
+    o.tensor.fill_(val)
+    return o
+
+
+def test_prefix_spans_tiers_and_stops_at_first_gap():
+    (l1, p1), (l2, p2) = _tier(), _tier()
+    sm = StorageManager([l1, l2])
+    keys = [bytes([i]) * 16 for i in range(5)]
+    for tier, pool, idx in [(l1, p1, [0, 3]), (l2, p2, [1, 2])]:
+        objs = [_obj(pool, i) for i in idx]
+        tier.put([keys[i] for i in idx], objs)
+        for o in objs:
+            o.release()
+    assert sm.prefix_hits(keys) == 4
+    got = sm.get_prefix(keys)
+    assert [float(o.tensor[0]) for o in got] == [0, 1, 2, 3]
+    for o in got:
+        o.release()
+    assert sm.prefix_hits(keys[1:]) == 3 and sm.prefix_hits([keys[4]]) == 0
+
+
+class _Broken(StorageBackend):
+    """A tier whose every call fails, as a dead remote would."""
+
+    name = "broken"
+
+    def contains(self, keys):
+        raise ConnectionError("down")
+
+    def get(self, keys):
+        raise ConnectionError("down")
+
+    def put(self, keys, objs):
+        raise ConnectionError("down")
+
+    def delete(self, keys):
+        raise ConnectionError("down")
+
+
+def test_a_failing_tier_is_a_miss_not_an_error():
+    l1, p1 = _tier()
+    sm = StorageManager([l1, _Broken()])
+    k = [b"a" * 16, b"b" * 16]
+    o = _obj(p1, 1)
+    l1.put(k[:1], [o])
+    o.release()
+    assert sm.prefix_hits(k) == 1
+    got = sm.get_prefix(k)
+    assert len(got) == 1
+    got[0].release()
+    assert sm.delete(k) == 1
+
+
+def test_first_tier_must_allocate():
+    with pytest.raises(TypeError, match="memory tier"):
+        StorageManager([_Broken()])
