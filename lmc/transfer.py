@@ -124,6 +124,10 @@ class TorchTransfer(KVTransfer):
         self.block_ok = (not self.special and s.block_size > 1
                          and all(p.s_off == self.W and p.base % (s.block_size * self.W) == 0
                                  and p.s_blk % (s.block_size * self.W) == 0 for p in self.strides))
+        # Everything below works on same-width integer views: moving bits needs no float
+        # kernels (CPU torch has no fp8 index_copy_), and no value is ever converted.
+        self.int_dtype = _INT_VIEW[spec.dtype.itemsize][0]
+        self.layers = [tuple(t.view(self.int_dtype) for t in ts) for ts in self.layers]
         for tensors in self.layers:
             self.tok_tables.append([t.view(-1, self.W) for t in tensors]
                                    if not self.special else list(tensors))
@@ -172,7 +176,8 @@ class TorchTransfer(KVTransfer):
         equal-size chunks (a prompt's full chunks) get their indices from one reshape."""
         bs, n_all = self.spec.block_size, slots.numel()
         if n_all == 0 or not ranges:
-            return TransferPlan([])
+            empty = torch.empty(0, dtype=torch.int64, device=self.device)
+            return TransferPlan([ChunkPlan(a, b, "token", empty, None, None) for a, b in ranges])
         s = slots.cpu().numpy()
         lo, hi = int(s.min()), int(s.max())
         if hi >= self.num_slots:
@@ -248,8 +253,11 @@ class TorchTransfer(KVTransfer):
     # --------------------------------------------------------------- execute
     def gather(self, plan: TransferPlan, bufs: Sequence[torch.Tensor],
                layers: Iterable[int] | None = None) -> None:
-        layer_ids = range(self.spec.num_layers) if layers is None else layers
+        layer_ids = range(self.spec.num_layers) if layers is None else list(layers)
         for cp, buf in zip(plan.chunks, bufs, strict=True):
+            if cp.start == cp.end:
+                continue
+            buf = buf.view(self.int_dtype)
             for layer in layer_ids:
                 dst = buf[layer]
                 if self.special:
@@ -282,8 +290,11 @@ class TorchTransfer(KVTransfer):
                 layers: Iterable[int] | None = None,
                 arrays: Sequence[np.ndarray] | None = None) -> None:
         """``arrays``: optional integer numpy views of ``bufs`` (saves a conversion each)."""
-        layer_ids = range(self.spec.num_layers) if layers is None else layers
+        layer_ids = range(self.spec.num_layers) if layers is None else list(layers)
         for i, (cp, buf) in enumerate(zip(plan.chunks, bufs, strict=True)):
+            if cp.start == cp.end:
+                continue
+            buf = buf.view(self.int_dtype)
             src_np = None
             if self.cpu and cp.index_np is not None:
                 src_np = arrays[i] if arrays is not None else int_view(buf)

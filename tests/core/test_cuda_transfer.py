@@ -76,9 +76,9 @@ def chunk_buffer(shape, dtype, gen, *, device: str, pin: bool = False,
 class TorchReference:
     """TorchTransfer (CPU) on the tokens whose slot is >= 0, placed by hand.
 
-    Equivalent to TorchTransfer on all tokens, but never hands it a chunk with skipped slots
-    (its "masked" CPU scatter has no fp8 kernel) or an empty chunk (its token-mode gather
-    cannot reshape zero rows). Rows are placed through integer views.
+    Equivalent to TorchTransfer on all tokens, but placed through a second route (only the
+    valid tokens, rows put in place by hand through integer views), so the CUDA path is
+    checked against more than one reading of the semantics.
     """
 
     def __init__(self, spec: KVSpec, caches, slots: torch.Tensor, ranges) -> None:

@@ -64,27 +64,41 @@ def test_layerwise_calls_equal_all_layers(layout):
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_negative_slots_are_skipped(layout):
-    caches = make_caches(layout)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_negative_slots_are_skipped(layout, dtype):
+    caches = make_caches(layout, dtype=dtype)
     spec = spec_for(layout, caches)
     tr = make_transfer(spec, caches)
     slots = torch.arange(8)
     slots[[1, 5]] = -1
     plan = tr.plan(slots, [(0, 8)])
     assert plan.chunks[0].mode == "masked"
-    buf = torch.full(spec.chunk_shape(8), 7.0)
+    buf = torch.full((*spec.chunk_shape(8)[:-1], spec.row_width * dtype.itemsize), 7,
+                     dtype=torch.uint8).view(dtype)
     tr.gather(plan, [buf])
     ref = token_kv(spec, caches, torch.arange(8))
     keep = [0, 2, 3, 4, 6, 7]
     assert_bits_equal(buf[:, :, keep], ref[:, :, keep])
-    assert bool((buf[:, :, [1, 5]] == 7.0).all()), "skipped rows must stay untouched"
+    assert bool((buf[:, :, [1, 5]].view(torch.uint8) == 7).all()), "skipped rows untouched"
 
-    fresh = make_caches(layout, zeros=True)
+    fresh = make_caches(layout, dtype=dtype, zeros=True)
     tr2 = make_transfer(spec_for(layout, fresh), fresh)
     tr2.scatter(tr2.plan(slots, [(0, 8)]), [buf])
     got = token_kv(spec, fresh, torch.arange(8))
     assert_bits_equal(got[:, :, keep], ref[:, :, keep])
-    assert bool((got[:, :, [1, 5]] == 0).all()), "negative slots must not be written"
+    assert bool((got[:, :, [1, 5]].view(torch.uint8) == 0).all()), "unmapped slots written"
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_empty_chunks_are_no_ops(layout):
+    caches = make_caches(layout)
+    spec = spec_for(layout, caches)
+    tr = make_transfer(spec, caches)
+    for slots, ranges in [(torch.arange(0), [(0, 0)]), (torch.arange(8), [(0, 8), (8, 8)])]:
+        bufs = [torch.zeros(spec.chunk_shape(e - s)) for s, e in ranges]
+        plan = tr.plan(slots, ranges)
+        tr.gather(plan, bufs)
+        tr.scatter(plan, bufs)
 
 
 def test_slot_past_the_cache_is_an_error():
