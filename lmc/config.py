@@ -126,6 +126,34 @@ class CacheConfig:
         "page-lock the pool: auto = when CUDA is available")
     debug_leaks: bool = _field(
         False, _parse_bool, "record allocation sites of memory objects and report leaks")
+    # ---- lower tiers
+    local_disk: str | None = _field(
+        None, _parse_opt_str, "directory of the local disk tier; unset = no disk tier")
+    local_disk_size: int = _field(
+        "16GiB", parse_size, "bytes the disk tier may use; least recently used chunks go first")
+    disk_fsync: bool = _field(
+        False, _parse_bool, "fsync each disk value before it becomes visible (power-loss safe)")
+    remote_url: str | None = _field(
+        None, _parse_opt_str,
+        "remote tier: redis://, rediss://, redis+cluster://host:port,... (unset = none)")
+    remote_timeout: float = _field(
+        1.0, lambda v, k: _parse_float(v, k, minimum=0.001),
+        "seconds any remote call may take before it counts as a miss")
+    remote_key_prefix: str = _field(
+        "lmc", lambda v, k: _parse_opt_str(v, k) or "lmc",
+        "prefix of every remote key, so deployments can share a server")
+    remote_ttl: float = _field(
+        0, lambda v, k: _parse_float(v, k, minimum=0),
+        "seconds a remote value lives (0 = no expiry)")
+    remote_connections: int = _field(
+        4, lambda v, k: _parse_int(v, k, minimum=1),
+        "parallel connections to the remote tier for large values")
+    write_policy: str = _field(
+        "write_through", lambda v, k: _parse_choice(v, k, ("write_through", "write_on_evict")),
+        "when L1 chunks flow to lower tiers: on every store, or when evicted from L1")
+    write_queue_size: int = _field(
+        "1GiB", parse_size,
+        "bytes of chunks waiting to be written to lower tiers; beyond it writes are dropped")
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
