@@ -1,11 +1,16 @@
-"""The ``lmc`` command line. Subcommands are added by the modules that implement them."""
+"""The ``lmc`` command line. Subcommands live in the modules that implement them: each module in
+``COMMAND_MODULES`` offers ``register_cli(subparsers)`` and sets ``func`` on its parser."""
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 
 import yaml
+
+
+COMMAND_MODULES = ("lmc.demo", "lmc.server.cli")
 
 
 def _config(args: argparse.Namespace) -> int:
@@ -32,6 +37,14 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--config", help="YAML file (defaults only when omitted)")
     c.add_argument("--keys", action="store_true", help="list every key with its default")
     c.set_defaults(func=_config)
+    for name in COMMAND_MODULES:
+        try:
+            mod = importlib.import_module(name)
+        except ModuleNotFoundError as e:
+            if e.name != name:  # the module exists but something it needs is missing
+                raise
+            continue
+        mod.register_cli(sub)
     return p
 
 

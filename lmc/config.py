@@ -136,6 +136,8 @@ class CacheConfig:
     remote_url: str | None = _field(
         None, _parse_opt_str,
         "remote tier: redis://, rediss://, redis+cluster://host:port,... (unset = none)")
+    remote_token: str | None = _field(
+        None, _parse_opt_str, "shared token sent to an lmc:// cache server (never logged)")
     remote_timeout: float = _field(
         1.0, lambda v, k: _parse_float(v, k, minimum=0.001),
         "seconds any remote call may take before it counts as a miss")
