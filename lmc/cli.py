@@ -41,8 +41,8 @@ def build_parser() -> argparse.ArgumentParser:
         try:
             mod = importlib.import_module(name)
         except ModuleNotFoundError as e:
-            if e.name != name:  # the module exists but something it needs is missing
-                raise
+            if not (name == e.name or name.startswith(f"{e.name}.")):
+                raise  # the module exists but something it needs is missing
             continue
         mod.register_cli(sub)
     return p

@@ -1,0 +1,1 @@
+"""The node-wide cache-server daemon (``lmc server``) and its wire protocol."""
