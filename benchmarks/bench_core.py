@@ -3,7 +3,8 @@
 Every figure is printed next to its limit measured in the same run, as a ratio:
   * chunk keys vs a bare xxh3_128 chain over the same bytes;
   * paged store (engine cache -> pool) and retrieve (pool -> engine cache) vs a one-thread
-    torch copy of the same number of bytes (torch runs with one thread throughout);
+    torch copy of the same number of bytes (torch runs with one thread throughout), each
+    repetition paired with a copy taken right after it; the ratio is the median of the pairs;
   * engine overhead per chunk = (engine call - time inside its gather/scatter) / chunks,
     measured inside the same calls: hashing, lookup, allocation, planning, bookkeeping.
 
@@ -42,8 +43,10 @@ def median_time(fn: Callable[[], object], reps: int, setup: Callable[[], object]
     return statistics.median(times[1:])
 
 
-def row(name: str, value: float, unit: str, limit: float, limit_name: str, target: str) -> dict:
-    ratio = value / limit if limit else float("nan")
+def row(name: str, value: float, unit: str, limit: float, limit_name: str, target: str,
+        ratio: float | None = None) -> dict:
+    if ratio is None:
+        ratio = value / limit if limit else float("nan")
     print(f"  {name:34s} {value:10.2f} {unit:8s} | {limit_name:28s} {limit:9.2f} | "
           f"ratio {ratio:6.2f}  (target {target})")
     return {"name": name, "value": value, "unit": unit, "limit": limit,
@@ -90,8 +93,8 @@ def _shuffled_slots(n: int, blocks: int, bs: int, seed: int) -> torch.Tensor:
     return (perm[:, None] * bs + torch.arange(bs)).flatten()[:n]
 
 
-def bench_paged(layers: int, heads: int, dim: int, n_tokens: int, reps: int, label: str
-                ) -> tuple[list[dict], dict]:
+def bench_paged(layers: int, heads: int, dim: int, n_tokens: int, reps: int, label: str,
+                show_bandwidth: bool = True) -> tuple[list[dict], dict]:
     bs, dtype = 16, torch.bfloat16
     blocks = n_tokens // bs + 64
     src = _paged_cache(layers, heads, dim, blocks, bs, dtype)
@@ -109,7 +112,11 @@ def bench_paged(layers: int, heads: int, dim: int, n_tokens: int, reps: int, lab
     b = torch.empty(nbytes, dtype=torch.uint8)
     a.fill_(1)
     b.fill_(2)
-    t_copy = median_time(lambda: b.copy_(a), reps)
+
+    def copy_once() -> float:
+        t0 = time.perf_counter()
+        b.copy_(a)
+        return time.perf_counter() - t0
 
     # Time spent moving bytes inside the engine's own calls: overhead = the rest of the call.
     moved = {"t": 0.0}
@@ -126,8 +133,12 @@ def bench_paged(layers: int, heads: int, dim: int, n_tokens: int, reps: int, lab
 
             setattr(tr, name, timed)
 
-    def call_and_overhead(fn: Callable[[], object], setup=None) -> tuple[float, float]:
-        calls, overs = [], []
+    def call_and_overhead(fn: Callable[[], object], setup=None
+                          ) -> tuple[float, float, float, float]:
+        """Median call time, overhead, interleaved copy time, and median per-rep ratio
+        (copy time / call time): each rep pairs the call with a copy taken right next to it,
+        so a shared machine's changing load hits both alike."""
+        calls, overs, copies, ratios = [], [], [], []
         for _ in range(reps + 1):
             if setup:
                 setup()
@@ -135,27 +146,33 @@ def bench_paged(layers: int, heads: int, dim: int, n_tokens: int, reps: int, lab
             t0 = time.perf_counter()
             fn()
             dt = time.perf_counter() - t0
+            tc = copy_once()
             calls.append(dt)
             overs.append(dt - moved["t"])
-        return statistics.median(calls[1:]), statistics.median(overs[1:])
+            copies.append(tc)
+            ratios.append(tc / dt)
+        med = statistics.median
+        return med(calls[1:]), med(overs[1:]), med(copies[1:]), med(ratios[1:])
 
-    t_store, o_store = call_and_overhead(lambda: eng.store(toks, src, s_in),
-                                         setup=lambda: eng.storage.l1.clear())
+    t_store, o_store, c_store, r_store = call_and_overhead(
+        lambda: eng.store(toks, src, s_in), setup=lambda: eng.storage.l1.clear())
     eng.store(toks, src, s_in)
     assert eng.lookup(toks) == n_tokens
-    t_retr, o_retr = call_and_overhead(lambda: eng.retrieve(toks, dst, s_out))
+    t_retr, o_retr, c_retr, r_retr = call_and_overhead(lambda: eng.retrieve(toks, dst, s_out))
     eng.close()
     ranges = range(0, n_tokens, 256)
 
     chunks = len(ranges)
-    copy_bw = nbytes / t_copy / GiB
     print(f"CPU tier, {label}: {layers} layers x {heads} KV heads x {dim}, bf16, block {bs}, "
           f"{n_tokens} tokens = {nbytes / GiB:.2f} GiB, {chunks} chunks")
+    if not show_bandwidth:
+        return [], {"store": o_store / chunks * 1e6, "retrieve": o_retr / chunks * 1e6,
+                    "store_total": t_store / chunks * 1e6, "retrieve_total": t_retr / chunks * 1e6}
     rows = [
-        row("store (paged -> pool)", nbytes / t_store / GiB, "GiB/s", copy_bw,
-            "torch copy, 1 thread", ">= 0.75x copy"),
-        row("retrieve (pool -> paged)", nbytes / t_retr / GiB, "GiB/s", copy_bw,
-            "torch copy, 1 thread", ">= 0.75x copy"),
+        row("store (paged -> pool)", nbytes / t_store / GiB, "GiB/s", nbytes / c_store / GiB,
+            "torch copy, 1 thread", ">= 0.75x copy", ratio=r_store),
+        row("retrieve (pool -> paged)", nbytes / t_retr / GiB, "GiB/s", nbytes / c_retr / GiB,
+            "torch copy, 1 thread", ">= 0.75x copy", ratio=r_retr),
     ]
     over = {"store": o_store / chunks * 1e6, "retrieve": o_retr / chunks * 1e6,
             "store_total": t_store / chunks * 1e6, "retrieve_total": t_retr / chunks * 1e6}
@@ -176,7 +193,8 @@ def main(argv: list[str] | None = None) -> int:
     rows, over_big = bench_paged(32, 8, 128, n, reps, "Llama-8B-like")
     results += rows
     print()
-    _, over_tiny = bench_paged(1, 1, 8, 32768, reps * 3, "tiny (bookkeeping only)")
+    _, over_tiny = bench_paged(1, 1, 8, 32768, reps * 3, "tiny (bookkeeping only)",
+                               show_bandwidth=False)
     print("\nEngine overhead per chunk: call time minus byte moving (us; LMCache 0.5.6 here: "
           "37 store / 31 retrieve; target <= 5)")
     for label, over in (("Llama-8B-like", over_big), ("tiny", over_tiny)):

@@ -93,18 +93,24 @@ def register_backend(name: str, schemes: Sequence[str] = ()) -> Callable[[type],
     return deco
 
 
-def _load_plugins() -> None:
+def _load_plugins(name: str | None = None) -> None:
+    """Import backend modules from the entry-point group: the one called ``name`` when given
+    (a backend asked for by name), else all of them (a URL: any module may claim the scheme)."""
     global _loaded
     with _load_lock:
         if _loaded:
             return
-        for ep in metadata.entry_points(group="lmc.storage_backends"):
+        eps = metadata.entry_points(group="lmc.storage_backends")
+        if name is not None:
+            eps = [ep for ep in eps if ep.name == name]
+        for ep in eps:
             try:
                 importlib.import_module(ep.value.split(":")[0])
             except Exception as e:  # a broken plugin must not take the others down
                 log.warning("storage backend plugin %s (%s) failed to import: %s",
                             ep.name, ep.value, e)
-        _loaded = True
+        if name is None:
+            _loaded = True
 
 
 def _lookup(spec: str) -> BackendFactory | None:
@@ -116,6 +122,9 @@ def _lookup(spec: str) -> BackendFactory | None:
 def backend_factory(spec: str) -> BackendFactory:
     """The backend class for a name (``"cpu"``) or a URL (``"redis://host:6379"``)."""
     factory = _lookup(spec)
+    if factory is None and "://" not in spec:
+        _load_plugins(spec)
+        factory = _lookup(spec)
     if factory is None:
         _load_plugins()
         factory = _lookup(spec)
