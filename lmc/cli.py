@@ -9,7 +9,6 @@ import sys
 
 import yaml
 
-
 COMMAND_MODULES = ("lmc.demo", "lmc.server.cli")
 
 
