@@ -81,3 +81,99 @@ class EngineMetrics:
     def snapshot(self) -> dict[str, float]:
         with self._lock:
             return dict(self.counts)
+
+
+# ---------------------------------------------------------------- lower tiers
+TIER_HITS = Counter("lmc_tier_hits", "Chunks a tier had, by op (lookup = contains, get = read)",
+                    ["tier", "op"])
+TIER_MISSES = Counter("lmc_tier_misses", "Chunks a tier did not have (or could not serve)",
+                      ["tier", "op"])
+TIER_BYTES = Counter("lmc_tier_bytes", "Payload bytes read from / written to a tier",
+                     ["tier", "direction"])
+TIER_SECONDS = Histogram("lmc_tier_seconds", "Latency of one batched tier call",
+                         ["tier", "op"], buckets=_LAT_BUCKETS)
+TIER_ERRORS = Counter("lmc_tier_errors", "Tier operations that failed (turned into misses or "
+                      "skipped writes)", ["tier", "op", "reason"])
+CHECKSUM_FAILURES = Counter("lmc_checksum_failures", "Stored values that failed their header, "
+                            "key or payload check: served as misses and deleted", ["tier"])
+PROMOTED = Counter("lmc_promoted_chunks", "Lower-tier hits copied into L1", ["tier"])
+QUEUE_BYTES = Gauge("lmc_write_queue_bytes", "Bytes waiting in a tier's write-behind queue",
+                    ["tier"])
+QUEUE_CHUNKS = Gauge("lmc_write_queue_chunks", "Chunks waiting in a tier's write-behind queue",
+                     ["tier"])
+DROPPED_WRITES = Counter("lmc_write_dropped_chunks", "Chunks never written to a tier "
+                         "(queue_full, closed, error)", ["tier", "reason"])
+
+
+class TierMetrics:
+    """One tier's counters: Prometheus (process-wide, labelled by tier name) plus plain numbers
+    for ``stats()``. The storage manager records lookups, reads, writes, queue state and drops
+    for every lower tier; a tier records what only it can see (checksum failures, I/O errors)
+    through the same object, so ``stats()`` shows one set of figures per tier.
+    """
+
+    def __init__(self, tier: str) -> None:
+        self.tier = tier
+        self._lock = threading.Lock()
+        self.counts: dict[str, float] = defaultdict(float)
+        self._hit = {op: TIER_HITS.labels(tier, op) for op in ("lookup", "get")}
+        self._miss = {op: TIER_MISSES.labels(tier, op) for op in ("lookup", "get")}
+        self._bytes = {d: TIER_BYTES.labels(tier, d) for d in ("read", "write")}
+        self._secs = {op: TIER_SECONDS.labels(tier, op) for op in ("lookup", "get", "put")}
+        self._qbytes = QUEUE_BYTES.labels(tier)
+        self._qchunks = QUEUE_CHUNKS.labels(tier)
+
+    def _add(self, **kv: float) -> None:
+        with self._lock:
+            for k, v in kv.items():
+                self.counts[k] += v
+
+    def lookup(self, hits: int, misses: int, seconds: float) -> None:
+        self._hit["lookup"].inc(hits)
+        self._miss["lookup"].inc(misses)
+        self._secs["lookup"].observe(seconds)
+        self._add(lookup_hits=hits, lookup_misses=misses, lookup_seconds=seconds)
+
+    def read(self, hits: int, misses: int, nbytes: int, seconds: float) -> None:
+        self._hit["get"].inc(hits)
+        self._miss["get"].inc(misses)
+        self._bytes["read"].inc(nbytes)
+        self._secs["get"].observe(seconds)
+        self._add(get_hits=hits, get_misses=misses, read_bytes=nbytes, get_seconds=seconds)
+
+    def write(self, stored: int, nbytes: int, seconds: float) -> None:
+        self._bytes["write"].inc(nbytes)
+        self._secs["put"].observe(seconds)
+        self._add(put_chunks=stored, write_bytes=nbytes, put_seconds=seconds)
+
+    def error(self, op: str, reason: str, n: int = 1) -> None:
+        if n:
+            TIER_ERRORS.labels(self.tier, op, reason).inc(n)
+            self._add(**{f"errors_{op}_{reason}": n})
+
+    def checksum_failure(self, n: int = 1) -> None:
+        if n:
+            CHECKSUM_FAILURES.labels(self.tier).inc(n)
+            self._add(checksum_failures=n)
+
+    def promoted(self, n: int) -> None:
+        if n:
+            PROMOTED.labels(self.tier).inc(n)
+            self._add(promoted=n)
+
+    def queue(self, nbytes: int, chunks: int) -> None:
+        self._qbytes.set(nbytes)
+        self._qchunks.set(chunks)
+
+    def dropped(self, reason: str, n: int) -> None:
+        if n:
+            DROPPED_WRITES.labels(self.tier, reason).inc(n)
+            self._add(**{f"dropped_{reason}": n})
+
+    def get(self, name: str) -> float:
+        with self._lock:
+            return self.counts.get(name, 0.0)
+
+    def snapshot(self) -> dict[str, float]:
+        with self._lock:
+            return dict(self.counts)
