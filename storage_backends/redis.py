@@ -1,0 +1,328 @@
+"""L3: a Redis / Valkey server or cluster shared by every engine instance.
+
+One value per chunk, ``{remote_key_prefix}:{key.hex()}`` → ``lmc.serde`` header + payload.
+Every call is batched: ``contains`` is one pipeline per server (one round trip for a whole
+prompt), ``get``/``put`` spread a prompt's chunks over ``remote_connections`` parallel
+connections, each a pipeline whose payloads go between the socket and pool memory without
+intermediate copies (see ``redis_wire``). Every read checks the header key and both
+checksums; a bad value is a miss, is deleted and is counted.
+
+Failure policy: nothing raises into the engine for I/O. ``get``/``contains``/``delete`` end
+within ``remote_timeout`` (one deadline for the whole call, connects included); ``put`` runs
+on the write-behind path and allows ``remote_timeout`` per socket operation instead, so a
+large batch is not cut off while it progresses. Transport failures feed a circuit breaker
+per server; while it is open the tier answers misses without calling.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from redis.exceptions import RedisError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from lmc.config import CacheConfig
+from lmc.memory import MemoryObj, MemoryPool
+from lmc.serde import DTYPE_CODES
+from lmc.storage_backend import Key, StorageBackend, register_backend
+
+from . import redis_metrics as metrics
+from .redis_circuit import OPEN, STATE_CODES, CircuitBreaker
+from .redis_jobs import Call, GetJob, Job, SetJob, SmallJob
+from .redis_nodes import NodePool, Router
+from .redis_url import SCHEMES, parse_target
+from .redis_wire import Deadline
+
+log = logging.getLogger(__name__)
+JobFactory = Callable[[Call, Sequence[int]], Job]
+
+
+def _split(idxs: list[int], parts: int) -> list[list[int]]:
+    """``parts`` contiguous, balanced slices of ``idxs`` (fewer if there are fewer keys)."""
+    parts = max(1, min(parts, len(idxs)))
+    q, r = divmod(len(idxs), parts)
+    out, at = [], 0
+    for p in range(parts):
+        n = q + (p < r)
+        out.append(idxs[at: at + n])
+        at += n
+    return out
+
+
+def _error_kind(e: BaseException) -> str:
+    if isinstance(e, (TimeoutError, RedisTimeoutError)):
+        return "timeout"
+    if isinstance(e, (OSError, RedisError)):
+        return "connection"
+    return "internal"
+
+
+@register_backend("redis", schemes=tuple(SCHEMES))
+class RedisBackend(StorageBackend):
+    """Remote tier over redis-py connections (hiredis) with a zero-copy value path."""
+
+    def __init__(self, spec: str = "redis://127.0.0.1:6379", *, config: CacheConfig,
+                 pool: MemoryPool, allocator: Any = None, breaker_threshold: int = 3,
+                 breaker_backoff: float = 0.25, breaker_max_backoff: float = 10.0,
+                 socket_buffer: int = 0, **_: Any) -> None:
+        self.target = parse_target(spec)
+        self.pool = pool
+        # the L1 tier may be passed as ``allocator`` so that a fetch can evict to make room
+        self._allocate = (allocator or pool).allocate
+        self.timeout = config.remote_timeout
+        self.prefix = config.remote_key_prefix.encode() + b":"
+        self.px = int(round(config.remote_ttl * 1000))
+        self.connections = config.remote_connections
+
+        def make_breaker(label: str) -> CircuitBreaker:
+            listener = metrics.breaker_listener(label)
+
+            def on_change(state: str) -> None:
+                listener(state)
+                log.log(logging.WARNING if state == OPEN else logging.INFO,
+                        "redis tier %s: circuit breaker for %s is now %s",
+                        self.target.display, label, state)
+
+            return CircuitBreaker(breaker_threshold, breaker_backoff, breaker_max_backoff,
+                                  probe_timeout=max(5.0, 4 * self.timeout), on_change=on_change)
+
+        self.router = Router(self.target, make_breaker, max_idle=self.connections + 2,
+                             sock_buf=socket_buffer)
+        self._executor: ThreadPoolExecutor | None = None
+        self._exec_lock = threading.Lock()
+        self._counts: Counter[str] = Counter()
+        self._count_lock = threading.Lock()
+        self.closed = False
+
+    # ------------------------------------------------------------------ helpers
+    def remote_key(self, key: Key) -> bytes:
+        return self.prefix + key.hex().encode()
+
+    def _count(self, **kv: int) -> None:
+        with self._count_lock:
+            self._counts.update(kv)
+
+    def _pool(self) -> ThreadPoolExecutor:
+        ex = self._executor
+        if ex is None:
+            with self._exec_lock:
+                ex = self._executor
+                if ex is None:
+                    ex = self._executor = ThreadPoolExecutor(
+                        max_workers=max(1, self.connections), thread_name_prefix="lmc-redis")
+        return ex
+
+    def _failed(self, node: NodePool, op: str, e: BaseException) -> None:
+        kind = _error_kind(e)
+        metrics.ERRORS.labels(op, kind).inc()
+        self._count(**{f"errors_{kind}": 1})
+        if kind == "internal":
+            log.error("redis tier %s: %s failed on %s", self.target.display, op, node.label,
+                      exc_info=e)
+            return
+        log.debug("redis tier %s: %s on %s failed: %s", self.target.display, op, node.label, e)
+        node.reset()
+        node.breaker.failure()
+        if self.target.cluster:
+            self.router.invalidate()
+
+    def _attempt(self, node: NodePool, job: Job, dl: Deadline) -> None:
+        """Run one job; never raises. A stale pooled connection gets one fresh retry."""
+        for attempt in (0, 1):
+            wc, reused, seen = None, False, 0
+            try:
+                wc, reused = node.take(dl)
+                seen = wc.bytes_in
+                job.send(wc, dl)
+                job.recv(wc, dl)
+            except Exception as e:
+                if wc is not None:
+                    wc.close()
+                job.abort()
+                stale = (reused and wc is not None and wc.bytes_in == seen
+                         and _error_kind(e) == "connection")
+                if stale and attempt == 0:
+                    node.reset()
+                    continue
+                self._failed(node, job.op, e)
+                return
+            node.give(wc)
+            node.breaker.success()
+            return
+
+    def _dispatch(self, call: Call, make_job: JobFactory, dl: Deadline, parallel: bool) -> None:
+        """Route keys to servers (breakers permitting) and run their jobs."""
+        try:
+            groups = self.router.group(call.rkeys, dl)
+        except Exception as e:
+            metrics.ERRORS.labels(call.op, _error_kind(e)).inc()
+            self._count(errors_topology=1)
+            log.debug("redis tier %s: no cluster topology: %s", self.target.display, e)
+            return
+        n = len(call.rkeys)
+        pairs: list[tuple[NodePool, Job]] = []
+        for node, idxs in groups.items():
+            if not node.breaker.allow():
+                metrics.REJECTED_KEYS.labels(call.op).inc(len(idxs))
+                self._count(rejected_keys=len(idxs))
+                continue
+            parts = max(1, round(self.connections * len(idxs) / n)) if parallel else 1
+            pairs += [(node, make_job(call, part)) for part in _split(idxs, parts)]
+        if not pairs:
+            return
+        if len(pairs) == 1:
+            self._attempt(*pairs[0], dl)
+        elif parallel:
+            futs = [self._pool().submit(self._attempt, node, job, dl) for node, job in pairs[1:]]
+            self._attempt(*pairs[0], dl)
+            for f in futs:
+                f.result()  # _attempt never raises; every job is bounded by the deadline
+        else:
+            self._pipelined(pairs, dl)
+        if call.reply_errors:
+            kinds = Counter(e.kind for e in call.reply_errors)
+            for c in kinds.values():
+                metrics.ERRORS.labels(call.op, "reply").inc(c)
+                self._count(errors_reply=c)
+            log.debug("redis tier %s: %s error replies: %s", self.target.display, call.op,
+                      dict(kinds))
+            if call.topology_changed:
+                self.router.invalidate()
+
+    def _pipelined(self, pairs: list[tuple[NodePool, Job]], dl: Deadline) -> None:
+        """Small jobs on several servers from this thread: send all, then read all, so the
+        call costs one round trip however many servers it touches."""
+        sent = []
+        for node, job in pairs:
+            wc = None
+            try:
+                wc, reused = node.take(dl)
+                job.send(wc, dl)
+                sent.append((node, job, wc))
+            except Exception:
+                if wc is not None:
+                    wc.close()
+                job.abort()
+                self._attempt(node, job, dl)  # one more try, on its own
+        for node, job, wc in sent:
+            try:
+                job.recv(wc, dl)
+            except Exception as e:
+                wc.close()
+                job.abort()
+                self._failed(node, job.op, e)
+                continue
+            node.give(wc)
+            node.breaker.success()
+
+    def _finish(self, op: str, t0: float, call: Call, **outcomes: int) -> None:
+        metrics.OP_SECONDS.labels(op).observe(time.perf_counter() - t0)
+        for outcome, c in outcomes.items():
+            if c:
+                metrics.KEYS.labels(op, outcome).inc(c)
+        if call.corrupt:
+            metrics.CORRUPT.inc(call.corrupt)
+        if call.nbytes:
+            metrics.BYTES.labels("read" if op == "get" else "write").inc(call.nbytes)
+        self._count(**{f"{op}_{k}": v for k, v in outcomes.items()}, corrupt=call.corrupt,
+                    alloc_failures=call.alloc_failures,
+                    **{f"bytes_{'read' if op == 'get' else 'written'}": call.nbytes})
+
+    # ------------------------------------------------------------------ tier API
+    def contains(self, keys: Sequence[Key]) -> list[bool]:
+        if not keys or self.closed:
+            return [False] * len(keys)
+        t0 = time.perf_counter()
+        call = Call("contains", keys, [self.remote_key(k) for k in keys], [0] * len(keys))
+        self._dispatch(call, lambda c, idxs: SmallJob(c, idxs, b"EXISTS"),
+                       Deadline(self.timeout), parallel=False)
+        out = [r == 1 for r in call.results]
+        hits = sum(out)
+        self._finish("contains", t0, call, hit=hits, miss=len(keys) - hits)
+        return out
+
+    def get(self, keys: Sequence[Key]) -> list[MemoryObj | None]:
+        if not keys or self.closed:
+            return [None] * len(keys)
+        t0 = time.perf_counter()
+        results: list[Any] = [None] * len(keys)
+        call = Call("get", keys, [self.remote_key(k) for k in keys], results)
+        self._dispatch(call, lambda c, idxs: GetJob(c, idxs, self._allocate),
+                       Deadline(self.timeout), parallel=True)
+        hits = sum(r is not None for r in results)
+        self._finish("get", t0, call, hit=hits, miss=len(keys) - hits)
+        return results
+
+    def put(self, keys: Sequence[Key], objs: Sequence[MemoryObj]) -> int:
+        if len(keys) != len(objs):
+            raise ValueError(f"put: {len(keys)} keys but {len(objs)} objects")
+        for o in objs:  # bad input is the caller's error, raised before any I/O
+            if len(o.shape) != 4 or o.dtype not in DTYPE_CODES:
+                raise ValueError(f"put: cannot store a chunk of shape {o.shape} and dtype "
+                                 f"{o.dtype}; need 4-D [layers, planes, tokens, width] of "
+                                 f"{', '.join(str(d) for d in DTYPE_CODES)}")
+        if not keys or self.closed:
+            return 0
+        t0 = time.perf_counter()
+        rkeys = [self.remote_key(k) for k in keys]
+        # content-addressed: a key already there holds these bytes, so skip its transfer
+        # (with a TTL, PEXPIRE both answers "present?" and renews the value's life)
+        probe = Call("put", keys, rkeys, [None] * len(keys))
+        verb = (b"PEXPIRE", b"%d" % self.px) if self.px else (b"EXISTS",)
+        self._dispatch(probe, lambda c, idxs: SmallJob(c, idxs, *verb),
+                       Deadline(self.timeout), parallel=False)
+        present = sum(r == 1 for r in probe.results)
+        todo = [i for i, r in enumerate(probe.results) if r == 0]
+        stored = 0
+        call = Call("put", keys, rkeys, [False] * len(keys))
+        if todo:
+            sub = Call("put", [keys[i] for i in todo], [rkeys[i] for i in todo],
+                       [False] * len(todo))
+            sub_objs = [objs[i] for i in todo]
+            self._dispatch(sub, lambda c, idxs: SetJob(c, idxs, sub_objs, self.px),
+                           Deadline(self.timeout, idle=True), parallel=True)
+            stored = sum(r is True for r in sub.results)
+            call = sub
+        failed = len(keys) - present - stored
+        self._finish("put", t0, call, stored=stored, present=present, failed=failed)
+        return stored + present
+
+    def delete(self, keys: Sequence[Key]) -> int:
+        if not keys or self.closed:
+            return 0
+        t0 = time.perf_counter()
+        call = Call("delete", keys, [self.remote_key(k) for k in keys], [0] * len(keys))
+        self._dispatch(call, lambda c, idxs: SmallJob(c, idxs, b"DEL"),
+                       Deadline(self.timeout), parallel=False)
+        n = sum(r or 0 for r in call.results)
+        self._finish("delete", t0, call, deleted=n)
+        return n
+
+    # ------------------------------------------------------------------ lifecycle
+    def breaker_state(self) -> str:
+        """The worst state over the tier's servers."""
+        states = [p.breaker.state for p in self.router.pools.values()]
+        return max(states, key=STATE_CODES.__getitem__) if states else "closed"
+
+    def stats(self) -> dict[str, Any]:
+        with self._count_lock:
+            counts = dict(self._counts)
+        nodes = {p.label: {**p.breaker.stats(), "idle_connections": p.idle_count(),
+                           "connects": p.connects}
+                 for p in list(self.router.pools.values())}
+        return {"url": self.target.display, "cluster": self.target.cluster,
+                "breaker": self.breaker_state(), "nodes": nodes,
+                "slot_refreshes": self.router.refreshes, **counts}
+
+    def close(self) -> None:
+        self.closed = True
+        ex, self._executor = self._executor, None
+        if ex is not None:
+            ex.shutdown(wait=True, cancel_futures=True)
+        self.router.close()
