@@ -12,7 +12,7 @@ import logging
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -25,12 +25,13 @@ from lmc.layerwise import LayerwiseRetrieve, LayerwiseStore
 from lmc.memory import Lease, MemoryObj, MemoryPool
 from lmc.metrics import EngineMetrics
 from lmc.storage_backend import Key, StorageBackend, create_backend
-from lmc.storage_manager import StorageManager
+from lmc.storage_manager import StorageManager, TierPool
 from lmc.token_database import ChunkedTokenDatabase, Tokens, namespace_digest
 from lmc.transfer import KVTransfer, make_transfer
 
 log = logging.getLogger(__name__)
 Chunk = tuple[int, int, Key]
+TierSpec = StorageBackend | Callable[[CacheConfig, TierPool], StorageBackend]
 
 
 class CacheEngine:
@@ -41,7 +42,7 @@ class CacheEngine:
     """
 
     def __init__(self, config: CacheConfig, spec: KVSpec, model_id: str, tp_rank: int = 0,
-                 tp_size: int = 1, *, tiers: Sequence[StorageBackend] | None = None,
+                 tp_size: int = 1, *, tiers: Sequence[TierSpec] | None = None,
                  transfer: str = "auto") -> None:
         if not isinstance(config, CacheConfig):
             raise TypeError(f"config must be a CacheConfig, got {type(config).__name__}")
@@ -56,7 +57,9 @@ class CacheEngine:
         self.pool = MemoryPool(config.local_cpu_size, config.pin_memory,
                                debug=config.debug_leaks)
         l1 = create_backend("cpu", config, self.pool)
-        self.storage = StorageManager([l1, *(tiers or ())])
+        self.storage = StorageManager([l1, *self._lower_tiers(l1, tiers)],
+                                      write_policy=config.write_policy,
+                                      queue_bytes=config.write_queue_size)
         self.metrics = EngineMetrics()
         self._transfer_pref = transfer
         self._transfers: OrderedDict[tuple, KVTransfer] = OrderedDict()
@@ -64,6 +67,26 @@ class CacheEngine:
         self._lock = threading.RLock()
         self._worker: ThreadPoolExecutor | None = None
         self._closed = False
+
+    def _lower_tiers(self, l1: StorageBackend, extra: Sequence[TierSpec] | None
+                     ) -> list[StorageBackend]:
+        """Disk (``local_disk``), then remote (``remote_url``), then ``extra``: instances, or
+        factories ``(config, pool) -> tier`` that get the pool lower tiers allocate from."""
+        pool = TierPool(l1)
+        out: list[StorageBackend] = []
+        try:
+            if self.config.local_disk:
+                out.append(create_backend("disk", self.config, pool))
+            if self.config.remote_url:
+                out.append(create_backend(self.config.remote_url, self.config, pool))
+            for t in extra or ():
+                out.append(t if isinstance(t, StorageBackend) else t(self.config, pool))
+        except BaseException:
+            for t in out:
+                t.close()
+            self.pool.close()
+            raise
+        return out
 
     # ------------------------------------------------------------- plumbing
     def transfer_for(self, kv_caches: KVCaches) -> KVTransfer:
@@ -277,10 +300,18 @@ class CacheEngine:
         for tier in self.storage.tiers:
             for k, v in tier.stats().items():
                 out[f"{tier.name}.{k}"] = v
+        out.update(self.storage.stats())
         out["pinned_chunks"] = sum(len(v) for v in self._pins.values())
         return out
 
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until every chunk stored so far has reached the lower tiers (or was dropped);
+        False if ``timeout`` seconds passed first. ``store`` never waits for this itself."""
+        self._check_open()
+        return self.storage.flush(timeout)
+
     def close(self) -> None:
+        """Finish background work, drain the write-behind queues (bounded), close the tiers."""
         if self._closed:
             return
         self._closed = True

@@ -3,82 +3,156 @@
 Lookups are batched per tier and answer the longest contiguous prefix present in *any* tier:
 each tier is asked once, only about the keys no earlier tier had. Stores land in L1
 synchronously; objects become visible only after the caller has finished writing them.
+
+Lower tiers are fed by write-behind (:mod:`lmc.write_behind`), one byte-bounded queue and
+writer thread per tier, so the engine's store never waits on them. ``write_policy``:
+
+* ``write_through``: every chunk stored in L1 is queued for every lower tier at once;
+* ``write_on_evict``: L1 queues a chunk when it evicts it (``CPUBackend.on_evict``). Chunks
+  still in L1 at ``close()`` are not written down.
+
+A lower-tier hit is promoted: the object the tier read (allocated from the shared pool through
+:class:`TierPool`, which may evict L1) is put into L1, and under write-through it is also
+queued for the lower tiers above the one that had it. Chunks waiting in a queue are served
+from there. Every lower-tier call is timed and counted in that tier's :class:`TierMetrics`.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
-from lmc.memory import MemoryObj
+from lmc.memory import MemoryObj, MemoryPool
+from lmc.metrics import TierMetrics
 from lmc.storage_backend import Key, StorageBackend
+from lmc.write_behind import WriteBehind
 
 log = logging.getLogger(__name__)
+WRITE_POLICIES = ("write_through", "write_on_evict")
+
+
+class TierPool:
+    """The memory pool as lower tiers see it: ``allocate`` may evict unreferenced L1 chunks.
+
+    A lower tier's ``get`` allocates its destination with ``self.pool.allocate(shape, dtype,
+    num_tokens)``. Given the raw pool, that fails as soon as L1 has filled it (the steady
+    state); through this wrapper it evicts L1's least recently used chunks first, exactly as a
+    store does. Everything else is the pool's.
+    """
+
+    def __init__(self, l1: StorageBackend) -> None:
+        self._l1 = l1
+        self._pool: MemoryPool = l1.pool  # type: ignore[attr-defined]
+
+    def allocate(self, shape: Sequence[int], dtype: torch.dtype, num_tokens: int = 0
+                 ) -> MemoryObj | None:
+        return self._l1.allocate(shape, dtype, num_tokens)  # type: ignore[attr-defined]
+
+    def allocate_many(self, shape: Sequence[int], dtype: torch.dtype, count: int,
+                      num_tokens: int = 0) -> list[MemoryObj]:
+        return self._l1.allocate_many(shape, dtype, count, num_tokens)  # type: ignore
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._pool, name)
+
+
+def tier_metrics(tier: StorageBackend) -> TierMetrics:
+    """The tier's own ``metrics`` if it has one (so its checksum failures and the manager's
+    counts land in one place), else a fresh one."""
+    m = getattr(tier, "metrics", None)
+    return m if isinstance(m, TierMetrics) else TierMetrics(tier.name)
 
 
 class StorageManager:
     """``tiers[0]`` must offer ``allocate`` (the L1 tier over the pool)."""
 
-    def __init__(self, tiers: Sequence[StorageBackend]) -> None:
+    def __init__(self, tiers: Sequence[StorageBackend], *, write_policy: str = "write_through",
+                 queue_bytes: int = 1 << 30, close_timeout: float = 30.0) -> None:
         if not tiers:
             raise ValueError("StorageManager needs at least one tier")
         if not hasattr(tiers[0], "allocate"):
             raise TypeError(f"the first tier must be a memory tier with allocate(); "
                             f"got {type(tiers[0]).__name__}")
+        if write_policy not in WRITE_POLICIES:
+            raise ValueError(f"write_policy {write_policy!r}: choose one of "
+                             f"{', '.join(WRITE_POLICIES)}")
         self.tiers = list(tiers)
         self.l1 = tiers[0]
+        self.lower = self.tiers[1:]
+        self.write_policy = write_policy
+        self.close_timeout = close_timeout
+        self.metrics = [tier_metrics(t) for t in self.lower]
+        self.queues = [WriteBehind(t, queue_bytes, m) for t, m in zip(self.lower, self.metrics)]
+        self._l1_pool = getattr(self.l1, "pool", None)
+        if self.queues and write_policy == "write_on_evict":
+            if not hasattr(self.l1, "on_evict"):
+                raise TypeError(f"write_on_evict needs an L1 tier with an on_evict hook; "
+                                f"{type(self.l1).__name__} has none")
+            self.l1.on_evict = self._on_evict  # type: ignore[attr-defined]
 
     def allocate(self, shape: Sequence[int], dtype: torch.dtype, num_tokens: int
                  ) -> MemoryObj | None:
-        return self.l1.allocate(shape, dtype, num_tokens)
+        return self.l1.allocate(shape, dtype, num_tokens)  # type: ignore[attr-defined]
 
     def allocate_many(self, shape: Sequence[int], dtype: torch.dtype, count: int,
                       num_tokens: int) -> list[MemoryObj]:
-        return self.l1.allocate_many(shape, dtype, count, num_tokens)
+        return self.l1.allocate_many(shape, dtype, count, num_tokens)  # type: ignore
 
     def l1_contains(self, keys: Sequence[Key]) -> list[bool]:
         return self.l1.contains(keys)
 
+    # ---------------------------------------------------------------- lookups
     def prefix_hits(self, keys: Sequence[Key]) -> int:
         """Leading keys present in some tier (each tier asked once, batched)."""
         if not keys:
             return 0
         if len(self.tiers) == 1:
             return self.l1.prefix_hits(keys)
-        present = [False] * len(keys)
-        for tier in self.tiers:
+        present = self.l1.contains(keys)
+        for q in self.queues:
+            if q.queued_chunks:
+                present = [p or w for p, w in zip(present, q.contains(keys))]
+        for tier, m in zip(self.lower, self.metrics):
             todo = [i for i, p in enumerate(present) if not p]
             if not todo:
                 break
+            t0 = time.perf_counter()
             try:
                 found = tier.contains([keys[i] for i in todo])
             except Exception as e:  # a failing tier is a miss, never an error to the engine
                 log.warning("tier %s failed contains(): %s", tier.name, e)
+                m.error("lookup", type(e).__name__)
                 continue
+            hits = 0
             for i, f in zip(todo, found):
                 if f:
                     present[i] = True
+                    hits += 1
+            m.lookup(hits, len(todo) - hits, time.perf_counter() - t0)
         n = 0
         while n < len(present) and present[n]:
             n += 1
         return n
 
     def get_prefix(self, keys: Sequence[Key]) -> list[MemoryObj]:
-        """Objects for the longest present prefix of ``keys``, each acquired for the caller."""
-        found: list[MemoryObj | None] = [None] * len(keys)
-        for tier in self.tiers:
-            todo = [i for i, o in enumerate(found) if o is None]
-            if not todo:
-                break
-            try:
-                objs = tier.get([keys[i] for i in todo])
-            except Exception as e:
-                log.warning("tier %s failed get(): %s", tier.name, e)
-                continue
-            for i, o in zip(todo, objs):
-                found[i] = o
+        """Objects for the longest present prefix of ``keys``, each acquired for the caller.
+        Lower-tier hits are promoted into L1 on the way."""
+        found: list[MemoryObj | None] = list(self.l1.get(keys)) if keys else []
+        if self.lower and any(o is None for o in found):
+            self._from_queues(keys, found)
+            for level, tier in enumerate(self.lower):
+                todo = [i for i, o in enumerate(found) if o is None]
+                if not todo:
+                    break
+                got = self._get_lower(level, tier, [keys[i] for i in todo])
+                hit = [(i, o) for i, o in zip(todo, got) if o is not None]
+                for i, o in hit:
+                    found[i] = o
+                self._promote(level, [keys[i] for i, _ in hit], [o for _, o in hit])
         out: list[MemoryObj] = []
         for o in found:
             if o is None:
@@ -89,11 +163,76 @@ class StorageManager:
                 o.release()
         return out
 
+    def _from_queues(self, keys: Sequence[Key], found: list[MemoryObj | None]) -> None:
+        """Fill misses from chunks waiting in write-behind queues (and put them back in L1)."""
+        for q in self.queues:
+            if not q.queued_chunks:
+                continue
+            todo = [i for i, o in enumerate(found) if o is None]
+            got = q.lookup([keys[i] for i in todo])
+            back = [(keys[i], o) for i, o in zip(todo, got) if o is not None]
+            for i, o in zip(todo, got):
+                if o is not None:
+                    found[i] = o
+            if back:
+                self._l1_put([k for k, _ in back], [o for _, o in back])
+
+    def _get_lower(self, level: int, tier: StorageBackend, keys: list[Key]
+                   ) -> list[MemoryObj | None]:
+        m = self.metrics[level]
+        t0 = time.perf_counter()
+        try:
+            got = list(tier.get(keys))
+        except Exception as e:
+            log.warning("tier %s failed get(): %s", tier.name, e)
+            m.error("get", type(e).__name__)
+            return [None] * len(keys)
+        if len(got) != len(keys):
+            log.error("tier %s answered %d objects for %d keys: treated as misses", tier.name,
+                      len(got), len(keys))
+            for o in got:
+                if o is not None:
+                    o.release()
+            return [None] * len(keys)
+        hits = [o for o in got if o is not None]
+        m.read(len(hits), len(keys) - len(hits), sum(o.nbytes for o in hits),
+               time.perf_counter() - t0)
+        return got
+
+    def _l1_put(self, keys: list[Key], objs: list[MemoryObj]) -> int:
+        mine = [(k, o) for k, o in zip(keys, objs) if o.pool is self._l1_pool]
+        if not mine:
+            return 0
+        return self.l1.put([k for k, _ in mine], [o for _, o in mine])
+
+    def _promote(self, level: int, keys: list[Key], objs: list[MemoryObj]) -> None:
+        if not keys:
+            return
+        self.metrics[level].promoted(self._l1_put(keys, objs))
+        if self.write_policy == "write_through":
+            for q in self.queues[:level]:  # the tiers above it missed these chunks
+                q.offer(keys, objs)
+
+    # ----------------------------------------------------------------- writes
     def put(self, keys: Sequence[Key], objs: Sequence[MemoryObj]) -> int:
-        """Store fully written chunks in L1 (lower tiers: see the write policy)."""
-        return self.l1.put(keys, objs)
+        """Store fully written chunks in L1; under write-through also queue them for every
+        lower tier (never waits on them)."""
+        n = self.l1.put(keys, objs)
+        if self.write_policy == "write_through":
+            for q in self.queues:
+                q.offer(keys, objs)
+        return n
+
+    def _on_evict(self, victims: list[tuple[Key, MemoryObj]]) -> None:
+        """L1's eviction hook (write-on-evict); runs under L1's lock, so it only queues."""
+        keys = [k for k, _ in victims]
+        objs = [o for _, o in victims]
+        for q in self.queues:
+            q.offer(keys, objs)
 
     def delete(self, keys: Sequence[Key]) -> int:
+        for q in self.queues:
+            q.discard(keys)
         n = 0
         for tier in self.tiers:
             try:
@@ -102,7 +241,30 @@ class StorageManager:
                 log.warning("tier %s failed delete(): %s", tier.name, e)
         return n
 
-    def close(self) -> None:
+    # -------------------------------------------------------------- lifecycle
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until every queued write has reached its tier (or failed); False on timeout."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        ok = True
+        for q in self.queues:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            ok = q.flush(left) and ok
+        return ok
+
+    def stats(self) -> dict[str, float]:
+        """Per lower tier: the manager's counts and queue state, keys ``<tier>.<name>``."""
+        out: dict[str, float] = {}
+        for tier, m, q in zip(self.lower, self.metrics, self.queues):
+            for k, v in {**m.snapshot(), **q.stats()}.items():
+                out[f"{tier.name}.{k}"] = v
+        return out
+
+    def close(self, drain: bool = True) -> None:
+        """Drain the write-behind queues (bounded by ``close_timeout`` in all), then close the
+        tiers, lowest first."""
+        deadline = time.monotonic() + self.close_timeout
+        for q in self.queues:
+            q.close(drain, max(0.0, deadline - time.monotonic()))
         for tier in reversed(self.tiers):
             try:
                 tier.close()

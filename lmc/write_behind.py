@@ -1,0 +1,220 @@
+"""Write-behind: chunks flow from L1 down to one lower tier on that tier's own thread.
+
+Why: the engine's store must cost a memory copy, never a disk write or a network round trip,
+and one slow tier must not hold back another. So each lower tier gets a queue and a writer
+thread; ``offer`` only appends and never blocks (beyond a short lock).
+
+The queue is bounded in **bytes** (the pool memory it keeps alive), not in items: chunk sizes
+vary by model. When an offer would pass the bound the chunk is dropped and counted: it stays
+in L1 (write-through) or is simply gone (write-on-evict), which costs a later recompute, never
+a stall. The queue holds one reference on each object it carries, so L1 eviction cannot free
+memory the writer is still reading. Chunks waiting here can be served to readers
+(:meth:`lookup`): under write-on-evict an evicted chunk is otherwise invisible until written.
+
+The writer hands batches to ``tier.put(keys, objs)`` synchronously, from its thread: the tier
+may take as long as it needs (and time out as it sees fit); the references are released when
+``put`` returns. ``put`` returns how many keys it stored; the rest count as dropped.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Sequence
+
+from lmc.memory import MemoryObj
+from lmc.metrics import TierMetrics
+from lmc.storage_backend import Key, StorageBackend
+
+log = logging.getLogger(__name__)
+
+
+class WriteBehind:
+    """A byte-bounded queue of (key, object) feeding ``tier.put`` from one daemon thread."""
+
+    def __init__(self, tier: StorageBackend, max_bytes: int, metrics: TierMetrics | None = None,
+                 *, batch_chunks: int = 16, batch_bytes: int = 256 << 20) -> None:
+        self.tier = tier
+        self.max_bytes = int(max_bytes)
+        self.metrics = metrics or TierMetrics(tier.name)
+        self.batch_chunks = max(1, batch_chunks)
+        self.batch_bytes = max(1, batch_bytes)
+        self._q: deque[tuple[Key, MemoryObj]] = deque()
+        self._pending: dict[Key, MemoryObj] = {}  # queued or being written
+        self._bytes = 0  # bytes queued + being written
+        self._inflight = 0
+        self._cv = threading.Condition()
+        self._closed = False
+        self._thread: threading.Thread | None = None
+        self._warned: set[str] = set()
+
+    # ----------------------------------------------------------------- producer side
+    def offer(self, keys: Sequence[Key], objs: Sequence[MemoryObj]) -> int:
+        """Queue chunks for the tier without waiting; returns how many were accepted (a key
+        already waiting counts as accepted). The rest are dropped and counted."""
+        accepted = dropped = 0
+        with self._cv:
+            if self._closed:
+                self.metrics.dropped("closed", len(keys))
+                return 0
+            for k, o in zip(keys, objs, strict=True):
+                if k in self._pending:
+                    accepted += 1
+                    continue
+                if self._bytes + o.nbytes > self.max_bytes:
+                    dropped += 1
+                    continue
+                o.acquire()  # before the lock is released: the writer may run at once
+                self._pending[k] = o
+                self._q.append((k, o))
+                self._bytes += o.nbytes
+                accepted += 1
+            if len(self._q):
+                self._start_locked()
+                self._cv.notify()
+            depth = (self._bytes, len(self._pending))
+        self.metrics.dropped("queue_full", dropped)
+        self.metrics.queue(*depth)
+        return accepted
+
+    def lookup(self, keys: Sequence[Key]) -> list[MemoryObj | None]:
+        """Chunks still waiting to be written, acquired for the caller; ``None`` elsewhere."""
+        with self._cv:
+            if not self._pending:
+                return [None] * len(keys)
+            out = [self._pending.get(k) for k in keys]
+            for o in out:
+                if o is not None:
+                    o.acquire()
+        return out
+
+    def contains(self, keys: Sequence[Key]) -> list[bool]:
+        p = self._pending
+        return [k in p for k in keys]
+
+    def discard(self, keys: Sequence[Key]) -> int:
+        """Forget queued (not yet in-flight) chunks, e.g. for a delete; returns how many."""
+        gone: list[MemoryObj] = []
+        with self._cv:
+            drop = {k for k in keys if k in self._pending}
+            if drop:
+                keep: deque[tuple[Key, MemoryObj]] = deque()
+                for k, o in self._q:
+                    if k in drop:
+                        del self._pending[k]
+                        self._bytes -= o.nbytes
+                        gone.append(o)
+                    else:
+                        keep.append((k, o))
+                self._q = keep
+                self._cv.notify_all()
+        for o in gone:
+            o.release()
+        return len(gone)
+
+    # ------------------------------------------------------------------ writer side
+    def _start_locked(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, daemon=True,
+                                            name=f"lmc-write-{self.tier.name}")
+            self._thread.start()
+
+    def _next_batch_locked(self) -> list[tuple[Key, MemoryObj]]:
+        batch: list[tuple[Key, MemoryObj]] = []
+        nbytes = 0
+        while self._q and len(batch) < self.batch_chunks:
+            if batch and nbytes + self._q[0][1].nbytes > self.batch_bytes:
+                break
+            item = self._q.popleft()
+            batch.append(item)
+            nbytes += item[1].nbytes
+        self._inflight += len(batch)
+        return batch
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                while not self._q and not self._closed:
+                    self._cv.wait()
+                if not self._q:
+                    return
+                batch = self._next_batch_locked()
+            self._write(batch)
+
+    def _write(self, batch: list[tuple[Key, MemoryObj]]) -> None:
+        keys = [k for k, _ in batch]
+        objs = [o for _, o in batch]
+        nbytes = sum(o.nbytes for o in objs)
+        t0 = time.perf_counter()
+        try:
+            stored = int(self.tier.put(keys, objs))
+            self.metrics.write(stored, nbytes if stored == len(keys) else
+                               sum(o.nbytes for o in objs[:stored]), time.perf_counter() - t0)
+            self.metrics.dropped("rejected", len(keys) - stored)
+        except Exception as e:  # a failing tier loses these writes, never the writer thread
+            reason = type(e).__name__
+            if reason not in self._warned:
+                self._warned.add(reason)
+                log.warning("tier %s failed put() of %d chunks: %s (further %s errors are "
+                            "only counted)", self.tier.name, len(keys), e, reason)
+            self.metrics.error("put", reason)
+            self.metrics.dropped("error", len(keys))
+        finally:
+            with self._cv:
+                for k in keys:
+                    self._pending.pop(k, None)
+                self._bytes -= nbytes
+                self._inflight -= len(batch)
+                depth = (self._bytes, len(self._pending))
+                self._cv.notify_all()
+            for o in objs:
+                o.release()
+            self.metrics.queue(*depth)
+
+    # ------------------------------------------------------------------- lifecycle
+    @property
+    def queued_bytes(self) -> int:
+        return self._bytes
+
+    @property
+    def queued_chunks(self) -> int:
+        return len(self._pending)
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until everything offered so far is written (or failed); False on timeout."""
+        with self._cv:
+            return self._cv.wait_for(lambda: not self._q and not self._inflight, timeout)
+
+    def close(self, drain: bool = True, timeout: float | None = None) -> None:
+        """Stop accepting; write what is queued (``drain``, up to ``timeout`` seconds), then
+        drop the rest (counted as ``closed``) and stop the writer thread."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cv:
+            self._closed = True
+            self._cv.notify_all()
+        if drain and not self.flush(timeout):
+            log.warning("tier %s: write-behind queue not drained within %.1f s; dropping %d "
+                        "queued chunks", self.tier.name, timeout or 0.0, len(self._q))
+        with self._cv:
+            rest, self._q = list(self._q), deque()
+            for k, o in rest:
+                self._pending.pop(k, None)
+                self._bytes -= o.nbytes
+            self._cv.notify_all()
+            thread = self._thread
+        for _, o in rest:
+            o.release()
+        self.metrics.dropped("closed", len(rest))
+        if thread is not None:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            thread.join(left)
+            if thread.is_alive():
+                log.warning("tier %s: writer still inside put() at close; left to finish",
+                            self.tier.name)
+        self.metrics.queue(self._bytes, len(self._pending))
+
+    def stats(self) -> dict[str, float]:
+        return {"queue_bytes": self._bytes, "queue_chunks": len(self._pending),
+                "queue_limit_bytes": self.max_bytes}
