@@ -13,6 +13,7 @@ import logging
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -51,6 +52,8 @@ class LLM:
             request alone always fits.
         kv_cache_memory: byte cap for the default ``num_blocks``.
         kv_connector: optional ``KVConnector``; absent means no external KV at all.
+        lmc_config: shorthand for ``kv_connector=LMCReferenceConnector(lmc_config,
+            model_dir=model_dir)``: a ``CacheConfig``, a YAML path or a dict of keys.
     """
 
     def __init__(
@@ -66,6 +69,7 @@ class LLM:
         max_model_len: int | None = None,
         kv_cache_memory: int = 256 << 20,
         kv_connector: KVConnector | None = None,
+        lmc_config: Any = None,
     ) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
@@ -93,6 +97,12 @@ class LLM:
 
         self.block_manager = BlockManager(num_blocks)
         self.runner = ModelRunner(self.model, num_blocks, block_size, self.dtype, self.device)
+        if lmc_config is not None:
+            if kv_connector is not None:
+                raise ValueError("pass kv_connector or lmc_config, not both")
+            from lmc.connectors.reference import LMCReferenceConnector
+
+            kv_connector = LMCReferenceConnector(lmc_config, model_dir=self.model_dir)
         self.kv_connector = kv_connector
         self.scheduler = Scheduler(
             self.block_manager, block_size, max_num_batched_tokens, max_num_seqs,

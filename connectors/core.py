@@ -1,0 +1,262 @@
+"""The engine-agnostic connector core: what every engine adapter (reference, vLLM, SGLang)
+shares.
+
+It is split the way vLLM splits its connector, because vLLM runs the two halves in
+different processes:
+
+* :class:`SchedulerConnector` (scheduler process) answers "how many prompt tokens can lmc
+  supply?" with one lookup per request, remembers what each admitted request must load,
+  and once per step turns the engine's schedule into a :class:`ConnectorMetadata`.
+  It holds no tensors and no ``CacheEngine``: it reaches the cache only through a
+  ``lookup(token_ids) -> int`` callable, which an adapter may back by an RPC.
+* :class:`~lmc.connectors.worker.WorkerConnector` (worker process) owns the
+  ``CacheEngine`` and the engine's KV tensors and executes the metadata: layer-wise loads
+  overlapped with compute, layer-wise saves committed at the end of the step, and load
+  failures reported as block ids.
+
+The metadata (``lmc.connectors.metadata``) is the only thing that crosses between them.
+
+Two decisions shape every adapter:
+
+* **Full-prompt hits** leave the last token to the engine. The answer is clamped to
+  ``num_tokens - 1`` and the last chunk is still loaded whole from the store, with the slot
+  of every position from the clamp on set to -1, so those positions are never written
+  (lmc skips negative slots). The engine then computes exactly one token. Where an engine
+  needs block-aligned answers (``align``), the answer is rounded down the same way.
+* **Saves are planned statelessly** from each step's schedule: a step saves the chunks that
+  *become complete* in it, i.e. whose end lies in ``(num_computed_tokens, end of step]``,
+  using the store mask for the already-saved prefix. Chunked prefill therefore saves each
+  chunk once, when complete, and a request rolled back after a failed load saves its
+  recomputed chunks again without any bookkeeping. The partial last chunk of a prompt is
+  saved in the step that finishes the prompt's prefill (when ``save_unfull_chunk``).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from lmc.connectors.metadata import (
+    ConnectorMetadata,
+    LoadSpec,
+    SaveSpec,
+    ScheduledView,
+    StepRequest,
+)
+
+from lmc.config import CacheConfig
+
+log = logging.getLogger(__name__)
+
+LookupFn = Callable[[Sequence[int]], "int | None"]
+
+__all__ = [
+    "ConnectorConfig",
+    "ConnectorMetadata",
+    "LoadSpec",
+    "LookupFn",
+    "SaveSpec",
+    "SchedulerConnector",
+    "StepRequest",
+    "WorkerConnector",
+]
+
+
+@dataclass(frozen=True)
+class ConnectorConfig:
+    """Connector behaviour (the cache itself is configured by ``CacheConfig``).
+
+    Attributes:
+        chunk_size: tokens per stored chunk; must equal the cache's ``chunk_size``.
+        save_unfull_chunk: save the prompt's partial last chunk when its prefill ends.
+        load: look up and load (vLLM ``kv_role`` consumer/both).
+        save: save new chunks (vLLM ``kv_role`` producer/both).
+        save_decode: also save chunks completed by generated tokens (off: prompts only,
+            which is what later requests can share).
+        align: round the answer down to a multiple of this many tokens (an engine that
+            needs block-aligned external tokens passes its block size).
+        layerwise: overlap each layer's load with the previous layer's compute; False loads
+            every layer before the forward starts (simpler, and a baseline for benchmarks).
+    """
+
+    chunk_size: int
+    save_unfull_chunk: bool = True
+    load: bool = True
+    save: bool = True
+    save_decode: bool = False
+    align: int = 1
+    layerwise: bool = True
+
+    def __post_init__(self) -> None:
+        if self.chunk_size < 1:
+            raise ValueError(f"chunk_size must be >= 1, got {self.chunk_size}")
+        if self.align < 1:
+            raise ValueError(f"align must be >= 1, got {self.align}")
+
+    @classmethod
+    def from_cache_config(cls, config: CacheConfig, **overrides: Any) -> ConnectorConfig:
+        return cls(chunk_size=config.chunk_size, save_unfull_chunk=config.save_unfull_chunk,
+                   **overrides)
+
+
+@dataclass
+class _PendingLoad:
+    token_ids: tuple[int, ...]
+    start: int
+    end: int
+    mask_start: int
+
+
+@dataclass
+class SchedulerStats:
+    lookups: int = 0
+    lookup_errors: int = 0
+    lookup_tokens: int = 0
+    hit_tokens: int = 0  # what the cache holds, before clamping/alignment
+    loads: int = 0
+    load_tokens: int = 0  # what was actually scheduled for loading
+    saves: int = 0
+    save_tokens: int = 0  # tokens of chunks planned for saving (present ones are skipped later)
+    extra: dict[str, float] = field(default_factory=dict)
+
+
+class SchedulerConnector:
+    """Scheduler-side half: lookups, admitted loads, per-step metadata. Engine-neutral:
+    adapters pass request ids, token ids and counts, never engine objects."""
+
+    def __init__(self, config: ConnectorConfig, lookup: LookupFn) -> None:
+        self.config = config
+        self._lookup = lookup
+        self._hits: dict[str, int] = {}  # request id -> stored prefix tokens, until admitted
+        self._pending: dict[str, _PendingLoad] = {}  # admitted, load not yet in a step
+        self._step = 0
+        self.stats = SchedulerStats()
+
+    # ------------------------------------------------------------------ lookups
+    def get_num_new_matched_tokens(self, request_id: str, token_ids: Sequence[int],
+                                   num_computed_tokens: int) -> int | None:
+        """Tokens past ``num_computed_tokens`` that lmc can supply, clamped so the last
+        token is computed by the engine and rounded down to ``align``. The lookup runs once
+        per admission and is cached until ``update_state_after_alloc`` (an engine may ask
+        again while the request waits for blocks). ``None`` means "not known yet" (a
+        lookup backend that answers asynchronously)."""
+        if not self.config.load:
+            return 0
+        hit = self._hits.get(request_id)
+        if hit is None:
+            hit = self._do_lookup(token_ids)
+            if hit is None:
+                return None
+            self._hits[request_id] = hit
+        n = len(token_ids)
+        usable = min(hit, n - 1)
+        usable -= usable % self.config.align
+        return max(0, usable - num_computed_tokens)
+
+    def _do_lookup(self, token_ids: Sequence[int]) -> int | None:
+        self.stats.lookups += 1
+        self.stats.lookup_tokens += len(token_ids)
+        try:
+            hit = self._lookup(token_ids)
+        except Exception as e:  # a failing cache is a miss, never an engine error
+            self.stats.lookup_errors += 1
+            log.warning("lmc lookup failed (%s: %s): treated as a miss", type(e).__name__, e)
+            return 0
+        if hit is None:
+            return None
+        hit = max(0, min(int(hit), len(token_ids)))
+        self.stats.hit_tokens += hit
+        return hit
+
+    def update_state_after_alloc(self, request_id: str, token_ids: Sequence[int],
+                                 num_computed_tokens: int, num_external_tokens: int) -> None:
+        """The engine admitted the request and will have lmc load ``num_external_tokens``
+        positions from ``num_computed_tokens`` on (the engine's clamped answer)."""
+        self._hits.pop(request_id, None)
+        self._pending.pop(request_id, None)
+        if num_external_tokens <= 0 or not self.config.load:
+            return
+        cs = self.config.chunk_size
+        start, end = num_computed_tokens, num_computed_tokens + num_external_tokens
+        if end > len(token_ids):
+            raise ValueError(f"request {request_id}: load of [{start}, {end}) runs past its "
+                             f"{len(token_ids)} tokens")
+        stop = min(-(-end // cs) * cs, len(token_ids))  # end of the chunk holding end - 1
+        self._pending[request_id] = _PendingLoad(tuple(token_ids[:stop]), start, end,
+                                                 start - start % cs)
+
+    # ------------------------------------------------------------------ metadata
+    def build_metadata(self, scheduled: Iterable[ScheduledView | StepRequest],
+                       finished_ids: Iterable[str] = (),
+                       preempted_ids: Iterable[str] = ()) -> ConnectorMetadata:
+        """This step's loads (admitted requests with a hit) and saves (chunks completed)."""
+        for rid in (*finished_ids, *preempted_ids):
+            self._forget(rid)
+        self._step += 1
+        meta = ConnectorMetadata(step_id=self._step)
+        for req in scheduled:
+            pending = self._pending.pop(req.request_id, None)
+            if pending is not None:
+                meta.loads.append(self._load_spec(req, pending))
+            save = self.plan_save(req)
+            if save is not None:
+                meta.saves.append(save)
+        return meta
+
+    def _load_spec(self, req: ScheduledView | StepRequest, p: _PendingLoad) -> LoadSpec:
+        if req.num_computed_tokens != p.end:
+            log.warning("request %s: scheduled from position %d but its load ends at %d",
+                        req.request_id, req.num_computed_tokens, p.end)
+        self.stats.loads += 1
+        self.stats.load_tokens += p.end - p.start
+        return LoadSpec(req.request_id, p.token_ids, tuple(req.block_ids), p.start, p.end,
+                        p.mask_start)
+
+    def plan_save(self, req: ScheduledView | StepRequest) -> SaveSpec | None:
+        """The chunks that become complete in this step, or None."""
+        cfg = self.config
+        if not cfg.save:
+            return None
+        cs = cfg.chunk_size
+        computed = req.num_computed_tokens
+        end = computed + req.num_scheduled_tokens
+        prompt = req.num_prompt_tokens
+        limit = len(req.token_ids) if cfg.save_decode else prompt
+        top = min(end, limit)
+        if top <= computed:
+            return None
+        stop = top - top % cs
+        if cfg.save_unfull_chunk and stop < top == prompt:
+            stop = prompt  # the prompt's prefill ends in this step: its partial chunk too
+        start = computed - computed % cs
+        if stop <= start:
+            return None
+        self.stats.saves += 1
+        self.stats.save_tokens += stop - start
+        return SaveSpec(req.request_id, tuple(req.token_ids[:stop]), tuple(req.block_ids),
+                        start)
+
+    # ------------------------------------------------------------------ lifecycle
+    def request_finished(self, request_id: str) -> None:
+        """Finished or aborted: forget it. Saves are committed within their step, so the
+        engine may free the request's blocks at once."""
+        self._forget(request_id)
+
+    def request_preempted(self, request_id: str) -> None:
+        """Its blocks are gone; on resumption it is looked up afresh and may be reloaded."""
+        self._forget(request_id)
+
+    def _forget(self, request_id: str) -> None:
+        self._hits.pop(request_id, None)
+        self._pending.pop(request_id, None)
+
+    @property
+    def num_tracked_requests(self) -> int:
+        return len(self._hits) + len(self._pending)
+
+
+# Imported last: the worker module imports this one's siblings only, never this module's
+# names at import time, so the re-export cannot form a cycle.
+from lmc.connectors.worker import WorkerConnector  # noqa: E402

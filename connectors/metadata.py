@@ -1,0 +1,105 @@
+"""What the scheduler side tells the worker side, once per step: plain, picklable dataclasses.
+
+vLLM builds the scheduler-side connector in the EngineCore process and the worker-side one in
+each worker process; the only thing that crosses between them is the object returned by
+``build_connector_meta``. So everything here is tuples of ints and strings (no tensors, no
+engine objects, no references to either side), and the worker needs nothing else to act:
+token ids, block ids and positions are all spelled out.
+
+Positions follow the engine's convention: position ``p`` of a request lives in slot
+``block_ids[p // block_size] * block_size + p % block_size``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+
+@dataclass(frozen=True)
+class LoadSpec:
+    """Load stored KV into one request's blocks.
+
+    ``token_ids`` is the request's tokens cut at the end of the last chunk to load, so that
+    the chunk keys computed from it are exactly the stored ones. Only positions
+    ``[start, end)`` are written: positions before ``start`` are the engine's own (a local
+    prefix-cache hit) and positions from ``end`` on are computed by the engine (the last
+    prompt token always is). ``mask_start`` is ``start`` rounded down to a chunk boundary:
+    chunks before it are neither fetched nor written.
+    """
+
+    request_id: str
+    token_ids: tuple[int, ...]
+    block_ids: tuple[int, ...]
+    start: int
+    end: int
+    mask_start: int
+
+    @property
+    def num_tokens(self) -> int:
+        return self.end - self.start
+
+
+@dataclass(frozen=True)
+class SaveSpec:
+    """Save the chunks of one request that became complete in this step.
+
+    ``token_ids`` is cut at the end of the last complete chunk (or at the end of the prompt,
+    for its partial last chunk); ``start`` is the chunk-aligned first position to save. Every
+    position in ``[start, len(token_ids))`` has its K/V in ``block_ids`` once the step's
+    forward has written it.
+    """
+
+    request_id: str
+    token_ids: tuple[int, ...]
+    block_ids: tuple[int, ...]
+    start: int
+
+    @property
+    def end(self) -> int:
+        return len(self.token_ids)
+
+
+@dataclass
+class ConnectorMetadata:
+    """One step's work for the worker side."""
+
+    step_id: int = 0
+    loads: list[LoadSpec] = field(default_factory=list)
+    saves: list[SaveSpec] = field(default_factory=list)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.loads and not self.saves
+
+
+class ScheduledView(Protocol):
+    """The fields of one scheduled request the scheduler side reads (duck-typed: the
+    reference engine's ``ScheduledRequest`` has them; an adapter may build a
+    :class:`StepRequest`)."""
+
+    request_id: str
+    token_ids: Sequence[int]
+    num_prompt_tokens: int
+    block_ids: Sequence[int]
+    num_computed_tokens: int
+    num_scheduled_tokens: int
+
+
+@dataclass(frozen=True)
+class StepRequest:
+    """A scheduled request in engine-neutral terms, for adapters whose engine's own
+    scheduler output does not already have these fields.
+
+    ``num_computed_tokens`` counts the positions whose K/V are in the cache before this
+    step's forward, the ones the connector loads during the step included; the forward
+    computes ``num_scheduled_tokens`` positions from there.
+    """
+
+    request_id: str
+    token_ids: Sequence[int]
+    num_prompt_tokens: int
+    block_ids: Sequence[int]
+    num_computed_tokens: int
+    num_scheduled_tokens: int

@@ -1,0 +1,306 @@
+"""Worker-side half of the connector core: executes a step's :class:`ConnectorMetadata`
+against the engine's KV tensors through a ``CacheEngine``.
+
+One step, in the order the engine calls it::
+
+    bind(meta)            # the step's plan (vLLM: bind_connector_metadata)
+    start_load()          # fetch hit chunks, queue layer loads on lmc's I/O thread
+    for each layer i:
+        wait_for_layer(i)     # before layer i writes or reads its cache
+        ... the engine computes layer i ...
+        save_layer(i)         # layer i's new K/V are in the cache: gather them (async)
+    wait_for_save()       # commit the step's saves; the blocks may be reused after this
+    take_load_errors()    # blocks whose load failed: the engine recomputes them
+
+Loads are queued one task per layer, each task loading that layer for every request of the
+step, so layer i of all requests is in place before anything waits on layer i+1: the copy
+of layer i+1 overlaps the compute of layer i. Saves go on the same I/O thread after the
+loads, so they never delay a load the model waits for.
+
+A failed load (a chunk evicted between lookup and load, a tier error, a layer's copy raising)
+never raises into the engine: the request's blocks from the first bad position on are
+reported, its saves of this step are dropped (its compute read bad input), and the engine
+recomputes. Nothing of a failed request's step is ever stored.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+from lmc.connectors.metadata import ConnectorMetadata, LoadSpec, SaveSpec
+
+from lmc.cache_engine import CacheEngine
+from lmc.kv_spec import KVCaches
+from lmc.layerwise import LayerwiseRetrieve, LayerwiseStore, LoadError
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class WorkerStats:
+    """Cumulative counters; ``load_seconds`` is I/O-thread time spent copying, and
+    ``load_wait_seconds`` the part of it the model actually waited for."""
+
+    steps: int = 0
+    loads: int = 0
+    load_tokens: int = 0  # positions the scheduler asked to load
+    loaded_tokens: int = 0  # positions fully loaded (all layers)
+    load_failures: int = 0
+    load_seconds: float = 0.0
+    load_wait_seconds: float = 0.0
+    saves: int = 0
+    saved_tokens: int = 0  # new tokens stored (chunks already present are not counted)
+    saves_dropped: int = 0  # saves of requests whose load failed in the same step
+    save_failures: int = 0
+    chunks_by_tier: dict[str, int] = field(default_factory=dict)
+
+    def as_dict(self) -> dict[str, Any]:
+        out = {k: v for k, v in vars(self).items() if k != "chunks_by_tier"}
+        out.update({f"chunks_from_{t}": n for t, n in self.chunks_by_tier.items()})
+        return out
+
+
+@dataclass
+class _ActiveLoad:
+    spec: LoadSpec
+    retrieve: LayerwiseRetrieve | None
+    failed: bool = False
+
+
+def slot_mapping(block_ids: tuple[int, ...] | list[int], block_size: int, num_tokens: int,
+                 lo: int, hi: int) -> np.ndarray:
+    """Slots of positions ``[0, num_tokens)``: real ones for ``[lo, hi)``, -1 elsewhere
+    (lmc neither reads nor writes a negative slot)."""
+    slots = np.full(num_tokens, -1, dtype=np.int64)
+    if hi > lo:
+        table = np.asarray(block_ids, dtype=np.int64)
+        if len(table) * block_size < hi:
+            raise ValueError(f"positions up to {hi} need {-(-hi // block_size)} blocks, "
+                             f"the request has {len(table)}")
+        pos = np.arange(lo, hi, dtype=np.int64)
+        slots[lo:hi] = table[pos // block_size] * block_size + pos % block_size
+    return slots
+
+
+def prefix_mask(num_tokens: int, start: int) -> np.ndarray | None:
+    """lmc's store/retrieve mask: False for the chunk-aligned prefix the call must skip."""
+    if start <= 0:
+        return None
+    mask = np.ones(num_tokens, dtype=bool)
+    mask[:start] = False
+    return mask
+
+
+class WorkerConnector:
+    """Executes loads and saves for one engine worker (one tensor-parallel rank)."""
+
+    def __init__(self, engine: CacheEngine, kv_caches: KVCaches, block_size: int,
+                 layerwise: bool = True) -> None:
+        self.engine = engine
+        self.kv_caches = kv_caches
+        self.block_size = block_size
+        self.layerwise = layerwise
+        self.num_layers = engine.spec.num_layers
+        self.chunk_size = engine.config.chunk_size
+        self.device = engine.transfer_for(kv_caches).device  # validates the tensors once
+        self.stats = WorkerStats()
+        self._lock = threading.Lock()
+        self._meta: ConnectorMetadata | None = None
+        self._loads: list[_ActiveLoad] = []
+        self._layer_futures: list[Future] = []
+        self._stores: list[tuple[SaveSpec, LayerwiseStore]] | None = None
+        self._failed: dict[str, int] = {}  # request id -> first position not validly loaded
+        self._error_blocks: set[int] = set()
+
+    # ------------------------------------------------------------------ helpers
+    def _slots(self, block_ids: tuple[int, ...], num_tokens: int, lo: int, hi: int
+               ) -> torch.Tensor:
+        t = torch.from_numpy(slot_mapping(block_ids, self.block_size, num_tokens, lo, hi))
+        return t if self.device.type == "cpu" else t.to(self.device, non_blocking=True)
+
+    def _fail(self, spec: LoadSpec, position: int, why: str) -> None:
+        """Mark positions ``[position, spec.end)`` of a load as not loaded."""
+        bs = self.block_size
+        position = max(position, spec.start)
+        blocks = spec.block_ids[position // bs: -(-spec.end // bs)]
+        with self._lock:
+            first = self._failed.get(spec.request_id)
+            if first is None:
+                self.stats.load_failures += 1
+            self._failed[spec.request_id] = position if first is None else min(first, position)
+            self._error_blocks.update(blocks)
+        log.warning("lmc load for request %s failed from position %d (%s): %d block(s) will "
+                    "be recomputed", spec.request_id, position, why, len(blocks))
+
+    def _count_tiers(self, spec: LoadSpec) -> None:
+        """Which tier holds each chunk about to load (stats only; L1 is a dict lookup,
+        lower tiers are asked only about chunks L1 lacks)."""
+        db, storage = self.engine.db, self.engine.storage
+        keys = db.keys(spec.token_ids)[spec.mask_start // self.chunk_size:]
+        todo = [k for k, p in zip(keys, storage.l1_contains(keys)) if not p]
+        counts = {storage.tiers[0].name: len(keys) - len(todo)}
+        for tier in storage.tiers[1:]:
+            if not todo:
+                break
+            try:
+                present = tier.contains(todo)
+            except Exception:
+                break
+            counts[tier.name] = sum(present)
+            todo = [k for k, p in zip(todo, present) if not p]
+        with self._lock:
+            for name, n in counts.items():
+                if n:
+                    self.stats.chunks_by_tier[name] = self.stats.chunks_by_tier.get(name, 0) + n
+
+    # --------------------------------------------------------------------- step
+    def bind(self, meta: ConnectorMetadata) -> None:
+        """Take the step's plan. A step left unfinished (no ``wait_for_save``) is closed
+        first, dropping its saves."""
+        if self._meta is not None:
+            self._finish(commit=False)
+        self._meta = meta
+        self.stats.steps += 1
+
+    def start_load(self) -> None:
+        """Fetch every load's chunks (held until the step ends, so nothing stored later in
+        the step can evict them) and queue the per-layer copies."""
+        meta = self._meta
+        if meta is None or not meta.loads or self._loads:
+            return
+        for spec in meta.loads:
+            self.stats.loads += 1
+            self.stats.load_tokens += spec.num_tokens
+            n = len(spec.token_ids)
+            try:
+                self._count_tiers(spec)
+                rt = self.engine.retrieve_layer(
+                    spec.token_ids, self.kv_caches,
+                    self._slots(spec.block_ids, n, spec.start, spec.end),
+                    prefix_mask(n, spec.mask_start))
+            except Exception as e:
+                log.exception("lmc: preparing the load of request %s failed", spec.request_id)
+                self._fail(spec, spec.start, f"{type(e).__name__}: {e}")
+                self._loads.append(_ActiveLoad(spec, None, failed=True))
+                continue
+            covered = spec.mask_start + rt.num_tokens
+            if covered < spec.end:  # a chunk was evicted or lost since the lookup
+                self._fail(spec, covered, "chunks missing from every tier")
+            self._loads.append(_ActiveLoad(spec, rt))
+        if self.layerwise:
+            ex = self.engine.executor()
+            self._layer_futures = [ex.submit(self._load_layer, i) for i in range(self.num_layers)]
+        else:
+            for i in range(self.num_layers):
+                self._load_layer(i)
+
+    def _load_layer(self, layer: int) -> None:
+        t0 = time.perf_counter()
+        for a in self._loads:
+            if a.failed or a.retrieve is None:
+                continue
+            try:
+                a.retrieve.load(layer)
+            except LoadError as e:
+                a.failed = True
+                self._fail(a.spec, a.spec.start, str(e))
+        with self._lock:
+            self.stats.load_seconds += time.perf_counter() - t0
+
+    def wait_for_layer(self, layer: int) -> None:
+        """Block until ``layer``'s loads are in the cache. Never raises for a failed load:
+        that request's blocks are reported by :meth:`take_load_errors` instead."""
+        if not self._layer_futures:
+            return
+        t0 = time.perf_counter()
+        try:
+            self._layer_futures[layer].result()
+        except Exception as e:  # _load_layer catches LoadError; anything else fails all loads
+            log.exception("lmc: layer %d load task failed", layer)
+            for a in self._loads:
+                if not a.failed:
+                    a.failed = True
+                    self._fail(a.spec, a.spec.start, f"{type(e).__name__}: {e}")
+        self.stats.load_wait_seconds += time.perf_counter() - t0
+
+    def save_layer(self, layer: int) -> None:
+        """``layer``'s K/V for this step are in the cache: queue their gather."""
+        if self._stores is None:
+            self._stores = self._plan_stores()
+        for spec, st in self._stores:
+            try:
+                st.save(layer)
+            except Exception:
+                log.exception("lmc: saving layer %d of request %s failed", layer,
+                              spec.request_id)
+
+    def _plan_stores(self) -> list[tuple[SaveSpec, LayerwiseStore]]:
+        """Allocate the step's store buffers, after the loads hold their chunks."""
+        out: list[tuple[SaveSpec, LayerwiseStore]] = []
+        meta = self._meta
+        if meta is None:
+            return out
+        for spec in meta.saves:
+            n = len(spec.token_ids)
+            try:
+                st = self.engine.store_layer(spec.token_ids, self.kv_caches,
+                                             self._slots(spec.block_ids, n, spec.start, n),
+                                             prefix_mask(n, spec.start))
+            except Exception:
+                log.exception("lmc: planning the save of request %s failed", spec.request_id)
+                self.stats.save_failures += 1
+                continue
+            out.append((spec, st))
+        return out
+
+    def wait_for_save(self) -> None:
+        """End of the step: loads finished, saves committed (or dropped for requests whose
+        load failed). After this the engine may reuse every block of the step."""
+        self._finish(commit=True)
+
+    def _finish(self, commit: bool) -> None:
+        for f in self._layer_futures:
+            # failures were reported by wait_for_layer (or the layer was never waited on)
+            with contextlib.suppress(Exception):
+                f.result()
+        for a in self._loads:
+            if a.retrieve is None:
+                continue
+            loaded = a.retrieve.close()
+            if not a.failed and loaded:
+                self.stats.loaded_tokens += min(a.spec.end, a.spec.mask_start + loaded) \
+                    - a.spec.start
+        for spec, st in self._stores or ():
+            if not commit or spec.request_id in self._failed:
+                st.abort()
+                self.stats.saves_dropped += 1
+                continue
+            try:
+                self.stats.saved_tokens += st.commit()
+                self.stats.saves += 1
+            except Exception:
+                log.exception("lmc: committing the save of request %s failed", spec.request_id)
+                self.stats.save_failures += 1
+        self._meta = None
+        self._loads = []
+        self._layer_futures = []
+        self._stores = None
+        self._failed = {}
+
+    def take_load_errors(self) -> set[int]:
+        """Blocks whose load failed since the last call (then forgotten)."""
+        with self._lock:
+            out, self._error_blocks = self._error_blocks, set()
+        return out
+
+    def close(self) -> None:
+        if self._meta is not None:
+            self._finish(commit=False)

@@ -1,0 +1,161 @@
+"""The scheduler half on its own: lookups, clamping, alignment, load plans, and the stateless
+save plan across chunked prefill. No engine, no tensors: a fake lookup stands in for the
+cache."""
+
+from __future__ import annotations
+
+import pickle
+
+import pytest
+from lmc.connectors.core import ConnectorConfig, SchedulerConnector
+from lmc.connectors.metadata import ConnectorMetadata, LoadSpec, SaveSpec, StepRequest
+
+CS = 16
+
+
+class FakeLookup:
+    def __init__(self, hit: int | None) -> None:
+        self.hit = hit
+        self.calls = 0
+
+    def __call__(self, tokens) -> int | None:
+        self.calls += 1
+        if isinstance(self.hit, Exception):
+            raise self.hit
+        return None if self.hit is None else min(self.hit, len(tokens))
+
+
+def make(hit: int | None = 0, **kw) -> tuple[SchedulerConnector, FakeLookup]:
+    look = FakeLookup(hit)
+    return SchedulerConnector(ConnectorConfig(chunk_size=CS, **kw), look), look
+
+
+def step(rid: str, tokens: list[int], computed: int, scheduled: int, prompt: int | None = None,
+         blocks: int = 64) -> StepRequest:
+    return StepRequest(rid, tokens, len(tokens) if prompt is None else prompt,
+                       list(range(blocks)), computed, scheduled)
+
+
+TOKENS = list(range(100, 200))  # 100 tokens: 6 full chunks + 4
+
+
+def test_one_lookup_per_admission_and_last_token_left() -> None:
+    sc, look = make(hit=100)
+    assert sc.get_num_new_matched_tokens("a", TOKENS, 0) == 99
+    assert sc.get_num_new_matched_tokens("a", TOKENS, 0) == 99  # asked again while waiting
+    assert look.calls == 1
+    sc.update_state_after_alloc("a", TOKENS, 0, 99)
+    assert sc.get_num_new_matched_tokens("a", TOKENS, 0) == 99  # a new admission looks again
+    assert look.calls == 2
+
+
+def test_full_hit_loads_the_last_chunk_with_the_last_position_left_out() -> None:
+    sc, _ = make(hit=100)
+    n = sc.get_num_new_matched_tokens("a", TOKENS, 0)
+    sc.update_state_after_alloc("a", TOKENS, 0, n)
+    meta = sc.build_metadata([step("a", TOKENS, 99, 1)])
+    (load,) = meta.loads
+    assert (load.start, load.end, load.mask_start) == (0, 99, 0)
+    assert load.token_ids == tuple(TOKENS)  # the whole last (partial) chunk is fetched
+    assert load.block_ids == tuple(range(64))
+
+
+@pytest.mark.parametrize("hit, align, want", [(64, 1, 64), (100, 8, 96), (70, 1, 70),
+                                              (100, 1, 99), (5, 8, 0)])
+def test_clamp_and_alignment(hit: int, align: int, want: int) -> None:
+    sc, _ = make(hit=hit, align=align)
+    assert sc.get_num_new_matched_tokens("a", TOKENS, 0) == want
+
+
+def test_answer_is_relative_to_local_prefix() -> None:
+    sc, _ = make(hit=64)
+    assert sc.get_num_new_matched_tokens("a", TOKENS, 20) == 44
+    sc.update_state_after_alloc("a", TOKENS, 20, 44)
+    (load,) = sc.build_metadata([step("a", TOKENS, 64, 36)]).loads
+    assert (load.start, load.end, load.mask_start) == (20, 64, 16)
+    assert len(load.token_ids) == 64
+
+
+def test_partial_load_cuts_tokens_at_chunk_end() -> None:
+    sc, _ = make(hit=96)
+    sc.update_state_after_alloc("a", TOKENS, 0, 40)  # the engine took less than offered
+    (load,) = sc.build_metadata([step("a", TOKENS, 40, 60)]).loads
+    assert load.end == 40 and len(load.token_ids) == 48
+
+
+def test_lookup_errors_and_not_yet() -> None:
+    sc, _ = make(hit=RuntimeError("remote down"))
+    assert sc.get_num_new_matched_tokens("a", TOKENS, 0) == 0
+    assert sc.stats.lookup_errors == 1
+    sc, look = make(hit=None)
+    assert sc.get_num_new_matched_tokens("a", TOKENS, 0) is None
+    look.hit = 32
+    assert sc.get_num_new_matched_tokens("a", TOKENS, 0) == 32
+
+
+def test_roles() -> None:
+    sc, look = make(hit=100, load=False)
+    assert sc.get_num_new_matched_tokens("a", TOKENS, 0) == 0 and look.calls == 0
+    assert sc.build_metadata([step("a", TOKENS, 0, 100)]).saves
+    sc, _ = make(hit=0, save=False)
+    assert not sc.build_metadata([step("a", TOKENS, 0, 100)]).saves
+
+
+def test_chunked_prefill_saves_each_chunk_once() -> None:
+    sc, _ = make()
+    saved: list[tuple[int, int]] = []
+    computed = 0
+    for budget in (20, 20, 7, 30, 23):  # 100 tokens over five steps, chunk ends mid-step
+        (save,) = sc.build_metadata([step("a", TOKENS, computed, budget)]).saves or [None]
+        if save is not None:
+            assert save.start % CS == 0
+            saved.append((save.start, save.end))
+        computed += budget
+    assert saved == [(0, 16), (16, 32), (32, 64), (64, 100)]
+    # the chunks of all saves tile the prompt exactly, the partial tail at prefill's end
+    starts = [s for s, _ in saved]
+    assert starts == sorted(set(starts))
+
+
+def test_no_partial_tail_without_save_unfull_chunk() -> None:
+    sc, _ = make(save_unfull_chunk=False)
+    (save,) = sc.build_metadata([step("a", TOKENS, 0, 100)]).saves
+    assert save.end == 96
+
+
+def test_decode_saves_only_when_asked() -> None:
+    toks = TOKENS + [7] * 28  # 128 tokens: 100 prompt + 28 generated
+    sc, _ = make()
+    assert not sc.build_metadata([step("a", toks, 127, 1, prompt=100)]).saves
+    sc, _ = make(save_decode=True)
+    (save,) = sc.build_metadata([step("a", toks, 127, 1, prompt=100)]).saves
+    assert (save.start, save.end) == (112, 128)
+    assert not sc.build_metadata([step("a", toks[:127], 126, 1, prompt=100)]).saves
+
+
+def test_rollback_saves_recomputed_chunks_again() -> None:
+    sc, _ = make()
+    first = sc.build_metadata([step("a", TOKENS, 0, 64)]).saves
+    again = sc.build_metadata([step("a", TOKENS, 16, 48)]).saves  # rolled back to 16
+    assert (first[0].start, first[0].end) == (0, 64)
+    assert (again[0].start, again[0].end) == (16, 64)
+
+
+def test_finish_and_preemption_forget_state() -> None:
+    sc, _ = make(hit=64)
+    sc.get_num_new_matched_tokens("a", TOKENS, 0)
+    sc.get_num_new_matched_tokens("b", TOKENS, 0)
+    sc.update_state_after_alloc("b", TOKENS, 0, 64)
+    assert sc.num_tracked_requests == 2
+    sc.request_finished("a")
+    sc.build_metadata([], preempted_ids=["b"])
+    assert sc.num_tracked_requests == 0
+
+
+def test_metadata_pickles() -> None:
+    sc, _ = make(hit=100)
+    sc.update_state_after_alloc("a", TOKENS, 0, 99)
+    meta = sc.build_metadata([step("a", TOKENS, 99, 1)])
+    back = pickle.loads(pickle.dumps(meta))
+    assert back == meta and isinstance(back, ConnectorMetadata)
+    assert isinstance(back.loads[0], LoadSpec) and isinstance(back.saves[0], SaveSpec)
