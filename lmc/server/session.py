@@ -1,0 +1,292 @@
+"""One client connection: authenticate, then read requests and answer them, in order.
+
+A request is answered completely before the next one is read, so responses keep the order
+of requests and a client may pipeline. What the peer sends is bounded before it is read
+(``protocol.check_header``) and validated before it is used; a broken frame is answered
+with an error and the connection closed, a malformed request is answered and the
+connection kept. Payloads go from the socket straight into pool objects and become visible
+only after their checksum holds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import socket
+import time
+from typing import TYPE_CHECKING, Any
+
+from lmc.serde import encode_header, payload_checksum, tensor_bytes
+from lmc.server import metrics as M
+from lmc.server import protocol as P
+from lmc.server.reader import FrameReader, PeerClosed
+from lmc.server.store import Checksum, checksum_of
+from lmc.server.writer import send_buffers
+
+if TYPE_CHECKING:
+    from lmc.memory import MemoryObj
+    from lmc.server.daemon import Daemon
+
+log = logging.getLogger(__name__)
+HELLO_MAX_META = 4096
+IDLE, READING, WORKING, SENDING = "idle", "reading", "working", "sending"
+
+
+def _printable(s: Any, limit: int = 64) -> str:
+    """A peer-supplied name made safe for a log line."""
+    s = s if isinstance(s, str) else ""
+    return "".join(c if c.isprintable() else "?" for c in s[:limit]) or "-"
+
+
+def _plain(v: Any) -> Any:
+    """Stats values made msgpack-safe."""
+    if isinstance(v, (bool, int, float, str)) or v is None:
+        return v
+    if isinstance(v, dict):
+        return {str(k): _plain(x) for k, x in v.items()}
+    return str(v)
+
+
+class Session:
+    """The coroutine serving one accepted socket; the daemon tracks it for drain and stalls."""
+
+    def __init__(self, daemon: Daemon, sock: socket.socket, peer: str, via: str) -> None:
+        self.daemon = daemon
+        self.sock = sock
+        self.peer = peer
+        self.via = via
+        self.loop = asyncio.get_running_loop()
+        self.reader = FrameReader(self.loop, sock)
+        self.limits = daemon.config.limits
+        self.store = daemon.store
+        self.authed = daemon.token is None
+        self.client = "-"
+        self.state = IDLE
+        self.sent_at = time.monotonic()
+        self.task: asyncio.Task | None = None
+
+    # --------------------------------------------------------------- loop
+    @property
+    def progress_at(self) -> float:
+        return max(self.reader.progress_at, self.sent_at)
+
+    async def run(self) -> None:
+        log.info("%s: connected via %s", self.peer, self.via)
+        try:
+            while True:
+                if self.daemon.draining and not self.reader.buffered:
+                    break
+                self.state = IDLE
+                self.reader.shrink()
+                raw = await self.reader.read(P.FRAME_SIZE, at_boundary=True)
+                self.state = READING
+                if not await self._serve_frame(raw):
+                    break
+        except PeerClosed as e:
+            if not e.clean:
+                log.warning("%s: connection closed mid-frame", self.peer)
+        except asyncio.CancelledError:
+            log.info("%s: connection dropped (%s)", self.peer,
+                     "shutdown" if self.daemon.draining else "stalled")
+        except OSError as e:
+            log.warning("%s: connection error: %s", self.peer, e)
+        except Exception:
+            log.exception("%s: internal error; closing the connection", self.peer)
+        finally:
+            self.sock.close()
+            log.debug("%s: disconnected", self.peer)
+
+    async def _serve_frame(self, raw: memoryview) -> bool:
+        """Read and answer one request; False closes the connection."""
+        op, req_id = raw[5], 0
+        t0 = time.perf_counter()
+        try:
+            h = P.unpack_header(raw)
+            op, req_id = h.op, h.req_id
+            if not self.authed and h.op != P.HELLO:
+                M.AUTH_FAILURES.inc()
+                raise P.ProtocolError(P.AUTH_FAILED, "authentication required", fatal=True)
+            if h.op == P.HELLO and (h.meta_len > HELLO_MAX_META or h.payload_len):
+                raise P.ProtocolError(P.TOO_LARGE, "HELLO too large", fatal=True)
+            P.check_header(h, self.limits)
+        except P.ProtocolError as e:
+            await self._fail(op, req_id, e, payload_left=0)
+            return False
+        status, keep = P.OK, True
+        try:
+            meta = P.unpack_meta(await self.reader.read(h.meta_len), self.limits)
+            self.state = WORKING
+            handler = self._handlers.get(h.op)
+            if handler is None:
+                raise P.ProtocolError(P.UNKNOWN_OP, f"unknown op {h.op:#x}")
+            keep = await handler(self, h, meta)
+        except P.ProtocolError as e:
+            status = e.status
+            left = h.payload_len if h.op == P.PUT else 0  # PUTs fail before their payload
+            keep = await self._fail(h.op, h.req_id, e, payload_left=left)
+        M.REQUESTS.labels(P.OPS.get(h.op, "unknown"), P.STATUS_NAMES.get(status, "?")).inc()
+        M.REQUEST_SECONDS.labels(P.OPS.get(h.op, "unknown")).observe(time.perf_counter() - t0)
+        return keep
+
+    # ------------------------------------------------------------ replies
+    async def _send(self, op: int, req_id: int, meta: dict[str, Any], bufs: list = (),
+                    payload_len: int = 0, status: int = P.OK) -> None:
+        m = P.pack_meta(meta)
+        self.state = SENDING
+        head = P.pack_header(op | P.RESPONSE, req_id, len(m), payload_len, status) + m
+        await send_buffers(self.loop, self.sock, [head, *bufs], self._sent)
+
+    def _sent(self) -> None:
+        self.sent_at = time.monotonic()
+
+    async def _fail(self, op: int, req_id: int, e: P.ProtocolError, payload_left: int) -> bool:
+        """Answer an error; returns whether the connection stays open."""
+        M.PROTOCOL_ERRORS.labels(P.STATUS_NAMES.get(e.status, "?")).inc()
+        self.daemon.warn("%s: %s %s: %s", self.peer, P.OPS.get(op, f"op {op:#x}"),
+                         P.STATUS_NAMES.get(e.status, "?"), e)
+        if not e.fatal and payload_left:
+            await self.reader.discard(payload_left)  # bounded by max_payload; keeps framing
+        try:
+            await self._send(op, req_id, {"error": str(e)}, status=e.status)
+        except OSError:
+            return False
+        return not e.fatal
+
+    # ----------------------------------------------------------- handlers
+    async def _hello(self, h: P.FrameHeader, meta: dict[str, Any]) -> bool:
+        self.client = _printable(meta.get("client"))
+        if not self.authed:
+            given = P.get_token(meta)
+            if not hmac.compare_digest(given, self.daemon.token or b""):
+                M.AUTH_FAILURES.inc()
+                why = "no token" if not given else "wrong token"
+                raise P.ProtocolError(P.AUTH_FAILED, f"authentication failed ({why})",
+                                      fatal=True)
+            self.authed = True
+        log.info("%s: hello from client %s%s", self.peer, self.client,
+                 " (authenticated)" if self.daemon.token else "")
+        await self._send(h.op, h.req_id, {"server": "lmc", "version": P.VERSION,
+                                          "limits": self.limits.as_dict()})
+        return True
+
+    async def _ping(self, h: P.FrameHeader, meta: dict[str, Any]) -> bool:
+        await self._send(h.op, h.req_id, {})
+        return True
+
+    async def _stats(self, h: P.FrameHeader, meta: dict[str, Any]) -> bool:
+        stats = await self.daemon.run_storage(self.daemon.stats)
+        await self._send(h.op, h.req_id, _plain(stats))
+        return True
+
+    async def _put(self, h: P.FrameHeader, meta: dict[str, Any]) -> bool:
+        ns = P.get_namespace(meta, self.limits)
+        items = P.get_put_items(meta, h.payload_len, self.limits)
+        ikeys = self.store.internal_keys(ns, [it.key for it in items])
+        admitted, reserved = self.store.admit(ns, [it.payload_len for it in items])
+        results = bytearray(len(items))
+        held: list[tuple[bytes, MemoryObj]] = []
+        held_bytes, flush_at = 0, self.daemon.commit_bytes
+        self.state = READING
+        try:
+            for i, it in enumerate(items):
+                obj = (self.store.allocate(it.shape, it.dtype, it.num_tokens)
+                       if admitted[i] else None)
+                if obj is None:
+                    results[i] = P.NO_MEMORY if admitted[i] else P.OVER_QUOTA
+                    await self.reader.discard(it.payload_len)
+                    continue
+                held.append((ikeys[i], obj))
+                view = tensor_bytes(obj.tensor)
+                await self.reader.read_into(view)
+                if payload_checksum(view) != it.checksum:
+                    results[i] = P.BAD_CHECKSUM
+                    held.pop()
+                    obj.release()
+                    continue
+                obj.meta = Checksum(it.checksum)
+                held_bytes += obj.nbytes
+                if held_bytes >= flush_at:  # verified values become visible (and evictable)
+                    self._commit(ns, held)
+                    held, held_bytes = [], 0
+            self._commit(ns, held)
+            held = []
+        finally:
+            for _, o in held:
+                o.release()
+            self.store.settle(ns, reserved)
+        self._count_put(results, h.payload_len)
+        await self._send(h.op, h.req_id, {"results": bytes(results)})
+        return True
+
+    def _commit(self, ns: str, held: list[tuple[bytes, MemoryObj]]) -> None:
+        if held:
+            keys, objs = [k for k, _ in held], [o for _, o in held]
+            held.clear()  # from here on the references are released below, whatever happens
+            try:
+                self.store.commit(ns, keys, objs)
+            finally:
+                objs[0].pool.release_many(objs)
+
+    @staticmethod
+    def _count_put(results: bytearray, nbytes: int) -> None:
+        M.BYTES.labels("in").inc(nbytes)
+        for code, name in ((P.STORED, "stored"), (P.BAD_CHECKSUM, "bad_checksum"),
+                           (P.NO_MEMORY, "no_memory"), (P.OVER_QUOTA, "over_quota")):
+            n = results.count(code)
+            if n:
+                M.VALUES.labels(name).inc(n)
+
+    async def _get(self, h: P.FrameHeader, meta: dict[str, Any]) -> bool:
+        ns = P.get_namespace(meta, self.limits)
+        keys = P.get_keys(meta, self.limits)
+        prefix = P.get_flag(meta, "prefix")
+        ikeys = self.store.internal_keys(ns, keys)
+        objs = await self.daemon.run_storage(self.store.get, ikeys, prefix)
+        try:
+            items: list[bytes | None] = []
+            bufs: list[memoryview] = []
+            total, more = 0, False
+            for key, obj in zip(keys, objs):
+                if obj is None:
+                    if prefix:
+                        break
+                    items.append(None)
+                    continue
+                if bufs and total + obj.nbytes > self.limits.max_payload:
+                    more = True  # the client asks again for the rest
+                    break
+                view = tensor_bytes(obj.tensor)
+                items.append(encode_header(key, obj.shape, obj.dtype, obj.num_tokens, view,
+                                           checksum=checksum_of(obj)))
+                bufs.append(view)
+                total += obj.nbytes
+            self.store.touch(ns, ikeys[: len(items)])
+            await self._send(h.op, h.req_id, {"items": items, "more": more}, bufs, total)
+            M.BYTES.labels("out").inc(total)
+        finally:
+            live = [o for o in objs if o is not None]
+            if live:
+                live[0].pool.release_many(live)
+        return True
+
+    async def _exists(self, h: P.FrameHeader, meta: dict[str, Any]) -> bool:
+        ns = P.get_namespace(meta, self.limits)
+        ikeys = self.store.internal_keys(ns, P.get_keys(meta, self.limits))
+        if P.get_flag(meta, "prefix"):
+            hits = await self.daemon.run_storage(self.store.prefix_hits, ikeys)
+            await self._send(h.op, h.req_id, {"hits": hits})
+        else:
+            present = await self.daemon.run_storage(self.store.contains, ikeys)
+            await self._send(h.op, h.req_id, {"present": bytes(bytearray(present))})
+        return True
+
+    async def _delete(self, h: P.FrameHeader, meta: dict[str, Any]) -> bool:
+        ns = P.get_namespace(meta, self.limits)
+        ikeys = self.store.internal_keys(ns, P.get_keys(meta, self.limits))
+        n = await self.daemon.run_storage(self.store.delete, ns, ikeys)
+        await self._send(h.op, h.req_id, {"deleted": n})
+        return True
+
+    _handlers = {P.HELLO: _hello, P.PING: _ping, P.STATS: _stats, P.PUT: _put, P.GET: _get,
+                 P.EXISTS: _exists, P.DELETE: _delete}

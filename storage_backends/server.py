@@ -1,0 +1,251 @@
+"""The ``lmc://`` tier: an engine's remote tier served by ``lmc server``.
+
+``remote_url: lmc://host:port`` (TCP) or ``lmc+unix:///path/to.sock`` (same host), with
+``?ns=NAME`` to pick the namespace (default: ``remote_key_prefix``) and ``remote_token`` for
+the shared token. Every call is one batched, pipelined conversation; large batches are split
+over up to ``remote_connections`` connections in parallel. Values travel from and into pool
+memory without intermediate copies (see ``lmc.server.client``).
+
+Failure is a miss, never an exception: a call that fails or times out (``remote_timeout``
+of inactivity) answers misses, and a circuit breaker then keeps calls off the network until
+a trial call succeeds, so a dead or restarting server costs the engine nothing and the tier
+comes back by itself.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
+
+from lmc.config import CacheConfig
+from lmc.memory import MemoryObj, MemoryPool
+from lmc.serde import DTYPE_CODES
+from lmc.server import protocol as P
+from lmc.server.breaker import CLOSED, OPEN, CircuitBreaker
+from lmc.server.client import Address, Allocate, ClientConnection
+from lmc.storage_backend import Key, StorageBackend, register_backend
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+SPLIT_BYTES = 8 << 20  # batches larger than this go over several connections in parallel
+
+
+@register_backend("server", schemes=("lmc", "lmc+unix"))
+class ServerBackend(StorageBackend):
+    """A connection pool to one daemon, behind a circuit breaker."""
+
+    def __init__(self, spec: str = "server", *, config: CacheConfig, pool: MemoryPool,
+                 allocate: Allocate | None = None, namespace: str | None = None,
+                 client_name: str = "lmc-engine", **_: Any) -> None:
+        url = spec if "://" in spec else config.remote_url
+        if not url:
+            raise ValueError("the server tier needs remote_url: lmc://host:port or "
+                             "lmc+unix:///path")
+        self.address = Address.parse(url)
+        self.url = f"lmc://{self.address}"
+        self.namespace = namespace or self.address.namespace or config.remote_key_prefix
+        self.pool = pool
+        self.allocate = allocate or pool.allocate
+        self.size = config.remote_connections
+        self.timeout = config.remote_timeout
+        self._token = config.remote_token
+        self._client_name = client_name
+        self.breaker = CircuitBreaker()
+        self._idle: list[ClientConnection] = []
+        self._open = 0
+        self._cond = threading.Condition()
+        self._exec: ThreadPoolExecutor | None = None
+        self._closed = False
+        self._last_warn = 0.0
+        self._count_lock = threading.Lock()
+        self.counts = {"calls": 0, "failures": 0, "skipped_open": 0, "hits": 0, "misses": 0,
+                       "stored": 0, "not_stored": 0, "corrupt": 0, "bytes_in": 0,
+                       "bytes_out": 0}
+
+    def _count(self, **kv: int) -> None:
+        with self._count_lock:
+            for k, v in kv.items():
+                self.counts[k] += v
+
+    # ------------------------------------------------------- connections
+    def _connect(self) -> ClientConnection:
+        return ClientConnection(self.address, self._token, self.timeout, self._client_name)
+
+    def _acquire(self) -> ClientConnection:
+        deadline = time.monotonic() + self.timeout
+        with self._cond:
+            while True:
+                if self._closed:
+                    raise ConnectionError("server tier closed")
+                if self._idle:
+                    return self._idle.pop()
+                if self._open < self.size:
+                    self._open += 1
+                    break
+                left = deadline - time.monotonic()
+                if left <= 0 or not self._cond.wait(left):
+                    raise TimeoutError(f"no free connection to {self.address} "
+                                       f"within {self.timeout} s")
+        try:
+            return self._connect()
+        except BaseException:
+            with self._cond:
+                self._open -= 1
+                self._cond.notify()
+            raise
+
+    def _release(self, conn: ClientConnection, ok: bool) -> None:
+        stale: list[ClientConnection] = []
+        with self._cond:
+            if ok and not self._closed and not conn.closed:
+                self._idle.append(conn)
+            else:
+                conn.close()
+                self._open -= 1
+                if not ok:  # the others were made to the same (maybe restarted) server
+                    stale, self._idle = self._idle, []
+                    self._open -= len(stale)
+            self._cond.notify_all()
+        for c in stale:
+            c.close()
+
+    def _call(self, what: str, fn: Callable[[ClientConnection], T], miss: T) -> T:
+        """Run ``fn`` on a pooled connection; any failure is ``miss`` (and a breaker tick)."""
+        if not self.breaker.allow():
+            self._count(skipped_open=1)
+            return miss
+        self._count(calls=1)
+        conn = None
+        try:
+            conn = self._acquire()
+            out = fn(conn)
+        except Exception as e:  # socket, timeout, protocol or server error: all misses
+            if conn is not None:
+                self._release(conn, ok=False)
+            self._failed(what, e)
+            return miss
+        self._release(conn, ok=True)
+        if self.breaker.state != CLOSED:
+            log.info("server tier %s is answering again; circuit closed", self.url)
+        self.breaker.success()
+        return out
+
+    def _failed(self, what: str, e: Exception) -> None:
+        self._count(failures=1)
+        was_open = self.breaker.state == OPEN
+        self.breaker.failure()
+        now = time.monotonic()
+        if (self.breaker.state == OPEN and not was_open) or now - self._last_warn > 5.0:
+            self._last_warn = now
+            log.warning("server tier %s: %s failed (%s: %s); serving misses%s", self.url, what,
+                        type(e).__name__, e,
+                        ", circuit open" if self.breaker.state == OPEN else "")
+
+    def _parallel(self, parts: list[tuple[int, int]], run: Callable[[int, int], T]) -> list[T]:
+        if len(parts) == 1:
+            return [run(*parts[0])]
+        if self._exec is None:
+            with self._cond:
+                if self._exec is None:
+                    self._exec = ThreadPoolExecutor(self.size, thread_name_prefix="lmc-remote")
+        futs = [self._exec.submit(run, a, b) for a, b in parts[1:]]
+        first = run(*parts[0])  # the caller's thread does a share too
+        return [first, *(f.result() for f in futs)]
+
+    def _split(self, weights: Sequence[int]) -> list[tuple[int, int]]:
+        """Contiguous parts of about equal weight, at most one per connection."""
+        total = sum(weights)
+        n = min(self.size, len(weights), max(1, total // SPLIT_BYTES))
+        if n <= 1:
+            return [(0, len(weights))]
+        parts, start, acc, target = [], 0, 0, total / n
+        for i, w in enumerate(weights):
+            acc += w
+            if acc >= target * (len(parts) + 1) and len(parts) < n - 1 and i + 1 < len(weights):
+                parts.append((start, i + 1))
+                start = i + 1
+        parts.append((start, len(weights)))
+        return parts
+
+    # ------------------------------------------------------------- reads
+    def contains(self, keys: Sequence[Key]) -> list[bool]:
+        if not keys:
+            return []
+        return self._call("contains", lambda c: c.contains(self.namespace, keys),
+                          [False] * len(keys))
+
+    def prefix_hits(self, keys: Sequence[Key]) -> int:
+        if not keys:
+            return 0
+        return self._call("prefix_hits", lambda c: c.prefix_hits(self.namespace, keys), 0)
+
+    def get(self, keys: Sequence[Key]) -> list[MemoryObj | None]:
+        if not keys:
+            return []
+        # sizes are unknown before the answer: assume equal chunks, split by count
+        parts = self._split([SPLIT_BYTES // 4] * len(keys)) if len(keys) >= 8 else [(0, len(keys))]
+
+        def run(a: int, b: int) -> list[MemoryObj | None]:
+            return self._call("get", lambda c: c.get(self.namespace, keys[a:b], self.allocate,
+                                                     on_corrupt=self._corrupt),
+                              [None] * (b - a))
+
+        out = [o for part in self._parallel(parts, run) for o in part]
+        hits = sum(o is not None for o in out)
+        self._count(hits=hits, misses=len(out) - hits,
+                    bytes_in=sum(o.nbytes for o in out if o is not None))
+        return out
+
+    def _corrupt(self) -> None:
+        self._count(corrupt=1)
+        log.warning("server tier %s: a value failed its checksum; treated as a miss", self.url)
+
+    # ------------------------------------------------------------ writes
+    def put(self, keys: Sequence[Key], objs: Sequence[MemoryObj]) -> int:
+        ok = [i for i, o in enumerate(objs) if o.dtype in DTYPE_CODES and len(o.shape) == 4]
+        if len(ok) < len(objs):
+            self._count(not_stored=len(objs) - len(ok))
+            keys, objs = [keys[i] for i in ok], [objs[i] for i in ok]
+        if not keys:
+            return 0
+        parts = self._split([o.nbytes for o in objs])
+
+        def run(a: int, b: int) -> int:
+            res = self._call("put", lambda c: c.put(self.namespace, keys[a:b], objs[a:b]), b"")
+            return res.count(P.STORED)
+
+        stored = sum(self._parallel(parts, run))
+        self._count(stored=stored, not_stored=len(keys) - stored,
+                    bytes_out=sum(o.nbytes for o in objs))
+        return stored
+
+    def delete(self, keys: Sequence[Key]) -> int:
+        if not keys:
+            return 0
+        return self._call("delete", lambda c: c.delete(self.namespace, keys), 0)
+
+    # ------------------------------------------------------------- admin
+    def server_stats(self) -> dict[str, Any]:
+        """The daemon's own STATS (empty when it cannot be reached)."""
+        return self._call("stats", lambda c: c.stats(), {})
+
+    def stats(self) -> dict[str, Any]:
+        with self._cond:
+            conns = {"connections_open": self._open, "connections_idle": len(self._idle)}
+        with self._count_lock:
+            counts = dict(self.counts)
+        return {**counts, **conns, **self.breaker.stats(), "namespace": self.namespace}
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            idle, self._idle = self._idle, []
+            self._cond.notify_all()
+        for c in idle:
+            c.close()
+        if self._exec is not None:
+            self._exec.shutdown(wait=True)
