@@ -45,6 +45,7 @@ from lmc.connectors.metadata import (
     ScheduledView,
     StepRequest,
 )
+from lmc.connectors.worker import WorkerConnector
 
 from lmc.config import CacheConfig
 
@@ -255,8 +256,3 @@ class SchedulerConnector:
     @property
     def num_tracked_requests(self) -> int:
         return len(self._hits) + len(self._pending)
-
-
-# Imported last: the worker module imports this one's siblings only, never this module's
-# names at import time, so the re-export cannot form a cycle.
-from lmc.connectors.worker import WorkerConnector  # noqa: E402

@@ -60,11 +60,11 @@ class WorkerStats:
     saved_tokens: int = 0  # new tokens stored (chunks already present are not counted)
     saves_dropped: int = 0  # saves of requests whose load failed in the same step
     save_failures: int = 0
-    chunks_by_tier: dict[str, int] = field(default_factory=dict)
+    tokens_by_tier: dict[str, int] = field(default_factory=dict)  # positions, by source tier
 
     def as_dict(self) -> dict[str, Any]:
-        out = {k: v for k, v in vars(self).items() if k != "chunks_by_tier"}
-        out.update({f"chunks_from_{t}": n for t, n in self.chunks_by_tier.items()})
+        out = {k: v for k, v in vars(self).items() if k != "tokens_by_tier"}
+        out.update({f"tokens_from_{t}": n for t, n in self.tokens_by_tier.items()})
         return out
 
 
@@ -141,25 +141,28 @@ class WorkerConnector:
                     "be recomputed", spec.request_id, position, why, len(blocks))
 
     def _count_tiers(self, spec: LoadSpec) -> None:
-        """Which tier holds each chunk about to load (stats only; L1 is a dict lookup,
-        lower tiers are asked only about chunks L1 lacks)."""
-        db, storage = self.engine.db, self.engine.storage
-        keys = db.keys(spec.token_ids)[spec.mask_start // self.chunk_size:]
-        todo = [k for k, p in zip(keys, storage.l1_contains(keys)) if not p]
-        counts = {storage.tiers[0].name: len(keys) - len(todo)}
+        """Which tier holds each position about to load (stats only: L1 is a dict lookup,
+        lower tiers are asked only about the chunks L1 lacks)."""
+        db, storage, cs = self.engine.db, self.engine.storage, self.chunk_size
+        first = spec.mask_start // cs
+        keys = db.keys(spec.token_ids)[first:]
+        sizes = [max(0, min((i + 1) * cs, spec.end) - max(i * cs, spec.start))
+                 for i in range(first, first + len(keys))]
+        todo = [j for j, p in enumerate(storage.l1_contains(keys)) if not p]
+        counts = {storage.tiers[0].name: sum(sizes) - sum(sizes[j] for j in todo)}
         for tier in storage.tiers[1:]:
             if not todo:
                 break
             try:
-                present = tier.contains(todo)
+                present = tier.contains([keys[j] for j in todo])
             except Exception:
                 break
-            counts[tier.name] = sum(present)
-            todo = [k for k, p in zip(todo, present) if not p]
+            counts[tier.name] = sum(sizes[j] for j, p in zip(todo, present) if p)
+            todo = [j for j, p in zip(todo, present) if not p]
         with self._lock:
             for name, n in counts.items():
                 if n:
-                    self.stats.chunks_by_tier[name] = self.stats.chunks_by_tier.get(name, 0) + n
+                    self.stats.tokens_by_tier[name] = self.stats.tokens_by_tier.get(name, 0) + n
 
     # --------------------------------------------------------------------- step
     def bind(self, meta: ConnectorMetadata) -> None:

@@ -1,0 +1,312 @@
+"""``lmc demo``: the main job, end to end on this machine in about a minute.
+
+The built-in reference engine serves a realistic workload — multi-round chats that share a
+long system prompt, then questions about one long document — four times:
+
+1. **no lmc**: the engine alone, every prompt prefilled in full (the cold TTFT);
+2. **lmc, cold cache**: lmc on, starting empty (later requests already reuse earlier ones);
+3. **lmc, warm (L1)**: the same workload again, served from the CPU tier;
+4. **lmc, restarted**: a new engine and a new, empty L1 over the same disk directory, so the
+   KV comes back from the disk tier (skipped when no disk tier is configured).
+
+It prints TTFT p50/p95 per pass, the share of prompt tokens each tier supplied, the bytes
+moved, and whether every pass generated the same tokens (it must: lmc never changes output).
+
+Model: by default a random-weight Llama made on first run under the user's cache directory
+(``DEMO_MODEL``: hidden 256, 4 layers, 8k positions: big enough that a few-thousand-token
+prefill costs about a second on two cores, small enough to make in seconds); ``--model DIR``
+runs a real local checkpoint instead. Cache: ``DEMO_CONFIG`` (the same as
+``configs/demo.yaml``) with a fresh temporary disk directory, or ``--config FILE``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+DEMO_MODEL: dict[str, Any] = {"hidden": 256, "layers": 4, "heads": 4, "kv_heads": 2,
+                              "vocab": 2048, "max_position_embeddings": 8192, "seed": 0}
+DEMO_MODEL_VERSION = 1
+DEMO_CONFIG: dict[str, Any] = {"chunk_size": 256, "local_cpu_size": "512MiB",
+                               "save_unfull_chunk": True, "local_disk_size": "2GiB",
+                               "write_policy": "write_through"}
+ENGINE_ARGS: dict[str, Any] = {"block_size": 16, "max_num_batched_tokens": 2048,
+                               "max_num_seqs": 8, "max_model_len": 8192}
+
+_WORDS = ["cache", "key", "value", "token", "prompt", "model", "layer", "block", "engine", "memory", "disk", "server", "request", "reply", "query", "answer", "system", "user", "agent", "document", "chunk", "prefix", "store", "load", "save", "copy", "river", "mountain", "forest", "ocean", "city", "village", "garden", "window", "door", "table", "chair", "book", "letter", "morning", "evening", "night", "winter", "summer", "spring", "rain", "snow", "wind", "storm", "cloud", "light", "red", "green", "blue", "quiet", "small", "large", "old", "new", "fast", "slow", "bright", "dark", "warm", "cold", "teacher", "student", "doctor", "writer", "run", "walk", "read", "write", "build", "open", "close", "carry", "find", "keep", "send", "take", "give", "make", "see", "know", "think", "want", "need", "help", "watch", "call", "ask", "tell", "show", "is", "was", "are", "has", "will", "can", "should", "and", "or", "but", "so", "because", "while", "when", "where", "after", "before", "in", "on", "at", "by", "for", "with", "from", "over", "under", "always", "never", "often", "again", "already", "still", "just", "only", "first", "last", "next", "early", "late"]
+
+
+# ------------------------------------------------------------------------------ model
+def demo_model_dir() -> Path:
+    """The demo checkpoint (``DEMO_MODEL``), made once under the cache directory; built in a
+    temporary sibling and renamed into place, so concurrent runs never see half a model."""
+    from lmc.reference.tiny import cache_root, make_tiny_checkpoint
+
+    target = cache_root() / f"demo-llama-h{DEMO_MODEL['hidden']}-l{DEMO_MODEL['layers']}" \
+                            f"-v{DEMO_MODEL_VERSION}"
+    if (target / "config.json").is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".demo-", dir=target.parent))
+    try:
+        make_tiny_checkpoint(tmp, **DEMO_MODEL)
+        try:
+            os.rename(tmp, target)
+        except OSError:
+            if not (target / "config.json").is_file():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+# --------------------------------------------------------------------------- workload
+@dataclass(frozen=True)
+class Workload:
+    """Sizes in tokens (approximate: text is generated until it encodes to at least this)."""
+
+    system_tokens: int = 2000
+    sessions: int = 3
+    rounds: int = 3
+    turn_tokens: int = 60
+    doc_tokens: int = 3500
+    questions: int = 3
+    max_tokens: int = 16
+    seed: int = 0
+
+    @classmethod
+    def quick(cls) -> Workload:
+        return cls(system_tokens=600, sessions=2, rounds=2, turn_tokens=30, doc_tokens=900,
+                   questions=2, max_tokens=4)
+
+    @property
+    def num_requests(self) -> int:
+        return self.sessions * self.rounds + self.questions
+
+
+def _text(rng: random.Random, encode: Callable[[str], list[int]], tokens: int) -> str:
+    """Pseudo-English sentences until the text encodes to ``tokens`` tokens or more."""
+    parts: list[str] = []
+    while True:
+        words = [rng.choice(_WORDS) for _ in range(rng.randint(6, 16))]
+        parts.append(" ".join(words).capitalize() + rng.choice(".?!."))
+        if len(parts) % 8 == 0 and len(encode(" ".join(parts))) >= tokens:
+            return " ".join(parts)
+
+
+@dataclass
+class Texts:
+    system: str
+    turns: list[list[str]]  # [session][round]
+    document: str
+    questions: list[str]
+
+
+def make_texts(w: Workload, encode: Callable[[str], list[int]]) -> Texts:
+    rng = random.Random(w.seed)
+    return Texts(
+        system=_text(rng, encode, w.system_tokens),
+        turns=[[_text(rng, encode, w.turn_tokens) for _ in range(w.rounds)]
+               for _ in range(w.sessions)],
+        document=_text(rng, encode, w.doc_tokens),
+        questions=[_text(rng, encode, w.turn_tokens // 2) for _ in range(w.questions)],
+    )
+
+
+# ------------------------------------------------------------------------------ passes
+@dataclass
+class PassResult:
+    name: str
+    ttfts: list[float] = field(default_factory=list)
+    prompt_tokens: int = 0
+    outputs: list[list[int]] = field(default_factory=list)
+    stats: dict[str, float] = field(default_factory=dict)
+    seconds: float = 0.0
+
+
+class Progress:
+    """One stderr line per pass, redrawn in place on a terminal (no dependency)."""
+
+    def __init__(self, name: str, total: int, stream: Any = None) -> None:
+        self.name, self.total, self.done = name, total, 0
+        self.stream = stream or sys.stderr
+        self.tty = hasattr(self.stream, "isatty") and self.stream.isatty()
+
+    def advance(self, ttft: float) -> None:
+        self.done += 1
+        if self.tty or self.done == self.total:
+            width = 24
+            fill = width * self.done // self.total
+            line = (f"  {self.name:<26} [{'#' * fill}{'.' * (width - fill)}] "
+                    f"{self.done:>3}/{self.total}  last TTFT {ttft * 1000:7.1f} ms")
+            end = "\n" if self.done == self.total else ""
+            self.stream.write(("\r" if self.tty else "") + line + end)
+            self.stream.flush()
+
+
+def run_pass(llm: Any, texts: Texts, w: Workload, name: str) -> PassResult:
+    """Chats round by round (each round's prompt carries the history, answers included),
+    then the document questions; one request at a time, so TTFT is the request's own."""
+    res = PassResult(name)
+    sys.stdout.flush()
+    progress = Progress(name, w.num_requests)
+    t0 = time.perf_counter()
+    history = [texts.system for _ in range(w.sessions)]
+
+    def ask(prompt: str) -> str:
+        out = llm.generate([prompt], max_tokens=w.max_tokens, ignore_eos=True)[0]
+        res.ttfts.append(out.ttft_s)
+        res.prompt_tokens += len(out.prompt_token_ids)
+        res.outputs.append(out.token_ids)
+        progress.advance(out.ttft_s)
+        return out.text
+
+    for r in range(w.rounds):
+        for s in range(w.sessions):
+            history[s] += f"\nUser: {texts.turns[s][r]}\nAssistant:"
+            history[s] += " " + ask(history[s]).strip()
+    for q in texts.questions:
+        ask(f"{texts.document}\n\nQuestion: {q}\nAnswer:")
+    res.seconds = time.perf_counter() - t0
+    return res
+
+
+def _delta(after: dict[str, Any], before: dict[str, Any]) -> dict[str, float]:
+    return {k: v - before.get(k, 0) for k, v in after.items() if isinstance(v, (int, float))}
+
+
+# ------------------------------------------------------------------------------- table
+def _pct(q: float, xs: list[float]) -> float:
+    """Percentile with linear interpolation between the two nearest samples."""
+    xs = sorted(xs)
+    pos = q * (len(xs) - 1)
+    lo = int(pos)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+def format_table(results: list[PassResult], tiers: list[str]) -> str:
+    mib = 1 << 20
+    head = (f"{'pass':<28}{'TTFT p50':>10}{'TTFT p95':>10}{'prompt tok':>12}"
+            + "".join(f"{'from ' + t:>11}" for t in tiers)
+            + f"{'computed':>10}{'KV loaded':>11}{'KV saved':>10}{'disk I/O':>10}")
+    lines = [head, "-" * len(head)]
+    for r in results:
+        s, n = r.stats, max(1, r.prompt_tokens)
+        from_tier = [s.get(f"worker.tokens_from_{t}", 0) for t in tiers]
+        computed = n - sum(from_tier)
+        disk = s.get("cache.disk.read_bytes", 0) + s.get("cache.disk.write_bytes", 0)
+        lines.append(
+            f"{r.name:<28}{_pct(.5, r.ttfts) * 1e3:>8.1f}ms{_pct(.95, r.ttfts) * 1e3:>8.1f}ms"
+            f"{r.prompt_tokens:>12,}" + "".join(f"{x / n:>11.1%}" for x in from_tier)
+            + f"{computed / n:>10.1%}"
+            + f"{s.get('cache.retrieve_bytes', 0) / mib:>9.1f}MB"
+            + f"{s.get('cache.store_bytes', 0) / mib:>8.1f}MB{disk / mib:>8.1f}MB")
+    return "\n".join(lines)
+
+
+# -------------------------------------------------------------------------------- main
+def run_demo(model_dir: Path | None = None, config_path: str | None = None,
+             workload: Workload | None = None, baseline: bool = True,
+             out: Any = None) -> list[PassResult]:
+    """Run the passes and print the table; returns the per-pass results."""
+    from lmc.config import CacheConfig
+    from lmc.connectors.reference import LMCReferenceConnector
+    from lmc.reference import LLM
+
+    out = out or sys.stdout
+    w = workload or Workload()
+    t_start = time.perf_counter()
+    if model_dir is None:
+        print("model: demo checkpoint " + ", ".join(f"{k}={v}" for k, v in DEMO_MODEL.items())
+              + " (random weights)", file=out)
+        model_dir = demo_model_dir()
+    print(f"model dir: {model_dir}", file=out)
+    cfg = CacheConfig.load(config_path) if config_path else CacheConfig.load(
+        overrides=DEMO_CONFIG)
+    tmp_disk = None
+    if cfg.local_disk is None and config_path is None:
+        tmp_disk = tempfile.mkdtemp(prefix="lmc-demo-disk-")
+        cfg = cfg.replace(local_disk=tmp_disk)
+    print(f"cache: chunk_size={cfg.chunk_size} L1 cpu {cfg.local_cpu_size / (1 << 20):.0f} MiB"
+          + (f", disk {cfg.local_disk}" if cfg.local_disk else ", no disk tier")
+          + (f", remote {cfg.remote_url}" if cfg.remote_url else ""), file=out)
+    results: list[PassResult] = []
+    tiers: list[str] = []
+    try:
+        engine_args = dict(ENGINE_ARGS)
+        first = LLM(model_dir, **engine_args)
+        texts = make_texts(w, first.encode)
+        print(f"workload: {w.sessions} chats x {w.rounds} rounds over a "
+              f"{len(first.encode(texts.system))}-token system prompt, "
+              f"{w.questions} questions on a {len(first.encode(texts.document))}-token "
+              f"document; {w.max_tokens} tokens per answer", file=out, flush=True)
+        if baseline:
+            results.append(run_pass(first, texts, w, "no lmc (engine alone)"))
+        del first
+
+        def lmc_pass(llm: Any, name: str) -> None:
+            before = llm.kv_connector.stats()
+            res = run_pass(llm, texts, w, name)
+            llm.kv_connector.engine.storage.flush(timeout=60)
+            res.stats = _delta(llm.kv_connector.stats(), before)
+            results.append(res)
+
+        conn = LMCReferenceConnector(cfg, model_dir=model_dir)
+        llm = LLM(model_dir, kv_connector=conn, **engine_args)
+        tiers = [t.name for t in conn.engine.storage.tiers]
+        lmc_pass(llm, "lmc, cold cache")
+        lmc_pass(llm, "lmc, warm (L1)")
+        llm.close()
+        if cfg.local_disk:
+            conn = LMCReferenceConnector(cfg, model_dir=model_dir)
+            llm = LLM(model_dir, kv_connector=conn, **engine_args)
+            lmc_pass(llm, "lmc, restarted (disk -> L1)")
+            llm.close()
+        else:
+            print("(no disk tier configured: the restart pass is skipped)", file=out)
+    finally:
+        if tmp_disk:
+            shutil.rmtree(tmp_disk, ignore_errors=True)
+    print(file=out)
+    print(format_table(results, tiers), file=out)
+    same = all(r.outputs == results[0].outputs for r in results)
+    print(f"\ngenerated tokens identical in every pass: {'yes' if same else 'NO'}", file=out)
+    cold = _pct(.5, results[0].ttfts)
+    warm = _pct(.5, next(r for r in results if "warm" in r.name).ttfts)
+    print(f"TTFT p50 {cold * 1e3:.0f} ms ({results[0].name}) -> {warm * 1e3:.1f} ms (warm L1): "
+          f"{cold / warm:.0f}x; demo took {time.perf_counter() - t_start:.0f} s", file=out,
+          flush=True)
+    if not same:
+        raise RuntimeError("lmc changed the generated tokens: this is a bug")
+    return results
+
+
+def _cli(args: argparse.Namespace) -> int:
+    w = Workload.quick() if args.quick else Workload()
+    try:
+        run_demo(Path(args.model) if args.model else None, args.config, w,
+                 baseline=not args.no_baseline)
+    except (ValueError, OSError) as e:
+        print(f"lmc demo: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def register_cli(sub: Any) -> None:
+    p = sub.add_parser("demo", help="cold vs warm TTFT on the built-in reference engine")
+    p.add_argument("--model", help="local HF checkpoint directory (default: the demo model)")
+    p.add_argument("--config", help="lmc YAML config (default: configs/demo.yaml's values "
+                                    "with a temporary disk directory)")
+    p.add_argument("--quick", action="store_true", help="a smaller workload (seconds)")
+    p.add_argument("--no-baseline", action="store_true", help="skip the engine-alone pass")
+    p.set_defaults(func=_cli)
