@@ -9,7 +9,12 @@ writer thread per tier, so the engine's store never waits on them. ``write_polic
 
 * ``write_through``: every chunk stored in L1 is queued for every lower tier at once;
 * ``write_on_evict``: L1 queues a chunk when it evicts it (``CPUBackend.on_evict``). Chunks
-  still in L1 at ``close()`` are not written down.
+  still in L1 at ``close()`` are not written down. An evicted chunk keeps its pool memory
+  until written, so a store under memory pressure evicts further LRU chunks into the queue
+  until the queue is full and only then frees memory by dropping a victim (as L1 alone would
+  have): no store waits, but one allocation can move up to a queue's worth of cold chunks out
+  of L1 (they stay readable from the queue). The queue bound is therefore capped at a quarter
+  of the pool under this policy, or the queue could hold all of it and stores would fail.
 
 A lower-tier hit is promoted: the object the tier read (allocated from the shared pool through
 :class:`TierPool`, which may evict L1) is put into L1, and under write-through it is also
@@ -86,8 +91,10 @@ class StorageManager:
         self.write_policy = write_policy
         self.close_timeout = close_timeout
         self.metrics = [tier_metrics(t) for t in self.lower]
-        self.queues = [WriteBehind(t, queue_bytes, m) for t, m in zip(self.lower, self.metrics)]
         self._l1_pool = getattr(self.l1, "pool", None)
+        if write_policy == "write_on_evict" and self._l1_pool is not None:
+            queue_bytes = min(queue_bytes, self._l1_pool.size // 4)
+        self.queues = [WriteBehind(t, queue_bytes, m) for t, m in zip(self.lower, self.metrics)]
         if self.queues and write_policy == "write_on_evict":
             if not hasattr(self.l1, "on_evict"):
                 raise TypeError(f"write_on_evict needs an L1 tier with an on_evict hook; "

@@ -54,7 +54,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import CancelledError, ThreadPoolExecutor
 from typing import Any
 
 from lmc.config import CacheConfig, parse_size
@@ -153,6 +153,7 @@ class DiskBackend(StorageBackend):
         self._writing: set[Key] = set()
         self._used = 0  # bytes of indexed files
         self._reserved = 0  # bytes of temporary files being written
+        self._dying = 0  # bytes of evicted files not yet unlinked
         self._seq = itertools.count()
         self._tls = threading.local()
         self._closed = False
@@ -262,8 +263,8 @@ class DiskBackend(StorageBackend):
             log.warning("disk tier %s: removed %d truncated, %d foreign and %d temporary files",
                         self.path, bad, foreign, temps)
         with self._lock:
-            victims, _ = self._make_room_locked(0, recycle=False)
-        self._unlink(victims)
+            victims, _, dying = self._evict_locked(self._used - self.capacity, 0, recycle=False)
+        self._unlink(victims, dying)
         log.info("disk tier %s: %d chunks, %.1f of %.1f MiB, %s I/O", self.path,
                  len(self._index), self._used / 2**20, self.capacity / 2**20,
                  "O_DIRECT" if self.direct else "buffered")
@@ -285,9 +286,20 @@ class DiskBackend(StorageBackend):
                     e.readers += 1  # not recycled while we read it
                     self._index.move_to_end(k)
                     jobs.append((i, k, e))
-        futures = [self._io.submit(self._read, k, e) for _, k, e in jobs]
-        for (i, _, _), f in zip(jobs, futures):
-            out[i] = f.result()
+        futures = []
+        for _, k, e in jobs:
+            try:
+                futures.append(self._io.submit(self._read, k, e))
+            except RuntimeError:  # closed meanwhile
+                break
+        for (i, _, e), f in itertools.zip_longest(jobs, futures):
+            try:
+                out[i] = f.result() if f is not None else None
+            except CancelledError:  # close() cancelled it before it ran
+                f = None
+            if f is None:
+                with self._lock:
+                    e.readers -= 1
         return out
 
     def _open(self, path: str, flags: int, direct: bool) -> int:
@@ -357,7 +369,10 @@ class DiskBackend(StorageBackend):
             del self._index[key]
             self._used -= entry.size
             tmp = self._retire_locked(key, entry.size)
-        self._unlink([tmp] if tmp else [])
+            if tmp:
+                self._dying += entry.size
+        if tmp:
+            self._unlink([tmp], entry.size)
 
     # ----------------------------------------------------------------- writes
     def put(self, keys: Sequence[Key], objs: Sequence[MemoryObj]) -> int:
@@ -366,11 +381,16 @@ class DiskBackend(StorageBackend):
         pairs = list(zip(keys, objs, strict=True))
         if not pairs or self._closed:
             return 0
-        try:
-            futures = [self._io.submit(self._write, k, o) for k, o in pairs]
-        except RuntimeError:  # closed meanwhile
-            return 0
-        stored = sum(bool(f.result()) for f in futures)
+        futures = []
+        for k, o in pairs:
+            try:
+                futures.append(self._io.submit(self._write, k, o))
+            except RuntimeError:  # closed meanwhile
+                break
+        stored = 0
+        for f in futures:
+            with contextlib.suppress(CancelledError):  # close() cancelled it before it ran
+                stored += bool(f.result())
         if self.fsync and stored:
             self._fsync_dir()
         return stored
@@ -401,39 +421,34 @@ class DiskBackend(StorageBackend):
                 return True
             if key in self._writing:
                 return True
-            victims, recycled = self._make_room_locked(size)
-            if self._used + self._reserved + size > self.capacity:
-                room = False
-            else:
-                room = True
-                self._writing.add(key)
-                self._reserved += size
-        self._unlink(victims)
-        if not room:  # the rest is taken by writes in flight
-            self._unlink([recycled] if recycled else [])
-            self.metrics.error("put", "no_space")
-            return False
-        tmp = recycled or self._tmp_path()
+            self._writing.add(key)
         try:
-            self._write_file(tmp, key, obj, padded, create=recycled is None)
-            os.rename(tmp, self._path(key, size))
-        except OSError as e:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
+            ok, recycled = self._reserve(size)
+            if not ok:  # the rest is taken by writes in flight
+                self.metrics.error("put", "no_space")
+                return False
+            tmp = recycled or self._tmp_path()
+            try:
+                self._write_file(tmp, key, obj, padded, create=recycled is None)
+                os.rename(tmp, self._path(key, size))
+            except OSError as e:
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp)
+                with self._lock:
+                    self._reserved -= size
+                reason = "enospc" if e.errno == errno.ENOSPC else errno.errorcode.get(
+                    e.errno or 0, "oserror")
+                self.metrics.error("put", reason)
+                log.warning("disk tier %s: write skipped: %s", self.path, e)
+                return False
             with self._lock:
                 self._reserved -= size
+                self._index[key] = _Entry(size)
+                self._used += size
+            return True
+        finally:
+            with self._lock:
                 self._writing.discard(key)
-            reason = "enospc" if e.errno == errno.ENOSPC else errno.errorcode.get(
-                e.errno or 0, "oserror")
-            self.metrics.error("put", reason)
-            log.warning("disk tier %s: write skipped: %s", self.path, e)
-            return False
-        with self._lock:
-            self._reserved -= size
-            self._writing.discard(key)
-            self._index[key] = _Entry(size)
-            self._used += size
-        return True
 
     def _write_file(self, path: str, key: Key, obj: MemoryObj, padded: int, create: bool
                     ) -> None:
@@ -468,42 +483,79 @@ class DiskBackend(StorageBackend):
             return None
         return tmp
 
-    def _make_room_locked(self, size: int, recycle: bool = True
-                          ) -> tuple[list[str], str | None]:
-        """Evict LRU values until ``size`` more bytes fit; returns (temp files to unlink, one
-        temp file of exactly ``size`` bytes to overwrite, if a victim had that size)."""
+    def _committed(self) -> int:
+        """Bytes on disk or about to be: stored, being written, evicted but not yet unlinked."""
+        return self._used + self._reserved + self._dying
+
+    def _reserve(self, size: int) -> tuple[bool, str | None]:
+        """Reserve ``size`` bytes, evicting LRU values first; returns (ok, a temporary file of
+        exactly ``size`` bytes to overwrite when a victim could be recycled). The directory
+        never holds more than ``capacity``: a new file's bytes are reserved only once its
+        victims are unlinked."""
+        for _ in range(8):  # writers in flight may take the room we freed: try again
+            with self._lock:
+                over = self._committed() + size - self.capacity
+                if over <= 0:
+                    self._reserved += size
+                    return True, None
+                victims, recycled, dying = self._evict_locked(over, size)
+            self._unlink(victims, dying)
+            if recycled is not None:
+                return True, recycled
+            if not victims:
+                return False, None
+        return False, None
+
+    def _evict_locked(self, need: int, size: int, recycle: bool = True
+                      ) -> tuple[list[str], str | None, int]:
+        """Evict LRU values until ``need`` bytes will be free, or until one of exactly ``size``
+        bytes that no one is reading can be recycled (its bytes become the new reservation).
+        Returns (temporary files to unlink, the recycled file, bytes the unlinks free)."""
         victims: list[str] = []
         recycled: str | None = None
-        while self._index and self._used + self._reserved + size > self.capacity:
+        freed = dying = 0
+        while self._index and freed < need:
             key, e = self._index.popitem(last=False)
             self._used -= e.size
             tmp = self._retire_locked(key, e.size)
-            if tmp is None:
+            if tmp is None:  # the file was already gone
+                freed += e.size
                 continue
-            if recycle and recycled is None and e.size == size and e.readers == 0:
+            if recycle and e.size == size and e.readers == 0:
                 recycled = tmp
-            else:
-                victims.append(tmp)
-        return victims, recycled
+                self._reserved += size
+                break
+            victims.append(tmp)
+            self._dying += e.size
+            dying += e.size
+            freed += e.size
+        return victims, recycled, dying
 
-    def _unlink(self, paths: Sequence[str]) -> None:
+    def _unlink(self, paths: Sequence[str], dying: int = 0) -> None:
         for p in paths:
             with contextlib.suppress(OSError):
                 os.unlink(p)
+        if dying:
+            with self._lock:
+                self._dying -= dying
 
     def delete(self, keys: Sequence[Key]) -> int:
         gone: list[str] = []
+        n = dying = 0
         with self._lock:
             for k in keys:
                 e = self._index.pop(k, None)
                 if e is None:
                     continue
+                n += 1
                 self._used -= e.size
                 tmp = self._retire_locked(k, e.size)
                 if tmp:
                     gone.append(tmp)
-        self._unlink(gone)
-        return len(gone)
+                    self._dying += e.size
+                    dying += e.size
+        self._unlink(gone, dying)
+        return n
 
     # ------------------------------------------------------------------- misc
     @property
@@ -518,7 +570,7 @@ class DiskBackend(StorageBackend):
             if self._closed:
                 return
             self._closed = True
-        self._io.shutdown(wait=True)
+        self._io.shutdown(wait=True, cancel_futures=True)  # only the I/O in progress finishes
 
     def stats(self) -> dict[str, Any]:
         return {"chunks": len(self._index), "used_bytes": self._used,

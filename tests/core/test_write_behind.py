@@ -1,0 +1,186 @@
+"""Write-behind from L1 to a real disk tier: the byte bound (drop and count, never wait),
+write-on-evict, serving chunks that wait in the queue, flush/close draining or cancelling,
+and a tier whose writes fail. A slow tier is the real disk tier with an injected delay."""
+
+from __future__ import annotations
+
+import shutil
+import time
+
+import torch
+from lmc.storage_backends.disk import DiskBackend
+
+from lmc import CacheConfig, CacheEngine
+from lmc.memory import MemoryPool
+from lmc.storage_backend import create_backend
+from lmc.storage_manager import StorageManager
+from tests.kvutil import assert_bits_equal, make_caches, spec_for, token_kv
+
+CHUNK = 16
+CHUNK_BYTES = 3 * 2 * CHUNK * 2 * 8 * 4  # make_caches defaults, float32: 6 KiB (8 KiB block)
+
+
+class SlowDisk(DiskBackend):
+    """The disk tier with ``delay`` seconds added to every value it writes or reads."""
+
+    def __init__(self, *args, delay: float = 0.2, **kw) -> None:
+        super().__init__(*args, **kw)
+        self.delay = delay
+
+    def _write(self, key, obj):
+        time.sleep(self.delay)
+        return super()._write(key, obj)
+
+    def _read(self, key, entry):
+        time.sleep(self.delay)
+        return super()._read(key, entry)
+
+
+def _setup(tmp_path, delay=None, **cfg):
+    """An engine over vllm_flash float32 caches with a (slow) disk tier in ``tmp_path``."""
+    src = make_caches("vllm_flash", blocks=64, block_size=4, seed=3)
+    spec = spec_for("vllm_flash", src)
+    config = CacheConfig(**{"chunk_size": CHUNK, "local_cpu_size": "1MiB", **cfg})
+    tiers = None
+    if delay is not None:
+        tiers = [lambda c, pool: SlowDisk(config=c, pool=pool, path=tmp_path, delay=delay,
+                                          io_threads=1)]
+    else:
+        config = config.replace(local_disk=str(tmp_path))
+    return CacheEngine(config, spec, "m", tiers=tiers), src, spec
+
+
+def _prompt(i: int) -> list[int]:
+    """One full chunk of tokens per prompt: distinct prompts have independent keys."""
+    return [i * 1000 + t for t in range(CHUNK)]
+
+
+def _slots(i: int) -> torch.Tensor:
+    return torch.arange(CHUNK) + (i % 16) * CHUNK
+
+
+def test_full_queue_drops_and_counts_and_store_never_waits(tmp_path):
+    eng, src, _ = _setup(tmp_path, delay=0.3, write_queue_size=3 * CHUNK_BYTES)
+    with eng:
+        times = []
+        for i in range(10):
+            t0 = time.perf_counter()
+            assert eng.store(_prompt(i), src, _slots(i)) == CHUNK
+            times.append(time.perf_counter() - t0)
+        st = eng.stats()
+        assert st["disk.dropped_queue_full"] == 7  # 3 fit the bound (one of them in flight)
+        assert st["disk.queue_bytes"] <= 3 * CHUNK_BYTES
+        assert max(times) < 0.1, f"a store waited on the slow tier: {max(times):.3f} s"
+        assert eng.flush(5)
+        disk = eng.storage.lower[0]
+        assert len(disk) == 3 and eng.stats()["disk.queue_bytes"] == 0
+        assert all(eng.lookup(_prompt(i)) == CHUNK for i in range(10))  # all still in L1
+
+
+def test_write_on_evict_moves_evicted_chunks_down(tmp_path):
+    """128 KiB of pool = 16 chunks of L1. Chunks reach the disk only when evicted; an
+    eviction holds the victim's memory until written, so a store under pressure moves up to a
+    queue's worth (capped at a quarter of the pool) of cold chunks down and drops one victim,
+    as L1 alone would have. Every chunk is in L1, on disk, or counted as dropped."""
+    eng, src, spec = _setup(tmp_path, local_cpu_size="128KiB", write_policy="write_on_evict")
+    disk = eng.storage.lower[0]
+    with eng:
+        for i in range(16):
+            eng.store(_prompt(i), src, _slots(i))
+        assert eng.flush(5) and len(disk) == 0  # nothing evicted, nothing written
+        for i in range(16, 24):
+            eng.store(_prompt(i), src, _slots(i))
+            assert eng.flush(5)
+        st = eng.stats()
+        dropped = st["disk.dropped_queue_full"]
+        assert 0 < dropped < st["cpu.evictions"]
+        assert len(disk) == st["cpu.evictions"] - dropped
+        assert st["disk.queue_limit_bytes"] == 32 << 10
+        keys = [eng.db.keys(_prompt(i))[0] for i in range(24)]
+        on_disk = disk.contains(keys)
+        in_l1 = eng.storage.l1_contains(keys)
+        assert not any(a and b for a, b in zip(on_disk, in_l1))  # moved, not copied
+        assert sum(on_disk) + sum(in_l1) + dropped == 24
+        first = on_disk.index(True)
+        dst = make_caches("vllm_flash", blocks=64, block_size=4, zeros=True)
+        assert eng.retrieve(_prompt(first), dst, torch.arange(CHUNK)) == CHUNK  # from disk
+        assert_bits_equal(token_kv(spec, dst, torch.arange(CHUNK)),
+                          token_kv(spec, src, _slots(first)), "evicted chunk")
+        assert eng.contains_chunks(_prompt(first)).all()  # promoted back into L1
+
+
+def test_chunks_waiting_in_the_queue_are_served(tmp_path):
+    """Write-on-evict with a slow disk: an evicted chunk still waiting to be written is found
+    by lookup and retrieve (and goes back into L1), not lost in the gap."""
+    eng, src, spec = _setup(tmp_path, delay=0.5, local_cpu_size="64KiB",
+                            write_policy="write_on_evict")
+    with eng:
+        for i in range(10):  # 8 fit; prompts 0 and 1 are evicted into the queue
+            eng.store(_prompt(i), src, _slots(i))
+        assert not eng.contains_chunks(_prompt(1)).any()
+        assert eng.stats()["disk.queue_chunks"] >= 1
+        assert eng.lookup(_prompt(1)) == CHUNK
+        dst = make_caches("vllm_flash", blocks=64, block_size=4, zeros=True)
+        t0 = time.perf_counter()
+        assert eng.retrieve(_prompt(1), dst, torch.arange(CHUNK)) == CHUNK
+        assert time.perf_counter() - t0 < 0.25  # from the queue, not through the slow read
+        assert_bits_equal(token_kv(spec, dst, torch.arange(CHUNK)),
+                          token_kv(spec, src, _slots(1)), "queued chunk")
+        assert eng.contains_chunks(_prompt(1)).all()
+        eng.storage.close_timeout = 0.1  # do not wait for the slow writer on exit
+
+
+def test_flush_waits_and_close_drains(tmp_path):
+    eng, src, _ = _setup(tmp_path, delay=0.05)
+    with eng:
+        for i in range(6):
+            eng.store(_prompt(i), src, _slots(i))
+        assert not eng.flush(0.01)  # six slow writes cannot be done yet
+        assert eng.flush(10)
+        assert len(eng.storage.lower[0]) == 6
+        for i in range(6, 10):
+            eng.store(_prompt(i), src, _slots(i))
+    # close drained the rest: a new engine finds all ten on disk
+    cfg = CacheConfig(chunk_size=CHUNK, local_cpu_size="1MiB", local_disk=str(tmp_path))
+    with CacheEngine(cfg, eng.spec, "m") as eng2:
+        assert all(eng2.lookup(_prompt(i)) == CHUNK for i in range(10))
+
+
+def test_close_with_a_deadline_cancels_the_rest_and_releases_everything(tmp_path):
+    pool = MemoryPool(1 << 20, pin_memory=False)
+    cfg = CacheConfig(local_cpu_size=1 << 20)
+    l1 = create_backend("cpu", cfg, pool)
+    slow = SlowDisk(config=cfg, pool=pool, path=tmp_path, delay=0.1, io_threads=1)
+    sm = StorageManager([l1, slow], queue_bytes=1 << 20, close_timeout=0.25)
+    keys = [bytes([i]) * 16 for i in range(20)]
+    objs = [pool.allocate((1, 2, 4, 64), torch.float32, 4) for _ in keys]
+    sm.put(keys, objs)
+    for o in objs:
+        o.release()
+    t0 = time.perf_counter()
+    sm.close()
+    assert time.perf_counter() - t0 < 1.0  # the deadline, plus the one write in progress
+    q = sm.queues[0]
+    if q._thread is not None:
+        q._thread.join()  # the batch that was inside put() when the deadline passed
+    assert 0 < len(slow) < 20
+    m = slow.metrics  # queued at the deadline: closed; cancelled inside the tier: rejected
+    assert m.get("dropped_closed") + m.get("dropped_rejected") + len(slow) == 20
+    assert pool.used_bytes == 0  # the queue's references were all released
+
+
+def test_a_failing_tier_loses_writes_not_the_writer(tmp_path):
+    d = tmp_path / "d"
+    eng, src, _ = _setup(d)
+    with eng:
+        eng.store(_prompt(0), src, _slots(0))
+        assert eng.flush(5)
+        shutil.rmtree(d)  # every write now fails (ENOENT): skipped and counted
+        eng.store(_prompt(1), src, _slots(1))
+        assert eng.flush(5)
+        st = eng.stats()
+        assert st["disk.errors_put_ENOENT"] == 1 and st["disk.dropped_rejected"] == 1
+        d.mkdir()  # the directory is back: writes work again
+        eng.store(_prompt(2), src, _slots(2))
+        assert eng.flush(5)
+        assert eng.storage.lower[0].contains(eng.db.keys(_prompt(2))) == [True]
