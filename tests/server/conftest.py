@@ -27,8 +27,9 @@ def start_daemon(tmp_path):
 
 @pytest.fixture(scope="module")
 def shared_daemon(tmp_path_factory):
-    """One plain daemon (TCP + Unix socket, 256 MiB) shared by a module's tests."""
-    d = DaemonProc(tmp_path_factory.mktemp("shared"), ["--size", "256MiB"], unix=True)
+    """One plain daemon (TCP + Unix socket, 256 MiB pool, 4 MiB frames) shared by a module's tests."""
+    d = DaemonProc(tmp_path_factory.mktemp("shared"), ["--size", "256MiB", "--max-payload", "4MiB"],
+                   unix=True)
     d.start()
     yield d
     d.kill()
