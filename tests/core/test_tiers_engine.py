@@ -1,0 +1,207 @@
+"""The engine over L1 + a real disk tier: promotion, prefetch, the longest prefix across tiers
+with one batched call per tier, a slow lower tier that must not slow L1 hits or stores, a
+failing tier degrading to misses, and the per-tier Prometheus metrics."""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+from lmc.storage_backends.disk import DiskBackend
+from prometheus_client import REGISTRY
+
+from lmc import CacheConfig, CacheEngine
+from tests.kvutil import assert_bits_equal, make_caches, spec_for, token_kv
+
+CHUNK = 16
+N = 5 * CHUNK  # five chunks per prompt
+
+
+class CountingDisk(DiskBackend):
+    """The disk tier, counting how many batched calls it receives."""
+
+    def __init__(self, *args, **kw) -> None:
+        super().__init__(*args, **kw)
+        self.calls = {"contains": 0, "get": 0}
+
+    def contains(self, keys):
+        self.calls["contains"] += 1
+        return super().contains(keys)
+
+    def get(self, keys):
+        self.calls["get"] += 1
+        return super().get(keys)
+
+
+class SlowDisk(DiskBackend):
+    """The disk tier with ``delay`` seconds added to every value it reads or writes."""
+
+    def __init__(self, *args, delay: float = 0.3, **kw) -> None:
+        super().__init__(*args, **kw)
+        self.delay = delay
+
+    def _write(self, key, obj):
+        time.sleep(self.delay)
+        return super()._write(key, obj)
+
+    def _read(self, key, entry):
+        time.sleep(self.delay)
+        return super()._read(key, entry)
+
+
+def _caches(zeros=False, dtype=torch.float32):
+    return make_caches("vllm_flash", blocks=64, block_size=4, seed=5, zeros=zeros, dtype=dtype)
+
+
+def _cfg(d=None, **kw) -> CacheConfig:
+    return CacheConfig(**{"chunk_size": CHUNK, "local_cpu_size": "2MiB",
+                          "local_disk": str(d) if d else None, **kw})
+
+
+def _tokens(n=N, seed=0) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 30000, (n,), generator=g).tolist()
+
+
+SLOTS = torch.arange(N) + 8
+
+
+def _stored_on_disk(d, src, spec, toks=None) -> None:
+    """Store a prompt and let it reach the disk; the engine is closed after."""
+    with CacheEngine(_cfg(d), spec, "m") as eng:
+        eng.store(toks or _tokens(), src, SLOTS)
+        assert eng.flush(10)
+
+
+def test_a_disk_hit_is_promoted_into_l1(tmp_path):
+    src = _caches()
+    spec = spec_for("vllm_flash", src)
+    _stored_on_disk(tmp_path, src, spec)
+    toks = _tokens()
+    with CacheEngine(_cfg(tmp_path), spec, "m") as eng:
+        assert not eng.contains_chunks(toks).any()
+        dst = _caches(zeros=True)
+        assert eng.retrieve(toks, dst, SLOTS) == N
+        assert_bits_equal(token_kv(spec, dst, SLOTS), token_kv(spec, src, SLOTS), "from disk")
+        assert eng.contains_chunks(toks).all()
+        st = eng.stats()
+        assert st["disk.promoted"] == 5 and st["disk.get_hits"] == 5
+        assert st["disk.read_bytes"] == 5 * 3 * 2 * CHUNK * 16 * 4
+        dst2 = _caches(zeros=True)
+        assert eng.retrieve(toks, dst2, SLOTS) == N  # now an L1 hit: the disk is not asked
+        assert eng.stats()["disk.get_hits"] == 5
+        assert_bits_equal(token_kv(spec, dst2, SLOTS), token_kv(spec, src, SLOTS), "from L1")
+
+
+def test_prefetch_pulls_a_prompt_into_l1_in_the_background(tmp_path):
+    src = _caches()
+    spec = spec_for("vllm_flash", src)
+    _stored_on_disk(tmp_path, src, spec)
+    toks = _tokens()
+    with CacheEngine(_cfg(tmp_path), spec, "m") as eng:
+        assert eng.prefetch(toks + [1, 2, 3]).result(timeout=10) == N
+        assert eng.contains_chunks(toks).all()
+        reads = eng.stats()["disk.get_hits"]
+        dst = _caches(zeros=True)
+        assert eng.retrieve(toks, dst, SLOTS) == N
+        assert eng.stats()["disk.get_hits"] == reads  # retrieve found everything in L1
+        assert_bits_equal(token_kv(spec, dst, SLOTS), token_kv(spec, src, SLOTS), "prefetched")
+
+
+def test_longest_prefix_across_tiers_one_batched_call_per_tier(tmp_path):
+    """L1 holds chunks 0, 1, 3; the disk holds 2 (and 0-3); chunk 4 is nowhere: lookup and
+    retrieve give four chunks, asking the disk once per prompt."""
+    src = _caches()
+    spec = spec_for("vllm_flash", src)
+    toks = _tokens()
+    eng = CacheEngine(_cfg(), spec, "m",
+                      tiers=[lambda c, pool: CountingDisk(config=c, pool=pool, path=tmp_path)])
+    with eng:
+        disk = eng.storage.lower[0]
+        eng.store(toks, src, SLOTS)
+        assert eng.flush(10)
+        keys = eng.db.keys(toks)
+        eng.storage.l1.delete([keys[2], keys[4]])
+        disk.delete([keys[4]])
+        disk.calls.update(contains=0, get=0)
+        assert eng.lookup(toks) == 4 * CHUNK
+        assert disk.calls == {"contains": 1, "get": 0}
+        dst = _caches(zeros=True)
+        assert eng.retrieve(toks, dst, SLOTS) == 4 * CHUNK
+        assert disk.calls == {"contains": 1, "get": 1}
+        got, want = token_kv(spec, dst, SLOTS), token_kv(spec, src, SLOTS)
+        assert_bits_equal(got[:, :, : 4 * CHUNK], want[:, :, : 4 * CHUNK], "prefix")
+        assert not got[:, :, 4 * CHUNK:].view(torch.int32).any()  # the miss was not written
+
+
+def _median_seconds(fn, reps=15) -> float:
+    out = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        out.append(time.perf_counter() - t0)
+    return statistics.median(out)
+
+
+def test_a_slow_lower_tier_does_not_slow_l1_hits_or_stores(tmp_path):
+    """Each value the disk reads or writes takes 0.3 s more. Stores (queued behind it) and L1
+    hits (never reaching it) cost what they cost without any lower tier."""
+    src = _caches()
+    spec = spec_for("vllm_flash", src)
+    prompts = [_tokens(seed=s) for s in range(12)]
+    dst = _caches(zeros=True)
+
+    def measure(eng):
+        it = iter(prompts)
+        store = _median_seconds(lambda: eng.store(next(it), src, SLOTS), reps=12)
+        hit = _median_seconds(lambda: (eng.lookup(prompts[0]), eng.retrieve(prompts[0], dst,
+                                                                            SLOTS)))
+        return store, hit
+
+    with CacheEngine(_cfg(), spec, "m") as base:
+        measure(base)  # warm up allocation paths and caches
+    with CacheEngine(_cfg(), spec, "m") as base:
+        store0, hit0 = measure(base)
+    eng = CacheEngine(_cfg(), spec, "m", tiers=[
+        lambda c, pool: SlowDisk(config=c, pool=pool, path=tmp_path, delay=0.3, io_threads=1)])
+    eng.storage.close_timeout = 0.2
+    with eng:
+        store1, hit1 = measure(eng)
+        assert eng.stats()["disk.queue_chunks"] > 0  # the slow writer is still busy
+    print(f"store {store0*1e3:.3f} -> {store1*1e3:.3f} ms, hit {hit0*1e3:.3f} -> {hit1*1e3:.3f} ms")
+    assert store1 < 3 * store0 + 0.005, f"store {store1 * 1e3:.2f} ms vs {store0 * 1e3:.2f} ms"
+    assert hit1 < 3 * hit0 + 0.005, f"L1 hit {hit1 * 1e3:.2f} ms vs {hit0 * 1e3:.2f} ms"
+
+
+def test_a_vanished_disk_degrades_to_misses(tmp_path):
+    import shutil
+
+    src = _caches()
+    spec = spec_for("vllm_flash", src)
+    d = tmp_path / "d"
+    _stored_on_disk(d, src, spec)
+    toks = _tokens()
+    with CacheEngine(_cfg(d), spec, "m") as eng:
+        shutil.rmtree(d)  # the index still lists the chunks; every read now fails
+        assert eng.lookup(toks) == N
+        assert eng.retrieve(toks, _caches(zeros=True), SLOTS) == 0
+        assert eng.lookup(toks) == 0  # the missing files were dropped from the index
+        assert eng.stats()["disk.checksum_failures"] == 0  # a miss, not corruption
+
+
+def test_tier_metrics_are_exported(tmp_path):
+    src = _caches()
+    spec = spec_for("vllm_flash", src)
+    _stored_on_disk(tmp_path, src, spec)
+
+    def sample(name, **labels):
+        return REGISTRY.get_sample_value(name, labels) or 0.0
+
+    before = sample("lmc_tier_hits_total", tier="disk", op="get")
+    with CacheEngine(_cfg(tmp_path), spec, "m") as eng:
+        eng.retrieve(_tokens(), _caches(zeros=True), SLOTS)
+    assert sample("lmc_tier_hits_total", tier="disk", op="get") == before + 5
+    assert sample("lmc_tier_seconds_count", tier="disk", op="get") >= 1
+    assert sample("lmc_tier_bytes_total", tier="disk", direction="write") > 0
+    assert sample("lmc_write_queue_bytes", tier="disk") == 0
