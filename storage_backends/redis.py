@@ -29,6 +29,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from lmc.config import CacheConfig
 from lmc.memory import MemoryObj, MemoryPool
+from lmc.metrics import TierMetrics
 from lmc.serde import DTYPE_CODES
 from lmc.storage_backend import Key, StorageBackend, register_backend
 
@@ -68,13 +69,12 @@ class RedisBackend(StorageBackend):
     """Remote tier over redis-py connections (hiredis) with a zero-copy value path."""
 
     def __init__(self, spec: str = "redis://127.0.0.1:6379", *, config: CacheConfig,
-                 pool: MemoryPool, allocator: Any = None, breaker_threshold: int = 3,
+                 pool: MemoryPool, breaker_threshold: int = 3,
                  breaker_backoff: float = 0.25, breaker_max_backoff: float = 10.0,
                  socket_buffer: int = 0, **_: Any) -> None:
         self.target = parse_target(spec)
-        self.pool = pool
-        # the L1 tier may be passed as ``allocator`` so that a fetch can evict to make room
-        self._allocate = (allocator or pool).allocate
+        self.pool = pool  # the engine passes one whose allocate() may evict L1 chunks
+        self.metrics = TierMetrics(self.name)  # the storage manager adds its counts here too
         self.timeout = config.remote_timeout
         self.prefix = config.remote_key_prefix.encode() + b":"
         self.px = int(round(config.remote_ttl * 1000))
@@ -96,7 +96,7 @@ class RedisBackend(StorageBackend):
                              sock_buf=socket_buffer)
         self._executor: ThreadPoolExecutor | None = None
         self._exec_lock = threading.Lock()
-        self._counts: Counter[str] = Counter()
+        self._counts: Counter[str] = Counter()  # plain figures for stats()
         self._count_lock = threading.Lock()
         self.closed = False
 
@@ -104,7 +104,7 @@ class RedisBackend(StorageBackend):
     def remote_key(self, key: Key) -> bytes:
         return self.prefix + key.hex().encode()
 
-    def _count(self, **kv: int) -> None:
+    def _count(self, **kv: float) -> None:
         with self._count_lock:
             self._counts.update(kv)
 
@@ -120,7 +120,7 @@ class RedisBackend(StorageBackend):
 
     def _failed(self, node: NodePool, op: str, e: BaseException) -> None:
         kind = _error_kind(e)
-        metrics.ERRORS.labels(op, kind).inc()
+        self.metrics.error(op, kind)
         self._count(**{f"errors_{kind}": 1})
         if kind == "internal":
             log.error("redis tier %s: %s failed on %s", self.target.display, op, node.label,
@@ -161,7 +161,7 @@ class RedisBackend(StorageBackend):
         try:
             groups = self.router.group(call.rkeys, dl)
         except Exception as e:
-            metrics.ERRORS.labels(call.op, _error_kind(e)).inc()
+            self.metrics.error(call.op, "topology")
             self._count(errors_topology=1)
             log.debug("redis tier %s: no cluster topology: %s", self.target.display, e)
             return
@@ -187,9 +187,8 @@ class RedisBackend(StorageBackend):
             self._pipelined(pairs, dl)
         if call.reply_errors:
             kinds = Counter(e.kind for e in call.reply_errors)
-            for c in kinds.values():
-                metrics.ERRORS.labels(call.op, "reply").inc(c)
-                self._count(errors_reply=c)
+            self.metrics.error(call.op, "reply", len(call.reply_errors))
+            self._count(errors_reply=len(call.reply_errors))
             log.debug("redis tier %s: %s error replies: %s", self.target.display, call.op,
                       dict(kinds))
             if call.topology_changed:
@@ -222,15 +221,10 @@ class RedisBackend(StorageBackend):
             node.breaker.success()
 
     def _finish(self, op: str, t0: float, call: Call, **outcomes: int) -> None:
-        metrics.OP_SECONDS.labels(op).observe(time.perf_counter() - t0)
-        for outcome, c in outcomes.items():
-            if c:
-                metrics.KEYS.labels(op, outcome).inc(c)
-        if call.corrupt:
-            metrics.CORRUPT.inc(call.corrupt)
-        if call.nbytes:
-            metrics.BYTES.labels("read" if op == "get" else "write").inc(call.nbytes)
-        self._count(**{f"{op}_{k}": v for k, v in outcomes.items()}, corrupt=call.corrupt,
+        """Count one call (hits, bytes and latency per tier are the storage manager's)."""
+        self.metrics.checksum_failure(call.corrupt)
+        self._count(**{f"{op}_calls": 1, f"{op}_seconds": time.perf_counter() - t0},
+                    **{f"{op}_{k}": v for k, v in outcomes.items()}, corrupt=call.corrupt,
                     alloc_failures=call.alloc_failures,
                     **{f"bytes_{'read' if op == 'get' else 'written'}": call.nbytes})
 
@@ -253,7 +247,7 @@ class RedisBackend(StorageBackend):
         t0 = time.perf_counter()
         results: list[Any] = [None] * len(keys)
         call = Call("get", keys, [self.remote_key(k) for k in keys], results)
-        self._dispatch(call, lambda c, idxs: GetJob(c, idxs, self._allocate),
+        self._dispatch(call, lambda c, idxs: GetJob(c, idxs, self.pool.allocate),
                        Deadline(self.timeout), parallel=True)
         hits = sum(r is not None for r in results)
         self._finish("get", t0, call, hit=hits, miss=len(keys) - hits)

@@ -1,9 +1,12 @@
-"""Prometheus metrics of the Redis tier (process-wide; ``RedisBackend.stats()`` has the same
-figures per instance). Kept here rather than in ``lmc.metrics`` so the tier owns its names."""
+"""Prometheus metrics only the Redis tier can see: its breakers and the calls they refused.
+
+Hits, misses, bytes, latency, errors and checksum failures go through the tier's
+``lmc.metrics.TierMetrics`` (shared with the storage manager, labelled ``tier="redis"``).
+"""
 
 from __future__ import annotations
 
-from prometheus_client import Counter, Gauge, Histogram
+from prometheus_client import Counter, Gauge
 
 from .redis_circuit import STATE_CODES
 
@@ -13,14 +16,6 @@ BREAKER_STATE = Gauge(
 BREAKER_TRIPS = Counter("lmc_redis_breaker_trips", "Times a node's breaker opened", ["node"])
 REJECTED_KEYS = Counter(
     "lmc_redis_rejected_keys", "Keys answered without a call because the breaker was open", ["op"])
-ERRORS = Counter("lmc_redis_errors", "Failed remote calls by kind (timeout, connection, reply)",
-                 ["op", "kind"])
-CORRUPT = Counter("lmc_redis_corrupt_values",
-                  "Values that failed the header or checksum check: served as misses, deleted")
-KEYS = Counter("lmc_redis_keys", "Keys by operation and outcome", ["op", "outcome"])
-BYTES = Counter("lmc_redis_bytes", "KV bytes moved to and from Redis", ["direction"])
-OP_SECONDS = Histogram("lmc_redis_op_seconds", "Latency of one batched tier call", ["op"],
-                       buckets=(1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 0.1, 0.3, 1.0, 3.0, 10.0))
 
 
 def breaker_listener(node: str):

@@ -77,10 +77,8 @@ def parse_target(spec: str) -> RedisTarget:
                          f"{', '.join(sorted(SCHEMES))}")
     tls, cluster = SCHEMES[scheme.lower()]
     base = "rediss" if tls else "redis"
-    netloc, _, tail = rest.partition("/")
-    path, _, query = tail.partition("?")
-    if "?" in netloc:
-        netloc, _, query = netloc.partition("?")
+    rest, _, query = rest.partition("?")
+    netloc, _, path = rest.partition("/")
     userinfo, _, hosts = netloc.rpartition("@")
     items = [h for h in hosts.split(",") if h.strip()]
     if not items:
