@@ -542,3 +542,54 @@ def test_concurrent_callers_never_see_wrong_bytes(redis_server, tiers):
         th.join(60)
     assert not errors
     release(objs)
+
+
+# ---------------------------------------------------------------------------- through the engine
+def test_engine_shares_kv_through_redis_and_keeps_serving_l1_when_it_dies(own_redis):
+    """Engine A stores; engine B (fresh L1) retrieves bit-exact from Redis. Then Redis is
+    killed: B keeps serving its L1 hits, and Redis lookups become misses within the timeout."""
+    from lmc import CacheEngine
+    from tests.kvutil import assert_bits_equal, make_caches, spec_for, token_kv
+
+    chunk, n = 16, 80
+    timeout = 0.5
+    cfg = CacheConfig(chunk_size=chunk, local_cpu_size="2MiB", remote_url=own_redis.url,
+                      remote_timeout=timeout, remote_key_prefix=f"eng{uuid.uuid4().hex[:8]}")
+    src = make_caches("vllm_flash", blocks=64, block_size=4, seed=5)
+    spec = spec_for("vllm_flash", src)
+    slots = torch.arange(n) + 8
+    g = torch.Generator().manual_seed(1)
+    toks = torch.randint(0, 30000, (n,), generator=g).tolist()
+    other = torch.randint(0, 30000, (n,), generator=g).tolist()
+
+    with CacheEngine(cfg, spec, "m") as a:
+        a.store(toks, src, slots)
+        assert a.flush(10)
+    with own_redis.client() as c:
+        assert len(c.keys(f"{cfg.remote_key_prefix}:*")) == n // chunk
+
+    with CacheEngine(cfg, spec, "m") as b:
+        assert not b.contains_chunks(toks).any()
+        assert b.lookup(toks) == n
+        dst = make_caches("vllm_flash", blocks=64, block_size=4, zeros=True)
+        assert b.retrieve(toks, dst, slots) == n
+        assert_bits_equal(token_kv(spec, dst, slots), token_kv(spec, src, slots), "via redis")
+        st = b.stats()
+        assert st["redis.get_hits"] == n // chunk and st["redis.breaker"] == "closed"
+
+        own_redis.kill()
+        for _ in range(4):
+            t0 = time.monotonic()
+            assert b.lookup(other) == 0
+            assert b.retrieve(other, make_caches("vllm_flash", blocks=64, block_size=4,
+                                                 zeros=True), slots) == 0
+            assert time.monotonic() - t0 < 2 * timeout + SLACK  # two calls, each bounded
+            t0 = time.monotonic()
+            dst2 = make_caches("vllm_flash", blocks=64, block_size=4, zeros=True)
+            assert b.lookup(toks) == n                 # L1 still answers ...
+            assert b.retrieve(toks, dst2, slots) == n  # ... and serves, without waiting
+            assert time.monotonic() - t0 < timeout
+            assert_bits_equal(token_kv(spec, dst2, slots), token_kv(spec, src, slots), "L1")
+        b.store(other, src, slots)  # a store lands in L1; the dead tier only drops its copy
+        assert b.contains_chunks(other).all()
+        assert b.stats()["redis.breaker"] == "open"
