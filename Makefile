@@ -8,7 +8,7 @@ install:
 	$(PY) -m pip install -q -e ".[test]"
 
 demo: install
-	$(PY) benchmarks/bench_core.py --quick
+	$(PY) -m lmc.cli demo
 
 test: install
 	$(PY) -m pytest -q
