@@ -29,6 +29,11 @@ Two decisions shape every adapter:
   chunk once, when complete, and a request rolled back after a failed load saves its
   recomputed chunks again without any bookkeeping. The partial last chunk of a prompt is
   saved in the step that finishes the prompt's prefill (when ``save_unfull_chunk``).
+* **Lookups do not pin.** A chunk evicted between the lookup and the load (the request waited
+  for blocks, another process stored a lot) makes the load come up short: the worker reports
+  the blocks from the first missing position, and the engine recomputes them. That keeps the
+  lookup a pure function of the cache (no per-request state to leak on the worker, which is
+  what a cross-process lookup needs) at the cost of a rare recompute.
 """
 
 from __future__ import annotations

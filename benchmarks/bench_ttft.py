@@ -1,0 +1,209 @@
+"""TTFT of a long prompt on the reference engine: full prefill vs an lmc hit (L1, disk), and
+the layer-wise overlap of loads with compute.
+
+Figures (all one request at a time, ``max_tokens=1``, so TTFT is the request's own):
+
+* **full prefill**: the engine alone (no connector), the physical cost lmc removes;
+* **lmc cold**: the same with lmc on and an empty cache (the prefill plus lmc's saves);
+* **L1 hit**: the prompt again, served from the CPU tier (the last token is computed);
+* **disk hit**: the prompt again after L1 was emptied: read from the disk tier (O_DIRECT);
+* **overlap**: prompts whose first ``tokens - suffix`` tokens are cached. Each is run with
+  loads done before the forward (``layerwise=False``: TTFT = load + compute, and the load
+  is timed on its own) and layer-wise (layer i+1's copy during layer i's compute). The table
+  shows load, compute, their sum and the layer-wise TTFT against the ideal
+  ``max(load, compute) + min(load, compute) / layers`` (the first layer's copy is never
+  hidden). "Model waited" is the time the layer-wise forward spent blocked on loads: the
+  rest of the load time was hidden behind compute.
+
+The model is a random-weight Llama made with ``make_tiny_checkpoint`` (default hidden 1024,
+8 layers, 16 heads, 8 KV heads: 32 KiB of fp32 KV per token, so an 8k prompt is 256 MiB of
+KV), cached under the user's cache directory.
+
+    python benchmarks/bench_ttft.py                 # 8k tokens, the recorded figures
+    python benchmarks/bench_ttft.py --quick         # hidden 512, 4 layers, 4k tokens
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import shutil
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+from lmc.connectors.reference import LMCReferenceConnector
+
+from lmc.config import CacheConfig
+from lmc.reference import LLM, make_tiny_checkpoint
+from lmc.reference.tiny import cache_root
+
+BLOCK, BUDGET = 16, 2048
+
+
+def model_dir(hidden: int, layers: int, kv_heads: int, max_len: int) -> Path:
+    path = cache_root() / f"bench-llama-h{hidden}-l{layers}-kv{kv_heads}-p{max_len}"
+    if not (path / "config.json").is_file():
+        log(f"making the benchmark checkpoint {path.name} ...")
+        make_tiny_checkpoint(path, hidden=hidden, layers=layers, heads=hidden // 64,
+                             kv_heads=kv_heads, max_position_embeddings=max_len)
+    return path
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def tokens(seed: int, n: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(2, 2048) for _ in range(n)]
+
+
+def engine(path: Path, n: int, conn: LMCReferenceConnector | None = None) -> LLM:
+    """One request of up to ``n`` tokens at a time (the cache is sized for exactly that)."""
+    return LLM(path, block_size=BLOCK, max_num_batched_tokens=BUDGET, max_num_seqs=1,
+               max_model_len=n + 64, kv_cache_memory=4 << 30, kv_connector=conn)
+
+
+def ttft(llm: LLM, prompt: list[int]) -> tuple[float, int]:
+    out = llm.generate([prompt], max_tokens=1)[0]
+    return out.ttft_s, out.num_cached_tokens
+
+
+def worker_stat(conn: LMCReferenceConnector, key: str) -> float:
+    return conn.stats().get(f"worker.{key}", 0.0)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--tokens", type=int, default=8192)
+    ap.add_argument("--hidden", type=int, default=1024)
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--kv-heads", type=int, default=8)
+    ap.add_argument("--chunk-size", type=int, default=256)
+    ap.add_argument("--reps", type=int, default=5, help="repetitions of each hit figure")
+    ap.add_argument("--suffixes", default="1,256", help="uncached suffix lengths for overlap")
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch default)")
+    ap.add_argument("--no-baseline", action="store_true", help="skip the engine-alone prefill")
+    ap.add_argument("--quick", action="store_true", help="hidden 512, 4 layers, 4k tokens")
+    ap.add_argument("--json", help="also write the figures to this file")
+    args = ap.parse_args()
+    if args.quick:
+        args.tokens, args.hidden, args.layers, args.kv_heads = 4096, 512, 4, 4
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    n = args.tokens
+    path = model_dir(args.hidden, args.layers, args.kv_heads, max(8192, n + 64))
+    prompt = [0] + tokens(1, n - 1)
+    kv_bytes = n * args.layers * 2 * args.kv_heads * 64 * 4
+    res: dict[str, Any] = {"tokens": n, "hidden": args.hidden, "layers": args.layers,
+                           "kv_heads": args.kv_heads, "kv_mib": kv_bytes / 2**20,
+                           "threads": torch.get_num_threads(), "chunk_size": args.chunk_size}
+    log(f"model {path.name}: {n} tokens, {kv_bytes / 2**20:.0f} MiB of KV, "
+        f"{torch.get_num_threads()} torch threads")
+
+    if not args.no_baseline:
+        llm = engine(path, n)
+        ttft(llm, prompt[:64])  # warm-up
+        log("full prefill, engine alone ...")
+        res["prefill_s"], _ = ttft(llm, prompt)
+        del llm
+
+    disk = tempfile.mkdtemp(prefix="lmc-bench-disk-")
+    try:
+        cfg = CacheConfig(chunk_size=args.chunk_size, local_cpu_size=max(1 << 30, 3 * kv_bytes),
+                          local_disk=disk, local_disk_size=4 * kv_bytes)
+        conn = LMCReferenceConnector(cfg, model_dir=path)
+        llm = engine(path, n, conn)
+        ttft(llm, prompt[:64])
+        log("lmc cold (prefill + saves) ...")
+        res["lmc_cold_s"], _ = ttft(llm, prompt)
+        conn.engine.storage.flush(timeout=120)
+
+        log("L1 hits ...")
+        l1 = [ttft(llm, prompt) for _ in range(args.reps)]
+        assert all(c == n - 1 for _, c in l1), l1
+        res["l1_hit_s"] = statistics.median(t for t, _ in l1)
+
+        log("disk hits ...")
+        disk_t = []
+        for _ in range(args.reps):
+            conn.engine.storage.l1.clear()
+            before = worker_stat(conn, "tokens_from_disk")
+            t, c = ttft(llm, prompt)
+            assert c == n - 1 and worker_stat(conn, "tokens_from_disk") - before == n - 1
+            disk_t.append(t)
+        res["disk_hit_s"] = statistics.median(disk_t)
+
+        sync_conn = LMCReferenceConnector(cfg, model_dir=path, cache_engine=conn.engine,
+                                          layerwise=False)
+        sync_llm = engine(path, n, sync_conn)
+        res["overlap"] = []
+        for k, suffix in enumerate(int(s) for s in args.suffixes.split(",")):
+            log(f"overlap, {suffix}-token suffix ...")
+            row: dict[str, Any] = {"suffix": suffix}
+            modes = {"sync": (sync_llm, sync_conn), "layerwise": (llm, conn)}
+            times: dict[str, list[float]] = {m: [] for m in modes}
+            loads: dict[str, list[float]] = {m: [] for m in modes}
+            waits: list[float] = []
+            for r in range(args.reps):  # modes alternate, so both see the same machine load
+                for j, (mode, (m_llm, m_conn)) in enumerate(modes.items()):
+                    p = prompt if suffix <= 1 else \
+                        prompt[:n - suffix] + tokens(1000 + 100 * k + 10 * r + j, suffix)
+                    l0 = worker_stat(m_conn, "load_seconds")
+                    w0 = worker_stat(m_conn, "load_wait_seconds")
+                    t, cached = ttft(m_llm, p)
+                    if mode == "layerwise":
+                        waits.append(worker_stat(m_conn, "load_wait_seconds") - w0)
+                    assert cached >= n - suffix - args.chunk_size, (cached, suffix)
+                    times[mode].append(t)
+                    loads[mode].append(worker_stat(m_conn, "load_seconds") - l0)
+            for mode in modes:
+                row[f"{mode}_ttft_s"] = statistics.median(times[mode])
+                row[f"{mode}_load_s"] = statistics.median(loads[mode])
+            row["layerwise_wait_s"] = statistics.median(waits)
+            row["load_s"] = row["sync_load_s"]
+            row["compute_s"] = row["sync_ttft_s"] - row["sync_load_s"]
+            lo, hi = sorted((row["load_s"], row["compute_s"]))
+            row["ideal_s"] = hi + lo / args.layers
+            res["overlap"].append(row)
+        llm.close()
+        sync_llm.close()
+    finally:
+        shutil.rmtree(disk, ignore_errors=True)
+
+    report(res)
+    if args.json:
+        Path(args.json).write_text(json.dumps(res, indent=2) + "\n")
+    return 0
+
+
+def report(r: dict[str, Any]) -> None:
+    base = r.get("prefill_s") or r["lmc_cold_s"]
+    print(f"\nTTFT, {r['tokens']}-token prompt, reference engine on CPU "
+          f"(hidden {r['hidden']}, {r['layers']} layers, {r['kv_heads']} KV heads, fp32; "
+          f"{r['kv_mib']:.0f} MiB of KV; chunk {r['chunk_size']}; {r['threads']} threads)\n")
+    print("| case | TTFT | vs full prefill |\n|---|---:|---:|")
+    rows = [("full prefill (engine alone)", r.get("prefill_s")),
+            ("lmc cold (prefill + save)", r["lmc_cold_s"]),
+            ("lmc hit in L1 (CPU)", r["l1_hit_s"]),
+            ("lmc hit on disk (L1 empty)", r["disk_hit_s"])]
+    for name, t in rows:
+        if t is not None:
+            print(f"| {name} | {t * 1e3:,.1f} ms | {base / t:,.1f}x |")
+    print("\nLayer-wise overlap (medians; load and compute measured apart with loads done "
+          "before the forward):\n")
+    print("| uncached suffix | load | compute | load + compute | layer-wise TTFT | ideal | "
+          "model waited for loads |\n|---:|---:|---:|---:|---:|---:|---:|")
+    for o in r["overlap"]:
+        print(f"| {o['suffix']} | {o['load_s'] * 1e3:.1f} ms | {o['compute_s'] * 1e3:.1f} ms | "
+              f"{o['sync_ttft_s'] * 1e3:.1f} ms | {o['layerwise_ttft_s'] * 1e3:.1f} ms | "
+              f"{o['ideal_s'] * 1e3:.1f} ms | {o['layerwise_wait_s'] * 1e3:.1f} ms |")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
