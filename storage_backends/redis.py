@@ -30,12 +30,13 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from lmc.config import CacheConfig
 from lmc.memory import MemoryObj, MemoryPool
 from lmc.metrics import TierMetrics
-from lmc.serde import DTYPE_CODES
+from lmc.serde import DTYPE_CODES, HEADER_SIZE
 from lmc.storage_backend import Key, StorageBackend, register_backend
 
 from . import redis_metrics as metrics
 from .redis_circuit import OPEN, STATE_CODES, CircuitBreaker
-from .redis_jobs import Call, GetJob, Job, SetJob, SmallJob
+from .redis_fetch import GetJob
+from .redis_jobs import Call, Job, SetJob, SmallJob
 from .redis_nodes import NodePool, Router
 from .redis_url import SCHEMES, parse_target
 from .redis_wire import Deadline
@@ -71,7 +72,8 @@ class RedisBackend(StorageBackend):
     def __init__(self, spec: str = "redis://127.0.0.1:6379", *, config: CacheConfig,
                  pool: MemoryPool, breaker_threshold: int = 3,
                  breaker_backoff: float = 0.25, breaker_max_backoff: float = 10.0,
-                 socket_buffer: int = 0, **_: Any) -> None:
+                 get_piece: int = 1 << 20, get_window: int = 4 << 20, socket_buffer: int = 0,
+                 **_: Any) -> None:
         self.target = parse_target(spec)
         self.pool = pool  # the engine passes one whose allocate() may evict L1 chunks
         self.metrics = TierMetrics(self.name)  # the storage manager adds its counts here too
@@ -79,6 +81,8 @@ class RedisBackend(StorageBackend):
         self.prefix = config.remote_key_prefix.encode() + b":"
         self.px = int(round(config.remote_ttl * 1000))
         self.connections = config.remote_connections
+        self.get_piece = get_piece    # bytes per GETRANGE (see redis_fetch)
+        self.get_window = get_window  # bytes requested ahead per connection
 
         def make_breaker(label: str) -> CircuitBreaker:
             listener = metrics.breaker_listener(label)
@@ -234,9 +238,10 @@ class RedisBackend(StorageBackend):
             return [False] * len(keys)
         t0 = time.perf_counter()
         call = Call("contains", keys, [self.remote_key(k) for k in keys], [0] * len(keys))
-        self._dispatch(call, lambda c, idxs: SmallJob(c, idxs, b"EXISTS"),
+        self._dispatch(call, lambda c, idxs: SmallJob(c, idxs, (b"STRLEN",)),
                        Deadline(self.timeout), parallel=False)
-        out = [r == 1 for r in call.results]
+        # STRLEN, not EXISTS: a value too short to hold a header is not there
+        out = [r is not None and r >= HEADER_SIZE for r in call.results]
         hits = sum(out)
         self._finish("contains", t0, call, hit=hits, miss=len(keys) - hits)
         return out
@@ -247,7 +252,8 @@ class RedisBackend(StorageBackend):
         t0 = time.perf_counter()
         results: list[Any] = [None] * len(keys)
         call = Call("get", keys, [self.remote_key(k) for k in keys], results)
-        self._dispatch(call, lambda c, idxs: GetJob(c, idxs, self.pool.allocate),
+        self._dispatch(call, lambda c, idxs: GetJob(c, idxs, self.pool.allocate,
+                                                    self.get_piece, self.get_window),
                        Deadline(self.timeout), parallel=True)
         hits = sum(r is not None for r in results)
         self._finish("get", t0, call, hit=hits, miss=len(keys) - hits)
@@ -266,13 +272,13 @@ class RedisBackend(StorageBackend):
         t0 = time.perf_counter()
         rkeys = [self.remote_key(k) for k in keys]
         # content-addressed: a key already there holds these bytes, so skip its transfer
-        # (with a TTL, PEXPIRE both answers "present?" and renews the value's life)
+        # (with a TTL, its life is renewed in the same round trip)
         probe = Call("put", keys, rkeys, [None] * len(keys))
-        verb = (b"PEXPIRE", b"%d" % self.px) if self.px else (b"EXISTS",)
-        self._dispatch(probe, lambda c, idxs: SmallJob(c, idxs, *verb),
+        verbs = [(b"PEXPIRE", b"%d" % self.px)] if self.px else []
+        self._dispatch(probe, lambda c, idxs: SmallJob(c, idxs, *verbs, (b"STRLEN",)),
                        Deadline(self.timeout), parallel=False)
-        present = sum(r == 1 for r in probe.results)
-        todo = [i for i, r in enumerate(probe.results) if r == 0]
+        present = sum(r is not None and r >= HEADER_SIZE for r in probe.results)
+        todo = [i for i, r in enumerate(probe.results) if r is not None and r < HEADER_SIZE]
         stored = 0
         call = Call("put", keys, rkeys, [False] * len(keys))
         if todo:
@@ -292,7 +298,7 @@ class RedisBackend(StorageBackend):
             return 0
         t0 = time.perf_counter()
         call = Call("delete", keys, [self.remote_key(k) for k in keys], [0] * len(keys))
-        self._dispatch(call, lambda c, idxs: SmallJob(c, idxs, b"DEL"),
+        self._dispatch(call, lambda c, idxs: SmallJob(c, idxs, (b"DEL",)),
                        Deadline(self.timeout), parallel=False)
         n = sum(r or 0 for r in call.results)
         self._finish("delete", t0, call, deleted=n)

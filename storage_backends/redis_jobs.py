@@ -17,12 +17,8 @@ import torch
 from lmc.memory import MemoryObj
 from lmc.serde import (
     HEADER_SIZE,
-    CorruptValue,
-    Header,
-    decode_header,
     encode_header,
     tensor_bytes,
-    verify_payload,
 )
 
 from .redis_wire import Deadline, Outbox, ReplyError, WireConn, command
@@ -69,109 +65,33 @@ class Job:
 
 
 class SmallJob(Job):
-    """One small command per key, replies kept as they come (EXISTS, PEXPIRE, DEL)."""
+    """Small commands per key (EXISTS, STRLEN, PEXPIRE, DEL); a key's result is the integer
+    reply of its last command."""
 
-    def __init__(self, call: Call, idxs: Sequence[int], verb: bytes, *extra: bytes) -> None:
+    def __init__(self, call: Call, idxs: Sequence[int], *verbs: tuple[bytes, ...]) -> None:
         super().__init__(call, idxs)
-        self.verb = verb
-        self.extra = extra
+        self.verbs = verbs  # each (name, *args after the key)
         self.op = call.op
 
     def send(self, wc: WireConn, dl: Deadline) -> None:
         rk = self.call.rkeys
-        wc.send([b"".join(command(self.verb, rk[i], *self.extra) for i in self.idxs)], dl)
+        wc.send([b"".join(command(v[0], rk[i], *v[1:]) for i in self.idxs for v in self.verbs)],
+                dl)
 
     def recv(self, wc: WireConn, dl: Deadline) -> None:
         res = self.call.results
         for i in self.idxs:
-            r = wc.read_reply(dl)
-            if isinstance(r, ReplyError):
-                self.call.reply_errors.append(r)
-            elif isinstance(r, int):
-                res[i] = r
+            for _ in self.verbs:
+                r = wc.read_reply(dl)
+                if isinstance(r, ReplyError):
+                    self.call.reply_errors.append(r)
+                    res[i] = None
+                elif isinstance(r, int):
+                    res[i] = r
 
     def abort(self) -> None:
         for i in self.idxs:
             self.call.results[i] = None
-
-
-class GetJob(Job):
-    """GETs whose payloads land directly in freshly allocated pool objects, then verified."""
-
-    op = "get"
-
-    def __init__(self, call: Call, idxs: Sequence[int], allocate: Allocate) -> None:
-        super().__init__(call, idxs)
-        self.allocate = allocate
-        self._i = -1
-        self._obj: MemoryObj | None = None
-        self._hdr: Header | None = None
-        self._bad: list[int] = []
-        self._held: list[int] = []
-
-    def send(self, wc: WireConn, dl: Deadline) -> None:
-        rk = self.call.rkeys
-        wc.send([b"".join(command(b"GET", rk[i]) for i in self.idxs)], dl)
-
-    def _sink(self, head: bytes, total: int) -> memoryview | None:
-        try:
-            hdr = decode_header(head, expected_key=self.call.keys[self._i])
-            if hdr.payload_len != total - HEADER_SIZE:
-                raise CorruptValue(f"value is {total} bytes, header says "
-                                   f"{HEADER_SIZE} + {hdr.payload_len}")
-        except CorruptValue as e:
-            self._corrupt(e)
-            return None
-        obj = self.allocate(hdr.shape, hdr.dtype, hdr.num_tokens)
-        if obj is None:  # pool full: a miss, not an error
-            self.call.alloc_failures += 1
-            return None
-        self._obj, self._hdr = obj, hdr
-        return tensor_bytes(obj.tensor)
-
-    def _corrupt(self, e: CorruptValue) -> None:
-        log.warning("redis value %s is corrupt (%s): treated as a miss and deleted",
-                    self.call.rkeys[self._i].decode(errors="replace"), e)
-        self._bad.append(self._i)
-
-    def recv(self, wc: WireConn, dl: Deadline) -> None:
-        res = self.call.results
-        for i in self.idxs:
-            self._i = i
-            r = wc.read_value(dl, HEADER_SIZE, self._sink)
-            obj, hdr = self._obj, self._hdr
-            self._obj = self._hdr = None
-            if obj is not None and hdr is not None:
-                try:
-                    verify_payload(hdr, tensor_bytes(obj.tensor))
-                except CorruptValue as e:
-                    obj.release()
-                    self._corrupt(e)
-                    continue
-                res[i] = obj
-                self._held.append(i)
-                self.call.nbytes += HEADER_SIZE + hdr.payload_len
-            elif isinstance(r, ReplyError):
-                self.call.reply_errors.append(r)
-        if self._bad:  # same connection, still in sync: remove what we refused to serve
-            rk = self.call.rkeys
-            wc.send([b"".join(command(b"DEL", rk[i]) for i in self._bad)], dl)
-            for _ in self._bad:
-                wc.read_reply(dl)
-            self.call.corrupt += len(self._bad)
-            self._bad = []
-
-    def abort(self) -> None:
-        if self._obj is not None:
-            self._obj.release()
-            self._obj = None
-        res = self.call.results
-        for i in self._held:
-            if res[i] is not None:
-                res[i].release()
-                res[i] = None
-        self._held = []
-        self._bad = []
 
 
 class SetJob(Job):

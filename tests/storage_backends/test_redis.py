@@ -204,10 +204,10 @@ def test_contains_is_one_round_trip(redis_server, tiers):
         assert t.contains(keys) == [True] * 40 + [False] * 24
         after = _info(c)
     reads = after["total_reads_processed"] - before["total_reads_processed"]
-    exists = (after["cmdstat_exists"]["calls"]
-              - before.get("cmdstat_exists", {"calls": 0})["calls"])
-    assert exists == 64
-    assert reads == 2, "the prompt's 64 EXISTS must reach the server as one pipeline " \
+    lookups = (after["cmdstat_strlen"]["calls"]
+               - before.get("cmdstat_strlen", {"calls": 0})["calls"])
+    assert lookups == 64
+    assert reads == 2, "the prompt's 64 lookups must reach the server as one pipeline " \
                        "(1 read for it + 1 for the second INFO)"
 
 
@@ -286,13 +286,14 @@ def _corruptions(raw: bytes, other_raw: bytes) -> dict[str, bytes]:
         "truncated_header": raw[:40],
         "extra_bytes": raw + b"\x00\x01",
         "foreign_bytes": b"not an lmc value at all, just a string someone SET here",
-        "empty": b"",
         "random_bytes": os.urandom(len(raw)),
     }
 
 
-def test_corrupt_values_are_misses_deleted_and_counted(redis_server, tiers):
-    t = tiers(redis_server.url, remote_connections=2)
+@pytest.mark.parametrize("piece", [1 << 20, 4096, (HEADER_SIZE + 8192) // 2],
+                         ids=["one_piece", "three_pieces", "two_pieces_exactly"])
+def test_corrupt_values_are_misses_deleted_and_counted(redis_server, tiers, piece):
+    t = tiers(redis_server.url, remote_connections=2, tier_kw={"get_piece": piece})
     keys, objs = chunks(t, 2)
     t.put(keys, objs)
     with redis_server.client() as c:
@@ -302,7 +303,7 @@ def test_corrupt_values_are_misses_deleted_and_counted(redis_server, tiers):
         for n, (name, bad) in enumerate(_corruptions(raw, other).items(), start=1):
             victim = os.urandom(16)
             if name in ("payload_bit_flip", "header_bit_flip", "truncated_payload",
-                        "extra_bytes", "truncated_header", "random_bytes", "empty"):
+                        "extra_bytes", "truncated_header", "random_bytes"):
                 victim = keys[0]
             c.set(t.remote_key(victim), bad)
             got = t.get([victim, keys[1]])
@@ -316,6 +317,40 @@ def test_corrupt_values_are_misses_deleted_and_counted(redis_server, tiers):
     release(objs)
     used = t.pool.used_bytes
     assert used == 0, f"corrupt reads leaked {used} bytes of pool memory"
+
+
+def test_an_empty_value_is_absent_and_overwritten(redis_server, tiers):
+    t = tiers(redis_server.url)
+    keys, objs = chunks(t, 1)
+    with redis_server.client() as c:
+        c.set(t.remote_key(keys[0]), b"")
+        assert t.contains(keys) == [False] and t.get(keys) == [None]
+        assert t.put(keys, objs) == 1 and c.strlen(t.remote_key(keys[0])) > HEADER_SIZE
+    got = t.get(keys)
+    assert same_bytes(got[0].tensor, objs[0].tensor)
+    release(got + objs)
+
+
+@pytest.mark.parametrize("piece", [HEADER_SIZE + 1, 1000, 4096, 1 << 20])
+def test_values_read_in_pieces_are_bit_exact(redis_server, tiers, piece):
+    t = tiers(redis_server.url, remote_connections=2,
+              tier_kw={"get_piece": piece, "get_window": 3 * piece})
+    for shape in [(1, 1, 1, 8), (2, 2, 16, 64), (3, 2, 7, 100)]:
+        keys, objs = chunks(t, 5, shape)
+        assert t.put(keys, objs) == 5
+        got = t.get(keys)
+        try:
+            assert all(g is not None and same_bytes(g.tensor, o.tensor)
+                       for g, o in zip(got, objs))
+        finally:
+            release(got + objs)
+    exact = HEADER_SIZE + 2 * 2 * 16 * 64 * 2
+    t2 = tiers(redis_server.url, tier_kw={"get_piece": exact // 4})  # ends on a piece edge
+    keys, objs = chunks(t2, 3)
+    t2.put(keys, objs)
+    got = t2.get(keys)
+    assert all(same_bytes(g.tensor, o.tensor) for g, o in zip(got, objs))
+    release(got + objs)
 
 
 def test_wrong_type_and_nil_replies_are_misses(redis_server, tiers):
