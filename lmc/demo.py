@@ -40,7 +40,7 @@ DEMO_CONFIG: dict[str, Any] = {"chunk_size": 256, "local_cpu_size": "512MiB",
                                "save_unfull_chunk": True, "local_disk_size": "2GiB",
                                "write_policy": "write_through"}
 ENGINE_ARGS: dict[str, Any] = {"block_size": 16, "max_num_batched_tokens": 2048,
-                               "max_num_seqs": 8, "max_model_len": 8192}
+                               "max_num_seqs": 8}
 
 _WORDS = ["cache", "key", "value", "token", "prompt", "model", "layer", "block", "engine", "memory", "disk", "server", "request", "reply", "query", "answer", "system", "user", "agent", "document", "chunk", "prefix", "store", "load", "save", "copy", "river", "mountain", "forest", "ocean", "city", "village", "garden", "window", "door", "table", "chair", "book", "letter", "morning", "evening", "night", "winter", "summer", "spring", "rain", "snow", "wind", "storm", "cloud", "light", "red", "green", "blue", "quiet", "small", "large", "old", "new", "fast", "slow", "bright", "dark", "warm", "cold", "teacher", "student", "doctor", "writer", "run", "walk", "read", "write", "build", "open", "close", "carry", "find", "keep", "send", "take", "give", "make", "see", "know", "think", "want", "need", "help", "watch", "call", "ask", "tell", "show", "is", "was", "are", "has", "will", "can", "should", "and", "or", "but", "so", "because", "while", "when", "where", "after", "before", "in", "on", "at", "by", "for", "with", "from", "over", "under", "always", "never", "often", "again", "already", "still", "just", "only", "first", "last", "next", "early", "late"]
 
@@ -226,7 +226,9 @@ def run_demo(model_dir: Path | None = None, config_path: str | None = None,
     out = out or sys.stdout
     w = workload or Workload()
     t_start = time.perf_counter()
+    engine_args = dict(ENGINE_ARGS)
     if model_dir is None:
+        engine_args["max_model_len"] = DEMO_MODEL["max_position_embeddings"]
         print("model: demo checkpoint " + ", ".join(f"{k}={v}" for k, v in DEMO_MODEL.items())
               + " (random weights)", file=out)
         model_dir = demo_model_dir()
@@ -243,9 +245,12 @@ def run_demo(model_dir: Path | None = None, config_path: str | None = None,
     results: list[PassResult] = []
     tiers: list[str] = []
     try:
-        engine_args = dict(ENGINE_ARGS)
         first = LLM(model_dir, **engine_args)
         texts = make_texts(w, first.encode)
+        longest = len(first.encode(texts.document)) + 2 * w.turn_tokens
+        if longest > first.max_model_len:
+            raise ValueError(f"the workload needs prompts of ~{longest} tokens, the model takes "
+                             f"{first.max_model_len}: try --quick")
         print(f"workload: {w.sessions} chats x {w.rounds} rounds over a "
               f"{len(first.encode(texts.system))}-token system prompt, "
               f"{w.questions} questions on a {len(first.encode(texts.document))}-token "
