@@ -96,7 +96,8 @@ class RedisBackend(StorageBackend):
             return CircuitBreaker(breaker_threshold, breaker_backoff, breaker_max_backoff,
                                   probe_timeout=max(5.0, 4 * self.timeout), on_change=on_change)
 
-        self.router = Router(self.target, make_breaker, max_idle=self.connections + 2,
+        # a fetch and a write-behind batch may each use ``connections`` at the same time
+        self.router = Router(self.target, make_breaker, max_idle=2 * self.connections + 2,
                              sock_buf=socket_buffer)
         self._executor: ThreadPoolExecutor | None = None
         self._exec_lock = threading.Lock()
@@ -119,7 +120,7 @@ class RedisBackend(StorageBackend):
                 ex = self._executor
                 if ex is None:
                     ex = self._executor = ThreadPoolExecutor(
-                        max_workers=max(1, self.connections), thread_name_prefix="lmc-redis")
+                        max_workers=2 * self.connections, thread_name_prefix="lmc-redis")
         return ex
 
     def _failed(self, node: NodePool, op: str, e: BaseException) -> None:
@@ -138,6 +139,12 @@ class RedisBackend(StorageBackend):
 
     def _attempt(self, node: NodePool, job: Job, dl: Deadline) -> None:
         """Run one job; never raises. A stale pooled connection gets one fresh retry."""
+        try:
+            dl.remaining()
+        except TimeoutError:  # waited in our own queue past the deadline: not the server's
+            job.abort()       # fault, so a miss that does not count against the breaker
+            self._count(expired_in_queue=1)
+            return
         for attempt in (0, 1):
             wc, reused, seen = None, False, 0
             try:
