@@ -1,0 +1,233 @@
+"""Disk tier throughput beside its physical limit, measured in one run on one directory.
+
+Limit: fio (or dd when fio is absent) sequential O_DIRECT I/O in 1 MiB blocks on the same
+directory. lmc: a Llama-8B-like chunk (32 layers, 8 KV heads, head 128, bf16, 256 tokens =
+32 MiB), through the engine:
+
+* durable store = ``engine.store`` of a prompt + ``engine.flush()`` (the chunks are in files,
+  renamed into place; with ``--fsync`` also fdatasync-ed), i.e. until the data is on disk;
+* retrieve = ``engine.retrieve`` of the same prompt by a new engine on the same directory (L1
+  empty, page cache dropped when permitted; reads are O_DIRECT anyway): disk -> pool -> KV.
+
+The tier alone (``put``/``get`` on pool objects, no engine) is measured too. Repetitions are
+interleaved with the limit's (fio write, lmc store, fio read, lmc retrieve, ...) so that noise
+on a shared machine hits both; figures are medians, printed as GiB/s and as ratios.
+
+    python benchmarks/bench_disk.py [--dir /tmp/lmc-bench] [--gib 2] [--reps 3] [--fsync]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from lmc.storage_backends.disk import DiskBackend  # noqa: E402
+
+from lmc import CacheConfig, CacheEngine, KVSpec  # noqa: E402
+from lmc.memory import MemoryPool  # noqa: E402
+
+LAYERS, HEADS, DIM, CHUNK = 32, 8, 128, 256
+DTYPE = torch.bfloat16
+CHUNK_BYTES = LAYERS * 2 * CHUNK * HEADS * DIM * DTYPE.itemsize  # 32 MiB
+GiB = 1 << 30
+
+
+def drop_caches() -> bool:
+    try:
+        os.sync()
+        Path("/proc/sys/vm/drop_caches").write_text("3\n")
+        return True
+    except OSError:
+        return False
+
+
+# ------------------------------------------------------------------ the limit
+def fio(d: Path, rw: str, nbytes: int) -> float:
+    """GiB/s of one fio job, psync, 1 MiB blocks, O_DIRECT; a write goes to a new file (as
+    lmc's do) and ends with an fsync."""
+    if rw == "write":
+        (d / "fio.dat").unlink(missing_ok=True)
+    cmd = ["fio", "--name=lim", f"--filename={d / 'fio.dat'}", f"--rw={rw}", "--bs=1M",
+           f"--size={nbytes}", "--direct=1", "--ioengine=psync", "--numjobs=1",
+           "--output-format=json"]
+    if rw == "write":
+        cmd.append("--end_fsync=1")
+    out = json.loads(subprocess.run(cmd, capture_output=True, text=True, check=True).stdout)
+    job = out["jobs"][0][rw]
+    return job["bw_bytes"] / GiB
+
+
+def dd(d: Path, rw: str, nbytes: int) -> float:
+    f = d / "fio.dat"
+    n = nbytes >> 20
+    if rw == "write":
+        f.unlink(missing_ok=True)
+    cmd = (["dd", "if=/dev/zero", f"of={f}", "bs=1M",
+            f"count={n}", "oflag=direct", "conv=fsync"] if rw == "write" else
+           ["dd", f"if={f}", "of=/dev/null", "bs=1M", f"count={n}", "iflag=direct"])
+    t0 = time.perf_counter()
+    subprocess.run(cmd, capture_output=True, check=True)
+    return nbytes / GiB / (time.perf_counter() - t0)
+
+
+# ----------------------------------------------------------------------- lmc
+PROMPT_CHUNKS = 8  # 2048-token prompts: 256 MiB of KV each
+
+
+def make_kv(tokens: int) -> tuple[list[torch.Tensor], KVSpec]:
+    """vLLM flash-attn layout, 16-token blocks, random bits (no compressible zeros)."""
+    blocks = tokens // 16
+    g = torch.Generator().manual_seed(0)
+    caches = [torch.randint(-2**15, 2**15, (2, blocks, 16, HEADS, DIM), dtype=torch.int16,
+                            generator=g).view(DTYPE) for _ in range(LAYERS)]
+    return caches, KVSpec.from_tensors(caches, "vllm_flash")
+
+
+def prompts(nchunks: int) -> list[list[int]]:
+    """Distinct prompts (distinct keys) of PROMPT_CHUNKS chunks each."""
+    n = PROMPT_CHUNKS * CHUNK
+    return [[p * n + t for t in range(n)] for p in range(max(1, nchunks // PROMPT_CHUNKS))]
+
+
+def engine(d: Path, spec: KVSpec, nbytes: int, fsync: bool) -> CacheEngine:
+    """An engine whose pool holds everything and is touched once before timing, as a running
+    engine's pool is (first-touch page faults are slow on VMs and not lmc's cost)."""
+    cfg = CacheConfig(chunk_size=CHUNK, local_cpu_size=nbytes + 4 * CHUNK_BYTES,
+                      local_disk=str(d), local_disk_size=2 * nbytes, disk_fsync=fsync,
+                      write_queue_size=nbytes + CHUNK_BYTES)
+    eng = CacheEngine(cfg, spec, "bench-llama-8b")
+    eng.pool.buffer.zero_()
+    return eng
+
+
+def lmc_store(d: Path, caches, spec, ps, slots, fsync: bool) -> float:
+    """Each prompt stored in turn (the writer overlaps the next gathers), then flush."""
+    nbytes = len(ps) * PROMPT_CHUNKS * CHUNK_BYTES
+    with engine(d, spec, nbytes, fsync) as eng:
+        t0 = time.perf_counter()
+        for toks in ps:
+            eng.store(toks, caches, slots)
+        assert eng.flush(600)
+        dt = time.perf_counter() - t0
+        st = eng.stats()
+        assert st["disk.chunks"] == len(ps) * PROMPT_CHUNKS, st
+        assert not st.get("disk.dropped_queue_full"), st
+    return nbytes / GiB / dt
+
+
+def lmc_retrieve(d: Path, caches, spec, ps, slots, prefetch: bool) -> float:
+    """A new engine (empty L1) retrieves every prompt into the KV cache. ``prefetch``: all
+    prompts are prefetched first (the connector's pattern), so reading prompt k+1 overlaps
+    scattering prompt k."""
+    nbytes = len(ps) * PROMPT_CHUNKS * CHUNK_BYTES
+    with engine(d, spec, nbytes, False) as eng:
+        drop_caches()
+        t0 = time.perf_counter()
+        futs = [eng.prefetch(toks) for toks in ps] if prefetch else [None] * len(ps)
+        for toks, f in zip(ps, futs):
+            if f is not None:
+                f.result()
+            assert eng.retrieve(toks, caches, slots) == len(toks)
+        dt = time.perf_counter() - t0
+    return nbytes / GiB / dt
+
+
+def tier_only(d: Path, nbytes: int, fsync: bool, threads: int) -> tuple[float, float]:
+    """put / get of pool objects on the tier itself: the engine's share is left out."""
+    pool = MemoryPool(nbytes + 2 * CHUNK_BYTES, pin_memory=False)
+    cfg = CacheConfig(local_disk=str(d), local_disk_size=2 * nbytes, disk_fsync=fsync)
+    disk = DiskBackend(config=cfg, pool=pool, io_threads=threads)
+    n = nbytes // CHUNK_BYTES
+    objs = pool.allocate_many((LAYERS, 2, CHUNK, HEADS * DIM), DTYPE, n, CHUNK)
+    for o in objs:
+        o.tensor.view(torch.int16).random_()
+    keys = [i.to_bytes(16, "little") for i in range(n)]
+    t0 = time.perf_counter()
+    assert disk.put(keys, objs) == n
+    w = nbytes / GiB / (time.perf_counter() - t0)
+    for o in objs:
+        o.release()
+    drop_caches()
+    t0 = time.perf_counter()
+    got = disk.get(keys)
+    r = nbytes / GiB / (time.perf_counter() - t0)
+    assert all(o is not None for o in got)
+    for o in got:
+        o.release()
+    disk.close()
+    pool.close()
+    return w, r
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--dir", help="directory on the disk to measure (default: a new temp dir)")
+    ap.add_argument("--gib", type=float, default=2.0, help="data per measurement")
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--fsync", action="store_true", help="disk_fsync: fdatasync every value")
+    ap.add_argument("--threads", type=int, default=4, help="I/O threads of the tier-only run")
+    args = ap.parse_args()
+    root = Path(args.dir or tempfile.mkdtemp(prefix="lmc-bench-disk-"))
+    root.mkdir(parents=True, exist_ok=True)
+    nchunks = max(1, int(args.gib * GiB) // CHUNK_BYTES // PROMPT_CHUNKS) * PROMPT_CHUNKS
+    nbytes = nchunks * CHUNK_BYTES
+    tool = "fio" if shutil.which("fio") else "dd"
+    limit = fio if tool == "fio" else dd
+    caches, spec = make_kv(PROMPT_CHUNKS * CHUNK)
+    ps = prompts(nchunks)
+    slots = torch.arange(PROMPT_CHUNKS * CHUNK)
+    with engine(root / "warm", spec, PROMPT_CHUNKS * CHUNK_BYTES, False) as eng:
+        eng.store(ps[0], caches, slots)  # warm the KV pages and the transfer path
+        eng.retrieve(ps[0], caches, slots)
+    shutil.rmtree(root / "warm")
+    print(f"disk tier vs {tool} O_DIRECT 1 MiB sequential on {root}: {nchunks} chunks of "
+          f"{CHUNK_BYTES >> 20} MiB ({nbytes / GiB:.2f} GiB) per measurement, "
+          f"{args.reps} reps, fsync={'on' if args.fsync else 'off'}, "
+          f"drop_caches={'yes' if drop_caches() else 'no (O_DIRECT reads)'}")
+    keys = ("lim_w", "lmc_w", "tier_w", "lim_r", "lmc_r", "lmc_rp", "tier_r")
+    res: dict[str, list[float]] = {k: [] for k in keys}
+    for rep in range(args.reps):
+        d = root / f"rep{rep}"
+        d.mkdir()
+        res["lim_w"].append(limit(root, "write", nbytes))
+        res["lmc_w"].append(lmc_store(d / "lmc", caches, spec, ps, slots, args.fsync))
+        drop_caches()
+        res["lim_r"].append(limit(root, "read", nbytes))
+        res["lmc_r"].append(lmc_retrieve(d / "lmc", caches, spec, ps, slots, False))
+        res["lmc_rp"].append(lmc_retrieve(d / "lmc", caches, spec, ps, slots, True))
+        tw, tr = tier_only(d / "tier", nbytes, args.fsync, args.threads)
+        res["tier_w"].append(tw)
+        res["tier_r"].append(tr)
+        shutil.rmtree(d)
+        print(f"  rep {rep}: " + ", ".join(f"{k} {v[-1]:.2f}" for k, v in res.items()))
+    (root / "fio.dat").unlink(missing_ok=True)
+    if not args.dir:
+        shutil.rmtree(root, ignore_errors=True)
+    med = {k: statistics.median(v) for k, v in res.items()}
+    print(f"{'':28s}{'GiB/s':>8s}{'vs ' + tool:>10s}")
+    print(f"{tool + ' write (limit)':28s}{med['lim_w']:8.2f}")
+    print(f"{'lmc durable store (engine)':28s}{med['lmc_w']:8.2f}{med['lmc_w'] / med['lim_w']:9.0%}")
+    print(f"{'lmc tier put':28s}{med['tier_w']:8.2f}{med['tier_w'] / med['lim_w']:9.0%}")
+    print(f"{tool + ' read (limit)':28s}{med['lim_r']:8.2f}")
+    print(f"{'lmc retrieve (engine)':28s}{med['lmc_r']:8.2f}{med['lmc_r'] / med['lim_r']:9.0%}")
+    print(f"{'lmc prefetch+retrieve':28s}{med['lmc_rp']:8.2f}"
+          f"{med['lmc_rp'] / med['lim_r']:9.0%}")
+    print(f"{'lmc tier get':28s}{med['tier_r']:8.2f}{med['tier_r'] / med['lim_r']:9.0%}")
+    print("target >= 80% of each; LMCache 0.5.6 here: store 0.94, retrieve 0.66 GiB/s "
+          "(fio 1.47 / 1.36)")
+
+
+if __name__ == "__main__":
+    main()
