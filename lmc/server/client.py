@@ -85,7 +85,7 @@ class ClientConnection:
     """One socket, one conversation at a time (callers hold it exclusively)."""
 
     def __init__(self, address: Address, token: str | None = None, timeout: float = 1.0,
-                 client_name: str = "lmc", window: int = 8, sock_buf: int = 4 << 20) -> None:
+                 client_name: str = "lmc", window: int = 8, sock_buf: int = 0) -> None:
         self.address = address
         self.timeout = timeout
         self.window = window
@@ -106,8 +106,9 @@ class ClientConnection:
         self.sock.settimeout(timeout)
         self.closed = False
         try:
-            for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
-                self.sock.setsockopt(socket.SOL_SOCKET, opt, sock_buf)
+            if sock_buf:
+                for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
+                    self.sock.setsockopt(socket.SOL_SOCKET, opt, sock_buf)
             meta = {"client": client_name}
             if token:
                 meta["token"] = token
@@ -205,8 +206,21 @@ class ClientConnection:
     def stats(self) -> dict[str, Any]:
         return self.call(P.STATS, {})[1]
 
-    def put(self, ns: str, keys: Sequence[bytes], objs: Sequence[MemoryObj]) -> bytes:
-        """Store values; one result byte per value (``protocol.STORED``...)."""
+    def put(self, ns: str, keys: Sequence[bytes], objs: Sequence[MemoryObj],
+            skip_present: bool = True) -> bytes:
+        """Store values; one result byte per value (``protocol.STORED``...). Keys are content
+        addresses, so with ``skip_present`` one EXISTS round trip first spares the transfer
+        of values the server already holds (they count as stored)."""
+        if skip_present and keys:
+            present = self.contains(ns, keys)
+            todo = [i for i, p in enumerate(present) if not p]
+            if len(todo) < len(keys):
+                out = bytearray(len(keys))  # STORED == 0
+                if todo:
+                    sub = self.put(ns, [keys[i] for i in todo], [objs[i] for i in todo], False)
+                    for i, r in zip(todo, sub):
+                        out[i] = r
+                return bytes(out)
         views = [_bytes_view(o) for o in objs]
         items = [encode_header(k, o.shape, o.dtype, o.num_tokens, v)
                  for k, o, v in zip(keys, objs, views)]

@@ -21,6 +21,7 @@ import yaml
 
 from lmc.config import (
     CacheConfig,
+    _parse_bool,
     _parse_choice,
     _parse_float,
     _parse_int,
@@ -102,6 +103,8 @@ class ServerConfig:
                                     "file holding the token (keeps it out of argv and YAML)")
     # ---- storage
     size: int = _field("1GiB", _pos_size, "memory pool (L1) size; the daemon never exceeds it")
+    prefault: bool = _field(True, _parse_bool, "touch the whole pool at start-up (with huge "
+                            "pages) so that no request pays for page faults")
     eviction_policy: str = _field("lru", lambda v, k: _parse_choice(v, k, ("lru", "fifo")),
                                   "which unreferenced chunk the memory tier evicts first")
     disk: str | None = _field(None, _parse_opt_str,

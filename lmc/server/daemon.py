@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import inspect
 import json
 import logging
 import os
@@ -29,10 +28,11 @@ from lmc.memory import MemoryPool
 from lmc.server import metrics as M
 from lmc.server.config import ServerConfig
 from lmc.server.http import MetricsHTTP
+from lmc.server.pool_tuning import tune_pool
 from lmc.server.session import IDLE, READING, SENDING, Session
 from lmc.server.store import NamespacedStore
 from lmc.storage_backend import StorageBackend, create_backend
-from lmc.storage_manager import StorageManager
+from lmc.storage_manager import StorageManager, TierPool
 
 log = logging.getLogger(__name__)
 
@@ -65,14 +65,22 @@ def build_storage(config: ServerConfig) -> tuple[MemoryPool, StorageManager]:
     """The pool, the memory tier and the configured lower tiers, in lmc's own manager."""
     cache_cfg = config.cache_config()
     pool = MemoryPool(cache_cfg.local_cpu_size, pin_memory="false")
-    tiers: list[StorageBackend] = [create_backend("cpu", cache_cfg, pool)]
-    if config.disk:
-        tiers.append(create_backend("disk", cache_cfg, pool))
-    if config.redis:
-        tiers.append(create_backend(config.redis, cache_cfg, pool))
-    params = inspect.signature(StorageManager).parameters
-    kwargs = {"config": cache_cfg} if "config" in params else {}
-    return pool, StorageManager(tiers, **kwargs)
+    tune_pool(pool.buffer, touch=config.prefault)
+    l1 = create_backend("cpu", cache_cfg, pool)
+    lower_pool = TierPool(l1)  # lower tiers' reads may evict L1, like a store does
+    tiers: list[StorageBackend] = [l1]
+    try:
+        if config.disk:
+            tiers.append(create_backend("disk", cache_cfg, lower_pool))
+        if config.redis:
+            tiers.append(create_backend(config.redis, cache_cfg, lower_pool))
+        manager = StorageManager(tiers, write_policy=cache_cfg.write_policy,
+                                 queue_bytes=cache_cfg.write_queue_size)
+    except BaseException:
+        for t in tiers:
+            t.close()
+        raise
+    return pool, manager
 
 
 def _unix_peer(conn: socket.socket) -> str:
@@ -117,7 +125,7 @@ class Daemon:
     def stats(self) -> dict[str, Any]:
         return {"server": {"version": 1, "uptime_s": time.time() - self.started,
                            "connections": len(self.sessions), "draining": self.draining},
-                "pool": self.pool.stats(), "tiers": self.store.stats(),
+                "pool": self.pool.stats(), "tiers": {**self.store.stats(), **self.storage.stats()},
                 "namespaces": self.store.namespace_stats()}
 
     # -------------------------------------------------------- listening
@@ -288,12 +296,12 @@ class Daemon:
         log.info("lmc server stopped")
 
     def _flush_and_close(self) -> None:
-        flush = getattr(self.storage, "flush", None)
-        if flush is not None:
-            try:
-                flush()
-            except Exception as e:
-                log.error("flushing the storage failed: %s", e)
+        """Pending write-behind lands in the disk (and Redis) tier before the tiers close."""
+        try:
+            if not self.storage.flush(self.storage.close_timeout):
+                log.warning("write-behind not drained after %.0f s", self.storage.close_timeout)
+        except Exception as e:
+            log.error("flushing the storage failed: %s", e)
         self.storage.close()
         self.pool.close()
 

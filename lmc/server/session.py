@@ -85,7 +85,7 @@ class Session:
                     break
         except PeerClosed as e:
             if not e.clean:
-                log.warning("%s: connection closed mid-frame", self.peer)
+                self.daemon.warn("%s: connection closed mid-frame", self.peer)
         except asyncio.CancelledError:
             log.info("%s: connection dropped (%s)", self.peer,
                      "shutdown" if self.daemon.draining else "stalled")

@@ -157,9 +157,12 @@ class NamespacedStore:
 
     # ----------------------------------------------------------------- reads
     def contains(self, ikeys: Sequence[bytes]) -> list[bool]:
-        """Presence in any tier, each tier asked once about what earlier tiers lacked."""
-        present = [False] * len(ikeys)
-        for tier in self.storage.tiers:
+        """Presence in any tier (or a write-behind queue), each asked once, batched."""
+        present = list(self.l1.contains(ikeys))
+        for q in getattr(self.storage, "queues", ()):
+            if getattr(q, "queued_chunks", 0) and not all(present):
+                present = [p or w for p, w in zip(present, q.contains(ikeys))]
+        for tier in self.storage.tiers[1:]:
             todo = [i for i, p in enumerate(present) if not p]
             if not todo:
                 break
@@ -177,25 +180,22 @@ class NamespacedStore:
 
     def get(self, ikeys: Sequence[bytes], prefix: bool) -> list[MemoryObj | None]:
         """Objects (one reference each, for the caller) or None; ``prefix`` stops at the first
-        miss. Lower-tier hits are promoted by the manager when it offers ``get``."""
+        miss. Lower-tier hits go through the manager's ``get_prefix``, so they are promoted."""
+        n = len(ikeys)
         if prefix:
             objs: list[MemoryObj | None] = list(self.storage.get_prefix(ikeys))
-            return objs + [None] * (len(ikeys) - len(objs))
-        getter = getattr(self.storage, "get", None)
-        if getter is not None:
-            return list(getter(ikeys))
-        found: list[MemoryObj | None] = [None] * len(ikeys)
-        for tier in self.storage.tiers:
-            todo = [i for i, o in enumerate(found) if o is None]
-            if not todo:
-                break
-            try:
-                got = tier.get([ikeys[i] for i in todo])
-            except Exception as e:
-                log.warning("tier %s failed get(): %s", tier.name, e)
-                continue
+            return objs + [None] * (n - len(objs))
+        found: list[MemoryObj | None] = list(self.l1.get(ikeys))
+        if len(self.storage.tiers) == 1 or all(o is not None for o in found):
+            return found
+        missing = [i for i, o in enumerate(found) if o is None]
+        present = self.contains([ikeys[i] for i in missing])
+        todo = [i for i, p in zip(missing, present) if p]
+        while todo:  # all present: one call fetches them, unless one vanished meanwhile
+            got = self.storage.get_prefix([ikeys[i] for i in todo])
             for i, o in zip(todo, got):
                 found[i] = o
+            todo = todo[len(got) + 1:]
         return found
 
     def touch(self, ns: str, ikeys: Sequence[bytes]) -> None:
