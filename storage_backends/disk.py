@@ -6,7 +6,7 @@ File format. ``<dir>/<key hex>.<file bytes>.kv`` holds one 4 KiB block with the
 the device (and back into a freshly allocated pool object) with one ``pwritev``/``preadv`` and
 no copy. The header carries the key, so a file renamed to another key's name is caught.
 
-Crash consistency. A value is written under a temporary name (``.tmp.<pid>.<n>``), optionally
+Crash consistency. A value is written under a temporary name (``.tmp.<pid>.<hex>``), optionally
 ``fdatasync``-ed (``disk_fsync``; then the directory is fsync-ed once per batch), and renamed
 to its final name: a name ending in ``.kv`` always denotes a complete write. A crash leaves
 only temporary files, which the next start removes (those of dead processes). Without fsync a
@@ -49,6 +49,7 @@ import logging
 import mmap
 import os
 import re
+import secrets
 import stat
 import threading
 import time
@@ -69,7 +70,7 @@ log = logging.getLogger(__name__)
 BLOCK = 4096
 MARKER = ".lmc-disk-tier"
 _NAME = re.compile(r"^([0-9a-f]{32})\.([0-9]+)\.kv$")
-_TMP = re.compile(r"^\.tmp\.([0-9]+)\.[0-9]+$")
+_TMP = re.compile(r"^\.tmp\.([0-9]+)\.[0-9a-f]+$")
 STALE_TMP_SECONDS = 3600.0  # no write takes this long: older temp files are debris
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
 _buffered_logged: set[str] = set()
@@ -107,7 +108,9 @@ def _payload_view(obj: MemoryObj, padded: int) -> tuple[memoryview, bool]:
 
 
 def _io_all(op, fd: int, bufs: list[memoryview], offset: int) -> int:
-    """``os.preadv``/``os.pwritev`` until every buffer is done or EOF; returns bytes moved."""
+    """``os.preadv``/``os.pwritev`` until every buffer is done; returns bytes moved. A short
+    read means end of file (regular files): it is not retried, since an O_DIRECT retry from a
+    misaligned position would fail with EINVAL instead of reporting the truncation."""
     total = sum(b.nbytes for b in bufs)
     done = 0
     while done < total:
@@ -115,6 +118,8 @@ def _io_all(op, fd: int, bufs: list[memoryview], offset: int) -> int:
         if n <= 0:
             break
         done += n
+        if op is os.preadv and done < total:
+            break
         while bufs and n >= bufs[0].nbytes:
             n -= bufs[0].nbytes
             bufs = bufs[1:]
@@ -155,8 +160,10 @@ class DiskBackend(StorageBackend):
         self._reserved = 0  # bytes of temporary files being written
         self._dying = 0  # bytes of evicted files not yet unlinked
         self._seq = itertools.count()
+        self._tag = secrets.token_hex(4)  # two instances in one process never share a name
         self._tls = threading.local()
         self._closed = False
+        self._warned: set[str] = set()
         os.makedirs(self.path, exist_ok=True)
         self._claim_directory()
         self.direct = self._probe_direct()
@@ -168,7 +175,7 @@ class DiskBackend(StorageBackend):
         return os.path.join(self.path, f"{key.hex()}.{size}.kv")
 
     def _tmp_path(self) -> str:
-        return os.path.join(self.path, f".tmp.{os.getpid()}.{next(self._seq)}")
+        return os.path.join(self.path, f".tmp.{os.getpid()}.{self._tag}{next(self._seq):x}")
 
     def _buf(self, name: str) -> memoryview:
         """A per-thread page-aligned 4 KiB buffer (O_DIRECT needs aligned memory)."""
@@ -293,7 +300,7 @@ class DiskBackend(StorageBackend):
             except RuntimeError:  # closed meanwhile
                 break
         for (i, _, e), f in itertools.zip_longest(jobs, futures):
-            try:
+            try:  # every future is waited for: none may still write into a pool object
                 out[i] = f.result() if f is not None else None
             except CancelledError:  # close() cancelled it before it ran
                 f = None
@@ -346,6 +353,10 @@ class DiskBackend(StorageBackend):
             self.metrics.error("get", errno.errorcode.get(e.errno or 0, "oserror"))
             log.warning("disk tier: reading %s failed: %s", os.path.basename(path), e)
             return None
+        except Exception as e:  # e.g. the pool closed under us: a miss, never an error
+            self.metrics.error("get", type(e).__name__)
+            log.warning("disk tier: reading %s failed: %s", os.path.basename(path), e)
+            return None
         finally:
             if fd >= 0:
                 os.close(fd)
@@ -395,6 +406,12 @@ class DiskBackend(StorageBackend):
             self._fsync_dir()
         return stored
 
+    def _warn_once(self, reason: str, msg: str) -> None:
+        """A full disk fails every write: say so once per reason, count the rest."""
+        if reason not in self._warned:
+            self._warned.add(reason)
+            log.warning("%s (further %s errors are only counted)", msg, reason)
+
     def _fsync_dir(self) -> None:
         try:
             fd = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY)
@@ -431,15 +448,18 @@ class DiskBackend(StorageBackend):
             try:
                 self._write_file(tmp, key, obj, padded, create=recycled is None)
                 os.rename(tmp, self._path(key, size))
-            except OSError as e:
+            except Exception as e:  # ENOSPC, EIO, a bad key...: this value is skipped
                 with contextlib.suppress(OSError):
                     os.unlink(tmp)
                 with self._lock:
                     self._reserved -= size
-                reason = "enospc" if e.errno == errno.ENOSPC else errno.errorcode.get(
-                    e.errno or 0, "oserror")
+                if isinstance(e, OSError):
+                    reason = "enospc" if e.errno == errno.ENOSPC else errno.errorcode.get(
+                        e.errno or 0, "oserror")
+                else:
+                    reason = type(e).__name__
                 self.metrics.error("put", reason)
-                log.warning("disk tier %s: write skipped: %s", self.path, e)
+                self._warn_once(reason, f"disk tier {self.path}: write skipped: {e}")
                 return False
             with self._lock:
                 self._reserved -= size

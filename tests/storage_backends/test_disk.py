@@ -229,6 +229,8 @@ def _corrupt(d, how: str) -> None:
     p = _value_path(d, 1)
     if how == "truncate":
         os.truncate(p, p.stat().st_size - BLOCK)
+    elif how == "truncate_odd":  # not a multiple of the O_DIRECT block
+        os.truncate(p, p.stat().st_size - 1000)
     elif how == "truncate_keep_size":  # size intact, tail zeroed: only the checksum sees it
         with open(p, "r+b") as f:
             f.seek(BLOCK + 100)
@@ -252,7 +254,7 @@ def _corrupt(d, how: str) -> None:
 
 
 @pytest.mark.parametrize("restart", [False, True], ids=["live", "restart"])
-@pytest.mark.parametrize("how", ["truncate", "truncate_keep_size", "flip_payload",
+@pytest.mark.parametrize("how", ["truncate", "truncate_odd", "truncate_keep_size", "flip_payload",
                                  "flip_header", "renamed", "foreign"])
 def test_damaged_values_are_misses_deleted_and_counted(tmp_path, how, restart):
     tier, pool = _tier(tmp_path)
