@@ -222,8 +222,9 @@ class Daemon:
             await asyncio.sleep(min(1.0, limit / 4))
             now = time.monotonic()
             for s in list(self.sessions):
-                if s.state in (READING, SENDING) and now - s.progress_at > limit \
-                        and s.task is not None:
+                mid_frame = s.state in (READING, SENDING) or (s.state == IDLE
+                                                               and s.reader.buffered > 0)
+                if mid_frame and now - s.progress_at > limit and s.task is not None:
                     M.STALLED.inc()
                     self.warn("%s: no progress for %.1f s mid-frame; dropping", s.peer, limit)
                     s.task.cancel()
@@ -252,10 +253,17 @@ class Daemon:
         for sig in (signal.SIGTERM, signal.SIGINT):
             with contextlib.suppress(NotImplementedError, RuntimeError):
                 loop.add_signal_handler(sig, self.request_stop)
-        self.open_listeners()
-        if self.config.metrics_port is not None:
-            self.http = MetricsHTTP(self, self.config.metrics_host, self.config.metrics_port)
-            await self.http.start()
+        try:
+            self.open_listeners()
+            if self.config.metrics_port is not None:
+                self.http = MetricsHTTP(self, self.config.metrics_host,
+                                        self.config.metrics_port)
+                await self.http.start()
+        except BaseException:
+            for sock, _ in self.listeners:
+                sock.close()
+            await loop.run_in_executor(None, self._flush_and_close)
+            raise
         self._tasks = [loop.create_task(self._accept_loop(s, via)) for s, via in self.listeners]
         self._tasks.append(loop.create_task(self._watchdog()))
         where = [f"tcp {self.config.host}:{self.port}" if via == "tcp"

@@ -123,8 +123,8 @@ class NamespacedStore:
                 out.append(ok)
             reserved = sum(s for s, ok in zip(sizes, out) if ok)
             ledger.pending += reserved
-        if victims:
-            self.storage.delete(victims)
+        if victims:  # quotas bound memory: copies in the disk/Redis tiers stay (own limits)
+            self.l1.delete(victims)
         return out, reserved
 
     def settle(self, ns: str, reserved: int) -> None:
