@@ -146,6 +146,11 @@ class TierMetrics:
         self._secs["put"].observe(seconds)
         self._add(put_chunks=stored, write_bytes=nbytes, put_seconds=seconds)
 
+    def skipped_present(self, n: int) -> None:
+        """Chunks not written because the tier already held them."""
+        if n:
+            self._add(put_skipped_present=n)
+
     def error(self, op: str, reason: str, n: int = 1) -> None:
         if n:
             TIER_ERRORS.labels(self.tier, op, reason).inc(n)

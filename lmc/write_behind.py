@@ -11,9 +11,10 @@ a stall. The queue holds one reference on each object it carries, so L1 eviction
 memory the writer is still reading. Chunks waiting here can be served to readers
 (:meth:`lookup`): under write-on-evict an evicted chunk is otherwise invisible until written.
 
-The writer hands batches to ``tier.put(keys, objs)`` synchronously, from its thread: the tier
-may take as long as it needs (and time out as it sees fit); the references are released when
-``put`` returns. ``put`` returns how many keys it stored; the rest count as dropped.
+The writer first asks ``tier.contains(keys)`` once per batch and skips what the tier already
+holds, then hands the rest to ``tier.put(keys, objs)`` synchronously, from its thread: the
+tier may take as long as it needs (and time out as it sees fit); the references are released
+when ``put`` returns. ``put`` returns how many keys it stored; the rest count as dropped.
 """
 
 from __future__ import annotations
@@ -143,16 +144,29 @@ class WriteBehind:
                 batch = self._next_batch_locked()
             self._write(batch)
 
+    def _absent(self, batch: list[tuple[Key, MemoryObj]]) -> list[tuple[Key, MemoryObj]]:
+        """What the tier does not hold yet: one batched ``contains`` spares re-sending chunks
+        another engine (or an earlier run) already wrote, e.g. a shared system prompt."""
+        try:
+            present = self.tier.contains([k for k, _ in batch])
+        except Exception:  # let put() meet the error and count it
+            return batch
+        todo = [kv for kv, p in zip(batch, present) if not p]
+        self.metrics.skipped_present(len(batch) - len(todo))
+        return todo
+
     def _write(self, batch: list[tuple[Key, MemoryObj]]) -> None:
         keys = [k for k, _ in batch]
         objs = [o for _, o in batch]
         nbytes = sum(o.nbytes for o in objs)
         t0 = time.perf_counter()
         try:
-            stored = int(self.tier.put(keys, objs))
-            self.metrics.write(stored, nbytes if stored == len(keys) else
-                               sum(o.nbytes for o in objs[:stored]), time.perf_counter() - t0)
-            self.metrics.dropped("rejected", len(keys) - stored)
+            todo = self._absent(batch)
+            if todo:
+                stored = int(self.tier.put([k for k, _ in todo], [o for _, o in todo]))
+                self.metrics.write(stored, sum(o.nbytes for _, o in todo[:stored]),
+                                   time.perf_counter() - t0)
+                self.metrics.dropped("rejected", len(todo) - stored)
         except Exception as e:  # a failing tier loses these writes, never the writer thread
             reason = type(e).__name__
             if reason not in self._warned:

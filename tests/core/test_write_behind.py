@@ -184,3 +184,19 @@ def test_a_failing_tier_loses_writes_not_the_writer(tmp_path):
         eng.store(_prompt(2), src, _slots(2))
         assert eng.flush(5)
         assert eng.storage.lower[0].contains(eng.db.keys(_prompt(2))) == [True]
+
+
+def test_chunks_the_tier_already_holds_are_not_written_again(tmp_path):
+    """A second engine storing the same prompt (a shared system prompt, a restart) finds the
+    chunks in the tier with one batched contains() and sends nothing."""
+    eng, src, spec = _setup(tmp_path)
+    with eng:
+        eng.store(_prompt(0), src, _slots(0))
+        assert eng.flush(5)
+        assert eng.stats()["disk.write_bytes"] > 0
+    cfg = CacheConfig(chunk_size=CHUNK, local_cpu_size="1MiB", local_disk=str(tmp_path))
+    with CacheEngine(cfg, spec, "m") as eng2:
+        assert eng2.store(_prompt(0), src, _slots(0)) == CHUNK  # new to this L1
+        assert eng2.flush(5)
+        st = eng2.stats()
+        assert st["disk.put_skipped_present"] == 1 and "disk.write_bytes" not in st
