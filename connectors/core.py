@@ -117,6 +117,8 @@ class _PendingLoad:
 
 @dataclass
 class SchedulerStats:
+    """Cumulative counters of the scheduler half (``extra``: room for an adapter's own)."""
+
     lookups: int = 0
     lookup_errors: int = 0
     lookup_tokens: int = 0

@@ -185,6 +185,9 @@ class WorkerConnector:
             n = len(spec.token_ids)
             try:
                 self._count_tiers(spec)
+            except Exception as e:  # stats only: never a reason to fail the load
+                log.debug("lmc: tier attribution failed: %s", e)
+            try:
                 rt = self.engine.retrieve_layer(
                     spec.token_ids, self.kv_caches,
                     self._slots(spec.block_ids, n, spec.start, spec.end),
