@@ -4,10 +4,12 @@ Limit: fio (or dd when fio is absent) sequential O_DIRECT I/O in 1 MiB blocks on
 directory. lmc: a Llama-8B-like chunk (32 layers, 8 KV heads, head 128, bf16, 256 tokens =
 32 MiB), through the engine:
 
-* durable store = ``engine.store`` of a prompt + ``engine.flush()`` (the chunks are in files,
-  renamed into place; with ``--fsync`` also fdatasync-ed), i.e. until the data is on disk;
-* retrieve = ``engine.retrieve`` of the same prompt by a new engine on the same directory (L1
-  empty, page cache dropped when permitted; reads are O_DIRECT anyway): disk -> pool -> KV.
+* durable store = ``engine.store`` of 2048-token prompts in turn + ``engine.flush()`` (the
+  chunks are in files, renamed into place; with ``--fsync`` also fdatasync-ed), i.e. until
+  the data is on disk; files are new each time (the previous rep's are deleted first);
+* retrieve = ``engine.retrieve`` of the same prompts with L1 emptied (page cache dropped when
+  permitted; reads are O_DIRECT anyway): disk -> pool -> KV cache; also with ``prefetch``
+  issued for every prompt first, the connector's pattern.
 
 The tier alone (``put``/``get`` on pool objects, no engine) is measured too. Repetitions are
 interleaved with the limit's (fio write, lmc store, fio read, lmc retrieve, ...) so that noise
@@ -102,8 +104,9 @@ def prompts(nchunks: int) -> list[list[int]]:
 
 
 def engine(d: Path, spec: KVSpec, nbytes: int, fsync: bool) -> CacheEngine:
-    """An engine whose pool holds everything and is touched once before timing, as a running
-    engine's pool is (first-touch page faults are slow on VMs and not lmc's cost)."""
+    """One engine for the whole run, its pool holding everything: pool pages are touched
+    once and stay warm, as a long-running engine's are (first-touch page faults on this VM
+    cost more than the disk, and they are not lmc's cost)."""
     cfg = CacheConfig(chunk_size=CHUNK, local_cpu_size=nbytes + 4 * CHUNK_BYTES,
                       local_disk=str(d), local_disk_size=2 * nbytes, disk_fsync=fsync,
                       write_queue_size=nbytes + CHUNK_BYTES)
@@ -112,63 +115,73 @@ def engine(d: Path, spec: KVSpec, nbytes: int, fsync: bool) -> CacheEngine:
     return eng
 
 
-def lmc_store(d: Path, caches, spec, ps, slots, fsync: bool) -> float:
-    """Each prompt stored in turn (the writer overlaps the next gathers), then flush."""
+def forget(eng: CacheEngine, ps) -> None:
+    """Empty L1 and the disk: the next store writes new files, as a first store does."""
+    eng.storage.delete([k for toks in ps for k in eng.db.keys(toks)])
+
+
+def lmc_store(eng: CacheEngine, caches, ps, slots) -> float:
+    """Each prompt stored in turn (the writer overlaps the next gathers), then flush: the
+    chunks are in their files (and fdatasync-ed with --fsync)."""
     nbytes = len(ps) * PROMPT_CHUNKS * CHUNK_BYTES
-    with engine(d, spec, nbytes, fsync) as eng:
-        t0 = time.perf_counter()
-        for toks in ps:
-            eng.store(toks, caches, slots)
-        assert eng.flush(600)
-        dt = time.perf_counter() - t0
-        st = eng.stats()
-        assert st["disk.chunks"] == len(ps) * PROMPT_CHUNKS, st
-        assert not st.get("disk.dropped_queue_full"), st
-    return nbytes / GiB / dt
-
-
-def lmc_retrieve(d: Path, caches, spec, ps, slots, prefetch: bool) -> float:
-    """A new engine (empty L1) retrieves every prompt into the KV cache. ``prefetch``: all
-    prompts are prefetched first (the connector's pattern), so reading prompt k+1 overlaps
-    scattering prompt k."""
-    nbytes = len(ps) * PROMPT_CHUNKS * CHUNK_BYTES
-    with engine(d, spec, nbytes, False) as eng:
-        drop_caches()
-        t0 = time.perf_counter()
-        futs = [eng.prefetch(toks) for toks in ps] if prefetch else [None] * len(ps)
-        for toks, f in zip(ps, futs):
-            if f is not None:
-                f.result()
-            assert eng.retrieve(toks, caches, slots) == len(toks)
-        dt = time.perf_counter() - t0
-    return nbytes / GiB / dt
-
-
-def tier_only(d: Path, nbytes: int, fsync: bool, threads: int) -> tuple[float, float]:
-    """put / get of pool objects on the tier itself: the engine's share is left out."""
-    pool = MemoryPool(nbytes + 2 * CHUNK_BYTES, pin_memory=False)
-    cfg = CacheConfig(local_disk=str(d), local_disk_size=2 * nbytes, disk_fsync=fsync)
-    disk = DiskBackend(config=cfg, pool=pool, io_threads=threads)
-    n = nbytes // CHUNK_BYTES
-    objs = pool.allocate_many((LAYERS, 2, CHUNK, HEADS * DIM), DTYPE, n, CHUNK)
-    for o in objs:
-        o.tensor.view(torch.int16).random_()
-    keys = [i.to_bytes(16, "little") for i in range(n)]
+    forget(eng, ps)
+    before = eng.stats().get("disk.dropped_queue_full", 0)
     t0 = time.perf_counter()
-    assert disk.put(keys, objs) == n
-    w = nbytes / GiB / (time.perf_counter() - t0)
-    for o in objs:
-        o.release()
+    for toks in ps:
+        eng.store(toks, caches, slots)
+    assert eng.flush(600)
+    dt = time.perf_counter() - t0
+    st = eng.stats()
+    assert st["disk.chunks"] == len(ps) * PROMPT_CHUNKS, st
+    assert st.get("disk.dropped_queue_full", 0) == before, st
+    return nbytes / GiB / dt
+
+
+def lmc_retrieve(eng: CacheEngine, caches, ps, slots, prefetch: bool) -> float:
+    """Every prompt retrieved into the KV cache with L1 empty: disk -> pool -> KV.
+    ``prefetch``: all prompts are prefetched first (the connector's pattern), so reading
+    prompt k+1 overlaps scattering prompt k."""
+    nbytes = len(ps) * PROMPT_CHUNKS * CHUNK_BYTES
+    eng.storage.l1.clear()
     drop_caches()
     t0 = time.perf_counter()
-    got = disk.get(keys)
-    r = nbytes / GiB / (time.perf_counter() - t0)
-    assert all(o is not None for o in got)
-    for o in got:
-        o.release()
-    disk.close()
-    pool.close()
-    return w, r
+    futs = [eng.prefetch(toks) for toks in ps] if prefetch else [None] * len(ps)
+    for toks, f in zip(ps, futs):
+        if f is not None:
+            f.result()
+        assert eng.retrieve(toks, caches, slots) == len(toks)
+    dt = time.perf_counter() - t0
+    return nbytes / GiB / dt
+
+
+class TierOnly:
+    """``put`` / ``get`` of pool objects on the tier itself: the engine's share left out."""
+
+    def __init__(self, d: Path, nbytes: int, fsync: bool, threads: int) -> None:
+        self.pool = MemoryPool(2 * nbytes + 2 * CHUNK_BYTES, pin_memory=False)
+        self.pool.buffer.zero_()
+        cfg = CacheConfig(local_disk=str(d), local_disk_size=2 * nbytes, disk_fsync=fsync)
+        self.disk = DiskBackend(config=cfg, pool=self.pool, io_threads=threads)
+        n = nbytes // CHUNK_BYTES
+        self.nbytes = nbytes
+        self.objs = self.pool.allocate_many((LAYERS, 2, CHUNK, HEADS * DIM), DTYPE, n, CHUNK)
+        for o in self.objs:
+            o.tensor.view(torch.int16).random_()
+        self.keys = [i.to_bytes(16, "little") for i in range(n)]
+
+    def run(self) -> tuple[float, float]:
+        self.disk.delete(self.keys)
+        t0 = time.perf_counter()
+        assert self.disk.put(self.keys, self.objs) == len(self.keys)
+        w = self.nbytes / GiB / (time.perf_counter() - t0)
+        drop_caches()
+        t0 = time.perf_counter()
+        got = self.disk.get(self.keys)
+        r = self.nbytes / GiB / (time.perf_counter() - t0)
+        assert all(o is not None for o in got)
+        for o in got:
+            o.release()
+        return w, r
 
 
 def main() -> None:
@@ -188,30 +201,30 @@ def main() -> None:
     caches, spec = make_kv(PROMPT_CHUNKS * CHUNK)
     ps = prompts(nchunks)
     slots = torch.arange(PROMPT_CHUNKS * CHUNK)
-    with engine(root / "warm", spec, PROMPT_CHUNKS * CHUNK_BYTES, False) as eng:
-        eng.store(ps[0], caches, slots)  # warm the KV pages and the transfer path
-        eng.retrieve(ps[0], caches, slots)
-    shutil.rmtree(root / "warm")
     print(f"disk tier vs {tool} O_DIRECT 1 MiB sequential on {root}: {nchunks} chunks of "
           f"{CHUNK_BYTES >> 20} MiB ({nbytes / GiB:.2f} GiB) per measurement, "
           f"{args.reps} reps, fsync={'on' if args.fsync else 'off'}, "
           f"drop_caches={'yes' if drop_caches() else 'no (O_DIRECT reads)'}")
+    eng = engine(root / "lmc", spec, nbytes, args.fsync)
+    tier = TierOnly(root / "tier", nbytes, args.fsync, args.threads)
+    lmc_store(eng, caches, ps, slots)  # warm-up: pool pages, KV pages, transfer plans
+    lmc_retrieve(eng, caches, ps, slots, False)
+    tier.run()
     keys = ("lim_w", "lmc_w", "tier_w", "lim_r", "lmc_r", "lmc_rp", "tier_r")
     res: dict[str, list[float]] = {k: [] for k in keys}
     for rep in range(args.reps):
-        d = root / f"rep{rep}"
-        d.mkdir()
         res["lim_w"].append(limit(root, "write", nbytes))
-        res["lmc_w"].append(lmc_store(d / "lmc", caches, spec, ps, slots, args.fsync))
+        res["lmc_w"].append(lmc_store(eng, caches, ps, slots))
         drop_caches()
         res["lim_r"].append(limit(root, "read", nbytes))
-        res["lmc_r"].append(lmc_retrieve(d / "lmc", caches, spec, ps, slots, False))
-        res["lmc_rp"].append(lmc_retrieve(d / "lmc", caches, spec, ps, slots, True))
-        tw, tr = tier_only(d / "tier", nbytes, args.fsync, args.threads)
+        res["lmc_r"].append(lmc_retrieve(eng, caches, ps, slots, False))
+        res["lmc_rp"].append(lmc_retrieve(eng, caches, ps, slots, True))
+        tw, tr = tier.run()
         res["tier_w"].append(tw)
         res["tier_r"].append(tr)
-        shutil.rmtree(d)
         print(f"  rep {rep}: " + ", ".join(f"{k} {v[-1]:.2f}" for k, v in res.items()))
+    eng.close()
+    tier.disk.close()
     (root / "fio.dat").unlink(missing_ok=True)
     if not args.dir:
         shutil.rmtree(root, ignore_errors=True)

@@ -39,6 +39,12 @@ class CacheEngine:
 
     ``model_id``, the spec's shape/dtype, ``tp_rank``/``tp_size``, ``chunk_size`` and the
     config's ``tenant`` form the key namespace: engines agreeing on all of them share KV.
+
+    Tiers: L1 is the pool; below it the disk tier when ``local_disk`` is set, then the backend
+    claiming ``remote_url``'s scheme, then ``tiers`` (instances, or factories
+    ``(config, pool) -> StorageBackend`` handed the pool lower tiers allocate from). Stores
+    reach lower tiers by write-behind (``write_policy``; ``flush`` waits for it); lower-tier
+    hits are promoted into L1.
     """
 
     def __init__(self, config: CacheConfig, spec: KVSpec, model_id: str, tp_rank: int = 0,
