@@ -21,13 +21,15 @@ from typing import Any
 import torch
 
 from lmc.memory import MemoryObj
-from lmc.serde import encode_header, payload_checksum, tensor_bytes
+from lmc.serde import encode_header, payload_checksum
 from lmc.server import protocol as P
 from lmc.server.config import DEFAULT_PORT
+from lmc.server.views import byte_view
 
 Allocate = Callable[[Sequence[int], torch.dtype, int], "MemoryObj | None"]
 CLIENT_LIMITS = P.Limits(max_meta=16 << 20)
 _SCRATCH = 1 << 20
+UNIX_SNDBUF = 4 << 20  # the kernel caps it at net.core.wmem_max (and doubles it)
 
 
 class ServerError(Exception):
@@ -72,10 +74,6 @@ class Address:
         return f"{self.host}:{self.port}" if self.family == "tcp" else f"unix:{self.path}"
 
 
-def _bytes_view(obj: MemoryObj) -> memoryview:
-    return tensor_bytes(obj.tensor)
-
-
 def _batches(n: int, step: int) -> Iterator[tuple[int, int]]:
     for i in range(0, n, step):
         yield i, min(n, i + step)
@@ -106,6 +104,8 @@ class ClientConnection:
         self.sock.settimeout(timeout)
         self.closed = False
         try:
+            if address.family == "unix":  # no autotuning there: one recv moves at most this
+                self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, UNIX_SNDBUF)
             if sock_buf:
                 for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
                     self.sock.setsockopt(socket.SOL_SOCKET, opt, sock_buf)
@@ -221,7 +221,7 @@ class ClientConnection:
                     for i, r in zip(todo, sub):
                         out[i] = r
                 return bytes(out)
-        views = [_bytes_view(o) for o in objs]
+        views = [byte_view(o) for o in objs]
         items = [encode_header(k, o.shape, o.dtype, o.num_tokens, v)
                  for k, o, v in zip(keys, objs, views)]
         frames: list[tuple[int, int]] = []
@@ -300,7 +300,7 @@ class ClientConnection:
                     self._discard(hd.payload_len)
                     continue
                 out[base + i] = obj
-                view = _bytes_view(obj)
+                view = byte_view(obj)
                 self._recv_exact(view)
                 if payload_checksum(view) != hd.checksum:
                     out[base + i] = None

@@ -103,8 +103,9 @@ class ServerConfig:
                                     "file holding the token (keeps it out of argv and YAML)")
     # ---- storage
     size: int = _field("1GiB", _pos_size, "memory pool (L1) size; the daemon never exceeds it")
-    prefault: bool = _field(True, _parse_bool, "touch the whole pool at start-up (with huge "
-                            "pages) so that no request pays for page faults")
+    prefault: bool = _field(True, _parse_bool, "touch the whole pool at start-up so that no "
+                            "request pays for page faults")
+    hugepages: bool = _field(True, _parse_bool, "back the pool with transparent huge pages")
     eviction_policy: str = _field("lru", lambda v, k: _parse_choice(v, k, ("lru", "fifo")),
                                   "which unreferenced chunk the memory tier evicts first")
     disk: str | None = _field(None, _parse_opt_str,

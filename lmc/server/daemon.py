@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import json
 import logging
 import os
@@ -26,6 +27,7 @@ from typing import Any
 
 from lmc.memory import MemoryPool
 from lmc.server import metrics as M
+from lmc.server.client import UNIX_SNDBUF
 from lmc.server.config import ServerConfig
 from lmc.server.http import MetricsHTTP
 from lmc.server.pool_tuning import tune_pool
@@ -65,7 +67,7 @@ def build_storage(config: ServerConfig) -> tuple[MemoryPool, StorageManager]:
     """The pool, the memory tier and the configured lower tiers, in lmc's own manager."""
     cache_cfg = config.cache_config()
     pool = MemoryPool(cache_cfg.local_cpu_size, pin_memory="false")
-    tune_pool(pool.buffer, touch=config.prefault)
+    tune_pool(pool.buffer, huge=config.hugepages, touch=config.prefault)
     l1 = create_backend("cpu", cache_cfg, pool)
     lower_pool = TierPool(l1)  # lower tiers' reads may evict L1, like a store does
     tiers: list[StorageBackend] = [l1]
@@ -200,6 +202,8 @@ class Daemon:
             conn.setblocking(False)
             if via == "tcp":
                 conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            else:  # Unix sockets do not autotune: a larger send buffer means fewer syscalls
+                conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, UNIX_SNDBUF)
             M.ACCEPTED.labels(via).inc()
             self._start_session(conn, peer, via)
 
@@ -271,6 +275,8 @@ class Daemon:
         log.info("lmc server listening on %s; pool %d MiB, tiers %s%s", ", ".join(where),
                  self.pool.size >> 20, [t.name for t in self.storage.tiers],
                  ", token required" if self.token else "")
+        gc.collect()
+        gc.freeze()  # torch's many import-time objects leave every future collection's scan
         self._write_ready_file()
         await self._stop.wait()
         await self.shutdown()

@@ -17,11 +17,12 @@ import socket
 import time
 from typing import TYPE_CHECKING, Any
 
-from lmc.serde import encode_header, payload_checksum, tensor_bytes
+from lmc.serde import encode_header, payload_checksum
 from lmc.server import metrics as M
 from lmc.server import protocol as P
 from lmc.server.reader import FrameReader, PeerClosed
 from lmc.server.store import Checksum, checksum_of
+from lmc.server.views import byte_view
 from lmc.server.writer import send_buffers
 
 if TYPE_CHECKING:
@@ -185,47 +186,59 @@ class Session:
         ikeys = self.store.internal_keys(ns, [it.key for it in items])
         admitted, reserved = self.store.admit(ns, [it.payload_len for it in items])
         results = bytearray(len(items))
-        held: list[tuple[bytes, MemoryObj]] = []
-        held_bytes, flush_at = 0, self.daemon.commit_bytes
         self.state = READING
         try:
-            for i, it in enumerate(items):
-                obj = (self.store.allocate(it.shape, it.dtype, it.num_tokens)
-                       if admitted[i] else None)
-                if obj is None:
-                    results[i] = P.NO_MEMORY if admitted[i] else P.OVER_QUOTA
-                    await self.reader.discard(it.payload_len)
+            i = 0
+            while i < len(items):
+                if not admitted[i]:
+                    results[i] = P.OVER_QUOTA
+                    await self.reader.discard(items[i].payload_len)
+                    i += 1
                     continue
-                held.append((ikeys[i], obj))
-                view = tensor_bytes(obj.tensor)
-                await self.reader.read_into(view)
-                if payload_checksum(view) != it.checksum:
-                    results[i] = P.BAD_CHECKSUM
-                    held.pop()
-                    obj.release()
-                    continue
-                obj.meta = Checksum(it.checksum)
-                held_bytes += obj.nbytes
-                if held_bytes >= flush_at:  # verified values become visible (and evictable)
-                    self._commit(ns, held)
-                    held, held_bytes = [], 0
-            self._commit(ns, held)
-            held = []
+                j = self._group_end(items, admitted, i)
+                await self._receive_group(ns, items, ikeys, i, j, results)
+                i = j
         finally:
-            for _, o in held:
-                o.release()
             self.store.settle(ns, reserved)
         self._count_put(results, h.payload_len)
         await self._send(h.op, h.req_id, {"results": bytes(results)})
         return True
 
-    def _commit(self, ns: str, held: list[tuple[bytes, MemoryObj]]) -> None:
-        if held:
-            keys, objs = [k for k, _ in held], [o for _, o in held]
-            held.clear()  # from here on the references are released below, whatever happens
-            try:
-                self.store.commit(ns, keys, objs)
-            finally:
+    def _group_end(self, items: list, admitted: list[bool], i: int) -> int:
+        """End of the run of admitted values shaped like ``items[i]`` that is allocated (and
+        made visible) together: one allocation and one commit per run, not per value."""
+        first, size, j = items[i], items[i].payload_len, i + 1
+        while (j < len(items) and admitted[j] and items[j].shape == first.shape
+               and items[j].dtype == first.dtype and items[j].num_tokens == first.num_tokens
+               and size + items[j].payload_len <= self.daemon.commit_bytes):
+            size += items[j].payload_len
+            j += 1
+        return j
+
+    async def _receive_group(self, ns: str, items: list, ikeys: list[bytes], i: int, j: int,
+                             results: bytearray) -> None:
+        """Receive ``items[i:j]`` straight into pool objects, verify, commit the good ones."""
+        it0 = items[i]
+        objs = self.store.allocate_many(it0.shape, it0.dtype, j - i, it0.num_tokens)
+        good: list[tuple[bytes, MemoryObj]] = []
+        try:
+            for k in range(i, j):
+                obj = objs[k - i] if k - i < len(objs) else None
+                if obj is None:
+                    results[k] = P.NO_MEMORY
+                    await self.reader.discard(items[k].payload_len)
+                    continue
+                view = byte_view(obj)
+                await self.reader.read_into(view)
+                if payload_checksum(view) != items[k].checksum:
+                    results[k] = P.BAD_CHECKSUM  # never visible; freed below
+                    continue
+                obj.meta = Checksum(items[k].checksum)
+                good.append((ikeys[k], obj))
+            if good:
+                self.store.commit(ns, [k for k, _ in good], [o for _, o in good])
+        finally:
+            if objs:
                 objs[0].pool.release_many(objs)
 
     @staticmethod
@@ -256,7 +269,7 @@ class Session:
                 if bufs and total + obj.nbytes > self.limits.max_payload:
                     more = True  # the client asks again for the rest
                     break
-                view = tensor_bytes(obj.tensor)
+                view = byte_view(obj)
                 items.append(encode_header(key, obj.shape, obj.dtype, obj.num_tokens, view,
                                            checksum=checksum_of(obj)))
                 bufs.append(view)

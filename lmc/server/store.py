@@ -23,6 +23,7 @@ import torch
 
 from lmc.memory import MemoryObj
 from lmc.serde import payload_checksum
+from lmc.server.views import byte_view
 from lmc.storage_manager import StorageManager
 
 log = logging.getLogger(__name__)
@@ -38,7 +39,7 @@ def checksum_of(obj: MemoryObj) -> int:
     meta = obj.meta
     if isinstance(meta, Checksum):
         return int(meta)
-    return payload_checksum(obj.array)
+    return payload_checksum(byte_view(obj))
 
 
 class _Ledger:
@@ -88,10 +89,11 @@ class NamespacedStore:
         return self.quotas.get(ns, self.quota_default)
 
     # ---------------------------------------------------------------- writes
-    def allocate(self, shape: Sequence[int], dtype: torch.dtype, num_tokens: int
-                 ) -> MemoryObj | None:
-        """Pool memory for an incoming value (the memory tier evicts to make room)."""
-        return self.storage.allocate(shape, dtype, num_tokens)
+    def allocate_many(self, shape: Sequence[int], dtype: torch.dtype, count: int,
+                      num_tokens: int) -> list[MemoryObj]:
+        """Pool memory for incoming values: up to ``count`` objects of one shape in one call
+        (the memory tier evicts unreferenced chunks to make room, once for all)."""
+        return self.storage.allocate_many(shape, dtype, count, num_tokens)
 
     def admit(self, ns: str, sizes: Sequence[int]) -> tuple[list[bool], int]:
         """Which of these incoming values fit the namespace's quota (making room by deleting

@@ -27,7 +27,7 @@ def _put(store: NamespacedStore, ns: str, keys: list[bytes], fill: float) -> Non
     objs = []
     for k, good in zip(ik, ok):
         if good:
-            o = store.allocate(SHAPE, torch.float32, 16)
+            [o] = store.allocate_many(SHAPE, torch.float32, 1, 16)
             o.tensor.fill_(fill)
             objs.append((k, o))
     store.commit(ns, [k for k, _ in objs], [o for _, o in objs])
