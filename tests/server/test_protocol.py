@@ -141,7 +141,7 @@ def frames(draw) -> bytes:
     return data[: draw(st.integers(0, len(data)))] if draw(st.booleans()) else data
 
 
-@settings(max_examples=300, deadline=None, derandomize=True, database=None,
+@settings(max_examples=150, deadline=None, derandomize=True, database=None,
           suppress_health_check=list(HealthCheck))
 @given(frames() | st.binary(max_size=200))
 def test_parser_fuzz_only_raises_protocol_errors(data):
