@@ -1,7 +1,11 @@
 """Redis tier bandwidth against its peers on the same server, in the same run.
 
 For each value size (a KV chunk of a real model shape), every round measures, back to back:
-  * ``redis-benchmark -t set,get -d SIZE -c 4 -P 1`` (C client, 4 connections): the limit;
+  * ``redis-benchmark -t set,get -d SIZE -c 4 -P 1`` (C client, 4 connections): the limit.
+    Without ``-r`` it SETs and GETs one key over and over, so the server's memory stays hot;
+    a cache's puts create new keys, which costs the server page faults for fresh memory
+    (2x slower here). So SET is also run as ``-t set -r 1000000000 --dbnum 1`` after a
+    FLUSHDB: fresh keys, the same server work as the tier's put; the put ratio uses it;
   * the lmc Redis tier: ``put`` / ``get`` of a prompt's chunks (``--batch``) over
     ``remote_connections`` connections, values verified, payloads landing in the pool;
   * redis-py alone (hiredis parser, one connection): SET / GET of the same value bytes.
@@ -84,13 +88,29 @@ class Server:
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
-def redis_benchmark(port: int, size: int, n: int, clients: int) -> dict[str, float]:
-    """GiB/s of SET and GET from redis-benchmark."""
-    cmd = ["redis-benchmark", "-h", "127.0.0.1", "-p", str(port), "-t", "set,get", "-d", str(size),
-           "-n", str(n), "-c", str(clients), "-P", "1", "--csv"]
+def _bench_cmd(port: int, tests: str, size: int, n: int, clients: int, *extra: str
+               ) -> list[str]:
+    return ["redis-benchmark", "-h", "127.0.0.1", "-p", str(port), "-t", tests, "-d", str(size),
+            "-n", str(n), "-c", str(clients), "-P", "1", "--csv", *extra]
+
+
+def _run_bench(cmd: list[str]) -> dict[str, float]:
     out = subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=600).stdout
-    rows = {r["test"]: float(r["rps"]) for r in csv.DictReader(io.StringIO(out))}
-    return {"put": rows["SET"] * size / GiB, "get": rows["GET"] * size / GiB}
+    return {r["test"]: float(r["rps"]) for r in csv.DictReader(io.StringIO(out))}
+
+
+FRESH = ("-r", "1000000000", "--dbnum", "1")
+
+
+def redis_benchmark(port: int, size: int, n: int, clients: int) -> dict[str, float]:
+    """GiB/s of redis-benchmark: SET/GET of one key, and SET of fresh keys (db 1)."""
+    same = _run_bench(_bench_cmd(port, "set,get", size, n, clients))
+    with redis.Redis(port=port, db=1) as c:
+        c.flushdb()
+        fresh = _run_bench(_bench_cmd(port, "set", size, n, clients, *FRESH))
+        c.flushdb()
+    return {"put": same["SET"] * size / GiB, "get": same["GET"] * size / GiB,
+            "put_fresh": fresh["SET"] * size / GiB}
 
 
 def redis_py(client: redis.Redis, values: list[bytes], payload: int) -> dict[str, float]:
@@ -150,8 +170,8 @@ def bench_size(label: str, shape: tuple[int, ...], url: str, port: int, batch: i
     n_bench = max(8 * bench_clients, 2 * batch)
     print(f"\n{label}: shape {list(shape)} bf16 = {nbytes / MiB:.1f} MiB per value; "
           f"tier batch {batch} chunks, {connections} connections; {rounds} rounds\n"
-          f"  peer: redis-benchmark -p PORT -t set,get -d {nbytes} -n {n_bench} "
-          f"-c {bench_clients} -P 1 --csv")
+          f"  peer: {' '.join(_bench_cmd(port, 'set,get', nbytes, n_bench, bench_clients))}\n"
+          f"   and: {' '.join(_bench_cmd(port, 'set', nbytes, n_bench, bench_clients, *FRESH))}")
     series: dict[str, list[dict[str, float]]] = {"bench": [], "tier": [], "py": []}
     try:
         for r in range(rounds + 1):  # round 0 warms the server's memory and the connections
@@ -172,19 +192,20 @@ def bench_size(label: str, shape: tuple[int, ...], url: str, port: int, batch: i
         pool.close()
     out: dict = {"label": label, "shape": list(shape), "value_bytes": nbytes, "batch": batch,
                  "connections": connections}
-    print(f"  {'GiB/s (median)':28s} {'put':>7s} {'get':>7s} | {'put ratio':>9s} "
-          f"{'get ratio':>9s}  (vs redis-benchmark, median of per-round ratios)")
-    for name, key in ((f"redis-benchmark -c{bench_clients}", "bench"),
+    fresh = statistics.median(b["put_fresh"] for b in series["bench"])
+    print(f"  {'GiB/s (median)':34s} {'put':>6s} {'get':>6s} | ratio: {'put':>5s} {'get':>5s}"
+          f" {'put/1key':>8s}   (median of per-round ratios; put vs fresh-key SET)")
+    print(f"  {'redis-benchmark -r, fresh keys':34s} {fresh:6.2f} {'-':>6s} |")
+    out["bench_fresh_put"] = fresh
+    for name, key in ((f"redis-benchmark -c{bench_clients}, one key", "bench"),
                       ("lmc redis tier", "tier"), ("redis-py, 1 connection", "py")):
-        res = {}
-        for op in ("put", "get"):
-            vals = [s[op] for s in series[key]]
-            ratios = [s[op] / b[op] for s, b in zip(series[key], series["bench"])]
-            res[op] = statistics.median(vals)
-            res[f"{op}_ratio"] = statistics.median(ratios)
+        res = {op: statistics.median(s[op] for s in series[key]) for op in ("put", "get")}
+        for op, ref in (("put", "put_fresh"), ("get", "get"), ("put_1key", "put")):
+            res[f"{op}_ratio"] = statistics.median(
+                s[op.split("_")[0]] / b[ref] for s, b in zip(series[key], series["bench"]))
         out[key] = res
-        print(f"  {name:28s} {res['put']:7.2f} {res['get']:7.2f} | {res['put_ratio']:9.2f} "
-              f"{res['get_ratio']:9.2f}")
+        print(f"  {name:34s} {res['put']:6.2f} {res['get']:6.2f} | {res['put_ratio']:12.2f} "
+              f"{res['get_ratio']:5.2f} {res['put_1key_ratio']:8.2f}")
     return out
 
 

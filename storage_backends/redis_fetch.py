@@ -7,8 +7,8 @@ jemalloc's 8 MiB "oversize" threshold is mapped and unmapped on every GET. Measu
 32 MiB values: whole GETs ~1.0 GiB/s; ``GETRANGE`` pieces of 1 MiB with at most ~4 MiB
 requested ahead per connection ~2.2 GiB/s (the server then reuses a few hot buffers).
 
-So each value is read as ``GETRANGE key 0 P-1`` (the header and the start of the payload; for
-most small values all of it); the header says the length, the pool object is allocated, and
+So each value is read as ``GETRANGE key 0 1.25P-1`` (the header and the start of the payload;
+for values up to 1.25 pieces all of it); the header says the length, the pool object is allocated, and
 the rest follows as further pieces, each received straight into its slice of the object.
 Requests are streamed: a new one goes out as each reply is consumed, so the pipe never drains.
 A value that turns out shorter or longer than its header (the last request asks for one byte
@@ -56,6 +56,9 @@ class GetJob(Job):
             raise ValueError(f"piece size must exceed the {HEADER_SIZE}-byte header")
         self.allocate = allocate
         self.piece = piece
+        # the first request takes a bit more, so that a value of one piece plus its header
+        # (1 MiB chunks are common) needs no second request
+        self.first = piece + piece // 4
         self.window = window
         self._reset()
 
@@ -83,7 +86,7 @@ class GetJob(Job):
             elif self._next < len(self.idxs):
                 i, off = self.idxs[self._next], 0
                 self._next += 1
-                end = self.piece
+                end = self.first
             else:
                 break
             out.append(command(b"GETRANGE", rk[i], b"%d" % off, b"%d" % (end - 1)))
@@ -124,7 +127,7 @@ class GetJob(Job):
         try:
             hdr = decode_header(head, expected_key=self.call.keys[i])
             vlen = HEADER_SIZE + hdr.payload_len
-            if n != min(self.piece, vlen):  # a longer value shows in its last piece
+            if n != min(self.first, vlen):  # a longer value shows in its last piece
                 raise CorruptValue(f"value is {n} bytes, its header says {vlen}")
         except CorruptValue as e:
             self._corrupt(i, e)
@@ -135,7 +138,7 @@ class GetJob(Job):
             return None
         st = self._open[i] = _Open(obj, hdr, vlen)
         self._est = min(self.piece, vlen)
-        for off in range(self.piece, vlen + 1, self.piece):
+        for off in range(self.first, vlen + 1, self.piece):
             self._more.append((i, off))
             st.pieces_left += 1
         return st.view[: n - HEADER_SIZE]

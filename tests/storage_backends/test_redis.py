@@ -290,7 +290,8 @@ def _corruptions(raw: bytes, other_raw: bytes) -> dict[str, bytes]:
     }
 
 
-@pytest.mark.parametrize("piece", [1 << 20, 4096, (HEADER_SIZE + 8192) // 2],
+# 3673: the first request (1.25 pieces) plus one piece end exactly at the value's last byte
+@pytest.mark.parametrize("piece", [1 << 20, 4096, 3673],
                          ids=["one_piece", "three_pieces", "two_pieces_exactly"])
 def test_corrupt_values_are_misses_deleted_and_counted(redis_server, tiers, piece):
     t = tiers(redis_server.url, remote_connections=2, tier_kw={"get_piece": piece})
@@ -344,8 +345,8 @@ def test_values_read_in_pieces_are_bit_exact(redis_server, tiers, piece):
                        for g, o in zip(got, objs))
         finally:
             release(got + objs)
-    exact = HEADER_SIZE + 2 * 2 * 16 * 64 * 2
-    t2 = tiers(redis_server.url, tier_kw={"get_piece": exact // 4})  # ends on a piece edge
+    # 8264-byte values, pieces of 2543: 3178 + 2 x 2543 ends exactly on the last byte
+    t2 = tiers(redis_server.url, tier_kw={"get_piece": 2543})
     keys, objs = chunks(t2, 3)
     t2.put(keys, objs)
     got = t2.get(keys)
