@@ -168,7 +168,7 @@ class ClientConnection:
         meta_buf = bytearray(h.meta_len)
         self._recv_exact(memoryview(meta_buf))
         meta = P.unpack_meta(meta_buf, P.Limits(max_meta=CLIENT_LIMITS.max_meta,
-                                                max_batch=1 << 20))
+                                                max_batch=1 << 20), max_map=1 << 16)
         if h.status != P.OK:
             if h.payload_len:
                 self._discard(h.payload_len)

@@ -129,16 +129,18 @@ def pack_meta(meta: Mapping[str, Any]) -> bytes:
     return msgpack.packb(meta, use_bin_type=True)
 
 
-def unpack_meta(buf: Any, limits: Limits) -> dict[str, Any]:
+def unpack_meta(buf: Any, limits: Limits, max_map: int = 64) -> dict[str, Any]:
     """Decode metadata with every container and string bounded (no code ever runs: msgpack
-    decodes plain data only; ext types are refused)."""
+    decodes plain data only; ext types are refused). Requests are small maps; a client
+    reading STATS passes a larger ``max_map``."""
     if len(buf) == 0:
         return {}
     try:
         meta = msgpack.unpackb(
             buf, raw=False, strict_map_key=True, use_list=True,
-            max_str_len=max(limits.max_namespace * 4, 4096), max_bin_len=4096,
-            max_array_len=limits.max_batch, max_map_len=64, max_ext_len=0)
+            max_str_len=max(limits.max_namespace * 4, 4096),
+            max_bin_len=max(4096, limits.max_batch), max_array_len=limits.max_batch,
+            max_map_len=max_map, max_ext_len=0)
     except Exception as e:  # any decoding failure is the peer's fault, never ours
         raise ProtocolError(BAD_REQUEST, f"undecodable metadata ({type(e).__name__})") from None
     if not isinstance(meta, dict):
