@@ -146,7 +146,7 @@ class Progress:
         if self.tty or self.done == self.total:
             width = 24
             fill = width * self.done // self.total
-            line = (f"  {self.name:<26} [{'#' * fill}{'.' * (width - fill)}] "
+            line = (f"  {self.name:<28} [{'#' * fill}{'.' * (width - fill)}] "
                     f"{self.done:>3}/{self.total}  last TTFT {ttft * 1000:7.1f} ms")
             end = "\n" if self.done == self.total else ""
             self.stream.write(("\r" if self.tty else "") + line + end)
