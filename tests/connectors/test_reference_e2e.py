@@ -28,15 +28,18 @@ def test_one_request_cold_matches(tiny_dir: Path, baseline: LLM) -> None:
     assert stat(conn, "worker.saved_tokens") == len(P)
 
 
-@pytest.mark.parametrize("chunk", [16, 32, 24])
-def test_same_prompt_again_is_a_hit(tiny_dir: Path, baseline: LLM, chunk: int) -> None:
-    llm, conn = lmc_llm(tiny_dir, chunk_size=chunk)
-    want = run(baseline, [P])
-    assert_same(run(llm, [P]), want)
-    again = run(llm, [P])
-    assert again[0].num_cached_tokens == len(P) - 1  # full hit: only the last token computed
+@pytest.mark.parametrize("chunk, block, length", [(16, 16, 150), (32, 16, 150), (24, 16, 150),
+                                                  (16, 32, 150), (32, 8, 150), (32, 16, 128)])
+def test_same_prompt_again_is_a_hit(tiny_dir: Path, chunk: int, block: int, length: int
+                                    ) -> None:
+    p = P[:length]
+    llm, conn = lmc_llm(tiny_dir, chunk_size=chunk, block_size=block)
+    want = run(plain_llm(tiny_dir, block_size=block), [p])
+    assert_same(run(llm, [p]), want)
+    again = run(llm, [p])
+    assert again[0].num_cached_tokens == len(p) - 1  # full hit: only the last token computed
     assert_same(again, want)
-    assert stat(conn, "worker.loaded_tokens") == len(P) - 1
+    assert stat(conn, "worker.loaded_tokens") == len(p) - 1
     assert llm.block_manager.num_free_blocks == llm.num_blocks
 
 
