@@ -298,6 +298,10 @@ def run_demo(model_dir: Path | None = None, config_path: str | None = None,
 
 def _cli(args: argparse.Namespace) -> int:
     w = Workload.quick() if args.quick else Workload()
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
     try:
         run_demo(Path(args.model) if args.model else None, args.config, w,
                  baseline=not args.no_baseline)
@@ -314,4 +318,6 @@ def register_cli(sub: Any) -> None:
                                     "with a temporary disk directory)")
     p.add_argument("--quick", action="store_true", help="a smaller workload (seconds)")
     p.add_argument("--no-baseline", action="store_true", help="skip the engine-alone pass")
+    p.add_argument("--threads", type=int, default=0,
+                   help="torch threads (default: torch's; 1 is steadier on a busy machine)")
     p.set_defaults(func=_cli)
