@@ -187,7 +187,11 @@ class LMCConnector(KVConnectorBase_V1):
                                             LookupClient(paths, opts.lookup_timeout))
         else:
             rank = _tp_rank()
-            self._worker = WorkerSide(settings.cache, _model_id(vllm_config, opts.model_id),
+            cache = settings.cache
+            if cache.local_disk and tp_size > 1:  # one disk tier (index, LRU) per rank
+                cache = cache.replace(
+                    local_disk=os.path.join(cache.local_disk, f"tp{rank}of{tp_size}"))
+            self._worker = WorkerSide(cache, _model_id(vllm_config, opts.model_id),
                                       rank, tp_size, block_size, opts.layerwise, paths[rank])
 
     @property

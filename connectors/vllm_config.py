@@ -75,8 +75,8 @@ def _check(keys: Any, valid: tuple[str, ...], origin: str, prefix: str = "") -> 
     for key in keys:
         if key not in valid:
             close = difflib.get_close_matches(str(key), valid, n=1)
-            hint = f"; did you mean {prefix}{close[0]!r}?" if close else ""
-            raise ValueError(f"unknown lmc config key {prefix}{key!r} in {origin}{hint}")
+            hint = f"; did you mean '{prefix}{close[0]}'?" if close else ""
+            raise ValueError(f"unknown lmc config key '{prefix}{key}' in {origin}{hint}")
 
 
 def load_settings(extra_config: Mapping[str, Any] | None,

@@ -213,6 +213,45 @@ def test_reference_run_is_complete(mp0):
     assert mp0["flushed"], "the disk tier did not drain before the first process ended"
 
 
+def test_vllm_kv_equals_reference_engine_kv(mp0, model, work):
+    """vLLM's CPU cache, gathered by lmc (``vllm_cpu`` layout, ``vec`` kernel) and written to
+    disk, holds the same K/V as lmc's reference engine computes from the weights, under the
+    same keys: the packing is read right, and KV saved by vLLM loads into another engine."""
+    import shutil
+
+    import torch
+    from lmc.connectors.reference import LMCReferenceConnector
+
+    from lmc.cache_engine import CacheEngine
+    from lmc.config import CacheConfig
+    from lmc.reference import LLM
+
+    disk = work / "disk-copy"
+    shutil.copytree(work / "disk", disk)
+    tokens = ALL["m0_A"]
+    conn = LMCReferenceConnector({"chunk_size": 256, "local_cpu_size": "64MiB"},
+                                 model_dir=model)
+    ref = LLM(model, kv_connector=conn, block_size=16, num_blocks=128)
+    ref.generate([tokens], max_tokens=1, ignore_eos=True)
+    keys = conn.engine.db.keys(tokens)
+    cfg = CacheConfig(chunk_size=256, local_cpu_size="64MiB", local_disk=str(disk))
+    with CacheEngine(cfg, conn.engine.spec, conn.model_id) as from_vllm:
+        assert from_vllm.lookup(tokens) == len(tokens), "vLLM's chunks not found under the " \
+            "reference engine's keys"
+        got = from_vllm.storage.get_prefix(keys)
+        want = conn.engine.storage.get_prefix(keys)
+        try:
+            assert len(got) == len(want) == len(keys)
+            for i, (g, w) in enumerate(zip(got, want)):
+                assert g.tensor.shape == w.tensor.shape
+                torch.testing.assert_close(g.tensor, w.tensor, atol=1e-4, rtol=1e-4,
+                                           msg=lambda m, i=i: f"chunk {i}: {m}")
+        finally:
+            for o in (*got, *want):
+                o.release()
+    conn.shutdown()
+
+
 @pytest.mark.parametrize("mode", ["mp0", "mp1"])
 def test_shared_prefix_hits_and_matches(mode, mp0, mp1):
     res = (mp0 if mode == "mp0" else mp1)["results"]
