@@ -27,6 +27,7 @@ from lmc.serde import DTYPE_CODES
 from lmc.server import protocol as P
 from lmc.server.breaker import CLOSED, OPEN, CircuitBreaker
 from lmc.server.client import Address, Allocate, ClientConnection
+from lmc.server.probe import ProbePolicy
 from lmc.storage_backend import Key, StorageBackend, register_backend
 
 log = logging.getLogger(__name__)
@@ -55,6 +56,7 @@ class ServerBackend(StorageBackend):
         self._token = config.remote_token
         self._client_name = client_name
         self.breaker = CircuitBreaker()
+        self.probe = ProbePolicy()
         self._idle: list[ClientConnection] = []
         self._open = 0
         self._cond = threading.Condition()
@@ -213,9 +215,13 @@ class ServerBackend(StorageBackend):
         if not keys:
             return 0
         parts = self._split([o.nbytes for o in objs])
+        probe = self.probe.want()
 
         def run(a: int, b: int) -> int:
-            res = self._call("put", lambda c: c.put(self.namespace, keys[a:b], objs[a:b]), b"")
+            res, present = self._call(
+                "put", lambda c: c.put(self.namespace, keys[a:b], objs[a:b], probe), (b"", 0))
+            if probe:
+                self.probe.saw(present, b - a)
             return res.count(P.STORED)
 
         stored = sum(self._parallel(parts, run))

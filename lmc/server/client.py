@@ -207,20 +207,20 @@ class ClientConnection:
         return self.call(P.STATS, {})[1]
 
     def put(self, ns: str, keys: Sequence[bytes], objs: Sequence[MemoryObj],
-            skip_present: bool = True) -> bytes:
-        """Store values; one result byte per value (``protocol.STORED``...). Keys are content
-        addresses, so with ``skip_present`` one EXISTS round trip first spares the transfer
-        of values the server already holds (they count as stored)."""
-        if skip_present and keys:
+            probe: bool = False) -> tuple[bytes, int]:
+        """Store values: one result byte per value (``protocol.STORED``...), and how many the
+        server already held. Keys are content addresses, so with ``probe`` one EXISTS round
+        trip first spares the transfer of values the server has (they count as stored)."""
+        if probe and keys:
             present = self.contains(ns, keys)
             todo = [i for i, p in enumerate(present) if not p]
             if len(todo) < len(keys):
                 out = bytearray(len(keys))  # STORED == 0
                 if todo:
-                    sub = self.put(ns, [keys[i] for i in todo], [objs[i] for i in todo], False)
+                    sub, _ = self.put(ns, [keys[i] for i in todo], [objs[i] for i in todo])
                     for i, r in zip(todo, sub):
                         out[i] = r
-                return bytes(out)
+                return bytes(out), len(keys) - len(todo)
         views = [byte_view(o) for o in objs]
         items = [encode_header(k, o.shape, o.dtype, o.num_tokens, v)
                  for k, o, v in zip(keys, objs, views)]
@@ -249,7 +249,7 @@ class ClientConnection:
             results[a:b] = res
 
         self._pipeline(P.PUT, requests(), on_reply)
-        return bytes(results)
+        return bytes(results), 0
 
     def get(self, ns: str, keys: Sequence[bytes], allocate: Allocate, prefix: bool = False,
             on_corrupt: Callable[[], None] | None = None) -> list[MemoryObj | None]:

@@ -45,3 +45,17 @@ def test_backoff_is_capped():
     b.failure()
     clock.t += 2.0
     assert b.allow()
+
+
+def test_probe_policy_probes_while_it_pays():
+    from lmc.server.probe import ProbePolicy
+
+    p = ProbePolicy(threshold=0.1, every=4, alpha=0.5)
+    assert p.want()  # optimistic start
+    for _ in range(6):
+        p.saw(0, 16)  # nothing was ever present
+    asked = [p.want() for _ in range(8)]
+    assert sum(asked) == 2, "only every 4th call probes once probing stopped paying"
+    p.saw(16, 16)
+    p.saw(16, 16)
+    assert all(p.want() for _ in range(4))

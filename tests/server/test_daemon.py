@@ -271,3 +271,25 @@ def test_sigterm_finishes_in_flight_and_flushes_disk(start_daemon, tmp_path):
     _release(got)
     _release([*objs, late])
     tier.close()
+
+
+def _bytes_in(d) -> float:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{d.info['metrics_port']}/metrics",
+                                  timeout=5).read().decode()
+    for line in text.splitlines():
+        if line.startswith('lmc_server_bytes_total{direction="in"}'):
+            return float(line.split()[-1])
+    return 0.0
+
+
+def test_values_the_server_holds_are_not_sent_again(shared_daemon):
+    cfg, pool = client_pool()
+    tier = create_backend(shared_daemon.url + "?ns=dedup", cfg, pool)
+    objs = _chunks(pool, 4, seed=21)
+    keys = _keys(4, tag=21)
+    assert tier.put(keys, objs) == 4
+    before = _bytes_in(shared_daemon)
+    assert tier.put(keys, objs) == 4  # probed: all present, nothing transferred
+    assert _bytes_in(shared_daemon) == before
+    _release(objs)
+    tier.close()
