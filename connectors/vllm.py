@@ -198,6 +198,10 @@ class LMCConnector(KVConnectorBase_V1):
     def requires_kv_delivery(self) -> bool:
         return False  # a cache: a dropped save is a later miss, never lost data
 
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+        return True  # layer-wise waits and saves must run between graph pieces
+
     # ============================================================ worker side
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         w = self._require_worker()

@@ -10,7 +10,7 @@ weighed:
   tier count, and a lookup is exactly as fresh as the data. It needs nothing outside the
   vLLM processes, costs one round trip per rank (~50-100 us on loopback, the ranks asked in
   parallel), and a filesystem path is a natural per-engine, per-rank address: the socket
-  file is created with the process umask, so only the same user can connect.
+  file is mode 0600, so only the same user can connect.
 * The lmc cache-server daemon as the source of truth: an extra process to operate, and it
   does not see a worker's L1, which holds exactly the hottest prefixes.
 * Shared memory with a key index the workers publish: no round trip, but the index must be
@@ -129,6 +129,7 @@ class LookupServer:
                 probe.close()
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         sock.bind(path)
+        os.chmod(path, 0o600)  # connecting needs write permission: this user only
         sock.listen(16)
         return sock
 
