@@ -96,7 +96,7 @@ class ServerConfig:
                        "TCP address; anything but loopback must be asked for explicitly")
     port: int | None = _field(DEFAULT_PORT, _opt_port, "TCP port (0 = any free port, null = no TCP)")
     unix_socket: str | None = _field(None, _parse_opt_str, "path of a Unix socket to listen on")
-    unix_socket_mode: int = _field(0o600, _mode, "file mode of the Unix socket (octal)")
+    unix_socket_mode: int = _field("0600", _mode, "file mode of the Unix socket (octal)")
     token: str | None = _field(None, _parse_opt_str,
                                "shared token every client must present first (never logged)")
     token_file: str | None = _field(None, _parse_opt_str,
