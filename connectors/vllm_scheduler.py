@@ -16,7 +16,7 @@ from typing import Any
 from lmc.connectors.core import ConnectorConfig, SchedulerConnector
 from lmc.connectors.metadata import ConnectorMetadata
 from lmc.connectors.vllm_lookup import LookupClient
-from lmc.connectors.vllm_sched import RequestTracker, cacheable
+from lmc.connectors.vllm_requests import RequestTracker, cacheable
 
 log = logging.getLogger(__name__)
 

@@ -166,7 +166,8 @@ def server(vllm_py: str, work: Path, model: Path, mp1: dict[str, Any]):
     ktc = {"kv_connector": "LMCConnector", "kv_connector_module_path": "lmc.connectors.vllm",
            "kv_role": "kv_both",
            "kv_connector_extra_config": {"lmc.chunk_size": 256, "lmc.local_cpu_size": "128MiB",
-                                         "lmc.local_disk": str(work / "disk")}}
+                                         "lmc.local_disk": str(work / "disk"),
+                                         "lmc.vllm.lookup_timeout": 5.0}}
     cmd = [vllm_py, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
            "--host", "127.0.0.1", "--port", str(port), "--enforce-eager", "--dtype", "float32",
            "--no-enable-prefix-caching", "--max-model-len", "4096",
