@@ -23,9 +23,9 @@ from collections import deque
 from collections.abc import Sequence
 
 from lmc.memory import MemoryObj
-from lmc.serde import HEADER_SIZE, CorruptValue, Header, decode_header, tensor_bytes, verify_payload
+from lmc.serde import HEADER_SIZE, CorruptValue, Header, decode_header, verify_payload
 
-from .redis_jobs import Allocate, Call, Job
+from .redis_jobs import Allocate, Call, Job, payload_view
 from .redis_wire import Deadline, ReplyError, WireConn, command
 
 log = logging.getLogger(__name__)
@@ -39,7 +39,7 @@ class _Open:
     def __init__(self, obj: MemoryObj, hdr: Header, vlen: int) -> None:
         self.obj = obj
         self.hdr = hdr
-        self.view = tensor_bytes(obj.tensor)
+        self.view = payload_view(obj)
         self.vlen = vlen
         self.pieces_left = 0
 

@@ -127,22 +127,32 @@ class WireConn:
         self.lo = 0
         self.hi = 0
         self._scratch: memoryview | None = None
+        self._armed = -1.0  # the socket's current timeout, as last set by _arm
         self.bytes_in = 0
         self.bytes_out = 0
+
+    def _arm(self, dl: Deadline) -> None:
+        """Bound the next socket operation by the time left. ``settimeout`` is a syscall, so
+        it is only re-armed when the time left has shrunk by 10 %: a call then overruns its
+        deadline by at most a tenth of it."""
+        left = dl.remaining()
+        if left < 0.9 * self._armed or left > self._armed:
+            self.sock.settimeout(left)
+            self._armed = left
 
     # ------------------------------------------------------------------ send
     def send(self, bufs: Sequence[bytes | memoryview], dl: Deadline) -> None:
         sock = self.sock
         if self.tls:  # SSLSocket has no sendmsg
             for b in bufs:
-                sock.settimeout(dl.remaining())
+                self._arm(dl)
                 sock.sendall(b)
                 self.bytes_out += len(b)
             return
         pending = [memoryview(b).cast("B") for b in bufs]
         i = 0
         while i < len(pending):
-            sock.settimeout(dl.remaining())
+            self._arm(dl)
             sent = sock.sendmsg(pending[i: i + _IOV_MAX])
             self.bytes_out += sent
             while sent:
@@ -168,7 +178,7 @@ class WireConn:
                 n = self.hi - self.lo
                 self.rx[:n] = bytes(self.mv[self.lo: self.hi])
                 self.lo, self.hi = 0, n
-        self.sock.settimeout(dl.remaining())
+        self._arm(dl)
         n = self.sock.recv_into(self.mv[self.hi:])
         if n == 0:
             raise ConnectionError("server closed the connection")
@@ -257,7 +267,7 @@ class WireConn:
             self.lo += k
         sock = self.sock
         while k < n:
-            sock.settimeout(dl.remaining())
+            self._arm(dl)
             got = sock.recv_into(target[k:], n - k)
             if got == 0:
                 raise ConnectionError("server closed the connection mid-value")
@@ -272,7 +282,7 @@ class WireConn:
         if n and self._scratch is None:
             self._scratch = memoryview(bytearray(1 << 20))
         while n:
-            self.sock.settimeout(dl.remaining())
+            self._arm(dl)
             got = self.sock.recv_into(self._scratch, min(n, self._scratch.nbytes))
             if got == 0:
                 raise ConnectionError("server closed the connection mid-value")
