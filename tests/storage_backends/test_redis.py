@@ -403,6 +403,27 @@ def test_cluster_round_trip_across_slots(redis_cluster, tiers):
     release(objs)
 
 
+def test_cluster_stale_slot_table_is_a_miss_then_refreshed(redis_cluster, tiers):
+    """A slot table that sends every key to one node (as after a resharding): the other
+    nodes answer MOVED, those keys are misses (never an error), and the table is re-read."""
+    t = tiers(redis_cluster.url)
+    keys, objs = chunks(t, 24)
+    assert t.put(keys, objs) == 24
+    refreshes = t.stats()["slot_refreshes"]
+    one = t.router.seeds[0]
+    t.router._slots = [one] * len(t.router._slots)
+    got = t.get(keys)
+    served = [g for g in got if g is not None]
+    assert 0 < len(served) < 24
+    assert all(same_bytes(g.tensor, objs[i].tensor) for i, g in enumerate(got) if g is not None)
+    release(got)
+    assert t.stats()["errors_reply"] == 24 - len(served)
+    assert t.contains(keys) == [True] * 24  # the next call re-read CLUSTER SLOTS
+    assert t.stats()["slot_refreshes"] == refreshes + 1
+    t.delete(keys)
+    release(objs)
+
+
 def test_tls_round_trip(tls_redis, tiers):
     t = tiers(tls_redis.url)
     assert t.target.tls
