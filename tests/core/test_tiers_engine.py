@@ -146,7 +146,8 @@ def _median_seconds(fn, reps=15) -> float:
 
 def test_a_slow_lower_tier_does_not_slow_l1_hits_or_stores(tmp_path):
     """Each value the disk reads or writes takes 0.3 s more. Stores (queued behind it) and L1
-    hits (never reaching it) cost what they cost without any lower tier."""
+    hits (never reaching it) cost what they cost without any lower tier (the slack is far
+    below one injected delay, so any wait on the tier fails the test)."""
     src = _caches()
     spec = spec_for("vllm_flash", src)
     prompts = [_tokens(seed=s) for s in range(12)]
@@ -170,8 +171,8 @@ def test_a_slow_lower_tier_does_not_slow_l1_hits_or_stores(tmp_path):
         store1, hit1 = measure(eng)
         assert eng.stats()["disk.queue_chunks"] > 0  # the slow writer is still busy
     print(f"store {store0*1e3:.3f} -> {store1*1e3:.3f} ms, hit {hit0*1e3:.3f} -> {hit1*1e3:.3f} ms")
-    assert store1 < 3 * store0 + 0.005, f"store {store1 * 1e3:.2f} ms vs {store0 * 1e3:.2f} ms"
-    assert hit1 < 3 * hit0 + 0.005, f"L1 hit {hit1 * 1e3:.2f} ms vs {hit0 * 1e3:.2f} ms"
+    assert store1 < 3 * store0 + 0.05, f"store {store1 * 1e3:.2f} ms vs {store0 * 1e3:.2f} ms"
+    assert hit1 < 3 * hit0 + 0.05, f"L1 hit {hit1 * 1e3:.2f} ms vs {hit0 * 1e3:.2f} ms"
 
 
 def test_a_vanished_disk_degrades_to_misses(tmp_path):

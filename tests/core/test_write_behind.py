@@ -70,7 +70,7 @@ def test_full_queue_drops_and_counts_and_store_never_waits(tmp_path):
         st = eng.stats()
         assert st["disk.dropped_queue_full"] == 7  # 3 fit the bound (one of them in flight)
         assert st["disk.queue_bytes"] <= 3 * CHUNK_BYTES
-        assert max(times) < 0.1, f"a store waited on the slow tier: {max(times):.3f} s"
+        assert max(times) < 0.2, f"a store waited on the slow tier: {max(times):.3f} s"
         assert eng.flush(5)
         disk = eng.storage.lower[0]
         assert len(disk) == 3 and eng.stats()["disk.queue_bytes"] == 0
