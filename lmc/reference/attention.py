@@ -133,36 +133,31 @@ def write_kv(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slo
     kv_cache[1].view(-1, kv_heads, head_size).index_copy_(0, slot_mapping, value.to(kv_cache.dtype))
 
 
-def _expand_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
-    """GQA: repeat each KV head for the ``groups`` query heads that share it (dim -3)."""
-    return x if groups == 1 else x.repeat_interleave(groups, dim=-3)
-
-
 def attend(query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
     """Causal attention of ``query [num_tokens, heads, head_size]`` over each sequence's
     context as it stands in the cache. Returns ``[num_tokens, heads, head_size]``."""
     _, _, _, kv_heads, head_size = kv_cache.shape
-    groups = query.shape[1] // kv_heads
+    gqa = query.shape[1] != kv_heads  # SDPA shares each KV head among its query heads
     k_rows = kv_cache[0].view(-1, kv_heads, head_size)
     v_rows = kv_cache[1].view(-1, kv_heads, head_size)
     out = torch.empty_like(query)
 
     for p in meta.prefills:
         q = query[p.query_start : p.query_start + p.query_len].transpose(0, 1)  # [H, n, D]
-        k = _expand_kv(k_rows.index_select(0, p.context_slots).transpose(0, 1), groups)
-        v = _expand_kv(v_rows.index_select(0, p.context_slots).transpose(0, 1), groups)
+        k = k_rows.index_select(0, p.context_slots).transpose(0, 1)
+        v = v_rows.index_select(0, p.context_slots).transpose(0, 1)
         o = F.scaled_dot_product_attention(
             q[None], k[None].to(q.dtype), v[None].to(q.dtype),
-            attn_mask=p.mask, is_causal=p.mask is None,
+            attn_mask=p.mask, is_causal=p.mask is None, enable_gqa=gqa,
         )
         out[p.query_start : p.query_start + p.query_len] = o[0].transpose(0, 1)
 
     if meta.decode_rows is not None:
         q = query.index_select(0, meta.decode_rows)[:, :, None, :]  # [B, H, 1, D]
-        k = _expand_kv(k_rows[meta.decode_context_slots].permute(0, 2, 1, 3), groups)
-        v = _expand_kv(v_rows[meta.decode_context_slots].permute(0, 2, 1, 3), groups)
+        k = k_rows[meta.decode_context_slots].permute(0, 2, 1, 3)
+        v = v_rows[meta.decode_context_slots].permute(0, 2, 1, 3)
         o = F.scaled_dot_product_attention(
-            q, k.to(q.dtype), v.to(q.dtype), attn_mask=meta.decode_mask
+            q, k.to(q.dtype), v.to(q.dtype), attn_mask=meta.decode_mask, enable_gqa=gqa
         )
         out[meta.decode_rows] = o[:, :, 0, :]
     return out
