@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -50,13 +49,17 @@ from lmc.connectors.vllm_layout import (
 )
 from lmc.connectors.vllm_lookup import LookupClient, socket_path
 from lmc.connectors.vllm_scheduler import SchedulerSide
+from lmc.connectors.vllm_stats import LMCConnectorStats, LMCPromMetrics
 from lmc.connectors.vllm_worker import WorkerSide, tensors_by_name
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
 )
-from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+    KVConnectorPromMetrics,
+    KVConnectorStats,
+)
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 if TYPE_CHECKING:
@@ -93,26 +96,6 @@ class LMCConnectorMetadata(KVConnectorMetadata):
 
     def __init__(self, meta: ConnectorMetadata) -> None:
         self.meta = meta
-
-
-@dataclass
-class LMCConnectorStats(KVConnectorStats):
-    """Worker counters per logging interval (tokens loaded/saved, failures, tokens by
-    source tier), summed over ranks; vLLM logs them as "KV Transfer metrics"."""
-
-    def reset(self) -> None:
-        self.data = {}
-
-    def aggregate(self, other: KVConnectorStats) -> LMCConnectorStats:
-        for k, v in (other.data or {}).items():
-            self.data[k] = self.data.get(k, 0) + v
-        return self
-
-    def reduce(self) -> dict[str, int | float]:
-        return {k: int(v) if float(v).is_integer() else v for k, v in sorted(self.data.items())}
-
-    def is_empty(self) -> bool:
-        return not any(self.data.values())
 
 
 def _model_id(vllm_config: VllmConfig, explicit: str | None) -> str:
@@ -278,6 +261,12 @@ class LMCConnector(KVConnectorBase_V1):
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None
                                  ) -> KVConnectorStats | None:
         return LMCConnectorStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: VllmConfig, metric_types: dict[type, type],
+                           labelnames: list[str], per_engine_labelvalues: dict[int, list[object]]
+                           ) -> KVConnectorPromMetrics | None:
+        return LMCPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def stats(self) -> dict[str, Any]:
         """lmc's own counters for this half (scheduler, or worker and cache)."""

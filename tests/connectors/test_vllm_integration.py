@@ -11,8 +11,8 @@ Three vLLM processes, each batching several scenarios (a start costs 20-50 s her
    over the Unix socket): reuses KV the first process left on disk, recomputes the
    corrupted prompt (same tokens), and runs the same scenarios on fresh prompts.
 3. The OpenAI-compatible server with the flag, on loopback: a request whose prefix the
-   first process saved is served from lmc, reported in ``cached_tokens`` and
-   ``vllm:external_prefix_cache_hits``, with the reference tokens.
+   first process saved is served from lmc, reported in ``cached_tokens``,
+   ``vllm:external_prefix_cache_hits`` and ``lmc:connector_total``, with the reference tokens.
 
 Every output is compared token for token with vLLM without the connector (float32, greedy).
 ``LMC_VLLM_PYTHON`` names the venv's python (default ``/work/venv-vllm/bin/python``); without
@@ -317,3 +317,12 @@ def test_openai_server_serves_cached_request(server, mp0):
     hits = [float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
             if line.startswith("vllm:external_prefix_cache_hits_total")]
     assert hits and sum(hits) >= 512 + len(ALL["srv_B2"]) - 1
+    # lmc's worker counters reach vLLM's /metrics through the connector stats path (they
+    # arrive with a later step's output: poll briefly)
+    deadline, loaded = time.time() + 20, 0.0
+    while loaded < 512 + len(ALL["srv_B2"]) - 1 and time.time() < deadline:
+        loaded = sum(float(line.rsplit(" ", 1)[1]) for line in
+                     _http(base + "/metrics").decode().splitlines()
+                     if line.startswith("lmc:connector_total") and 'stat="loaded_tokens"' in line)
+        time.sleep(0.5)
+    assert loaded >= 512 + len(ALL["srv_B2"]) - 1

@@ -1,0 +1,59 @@
+"""lmc's counters through vLLM's own stats path, so they reach vLLM's log and ``/metrics``.
+
+lmc's Prometheus metrics live in the worker processes, which serve no HTTP; vLLM's
+``/metrics`` is served by the API server. So each step the worker hands vLLM the counters
+that changed (``get_kv_connector_stats``); vLLM sums them over ranks, logs them every
+interval as "KV Transfer metrics", and feeds them to :class:`LMCPromMetrics`, which exports
+``lmc:connector_total{stat=...}`` (loaded_tokens, saved_tokens, load_failures,
+tokens_from_<tier>, ...) next to ``vllm:external_prefix_cache_hits``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from vllm.config import VllmConfig
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+    KVConnectorPromMetrics,
+    KVConnectorStats,
+)
+
+
+@dataclass
+class LMCConnectorStats(KVConnectorStats):
+    """Counter deltas keyed by name; aggregation is a sum."""
+
+    def reset(self) -> None:
+        self.data = {}
+
+    def aggregate(self, other: KVConnectorStats) -> LMCConnectorStats:
+        for k, v in (other.data or {}).items():
+            self.data[k] = self.data.get(k, 0) + v
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        return {k: int(v) if float(v).is_integer() else v for k, v in sorted(self.data.items())}
+
+    def is_empty(self) -> bool:
+        return not any(self.data.values())
+
+
+class LMCPromMetrics(KVConnectorPromMetrics):
+    """``lmc:connector_total{stat=...}``, one counter per engine and stat name."""
+
+    def __init__(self, vllm_config: VllmConfig, metric_types: dict[type, type],
+                 labelnames: list[str], per_engine_labelvalues: dict[int, list[object]]
+                 ) -> None:
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        self._counter = self._counter_cls(
+            name="lmc:connector_total",
+            documentation="lmc connector counters summed over workers: loaded_tokens, "
+                          "saved_tokens, load_failures, tokens_from_<tier>, ...",
+            labelnames=[*labelnames, "stat"])
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        labels = [str(v) for v in self.per_engine_labelvalues.get(engine_idx, [])]
+        for stat, value in transfer_stats_data.items():
+            if isinstance(value, (int, float)) and value > 0:
+                self._counter.labels(*labels, stat).inc(value)
