@@ -2,10 +2,14 @@
 
 One value per chunk, ``{remote_key_prefix}:{key.hex()}`` → ``lmc.serde`` header + payload.
 Every call is batched: ``contains`` is one pipeline per server (one round trip for a whole
-prompt), ``get``/``put`` spread a prompt's chunks over ``remote_connections`` parallel
+prompt); ``get``/``put`` spread a prompt's chunks over ``remote_connections`` parallel
 connections, each a pipeline whose payloads go between the socket and pool memory without
-intermediate copies (see ``redis_wire``). Every read checks the header key and both
-checksums; a bad value is a miss, is deleted and is counted.
+intermediate copies (``redis_wire``); reads stream windowed ``GETRANGE`` pieces so that the
+server never buffers more than a few MiB per connection (``redis_fetch``). A put first asks
+which keys the server already has (content addressing: same key, same bytes) and sends only
+the others. Every read checks the header key and both checksums; a bad value is a miss, is
+deleted and is counted. The modules: ``redis_url`` (URL forms), ``redis_nodes`` (connections,
+cluster slots), ``redis_circuit`` (breaker), ``redis_jobs``/``redis_fetch`` (pipelines).
 
 Failure policy: nothing raises into the engine for I/O. ``get``/``contains``/``delete`` end
 within ``remote_timeout`` (one deadline for the whole call, connects included); ``put`` runs
@@ -72,8 +76,7 @@ class RedisBackend(StorageBackend):
     def __init__(self, spec: str = "redis://127.0.0.1:6379", *, config: CacheConfig,
                  pool: MemoryPool, breaker_threshold: int = 3,
                  breaker_backoff: float = 0.25, breaker_max_backoff: float = 10.0,
-                 get_piece: int = 1 << 20, get_window: int = 4 << 20, socket_buffer: int = 0,
-                 **_: Any) -> None:
+                 get_piece: int = 1 << 20, get_window: int = 4 << 20, **_: Any) -> None:
         self.target = parse_target(spec)
         self.pool = pool  # the engine passes one whose allocate() may evict L1 chunks
         self.metrics = TierMetrics(self.name)  # the storage manager adds its counts here too
@@ -97,8 +100,7 @@ class RedisBackend(StorageBackend):
                                   probe_timeout=max(5.0, 4 * self.timeout), on_change=on_change)
 
         # a fetch and a write-behind batch may each use ``connections`` at the same time
-        self.router = Router(self.target, make_breaker, max_idle=2 * self.connections + 2,
-                             sock_buf=socket_buffer)
+        self.router = Router(self.target, make_breaker, max_idle=2 * self.connections + 2)
         self._executor: ThreadPoolExecutor | None = None
         self._exec_lock = threading.Lock()
         self._counts: Counter[str] = Counter()  # plain figures for stats()

@@ -32,13 +32,12 @@ class NodePool:
     """Idle data connections to one server, plus that server's breaker."""
 
     def __init__(self, host: str, port: int, target: RedisTarget, breaker: CircuitBreaker,
-                 max_idle: int, sock_buf: int = 0) -> None:
+                 max_idle: int) -> None:
         self.host, self.port = host, port
         self.label = f"{host}:{port}"
         self.target = target
         self.breaker = breaker
         self.max_idle = max_idle
-        self.sock_buf = sock_buf
         self._idle: list[WireConn] = []
         self._lock = threading.Lock()
         self.connects = 0
@@ -55,9 +54,6 @@ class NodePool:
     def connect(self, dl: Deadline) -> WireConn:
         conn = self._redis_conn(dl)
         sock: socket.socket = conn._sock  # redis-py has no public accessor for the socket
-        if self.sock_buf:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, self.sock_buf)
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, self.sock_buf)
         return WireConn(sock, conn)
 
     def take(self, dl: Deadline) -> tuple[WireConn, bool]:
@@ -111,12 +107,10 @@ def _looks_alive(wc: WireConn) -> bool:
 class Router:
     """Key → server. One server, or a cluster's slot table."""
 
-    def __init__(self, target: RedisTarget, make_breaker: BreakerFactory, max_idle: int,
-                 sock_buf: int = 0) -> None:
+    def __init__(self, target: RedisTarget, make_breaker: BreakerFactory, max_idle: int) -> None:
         self.target = target
         self._make_breaker = make_breaker
         self._max_idle = max_idle
-        self._sock_buf = sock_buf
         self._lock = threading.Lock()
         self.pools: dict[tuple[str, int], NodePool] = {}
         self.seeds = [self.node(h, p) for h, p in target.nodes]
@@ -129,7 +123,7 @@ class Router:
             if pool is None:
                 pool = self.pools[(host, port)] = NodePool(
                     host, port, self.target, self._make_breaker(f"{host}:{port}"),
-                    self._max_idle, self._sock_buf)
+                    self._max_idle)
             return pool
 
     def invalidate(self) -> None:
