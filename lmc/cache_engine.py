@@ -137,7 +137,7 @@ class CacheEngine:
         chunks = self.db.process_tokens(tokens, mask)
         if not chunks:
             return [], []
-        present = self.storage.l1_contains([k for _, _, k in chunks])
+        present = self.storage.l1_touch([k for _, _, k in chunks])
         todo = [c for c, p in zip(chunks, present) if not p]
         self.metrics.skipped("present", len(chunks) - len(todo))
         if todo and tr.has_negative(slots):

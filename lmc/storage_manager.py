@@ -109,6 +109,11 @@ class StorageManager:
                       num_tokens: int) -> list[MemoryObj]:
         return self.l1.allocate_many(shape, dtype, count, num_tokens)  # type: ignore
 
+    def l1_touch(self, keys: Sequence[Key]) -> list[bool]:
+        """L1 presence, refreshing the recency of present keys."""
+        touch = getattr(self.l1, "touch", None)
+        return touch(keys) if touch is not None else self.l1.contains(keys)
+
     def l1_contains(self, keys: Sequence[Key]) -> list[bool]:
         return self.l1.contains(keys)
 

@@ -41,6 +41,18 @@ class CPUBackend(StorageBackend):
         m = self._map
         return [k in m for k in keys]
 
+    def touch(self, keys: Sequence[Key]) -> list[bool]:
+        """Presence of each key; present ones count as just used (a re-stored hot prefix
+        must not age out of an LRU while it keeps being asked for)."""
+        with self._lock:
+            m = self._map
+            out = [k in m for k in keys]
+            if self.policy == "lru":
+                for k, present in zip(keys, out):
+                    if present:
+                        m.move_to_end(k)
+        return out
+
     def prefix_hits(self, keys: Sequence[Key]) -> int:
         m = self._map
         n = 0

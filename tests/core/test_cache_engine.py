@@ -250,3 +250,16 @@ def test_failed_gather_leaves_nothing_visible(monkeypatch):
             eng.store(toks, src, slots)
         assert eng.lookup(toks) == 0
         assert eng.pool.used_bytes == 0, "objects of a failed store must return to the pool"
+
+
+def test_restoring_a_present_prefix_refreshes_its_lru_position():
+    src = make_caches("vllm_flash", layers=2, heads=2, dim=64, blocks=64, block_size=4)
+    spec = spec_for("vllm_flash", src)
+    chunk_bytes = spec.chunk_nbytes(CHUNK)
+    with _engine(src, "vllm_flash", local_cpu_size=4 * chunk_bytes) as eng:
+        hot, b, c = _tokens(32, 1), _tokens(32, 2), _tokens(32, 3)
+        eng.store(hot, src, _slots_for(spec, 32, 1))
+        eng.store(b, src, _slots_for(spec, 32, 2))
+        assert eng.store(hot, src, _slots_for(spec, 32, 1)) == 0  # present: skipped, touched
+        eng.store(c, src, _slots_for(spec, 32, 3))                  # evicts b, not hot
+        assert eng.lookup(hot) == 32 and eng.lookup(b) == 0 and eng.lookup(c) == 32
