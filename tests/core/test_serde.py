@@ -5,8 +5,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lmc.serde import (HEADER_SIZE, CorruptValue, decode_header, encode_header, tensor_bytes,
-                       verify_payload)
+from lmc.serde import (
+    HEADER_SIZE,
+    CorruptValue,
+    decode_header,
+    encode_header,
+    tensor_bytes,
+    verify_payload,
+)
 from tests.kvutil import DTYPES, random_bits
 
 KEY = bytes(range(16))
