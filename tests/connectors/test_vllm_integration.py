@@ -214,6 +214,17 @@ def test_reference_run_is_complete(mp0):
     assert mp0["flushed"], "the disk tier did not drain before the first process ended"
 
 
+def test_cpu_packing_probe(mp0):
+    """The start-up probe accepts the kernels whose packing is lmc's vllm_cpu layout and
+    refuses AMX's tiled bf16 packing, naming the ISA."""
+    probes = mp0["probes"]
+    for key, verdict in probes.items():
+        if key.startswith(("vec/", "vec16/")):
+            assert verdict == "ok", (key, verdict)
+    (amx,) = [v for k, v in probes.items() if k.startswith("amx/")]
+    assert amx.startswith("refused") and "'amx'" in amx
+
+
 def test_vllm_kv_equals_reference_engine_kv(mp0, model, work):
     """vLLM's CPU cache, gathered by lmc (``vllm_cpu`` layout, ``vec`` kernel) and written to
     disk, holds the same K/V as lmc's reference engine computes from the weights, under the

@@ -86,9 +86,26 @@ def worker_engine():
     return get_kv_transfer_group()._worker.engine
 
 
+def packing_probes() -> dict[str, str]:
+    """lmc's start-up check of vLLM's CPU packing, for kernels this machine may not pick."""
+    import torch
+    from lmc.connectors.vllm_layout import UnsupportedLayout, verify_cpu_packing
+    out = {}
+    for isa, dtype, head in (("vec", torch.float32, 64), ("vec", torch.bfloat16, 128),
+                             ("vec16", torch.float32, 80), ("vec16", torch.bfloat16, 112),
+                             ("amx", torch.bfloat16, 64)):
+        try:
+            verify_cpu_packing(isa, dtype, 128, 2, head)
+            out[f"{isa}/{dtype}/{head}"] = "ok"
+        except UnsupportedLayout as e:
+            out[f"{isa}/{dtype}/{head}"] = f"refused: {e}"
+    return out
+
+
 def run_mp0(args: argparse.Namespace, out: dict[str, Any]) -> None:
     from vllm import LLM
     from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+    out["probes"] = packing_probes()
     t0 = time.time()
     plain = LLM(**engine_kwargs(args.model))
     out["baseline"] = generate(plain, list(ALL))
