@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from lmc.allocator import TLSFAllocator
+from lmc.pool_tuning import advise_hugepages
 from lmc.transfer import int_view
 
 log = logging.getLogger(__name__)
@@ -143,6 +144,8 @@ class MemoryPool:
             raise ValueError(f"pool size {size} B is smaller than its alignment {align} B")
         self.pinned = _want_pinned(pin_memory)
         raw = torch.empty(size + align, dtype=torch.uint8, pin_memory=self.pinned)
+        if not self.pinned:  # 2 MiB pages: fewer faults and TLB misses on chunk copies
+            advise_hugepages(raw)
         skew = (-raw.data_ptr()) % align  # start on an aligned address (O_DIRECT-ready)
         self.buffer = raw[skew: skew + size]
         self.allocator = TLSFAllocator(size, align)

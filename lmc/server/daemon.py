@@ -26,11 +26,11 @@ from pathlib import Path
 from typing import Any
 
 from lmc.memory import MemoryPool
+from lmc.pool_tuning import tune_pool
 from lmc.server import metrics as M
 from lmc.server.client import UNIX_SNDBUF
 from lmc.server.config import ServerConfig
 from lmc.server.http import MetricsHTTP
-from lmc.server.pool_tuning import tune_pool
 from lmc.server.session import IDLE, READING, SENDING, Session
 from lmc.server.store import NamespacedStore
 from lmc.storage_backend import StorageBackend, create_backend

@@ -1,4 +1,6 @@
-"""Making the daemon's pool cheap to fill: transparent huge pages and pre-faulting.
+"""Making a memory pool cheap to fill: transparent huge pages and pre-faulting.
+
+Every unpinned pool asks for huge pages (``MemoryPool``); the daemon also pre-faults its pool.
 
 Why: a fresh pool is untouched virtual memory, so the first write of every 4 KiB page takes
 a page fault that zeroes the page, which costs about as much as receiving the data itself
@@ -7,8 +9,9 @@ and makes the daemon's first pass through its pool roughly half as fast as later
 fewer TLB misses: measured here, refilling a touched pool is ~20% faster), and touching the
 pool once at start-up moves the remaining cost out of the request path. Huge pages can make
 that start-up touch slower (the kernel may compact memory to find 2 MiB pages: 0.2-3.4 s per
-GiB measured here, against ~0.7 s with 4 KiB pages), hence both are switches. The daemon is a cache that will fill its pool anyway, so committing the
-memory up front costs nothing it would not cost later.
+GiB measured here, against ~0.7 s with 4 KiB pages), hence both are switches. The daemon
+is a cache that will fill its pool anyway, so committing the memory up front costs nothing
+it would not cost later.
 """
 
 from __future__ import annotations
