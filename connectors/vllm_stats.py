@@ -13,11 +13,20 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from prometheus_client import REGISTRY
 from vllm.config import VllmConfig
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorPromMetrics,
     KVConnectorStats,
 )
+
+NAME = "lmc:connector"  # exported as lmc:connector_total
+
+
+def _unregister(name: str) -> None:
+    for collector in list(REGISTRY._collector_to_names):
+        if getattr(collector, "_name", None) == name:
+            REGISTRY.unregister(collector)
 
 
 @dataclass
@@ -46,8 +55,9 @@ class LMCPromMetrics(KVConnectorPromMetrics):
                  labelnames: list[str], per_engine_labelvalues: dict[int, list[object]]
                  ) -> None:
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        _unregister(NAME)  # a later engine in the same process re-creates it, as vLLM does
         self._counter = self._counter_cls(
-            name="lmc:connector_total",
+            name=NAME,
             documentation="lmc connector counters summed over workers: loaded_tokens, "
                           "saved_tokens, load_failures, tokens_from_<tier>, ...",
             labelnames=[*labelnames, "stat"])

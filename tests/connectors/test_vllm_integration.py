@@ -6,7 +6,8 @@ Three vLLM processes, each batching several scenarios (a start costs 20-50 s her
    prompt, then vLLM with the connector runs: shared prefix, chunked prefill (prompts longer
    than ``max_num_batched_tokens``), concurrent requests with partial overlaps, a request
    aborted after one prefill step, and stores one prompt whose disk values the test then
-   corrupts.
+   corrupts; then a vLLM with a KV cache too small for its batch preempts and resumes
+   requests.
 2. The default multi-process engine (EngineCore and worker in separate processes, lookups
    over the Unix socket): reuses KV the first process left on disk, recomputes the
    corrupted prompt (same tokens), and runs the same scenarios on fresh prompts.
@@ -43,7 +44,7 @@ DEFAULT_PYTHON = "/work/venv-vllm/bin/python"
 RUN_TIMEOUT = 420
 
 sys.path.insert(0, str(SCRIPTS))
-from vllm_prompts import ALL, MAX_TOKENS  # noqa: E402
+from vllm_prompts import ALL, MAX_TOKENS, PREEMPT  # noqa: E402
 
 
 def _vllm_python() -> str:
@@ -210,7 +211,7 @@ def assert_matches(results: dict[str, Any], baseline: dict[str, Any], names: lis
 
 
 def test_reference_run_is_complete(mp0):
-    assert set(mp0["baseline"]) == set(ALL)
+    assert set(mp0["baseline"]) == set(ALL) | set(PREEMPT)
     assert mp0["flushed"], "the disk tier did not drain before the first process ended"
 
 
@@ -297,6 +298,18 @@ def test_abort_mid_prefill(mode, mp0, mp1):
     if mode == "mp0":  # in-process: exactly one 512-token step ran before the abort
         assert res["m0_E"]["cached"] == 512
     assert_matches(res, mp0["baseline"], [f"{tag}_E"])
+
+
+def test_preemption_keeps_outputs(mp0):
+    """A KV cache of 10 blocks for three 640-token prompts decoding 40 tokens: vLLM preempts
+    and resumes requests; with lmc loading for the resumed ones, tokens stay the reference."""
+    pre = mp0["preempt"]
+    assert pre["preemptions"] >= 1, "the scenario no longer forces a preemption"
+    for name, r in pre["results"].items():
+        want = mp0["baseline"][name.removesuffix("_warm")]["tokens"]
+        assert r["tokens"] == want, (name, r["cached"])
+        if name.endswith("_warm"):
+            assert r["cached"] == 639
 
 
 def test_new_process_reuses_disk(mp0, mp1):

@@ -26,7 +26,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from vllm_prompts import ALL, MAX_TOKENS, MP0, MP1  # noqa: E402
+from vllm_prompts import ALL, MAX_TOKENS, MP0, MP1, PREEMPT, PREEMPT_MAX_TOKENS  # noqa: E402
 
 
 def engine_kwargs(model: str) -> dict[str, Any]:
@@ -43,15 +43,35 @@ def connector_config(disk: str) -> dict[str, Any]:
                                           "lmc.vllm.lookup_timeout": 5.0}}
 
 
-def params():
+def params(max_tokens: int = MAX_TOKENS):
     from vllm import SamplingParams
-    return SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
 
 
-def generate(llm, names: list[str]) -> dict[str, dict[str, Any]]:
-    outs = llm.generate([{"prompt_token_ids": ALL[n]} for n in names], params(), use_tqdm=False)
-    return {n: {"tokens": list(o.outputs[0].token_ids), "text": o.outputs[0].text,
-                "cached": o.num_cached_tokens} for n, o in zip(names, outs)}
+def generate(llm, names: list[str], prompts: dict[str, list[int]] = ALL,
+             max_tokens: int = MAX_TOKENS, suffix: str = "") -> dict[str, dict[str, Any]]:
+    outs = llm.generate([{"prompt_token_ids": prompts[n]} for n in names], params(max_tokens),
+                        use_tqdm=False)
+    return {n + suffix: {"tokens": list(o.outputs[0].token_ids), "text": o.outputs[0].text,
+                         "cached": o.num_cached_tokens} for n, o in zip(names, outs)}
+
+
+def preemptions(llm) -> int:
+    return sum(int(getattr(m, "value", 0) or 0) for m in llm.llm_engine.get_metrics()
+               if m.name == "vllm:num_preemptions")
+
+
+def run_preemption(args: argparse.Namespace, out: dict[str, Any]) -> None:
+    """A KV cache too small for the batch: vLLM preempts and resumes requests; lmc's loads
+    of the resumed ones must stay correct. A second round loads every prompt from lmc."""
+    from vllm import LLM
+    kw = engine_kwargs(args.model) | {"num_gpu_blocks_override": 11, "max_model_len": 1024}
+    llm = LLM(**kw, kv_transfer_config=connector_config(args.disk + "-preempt"))
+    names = list(PREEMPT)
+    res = generate(llm, names, PREEMPT, PREEMPT_MAX_TOKENS)
+    res |= generate(llm, names, PREEMPT, PREEMPT_MAX_TOKENS, suffix="_warm")
+    out["preempt"] = {"results": res, "preemptions": preemptions(llm)}
+    llm.llm_engine.engine_core.shutdown()
 
 
 def abort_mid_prefill(llm, name: str, multiprocess: bool) -> None:
@@ -109,6 +129,7 @@ def run_mp0(args: argparse.Namespace, out: dict[str, Any]) -> None:
     t0 = time.time()
     plain = LLM(**engine_kwargs(args.model))
     out["baseline"] = generate(plain, list(ALL))
+    out["baseline"] |= generate(plain, list(PREEMPT), PREEMPT, PREEMPT_MAX_TOKENS)
     del plain
     gc.collect()
     cleanup_dist_env_and_memory()
@@ -123,6 +144,11 @@ def run_mp0(args: argparse.Namespace, out: dict[str, Any]) -> None:
     out["F_keys"] = [key_hex(k) for k in engine.db.keys(ALL["m0_F"])]
     out["flushed"] = engine.flush(timeout=60)
     out["results"] = res
+    llm.llm_engine.engine_core.shutdown()  # the connector closes its cache
+    del llm, engine
+    gc.collect()
+    cleanup_dist_env_and_memory()
+    run_preemption(args, out)
 
 
 def run_mp1(args: argparse.Namespace, out: dict[str, Any]) -> None:

@@ -41,3 +41,9 @@ MP0 = prompt_set("m0", 0)
 MP1 = prompt_set("m1", 1000)
 SERVER = {"srv_B2": MP0["m0_A"][:610] + tokens(2001, 31)[1:]}  # disk hit through the server
 ALL = {**MP0, **MP1, **SERVER}
+
+# Run with a KV cache of 10 blocks of 128: two 640-token prompts fill it, and their decodes
+# need an 11th block, so vLLM preempts (and later resumes) one of them.
+PREEMPT = {"pre_1": tokens(50, 640), "pre_2": tokens(51, 300) + tokens(50, 640)[1:341],
+           "pre_3": tokens(52, 640)}
+PREEMPT_MAX_TOKENS = 40
