@@ -1,6 +1,6 @@
 """lmc's vLLM connector against real vLLM 0.32 (CPU), in subprocesses run with the vLLM venv.
 
-Three vLLM processes, each batching several scenarios (a start costs 20-50 s here):
+Four vLLM processes, each batching several scenarios (a start costs 20-50 s here):
 
 1. ``VLLM_ENABLE_V1_MULTIPROCESSING=0``: a plain vLLM computes reference tokens for every
    prompt, then vLLM with the connector runs: shared prefix, chunked prefill (prompts longer
@@ -11,11 +11,13 @@ Three vLLM processes, each batching several scenarios (a start costs 20-50 s her
 2. The default multi-process engine (EngineCore and worker in separate processes, lookups
    over the Unix socket): reuses KV the first process left on disk, recomputes the
    corrupted prompt (same tokens), and runs the same scenarios on fresh prompts.
-3. The OpenAI-compatible server with the flag, on loopback: a request whose prefix the
+3. Tensor parallelism 2: two workers, one lookup socket and disk directory each.
+4. The OpenAI-compatible server with the flag, on loopback: a request whose prefix the
    first process saved is served from lmc, reported in ``cached_tokens``,
    ``vllm:external_prefix_cache_hits`` and ``lmc:connector_total``, with the reference tokens.
 
-Every output is compared token for token with vLLM without the connector (float32, greedy).
+Every output is compared token for token with vLLM without the connector (float32, greedy;
+for TP=2, with the same engine's run without lmc hits, since TP=2 sums in another order).
 ``LMC_VLLM_PYTHON`` names the venv's python (default ``/work/venv-vllm/bin/python``); without
 vLLM these tests skip, except under ``CI=true``, where they fail.
 """
@@ -145,6 +147,19 @@ def mp1(vllm_py: str, work: Path, model: Path, mp0: dict[str, Any]) -> dict[str,
     data = json.loads(out.read_text())
     data["log"] = log.read_text()
     data["corrupted"] = corrupted
+    return data
+
+
+@pytest.fixture(scope="module")
+def tp2(vllm_py: str, work: Path, model: Path) -> dict[str, Any]:
+    if (os.cpu_count() or 1) < 2:
+        pytest.skip("tensor parallelism 2 on vLLM's CPU backend needs two CPUs to bind")
+    out, log = work / "tp2.json", work / "tp2.log"
+    _run([vllm_py, str(SCRIPTS / "scenarios.py"), "--mode", "tp2", "--model", str(model),
+          "--disk", str(work / "disk-tp2"), "--out", str(out)], log,
+         _env(VLLM_CPU_OMP_THREADS_BIND="0|1"))
+    data = json.loads(out.read_text())
+    data["log"] = log.read_text()
     return data
 
 
@@ -324,6 +339,20 @@ def test_corrupt_disk_values_are_recomputed(mp0, mp1):
     assert "will be recomputed" in log  # the worker reported the blocks to vLLM
     assert_matches(mp1["results"], mp0["baseline"], ["m0_F_first", "m0_F"])
     assert mp1["results"]["m0_F"]["cached"] > 0  # saved again by the recompute
+
+
+def test_tensor_parallel_two_ranks(tp2, work):
+    """Each rank answers on its own socket and keeps its own disk directory; hits are as with
+    one rank, and tokens equal the same engine's run without lmc hits."""
+    log = tp2["log"]
+    assert "tp 0/2" in log and "tp 1/2" in log
+    assert {p.name for p in (work / "disk-tp2").iterdir()} >= {"tp0of2", "tp1of2"}
+    res, ref = tp2["results"], tp2["reference"]
+    assert res["m1_B"]["cached"] == 512 and res["m1_L2"]["cached"] == 1280
+    assert res["m1_C1"]["cached"] == 512 and res["m1_C2"]["cached"] == 256
+    assert all(r["cached"] == 0 for r in ref.values())
+    for name in res:
+        assert res[name]["tokens"] == ref[name]["tokens"], name
 
 
 def test_openai_server_serves_cached_request(server, mp0):

@@ -6,6 +6,7 @@ asserts; this script only reports). Modes:
 * ``mp0`` (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, one process): first a plain vLLM without the
   connector computes the reference tokens of every prompt of every mode; then vLLM with the
   connector runs the scenarios on the ``m0`` prompts, storing to ``--disk``.
+* ``tp2``: tensor parallelism 2 on the ``m1`` prompts, with its own disk directory.
 * ``mp1`` (the default multi-process engine: EngineCore and worker are separate processes,
   lookups cross a Unix socket): reads ``m0`` prompts back from the disk tier written by the
   ``mp0`` process (one of them corrupted on disk by the test in between), then runs the
@@ -43,15 +44,17 @@ def connector_config(disk: str) -> dict[str, Any]:
                                           "lmc.vllm.lookup_timeout": 5.0}}
 
 
-def params(max_tokens: int = MAX_TOKENS):
+def params(max_tokens: int = MAX_TOKENS, no_hits: bool = False):
     from vllm import SamplingParams
-    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True,
+                          skip_reading_prefix_cache=no_hits or None)
 
 
 def generate(llm, names: list[str], prompts: dict[str, list[int]] = ALL,
-             max_tokens: int = MAX_TOKENS, suffix: str = "") -> dict[str, dict[str, Any]]:
-    outs = llm.generate([{"prompt_token_ids": prompts[n]} for n in names], params(max_tokens),
-                        use_tqdm=False)
+             max_tokens: int = MAX_TOKENS, suffix: str = "", no_hits: bool = False
+             ) -> dict[str, dict[str, Any]]:
+    outs = llm.generate([{"prompt_token_ids": prompts[n]} for n in names],
+                        params(max_tokens, no_hits), use_tqdm=False)
     return {n + suffix: {"tokens": list(o.outputs[0].token_ids), "text": o.outputs[0].text,
                          "cached": o.num_cached_tokens} for n, o in zip(names, outs)}
 
@@ -166,16 +169,33 @@ def run_mp1(args: argparse.Namespace, out: dict[str, Any]) -> None:
     out["results"] = res
 
 
+def run_tp2(args: argparse.Namespace, out: dict[str, Any]) -> None:
+    """Tensor parallelism 2 (two worker processes, a lookup socket and a disk directory
+    each; the scheduler takes the minimum of their answers). References: the same engine
+    with connector hits disabled per request (``skip_reading_prefix_cache``), since TP=2
+    sums in a different order than TP=1."""
+    from vllm import LLM
+    t0 = time.time()
+    llm = LLM(**engine_kwargs(args.model), tensor_parallel_size=2,
+              kv_transfer_config=connector_config(args.disk))
+    out["timings"]["init"] = time.time() - t0
+    res: dict[str, dict[str, Any]] = {}
+    for group in (["m1_A"], ["m1_B"], ["m1_L"], ["m1_L2"], [f"m1_C{i}" for i in range(1, 6)]):
+        res |= generate(llm, group)
+    out["results"] = res
+    out["reference"] = generate(llm, list(res), no_hits=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--mode", choices=("mp0", "mp1"), required=True)
+    ap.add_argument("--mode", choices=("mp0", "mp1", "tp2"), required=True)
     ap.add_argument("--model", required=True)
     ap.add_argument("--disk", required=True)
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     out: dict[str, Any] = {"timings": {}}
     t0 = time.time()
-    (run_mp0 if args.mode == "mp0" else run_mp1)(args, out)
+    {"mp0": run_mp0, "mp1": run_mp1, "tp2": run_tp2}[args.mode](args, out)
     out["timings"]["total"] = time.time() - t0
     Path(args.out).write_text(json.dumps(out))
     print(f"scenarios {args.mode}: done in {out['timings']['total']:.1f} s", flush=True)
