@@ -10,7 +10,9 @@ engine), one request at a time, ``max_tokens=1``, so TTFT = the ``generate`` cal
 * **lmc L1 hit**: the same prompt again in the same process (the last token is computed);
 * **lmc disk hit**: a fresh vLLM process on the disk tier the previous one wrote (O_DIRECT
   reads, so the page cache does not help);
-* **Example cold / hit**: ``ExampleConnector`` (safetensors file per layer per prompt).
+* **Example cold / hit**: ``ExampleConnector`` (safetensors file per layer per prompt). Its hit
+  reads files written seconds earlier through the page cache; lmc's disk hit reads with
+  O_DIRECT in a new process, i.e. from the device.
 
 Every configuration first runs an unmeasured short request (kernel warm-up), then for each of
 ``--reps`` distinct prompts: cold (stores), an in-process full prefill of the same prompt
@@ -21,7 +23,7 @@ connector-less process's median. Every run is checked to produce the reference f
 (hidden 1024, 8 layers, 16 heads, 8 KV heads: 32 KiB of fp32 KV per token, an 8k prompt is
 256 MiB of KV), shared with ``bench_ttft.py`` under the user's cache directory.
 
-    python benchmarks/bench_vllm.py                  # 8k tokens, 3 prompts (~6 minutes here)
+    python benchmarks/bench_vllm.py                  # 8k tokens, 3 prompts (~4 minutes here)
     python benchmarks/bench_vllm.py --tokens 4096 --reps 2
 """
 
