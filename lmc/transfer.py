@@ -193,12 +193,13 @@ class TorchTransfer(KVTransfer):
                 tok.append(self._rows(s, self.W))
             return tok[0] if tok else None
 
-        blk_ok = blk_rows = None
-        if self.block_ok and n_all >= bs:
+        blk_ok = blk_rows = heads = None
+        if (self.block_ok or self.special and bs > 1) and n_all >= bs:
             v = s[: n_all // bs * bs].reshape(-1, bs)
             heads = v[:, 0]
             blk_ok = ((heads % bs) == 0) & (v == heads[:, None] + np.arange(bs)).all(1)
-            blk_rows = self._rows(heads, bs * self.W)
+            if self.block_ok:
+                blk_rows = self._rows(heads, bs * self.W)
         chunks: list[ChunkPlan] = []
         i = 0
         while i < len(ranges):
@@ -208,10 +209,16 @@ class TorchTransfer(KVTransfer):
             while j < len(ranges) and ranges[j] == (ranges[j - 1][1], ranges[j - 1][1] + n):
                 j += 1
             end = ranges[j - 1][1]
-            if neg is not None and neg[s0:end].any() or self.special:
+            aligned = (blk_ok is not None and s0 % bs == 0 and n % bs == 0
+                       and bool(blk_ok[s0 // bs: end // bs].all()))
+            if neg is not None and neg[s0:end].any() or self.special and not aligned:
                 chunks += [self._plan_one(slots, neg, tok_rows(), r) for r in ranges[i:j]]
-            elif (blk_ok is not None and s0 % bs == 0 and n % bs == 0
-                    and blk_ok[s0 // bs: end // bs].all()):
+            elif self.special:  # whole blocks of the K-transposed layout: block ids
+                for a, b in ranges[i:j]:
+                    ids = np.ascontiguousarray(heads[a // bs: b // bs] // bs)
+                    chunks.append(ChunkPlan(a, b, "block", self._to_index(ids),
+                                            ids if self.cpu else None, None))
+            elif aligned:
                 chunks += self._plan_run(blk_rows, s0 // bs, n // bs, ranges[i:j], "block")
             else:
                 chunks += self._plan_run(tok_rows(), s0, n, ranges[i:j], "token")
@@ -335,6 +342,11 @@ class TorchTransfer(KVTransfer):
     def _cpu_layout_gather(self, layer: int, cp: ChunkPlan, dst: torch.Tensor) -> None:
         k4, v4 = self._cpu_views(layer)
         bs, H, D = self.spec.block_size, self.spec.num_kv_heads, self.spec.head_size
+        if cp.mode == "block":  # whole blocks: one gather and one transposing copy per plane
+            m = cp.index.numel()
+            dst[0].view(m, bs, H, D).copy_(k4.index_select(0, cp.index).permute(0, 3, 1, 2))
+            dst[1].view(m, bs, H, D).copy_(v4.index_select(0, cp.index).permute(0, 2, 1, 3))
+            return
         blk, off = torch.div(cp.index, bs, rounding_mode="floor"), cp.index % bs
         pos = slice(None) if cp.valid is None else cp.valid
         dst[0, pos] = k4[blk, :, :, off].reshape(-1, H * D).to(dst.device)
@@ -343,6 +355,17 @@ class TorchTransfer(KVTransfer):
     def _cpu_layout_scatter(self, layer: int, cp: ChunkPlan, src: torch.Tensor) -> None:
         k4, v4 = self._cpu_views(layer)
         bs, H, D = self.spec.block_size, self.spec.num_kv_heads, self.spec.head_size
+        if cp.mode == "block":
+            m = cp.index.numel()
+            k_src = src[0].reshape(m, bs, H, D)
+            v_src = src[1].reshape(m, bs, H, D)
+            if self.cpu:  # numpy: a GIL-free transposing copy straight into the blocks
+                k4.numpy()[cp.index_np] = k_src.numpy().transpose(0, 2, 3, 1)
+                v4.numpy()[cp.index_np] = v_src.numpy().transpose(0, 2, 1, 3)
+            else:
+                k4.index_copy_(0, cp.index, k_src.permute(0, 2, 3, 1).to(k4.device))
+                v4.index_copy_(0, cp.index, v_src.permute(0, 2, 1, 3).to(v4.device))
+            return
         blk, off = torch.div(cp.index, bs, rounding_mode="floor"), cp.index % bs
         pos = slice(None) if cp.valid is None else cp.valid
         k4[blk, :, :, off] = src[0, pos].reshape(-1, H, D).to(k4.device)

@@ -33,7 +33,7 @@ def test_gather_matches_reference_and_scatter_roundtrips(layout, dtype, aligned)
     slots = _slots(spec, n, gen, aligned)
     ranges = [(0, 8), (8, 16), (16, 24)] if spec.block_size <= 8 else [(0, n)]
     plan = tr.plan(slots, ranges)
-    if aligned and spec.block_size > 1 and layout != "vllm_cpu":
+    if aligned and spec.block_size > 1:
         assert [c.mode for c in plan.chunks] == ["block"] * len(ranges)
     bufs = [torch.empty(spec.chunk_shape(e - s), dtype=dtype) for s, e in ranges]
     tr.gather(plan, bufs)
