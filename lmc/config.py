@@ -101,6 +101,16 @@ def _parse_opt_str(value: Any, key: str) -> str | None:
     raise ValueError(f"{key}: expected a string, got {value!r}")
 
 
+def check_known_keys(data: Mapping[str, Any], valid: tuple[str, ...], origin: str,
+                     what: str) -> None:
+    """``ValueError`` naming the first unknown key in ``data`` and the closest valid one."""
+    for key in data:
+        if key not in valid:
+            close = difflib.get_close_matches(str(key), valid, n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            raise ValueError(f"unknown {what} key {key!r} in {origin}{hint}")
+
+
 def _field(default: Any, parse, doc: str) -> Any:
     return dataclasses.field(default=default, metadata={"parse": parse, "doc": doc})
 
@@ -169,12 +179,7 @@ class CacheConfig:
 
     @classmethod
     def _check_keys(cls, data: Mapping[str, Any], origin: str) -> None:
-        valid = cls.field_names()
-        for key in data:
-            if key not in valid:
-                close = difflib.get_close_matches(str(key), valid, n=1)
-                hint = f"; did you mean {close[0]!r}?" if close else ""
-                raise ValueError(f"unknown config key {key!r} in {origin}{hint}")
+        check_known_keys(data, cls.field_names(), origin, "config")
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> dict[str, str]:

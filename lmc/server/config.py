@@ -11,7 +11,6 @@ plus the free-form ``cache`` mapping (validated by ``CacheConfig`` itself).
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -26,6 +25,7 @@ from lmc.config import (
     _parse_float,
     _parse_int,
     _parse_opt_str,
+    check_known_keys,
     parse_size,
 )
 from lmc.server.protocol import Limits
@@ -186,12 +186,7 @@ class ServerConfig:
 
     @classmethod
     def check_keys(cls, data: Mapping[str, Any], origin: str) -> None:
-        valid = cls.field_names()
-        for key in data:
-            if key not in valid:
-                close = difflib.get_close_matches(str(key), valid, n=1)
-                hint = f"; did you mean {close[0]!r}?" if close else ""
-                raise ValueError(f"unknown server config key {key!r} in {origin}{hint}")
+        check_known_keys(data, cls.field_names(), origin, "server config")
 
     @classmethod
     def load(cls, path: str | os.PathLike | None = None,
