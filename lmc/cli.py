@@ -9,7 +9,7 @@ import sys
 
 import yaml
 
-COMMAND_MODULES = ("lmc.demo", "lmc.server.cli")
+COMMAND_MODULES = ("lmc.demo", "lmc.server.cli", "lmc.server.stats_cli")
 
 
 def _config(args: argparse.Namespace) -> int:
