@@ -40,19 +40,16 @@ import torch
 from lmc.connectors.reference import LMCReferenceConnector
 
 from lmc.config import CacheConfig
-from lmc.reference import LLM, make_tiny_checkpoint
-from lmc.reference.tiny import cache_root
+from lmc.reference import LLM
+from lmc.reference.tiny import cached_checkpoint
 
 BLOCK, BUDGET = 16, 2048
 
 
 def model_dir(hidden: int, layers: int, kv_heads: int, max_len: int) -> Path:
-    path = cache_root() / f"bench-llama-h{hidden}-l{layers}-kv{kv_heads}-p{max_len}"
-    if not (path / "config.json").is_file():
-        log(f"making the benchmark checkpoint {path.name} ...")
-        make_tiny_checkpoint(path, hidden=hidden, layers=layers, heads=hidden // 64,
+    return cached_checkpoint(f"bench-llama-h{hidden}-l{layers}-kv{kv_heads}-p{max_len}",
+                             hidden=hidden, layers=layers, heads=hidden // 64,
                              kv_heads=kv_heads, max_position_embeddings=max_len)
-    return path
 
 
 def log(msg: str) -> None:

@@ -105,14 +105,11 @@ def child(args: argparse.Namespace) -> None:
 
 # -------------------------------------------------------------------------- parent
 def model_dir(hidden: int, layers: int, kv_heads: int, max_len: int) -> Path:
-    from lmc.reference import make_tiny_checkpoint
-    from lmc.reference.tiny import cache_root
-    path = cache_root() / f"bench-llama-h{hidden}-l{layers}-kv{kv_heads}-p{max_len}"
-    if not (path / "config.json").is_file():
-        log(f"making the benchmark checkpoint {path.name} ...")
-        make_tiny_checkpoint(path, hidden=hidden, layers=layers, heads=hidden // 64,
+    from lmc.reference.tiny import cached_checkpoint
+
+    return cached_checkpoint(f"bench-llama-h{hidden}-l{layers}-kv{kv_heads}-p{max_len}",
+                             hidden=hidden, layers=layers, heads=hidden // 64,
                              kv_heads=kv_heads, max_position_embeddings=max_len)
-    return path
 
 
 def run_child(py: str, config: str, args: argparse.Namespace, model: Path, store: Path

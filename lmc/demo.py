@@ -22,7 +22,6 @@ runs a real local checkpoint instead. Cache: ``DEMO_CONFIG`` (the same as
 from __future__ import annotations
 
 import argparse
-import os
 import random
 import shutil
 import sys
@@ -47,26 +46,11 @@ _WORDS = ["cache", "key", "value", "token", "prompt", "model", "layer", "block",
 
 # ------------------------------------------------------------------------------ model
 def demo_model_dir() -> Path:
-    """The demo checkpoint (``DEMO_MODEL``), made once under the cache directory; built in a
-    temporary sibling and renamed into place, so concurrent runs never see half a model."""
-    from lmc.reference.tiny import cache_root, make_tiny_checkpoint
+    """The demo checkpoint (``DEMO_MODEL``), made once under the cache directory."""
+    from lmc.reference.tiny import cached_checkpoint
 
-    target = cache_root() / f"demo-llama-h{DEMO_MODEL['hidden']}-l{DEMO_MODEL['layers']}" \
-                            f"-v{DEMO_MODEL_VERSION}"
-    if (target / "config.json").is_file():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".demo-", dir=target.parent))
-    try:
-        make_tiny_checkpoint(tmp, **DEMO_MODEL)
-        try:
-            os.rename(tmp, target)
-        except OSError:
-            if not (target / "config.json").is_file():
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return target
+    return cached_checkpoint(f"demo-llama-h{DEMO_MODEL['hidden']}-l{DEMO_MODEL['layers']}"
+                             f"-v{DEMO_MODEL_VERSION}", **DEMO_MODEL)
 
 
 # --------------------------------------------------------------------------- workload

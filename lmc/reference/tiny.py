@@ -270,19 +270,19 @@ def cache_root() -> Path:
     return Path(base) / "lmc"
 
 
-def default_model_dir() -> Path:
-    """The default tiny Llama checkpoint, made once under ``cache_root()`` and reused.
+def cached_checkpoint(name: str, **params: Any) -> Path:
+    """``make_tiny_checkpoint(**params)`` made once as ``cache_root() / name`` and reused.
 
     Built in a temporary sibling directory and renamed into place, so a concurrent
-    caller never sees a half-written checkpoint.
+    caller never sees a half-written checkpoint. ``name`` must change with ``params``.
     """
-    target = cache_root() / f"tiny-llama-v{TINY_FORMAT_VERSION}"
+    target = cache_root() / name
     if (target / "config.json").is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".tiny-", dir=target.parent))
+    tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=target.parent))
     try:
-        make_tiny_checkpoint(tmp)
+        make_tiny_checkpoint(tmp, **params)
         try:
             os.rename(tmp, target)
         except OSError:
@@ -291,3 +291,8 @@ def default_model_dir() -> Path:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return target
+
+
+def default_model_dir() -> Path:
+    """The default tiny Llama checkpoint, made once under ``cache_root()`` and reused."""
+    return cached_checkpoint(f"tiny-llama-v{TINY_FORMAT_VERSION}")

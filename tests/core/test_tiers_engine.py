@@ -12,6 +12,7 @@ from lmc.storage_backends.disk import DiskBackend
 from prometheus_client import REGISTRY
 
 from lmc import CacheConfig, CacheEngine
+from tests.core.slow_tier import SlowDisk
 from tests.kvutil import assert_bits_equal, make_caches, spec_for, token_kv
 
 CHUNK = 16
@@ -32,22 +33,6 @@ class CountingDisk(DiskBackend):
     def get(self, keys):
         self.calls["get"] += 1
         return super().get(keys)
-
-
-class SlowDisk(DiskBackend):
-    """The disk tier with ``delay`` seconds added to every value it reads or writes."""
-
-    def __init__(self, *args, delay: float = 0.3, **kw) -> None:
-        super().__init__(*args, **kw)
-        self.delay = delay
-
-    def _write(self, key, obj):
-        time.sleep(self.delay)
-        return super()._write(key, obj)
-
-    def _read(self, key, entry):
-        time.sleep(self.delay)
-        return super()._read(key, entry)
 
 
 def _caches(zeros=False, dtype=torch.float32):

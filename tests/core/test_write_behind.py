@@ -8,32 +8,16 @@ import shutil
 import time
 
 import torch
-from lmc.storage_backends.disk import DiskBackend
 
 from lmc import CacheConfig, CacheEngine
 from lmc.memory import MemoryPool
 from lmc.storage_backend import create_backend
 from lmc.storage_manager import StorageManager
+from tests.core.slow_tier import SlowDisk
 from tests.kvutil import assert_bits_equal, make_caches, spec_for, token_kv
 
 CHUNK = 16
 CHUNK_BYTES = 3 * 2 * CHUNK * 2 * 8 * 4  # make_caches defaults, float32: 6 KiB (8 KiB block)
-
-
-class SlowDisk(DiskBackend):
-    """The disk tier with ``delay`` seconds added to every value it writes or reads."""
-
-    def __init__(self, *args, delay: float = 0.2, **kw) -> None:
-        super().__init__(*args, **kw)
-        self.delay = delay
-
-    def _write(self, key, obj):
-        time.sleep(self.delay)
-        return super()._write(key, obj)
-
-    def _read(self, key, entry):
-        time.sleep(self.delay)
-        return super()._read(key, entry)
 
 
 def _setup(tmp_path, delay=None, **cfg):
