@@ -84,3 +84,99 @@ def test_keys_equal_across_processes_with_different_hash_seeds():
         outs.add(subprocess.run([sys.executable, "-c", code], env=env, check=True,
                                 capture_output=True, text=True).stdout)
     assert len(outs) == 1 and len(next(iter(outs)).strip()) == 7 * 32
+
+
+# ------------------------------------------------------- list packing and request keys
+def test_list_packing_native_and_fallback_agree():
+    from lmc import token_database as tdb
+
+    if os.environ.get("CI") == "true":  # CI builds the C helper: its absence is a build bug
+        assert tdb._native_u32le is not None, "lmc._tokens was not built by pip install -e ."
+    rng = np.random.default_rng(3)
+    toks = [int(x) for x in rng.integers(0, 2**32, 1000, dtype=np.uint64)] + [0, 2**32 - 1]
+    want = np.array(toks, dtype="<u4").tobytes()
+    assert tdb._list_u32le(toks) == want
+    assert tdb._list_u32le(tuple(toks)) == want
+    assert tdb.tokens_to_bytes(toks) == want
+    if tdb._native_u32le is not None:
+        assert tdb._native_u32le(toks) == want
+        assert tdb._native_u32le(tuple(toks)) == want
+        assert tdb._native_u32le([]) == b""
+
+
+def test_native_chain_equals_python_chain(monkeypatch):
+    from lmc import token_database as tdb
+
+    if tdb._native_chain is None:
+        pytest.skip("lmc._tokens not built (CI requires it: see the test above)")
+    rng = np.random.default_rng(5)
+    toks = rng.integers(0, 150_000, 1000)
+    for unfull in (True, False):
+        db = ChunkedTokenDatabase(16, unfull, NS)
+        for n in (0, 1, 15, 16, 17, 1000):
+            native = db.keys(toks[:n])
+            with monkeypatch.context() as m:
+                m.setattr(tdb, "_native_chain", None)
+                assert native == db.keys(toks[:n]), (unfull, n)
+    with pytest.raises(ValueError, match="past the data"):
+        tdb._native_chain(NS, b"1234", 4, 8, xxhash.xxh3_128_digest)
+    with pytest.raises(TypeError, match="must return bytes"):
+        tdb._native_chain(NS, b"1234", 4, 4, lambda b: 1)
+    with pytest.raises(ValueError, match="another size"):
+        tdb._native_chain(NS, b"12345678", 4, 8, lambda b: b"short")
+
+
+@pytest.mark.parametrize("bad, err, where", [
+    ([1, 2, -1], ValueError, "token 2 is -1"),
+    ([2**32], ValueError, "token 0 is 4294967296"),
+    ([0, 1.5], TypeError, "token 1"),
+    ([0, "7"], TypeError, "token 1"),
+])
+def test_list_packing_names_the_bad_token(bad, err, where):
+    from lmc import token_database as tdb
+
+    packers = [tdb._list_u32le] + ([tdb._native_u32le] if tdb._native_u32le else [])
+    for pack in packers:
+        with pytest.raises(err, match=where):
+            pack(bad)
+
+
+def test_request_keys_extend_and_match_full_hash():
+    rng = np.random.default_rng(4)
+    toks = [int(x) for x in rng.integers(0, 150_000, 704)]
+    for unfull in (True, False):
+        db = ChunkedTokenDatabase(16, unfull, NS)
+        rk = db.request_keys()
+        # grow the sequence in uneven steps, as a scheduler sees a prompt then decode tokens
+        n = 0
+        for step in [1, 15, 16, 17, 100, 3, 256, 1, 295]:
+            n += step
+            assert rk.keys(toks[:n]) == db.keys(toks[:n]), (unfull, n)
+            assert rk.hashed_tokens == n // 16 * 16
+        # a tensor of the same ids continues the same chain
+        assert rk.keys(torch.tensor(toks)) == db.keys(toks)
+
+
+def test_request_keys_hash_only_new_chunks(monkeypatch):
+    from lmc import token_database as tdb
+
+    db = ChunkedTokenDatabase(16, True, NS)
+    rk = db.request_keys()
+    toks = list(range(1, 1001))
+    rk.keys(toks[:800])
+    packed: list[int] = []
+    real = tdb.tokens_to_bytes
+    monkeypatch.setattr(tdb, "tokens_to_bytes", lambda t: packed.append(len(t)) or real(t))
+    got = rk.keys(toks)
+    monkeypatch.undo()
+    assert got == db.keys(toks)
+    # only chunks 50..62 (new full chunks: 800..992) and the 8-token tail were packed
+    assert packed == [192, 8]
+
+
+def test_request_keys_restart_on_shorter_sequence():
+    db = ChunkedTokenDatabase(16, True, NS)
+    rk = db.request_keys()
+    rk.keys(list(range(100)))
+    other = list(range(500, 540))
+    assert rk.keys(other) == db.keys(other)
