@@ -50,6 +50,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from lmc.kv_layouts import PlaneStrides
 from lmc.kv_spec import KVCaches, KVSpec
 from lmc.transfer import ChunkPlan, KVTransfer, TransferPlan
 
@@ -251,10 +252,28 @@ def _mode(direction: str, given: str | None, default: str) -> str:
 
 def num_slots(spec: KVSpec, layer0: torch.Tensor) -> int:
     """Token slots the engine cache holds (same rule as the torch path)."""
-    if spec.layout in ("sglang_mha", "sglang_mla"):
-        return layer0.shape[0]
-    nb = layer0.shape[1] if spec.layout == "vllm_flash" else layer0.shape[0]
-    return nb * spec.block_size
+    return spec.num_slots(layer0)
+
+
+def kernel_geometry(spec: KVSpec, strides: Sequence[PlaneStrides]) -> np.ndarray:
+    """``[planes, GEOM]``: byte strides and segment size of each plane (see the .cu).
+
+    A segment is what is contiguous both in the cache and in a chunk row: the whole row
+    (separate K/V planes, MLA, SGLang), one head (vLLM GPU's K/V interleaved per head, vLLM
+    CPU's V) or one element (vLLM CPU's transposed K).
+    """
+    e, rows = spec.element_size, []
+    for ps in strides:
+        if ps.dim == 1 and (spec.num_kv_heads == 1 or ps.head == spec.head_size):
+            seg = spec.row_width
+        elif ps.dim == 1:
+            seg = spec.head_size
+        else:
+            seg = 1
+        rows.append([ps.block * e, ps.token * e, ps.head * e, ps.dim * e, seg, seg * e])
+    return np.array(rows, dtype=np.int64)
+
+
 
 
 # --------------------------------------------------------------------------- the transfer
@@ -287,30 +306,17 @@ class CudaTransfer(KVTransfer):
         self.row_bytes = spec.row_width * self.esize
         self.num_planes = spec.num_planes
         self.num_slots = num_slots(spec, self.layers[0][0])
-        self.geom = self._geometry()
+        self.strides = spec.plane_strides(self.layers[0])  # the tensors' real strides
+        self.geom = kernel_geometry(spec, self.strides)
         self.cache_ptrs = self._cache_pointers()
         self._static_align = self._static_alignment()
         self._pending: dict[int, Any] = {}  # stream handle -> event after its last call
         self._lock = threading.Lock()       # connectors call from an I/O thread too
 
     # --------------------------------------------------------------- fixed per cache
-    def _geometry(self) -> np.ndarray:
-        """``[planes, GEOM]``: byte strides and segment size of each plane (see the .cu)."""
-        s, e = self.spec, self.esize
-        rows = []
-        for ps in s.plane_strides():
-            if ps.s_d == 1 and (s.num_kv_heads == 1 or ps.s_h == s.head_size):
-                seg = s.row_width        # the whole row is contiguous
-            elif ps.s_d == 1:
-                seg = s.head_size        # one head at a time
-            else:
-                seg = 1                  # transposed: element by element
-            rows.append([ps.s_blk * e, ps.s_off * e, ps.s_h * e, ps.s_d * e, seg, seg * e])
-        return np.array(rows, dtype=np.int64)
-
     def _cache_pointers(self) -> np.ndarray:
         """``[layers, planes]`` address of element 0 of each plane of each layer."""
-        bases = [ps.base * self.esize for ps in self.spec.plane_strides()]
+        bases = [ps.base * self.esize for ps in self.strides]
         ptrs = [[tensors[p if len(tensors) > 1 else 0].data_ptr() + bases[p]
                  for p in range(self.num_planes)] for tensors in self.layers]
         return np.array(ptrs, dtype=np.int64)

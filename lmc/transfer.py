@@ -26,6 +26,7 @@ from collections.abc import Iterable, Sequence
 import numpy as np
 import torch
 
+from lmc.kv_layouts import PlaneStrides, span_elements
 from lmc.kv_spec import KVCaches, KVSpec
 
 _INT_VIEW = {1: (torch.uint8, np.uint8), 2: (torch.int16, np.int16), 4: (torch.int32, np.int32),
@@ -114,38 +115,51 @@ class TorchTransfer(KVTransfer):
         super().__init__(spec, kv_caches)
         s = spec
         self.W = s.row_width
-        self.strides = s.plane_strides()
-        self.num_slots = self._num_slots()
+        self.strides = s.plane_strides(self.layers[0])  # the tensors' real strides
+        self.num_slots = s.num_slots(self.layers[0][0])
         self.cpu = self.device.type == "cpu"
-        self.special = s.layout == "vllm_cpu"  # K transposed within a block: no row structure
+        # Row tables work where each token's plane is one dense run of W elements at a
+        # multiple of W from the tensor's start. Elsewhere (vLLM CPU's transposed K, vLLM
+        # GPU's K/V interleaved per head) each plane is a strided [blocks, bs, heads, dim] view.
+        self.strided = not all(_dense_rows(p, self.W, s.head_size, s.num_kv_heads)
+                               for p in self.strides)
         # Per layer: row tables. Single-tensor layouts use one table for both planes.
         self.tok_tables: list[list[torch.Tensor]] = []
         self.blk_tables: list[list[torch.Tensor]] | None = None
-        self.block_ok = (not self.special and s.block_size > 1
-                         and all(p.s_off == self.W and p.base % (s.block_size * self.W) == 0
-                                 and p.s_blk % (s.block_size * self.W) == 0 for p in self.strides))
+        self.block_ok = (not self.strided and s.block_size > 1
+                         and all(p.token == self.W and p.base % (s.block_size * self.W) == 0
+                                 and p.block % (s.block_size * self.W) == 0 for p in self.strides))
         # Everything below works on same-width integer views: moving bits needs no float
         # kernels (CPU torch has no fp8 index_copy_), and no value is ever converted.
         self.int_dtype = _INT_VIEW[spec.dtype.itemsize][0]
         self.layers = [tuple(t.view(self.int_dtype) for t in ts) for ts in self.layers]
         for tensors in self.layers:
-            self.tok_tables.append([t.view(-1, self.W) for t in tensors]
-                                   if not self.special else list(tensors))
+            self.tok_tables.append([_flat_rows(t, self.W) for t in tensors]
+                                   if not self.strided else list(tensors))
         if self.block_ok:
             bw = s.block_size * self.W
-            self.blk_tables = [[t.view(-1, bw) for t in tensors] for tensors in self.layers]
+            self.blk_tables = [[_flat_rows(t, bw) for t in tensors] for tensors in self.layers]
+        self.plane_views = [self._plane_views(ts) for ts in self.layers] if self.strided else []
         self.tok_np = ([[int_view(t) for t in tabs] for tabs in self.tok_tables]
-                       if self.cpu and not self.special else None)
+                       if self.cpu and not self.strided else None)
         self.blk_np = ([[int_view(t) for t in tabs] for tabs in self.blk_tables]
                        if self.cpu and self.blk_tables is not None else None)
 
-    def _num_slots(self) -> int:
-        t = self.layers[0][0]
+    def _plane_views(self, tensors: tuple[torch.Tensor, ...]
+                     ) -> list[tuple[torch.Tensor, tuple[int, int, int]]]:
+        """Per plane: a ``[blocks, block_size, heads, dim]`` view of the layer's memory, and
+        the order of axes 1-3 by decreasing stride (block copies run in memory order)."""
         s = self.spec
-        if s.layout in ("sglang_mha", "sglang_mla"):
-            return t.shape[0]
-        nb = t.shape[1] if s.layout == "vllm_flash" else t.shape[0]
-        return nb * s.block_size
+        nb = self.num_slots // s.block_size
+        out = []
+        for p, ps in enumerate(self.strides):
+            t = tensors[p if len(tensors) > 1 else 0]
+            view = torch.as_strided(t, (nb, s.block_size, s.num_kv_heads, s.head_size),
+                                    (ps.block, ps.token, ps.head, ps.dim),
+                                    t.storage_offset() + ps.base)
+            order = tuple(sorted((1, 2, 3), key=lambda a: -view.stride(a)))
+            out.append((view, order))
+        return out
 
     # ------------------------------------------------------------------ plan
     # Planning works on a host copy of the slots in numpy: small-array numpy ops cost ~1 us
@@ -161,9 +175,9 @@ class TorchTransfer(KVTransfer):
         off = first_slots - blk * bs if unit == self.W else None
         parts = []
         for p in self.strides:
-            elem = blk * p.s_blk + p.base
-            if off is not None and p.s_off:
-                elem = elem + off * p.s_off
+            elem = blk * p.block + p.base
+            if off is not None and p.token:
+                elem = elem + off * p.token
             parts.append(elem // unit)
         return np.stack(parts)
 
@@ -189,12 +203,12 @@ class TorchTransfer(KVTransfer):
         tok: list[np.ndarray] = []  # per-token rows, computed only if a chunk needs them
 
         def tok_rows() -> np.ndarray | None:
-            if not tok and not self.special:
+            if not tok and not self.strided:
                 tok.append(self._rows(s, self.W))
             return tok[0] if tok else None
 
         blk_ok = blk_rows = heads = None
-        if (self.block_ok or self.special and bs > 1) and n_all >= bs:
+        if (self.block_ok or self.strided and bs > 1) and n_all >= bs:
             v = s[: n_all // bs * bs].reshape(-1, bs)
             heads = v[:, 0]
             blk_ok = ((heads % bs) == 0) & (v == heads[:, None] + np.arange(bs)).all(1)
@@ -211,9 +225,9 @@ class TorchTransfer(KVTransfer):
             end = ranges[j - 1][1]
             aligned = (blk_ok is not None and s0 % bs == 0 and n % bs == 0
                        and bool(blk_ok[s0 // bs: end // bs].all()))
-            if neg is not None and neg[s0:end].any() or self.special and not aligned:
+            if neg is not None and neg[s0:end].any() or self.strided and not aligned:
                 chunks += [self._plan_one(slots, neg, tok_rows(), r) for r in ranges[i:j]]
-            elif self.special:  # whole blocks of the K-transposed layout: block ids
+            elif self.strided:  # whole blocks of a strided layout: block ids
                 for a, b in ranges[i:j]:
                     ids = np.ascontiguousarray(heads[a // bs: b // bs] // bs)
                     chunks.append(ChunkPlan(a, b, "block", self._to_index(ids),
@@ -244,10 +258,10 @@ class TorchTransfer(KVTransfer):
         if neg is not None and neg[start:end].any():
             keep = np.flatnonzero(~neg[start:end])
             valid = self._to_index(keep)
-            idx = (slots[start:end][valid] if self.special
+            idx = (slots[start:end][valid] if self.strided
                    else self._to_index(self._flat(tok_rows[:, start:end][:, keep])))
             return ChunkPlan(start, end, "masked", idx, None, valid)
-        if self.special:
+        if self.strided:
             return ChunkPlan(start, end, "token", slots[start:end], None, None)
         arr = self._flat(tok_rows[:, start:end])
         return ChunkPlan(start, end, "token", self._to_index(arr), arr if self.cpu else None, None)
@@ -267,8 +281,8 @@ class TorchTransfer(KVTransfer):
             buf = buf.view(self.int_dtype)
             for layer in layer_ids:
                 dst = buf[layer]
-                if self.special:
-                    self._cpu_layout_gather(layer, cp, dst)
+                if self.strided:
+                    self._strided_gather(layer, cp, dst)
                 elif cp.mode == "masked":
                     tabs = self.tok_tables[layer]
                     src = self._index(tabs, cp.index).to(dst.device, non_blocking=False)
@@ -307,8 +321,8 @@ class TorchTransfer(KVTransfer):
                 src_np = arrays[i] if arrays is not None else int_view(buf)
             for layer in layer_ids:
                 src = buf[layer]
-                if self.special:
-                    self._cpu_layout_scatter(layer, cp, src)
+                if self.strided:
+                    self._strided_scatter(layer, cp, src)
                     continue
                 if cp.mode == "masked":
                     src = src[:, cp.valid.to(src.device)]
@@ -331,45 +345,49 @@ class TorchTransfer(KVTransfer):
                     for p, (t, i) in enumerate(zip(tabs, cp.index)):
                         t.index_copy_(0, i, src[p].reshape(i.numel(), -1))
 
-    # vLLM CPU_ATTN: per (block, head) K^T [D, bs] then V [bs, D]; plain advanced indexing.
-    def _cpu_views(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        t = self.layers[layer][0]
-        nb, H, bs, D2 = t.shape
-        D = D2 // 2
-        slab = t.view(nb, H, bs * D2)
-        return slab[:, :, : D * bs].view(nb, H, D, bs), slab[:, :, D * bs:].view(nb, H, bs, D)
-
-    def _cpu_layout_gather(self, layer: int, cp: ChunkPlan, dst: torch.Tensor) -> None:
-        k4, v4 = self._cpu_views(layer)
+    # Strided layouts: advanced indexing on the per-plane views.
+    def _strided_gather(self, layer: int, cp: ChunkPlan, dst: torch.Tensor) -> None:
         bs, H, D = self.spec.block_size, self.spec.num_kv_heads, self.spec.head_size
-        if cp.mode == "block":  # whole blocks: one gather and one transposing copy per plane
+        if cp.mode == "block":  # whole blocks: one gather in memory order, one permuting copy
             m = cp.index.numel()
-            dst[0].view(m, bs, H, D).copy_(k4.index_select(0, cp.index).permute(0, 3, 1, 2))
-            dst[1].view(m, bs, H, D).copy_(v4.index_select(0, cp.index).permute(0, 2, 1, 3))
+            for p, (view, order) in enumerate(self.plane_views[layer]):
+                dst[p].view(m, bs, H, D).permute(0, *order).copy_(
+                    view.permute(0, *order).index_select(0, cp.index))
             return
         blk, off = torch.div(cp.index, bs, rounding_mode="floor"), cp.index % bs
         pos = slice(None) if cp.valid is None else cp.valid
-        dst[0, pos] = k4[blk, :, :, off].reshape(-1, H * D).to(dst.device)
-        dst[1, pos] = v4[blk, :, off, :].reshape(-1, H * D).to(dst.device)
+        for p, (view, _) in enumerate(self.plane_views[layer]):
+            dst[p, pos] = view[blk, off].reshape(-1, H * D).to(dst.device)
 
-    def _cpu_layout_scatter(self, layer: int, cp: ChunkPlan, src: torch.Tensor) -> None:
-        k4, v4 = self._cpu_views(layer)
+    def _strided_scatter(self, layer: int, cp: ChunkPlan, src: torch.Tensor) -> None:
         bs, H, D = self.spec.block_size, self.spec.num_kv_heads, self.spec.head_size
         if cp.mode == "block":
             m = cp.index.numel()
-            k_src = src[0].reshape(m, bs, H, D)
-            v_src = src[1].reshape(m, bs, H, D)
-            if self.cpu:  # numpy: a GIL-free transposing copy straight into the blocks
-                k4.numpy()[cp.index_np] = k_src.numpy().transpose(0, 2, 3, 1)
-                v4.numpy()[cp.index_np] = v_src.numpy().transpose(0, 2, 1, 3)
-            else:
-                k4.index_copy_(0, cp.index, k_src.permute(0, 2, 3, 1).to(k4.device))
-                v4.index_copy_(0, cp.index, v_src.permute(0, 2, 1, 3).to(v4.device))
+            for p, (view, order) in enumerate(self.plane_views[layer]):
+                rows = src[p].reshape(m, bs, H, D).permute(0, *order)
+                phys = view.permute(0, *order)
+                if self.cpu:  # numpy: a GIL-free permuting copy straight into the blocks
+                    phys.numpy()[cp.index_np] = rows.numpy()
+                else:
+                    phys.index_copy_(0, cp.index, rows.to(phys.device))
             return
         blk, off = torch.div(cp.index, bs, rounding_mode="floor"), cp.index % bs
         pos = slice(None) if cp.valid is None else cp.valid
-        k4[blk, :, :, off] = src[0, pos].reshape(-1, H, D).to(k4.device)
-        v4[blk, :, off, :] = src[1, pos].reshape(-1, H, D).to(v4.device)
+        for p, (view, _) in enumerate(self.plane_views[layer]):
+            view[blk, off] = src[p, pos].reshape(-1, H, D).to(view.device)
+
+
+def _dense_rows(p: PlaneStrides, width: int, head_size: int, heads: int) -> bool:
+    """Whether every token's row of this plane is one dense run at a multiple of ``width``
+    elements from its tensor's start (then a flat ``[rows, width]`` view indexes it)."""
+    return (p.dim == 1 and (heads == 1 or p.head == head_size)
+            and p.base % width == 0 and p.block % width == 0 and p.token % width == 0)
+
+
+def _flat_rows(t: torch.Tensor, unit: int) -> torch.Tensor:
+    """``t``'s memory, from its first element to its last, as rows of ``unit`` elements
+    (``t.view(-1, unit)`` for a contiguous tensor; also works for strided views)."""
+    return torch.as_strided(t, (span_elements(t.shape, t.stride()) // unit, unit), (unit, 1))
 
 
 def make_transfer(spec: KVSpec, kv_caches: KVCaches, prefer: str = "auto") -> KVTransfer:

@@ -20,8 +20,11 @@ def random_bits(shape, dtype, gen: torch.Generator, device="cpu") -> torch.Tenso
 
 
 def make_caches(layout: str, *, layers=3, heads=2, dim=8, blocks=12, block_size=4,
-                dtype=torch.float32, device="cpu", seed=0, zeros=False):
-    """KV caches as the engine of ``layout`` holds them (MLA: ``dim`` is the latent size)."""
+                dtype=torch.float32, device="cpu", seed=0, zeros=False, order="NHD"):
+    """KV caches as the engine of ``layout`` holds them (MLA: ``dim`` is the latent size).
+
+    ``vllm_gpu`` layers are ``[blocks, heads, block_size, 2*dim]`` views of memory in vLLM's
+    ``order``: "NHD" (``[blocks, block_size, heads, 2*dim]``, vLLM's default) or "HND"."""
     gen = torch.Generator().manual_seed(seed)
     slots = blocks * block_size
     shapes = {
@@ -31,14 +34,18 @@ def make_caches(layout: str, *, layers=3, heads=2, dim=8, blocks=12, block_size=
         "vllm_cpu": (blocks, heads, block_size, 2 * dim),
         "sglang_mha": (slots, heads, dim),
         "sglang_mla": (slots, 1, dim),
+        "vllm_gpu": ((blocks, block_size, heads, 2 * dim) if order == "NHD"
+                     else (blocks, heads, block_size, 2 * dim)),
     }
     shape = shapes[layout]
 
     def one():
         if zeros:
-            return torch.zeros(shape, dtype=torch.uint8 if dtype.itemsize == 1 else dtype,
-                               device=device).view(dtype)
-        return random_bits(shape, dtype, gen, device)
+            t = torch.zeros(shape, dtype=torch.uint8 if dtype.itemsize == 1 else dtype,
+                            device=device).view(dtype)
+        else:
+            t = random_bits(shape, dtype, gen, device)
+        return t.transpose(1, 2) if layout == "vllm_gpu" and order == "NHD" else t
 
     if layout == "sglang_mha":
         return ([one() for _ in range(layers)], [one() for _ in range(layers)])
@@ -83,6 +90,8 @@ def token_kv(spec: KVSpec, caches, slots: torch.Tensor) -> torch.Tensor:
                     slab = ts[0][b].reshape(H, -1)
                     v = (slab[:, : D * bs].reshape(H, D, bs)[:, :, o] if p == 0
                          else slab[:, D * bs:].reshape(H, bs, D)[:, o, :])
+                elif spec.layout == "vllm_gpu":  # vLLM: kv.transpose(1, 2).split(D, -1)
+                    v = ts[0].transpose(1, 2).split(D, -1)[p][b, o]
                 elif spec.layout == "sglang_mha":
                     v = ts[p][s]
                 else:
