@@ -97,12 +97,12 @@ class CacheEngine:
     # ------------------------------------------------------------- plumbing
     def transfer_for(self, kv_caches: KVCaches) -> KVTransfer:
         """The (cached) transfer object bound to these cache tensors; validates new ones."""
-        if isinstance(kv_caches, (list, tuple)) and self.spec.layout != "sglang_mha":
+        if isinstance(kv_caches, (list, tuple)) and not self.spec.desc.split_planes:
             tensors = kv_caches
         else:
             tensors = [t for _, ts in self.spec.split_layers(kv_caches) for t in ts]
-        try:  # address + shape + dtype identify a bound cache; anything new is validated
-            sig = tuple((t.data_ptr(), t.shape, t.dtype) for t in tensors)
+        try:  # address + shape + strides + dtype identify a bound cache; new ones are validated
+            sig = tuple((t.data_ptr(), t.shape, t.stride(), t.dtype) for t in tensors)
         except AttributeError:
             sig = None
         if sig is not None and len(tensors):
