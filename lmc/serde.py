@@ -11,6 +11,13 @@ for (a file renamed to another key's name, or a hash-slot mixup, is caught), the
 and length agree with each other and with what the engine expects, and the payload checksum
 holds. Anything else raises :class:`CorruptValue`, which every tier turns into a miss (and
 deletes the bad value): corrupt KV is never returned.
+
+Versions. Version 1 is the value as above. Version 2 has the same 72 header bytes followed by
+a ``TAG_SIZE``-byte keyed integrity tag (:mod:`lmc.integrity`), then the payload: shared tiers
+write it when ``integrity_secret`` is set. A reader accepts exactly the version its own
+configuration writes (``tagged``), so a value written with the other setting is a miss rather
+than a value served unchecked. The checksums only catch accidents (anyone can recompute an
+xxh3); the tag is what a writer without the secret cannot forge.
 """
 
 from __future__ import annotations
@@ -22,7 +29,9 @@ import torch
 import xxhash
 
 MAGIC = b"LMCK"
-VERSION = 1
+VERSION = 1         # header, payload
+VERSION_TAGGED = 2  # header, integrity tag, payload
+TAG_SIZE = 32       # bytes of the version-2 tag (see lmc.integrity)
 _FIELDS = struct.Struct("<4sHH16sB3x4IIQQ")
 HEADER_SIZE = _FIELDS.size + 8  # 72
 
@@ -48,6 +57,12 @@ class Header:
     payload_len: int
     checksum: int
     flags: int = 0
+    version: int = VERSION
+
+    @property
+    def tagged(self) -> bool:
+        """A ``TAG_SIZE``-byte integrity tag follows the header."""
+        return self.version == VERSION_TAGGED
 
 
 def payload_checksum(payload) -> int:
@@ -55,8 +70,9 @@ def payload_checksum(payload) -> int:
 
 
 def encode_header(key: bytes, shape, dtype: torch.dtype, num_tokens: int, payload,
-                  checksum: int | None = None, flags: int = 0) -> bytes:
-    """Header for ``payload`` (any buffer: bytes, memoryview, numpy array)."""
+                  checksum: int | None = None, flags: int = 0, tagged: bool = False) -> bytes:
+    """Header for ``payload`` (any buffer: bytes, memoryview, numpy array); ``tagged``
+    writes version 2, whose tag the caller appends (``lmc.integrity.Integrity.seal``)."""
     if len(key) != 16:
         raise ValueError(f"key must be 16 bytes, got {len(key)}")
     if len(shape) != 4:
@@ -65,13 +81,15 @@ def encode_header(key: bytes, shape, dtype: torch.dtype, num_tokens: int, payloa
         raise TypeError(f"dtype {dtype} has no serialisation code")
     mv = memoryview(payload).cast("B")
     csum = payload_checksum(mv) if checksum is None else checksum
-    body = _FIELDS.pack(MAGIC, VERSION, flags, key, DTYPE_CODES[dtype], *shape, num_tokens,
+    version = VERSION_TAGGED if tagged else VERSION
+    body = _FIELDS.pack(MAGIC, version, flags, key, DTYPE_CODES[dtype], *shape, num_tokens,
                         mv.nbytes, csum)
     return body + xxhash.xxh3_64_digest(body)
 
 
-def decode_header(buf, expected_key: bytes | None = None) -> Header:
-    """Parse and check a header (the first ``HEADER_SIZE`` bytes of ``buf``)."""
+def decode_header(buf, expected_key: bytes | None = None, tagged: bool = False) -> Header:
+    """Parse and check a header (the first ``HEADER_SIZE`` bytes of ``buf``). ``tagged``:
+    the reader has an integrity secret, so only version 2 is accepted; else only version 1."""
     mv = memoryview(buf).cast("B")
     if mv.nbytes < HEADER_SIZE:
         raise CorruptValue(f"value too short for a header: {mv.nbytes} < {HEADER_SIZE} bytes")
@@ -81,8 +99,15 @@ def decode_header(buf, expected_key: bytes | None = None) -> Header:
     magic, version, flags, key, code, s0, s1, s2, s3, ntok, plen, csum = _FIELDS.unpack(body)
     if magic != MAGIC:
         raise CorruptValue(f"bad magic {magic!r}")
-    if version != VERSION:
-        raise CorruptValue(f"unsupported format version {version} (this build reads {VERSION})")
+    if version not in (VERSION, VERSION_TAGGED):
+        raise CorruptValue(f"unsupported format version {version} (this build reads "
+                           f"{VERSION} and {VERSION_TAGGED})")
+    if tagged and version != VERSION_TAGGED:
+        raise CorruptValue("value has no integrity tag (written without integrity_secret; "
+                           "every engine sharing a store must use the same secret)")
+    if not tagged and version == VERSION_TAGGED:
+        raise CorruptValue("value carries an integrity tag but no integrity_secret is set "
+                           "here (every engine sharing a store must use the same secret)")
     if expected_key is not None and key != expected_key:
         raise CorruptValue(f"value holds key {key.hex()}, expected {expected_key.hex()}")
     dtype = CODE_DTYPES.get(code)
@@ -93,7 +118,7 @@ def decode_header(buf, expected_key: bytes | None = None) -> Header:
         raise CorruptValue(f"shape {shape} of {dtype} does not match payload length {plen}")
     if s2 != ntok:
         raise CorruptValue(f"token count {ntok} does not match shape {shape}")
-    return Header(key, dtype, shape, ntok, plen, csum, flags)
+    return Header(key, dtype, shape, ntok, plen, csum, flags, version)
 
 
 def verify_payload(header: Header, payload) -> None:

@@ -7,7 +7,8 @@ connections, each a pipeline whose payloads go between the socket and pool memor
 intermediate copies (``redis_wire``); reads stream windowed ``GETRANGE`` pieces so that the
 server never buffers more than a few MiB per connection (``redis_fetch``). A put first asks
 which keys the server already has (content addressing: same key, same bytes) and sends only
-the others. Every read checks the header key and both checksums; a bad value is a miss, is
+the others. Every read checks the header key and both checksums (and, with
+``integrity_secret``, the value's keyed tag: ``lmc.integrity``); a bad value is a miss, is
 deleted and is counted. The modules: ``redis_url`` (URL forms), ``redis_nodes`` (connections,
 cluster slots), ``redis_circuit`` (breaker), ``redis_jobs``/``redis_fetch`` (pipelines).
 
@@ -32,9 +33,10 @@ from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from lmc.config import CacheConfig
+from lmc.integrity import Integrity
 from lmc.memory import MemoryObj, MemoryPool
 from lmc.metrics import TierMetrics
-from lmc.serde import DTYPE_CODES, HEADER_SIZE
+from lmc.serde import DTYPE_CODES, HEADER_SIZE, TAG_SIZE
 from lmc.storage_backend import Key, StorageBackend, register_backend
 
 from . import redis_metrics as metrics
@@ -86,6 +88,8 @@ class RedisBackend(StorageBackend):
         self.connections = config.remote_connections
         self.get_piece = get_piece    # bytes per GETRANGE (see redis_fetch)
         self.get_window = get_window  # bytes requested ahead per connection
+        self.integrity = Integrity.from_config(config)
+        self.head = HEADER_SIZE + (TAG_SIZE if self.integrity else 0)  # bytes before payload
 
         def make_breaker(label: str) -> CircuitBreaker:
             listener = metrics.breaker_listener(label)
@@ -250,7 +254,7 @@ class RedisBackend(StorageBackend):
         self._dispatch(call, lambda c, idxs: SmallJob(c, idxs, (b"STRLEN",)),
                        Deadline(self.timeout), parallel=False)
         # STRLEN, not EXISTS: a value too short to hold a header is not there
-        out = [r is not None and r >= HEADER_SIZE for r in call.results]
+        out = [r is not None and r >= self.head for r in call.results]
         hits = sum(out)
         self._finish("contains", t0, call, hit=hits, miss=len(keys) - hits)
         return out
@@ -262,7 +266,8 @@ class RedisBackend(StorageBackend):
         results: list[Any] = [None] * len(keys)
         call = Call("get", keys, [self.remote_key(k) for k in keys], results)
         self._dispatch(call, lambda c, idxs: GetJob(c, idxs, self.pool.allocate,
-                                                    self.get_piece, self.get_window),
+                                                    self.get_piece, self.get_window,
+                                                    self.integrity),
                        Deadline(self.timeout), parallel=True)
         hits = sum(r is not None for r in results)
         self._finish("get", t0, call, hit=hits, miss=len(keys) - hits)
@@ -286,15 +291,16 @@ class RedisBackend(StorageBackend):
         verbs = [(b"PEXPIRE", b"%d" % self.px)] if self.px else []
         self._dispatch(probe, lambda c, idxs: SmallJob(c, idxs, *verbs, (b"STRLEN",)),
                        Deadline(self.timeout), parallel=False)
-        present = sum(r is not None and r >= HEADER_SIZE for r in probe.results)
-        todo = [i for i, r in enumerate(probe.results) if r is not None and r < HEADER_SIZE]
+        present = sum(r is not None and r >= self.head for r in probe.results)
+        todo = [i for i, r in enumerate(probe.results) if r is not None and r < self.head]
         stored = 0
         call = Call("put", keys, rkeys, [False] * len(keys))
         if todo:
             sub = Call("put", [keys[i] for i in todo], [rkeys[i] for i in todo],
                        [False] * len(todo))
             sub_objs = [objs[i] for i in todo]
-            self._dispatch(sub, lambda c, idxs: SetJob(c, idxs, sub_objs, self.px),
+            self._dispatch(sub, lambda c, idxs: SetJob(c, idxs, sub_objs, self.px,
+                                                       self.integrity),
                            Deadline(self.timeout, idle=True), parallel=True)
             stored = sum(r is True for r in sub.results)
             call = sub

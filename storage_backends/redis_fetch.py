@@ -13,7 +13,9 @@ the rest follows as further pieces, each received straight into its slice of the
 Requests are streamed: a new one goes out as each reply is consumed, so the pipe never drains.
 A value that turns out shorter or longer than its header (the last request asks for one byte
 past the end), whose header is bad, or whose checksum fails is a miss, deleted and counted.
-Keys with no value (an empty reply) are plain misses.
+Keys with no value (an empty reply) are plain misses. With an integrity secret the value's
+head is the header and its tag (``lmc.integrity``), and a tag that does not verify is a miss,
+deleted and counted like a bad checksum; the payload is checked where it landed, in place.
 """
 
 from __future__ import annotations
@@ -22,8 +24,16 @@ import logging
 from collections import deque
 from collections.abc import Sequence
 
+from lmc.integrity import Integrity
 from lmc.memory import MemoryObj
-from lmc.serde import HEADER_SIZE, CorruptValue, Header, decode_header, verify_payload
+from lmc.serde import (
+    HEADER_SIZE,
+    TAG_SIZE,
+    CorruptValue,
+    Header,
+    decode_header,
+    verify_payload,
+)
 
 from .redis_jobs import Allocate, Call, Job, payload_view
 from .redis_wire import Deadline, ReplyError, WireConn, command
@@ -34,11 +44,12 @@ log = logging.getLogger(__name__)
 class _Open:
     """A value being received: its object and how much of it has arrived."""
 
-    __slots__ = ("obj", "hdr", "view", "vlen", "pieces_left")
+    __slots__ = ("obj", "hdr", "head", "view", "vlen", "pieces_left")
 
-    def __init__(self, obj: MemoryObj, hdr: Header, vlen: int) -> None:
+    def __init__(self, obj: MemoryObj, hdr: Header, head: bytes, vlen: int) -> None:
         self.obj = obj
         self.hdr = hdr
+        self.head = head  # header (and tag): what the integrity check needs at the end
         self.view = payload_view(obj)
         self.vlen = vlen
         self.pieces_left = 0
@@ -50,10 +61,13 @@ class GetJob(Job):
     op = "get"
 
     def __init__(self, call: Call, idxs: Sequence[int], allocate: Allocate,
-                 piece: int = 1 << 20, window: int = 4 << 20) -> None:
+                 piece: int = 1 << 20, window: int = 4 << 20,
+                 integrity: Integrity | None = None) -> None:
         super().__init__(call, idxs)
-        if piece <= HEADER_SIZE:
-            raise ValueError(f"piece size must exceed the {HEADER_SIZE}-byte header")
+        self.integrity = integrity
+        self.hsize = HEADER_SIZE + (TAG_SIZE if integrity else 0)  # bytes before the payload
+        if piece <= self.hsize:
+            raise ValueError(f"piece size must exceed the {self.hsize}-byte header")
         self.allocate = allocate
         self.piece = piece
         # the first request takes a bit more, so that a value of one piece plus its header
@@ -103,7 +117,7 @@ class GetJob(Job):
         while self._pending:
             i, off = self._pending.popleft()
             if off == 0:
-                r = wc.read_value(dl, HEADER_SIZE, lambda head, n, i=i: self._first(i, head, n))
+                r = wc.read_value(dl, self.hsize, lambda head, n, i=i: self._first(i, head, n))
             else:
                 r = wc.read_value(dl, 0, lambda _h, n, i=i, off=off: self._next_piece(i, off, n))
             if isinstance(r, ReplyError):
@@ -125,8 +139,9 @@ class GetJob(Job):
         if n == 0:
             return None  # no value under this key
         try:
-            hdr = decode_header(head, expected_key=self.call.keys[i])
-            vlen = HEADER_SIZE + hdr.payload_len
+            hdr = decode_header(head, expected_key=self.call.keys[i],
+                                tagged=self.integrity is not None)
+            vlen = self.hsize + hdr.payload_len
             if n != min(self.first, vlen):  # a longer value shows in its last piece
                 raise CorruptValue(f"value is {n} bytes, its header says {vlen}")
         except CorruptValue as e:
@@ -136,12 +151,12 @@ class GetJob(Job):
         if obj is None:  # pool full: a miss, not an error
             self.call.alloc_failures += 1
             return None
-        st = self._open[i] = _Open(obj, hdr, vlen)
+        st = self._open[i] = _Open(obj, hdr, bytes(head), vlen)
         self._est = min(self.piece, vlen)
         for off in range(self.first, vlen + 1, self.piece):
             self._more.append((i, off))
             st.pieces_left += 1
-        return st.view[: n - HEADER_SIZE]
+        return st.view[: n - self.hsize]
 
     def _next_piece(self, i: int, off: int, n: int) -> memoryview | None:
         st = self._open.get(i)
@@ -155,12 +170,15 @@ class GetJob(Job):
             return None
         if n == 0:
             return None
-        return st.view[off - HEADER_SIZE: off - HEADER_SIZE + n]
+        return st.view[off - self.hsize: off - self.hsize + n]
 
     def _finish(self, i: int, st: _Open) -> None:
         del self._open[i]
         try:
             verify_payload(st.hdr, st.view)
+            if self.integrity is not None:
+                self.integrity.check(self.call.keys[i], st.head[:HEADER_SIZE],
+                                     st.head[HEADER_SIZE:], st.view)
         except CorruptValue as e:
             st.obj.release()
             self._corrupt(i, e)

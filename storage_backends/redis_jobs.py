@@ -15,9 +15,11 @@ from typing import Any
 
 import torch
 
+from lmc.integrity import Integrity
 from lmc.memory import MemoryObj
 from lmc.serde import (
     HEADER_SIZE,
+    TAG_SIZE,
     encode_header,
 )
 
@@ -118,17 +120,23 @@ class SetJob(Job):
     op = "put"
 
     def __init__(self, call: Call, idxs: Sequence[int], objs: Sequence[MemoryObj],
-                 px: int) -> None:
+                 px: int, integrity: Integrity | None = None) -> None:
         super().__init__(call, idxs)
         self.objs = objs
         self.px = px
+        self.integrity = integrity
+        self.head = HEADER_SIZE + (TAG_SIZE if integrity else 0)
 
     def send(self, wc: WireConn, dl: Deadline) -> None:
         keys, rkeys = self.call.keys, self.call.rkeys
+        seal = self.integrity
         for i in self.idxs:
             obj = self.objs[i]
             payload = payload_view(obj)
-            header = encode_header(keys[i], obj.shape, obj.dtype, obj.num_tokens, payload)
+            header = encode_header(keys[i], obj.shape, obj.dtype, obj.num_tokens, payload,
+                                   tagged=seal is not None)
+            if seal is not None:
+                header += seal.seal(keys[i], header, payload)
             out = Outbox()
             out.add_set(rkeys[i], header, payload, self.px)
             wc.send(out.finish(), dl)
@@ -139,6 +147,6 @@ class SetJob(Job):
             r = wc.read_reply(dl)
             if r == "OK":
                 res[i] = True
-                self.call.nbytes += HEADER_SIZE + self.objs[i].nbytes
+                self.call.nbytes += self.head + self.objs[i].nbytes
             elif isinstance(r, ReplyError):
                 self.call.reply_errors.append(r)

@@ -22,6 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 from lmc.config import CacheConfig
+from lmc.integrity import Integrity
 from lmc.memory import MemoryObj, MemoryPool
 from lmc.serde import DTYPE_CODES
 from lmc.server import protocol as P
@@ -47,6 +48,11 @@ class ServerBackend(StorageBackend):
             raise ValueError("the server tier needs remote_url: lmc://host:port or "
                              "lmc+unix:///path")
         self.address = Address.parse(url)
+        if Integrity.from_config(config) is not None:  # never serve a shared value unchecked
+            raise ValueError(
+                "integrity_secret is set, but the lmc:// tier cannot carry integrity tags yet "
+                "(the daemon keeps only the value's header fields); use a redis:// tier for "
+                "tagged values or unset integrity_secret (docs/integrity.md)")
         self.url = f"lmc://{self.address}"
         self.namespace = namespace or self.address.namespace or config.remote_key_prefix
         self.pool = pool

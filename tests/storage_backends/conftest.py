@@ -15,10 +15,16 @@ import signal
 import socket
 import subprocess
 import time
+import uuid
 from pathlib import Path
+from typing import Any
 
 import pytest
 import redis
+
+from lmc.config import CacheConfig
+from lmc.memory import MemoryPool
+from lmc.storage_backend import create_backend
 
 REDIS_SERVER = shutil.which("redis-server")
 REDIS_CLI = shutil.which("redis-cli")
@@ -249,3 +255,25 @@ def tls_redis(tmp_path_factory):
         raise
     yield s
     s.stop()
+
+
+@pytest.fixture
+def tiers():
+    """``make(url, **config)`` → a tier over its own pool; all closed (and leak-checked) after."""
+    made: list[Any] = []
+
+    def make(url: str, pool_size: int = 32 << 20, tier_kw: dict | None = None,
+             **cfg: Any) -> Any:
+        cfg.setdefault("remote_key_prefix", f"t{uuid.uuid4().hex[:10]}")
+        cfg.setdefault("remote_timeout", 5.0)
+        config = CacheConfig(remote_url=url, **cfg)
+        pool = MemoryPool(pool_size, pin_memory="false")
+        t = create_backend(url, config, pool, **(tier_kw or {}))
+        made.append(t)
+        return t
+
+    yield make
+    for t in made:
+        t.close()
+        assert t.pool.used_bytes == 0, "the tier kept or leaked pool memory"
+        t.pool.close()

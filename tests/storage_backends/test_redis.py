@@ -17,37 +17,13 @@ from lmc.storage_backends.redis_url import parse_target
 from prometheus_client import REGISTRY
 
 from lmc.config import CacheConfig
-from lmc.memory import MemoryPool
 from lmc.serde import HEADER_SIZE
-from lmc.storage_backend import create_backend
 
 from .conftest import RedisServer, free_port, require_redis
 
 pytestmark = pytest.mark.integration
 SHAPE = (2, 2, 16, 64)
 SLACK = 0.35  # scheduling slack on a loaded 2-core machine, on top of the configured timeout
-
-
-@pytest.fixture
-def tiers():
-    """``make(url, **config)`` → a tier over its own pool; all closed (and leak-checked) after."""
-    made: list[RedisBackend] = []
-
-    def make(url: str, pool_size: int = 32 << 20, tier_kw: dict | None = None,
-             **cfg) -> RedisBackend:
-        cfg.setdefault("remote_key_prefix", f"t{uuid.uuid4().hex[:10]}")
-        cfg.setdefault("remote_timeout", 5.0)
-        config = CacheConfig(remote_url=url, **cfg)
-        pool = MemoryPool(pool_size, pin_memory="false")
-        t = create_backend(url, config, pool, **(tier_kw or {}))
-        made.append(t)
-        return t
-
-    yield make
-    for t in made:
-        t.close()
-        assert t.pool.used_bytes == 0, "the tier kept or leaked pool memory"
-        t.pool.close()
 
 
 def chunks(tier: RedisBackend, n: int, shape=SHAPE, dtype=torch.float16, tokens=None):

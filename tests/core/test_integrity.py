@@ -1,0 +1,80 @@
+"""Keyed integrity tags (lmc.integrity): what verifies, what is refused, and the secret's
+configuration (never shown)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from lmc.config import CacheConfig
+from lmc.integrity import Integrity
+from lmc.serde import HEADER_SIZE, TAG_SIZE, CorruptValue, decode_header, encode_header
+
+SECRET = "0123456789abcdef0123456789abcdef"
+KEY = bytes(range(16))
+
+
+def _value(n: int = 4096) -> tuple[bytes, bytes]:
+    payload = os.urandom(n)
+    header = encode_header(KEY, (1, 1, n // 4, 1), torch.float32, n // 4, payload, tagged=True)
+    return header, payload
+
+
+def test_seal_then_check_and_every_flip_refused():
+    it = Integrity(SECRET)
+    header, payload = _value()
+    tag = it.seal(KEY, header, payload)
+    assert len(tag) == TAG_SIZE
+    it.check(KEY, header, tag, payload)
+    assert it.seal(KEY, header, payload) != tag  # fresh nonce per value
+    for _name, k, h, t, p in [
+        ("payload", KEY, header, tag, payload[:100] + bytes([payload[100] ^ 1]) + payload[101:]),
+        ("header", KEY, header[:40] + bytes([header[40] ^ 1]) + header[41:], tag, payload),
+        ("nonce", KEY, header, bytes([tag[0] ^ 1]) + tag[1:], payload),
+        ("mac", KEY, header, tag[:-1] + bytes([tag[-1] ^ 1]), payload),
+        ("other key", b"\xff" * 16, header, tag, payload),
+        ("short tag", KEY, header, tag[:-1], payload),
+        ("truncated payload", KEY, header, tag, payload[:-1]),
+    ]:
+        with pytest.raises(CorruptValue):
+            it.check(k, h, t, p)
+
+
+def test_wrong_secret_refused():
+    header, payload = _value()
+    tag = Integrity(SECRET).seal(KEY, header, payload)
+    with pytest.raises(CorruptValue, match="does not verify"):
+        Integrity(SECRET[::-1]).check(KEY, header, tag, payload)
+
+
+def test_reader_accepts_only_its_own_version():
+    header, payload = _value()
+    assert decode_header(header, KEY, tagged=True).tagged
+    with pytest.raises(CorruptValue, match="no integrity_secret is set here"):
+        decode_header(header, KEY)
+    plain = encode_header(KEY, (1, 1, 1024, 1), torch.float32, 1024, payload)
+    assert not decode_header(plain, KEY).tagged
+    with pytest.raises(CorruptValue, match="no integrity tag"):
+        decode_header(plain, KEY, tagged=True)
+    assert len(header) == len(plain) == HEADER_SIZE
+
+
+def test_secret_configuration(tmp_path):
+    assert Integrity.from_config(CacheConfig()) is None
+    with pytest.raises(ValueError, match="at least 16 bytes"):
+        Integrity.from_config(CacheConfig(integrity_secret="short"))
+    f = tmp_path / "secret"
+    f.write_text(SECRET + "\n")
+    header, payload = _value()
+    from_file = Integrity.from_config(CacheConfig(integrity_secret_file=str(f)))
+    Integrity(SECRET).check(KEY, header, from_file.seal(KEY, header, payload), payload)
+    with pytest.raises(ValueError, match="not both"):
+        Integrity.from_config(CacheConfig(integrity_secret=SECRET, integrity_secret_file=str(f)))
+    with pytest.raises(ValueError, match="cannot read"):
+        Integrity.from_config(CacheConfig(integrity_secret_file=str(tmp_path / "none")))
+    env = CacheConfig.load(environ={"LMC_INTEGRITY_SECRET": SECRET})
+    assert env.integrity_secret == SECRET
+    assert SECRET not in repr(env) and SECRET not in repr(Integrity(SECRET))
+    assert SECRET not in repr(CacheConfig(remote_token=SECRET))
