@@ -111,8 +111,10 @@ def check_known_keys(data: Mapping[str, Any], valid: tuple[str, ...], origin: st
             raise ValueError(f"unknown {what} key {key!r} in {origin}{hint}")
 
 
-def _field(default: Any, parse, doc: str) -> Any:
-    return dataclasses.field(default=default, metadata={"parse": parse, "doc": doc})
+def _field(default: Any, parse, doc: str, secret: bool = False) -> Any:
+    """A config key; a ``secret`` one is left out of the config's repr (so never logged)."""
+    return dataclasses.field(default=default, repr=not secret,
+                             metadata={"parse": parse, "doc": doc})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -147,7 +149,14 @@ class CacheConfig:
         None, _parse_opt_str,
         "remote tier: redis://, rediss://, redis+cluster://host:port,... (unset = none)")
     remote_token: str | None = _field(
-        None, _parse_opt_str, "shared token sent to an lmc:// cache server (never logged)")
+        None, _parse_opt_str, "shared token sent to an lmc:// cache server (never logged)",
+        secret=True)
+    integrity_secret: str | None = _field(
+        None, _parse_opt_str,
+        "secret (>= 16 bytes) keying a tag on every value of a shared (Redis) tier; values "
+        "without a valid tag are misses (never logged; docs/integrity.md)", secret=True)
+    integrity_secret_file: str | None = _field(
+        None, _parse_opt_str, "file holding integrity_secret (instead of the value itself)")
     remote_timeout: float = _field(
         1.0, lambda v, k: _parse_float(v, k, minimum=0.001),
         "seconds any remote call may take before it counts as a miss")
