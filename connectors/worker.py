@@ -17,6 +17,14 @@ step, so layer i of all requests is in place before anything waits on layer i+1:
 of layer i+1 overlaps the compute of layer i. Saves go on the same I/O thread after the
 loads, so they never delay a load the model waits for.
 
+Stream ordering (CUDA): copies run on lmc's copy stream. ``wait_for_layer(i)`` makes the
+engine's current stream wait for layer i's load event (the host waits only until the copy is
+enqueued); ``save_layer(i)`` records a point on the engine's current stream and the gather
+starts after it, so it never reads KV the forward has not written. ``wait_for_save`` blocks
+the host until every copy of the step has completed, so the step's blocks are free to reuse
+after it. Slot mappings are built on the host from the block ids and stay there: planning a
+copy never waits for the device.
+
 A failed load (a chunk evicted between lookup and load, a tier error, a layer's copy raising)
 never raises into the engine: the request's blocks from the first bad position on are
 reported, its saves of this step are dropped (its compute read bad input), and the engine
@@ -38,6 +46,7 @@ import torch
 from lmc.connectors.metadata import ConnectorMetadata, LoadSpec, SaveSpec
 
 from lmc.cache_engine import CacheEngine
+from lmc.completion import current_stream
 from lmc.kv_spec import KVCaches
 from lmc.layerwise import LayerwiseRetrieve, LayerwiseStore, LoadError
 
@@ -123,8 +132,8 @@ class WorkerConnector:
     # ------------------------------------------------------------------ helpers
     def _slots(self, block_ids: tuple[int, ...], num_tokens: int, lo: int, hi: int
                ) -> torch.Tensor:
-        t = torch.from_numpy(slot_mapping(block_ids, self.block_size, num_tokens, lo, hi))
-        return t if self.device.type == "cpu" else t.to(self.device, non_blocking=True)
+        # host slots on purpose: lmc plans from them without a device sync
+        return torch.from_numpy(slot_mapping(block_ids, self.block_size, num_tokens, lo, hi))
 
     def _fail(self, spec: LoadSpec, position: int, why: str) -> None:
         """Mark positions ``[position, spec.end)`` of a load as not loaded."""
@@ -204,25 +213,39 @@ class WorkerConnector:
         if self.layerwise:
             ex = self.engine.executor()
             self._layer_futures = [ex.submit(self._load_layer, i) for i in range(self.num_layers)]
-        else:
+        else:  # everything in place before the forward starts
             for i in range(self.num_layers):
                 self._load_layer(i)
+                self._wait_loads(i, None)
 
     def _load_layer(self, layer: int) -> None:
+        """Issue ``layer``'s load for every request (I/O thread); nothing waits for it here."""
         t0 = time.perf_counter()
         for a in self._loads:
             if a.failed or a.retrieve is None:
                 continue
             try:
-                a.retrieve.load(layer)
+                a.retrieve.issue(layer)
             except LoadError as e:
                 a.failed = True
                 self._fail(a.spec, a.spec.start, str(e))
         with self._lock:
             self.stats.load_seconds += time.perf_counter() - t0
 
+    def _wait_loads(self, layer: int, stream: object) -> None:
+        """Order ``stream`` (the host when None) after every request's load of ``layer``."""
+        for a in self._loads:
+            if a.failed or a.retrieve is None:
+                continue
+            try:
+                a.retrieve.wait(layer, stream)
+            except LoadError as e:
+                a.failed = True
+                self._fail(a.spec, a.spec.start, str(e))
+
     def wait_for_layer(self, layer: int) -> None:
-        """Block until ``layer``'s loads are in the cache. Never raises for a failed load:
+        """``layer``'s loads are in the cache before the engine's current stream reads it
+        (the host blocks on the CPU, where it is the stream). Never raises for a failed load:
         that request's blocks are reported by :meth:`take_load_errors` instead."""
         if not self._layer_futures:
             return
@@ -235,15 +258,19 @@ class WorkerConnector:
                 if not a.failed:
                     a.failed = True
                     self._fail(a.spec, a.spec.start, f"{type(e).__name__}: {e}")
+        self._wait_loads(layer, current_stream(self.device))
         self.stats.load_wait_seconds += time.perf_counter() - t0
 
     def save_layer(self, layer: int) -> None:
         """``layer``'s K/V for this step are in the cache: queue their gather."""
         if self._stores is None:
             self._stores = self._plan_stores()
+        if not self._stores:
+            return
+        after = self._stores[0][1].tr.record_event()  # the forward has written this layer
         for spec, st in self._stores:
             try:
-                st.save(layer)
+                st.save(layer, after=after)
             except Exception:
                 log.exception("lmc: saving layer %d of request %s failed", layer,
                               spec.request_id)

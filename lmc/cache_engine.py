@@ -21,7 +21,7 @@ import torch
 
 from lmc.config import CacheConfig
 from lmc.kv_spec import KVCaches, KVSpec
-from lmc.layerwise import LayerwiseRetrieve, LayerwiseStore
+from lmc.layerwise import CopyLease, LayerwiseRetrieve, LayerwiseStore
 from lmc.memory import Lease, MemoryObj, MemoryPool
 from lmc.metrics import EngineMetrics
 from lmc.storage_backend import Key, StorageBackend, create_backend
@@ -174,9 +174,9 @@ class CacheEngine:
         chunks, objs = self._plan_store(tokens, tr, slots, mask)
         if not chunks:
             return 0
-        with Lease(objs):
-            tr.gather(tr.plan(slots, [(s, e) for s, e, _ in chunks]), [o.tensor for o in objs])
-            tr.synchronize()
+        with CopyLease(objs) as lease:  # the gather owns objs until its handle is done
+            plan = tr.plan(slots, [(s, e) for s, e, _ in chunks])
+            lease.attach(tr.gather(plan, [o.tensor for o in objs])).wait()
             self.storage.put([k for _, _, k in chunks], objs)
         n = sum(e - s for s, e, _ in chunks)
         self.metrics.transfer("store", n, sum(o.nbytes for o in objs), time.perf_counter() - t0)
@@ -258,11 +258,10 @@ class CacheEngine:
         chunks, objs = self._fetch(tokens, mask)
         if not chunks:
             return 0
-        with Lease(objs):
+        with CopyLease(objs) as lease:  # the scatter owns objs until its handle is done
             arrays = [o.array for o in objs] if tr.device.type == "cpu" else None
-            tr.scatter(tr.plan(slots, [(s, e) for s, e, _ in chunks]), [o.tensor for o in objs],
-                       arrays=arrays)
-            tr.synchronize()
+            plan = tr.plan(slots, [(s, e) for s, e, _ in chunks])
+            lease.attach(tr.scatter(plan, [o.tensor for o in objs], arrays=arrays)).wait()
         self._unpin_keys([k for _, _, k in chunks])
         n = sum(e - s for s, e, _ in chunks)
         self.metrics.transfer("retrieve", n, sum(o.nbytes for o in objs),

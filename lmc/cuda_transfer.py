@@ -7,8 +7,9 @@ device (CuPy also caches the binary on disk).
 How a call runs (all on one CUDA stream, the caller's or the current one):
 
 1. ``plan(slots, ranges)`` uploads, once, a ``[2, tokens]`` table: each token's slot and its
-   (chunk, row) destination. It checks the slots against the cache size (one sync, as the
-   torch path does).
+   (chunk, row) destination. It never waits for the device: host slots (what the connectors
+   pass) are checked on the host and uploaded asynchronously; device slots are planned on the
+   device, and a slot past the cache is skipped there and raised by the handle's host wait.
 2. ``gather``/``scatter`` upload a small int64 table (per-plane strides, per-(layer, plane)
    cache addresses, per-(chunk, layer, plane) buffer addresses) and launch one kernel.
 3. Host chunk buffers are reached one of two ways, chosen per direction (``gather_mode``,
@@ -27,11 +28,11 @@ How a call runs (all on one CUDA stream, the caller's or the current one):
    engine sustains link rate, and the on-device scatter afterwards costs ~2-3% at HBM speed).
    Pageable host buffers always take the staged path; device buffers always the direct one.
 
-Waiting: ``gather``/``scatter`` return a ``torch.cuda.Event`` recorded after the call's work, so
-layer-wise callers do ``ev = tr.scatter(plan, bufs, layers=[i], stream=side)`` and later
-``ev.wait(compute_stream)`` (or ``ev.synchronize()``); ``record_event(stream)`` gives one at any
-point and ``synchronize()`` waits for everything issued through this object. As with any
-side-stream work in torch, the caller keeps ``bufs`` alive until the event has completed.
+Waiting: ``gather``/``scatter`` return an :class:`~lmc.completion.EventCompletion` on an event
+recorded after the call's work, and start only after their ``after`` handle, so layer-wise
+callers do ``h = tr.scatter(plan, bufs, layers=[i], stream=side, after=tr.record_event())``
+and later ``h.wait(compute_stream)`` (or ``h.wait()`` on the host); ``synchronize()`` waits for
+everything issued through this object. The caller keeps ``bufs`` alive until ``h.done()``.
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from lmc.completion import Completion, EventCompletion
 from lmc.kv_layouts import PlaneStrides
 from lmc.kv_spec import KVCaches, KVSpec
 from lmc.transfer import ChunkPlan, KVTransfer, TransferPlan
@@ -202,6 +204,7 @@ class CudaPlan(TransferPlan):
     n_tokens: int = 0
     stream: Any = None                  # stream the upload ran on
     ready: Any = None                   # event after the upload
+    bad_slots: Any = None               # device slots: device flag, a slot past the cache
     places: dict[int, tuple[str, int]] = dataclasses.field(default_factory=dict)
 
 
@@ -274,8 +277,6 @@ def kernel_geometry(spec: KVSpec, strides: Sequence[PlaneStrides]) -> np.ndarray
     return np.array(rows, dtype=np.int64)
 
 
-
-
 # --------------------------------------------------------------------------- the transfer
 class CudaTransfer(KVTransfer):
     """Gather/scatter with the ``kv_transfer.cu`` kernels; see the module docstring.
@@ -338,7 +339,8 @@ class CudaTransfer(KVTransfer):
         if slots.dim() != 1 or slots.dtype not in (torch.int32, torch.int64):
             raise ValueError(f"slots must be a 1-D int32/int64 tensor, got shape "
                              f"{tuple(slots.shape)} {slots.dtype}")
-        if slots.device != self.device:
+        host = self._is_host(slots)
+        if not host and slots.device != self.device:
             raise ValueError(f"slots are on {slots.device}, the KV cache is on {self.device}")
         slots = slots.to(torch.int64)
         n_all = slots.numel()
@@ -346,14 +348,18 @@ class CudaTransfer(KVTransfer):
         for s, e in ranges:
             if not 0 <= s <= e <= n_all:
                 raise ValueError(f"range ({s}, {e}) is outside the {n_all} planned slots")
-        holes = [False] * len(ranges)
-        if n_all:
-            lo, hi = (int(x) for x in torch.aminmax(slots))
+        # Host slots (what connectors pass) are checked here; device slots are never read
+        # back (that would sync the engine's stream): every chunk may have holes, and a slot
+        # past the cache is skipped on the device and reported when the copy is waited for.
+        holes = [not host] * len(ranges)
+        host_slots = slots.numpy() if host else None
+        if n_all and host_slots is not None:
+            lo, hi = int(host_slots.min()), int(host_slots.max())
             if hi >= self.num_slots:
                 raise ValueError(f"slot_mapping holds slot {hi}, but the KV cache has only "
                                  f"{self.num_slots} slots")
             if lo < 0:
-                neg = (slots < 0).cpu().numpy()
+                neg = host_slots < 0
                 holes = [bool(neg[s:e].any()) for s, e in ranges]
         if n_all == 0 or not ranges:  # as the torch path: nothing to plan, no chunks
             return CudaPlan([])
@@ -366,31 +372,46 @@ class CudaTransfer(KVTransfer):
         chunk_of = np.repeat(np.arange(len(ranges), dtype=np.int64), counts)
         row = idx - np.repeat(np.array([s for s, _ in ranges], dtype=np.int64), counts)
         stream = self.backend.stream(None)
+        bad = None
         with self.backend.context(stream):
-            up = self.backend.upload(np.stack([idx, (chunk_of << 32) | row]))
-            tokens = torch.stack([slots.index_select(0, up[0]), up[1]])
+            if host_slots is not None:  # one asynchronous upload, nothing read back
+                tokens = self.backend.upload(np.stack([host_slots[idx], (chunk_of << 32) | row]))
+            else:
+                up = self.backend.upload(np.stack([idx, (chunk_of << 32) | row]))
+                col = slots.index_select(0, up[0])
+                over = col >= self.num_slots
+                tokens = torch.stack([torch.where(over, -1, col), up[1]])
+                bad = over.any()
             ready = self.backend.event(stream)
-        return CudaPlan(chunks, counts, holes, tokens, n_tokens, stream, ready)
+        return CudaPlan(chunks, counts, holes, tokens, n_tokens, stream, ready, bad_slots=bad)
+
+    def _is_host(self, slots: torch.Tensor) -> bool:
+        """Whether ``slots`` can be read on the host without a device sync (the backend may
+        say: an emulation keeps 'device' tensors in host memory)."""
+        is_host = getattr(self.backend, "is_host", None)
+        return is_host(slots) if is_host is not None else slots.device.type == "cpu"
 
     # --------------------------------------------------------------------- execute
     def gather(self, plan: TransferPlan, bufs: Sequence[torch.Tensor],
-               layers: Iterable[int] | None = None, *,
-               stream: torch.cuda.Stream | None = None) -> Any:
-        """Cache -> ``bufs``. Returns a ``torch.cuda.Event`` recorded after the work."""
-        return self._run(plan, bufs, layers, stream, to_cache=False)
+               layers: Iterable[int] | None = None, *, after: Completion | None = None,
+               stream: torch.cuda.Stream | None = None) -> Completion:
+        """Cache -> ``bufs`` on ``stream`` once ``after`` is reached; a handle on an event
+        recorded after the work."""
+        return self._run(plan, bufs, layers, stream, after, to_cache=False)
 
     def scatter(self, plan: TransferPlan, bufs: Sequence[torch.Tensor],
                 layers: Iterable[int] | None = None, arrays: Any = None, *,
-                stream: torch.cuda.Stream | None = None) -> Any:
-        """``bufs`` -> cache. Returns a ``torch.cuda.Event`` recorded after the work.
-        ``arrays`` (numpy views for the CPU path) is ignored."""
-        return self._run(plan, bufs, layers, stream, to_cache=True)
+                after: Completion | None = None,
+                stream: torch.cuda.Stream | None = None) -> Completion:
+        """``bufs`` -> cache, as :meth:`gather`. ``arrays`` (numpy views for the CPU path) is
+        ignored."""
+        return self._run(plan, bufs, layers, stream, after, to_cache=True)
 
-    def record_event(self, stream: torch.cuda.Stream | None = None) -> Any:
-        """An event on ``stream`` (default: the current one) after everything issued to it."""
+    def record_event(self, stream: torch.cuda.Stream | None = None) -> Completion:
+        """A point on ``stream`` (default: the current one) after everything issued to it."""
         stream = self.backend.stream(stream)
         with self.backend.context(stream):
-            return self.backend.event(stream)
+            return EventCompletion(self.backend.event(stream))
 
     def synchronize(self) -> None:
         """Wait for the last call issued on every stream this object has used."""
@@ -435,7 +456,8 @@ class CudaTransfer(KVTransfer):
         return plan.places[key]
 
     def _run(self, plan: TransferPlan, bufs: Sequence[torch.Tensor],
-             layers: Iterable[int] | None, stream: Any, to_cache: bool) -> Any:
+             layers: Iterable[int] | None, stream: Any, after: Completion | None,
+             to_cache: bool) -> Completion:
         if not isinstance(plan, CudaPlan):
             raise TypeError("plan must come from this CudaTransfer's plan(), got "
                             f"{type(plan).__name__}")
@@ -447,6 +469,8 @@ class CudaTransfer(KVTransfer):
         mode = self.scatter_mode if to_cache else self.gather_mode
         with self.backend.context(stream):
             places = [self._place(plan, i, b) for i, b in enumerate(bufs)]
+            if after is not None:
+                after.wait(stream)
             if plan.n_tokens and lids:
                 self.backend.wait(stream, plan)
                 staged = [kind == "host" or (kind == "mapped" and mode == "staged")
@@ -455,7 +479,7 @@ class CudaTransfer(KVTransfer):
             ev = self.backend.event(stream)
         with self._lock:
             self._pending[getattr(stream, "cuda_stream", 0)] = ev
-        return ev
+        return EventCompletion(ev, plan.bad_slots)
 
     def _launch(self, plan: CudaPlan, bufs: list[torch.Tensor], lids: list[int],
                 places: list[tuple[str, int]], staged_list: list[bool], stream: Any,

@@ -6,23 +6,69 @@ computes (torch and numpy release the GIL while copying). Store: ``save(i)`` que
 gather once the layer's KV is in the cache; ``commit()`` waits for all of them and only then
 makes the chunks visible. A failure in any layer fails the whole operation: nothing partial is
 stored, and a failed load is reported so that the engine recomputes those tokens.
+
+Ordering and ownership (see :mod:`lmc.completion`): each layer's copy has one completion
+handle. Copies run on lmc's copy stream; a save starts after a point recorded on the caller's
+stream at ``save`` time, a retrieve's loads after a point recorded when it was created, and
+``wait(i, stream)`` makes the engine's stream (not the host) wait for layer i's load. The chunk
+buffers stay leased until every handle is done: ``commit``, ``close`` and ``abort`` wait first.
 """
 
 from __future__ import annotations
 
+import logging
+import threading
 import time
-from concurrent.futures import Future
-from typing import TYPE_CHECKING
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
 
+from lmc import completion
+from lmc.completion import DONE, Completion, FutureCompletion, copy_stream, wait_all
 from lmc.memory import Lease, MemoryObj
 from lmc.transfer import KVTransfer, TransferPlan
 
 if TYPE_CHECKING:
     from lmc.cache_engine import CacheEngine, Chunk
 
+log = logging.getLogger(__name__)
+
 
 class LoadError(RuntimeError):
     """A layer failed to load: the tokens of this retrieve must be recomputed."""
+
+
+class CopyLease(Lease):
+    """A :class:`Lease` whose memory is under asynchronous copies (``attach`` their handles).
+
+    ``release`` enforces the ownership rule: callers must have waited for every attached copy.
+    One that did not is a bug: the lease still waits (the memory is never reused under a
+    copy), then raises in strict mode (debug pools, ``lmc.completion.STRICT``) or logs it.
+    """
+
+    def __init__(self, objs: Iterable[MemoryObj | None]) -> None:
+        super().__init__(objs)
+        self.handles: list[Completion] = []
+
+    def __enter__(self) -> CopyLease:  # type: ignore[override]  # callers attach handles
+        return self
+
+    def attach(self, handle: Completion) -> Completion:
+        self.handles.append(handle)
+        return handle
+
+    def release(self) -> None:
+        handles, self.handles = self.handles, []
+        pending = [h for h in handles if not h.done()]
+        if pending:
+            wait_all(pending)
+        strict = completion.STRICT or bool(self.objs and self.objs[0].pool.debug)
+        super().release()
+        if pending:
+            msg = (f"pool memory released with {len(pending)} copy(ies) still in flight: a "
+                   "wait is missing before the release (waited there instead)")
+            if strict:
+                raise AssertionError(msg)
+            log.error(msg)
 
 
 class _Layerwise:
@@ -32,12 +78,14 @@ class _Layerwise:
         self.tr = tr
         self.plan = plan
         self.chunks = chunks
-        self.lease = Lease(objs)
+        self.lease = CopyLease(objs)
         self.bufs = [o.tensor for o in objs]
         self.num_layers = engine.spec.num_layers
         self.num_tokens = sum(e - s for s, e, _ in chunks)
         self.nbytes = sum(o.nbytes for o in objs)
-        self._futures: dict[int, Future] = {}
+        self.stream = copy_stream(tr.device)
+        self._handles: dict[int, Completion] = {}
+        self._lock = threading.Lock()
         self._done = False
         self._t0 = time.perf_counter()
 
@@ -47,12 +95,16 @@ class _Layerwise:
         if self._done:
             raise RuntimeError(f"{type(self).__name__} already finished")
 
-    def _drain(self) -> BaseException | None:
-        err = None
-        for f in self._futures.values():
-            e = f.exception()
-            err = err or e
-        return err
+    def _record(self, layer: int, handle: Completion) -> Completion:
+        with self._lock:
+            self._handles[layer] = self.lease.attach(handle)
+        return handle
+
+    def _wait_all(self) -> BaseException | None:
+        """Block until every issued copy has completed: only then is the memory ours."""
+        with self._lock:
+            handles = list(self._handles.values())
+        return wait_all(handles)
 
     def __enter__(self):
         return self
@@ -61,37 +113,41 @@ class _Layerwise:
 class LayerwiseStore(_Layerwise):
     """``save(layer)`` for each layer (any order, each once), then ``commit()``."""
 
-    def save(self, layer: int, sync: bool = False) -> None:
-        """Gather ``layer``'s new chunks; asynchronous unless ``sync``."""
+    def save(self, layer: int, sync: bool = False, after: Completion | None = None) -> None:
+        """Gather ``layer``'s new chunks once the engine's stream reaches ``after`` (default:
+        the point the caller's current stream has reached now, i.e. after the forward wrote
+        this layer). Asynchronous unless ``sync`` (then the layer is gathered on return)."""
         self._check_layer(layer)
-        if layer in self._futures:
+        if layer in self._handles:
             raise ValueError(f"layer {layer} saved twice")
         if not self.chunks:
-            self._futures[layer] = _done_future()
+            self._record(layer, DONE)
             return
+        after = self.tr.record_event() if after is None else after
         if sync:
-            self.tr.gather(self.plan, self.bufs, [layer])
-            self._futures[layer] = _done_future()
+            h = self.tr.gather(self.plan, self.bufs, [layer], after=after, stream=self.stream)
+            self._record(layer, h).wait()
         else:
-            self._futures[layer] = self.engine.executor().submit(
-                self.tr.gather, self.plan, self.bufs, [layer])
+            fut = self.engine.executor().submit(self.tr.gather, self.plan, self.bufs, [layer],
+                                                after=after, stream=self.stream)
+            self._record(layer, FutureCompletion(fut))
 
     def commit(self) -> int:
-        """Make the chunks visible once every layer is in; returns tokens stored."""
+        """Make the chunks visible once every layer's copy has completed; returns tokens
+        stored."""
         if self._done:
             raise RuntimeError("LayerwiseStore already finished")
-        missing = [i for i in range(self.num_layers) if i not in self._futures]
+        missing = [i for i in range(self.num_layers) if i not in self._handles]
         if missing and self.chunks:
             self.abort()
             raise ValueError(f"commit() before layers {missing[:8]} were saved: nothing stored")
-        err = self._drain()
+        err = self._wait_all()
         if err is not None:
             self.abort()
             raise err
         self._done = True
         try:
             if self.chunks:
-                self.tr.synchronize()
                 self.engine.storage.put([k for _, _, k in self.chunks], self.lease.objs)
         finally:
             self.lease.release()
@@ -100,11 +156,12 @@ class LayerwiseStore(_Layerwise):
         return self.num_tokens
 
     def abort(self) -> None:
-        """Drop everything gathered so far; nothing becomes visible."""
+        """Drop everything gathered so far (after the copies in flight end); nothing becomes
+        visible."""
         if self._done:
             return
         self._done = True
-        self._drain()
+        self._wait_all()
         self.lease.release()
 
     def __exit__(self, exc_type, *exc: object) -> None:
@@ -115,48 +172,75 @@ class LayerwiseStore(_Layerwise):
 
 
 class LayerwiseRetrieve(_Layerwise):
-    """``start()`` then ``wait(layer)`` per layer (or ``load(layer)``), then ``close()``."""
+    """``start()`` then ``wait(layer)`` per layer (or ``load(layer)``), then ``close()``.
+
+    Every load starts after the point the caller's stream had reached when this object was
+    made, so no load overwrites blocks that earlier work on that stream still reads.
+    """
+
+    def __init__(self, engine: CacheEngine, tr: KVTransfer, plan: TransferPlan | None,
+                 chunks: list[Chunk], objs: list[MemoryObj]) -> None:
+        super().__init__(engine, tr, plan, chunks, objs)
+        self.after = tr.record_event() if chunks else DONE
 
     def start(self) -> LayerwiseRetrieve:
         """Queue every layer's load in order on the I/O thread."""
-        if self.chunks and not self._futures:
+        if self.chunks and not self._handles:
             ex = self.engine.executor()
             for layer in range(self.num_layers):
-                self._futures[layer] = ex.submit(self.tr.scatter, self.plan, self.bufs, [layer])
+                self._record(layer, FutureCompletion(ex.submit(self._copy, layer)))
         return self
 
-    def load(self, layer: int) -> None:
-        """Load ``layer`` synchronously on the calling thread."""
-        self._check_layer(layer)
-        if self.chunks and layer not in self._futures:
-            try:
-                self.tr.scatter(self.plan, self.bufs, [layer])
-            except Exception as e:
-                raise LoadError(f"loading layer {layer} failed: {e}") from e
-            self._futures[layer] = _done_future()
+    def _copy(self, layer: int) -> Completion:
+        return self.tr.scatter(self.plan, self.bufs, [layer], after=self.after,
+                               stream=self.stream)
 
-    def wait(self, layer: int) -> None:
-        """Block until ``layer`` is in the engine's cache; ``LoadError`` if it failed."""
+    def issue(self, layer: int) -> Completion:
+        """Launch ``layer``'s load from the calling thread (a connector's I/O thread) without
+        waiting for it; ``wait(layer)`` orders the engine after it. ``LoadError`` if the
+        launch fails."""
+        self._check_layer(layer)
+        if not self.chunks:
+            return DONE
+        with self._lock:
+            h = self._handles.get(layer)
+        if h is not None:
+            return h
+        try:
+            h = self._copy(layer)
+        except Exception as e:
+            raise LoadError(f"loading layer {layer} failed: {e}") from e
+        return self._record(layer, h)
+
+    def load(self, layer: int) -> None:
+        """Load ``layer`` from the calling thread: it is in the cache when this returns."""
+        self.issue(layer)
+        self.wait(layer)
+
+    def wait(self, layer: int, stream: Any = None) -> None:
+        """``stream=None``: block until ``layer`` is in the engine's cache. A CUDA stream: make
+        it wait for the layer's load instead of the host. ``LoadError`` if the load failed."""
         self._check_layer(layer)
         if not self.chunks:
             return
-        fut = self._futures.get(layer)
-        if fut is None:
-            self.load(layer)
-            return
-        err = fut.exception()
-        if err is not None:
-            raise LoadError(f"loading layer {layer} failed: {err}") from err
-        self.tr.synchronize()
+        with self._lock:
+            h = self._handles.get(layer)
+        if h is None:
+            h = self.issue(layer)
+        try:
+            h.wait(stream)
+        except Exception as e:
+            raise LoadError(f"loading layer {layer} failed: {e}") from e
 
     def close(self) -> int:
-        """Release the chunks (after all queued loads end); returns tokens loaded."""
+        """Release the chunks once every issued load has completed; returns tokens loaded
+        (0 unless every layer loaded)."""
         if self._done:
             return self.num_tokens
         self._done = True
-        err = self._drain()
+        err = self._wait_all()
         self.lease.release()
-        complete = len(self._futures) == self.num_layers and err is None
+        complete = len(self._handles) == self.num_layers and err is None
         if complete and self.chunks:
             self.engine._unpin_keys([k for _, _, k in self.chunks])
             self.engine.metrics.transfer("retrieve", self.num_tokens, self.nbytes,
@@ -165,9 +249,3 @@ class LayerwiseRetrieve(_Layerwise):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _done_future() -> Future:
-    f: Future = Future()
-    f.set_result(None)
-    return f

@@ -20,12 +20,15 @@ Two implementations share the :class:`KVTransfer` interface:
 from __future__ import annotations
 
 import abc
+import contextlib
 import dataclasses
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
 import numpy as np
 import torch
 
+from lmc.completion import DONE, Completion, record
 from lmc.kv_layouts import PlaneStrides, span_elements
 from lmc.kv_spec import KVCaches, KVSpec
 
@@ -61,6 +64,12 @@ class KVTransfer(abc.ABC):
 
     Chunk buffers are ``[layers, planes, tokens, heads*dim]`` tensors (``KVSpec.chunk_shape``).
     Slots ``< 0`` are skipped: gather leaves those rows untouched, scatter does not write them.
+
+    ``gather``/``scatter`` may return before the copy has run: they return a
+    :class:`~lmc.completion.Completion`, and until it is done the copy owns ``bufs`` and the
+    KV slots it writes (see :mod:`lmc.completion`). ``after``: a handle the copy must wait for
+    before it starts (an event on the engine's stream: the gather never reads KV the forward
+    has not written). ``stream``: the CUDA stream to run on (default: the current one).
     """
 
     def __init__(self, spec: KVSpec, kv_caches: KVCaches) -> None:
@@ -74,15 +83,21 @@ class KVTransfer(abc.ABC):
 
     @abc.abstractmethod
     def gather(self, plan: TransferPlan, bufs: Sequence[torch.Tensor],
-               layers: Iterable[int] | None = None) -> None:
+               layers: Iterable[int] | None = None, *, after: Completion | None = None,
+               stream: Any = None) -> Completion:
         """Engine cache -> ``bufs[i]`` (one per planned chunk), for ``layers`` (default all)."""
 
     @abc.abstractmethod
     def scatter(self, plan: TransferPlan, bufs: Sequence[torch.Tensor],
                 layers: Iterable[int] | None = None,
-                arrays: Sequence[np.ndarray] | None = None) -> None:
+                arrays: Sequence[np.ndarray] | None = None, *,
+                after: Completion | None = None, stream: Any = None) -> Completion:
         """``bufs[i]`` -> engine cache, for ``layers`` (default all). ``arrays`` may carry
         integer numpy views of the same buffers; implementations may ignore it."""
+
+    def record_event(self, stream: Any = None) -> Completion:
+        """A point on ``stream`` (default: the caller's current stream), for ``after=``."""
+        return record(self.device, stream)
 
     def synchronize(self) -> None:  # noqa: B027 - a no-op where transfers are synchronous
         """Wait until every transfer issued so far is complete (no-op on CPU)."""
@@ -94,7 +109,8 @@ class KVTransfer(abc.ABC):
         return bool((slots < 0).any())
 
     def check_slots(self, slots: torch.Tensor, num_tokens: int) -> torch.Tensor:
-        """Validate a slot mapping; return it as int64 on the cache's device."""
+        """Validate a slot mapping; return it as int64, where it was. Host (CPU) slots are
+        accepted for any cache and are the fast path: planning never waits for the device."""
         if not isinstance(slots, torch.Tensor):
             raise TypeError(f"slot_mapping must be a torch.Tensor, got {type(slots).__name__}")
         if slots.dim() != 1:
@@ -103,7 +119,7 @@ class KVTransfer(abc.ABC):
             raise TypeError(f"slot_mapping must be int32 or int64, got {slots.dtype}")
         if slots.numel() != num_tokens:
             raise ValueError(f"slot_mapping has {slots.numel()} entries for {num_tokens} tokens")
-        if slots.device != self.device:
+        if slots.device != self.device and slots.device.type != "cpu":
             raise ValueError(f"slot_mapping is on {slots.device}, the KV cache is on {self.device}")
         return slots.to(torch.int64)
 
@@ -272,8 +288,42 @@ class TorchTransfer(KVTransfer):
                 else np.ascontiguousarray(rows))
 
     # --------------------------------------------------------------- execute
+    @contextlib.contextmanager
+    def _ordered(self, after: Completion | None, stream: Any):
+        """Run the body on ``stream`` (CUDA: default the current one) after ``after``."""
+        if self.device.type != "cuda":
+            if after is not None:
+                after.wait()
+            yield None
+            return
+        s = torch.cuda.current_stream(self.device) if stream is None else stream
+        with torch.cuda.stream(s):
+            if after is not None:
+                after.wait(s)
+            yield s
+
+    def _completion(self, stream: Any) -> Completion:
+        """CPU copies here are synchronous; on CUDA an event after the call's work."""
+        return DONE if stream is None else record(self.device, stream)
+
     def gather(self, plan: TransferPlan, bufs: Sequence[torch.Tensor],
-               layers: Iterable[int] | None = None) -> None:
+               layers: Iterable[int] | None = None, *, after: Completion | None = None,
+               stream: Any = None) -> Completion:
+        with self._ordered(after, stream) as s:
+            self._gather(plan, bufs, layers)
+        return self._completion(s)
+
+    def scatter(self, plan: TransferPlan, bufs: Sequence[torch.Tensor],
+                layers: Iterable[int] | None = None,
+                arrays: Sequence[np.ndarray] | None = None, *,
+                after: Completion | None = None, stream: Any = None) -> Completion:
+        """``arrays``: optional integer numpy views of ``bufs`` (saves a conversion each)."""
+        with self._ordered(after, stream) as s:
+            self._scatter(plan, bufs, layers, arrays)
+        return self._completion(s)
+
+    def _gather(self, plan: TransferPlan, bufs: Sequence[torch.Tensor],
+                layers: Iterable[int] | None) -> None:
         layer_ids = range(self.spec.num_layers) if layers is None else list(layers)
         for cp, buf in zip(plan.chunks, bufs, strict=True):
             if cp.start == cp.end:
@@ -307,10 +357,8 @@ class TorchTransfer(KVTransfer):
             for p, (t, i) in enumerate(zip(tabs, idx)):
                 torch.index_select(t, 0, i, out=dst[p].view(i.numel(), -1))
 
-    def scatter(self, plan: TransferPlan, bufs: Sequence[torch.Tensor],
-                layers: Iterable[int] | None = None,
-                arrays: Sequence[np.ndarray] | None = None) -> None:
-        """``arrays``: optional integer numpy views of ``bufs`` (saves a conversion each)."""
+    def _scatter(self, plan: TransferPlan, bufs: Sequence[torch.Tensor],
+                 layers: Iterable[int] | None, arrays: Sequence[np.ndarray] | None) -> None:
         layer_ids = range(self.spec.num_layers) if layers is None else list(layers)
         for i, (cp, buf) in enumerate(zip(plan.chunks, bufs, strict=True)):
             if cp.start == cp.end:
@@ -390,11 +438,18 @@ def _flat_rows(t: torch.Tensor, unit: int) -> torch.Tensor:
     return torch.as_strided(t, (span_elements(t.shape, t.stride()) // unit, unit), (unit, 1))
 
 
-def make_transfer(spec: KVSpec, kv_caches: KVCaches, prefer: str = "auto") -> KVTransfer:
+TransferFactory = Callable[[KVSpec, KVCaches], KVTransfer]
+
+
+def make_transfer(spec: KVSpec, kv_caches: KVCaches, prefer: str | TransferFactory = "auto"
+                  ) -> KVTransfer:
     """The CUDA kernels when the cache is on CUDA and CuPy imports, else the torch path.
 
-    ``prefer="torch"`` forces the portable path (tests compare the two bit for bit).
+    ``prefer="torch"`` forces the portable path (tests compare the two bit for bit); a
+    callable ``(spec, kv_caches) -> KVTransfer`` builds the transfer itself (a test backend).
     """
+    if callable(prefer):
+        return prefer(spec, kv_caches)
     if prefer not in ("auto", "torch", "cuda"):
         raise ValueError(f"prefer must be 'auto', 'torch' or 'cuda', got {prefer!r}")
     layers = spec.validate(kv_caches)

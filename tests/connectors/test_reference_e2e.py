@@ -111,12 +111,12 @@ def test_load_failure_mid_layer_is_recomputed(tiny_dir: Path, baseline: LLM,
     real_scatter = tr.scatter
     failed: list[int] = []
 
-    def scatter(plan, bufs, layers=None, arrays=None):
+    def scatter(plan, bufs, layers=None, arrays=None, **kw):
         layers = list(layers)
         if layers == [2] and not failed:  # layers 0 and 1 land, layer 2 breaks
             failed.append(2)
             raise OSError("injected: tier read failed mid-load")
-        return real_scatter(plan, bufs, layers, arrays)
+        return real_scatter(plan, bufs, layers, arrays, **kw)
 
     monkeypatch.setattr(tr, "scatter", scatter)
     got = run(llm, [P])

@@ -100,12 +100,12 @@ def test_failed_layer_fails_the_request_not_the_step(monkeypatch: pytest.MonkeyP
         real = tr.scatter
         calls: list[int] = []
 
-        def scatter(plan, bufs, layers=None, arrays=None):
+        def scatter(plan, bufs, layers=None, arrays=None, **kw):
             layers = list(layers)
             calls.append(layers[0])
             if layers == [1] and len(bufs) == 4:  # request b's chunks (c has two)
                 raise OSError("injected")
-            return real(plan, bufs, layers, arrays)
+            return real(plan, bufs, layers, arrays, **kw)
 
         monkeypatch.setattr(tr, "scatter", scatter)
         loads = [LoadSpec("b", TOKENS, blocks(16), 0, 29, 0),

@@ -8,6 +8,11 @@ import torch
 
 from lmc import CacheConfig, CacheEngine, LoadError
 from tests.kvutil import assert_bits_equal, make_caches, spec_for, token_kv
+from tests.late_transfer import (
+    copies,  # noqa: F401 - the fixture below
+    )
+
+pytestmark = pytest.mark.usefixtures("copies")  # every test: copies now, then late
 
 
 def _setup(layout="vllm_flash"):
@@ -69,10 +74,10 @@ def test_failed_layer_load_raises_load_error_and_releases(monkeypatch):
         tr = eng.transfer_for(dst)
         real = tr.scatter
 
-        def flaky(plan, bufs, layers=None):
+        def flaky(plan, bufs, layers=None, **kw):
             if list(layers) == [2]:
                 raise OSError("injected: DMA error on layer 2")
-            return real(plan, bufs, layers)
+            return real(plan, bufs, layers, **kw)
 
         monkeypatch.setattr(tr, "scatter", flaky)
         rt = eng.retrieve_layer(toks, dst, torch.arange(48)).start()
@@ -95,3 +100,4 @@ def test_layer_index_checked():
         with pytest.raises(ValueError, match="saved twice"):
             st.save(0)
         st.abort()
+
