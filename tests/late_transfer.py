@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import os
 import random
+import sys
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -42,6 +43,7 @@ from lmc.memory import MemoryPool
 from lmc.transfer import KVTransfer, TorchTransfer, TransferPlan, make_transfer
 
 POISON_BYTE = 0xFF
+ACTIVE: Watch | None = None  # the Watch of the late_copies() block running now, if any
 MAX_DELAY = 0.002  # seconds; late enough to reorder calls, short enough for CI
 
 
@@ -249,7 +251,8 @@ def late_copies(seed: int, max_delay: float = MAX_DELAY) -> Iterator[Watch]:
 
     print(f"late copies: seed {seed} (LMC_LATE_SEED={seed} repeats it)")
     with _patched(lmc.cache_engine, "make_transfer", make), \
-            _patched(MemoryPool, "_free_locked", free), _patched(completion, "STRICT", True):
+            _patched(MemoryPool, "_free_locked", free), _patched(completion, "STRICT", True), \
+            _patched(sys.modules[__name__], "ACTIVE", watch):
         yield watch
 
 

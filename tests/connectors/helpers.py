@@ -15,6 +15,7 @@ import torch
 from lmc.connectors.reference import LMCReferenceConnector
 
 from lmc.reference import LLM, RequestOutput
+from tests import late_transfer
 
 ATOL = RTOL = 2e-5
 BLOCK = 16
@@ -33,7 +34,11 @@ def lmc_llm(model_dir: Path, chunk_size: int = 32, local_cpu_size: str = "32MiB"
     conn = LMCReferenceConnector(cfg, model_dir=model_dir, **(connector_kw or {}))
     engine_kw.setdefault("num_blocks", 128)
     engine_kw.setdefault("block_size", BLOCK)
-    return LLM(model_dir, kv_connector=conn, **engine_kw), conn
+    llm = LLM(model_dir, kv_connector=conn, **engine_kw)
+    if late_transfer.ACTIVE is not None:  # late copies: freed blocks are poisoned too
+        late_transfer.poison_freed_blocks(llm.block_manager, llm.kv_caches,
+                                          late_transfer.ACTIVE)
+    return llm, conn
 
 
 def plain_llm(model_dir: Path, **engine_kw: Any) -> LLM:

@@ -11,6 +11,9 @@ import yaml
 
 from lmc.reference import LLM
 from tests.connectors.helpers import BLOCK, assert_same, lmc_llm, plain_llm, prompt, run, stat
+from tests.late_transfer import copies  # noqa: F401 - the fixture below
+
+pytestmark = pytest.mark.usefixtures("copies")  # every test: copies now, then late
 
 P = prompt(1, 150)  # 4 chunks of 32 + 22
 

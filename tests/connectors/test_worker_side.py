@@ -12,6 +12,9 @@ from lmc.connectors.worker import WorkerConnector, prefix_mask, slot_mapping
 
 from lmc import CacheConfig, CacheEngine
 from tests.kvutil import assert_bits_equal, make_caches, spec_for, token_kv
+from tests.late_transfer import copies  # noqa: F401 - the fixture below
+
+pytestmark = pytest.mark.usefixtures("copies")  # every test: copies now, then late
 
 BS, CS, LAYERS = 4, 8, 3
 TOKENS = tuple(range(500, 530))  # 30 tokens: 3 chunks of 8 + 6
