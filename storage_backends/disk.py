@@ -20,6 +20,15 @@ order). The directory belongs to lmc: a marker file is written on first use, fil
 not recognise there are deleted (counted), and a non-empty directory without the marker is
 refused rather than cleaned.
 
+One tier per directory. The index, the LRU order and the size accounting live in the
+process, so two processes (two vLLM instances given one ``local_disk``) would each keep the
+limit and together exceed it, and evict each other's files under their readers. The tier
+therefore holds an exclusive ``flock`` on ``<dir>/.lmc-disk-tier.lock`` for its lifetime: a
+second tier on the same directory, in this process or another, is refused at start-up with
+a message naming the holder's PID and the fix (a directory per instance). The kernel drops
+the lock when its holder exits, however it exits (SIGKILL included), so a crash never leaves
+the directory locked.
+
 Why one file per chunk rather than segment files, measured here (virtio disk, ext4 mounted
 with ``discard``, O_DIRECT, 1 GiB per case, see ``benchmarks/bench_disk.py``): for chunks of
 8-32 MiB (a 256-token chunk of a 7-8B model) creating a file per chunk writes as fast as
@@ -44,6 +53,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import itertools
 import logging
 import mmap
@@ -53,6 +63,7 @@ import secrets
 import stat
 import threading
 import time
+import weakref
 from collections import OrderedDict
 from collections.abc import Sequence
 from concurrent.futures import CancelledError, ThreadPoolExecutor
@@ -69,6 +80,7 @@ log = logging.getLogger(__name__)
 
 BLOCK = 4096
 MARKER = ".lmc-disk-tier"
+LOCK = ".lmc-disk-tier.lock"
 _NAME = re.compile(r"^([0-9a-f]{32})\.([0-9]+)\.kv$")
 _TMP = re.compile(r"^\.tmp\.([0-9]+)\.[0-9a-f]+$")
 STALE_TMP_SECONDS = 3600.0  # no write takes this long: older temp files are debris
@@ -128,6 +140,38 @@ def _io_all(op, fd: int, bufs: list[memoryview], offset: int) -> int:
     return done
 
 
+class DirectoryInUse(RuntimeError):
+    """Another disk tier (in this or another process) holds the directory's lock."""
+
+
+def lock_directory(path: str) -> int:
+    """Take the directory's exclusive lock; returns the fd that holds it (closing it releases
+    the lock). Raises :class:`DirectoryInUse` naming the holder and the fix."""
+    lock = os.path.join(path, LOCK)
+    fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        try:
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+        finally:
+            os.close(fd)
+        who = ("another disk tier in this process" if holder == str(os.getpid())
+               else f"another lmc process (PID {holder})")
+        raise DirectoryInUse(
+            f"local_disk {path!r} is in use by {who}, which holds {lock!r}. Two processes "
+            f"cannot share one disk tier: each would keep local_disk_size and together they "
+            f"would exceed it. Give each process its own directory (e.g. "
+            f"{os.path.join(path, '<instance>')!r}, each with its own local_disk_size)"
+        ) from None
+    except BaseException:
+        os.close(fd)
+        raise
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    return fd
+
+
 class _Entry:
     __slots__ = ("size", "readers")
 
@@ -165,9 +209,16 @@ class DiskBackend(StorageBackend):
         self._closed = False
         self._warned: set[str] = set()
         os.makedirs(self.path, exist_ok=True)
-        self._claim_directory()
-        self.direct = self._probe_direct()
-        self._scan()
+        self._lock_fd = lock_directory(self.path)  # before anything reads or deletes files
+        # a tier dropped without close() still frees the directory when it is collected
+        self._unlock = weakref.finalize(self, os.close, self._lock_fd)
+        try:
+            self._claim_directory()
+            self.direct = self._probe_direct()
+            self._scan()
+        except BaseException:
+            self._unlock()
+            raise
         self._io = ThreadPoolExecutor(max(1, io_threads), thread_name_prefix="lmc-disk")
 
     # ------------------------------------------------------------------ paths
@@ -191,7 +242,8 @@ class DiskBackend(StorageBackend):
         if os.path.exists(marker):
             return
         with os.scandir(self.path) as it:
-            strangers = [e.name for e in it if not e.is_dir(follow_symlinks=False)]
+            strangers = [e.name for e in it
+                         if not e.is_dir(follow_symlinks=False) and e.name != LOCK]
         if strangers:
             raise ValueError(
                 f"local_disk {self.path!r} holds files lmc did not write ({strangers[0]!r}...); "
@@ -230,7 +282,7 @@ class DiskBackend(StorageBackend):
         with os.scandir(self.path) as it:
             for e in it:
                 name = e.name
-                if name == MARKER or e.is_dir(follow_symlinks=False):
+                if name in (MARKER, LOCK) or e.is_dir(follow_symlinks=False):
                     continue
                 try:
                     st = e.stat(follow_symlinks=False)
@@ -591,6 +643,7 @@ class DiskBackend(StorageBackend):
                 return
             self._closed = True
         self._io.shutdown(wait=True, cancel_futures=True)  # only the I/O in progress finishes
+        self._unlock()  # the directory is free for the next tier (idempotent)
 
     def stats(self) -> dict[str, Any]:
         return {"chunks": len(self._index), "used_bytes": self._used,

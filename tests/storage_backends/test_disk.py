@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 from lmc.storage_backends import disk as disk_mod
-from lmc.storage_backends.disk import BLOCK, MARKER, DiskBackend
+from lmc.storage_backends.disk import BLOCK, LOCK, MARKER, DiskBackend
 
 from lmc import CacheConfig, CacheEngine
 from lmc.memory import MemoryPool
@@ -82,7 +82,7 @@ def _check(tier: DiskBackend, pool: MemoryPool, ids, **kw) -> list[bool]:
 
 
 def _files(d) -> list[Path]:
-    return sorted(p for p in Path(d).iterdir() if p.name != MARKER)
+    return sorted(p for p in Path(d).iterdir() if p.name not in (MARKER, LOCK))
 
 
 def _value_path(d, i: int) -> Path:
@@ -92,7 +92,7 @@ def _value_path(d, i: int) -> Path:
 def _disk_bytes(d) -> int:
     total = 0
     for p in Path(d).iterdir():
-        if p.name != MARKER:
+        if p.name not in (MARKER, LOCK):
             with contextlib.suppress(FileNotFoundError):
                 total += p.stat().st_size
     return total

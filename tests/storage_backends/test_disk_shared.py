@@ -1,0 +1,115 @@
+"""One disk directory, several tiers: the second (same process or another) is refused with the
+holder's PID and the fix, the size limit holds, and a holder killed with SIGKILL frees the
+directory (the kernel drops its flock)."""
+
+from __future__ import annotations
+
+import gc
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+from lmc.storage_backends.disk import LOCK, MARKER, DirectoryInUse, DiskBackend
+
+from lmc.config import CacheConfig
+from lmc.memory import MemoryPool
+
+REPO = Path(__file__).resolve().parents[2]
+CAPACITY = 8 << 20
+
+_WRITER = textwrap.dedent("""
+    import os, sys, time, torch
+    from lmc import CacheConfig
+    from lmc.memory import MemoryPool
+    from lmc.storage_backends.disk import DirectoryInUse, DiskBackend
+    pool = MemoryPool(16 << 20, pin_memory=False)
+    sys.stdout.write("started\\n"); sys.stdout.flush()
+    sys.stdin.readline()  # both writers start opening at the same moment
+    try:
+        tier = DiskBackend(config=CacheConfig(local_disk=sys.argv[1], local_disk_size="8MiB"),
+                           pool=pool, io_threads=2)
+    except DirectoryInUse as e:
+        print("refused", e, flush=True)
+        sys.exit(3)
+    for i in range(48):  # 48 MiB of 1 MiB values into an 8 MiB tier: evicting all along
+        o = pool.allocate((2, 2, 64, 1024), torch.float32, 64)
+        o.tensor.fill_(i)
+        assert tier.put([(os.getpid() * 1000 + i).to_bytes(16, "little")], [o]) == 1
+        o.release()
+    print("holding", os.getpid(), flush=True)
+    time.sleep(600)
+""")
+
+
+def _tier(d: Path) -> DiskBackend:
+    return DiskBackend(config=CacheConfig(local_disk=str(d), local_disk_size=CAPACITY),
+                       pool=MemoryPool(4 << 20, pin_memory=False))
+
+
+def _disk_bytes(d: Path) -> int:
+    return sum(p.stat().st_size for p in d.iterdir() if p.name not in (MARKER, LOCK))
+
+
+def test_second_tier_in_one_process_is_refused_until_the_first_closes(tmp_path):
+    a = _tier(tmp_path)
+    with pytest.raises(DirectoryInUse, match="another disk tier in this process") as e:
+        _tier(tmp_path)
+    assert str(tmp_path) in str(e.value) and "its own directory" in str(e.value)
+    a.close()
+    b = _tier(tmp_path)
+    del b  # dropped without close(): collecting it frees the directory too
+    gc.collect()
+    _tier(tmp_path).close()
+
+
+@pytest.mark.integration
+def test_two_processes_one_directory_one_wins_limit_holds_kill_frees(tmp_path):
+    """Two writer processes open one directory at the same moment: exactly one gets it and
+    fills it (48 MiB through an 8 MiB limit) while the other is refused with the winner's PID;
+    the directory never exceeds the limit; after SIGKILL of the winner the directory opens."""
+    procs = [subprocess.Popen([sys.executable, "-c", _WRITER, str(tmp_path)], cwd=REPO,
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+             for _ in range(2)]
+    try:
+        for p in procs:
+            assert p.stdout.readline() == "started\n"
+        for p in procs:  # release both at once
+            p.stdin.write("go\n")
+            p.stdin.flush()
+        lines = {p.pid: p.stdout.readline() for p in procs}
+        winners = [pid for pid, line in lines.items() if line.startswith("holding")]
+        losers = [pid for pid, line in lines.items() if line.startswith("refused")]
+        assert len(winners) == 1 and len(losers) == 1, lines
+        refusal = lines[losers[0]]
+        assert f"PID {winners[0]}" in refusal and str(tmp_path) in refusal, refusal
+        assert next(p for p in procs if p.pid == losers[0]).wait(30) == 3
+        assert _disk_bytes(tmp_path) <= CAPACITY
+        with pytest.raises(DirectoryInUse, match=f"PID {winners[0]}"):
+            _tier(tmp_path)
+        winner = next(p for p in procs if p.pid == winners[0])
+        winner.send_signal(signal.SIGKILL)
+        winner.wait(30)
+        deadline = time.monotonic() + 10
+        while True:  # the lock goes with the process; nothing to clean up by hand
+            try:
+                tier = _tier(tmp_path)
+                break
+            except DirectoryInUse:
+                assert time.monotonic() < deadline, "a killed holder left the directory locked"
+                time.sleep(0.05)
+        assert 0 < tier.used_bytes <= CAPACITY and tier.used_bytes == _disk_bytes(tmp_path)
+        tier.close()
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGKILL)
+                p.wait()
+            for f in (p.stdin, p.stdout):
+                if f:
+                    f.close()
+    assert os.path.exists(tmp_path / LOCK)  # kept (unlinking a lock file races with lockers)
