@@ -8,8 +8,9 @@
 // in the cache a row starts at
 //     cache_ptr[layer][plane] + (slot / block_size) * blk + (slot % block_size) * off    (bytes)
 // and is made of segments that are contiguous in both places: the whole row (vLLM flash /
-// flashinfer / MLA, SGLang), one head (V of the vLLM CPU layout) or one element (K of the vLLM
-// CPU layout, which is transposed inside a block). Segment k starts at element e = k*seg_elems,
+// flashinfer / MLA, SGLang), one head (vLLM 0.32 GPU layouts, where K and V alternate per
+// head; V of the vLLM CPU layout) or one element (K of the vLLM CPU layout, which is
+// transposed inside a block). Segment k starts at element e = k*seg_elems,
 // i.e. at head e / head_size, dim e % head_size: offset  head * head_b + dim * dim_b.
 //
 // One launch moves every (token, selected layer, plane) row of every chunk of a call. Work is
@@ -20,9 +21,11 @@
 // destination is pinned host memory reached over PCIe.
 //
 // Every helper is __host__ __device__ and a thread's work depends only on (tid, nthreads), never
-// on other threads: tests/core/test_cuda_sources.py compiles this file for the host and runs
-// the exact same code thread by thread on the CPU to check the address arithmetic against the
-// torch path. No headers are included, so NVRTC (CuPy) compiles it as is.
+// on other threads: tests/core/test_cuda_sources.py compiles this file with a plain C++
+// compiler and runs the __global__ entry points thread by thread on the CPU, in several
+// orders, checking the bounds and alignment of every vector access (LMC_LOAD / LMC_STORE) and
+// the result against a reference written from each layout's definition. No headers are
+// included, so NVRTC (CuPy) compiles it as is.
 
 typedef long long lmc_i64;
 typedef unsigned long long lmc_u64;
@@ -33,6 +36,14 @@ typedef unsigned long long lmc_u64;
 //   [4] seg_elems: elements per segment  [5] seg_bytes: bytes per segment
 #define LMC_GEOM 6
 #define LMC_THREADS 256  // threads per block; lmc/cuda_transfer.py launches with the same number
+
+// Every access to KV cache or chunk memory goes through these two macros: plain dereferences
+// here, a bounds/alignment-checking translation in the host emulation (which defines them
+// before including this file).
+#ifndef LMC_LOAD
+#define LMC_LOAD(ptr) (*(ptr))
+#define LMC_STORE(ptr, val) (*(ptr) = (val))
+#endif
 
 // The one kernel argument, passed by value (mirrored by a ctypes.Structure in Python).
 struct KVCopyArgs {
@@ -63,19 +74,20 @@ __host__ __device__ __forceinline__ void lmc_copy_contiguous(T* dst, const T* sr
                                                              int lane, int lanes) {
   int v = lane;
   for (; v + 3 * lanes < vecs; v += 4 * lanes) {
-    const T a = src[v];
-    const T b = src[v + lanes];
-    const T c = src[v + 2 * lanes];
-    const T d = src[v + 3 * lanes];
-    dst[v] = a;
-    dst[v + lanes] = b;
-    dst[v + 2 * lanes] = c;
-    dst[v + 3 * lanes] = d;
+    const T a = LMC_LOAD(src + v);
+    const T b = LMC_LOAD(src + v + lanes);
+    const T c = LMC_LOAD(src + v + 2 * lanes);
+    const T d = LMC_LOAD(src + v + 3 * lanes);
+    LMC_STORE(dst + v, a);
+    LMC_STORE(dst + v + lanes, b);
+    LMC_STORE(dst + v + 2 * lanes, c);
+    LMC_STORE(dst + v + 3 * lanes, d);
   }
-  for (; v < vecs; v += lanes) dst[v] = src[v];
+  for (; v < vecs; v += lanes) LMC_STORE(dst + v, LMC_LOAD(src + v));
 }
 
-// Row made of segments scattered in the cache (vLLM CPU layout): one vector at a time. The
+// Row made of segments scattered in the cache (vLLM GPU's K/V interleaved per head, vLLM CPU's
+// transposed K): one vector at a time. The
 // host picks sizeof(T) so that it divides seg_bytes and every stride, so a vector never
 // crosses a segment.
 template <typename T, bool TO_CACHE>
@@ -94,9 +106,9 @@ __host__ __device__ __forceinline__ void lmc_copy_segmented(char* cache, char* b
     const int d = e0 - h * head_size;
     char* c = cache + h * head_b + d * dim_b + within;
     if (TO_CACHE) {
-      *reinterpret_cast<T*>(c) = *reinterpret_cast<const T*>(buf + o);
+      LMC_STORE(reinterpret_cast<T*>(c), LMC_LOAD(reinterpret_cast<const T*>(buf + o)));
     } else {
-      *reinterpret_cast<T*>(buf + o) = *reinterpret_cast<const T*>(c);
+      LMC_STORE(reinterpret_cast<T*>(buf + o), LMC_LOAD(reinterpret_cast<const T*>(c)));
     }
   }
 }

@@ -4,21 +4,26 @@
   uses at run time) when its library is installed.
 * The entry points the Python wrapper launches exist, as ``extern "C"`` kernels in the source
   and as ``.entry`` symbols in the PTX, and each one instantiates the template its name says.
-* The kernel code itself runs on the CPU: the file is compiled for the host (every helper is
-  ``__host__ __device__``), each thread of the grid is executed in turn, and the real
-  ``CudaTransfer`` packing logic drives it. Results must equal TorchTransfer bit for bit.
+* The kernel code itself runs on the CPU (:mod:`tests.core.cuda_emulation`): the file is
+  compiled by a plain C++ compiler, the ``__global__`` entry points run thread by thread in
+  several orders, every vector access is checked for bounds, alignment and write races, and
+  the real ``CudaTransfer`` packing logic drives them. Results must equal a reference written
+  from each layout's definition, and TorchTransfer, bit for bit; sparse virtual caches of more
+  than 2^32 elements (slots past 2^32) check the 64-bit address arithmetic.
 """
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
+import dataclasses
 import glob
 import os
+import random
 import re
 import shutil
 import site
 import subprocess
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -26,9 +31,19 @@ import pytest
 import torch
 
 from lmc import cuda_transfer as ct
-from lmc.kv_spec import LAYOUTS
+from lmc.kv_spec import LAYOUTS, KVSpec
+from lmc.transfer import ChunkPlan
+from tests.core import cuda_emulation as emu
 from tests.core.test_cuda_transfer import check_against_torch, random_case
-from tests.kvutil import DTYPES, make_caches, spec_for
+from tests.kvutil import (
+    DTYPES,
+    assert_bits_equal,
+    bits,
+    make_caches,
+    random_bits,
+    spec_for,
+    token_kv,
+)
 
 CSRC = Path(ct.__file__).with_name("csrc")
 SOURCES = sorted(CSRC.glob("*.cu"))
@@ -133,75 +148,13 @@ def test_nvrtc_compiles_with_the_wrapper_options(arch):
 
 
 # --------------------------------------------------------------------- host emulation
-def _harness() -> str:
-    lines = [f'#include "{ct.KERNEL_SOURCE}"',
-             'extern "C" int lmc_emu_args_size() { return (int)sizeof(KVCopyArgs); }',
-             'extern "C" long long lmc_emu_divmod(long long a, long long b, long long* r) '
-             "{ return lmc_divmod(a, b, r); }"]
-    for name in ct.KERNEL_NAMES:
-        width = int(name.rsplit("_v", 1)[1])
-        to_cache = "true" if "scatter" in name else "false"
-        lines.append(f'extern "C" void emu_{name}(KVCopyArgs a, long long n) {{\n'
-                     f"  for (long long t = 0; t < n; ++t)\n"
-                     f"    lmc_kv_copy_thread<LmcVec<{width}>::T, {to_cache}>(a, t, n);\n}}")
-    return "\n".join(lines) + "\n"
-
-
 @pytest.fixture(scope="module")
 def emu_lib(tmp_path_factory) -> ctypes.CDLL:
-    if NVCC is None:
-        pytest.skip("nvcc not found: the kernel code was not run on the host")
-    d = tmp_path_factory.mktemp("emu")
-    (d / "harness.cu").write_text(_harness())
-    _run([NVCC, "-std=c++17", "-O1", "-shared", "-Xcompiler", "-fPIC", "-o",
-          str(d / "libemu.so"), str(d / "harness.cu")])
-    lib = ctypes.CDLL(str(d / "libemu.so"))
-    for name in ct.KERNEL_NAMES:
-        getattr(lib, f"emu_{name}").argtypes = [ct.KVCopyArgs, ctypes.c_longlong]
-    return lib
-
-
-class HostBackend:
-    """CupyBackend's interface on the CPU: the grid runs thread by thread, memcpy is memmove,
-    host buffers count as mapped (so "direct" and "staged" both run for real)."""
-
-    sm_count = 1
-
-    def __init__(self, lib: ctypes.CDLL) -> None:
-        self.lib = lib
-        self.launches: list[tuple[str, int]] = []
-        self.copies = 0
-
-    def stream(self, stream):
-        return None
-
-    def context(self, stream):
-        return contextlib.nullcontext()
-
-    def event(self, stream):
-        return None
-
-    def wait(self, stream, plan):
-        pass
-
-    def upload(self, arr: np.ndarray) -> torch.Tensor:
-        return torch.from_numpy(arr.copy())
-
-    def alloc(self, nbytes: int) -> torch.Tensor:
-        return torch.full((nbytes,), 0xA5, dtype=torch.uint8)  # garbage, never read as is
-
-    def locate(self, buf: torch.Tensor) -> tuple[str, int]:
-        if buf.device.type != "cpu":
-            raise ValueError(f"is on {buf.device}")
-        return "mapped", buf.data_ptr()
-
-    def launch(self, name, blocks, args, stream):
-        self.launches.append((name, blocks))
-        getattr(self.lib, f"emu_{name}")(args, blocks * ct.THREADS)
-
-    def memcpy(self, dst, src, nbytes, stream):
-        self.copies += 1
-        ctypes.memmove(dst, src, nbytes)
+    if emu.compiler() is None:
+        if os.environ.get("CI"):
+            pytest.fail("no C++ compiler: the kernels cannot run on the host in CI")
+        pytest.skip("no C++ compiler: the kernel code was not run on the host")
+    return emu.build(tmp_path_factory.mktemp("emu"))
 
 
 def test_args_struct_layout_matches(emu_lib):
@@ -209,18 +162,17 @@ def test_args_struct_layout_matches(emu_lib):
 
 
 def test_divmod_both_widths(emu_lib):
-    fn = emu_lib.lmc_emu_divmod
-    fn.restype = ctypes.c_longlong
-    fn.argtypes = [ctypes.c_longlong, ctypes.c_longlong, ctypes.POINTER(ctypes.c_longlong)]
     rem = ctypes.c_longlong()
     for a, b in [(0, 1), (7, 2), (2**32 - 1, 16), (2**32, 16), (2**40 + 5, 3), (5, 2**33),
                  (2**31 + 7, 2**31 - 1)]:
-        assert (fn(a, b, ctypes.byref(rem)), rem.value) == divmod(a, b), (a, b)
+        assert (emu_lib.lmc_emu_divmod(a, b, ctypes.byref(rem)), rem.value) == divmod(a, b)
 
 
-def _emulated(lib, mode: str, max_blocks: int | None = None, log: list | None = None):
+def _emulated(lib, mode: str, max_blocks: int | None = None, log: list | None = None,
+              order: int = 0, seed: int = 0):
     def make(spec, caches):
-        backend = HostBackend(lib)
+        tensors = [t for _, ts in spec.split_layers(caches) for t in ts]
+        backend = emu.HostBackend(lib, order=order, seed=seed, caches=tensors)
         if log is not None:
             log.append(backend)
         return ct.CudaTransfer(spec, caches, backend=backend, gather_mode=mode,
@@ -233,20 +185,293 @@ def _emulated(lib, mode: str, max_blocks: int | None = None, log: list | None = 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_emulated_kernels_match_torch(emu_lib, layout, dtype, aligned, mode):
-    check_against_torch(_emulated(emu_lib, mode), "cpu", layout, dtype, aligned=aligned,
-                        negative=not aligned, layer_sets=(None, [1]))
+    order = (LAYOUTS.index(layout) + DTYPES.index(dtype) + aligned) % len(emu.ORDERS)
+    check_against_torch(_emulated(emu_lib, mode, order=order, seed=order), "cpu", layout,
+                        dtype, aligned=aligned, negative=not aligned, layer_sets=(None, [1]))
 
 
 @pytest.mark.parametrize("seed", range(60))
 def test_emulated_random_shapes(emu_lib, seed):
     case = random_case(seed)
     layout, dtype = case.pop("layout"), case.pop("dtype")
-    check_against_torch(_emulated(emu_lib, ct.MODES[seed % 2], max_blocks=1 + seed % 3),
+    check_against_torch(_emulated(emu_lib, ct.MODES[seed % 2], max_blocks=1 + seed % 3,
+                                  order=seed % len(emu.ORDERS), seed=seed),
                         "cpu", layout, dtype, **case)
 
 
+# ----------------------------------------------- against the layouts' definitions directly
+CASES = [(lay, "NHD") for lay in LAYOUTS] + [("vllm_gpu", "HND"), ("vllm_gpu", "BLNHC")]
+
+
+def _caches(layout: str, order: str, dtype, zeros=False, seed=0):
+    if order == "BLNHC":
+        from tests.core.test_kv_spec import vllm_gpu_caches
+        return vllm_gpu_caches(order, dtype=dtype, blocks=12, zeros=zeros, seed=seed)
+    return make_caches(layout, order=order, dtype=dtype, zeros=zeros, seed=seed)
+
+
+@pytest.mark.parametrize("mode", ct.MODES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("layout,order", CASES, ids=[f"{a}-{b}" for a, b in CASES])
+def test_emulated_kernels_match_the_layout_definition(emu_lib, layout, order, dtype, mode):
+    """Reference: tests.kvutil.token_kv, which indexes each layout as its engine defines it
+    (never through lmc's strides). Skipped rows (slot -1) stay as they were; a scatter writes
+    exactly the addressed slots."""
+    rng = random.Random(f"{layout}{order}{dtype}{mode}")
+    src = _caches(layout, order, dtype, seed=1)
+    spec = spec_for(layout, src)
+    total = spec.num_blocks * spec.block_size
+    slots = torch.tensor(rng.sample(range(total), 21), dtype=torch.int64)
+    slots[[3, 11]] = -1
+    ranges = [(0, 8), (8, 8), (8, 21)]
+    valid = slots >= 0
+    gen = torch.Generator().manual_seed(2)
+    bufs = [random_bits(spec.chunk_shape(e - s), dtype, gen) for s, e in ranges]
+    before = [b.clone() for b in bufs]
+    order_i = rng.randrange(len(emu.ORDERS))
+    tr = _emulated(emu_lib, mode, max_blocks=2, order=order_i, seed=order_i)(spec, src)
+    tr.gather(tr.plan(slots, ranges), bufs)
+    want = token_kv(spec, src, slots.clamp(min=0))
+    got = torch.cat([b for b in bufs], dim=2)
+    old = torch.cat([b for b in before], dim=2)
+    assert_bits_equal(got[:, :, valid], want[:, :, valid], f"{layout} {order} gather")
+    assert_bits_equal(got[:, :, ~valid], old[:, :, ~valid], "rows of skipped slots")
+
+    dst = _caches(layout, order, dtype, zeros=True)
+    tr2 = _emulated(emu_lib, mode, order=3 - order_i, seed=7)(spec, dst)
+    tr2.scatter(tr2.plan(slots, ranges), bufs)
+    everything = token_kv(spec, dst, torch.arange(total))
+    expect = torch.zeros_like(bits(everything))
+    expect[:, :, slots[valid]] = bits(got[:, :, valid])
+    assert torch.equal(bits(everything), expect), f"{layout} {order} scatter"
+
+
+def test_thread_orders_and_grid_sizes_agree(emu_lib):
+    caches = make_caches("vllm_gpu", heads=3, dim=16, dtype=torch.bfloat16)
+    spec = spec_for("vllm_gpu", caches)
+    slots = torch.randperm(spec.num_blocks * spec.block_size,
+                           generator=torch.Generator().manual_seed(0))[:30]
+    outs = []
+    for order in range(len(emu.ORDERS)):
+        for blocks in (1, 3):
+            tr = _emulated(emu_lib, "direct", max_blocks=blocks, order=order, seed=blocks)(
+                spec, caches)
+            buf = torch.zeros(spec.chunk_shape(30), dtype=spec.dtype)
+            tr.gather(tr.plan(slots, [(0, 30)]), [buf])
+            outs.append(buf)
+    for o in outs[1:]:
+        assert_bits_equal(o, outs[0], "orders / grid sizes")
+
+
+# ------------------------------------------------------------ the checker itself can fail
+def test_duplicate_slots_in_a_scatter_are_a_race(emu_lib):
+    caches = make_caches("vllm_flash")
+    spec = spec_for("vllm_flash", caches)
+    tr = _emulated(emu_lib, "direct")(spec, caches)
+    with pytest.raises(AssertionError, match="written by two threads"):
+        tr.scatter(tr.plan(torch.tensor([5, 9, 5]), [(0, 3)]),
+                   [torch.zeros(spec.chunk_shape(3))])
+
+
+def test_out_of_bounds_and_misaligned_accesses_are_caught(emu_lib):
+    caches = make_caches("vllm_flash", dtype=torch.float16, dim=8)
+    spec = spec_for("vllm_flash", caches)
+    log: list = []
+    tr = _emulated(emu_lib, "direct", log=log)(spec, caches)
+    plan = tr.plan(torch.arange(4), [(0, 4)])
+    buf = torch.zeros(spec.chunk_shape(4), dtype=spec.dtype)
+    tr.gather(plan, [buf])  # fine as built
+    tr.cache_ptrs = tr.cache_ptrs + 16 * spec.row_width * 2 * spec.block_size * 12  # past the end
+    with pytest.raises(AssertionError, match="out of bounds"):
+        tr.gather(plan, [buf])
+    tr.cache_ptrs = tr.cache_ptrs - 16 * spec.row_width * 2 * spec.block_size * 12 + 2
+    tr._static_align = 0  # lie about alignment: the kernel gets 16-byte vectors at +2 bytes
+    with pytest.raises(AssertionError, match="misaligned vector access"):
+        tr.gather(plan, [buf])
+    assert log[0].accesses > 0
+
+
+# --------------------------------------------------- 64-bit offsets on sparse virtual caches
+BIG_SLOTS = 2**33 + 64   # slots past 2^32; every cache holds far more than 2^32 elements
+VBASE = 2**40            # virtual addresses of the caches start here (far from real memory)
+PAGE = 4096
+
+
+@dataclasses.dataclass
+class Physical:
+    """A layout's memory as its engine defines it: one contiguous array of ``shape`` for all
+    layers, ``index(l, p, slot, h, d)`` its position, ``views(backing)`` the layer tensors."""
+
+    shape: tuple[int, ...]
+    index: Callable[[int, int, int, int, int], tuple[int, ...]]
+    views: Callable[[torch.Tensor], object]
+
+
+def _physical(layout: str, order: str, L: int, H: int, D: int, bs: int) -> Physical:
+    nb = BIG_SLOTS // bs
+    if layout == "vllm_flash":
+        return Physical((L, 2, nb, bs, H, D), lambda y, p, s, h, d: (y, p, s // bs, s % bs, h, d),
+                        lambda t: list(t.unbind(0)))
+    if layout == "vllm_flashinfer":
+        return Physical((L, nb, 2, bs, H, D), lambda y, p, s, h, d: (y, s // bs, p, s % bs, h, d),
+                        lambda t: list(t.unbind(0)))
+    if layout == "vllm_mla":
+        return Physical((L, nb, bs, D), lambda y, p, s, h, d: (y, s // bs, s % bs, d),
+                        lambda t: list(t.unbind(0)))
+    if layout == "vllm_cpu":  # per (block, head): K^T [D, bs] then V [bs, D]
+        return Physical((L, nb, H, 2 * D * bs),
+                        lambda y, p, s, h, d: (y, s // bs, h, d * bs + s % bs if p == 0
+                                               else D * bs + (s % bs) * D + d),
+                        lambda t: [x.view(nb, H, bs, 2 * D) for x in t.unbind(0)])
+    if layout == "vllm_gpu" and order == "NHD":
+        return Physical((L, nb, bs, H, 2 * D),
+                        lambda y, p, s, h, d: (y, s // bs, s % bs, h, p * D + d),
+                        lambda t: [x.transpose(1, 2) for x in t.unbind(0)])
+    if layout == "vllm_gpu" and order == "HND":
+        return Physical((L, nb, H, bs, 2 * D),
+                        lambda y, p, s, h, d: (y, s // bs, h, s % bs, p * D + d),
+                        lambda t: list(t.unbind(0)))
+    if layout == "vllm_gpu":  # BLNHC: blocks outermost, the layers' pages inside each block
+        return Physical((nb, L, bs, H, 2 * D),
+                        lambda y, p, s, h, d: (s // bs, y, s % bs, h, p * D + d),
+                        lambda t: [x.transpose(1, 2) for x in t.unbind(1)])
+    if layout == "sglang_mha":
+        return Physical((L, 2, BIG_SLOTS, H, D), lambda y, p, s, h, d: (y, p, s, h, d),
+                        lambda t: ([x[0] for x in t.unbind(0)], [x[1] for x in t.unbind(0)]))
+    return Physical((L, BIG_SLOTS, 1, D), lambda y, p, s, h, d: (y, s, 0, d),  # sglang_mla
+                    lambda t: list(t.unbind(0)))
+
+
+def _big_slots(bs: int) -> list[int]:
+    """Whole blocks and single slots around 2^31, 2^32 and the top of the cache, and a hole."""
+    top = BIG_SLOTS - 2 * bs
+    slots = [0, 1, 2**31 - 1, 2**31 + 5, *range(2**32 - 3, 2**32 + 5), -1,
+             *range(top, top + 2 * bs), 2**33 + 7, 2**32 + 2**31 + 3]
+    return list(dict.fromkeys(slots))
+
+
+class Sparse:
+    """Real pages behind the few virtual pages a test touches."""
+
+    def __init__(self, addrs: np.ndarray, fill: str, seed: int = 0) -> None:
+        self.pages = np.unique(addrs // PAGE)
+        n = len(self.pages) * PAGE
+        self.mem = (np.zeros(n, np.uint8) if fill == "zeros"
+                    else np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8))
+
+    def index(self, addrs: np.ndarray) -> np.ndarray:
+        return np.searchsorted(self.pages, addrs // PAGE) * PAGE + addrs % PAGE
+
+    def regions(self, writable: bool) -> list[emu.Region]:
+        base = self.mem.ctypes.data
+        return [(int(pg) * PAGE, PAGE, base + i * PAGE, writable)
+                for i, pg in enumerate(self.pages.tolist())]
+
+
+def _hand_plan(slots: list[int], ranges: list[tuple[int, int]]) -> ct.CudaPlan:
+    """The kernel's token table as documented in kv_transfer.cu: [slot; (chunk << 32) | row]."""
+    counts = [e - s for s, e in ranges]
+    idx = np.concatenate([np.arange(s, e) for s, e in ranges])
+    chunk = np.repeat(np.arange(len(ranges)), counts)
+    row = idx - np.repeat([s for s, _ in ranges], counts)
+    tokens = torch.from_numpy(np.stack([np.array(slots, np.int64)[idx],
+                                        (chunk << 32) | row]).astype(np.int64))
+    chunks = [ChunkPlan(s, e, "kernel", torch.tensor(slots[s:e]), None, None) for s, e in ranges]
+    return ct.CudaPlan(chunks=chunks, counts=counts,
+                       holes=[min(slots[s:e], default=0) < 0 for s, e in ranges],
+                       tokens=tokens, n_tokens=sum(counts))
+
+
+def _run_big(lib, layout: str, order: str, dtype, mode: str) -> None:
+    mla = layout in ("vllm_mla", "sglang_mla")
+    L, H, D = 2, 1 if mla else 2, 12 if mla else 4
+    bs = 1 if layout.startswith("sglang") else 2
+    phys = _physical(layout, order, L, H, D, bs)
+    esize = dtype.itemsize
+    numel = int(np.prod(phys.shape))
+    backing = torch.empty(VBASE // esize + numel, dtype=dtype, device="meta")[VBASE // esize:]
+    caches = phys.views(backing.view(phys.shape))
+    spec = KVSpec.from_tensors(caches, layout)
+    assert spec.num_blocks * spec.block_size == BIG_SLOTS and numel > 2**33
+
+    slots = _big_slots(bs)
+    ranges = [(0, 5), (5, len(slots) - 3), (len(slots) - 3, len(slots))]
+    valid = [s for s in slots if s >= 0]
+    # byte address of every (layer, plane, valid token, head, dim), from the definition alone
+    strides = np.array([int(np.prod(phys.shape[i + 1:])) for i in range(len(phys.shape))])
+    addrs = np.array([[[[[VBASE + esize * int(np.dot(phys.index(lid, p, s, h, d), strides))
+                          for d in range(D)] for h in range(H)] for s in valid]
+                       for p in range(spec.num_planes)] for lid in range(L)], dtype=np.int64)
+    pos = [i for i, s in enumerate(slots) if s >= 0]
+    item = _INT[esize]
+
+    # gather: what sits at the definition's addresses lands in the chunk rows
+    mem = Sparse(addrs, "random", seed=1)
+    backend = emu.HostBackend(lib, order=2, seed=3)
+    backend.virtual = mem.regions(writable=False)
+    tr = ct.CudaTransfer(spec, caches, backend=backend, gather_mode=mode, scatter_mode=mode)
+    assert int(tr.cache_ptrs.min()) >= VBASE and int(tr.cache_ptrs.max()) < 2**44
+    gen = torch.Generator().manual_seed(4)
+    bufs = [random_bits(spec.chunk_shape(e - s), dtype, gen) for s, e in ranges]
+    old = torch.cat([bits(b).clone() for b in bufs], dim=2)
+    tr.gather(_hand_plan(slots, ranges), bufs)
+    got = torch.cat([bits(b) for b in bufs], dim=2)
+    elems = mem.mem.view(item)[mem.index(addrs) // esize]          # [L, P, n, H, D]
+    want = torch.from_numpy(elems.reshape(L, spec.num_planes, len(valid), H * D).copy())
+    assert np.array_equal(got[:, :, pos].numpy().view(item), want.numpy()), f"{layout} gather"
+    assert torch.equal(got[:, :, slots.index(-1)], old[:, :, slots.index(-1)])
+
+    # scatter: the chunk rows land at exactly those addresses, nothing else is written
+    mem = Sparse(addrs, "zeros")
+    backend = emu.HostBackend(lib, order=3, seed=5)
+    backend.virtual = mem.regions(writable=True)
+    tr = ct.CudaTransfer(spec, caches, backend=backend, gather_mode=mode, scatter_mode=mode)
+    tr.scatter(_hand_plan(slots, ranges), bufs)
+    at = mem.index(addrs) // esize
+    assert np.array_equal(mem.mem.view(item)[at], want.numpy().reshape(at.shape)), \
+        f"{layout} scatter"
+    written = np.zeros(mem.mem.size // esize, bool)
+    written[at.ravel()] = True
+    assert not mem.mem.view(item)[~written].any(), f"{layout} scatter wrote outside its slots"
+
+
+_INT = {1: np.uint8, 2: np.uint16, 4: np.uint32}
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("layout,order", CASES, ids=[f"{a}-{b}" for a, b in CASES])
+def test_64bit_offsets_on_sparse_virtual_caches(emu_lib, layout, order, dtype):
+    _run_big(emu_lib, layout, order, dtype, ct.MODES[DTYPES.index(dtype) % 2])
+
+
+MUTANTS = {  # a 32-bit slip the 64-bit test must catch
+    "int32 block offset": ("in_blk * g[1];", "(int)(blk * g[0])", "blk * g[0]"),
+    "int32 slot": ("const lmc_i64 slot = a.tokens[t];", "const int slot = (int)a.tokens[t];",
+                   None),
+    "int32 block id": ("const lmc_i64 blk = lmc_divmod(slot, a.block_size, &in_blk);",
+                       "const int blk = (int)lmc_divmod(slot, a.block_size, &in_blk);", None),
+}
+
+
+@pytest.mark.parametrize("mutant", list(MUTANTS))
+def test_64bit_test_catches_32bit_arithmetic(emu_lib, mutant, tmp_path):
+    """Compile the kernel with one 32-bit slip and show the sparse-cache test fails on it."""
+    anchor, new, old = MUTANTS[mutant]
+    text = ct.KERNEL_SOURCE.read_text()
+    assert anchor in text, f"the kernel changed: update the {mutant!r} mutant"
+    mutated = text.replace(old, new) if old else text.replace(anchor, new)
+    assert mutated != text
+    (tmp_path / "kv_transfer.cu").write_text(mutated)
+    lib = emu.build(tmp_path, tmp_path / "kv_transfer.cu")
+    with pytest.raises(AssertionError):
+        _run_big(lib, "sglang_mla", "NHD", torch.float16, "direct")
+    with pytest.raises(AssertionError):
+        _run_big(lib, "vllm_gpu", "NHD", torch.bfloat16, "direct")
+
+
+# --------------------------------------------------------------------- wrapper behaviour
 def test_emulated_vector_width_follows_alignment(emu_lib):
-    log: list[HostBackend] = []
+    log: list[emu.HostBackend] = []
     check_against_torch(_emulated(emu_lib, "direct", log=log), "cpu", "vllm_flash",
                         torch.bfloat16, heads=2, dim=64)
     assert {n for b in log for n, _ in b.launches} <= {"lmc_kv_gather_v16", "lmc_kv_scatter_v16"}
@@ -256,10 +481,17 @@ def test_emulated_vector_width_follows_alignment(emu_lib):
     assert {n for b in log for n, _ in b.launches} == {"lmc_kv_gather_v2", "lmc_kv_scatter_v2"}
 
 
+def test_vllm_gpu_moves_one_head_per_segment(emu_lib):
+    caches = make_caches("vllm_gpu", heads=4, dim=64, dtype=torch.float16)
+    tr = _emulated(emu_lib, "direct")(spec_for("vllm_gpu", caches), caches)
+    assert tr.geom[:, 4].tolist() == [64, 64], "K and V alternate per head: 64-element runs"
+    assert tr.geom[1, 2] == 2 * 64 * 2, "next head of a plane is past the other plane's head"
+
+
 def test_emulated_staging_coalesces_adjacent_chunks(emu_lib):
     caches = make_caches("vllm_flash", layers=3, dtype=torch.float16)
     spec = spec_for("vllm_flash", caches)
-    backend = HostBackend(emu_lib)
+    backend = emu.HostBackend(emu_lib, caches=list(caches))
     tr = ct.CudaTransfer(spec, caches, backend=backend, gather_mode="staged")
     plan = tr.plan(torch.arange(24), [(0, 8), (8, 16), (16, 24)])
     pool = torch.empty((3, *spec.chunk_shape(8)), dtype=spec.dtype)  # chunks back to back
@@ -283,7 +515,7 @@ def test_helpers():
 def test_emulated_errors_name_the_problem(emu_lib):
     caches = make_caches("vllm_flash")
     spec = spec_for("vllm_flash", caches)
-    tr = ct.CudaTransfer(spec, caches, backend=HostBackend(emu_lib))
+    tr = ct.CudaTransfer(spec, caches, backend=emu.HostBackend(emu_lib, caches=list(caches)))
     with pytest.raises(ValueError, match="slot 48"):
         tr.plan(torch.tensor([0, 48]), [(0, 2)])
     with pytest.raises(ValueError, match=r"range \(1, 3\)"):
@@ -296,4 +528,4 @@ def test_emulated_errors_name_the_problem(emu_lib):
     with pytest.raises(ValueError, match="layer 3 is out of range"):
         tr.gather(plan, [torch.empty(spec.chunk_shape(4))], layers=[3])
     with pytest.raises(ValueError, match="must be one of"):
-        ct.CudaTransfer(spec, caches, backend=HostBackend(emu_lib), gather_mode="zero-copy")
+        ct.CudaTransfer(spec, caches, backend=emu.HostBackend(emu_lib), gather_mode="zero-copy")
