@@ -408,3 +408,30 @@ def test_writer_killed_mid_write_leaves_nothing_torn(tmp_path):
         assert tier.metrics.get("checksum_failures") == 0
         tier.close()
     assert torn, "no kill landed mid-write: the test proved nothing"
+
+
+@pytest.mark.parametrize("align", [4096, 512], ids=["o_direct_blocks", "unaligned_pool"])
+def test_io_never_touches_neighbouring_pool_memory(tmp_path, align):
+    """A 5000-byte value is padded to 8 KiB on disk. Writing it zeroes the padding in its own
+    pool block and reading it fills that block; neither may spill into the objects next to
+    it, whatever the pool's alignment (512: the block is too small, the exact path runs)."""
+    shape, dtype = (1, 1, 5, 500), torch.float16  # 5000 bytes
+    pool = MemoryPool(64 << 10, pin_memory=False, align=align)
+    tier = DiskBackend(config=CacheConfig(local_disk=str(tmp_path), local_disk_size="1MiB"),
+                       pool=pool)
+    value = pool.allocate(shape, dtype, 5)
+    after = pool.allocate((16 << 10,), torch.uint8)  # the object right behind the value
+    assert after.offset == value.offset + pool.allocator.block_size(value.offset)
+    value.tensor.view(torch.uint8).random_()
+    after.tensor.fill_(0xAB)
+    want = value.tensor.clone()
+    assert tier.put([_key(1)], [value]) == 1
+    assert bool((after.tensor == 0xAB).all()), "the write spilled past the object"
+    value.release()  # the read lands in the value's old block (the best fit), as asserted
+    (got,) = tier.get([_key(1)])
+    assert got is not None and got.offset == value.offset
+    assert_bits_equal(got.tensor, want)
+    assert bool((after.tensor == 0xAB).all()), "the read spilled past the object"
+    got.release()
+    after.release()
+    tier.close()

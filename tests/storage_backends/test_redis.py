@@ -626,3 +626,26 @@ def test_engine_shares_kv_through_redis_and_keeps_serving_l1_when_it_dies(own_re
         b.store(other, src, slots)  # a store lands in L1; the dead tier only drops its copy
         assert b.contains_chunks(other).all()
         assert b.stats()["redis.breaker"] == "open"
+
+
+@pytest.mark.parametrize("secret", [None, "neighbour-test-secret-0123456789"],
+                         ids=["plain", "tagged"])
+@pytest.mark.parametrize("piece", [1 << 20, 1000], ids=["one_piece", "pieces"])
+def test_reads_and_writes_stay_inside_the_object(redis_server, tiers, secret, piece):
+    """A 5000-byte value between sentinel-filled objects: neither the write nor the piecewise
+    read (header, optional 32-byte tag, then the payload at its offset) touches them."""
+    t = tiers(redis_server.url, pool_size=64 << 10, integrity_secret=secret,
+              tier_kw={"get_piece": piece})
+    value = t.pool.allocate((1, 1, 5, 500), torch.float16, 5)
+    after = t.pool.allocate((16 << 10,), torch.uint8)
+    value.tensor.view(torch.uint8).random_()
+    after.tensor.fill_(0xAB)
+    want = value.tensor.clone()
+    key = os.urandom(16)
+    assert t.put([key], [value]) == 1
+    value.release()
+    (got,) = t.get([key])
+    assert got is not None and got.offset == value.offset  # the read landed in that block
+    assert same_bytes(got.tensor, want)
+    assert bool((after.tensor == 0xAB).all()), "a read or write spilled past the object"
+    release([got, after])
