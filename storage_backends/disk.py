@@ -209,7 +209,8 @@ class DiskBackend(StorageBackend):
         self._closed = False
         self._warned: set[str] = set()
         os.makedirs(self.path, exist_ok=True)
-        self._lock_fd = lock_directory(self.path)  # before anything reads or deletes files
+        self._check_ownership()  # before the lock file: refuse a foreign directory untouched
+        self._lock_fd = lock_directory(self.path)  # before anything writes or deletes files
         # a tier dropped without close() still frees the directory when it is collected
         self._unlock = weakref.finalize(self, os.close, self._lock_fd)
         try:
@@ -237,9 +238,10 @@ class DiskBackend(StorageBackend):
         return mv
 
     # --------------------------------------------------------------- start-up
-    def _claim_directory(self) -> None:
-        marker = os.path.join(self.path, MARKER)
-        if os.path.exists(marker):
+    def _check_ownership(self) -> None:
+        """Refuse a non-empty directory without lmc's marker (lmc deletes what it does not
+        recognise, so it must never adopt a directory holding someone else's files)."""
+        if os.path.exists(os.path.join(self.path, MARKER)):
             return
         with os.scandir(self.path) as it:
             strangers = [e.name for e in it
@@ -249,6 +251,14 @@ class DiskBackend(StorageBackend):
                 f"local_disk {self.path!r} holds files lmc did not write ({strangers[0]!r}...); "
                 f"lmc deletes files it does not recognise in its directory, so give it an "
                 f"empty or new one")
+
+    def _claim_directory(self) -> None:
+        """Under the lock: check again (another process may have written meanwhile), then
+        mark the directory as lmc's."""
+        marker = os.path.join(self.path, MARKER)
+        if os.path.exists(marker):
+            return
+        self._check_ownership()
         with open(marker, "w") as f:
             f.write("lmc disk tier: files here are managed (and deleted) by lmc\n")
 

@@ -296,6 +296,7 @@ def test_refuses_a_non_empty_directory_it_did_not_create(tmp_path):
     with pytest.raises(ValueError, match="did not write"):
         _tier(tmp_path)
     assert (tmp_path / "precious.txt").exists()
+    assert not (tmp_path / LOCK).exists() and not (tmp_path / MARKER).exists()  # untouched
 
 
 @pytest.fixture
