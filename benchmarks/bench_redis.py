@@ -8,7 +8,11 @@ For each value size (a KV chunk of a real model shape), every round measures, ba
     FLUSHDB: fresh keys, the same server work as the tier's put; the put ratio uses it;
   * the lmc Redis tier: ``put`` / ``get`` of a prompt's chunks (``--batch``) over
     ``remote_connections`` connections, values verified, payloads landing in the pool;
-  * redis-py alone (hiredis parser, one connection): SET / GET of the same value bytes.
+  * redis-py alone (hiredis parser, one connection): SET / GET of the same value bytes;
+  * the tier again with ``integrity_secret`` set (each value sealed and checked with a keyed
+    tag, ``lmc.integrity``), so the tag's cost shows as a ratio to the plain tier.
+Before the sizes, one line gives single-thread rates on one buffer: memcpy, the xxh3 payload
+checksum, the integrity tag, and keyed BLAKE2b / HMAC-SHA256 (the alternatives not taken).
 Throughput counts payload bytes (the 72-byte header is not counted for the tier). Ratios are
 medians over rounds of the per-round ratio, so that load from other processes cancels out.
 Keys are deleted before each tier put, so every put really transfers (the tier skips keys
@@ -23,6 +27,8 @@ from __future__ import annotations
 
 import argparse
 import csv
+import hashlib
+import hmac
 import io
 import json
 import os
@@ -35,10 +41,13 @@ import sys
 import tempfile
 import time
 
+import numpy as np
 import redis
 import torch
+import xxhash
 
 from lmc.config import CacheConfig
+from lmc.integrity import Integrity
 from lmc.memory import MemoryPool
 from lmc.serde import encode_header, tensor_bytes
 from lmc.storage_backend import create_backend
@@ -127,6 +136,33 @@ def redis_py(client: redis.Redis, values: list[bytes], payload: int) -> dict[str
     return {"put": total / (t1 - t0) / GiB, "get": total / (t2 - t1) / GiB}
 
 
+def hash_rates(nbytes: int = 64 * MiB, reps: int = 5) -> dict[str, float]:
+    """Single-thread GiB/s on one buffer (best of ``reps``): what a value costs per byte."""
+    buf = np.random.default_rng(0).integers(0, 256, nbytes, dtype=np.uint8)
+    dst = np.empty_like(buf)
+    mv = memoryview(buf)
+    secret = os.urandom(32)
+    seal = Integrity(secret)
+    header = bytes(72)
+    fns = {
+        "memcpy": lambda: np.copyto(dst, buf),
+        "xxh3 checksum": lambda: xxhash.xxh3_64_intdigest(mv),
+        "integrity tag": lambda: seal.seal(bytes(16), header, mv),
+        "keyed BLAKE2b": lambda: hashlib.blake2b(mv, key=secret).digest(),
+        "HMAC-SHA256": lambda: hmac.new(secret, mv, "sha256").digest(),
+    }
+    out = {}
+    for name, fn in fns.items():
+        fn()
+        best = float("inf")
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            fn()
+            best = min(best, time.perf_counter() - t0)
+        out[name] = nbytes / best / GiB
+    return out
+
+
 def tier_round(tier, keys, objs, check: bool) -> dict[str, float]:
     tier.delete(keys)
     t0 = time.perf_counter()
@@ -158,6 +194,8 @@ def bench_size(label: str, shape: tuple[int, ...], url: str, port: int, batch: i
     cfg = CacheConfig(remote_url=url, remote_timeout=60, remote_connections=connections,
                       remote_key_prefix="bench")
     tier = create_backend(url, cfg, pool)
+    tagged = create_backend(url, cfg.replace(integrity_secret=os.urandom(32).hex(),
+                                             remote_key_prefix="bench-tagged"), pool)
     keys = [os.urandom(16) for _ in range(batch)]
     objs = pool.allocate_many(shape, torch.bfloat16, batch, shape[2])
     for o in objs:
@@ -172,21 +210,26 @@ def bench_size(label: str, shape: tuple[int, ...], url: str, port: int, batch: i
           f"tier batch {batch} chunks, {connections} connections; {rounds} rounds\n"
           f"  peer: {' '.join(_bench_cmd(port, 'set,get', nbytes, n_bench, bench_clients))}\n"
           f"   and: {' '.join(_bench_cmd(port, 'set', nbytes, n_bench, bench_clients, *FRESH))}")
-    series: dict[str, list[dict[str, float]]] = {"bench": [], "tier": [], "py": []}
+    series: dict[str, list[dict[str, float]]] = {"bench": [], "tier": [], "py": [],
+                                                 "tagged": []}
     try:
         for r in range(rounds + 1):  # round 0 warms the server's memory and the connections
             b = redis_benchmark(port, nbytes, n_bench, bench_clients)
             t = tier_round(tier, keys, objs, check=(r == 0))
             p = redis_py(client, values, nbytes)
+            g = tier_round(tagged, keys, objs, check=(r == 0))
             if r:
                 series["bench"].append(b)
                 series["tier"].append(t)
                 series["py"].append(p)
+                series["tagged"].append(g)
     finally:
         tier.delete(keys)
+        tagged.delete(keys)
         client.delete(*[f"bench:py:{i}" for i in range(len(values))])
         client.close()
         tier.close()
+        tagged.close()
         for o in objs:
             o.release()
         pool.close()
@@ -206,6 +249,13 @@ def bench_size(label: str, shape: tuple[int, ...], url: str, port: int, batch: i
         out[key] = res
         print(f"  {name:34s} {res['put']:6.2f} {res['get']:6.2f} | {res['put_ratio']:12.2f} "
               f"{res['get_ratio']:5.2f} {res['put_1key_ratio']:8.2f}")
+    res = {op: statistics.median(s[op] for s in series["tagged"]) for op in ("put", "get")}
+    for op in ("put", "get"):
+        res[f"{op}_vs_plain"] = statistics.median(
+            g[op] / t[op] for g, t in zip(series["tagged"], series["tier"]))
+    out["tagged"] = res
+    print(f"  {'lmc redis tier, integrity tags':34s} {res['put']:6.2f} {res['get']:6.2f} | "
+          f"vs the plain tier: put {res['put_vs_plain']:.2f}, get {res['get_vs_plain']:.2f}")
     return out
 
 
@@ -235,7 +285,10 @@ def main(argv: list[str] | None = None) -> int:
         url, port = f"redis://127.0.0.1:{server.port}/0", server.port
     print(f"Redis tier benchmark: redis-server {redis_version(port)} on 127.0.0.1:{port}, "
           f"redis-py {redis.__version__}, torch {torch.__version__}")
-    results = []
+    rates = hash_rates()
+    print("single thread, 64 MiB buffer, GiB/s: "
+          + ", ".join(f"{k} {v:.2f}" for k, v in rates.items()))
+    results: list = [{"hash_rates": rates}]
     try:
         for label, shape in shapes.items():
             nbytes = 2 * shape[0] * shape[1] * shape[2] * shape[3]
