@@ -12,13 +12,16 @@ from lmc.server.config import ServerConfig
 
 _MAPPINGS = {"quotas": ("--quota", "NS=SIZE", "a namespace's memory quota (repeatable)"),
              "cache": ("--cache", "KEY=VALUE", "a CacheConfig key for the storage (repeatable)")}
+_LISTS = {"tokens": ("--tokens", "FILE:NS[,NS...]",
+                     "a tenant token file and the namespaces it grants, or FILE:admin "
+                     "(repeatable)")}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", help="YAML file of server keys (configs/server/server.yaml)")
     for key, default, doc in ServerConfig.describe():
-        if key in _MAPPINGS:
-            flag, metavar, help_ = _MAPPINGS[key]
+        if key in _MAPPINGS or key in _LISTS:
+            flag, metavar, help_ = _MAPPINGS.get(key) or _LISTS[key]
             p.add_argument(flag, dest=key, action="append", metavar=metavar, help=help_)
             continue
         shown = "" if default is None else f" (default {default!r})"

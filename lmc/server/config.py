@@ -28,6 +28,7 @@ from lmc.config import (
     check_known_keys,
     parse_size,
 )
+from lmc.server.auth import Authenticator, TokenSpec, nonempty_secret, parse_tokens
 from lmc.server.protocol import Limits
 
 DEFAULT_PORT = 7451
@@ -97,10 +98,18 @@ class ServerConfig:
     port: int | None = _field(DEFAULT_PORT, _opt_port, "TCP port (0 = any free port, null = no TCP)")
     unix_socket: str | None = _field(None, _parse_opt_str, "path of a Unix socket to listen on")
     unix_socket_mode: int = _field("0600", _mode, "file mode of the Unix socket (octal)")
-    token: str | None = _field(None, _parse_opt_str,
-                               "shared token every client must present first (never logged)")
-    token_file: str | None = _field(None, _parse_opt_str,
-                                    "file holding the token (keeps it out of argv and YAML)")
+    token: str | None = _field(None, nonempty_secret,
+                               "admin token every client must present first (never logged); "
+                               "an admin token grants every namespace")
+    token_file: str | None = _field(None, nonempty_secret,
+                                    "file holding the admin token (keeps it out of argv and YAML)")
+    tokens: tuple[TokenSpec, ...] = _field(None, parse_tokens,
+                                           "tenant tokens: [{token_file, namespaces: [a, b]}, "
+                                           "{token_file, admin: true}]; flag form FILE:ns1,ns2 "
+                                           "or FILE:admin (repeatable)")
+    hello_timeout: float = _field(5.0, lambda v, k: _parse_float(v, k, minimum=0.01),
+                                  "seconds a new connection has to authenticate (HELLO) "
+                                  "before it is closed")
     # ---- storage
     size: int = _field("1GiB", _pos_size, "memory pool (L1) size; the daemon never exceeds it")
     prefault: bool = _field(True, _parse_bool, "touch the whole pool at start-up so that no "
@@ -127,6 +136,10 @@ class ServerConfig:
     max_namespace: int = _field(64, lambda v, k: min(_pos(v, k), 64),
                                 "bytes of a namespace name (at most 64)")
     max_connections: int = _field(1024, _pos, "open client connections; more are refused")
+    max_unauthenticated: int | None = _field(
+        None, lambda v, k: None if v is None or v == "" else _pos(v, k),
+        "connections still before their HELLO (null = a quarter of max_connections); the "
+        "rest of max_connections is kept for authenticated clients")
     frame_timeout: float = _field(30.0, lambda v, k: _parse_float(v, k, minimum=0.01),
                                   "seconds a half-received frame may stall before the "
                                   "connection is dropped")
@@ -153,6 +166,15 @@ class ServerConfig:
             raise ValueError(f"redis: expected a redis:// URL, got {self.redis!r}")
         if self.max_value > self.max_payload:
             object.__setattr__(self, "max_value", self.max_payload)
+        for spec in self.tokens:
+            for ns in spec.namespaces:
+                if len(ns.encode()) > self.max_namespace:
+                    raise ValueError(f"tokens[{spec.name}].namespaces: {ns!r} is longer than "
+                                     f"max_namespace {self.max_namespace} bytes")
+        if self.port is not None and not self.is_loopback() and not self.has_credentials:
+            raise ValueError(f"host: {self.host} is not loopback and no token is configured: "
+                             "anyone who can reach it could read and write the cache; set "
+                             "token_file or tokens")
         self.cache_config()  # unknown or bad storage keys fail here, at start-up
 
     # ------------------------------------------------------------- derived
@@ -160,6 +182,21 @@ class ServerConfig:
     def limits(self) -> Limits:
         return Limits(self.max_meta, self.max_payload, self.max_value, self.max_batch,
                       self.max_namespace)
+
+    @property
+    def has_credentials(self) -> bool:
+        return bool(self.token or self.token_file or self.tokens)
+
+    @property
+    def unauthenticated_limit(self) -> int:
+        """Connections allowed before HELLO: always below ``max_connections`` (when that is
+        above 1), so authenticated clients keep a reserve nobody else can fill."""
+        n = self.max_unauthenticated or max(1, self.max_connections // 4)
+        return max(1, min(n, self.max_connections - 1))
+
+    def authenticator(self) -> Authenticator:
+        """The tokens, read from their files now (a missing or empty file fails start-up)."""
+        return Authenticator.from_config(self.resolved_token(), self.tokens)
 
     def resolved_token(self) -> str | None:
         """The token, read from ``token_file`` when that is set."""

@@ -20,6 +20,7 @@ import socket
 import stat
 import struct
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -28,39 +29,17 @@ from typing import Any
 from lmc.memory import MemoryPool
 from lmc.pool_tuning import tune_pool
 from lmc.server import metrics as M
+from lmc.server.auth import Grant
 from lmc.server.client import UNIX_SNDBUF
 from lmc.server.config import ServerConfig
 from lmc.server.http import MetricsHTTP
-from lmc.server.session import IDLE, READING, SENDING, Session
+from lmc.server.ratelog import IntervalLog, RateLimitedWarnings
+from lmc.server.session import IDLE, Session
 from lmc.server.store import NamespacedStore
 from lmc.storage_backend import StorageBackend, create_backend
 from lmc.storage_manager import StorageManager, TierPool
 
 log = logging.getLogger(__name__)
-
-
-class RateLimitedWarnings:
-    """At most ``per_second`` warnings a second: a peer spraying bad frames cannot flood the
-    log (the suppressed count is reported with the next warning that gets through)."""
-
-    def __init__(self, per_second: int = 20) -> None:
-        self.per_second = per_second
-        self._window = 0.0
-        self._count = 0
-        self._suppressed = 0
-
-    def __call__(self, msg: str, *args: Any) -> None:
-        now = time.monotonic()
-        if now - self._window >= 1.0:
-            self._window, self._count = now, 0
-        self._count += 1
-        if self._count > self.per_second:
-            self._suppressed += 1
-            return
-        if self._suppressed:
-            log.warning("(%d similar warnings suppressed)", self._suppressed)
-            self._suppressed = 0
-        log.warning(msg, *args)
 
 
 def build_storage(config: ServerConfig) -> tuple[MemoryPool, StorageManager]:
@@ -98,19 +77,34 @@ def _unix_peer(conn: socket.socket) -> str:
 class Daemon:
     def __init__(self, config: ServerConfig) -> None:
         self.config = config
-        tok = config.resolved_token()
-        self.token: bytes | None = tok.encode() if tok else None
+        self.auth = config.authenticator()
         self.pool, self.storage = build_storage(config)
         self.store = NamespacedStore(self.storage, config.quotas, config.quota_default,
-                                     config.max_namespaces)
+                                     config.max_namespaces,
+                                     reserved=self.auth.granted_namespaces())
         self.offload = len(self.storage.tiers) > 1
         self.io = ThreadPoolExecutor(config.io_threads, thread_name_prefix="lmc-server-io")
         self.commit_bytes = max(1 << 20, min(64 << 20, self.pool.size // 8))
         self.sessions: set[Session] = set()
+        self.pending: OrderedDict[Session, None] = OrderedDict()  # before HELLO, oldest first
         self.listeners: list[tuple[socket.socket, str]] = []
         self.draining = False
         self.started = time.time()
         self.warn = RateLimitedWarnings()
+        self.events = {
+            "accept": IntervalLog(logging.WARNING, "accept failed"),
+            "refused": IntervalLog(logging.WARNING, "connections refused"),
+            "hello_timeout": IntervalLog(
+                logging.INFO, f"closed connections that sent no HELLO within "
+                f"{config.hello_timeout:g} s"),
+            "displaced": IntervalLog(
+                logging.WARNING, f"closed the oldest unauthenticated connection to admit a new "
+                f"one (at most {config.unauthenticated_limit} before HELLO)"),
+            "stalled": IntervalLog(
+                logging.WARNING, f"dropped connections with no progress for "
+                f"{config.frame_timeout:g} s mid-frame"),
+        }
+        self._hello_seen: set[tuple[str, str]] = set()
         self.http: MetricsHTTP | None = None
         self._stop: asyncio.Event | None = None
         self._tasks: list[asyncio.Task] = []
@@ -124,11 +118,31 @@ class Daemon:
             return fn(*args)
         return await asyncio.get_running_loop().run_in_executor(self.io, fn, *args)
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self, grant: Grant | None = None) -> dict[str, Any]:
+        """Everything for an admin (or an open daemon); a tenant sees its namespaces only."""
+        allowed = None if grant is None or grant.admin else grant.namespaces
         return {"server": {"version": 1, "uptime_s": time.time() - self.started,
-                           "connections": len(self.sessions), "draining": self.draining},
+                           "connections": len(self.sessions),
+                           "unauthenticated": len(self.pending), "draining": self.draining},
                 "pool": self.pool.stats(), "tiers": {**self.store.stats(), **self.storage.stats()},
-                "namespaces": self.store.namespace_stats()}
+                "namespaces": self.store.namespace_stats(allowed)}
+
+    # ------------------------------------------------------------ sessions
+    def established(self, s: Session) -> None:
+        """``s`` has authenticated (or, with no tokens, completed a request)."""
+        self.pending.pop(s, None)
+
+    def hello_log(self, s: Session) -> None:
+        """One INFO line per (client name, token) pair, not per connection: engines open
+        several connections and reconnect after failures."""
+        who = (s.client, s.grant.name if s.grant else "-")
+        if who in self._hello_seen:
+            log.debug("%s: hello from client %s (%s)", s.peer, *who)
+            return
+        if len(self._hello_seen) < 4096:
+            self._hello_seen.add(who)
+        log.info("%s: hello from client %s%s", s.peer, s.client,
+                 f" (authenticated as {who[1]})" if self.auth.required else "")
 
     # -------------------------------------------------------- listening
     def _listen_tcp(self) -> socket.socket:
@@ -138,9 +152,8 @@ class Daemon:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind(info[4])
         if not cfg.is_loopback():
-            log.warning("listening on %s, not loopback%s", cfg.host,
-                        "" if self.token else ", and without a token: anyone who can reach "
-                        "this address can read and write the cache")
+            log.warning("listening on %s, not loopback: only the tokens stand between this "
+                        "cache and whoever can reach it", cfg.host)
         return sock
 
     def _listen_unix(self) -> socket.socket:
@@ -183,20 +196,27 @@ class Daemon:
 
     async def _accept_loop(self, lsock: socket.socket, via: str) -> None:
         loop = asyncio.get_running_loop()
+        failing = 0
         while not self.draining:
             try:
                 conn, addr = await loop.sock_accept(lsock)
             except OSError as e:
                 if self.draining:
                     return
-                log.warning("accept failed on %s: %s", via, e)
-                await asyncio.sleep(0.05)
+                failing += 1
+                M.ACCEPT_ERRORS.inc()
+                self.events["accept"](f"{via}: {e.strerror or e}")
+                await asyncio.sleep(0.1)  # out of fds: retrying sooner only burns the CPU
                 continue
+            if failing:
+                log.info("accept on %s works again after %d failure(s)", via, failing)
+                failing = 0
             peer = f"{addr[0]}:{addr[1]}" if via == "tcp" else _unix_peer(conn)
-            if self.draining or len(self.sessions) >= self.config.max_connections:
+            if not self._make_room():
                 M.REFUSED.inc()
-                self.warn("%s: refused (%s)", peer, "shutting down" if self.draining
-                          else f"{self.config.max_connections} connections open")
+                self.events["refused"]("shutting down" if self.draining else
+                                       f"{self.config.max_connections} authenticated "
+                                       "connections open")
                 conn.close()
                 continue
             conn.setblocking(False)
@@ -207,31 +227,71 @@ class Daemon:
             M.ACCEPTED.labels(via).inc()
             self._start_session(conn, peer, via)
 
+    def _make_room(self) -> bool:
+        """Whether a new (unauthenticated) connection may be admitted. Connections before
+        HELLO are capped below ``max_connections``; at that cap, or with every slot taken, the
+        oldest of them is closed for the newcomer (a client that authenticates in time never
+        loses its slot; one that idles cannot keep the door shut). Only authenticated
+        connections filling every slot refuse a newcomer."""
+        if self.draining:
+            return False
+        full = len(self.sessions) >= self.config.max_connections
+        if not full and len(self.pending) < self.config.unauthenticated_limit:
+            return True
+        if not self.pending:
+            return False
+        victim, _ = self.pending.popitem(last=False)
+        M.UNAUTHENTICATED_DROPPED.labels("displaced").inc()
+        self.events["displaced"]()
+        self._drop(victim)
+        return True
+
+    def _drop(self, s: Session) -> None:
+        """Close ``s`` now: its socket is shut at once (its slot and fd freed before the
+        next accept), its task cancelled."""
+        self.sessions.discard(s)
+        self.pending.pop(s, None)
+        with contextlib.suppress(OSError):
+            s.sock.shutdown(socket.SHUT_RDWR)
+        if s.task is not None:
+            s.task.cancel()
+
     def _start_session(self, conn: socket.socket, peer: str, via: str) -> None:
         s = Session(self, conn, peer, via)
         self.sessions.add(s)
+        self.pending[s] = None
         M.CONNECTIONS.inc()
         s.task = asyncio.get_running_loop().create_task(s.run())
 
         def done(_: asyncio.Task) -> None:
             self.sessions.discard(s)
+            self.pending.pop(s, None)
             M.CONNECTIONS.dec()
 
         s.task.add_done_callback(done)
 
     async def _watchdog(self) -> None:
-        """Drop connections that stall half-way through a frame (slow-loris, dead peers)."""
-        limit = self.config.frame_timeout
+        """Drop connections that stall mid-frame (slow-loris, dead peers, a client that went
+        silent while its refused payload was being discarded) and connections that do not
+        authenticate within ``hello_timeout``. A connection idle between frames is kept."""
+        cfg = self.config
         while True:
-            await asyncio.sleep(min(1.0, limit / 4))
+            await asyncio.sleep(max(0.01, min(1.0, cfg.frame_timeout / 4,
+                                              cfg.hello_timeout / 4)))
             now = time.monotonic()
+            for s in list(self.pending):
+                if now - s.accepted_at <= cfg.hello_timeout:
+                    break  # oldest first: the rest are younger
+                M.UNAUTHENTICATED_DROPPED.labels("hello_timeout").inc()
+                self.events["hello_timeout"]()
+                self._drop(s)
             for s in list(self.sessions):
-                mid_frame = s.state in (READING, SENDING) or (s.state == IDLE
-                                                               and s.reader.buffered > 0)
-                if mid_frame and now - s.progress_at > limit and s.task is not None:
+                if s.waiting_on_peer and now - s.progress_at > cfg.frame_timeout:
                     M.STALLED.inc()
-                    self.warn("%s: no progress for %.1f s mid-frame; dropping", s.peer, limit)
-                    s.task.cancel()
+                    self.events["stalled"](s.peer)
+                    self._drop(s)
+            for ev in self.events.values():
+                ev.flush()
 
     # -------------------------------------------------------- lifecycle
     def request_stop(self) -> None:
@@ -274,7 +334,11 @@ class Daemon:
                  else f"unix {self.config.unix_socket}" for _, via in self.listeners]
         log.info("lmc server listening on %s; pool %d MiB, tiers %s%s", ", ".join(where),
                  self.pool.size >> 20, [t.name for t in self.storage.tiers],
-                 ", token required" if self.token else "")
+                 ", token required" if self.auth.required else "")
+        if not self.auth.required:
+            log.warning("no token configured: every process that can connect (to loopback or "
+                        "the Unix socket) can read, write and delete every namespace; set "
+                        "token_file or tokens")
         gc.collect()
         gc.freeze()  # torch's many import-time objects leave every future collection's scan
         self._write_ready_file()

@@ -17,6 +17,13 @@ CONNECTIONS = Gauge("lmc_server_connections", "Open client connections")
 ACCEPTED = Counter("lmc_server_connections_accepted", "Client connections accepted", ["via"])
 REFUSED = Counter("lmc_server_connections_refused", "Connections refused (limit or shutdown)")
 AUTH_FAILURES = Counter("lmc_server_auth_failures", "Connections rejected for their token")
+FORBIDDEN = Counter("lmc_server_forbidden", "Requests refused: namespace not granted by the token")
+UNAUTHENTICATED_DROPPED = Counter(
+    "lmc_server_unauthenticated_dropped",
+    "Connections closed before their HELLO", ["why"])  # hello_timeout | displaced
+ACCEPT_ERRORS = Counter("lmc_server_accept_errors", "accept() failures (e.g. out of fds)")
+NAMESPACES_RECLAIMED = Counter("lmc_server_namespaces_reclaimed",
+                               "Namespace ledgers reclaimed to stay within max_namespaces")
 REQUESTS = Counter("lmc_server_requests", "Requests answered", ["op", "status"])
 REQUEST_SECONDS = Histogram("lmc_server_request_seconds", "Time to answer a request", ["op"],
                             buckets=_LAT)

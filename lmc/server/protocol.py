@@ -50,9 +50,10 @@ TOO_LARGE = 4       # a length past a configured bound: answered, then closed
 UNKNOWN_OP = 5
 SHUTTING_DOWN = 6
 INTERNAL = 7
+FORBIDDEN = 8       # the token does not grant that namespace: answered, the connection stays
 STATUS_NAMES = {OK: "ok", BAD_FRAME: "bad_frame", BAD_REQUEST: "bad_request",
                 AUTH_FAILED: "auth_failed", TOO_LARGE: "too_large", UNKNOWN_OP: "unknown_op",
-                SHUTTING_DOWN: "shutting_down", INTERNAL: "internal"}
+                SHUTTING_DOWN: "shutting_down", INTERNAL: "internal", FORBIDDEN: "forbidden"}
 
 # ---- per-item results of a PUT (one byte each in the response's "results")
 STORED, BAD_CHECKSUM, NO_MEMORY, OVER_QUOTA = 0, 1, 2, 3

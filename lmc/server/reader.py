@@ -39,13 +39,26 @@ class FrameReader:
         self._end = 0
         self.bytes_read = 0
         self.progress_at = time.monotonic()
+        self._waiting = False     # inside a recv, waiting on the peer
+        self._boundary = True     # that recv is for the first bytes of a frame header
 
     @property
     def buffered(self) -> int:
         return self._end - self._start
 
+    @property
+    def mid_frame(self) -> bool:
+        """Waiting on the peer for bytes of a frame it has begun (header, metadata, payload,
+        or a payload being discarded): the state a stall watchdog must time out. Waiting
+        for the first byte of the next frame is not (an idle connection)."""
+        return self._waiting and not (self._boundary and self._end == self._start)
+
     async def _recv_into(self, view: memoryview) -> int:
-        n = await self.loop.sock_recv_into(self.sock, view)
+        self._waiting = True
+        try:
+            n = await self.loop.sock_recv_into(self.sock, view)
+        finally:
+            self._waiting = False
         if n:
             self.bytes_read += n
             self.progress_at = time.monotonic()
@@ -55,6 +68,7 @@ class FrameReader:
         """Make ``need`` bytes available in the staging buffer (the caller bounds ``need``)."""
         if self._end - self._start >= need:
             return
+        self._boundary = at_boundary
         if self._start + need > len(self._buf):  # compact, growing only for large metadata
             size = max(STAGE_SIZE, need)
             data = bytes(self._mv[self._start:self._end])  # may overlap its destination
@@ -83,6 +97,7 @@ class FrameReader:
 
     async def read_into(self, dst: memoryview) -> None:
         """Fill ``dst`` (a byte view of pool memory): staged bytes first, then directly."""
+        self._boundary = False
         pos = min(self._end - self._start, len(dst))
         if pos:
             dst[:pos] = self._mv[self._start:self._start + pos]
@@ -97,6 +112,7 @@ class FrameReader:
 
     async def discard(self, n: int) -> None:
         """Consume ``n`` bytes nobody will keep (a value refused for memory or quota)."""
+        self._boundary = False
         scratch = memoryview(bytearray(min(n, _DISCARD))) if n > self.buffered else None
         while n:
             take = min(n, self._end - self._start)

@@ -11,7 +11,6 @@ only after their checksum holds.
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 import socket
 import time
@@ -20,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 from lmc.serde import encode_header, payload_checksum
 from lmc.server import metrics as M
 from lmc.server import protocol as P
+from lmc.server.auth import OPEN, Grant
 from lmc.server.reader import FrameReader, PeerClosed
 from lmc.server.store import Checksum, checksum_of
 from lmc.server.views import byte_view
@@ -61,10 +61,14 @@ class Session:
         self.reader = FrameReader(self.loop, sock)
         self.limits = daemon.config.limits
         self.store = daemon.store
-        self.authed = daemon.token is None
+        # no tokens configured: everything is allowed, but the connection still counts as
+        # unauthenticated (hello_timeout, the pre-HELLO cap) until it has sent one frame
+        self.grant: Grant | None = None if daemon.auth.required else OPEN
+        self.established = False
         self.client = "-"
         self.state = IDLE
-        self.sent_at = time.monotonic()
+        self.accepted_at = self.sent_at = time.monotonic()
+        self._sending = False
         self.task: asyncio.Task | None = None
 
     # --------------------------------------------------------------- loop
@@ -72,8 +76,14 @@ class Session:
     def progress_at(self) -> float:
         return max(self.reader.progress_at, self.sent_at)
 
+    @property
+    def waiting_on_peer(self) -> bool:
+        """Mid-frame on either side: a request half-received (or its refused payload being
+        discarded) or an answer the peer is not reading. The watchdog times these out."""
+        return self.reader.mid_frame or self._sending
+
     async def run(self) -> None:
-        log.info("%s: connected via %s", self.peer, self.via)
+        log.debug("%s: connected via %s", self.peer, self.via)
         try:
             while True:
                 if self.daemon.draining and not self.reader.buffered:
@@ -84,12 +94,14 @@ class Session:
                 self.state = READING
                 if not await self._serve_frame(raw):
                     break
+                if not self.established and self.grant is not None:
+                    self._establish()
         except PeerClosed as e:
             if not e.clean:
                 self.daemon.warn("%s: connection closed mid-frame", self.peer)
         except asyncio.CancelledError:
-            log.info("%s: connection dropped (%s)", self.peer,
-                     "shutdown" if self.daemon.draining else "stalled")
+            log.debug("%s: connection dropped (%s)", self.peer,
+                      "shutdown" if self.daemon.draining else "stalled or timed out")
         except OSError as e:
             log.warning("%s: connection error: %s", self.peer, e)
         except Exception:
@@ -105,7 +117,7 @@ class Session:
         try:
             h = P.unpack_header(raw)
             op, req_id = h.op, h.req_id
-            if not self.authed and h.op != P.HELLO:
+            if self.grant is None and h.op != P.HELLO:
                 M.AUTH_FAILURES.inc()
                 raise P.ProtocolError(P.AUTH_FAILED, "authentication required", fatal=True)
             if h.op == P.HELLO and (h.meta_len > HELLO_MAX_META or h.payload_len):
@@ -114,6 +126,8 @@ class Session:
         except P.ProtocolError as e:
             await self._fail(op, req_id, e, payload_left=0)
             return False
+        if self.grant is OPEN and not self.established:
+            self._establish()  # no tokens: a well-formed header is all a HELLO would prove
         status, keep = P.OK, True
         try:
             meta = P.unpack_meta(await self.reader.read(h.meta_len), self.limits)
@@ -124,11 +138,17 @@ class Session:
             keep = await handler(self, h, meta)
         except P.ProtocolError as e:
             status = e.status
+            if h.op == P.HELLO:
+                e.fatal = True  # a client that cannot say HELLO right gets no second try
             left = h.payload_len if h.op == P.PUT else 0  # PUTs fail before their payload
             keep = await self._fail(h.op, h.req_id, e, payload_left=left)
         M.REQUESTS.labels(P.OPS.get(h.op, "unknown"), P.STATUS_NAMES.get(status, "?")).inc()
         M.REQUEST_SECONDS.labels(P.OPS.get(h.op, "unknown")).observe(time.perf_counter() - t0)
         return keep
+
+    def _establish(self) -> None:
+        self.established = True
+        self.daemon.established(self)
 
     # ------------------------------------------------------------ replies
     async def _send(self, op: int, req_id: int, meta: dict[str, Any], bufs: list = (),
@@ -136,7 +156,12 @@ class Session:
         m = P.pack_meta(meta)
         self.state = SENDING
         head = P.pack_header(op | P.RESPONSE, req_id, len(m), payload_len, status) + m
-        await send_buffers(self.loop, self.sock, [head, *bufs], self._sent)
+        self._sending = True
+        self.sent_at = time.monotonic()
+        try:
+            await send_buffers(self.loop, self.sock, [head, *bufs], self._sent)
+        finally:
+            self._sending = False
 
     def _sent(self) -> None:
         self.sent_at = time.monotonic()
@@ -156,32 +181,47 @@ class Session:
 
     # ----------------------------------------------------------- handlers
     async def _hello(self, h: P.FrameHeader, meta: dict[str, Any]) -> bool:
-        self.client = _printable(meta.get("client"))
-        if not self.authed:
-            given = P.get_token(meta)
-            if not hmac.compare_digest(given, self.daemon.token or b""):
+        """Authenticate: the token's grant replaces the connection's (a repeated HELLO
+        re-authenticates; any failure closes the connection)."""
+        client = _printable(meta.get("client"))
+        given = P.get_token(meta)
+        if self.daemon.auth.required:
+            grant = self.daemon.auth.check(given)
+            if grant is None:
                 M.AUTH_FAILURES.inc()
                 why = "no token" if not given else "wrong token"
                 raise P.ProtocolError(P.AUTH_FAILED, f"authentication failed ({why})",
                                       fatal=True)
-            self.authed = True
-        log.info("%s: hello from client %s%s", self.peer, self.client,
-                 " (authenticated)" if self.daemon.token else "")
-        await self._send(h.op, h.req_id, {"server": "lmc", "version": P.VERSION,
-                                          "limits": self.limits.as_dict()})
+            self.grant = grant
+        self.client = client
+        self.daemon.hello_log(self)
+        answer: dict[str, Any] = {"server": "lmc", "version": P.VERSION,
+                                  "limits": self.limits.as_dict()}
+        if self.grant is not None and not self.grant.admin:
+            answer["namespaces"] = sorted(self.grant.namespaces)
+        await self._send(h.op, h.req_id, answer)
         return True
+
+    def _namespace(self, meta: dict[str, Any]) -> str:
+        """The request's namespace, if this connection's token grants it."""
+        ns = P.get_namespace(meta, self.limits)
+        if self.grant is None or not self.grant.allows(ns):
+            M.FORBIDDEN.inc()
+            raise P.ProtocolError(P.FORBIDDEN, f"this token does not grant namespace "
+                                  f"{_printable(ns)!r}")
+        return ns
 
     async def _ping(self, h: P.FrameHeader, meta: dict[str, Any]) -> bool:
         await self._send(h.op, h.req_id, {})
         return True
 
     async def _stats(self, h: P.FrameHeader, meta: dict[str, Any]) -> bool:
-        stats = await self.daemon.run_storage(self.daemon.stats)
+        stats = await self.daemon.run_storage(self.daemon.stats, self.grant)
         await self._send(h.op, h.req_id, _plain(stats))
         return True
 
     async def _put(self, h: P.FrameHeader, meta: dict[str, Any]) -> bool:
-        ns = P.get_namespace(meta, self.limits)
+        ns = self._namespace(meta)
         items = P.get_put_items(meta, h.payload_len, self.limits)
         ikeys = self.store.internal_keys(ns, [it.key for it in items])
         admitted, reserved = self.store.admit(ns, [it.payload_len for it in items])
@@ -251,11 +291,11 @@ class Session:
                 M.VALUES.labels(name).inc(n)
 
     async def _get(self, h: P.FrameHeader, meta: dict[str, Any]) -> bool:
-        ns = P.get_namespace(meta, self.limits)
+        ns = self._namespace(meta)
         keys = P.get_keys(meta, self.limits)
         prefix = P.get_flag(meta, "prefix")
         ikeys = self.store.internal_keys(ns, keys)
-        objs = await self.daemon.run_storage(self.store.get, ikeys, prefix)
+        objs = await self.daemon.run_storage(self.store.get, ns, ikeys, prefix)
         try:
             items: list[bytes | None] = []
             bufs: list[memoryview] = []
@@ -284,7 +324,7 @@ class Session:
         return True
 
     async def _exists(self, h: P.FrameHeader, meta: dict[str, Any]) -> bool:
-        ns = P.get_namespace(meta, self.limits)
+        ns = self._namespace(meta)
         ikeys = self.store.internal_keys(ns, P.get_keys(meta, self.limits))
         if P.get_flag(meta, "prefix"):
             hits = await self.daemon.run_storage(self.store.prefix_hits, ikeys)
@@ -295,7 +335,7 @@ class Session:
         return True
 
     async def _delete(self, h: P.FrameHeader, meta: dict[str, Any]) -> bool:
-        ns = P.get_namespace(meta, self.limits)
+        ns = self._namespace(meta)
         ikeys = self.store.internal_keys(ns, P.get_keys(meta, self.limits))
         n = await self.daemon.run_storage(self.store.delete, ns, ikeys)
         await self._send(h.op, h.req_id, {"deleted": n})

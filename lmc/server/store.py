@@ -8,6 +8,15 @@ tenant's (xxh3 is not collision resistant, BLAKE2 is).
 Quotas bound the memory tier's bytes per namespace. Accounting is lazy: the tier evicts
 without telling us, so when a namespace looks over its quota the ledger is first pruned of
 keys the tier no longer has, and only then are the namespace's own oldest chunks deleted.
+Every way a chunk enters memory is charged: a PUT (admitted before its payload is read) and a
+read that promotes a chunk from the disk or Redis tier (charged after the read, evicting the
+namespace's own oldest chunks if that takes it over its quota).
+
+Ledgers are bounded too. Namespaces named in the config (``quotas``, or granted by a tenant
+token) always have room; other namespaces (clients with an admin token, or no token) share
+``max_namespaces`` ledgers: when a new one needs a ledger, empty ones are reclaimed first,
+then the least recently used one's chunks leave memory (a cache may drop anything; what it
+may not do is lock new tenants out of an empty pool).
 """
 
 from __future__ import annotations
@@ -23,6 +32,8 @@ import torch
 
 from lmc.memory import MemoryObj
 from lmc.serde import payload_checksum
+from lmc.server import metrics as M
+from lmc.server.ratelog import IntervalLog
 from lmc.server.views import byte_view
 from lmc.storage_manager import StorageManager
 
@@ -40,6 +51,10 @@ def checksum_of(obj: MemoryObj) -> int:
     if isinstance(meta, Checksum):
         return int(meta)
     return payload_checksum(byte_view(obj))
+
+
+class _Full(Exception):
+    """Every ledger that could be reclaimed has writes in flight."""
 
 
 class _Ledger:
@@ -69,13 +84,20 @@ class NamespacedStore:
     """Thread-safe; all batch calls take internal keys from :meth:`internal_keys`."""
 
     def __init__(self, storage: StorageManager, quotas: dict[str, int] | None = None,
-                 quota_default: int | None = None, max_namespaces: int = 4096) -> None:
+                 quota_default: int | None = None, max_namespaces: int = 4096,
+                 reserved: frozenset[str] = frozenset()) -> None:
         self.storage = storage
         self.l1 = storage.l1
         self.quotas = dict(quotas or {})
         self.quota_default = quota_default
         self.max_namespaces = max_namespaces
-        self._ledgers: dict[str, _Ledger] = {}
+        self.configured = frozenset(self.quotas) | reserved  # never count against the cap
+        self._ledgers: OrderedDict[str, _Ledger] = OrderedDict()  # least recently used first
+        self._dynamic = 0  # ledgers of namespaces not in ``configured``
+        self.reclaimed = 0
+        self._reclaim_log = IntervalLog(
+            logging.INFO, f"max_namespaces ({max_namespaces}) reached: the least recently used "
+            "namespace's ledger was reclaimed and its chunks left memory")
         self._lock = threading.Lock()
 
     # ------------------------------------------------------------------ keys
@@ -102,18 +124,15 @@ class NamespacedStore:
         quota = self.quota(ns)
         if quota is None:
             return [True] * len(sizes), 0
+        victims: list[bytes] = []
         with self._lock:
-            ledger = self._ledgers.get(ns)
-            if ledger is None:
-                if len(self._ledgers) >= self.max_namespaces:
-                    self._prune_empty()
-                if len(self._ledgers) >= self.max_namespaces:
-                    return [False] * len(sizes), 0
-                ledger = self._ledgers[ns] = _Ledger()
+            try:
+                ledger = self._ledger(ns, victims)
+            except _Full:  # every tracked namespace has a write in flight right now
+                return [False] * len(sizes), 0
             need = min(sum(sizes), quota)
             if ledger.bytes + ledger.pending + need > quota:
                 self._prune(ledger)
-            victims: list[bytes] = []
             while ledger.bytes + ledger.pending + need > quota and ledger.keys:
                 k = next(iter(ledger.keys))
                 ledger.drop(k)
@@ -136,17 +155,83 @@ class NamespacedStore:
                 if ledger is not None:
                     ledger.pending = max(0, ledger.pending - reserved)
 
+    def _ledger(self, ns: str, victims: list[bytes]) -> _Ledger:
+        """``ns``'s ledger, made (and marked recently used) now; under the lock. Chunks that
+        must leave memory to keep the ledgers bounded are appended to ``victims``."""
+        ledger = self._ledgers.get(ns)
+        if ledger is not None:
+            self._ledgers.move_to_end(ns)
+            return ledger
+        if ns not in self.configured:
+            if self._dynamic >= self.max_namespaces:
+                self._prune_empty()
+            while self._dynamic >= self.max_namespaces:
+                victims += self._reclaim_oldest()
+            self._dynamic += 1
+        ledger = self._ledgers[ns] = _Ledger()
+        return ledger
+
+    def _reclaim_oldest(self) -> list[bytes]:
+        """Forget the least recently used unconfigured namespace without pending writes; its
+        chunks are returned for deletion from memory (a namespace nobody tracks must not
+        keep memory its quota no longer bounds)."""
+        for name, ledger in self._ledgers.items():
+            if name not in self.configured and not ledger.pending:
+                del self._ledgers[name]
+                self._dynamic -= 1
+                self.reclaimed += 1
+                M.NAMESPACES_RECLAIMED.inc()
+                self._reclaim_log()
+                log.debug("namespace ledger %r reclaimed (%d chunks leave memory)", name,
+                          len(ledger.keys))
+                return list(ledger.keys)
+        raise _Full
+
     def commit(self, ns: str, ikeys: Sequence[bytes], objs: Sequence[MemoryObj]) -> int:
-        """Make verified values visible (the caller keeps and releases its references)."""
+        """Make verified values visible (the caller keeps and releases its references). A key
+        given twice is stored once (the first value; keys are content addresses): the tier
+        takes one reference per key, so a second object under the same key would leak."""
         if not ikeys:
             return 0
+        seen: set[bytes] = set()
+        keep = [(k, o) for k, o in zip(ikeys, objs) if not (k in seen or seen.add(k))]
+        if len(keep) < len(ikeys):
+            ikeys, objs = [k for k, _ in keep], [o for _, o in keep]
         n = self.storage.put(ikeys, objs)
-        if self.quota(ns) is not None:
-            with self._lock:
-                ledger = self._ledgers.setdefault(ns, _Ledger())
-                for k, o in zip(ikeys, objs):
-                    ledger.add(k, o.nbytes)
+        if self.quota(ns) is not None:  # admitted (reserved in ``pending``): room was made
+            self._charge(ns, ikeys, [o.nbytes for o in objs], enforce=False)
         return n
+
+    def _charge(self, ns: str, ikeys: Sequence[bytes], sizes: Sequence[int],
+                enforce: bool = True) -> None:
+        """Record chunks now in memory for ``ns``; with ``enforce`` (chunks that arrived
+        without an admission: promotions), its oldest others leave while it is over quota."""
+        quota = self.quota(ns)
+        assert quota is not None
+        victims: list[bytes] = []
+        with self._lock:
+            try:
+                ledger = self._ledger(ns, victims)
+            except _Full:  # every ledger has writes in flight: do not keep what we cannot bound
+                victims += ikeys
+            else:
+                for k, n in zip(ikeys, sizes):
+                    ledger.add(k, n)
+                if enforce and ledger.bytes + ledger.pending > quota:
+                    self._prune(ledger)
+                    fresh = set(ikeys)
+                    for k in list(ledger.keys):
+                        if ledger.bytes + ledger.pending <= quota:
+                            break
+                        if k not in fresh:
+                            ledger.drop(k)
+                            victims.append(k)
+                    while ledger.bytes + ledger.pending > quota and ledger.keys:
+                        k = next(iter(ledger.keys))  # still over: the new ones go too
+                        ledger.drop(k)
+                        victims.append(k)
+        if victims:
+            self.l1.delete(victims)
 
     def delete(self, ns: str, ikeys: Sequence[bytes]) -> int:
         n = self.storage.delete(ikeys)
@@ -180,9 +265,22 @@ class NamespacedStore:
     def prefix_hits(self, ikeys: Sequence[bytes]) -> int:
         return self.storage.prefix_hits(ikeys)
 
-    def get(self, ikeys: Sequence[bytes], prefix: bool) -> list[MemoryObj | None]:
+    def get(self, ns: str, ikeys: Sequence[bytes], prefix: bool) -> list[MemoryObj | None]:
         """Objects (one reference each, for the caller) or None; ``prefix`` stops at the first
-        miss. Lower-tier hits go through the manager's ``get_prefix``, so they are promoted."""
+        miss. Lower-tier hits go through the manager's ``get_prefix``, so they are promoted,
+        and charged to ``ns``'s quota."""
+        if len(self.storage.tiers) == 1:
+            return self._get(ikeys, prefix)
+        before = self.l1.contains(ikeys)
+        found = self._get(ikeys, prefix)
+        if self.quota(ns) is not None:
+            up = [(k, o.nbytes) for k, o, b in zip(ikeys, found, before)
+                  if o is not None and not b]
+            if up:
+                self._charge(ns, [k for k, _ in up], [n for _, n in up])
+        return found
+
+    def _get(self, ikeys: Sequence[bytes], prefix: bool) -> list[MemoryObj | None]:
         n = len(ikeys)
         if prefix:
             objs: list[MemoryObj | None] = list(self.storage.get_prefix(ikeys))
@@ -205,6 +303,7 @@ class NamespacedStore:
         with self._lock:
             ledger = self._ledgers.get(ns)
             if ledger is not None:
+                self._ledgers.move_to_end(ns)
                 for k in ikeys:
                     if k in ledger.keys:
                         ledger.keys.move_to_end(k)
@@ -217,16 +316,23 @@ class NamespacedStore:
                 ledger.drop(k)
 
     def _prune_empty(self) -> None:
+        """Reclaim ledgers of namespaces that hold nothing in memory any more."""
         for ns in list(self._ledgers):
             ledger = self._ledgers[ns]
             self._prune(ledger)
             if not ledger.keys and not ledger.pending:
                 del self._ledgers[ns]
+                if ns not in self.configured:
+                    self._dynamic -= 1
 
-    def namespace_stats(self) -> dict[str, dict[str, int]]:
+    def namespace_stats(self, allowed: frozenset[str] | None = None
+                        ) -> dict[str, dict[str, int]]:
+        """Per namespace: chunks, bytes and quota in memory; only ``allowed`` ones if given
+        (a tenant sees its own namespaces, not who else uses the daemon)."""
         with self._lock:
             return {ns: {"chunks": len(ld.keys), "bytes": ld.bytes,
-                         "quota": self.quota(ns) or 0} for ns, ld in self._ledgers.items()}
+                         "quota": self.quota(ns) or 0} for ns, ld in self._ledgers.items()
+                    if allowed is None or ns in allowed}
 
     def stats(self) -> dict[str, Any]:
         out: dict[str, Any] = {}
@@ -236,4 +342,7 @@ class NamespacedStore:
                     out[f"{tier.name}.{k}"] = v
             except Exception as e:
                 log.warning("tier %s failed stats(): %s", tier.name, e)
+        with self._lock:
+            out["namespaces.tracked"] = len(self._ledgers)
+            out["namespaces.reclaimed"] = self.reclaimed
         return out

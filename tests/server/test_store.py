@@ -51,7 +51,7 @@ def test_same_key_two_namespaces_no_cross_talk():
     _put(s, "a", keys, 1.0)
     _put(s, "b", keys, 2.0)
     for ns, val in (("a", 1.0), ("b", 2.0)):
-        [o] = s.get(s.internal_keys(ns, keys), prefix=False)
+        [o] = s.get(ns, s.internal_keys(ns, keys), prefix=False)
         assert float(o.tensor[0, 0, 0, 0]) == val
         o.release()
     assert s.contains(s.internal_keys("c", keys)) == [False]
@@ -83,7 +83,7 @@ def test_non_prefix_get_promotes_lower_tier_hits(tmp_path):
     assert mgr.flush(10)
     ik = s.internal_keys("", keys)
     l1.delete([ik[0], ik[2]])  # only on disk now
-    got = s.get([ik[0], b"z" * 16, ik[2], ik[1]], prefix=False)
+    got = s.get("", [ik[0], b"z" * 16, ik[2], ik[1]], prefix=False)
     assert [o is not None for o in got] == [True, False, True, True]
     assert all(float(o.tensor.flatten()[0]) == 3.0 for o in got if o is not None)
     for o in got:

@@ -1,0 +1,74 @@
+"""Log lines a peer cannot multiply: a per-second cap for protocol warnings, and one line per
+interval (with a count) for events that can repeat thousands of times a second.
+
+Why: every per-connection or per-frame event is something a misbehaving peer (or a full fd
+table) can trigger in a loop; a log that grows at the peer's pace is a disk a peer can fill.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+log = logging.getLogger("lmc.server.daemon")
+
+
+class RateLimitedWarnings:
+    """At most ``per_second`` warnings a second: a peer spraying bad frames cannot flood the
+    log (the suppressed count is reported with the next warning that gets through)."""
+
+    def __init__(self, per_second: int = 20) -> None:
+        self.per_second = per_second
+        self._window = 0.0
+        self._count = 0
+        self._suppressed = 0
+
+    def __call__(self, msg: str, *args: Any) -> None:
+        now = time.monotonic()
+        if now - self._window >= 1.0:
+            self._window, self._count = now, 0
+        self._count += 1
+        if self._count > self.per_second:
+            self._suppressed += 1
+            return
+        if self._suppressed:
+            log.warning("(%d similar warnings suppressed)", self._suppressed)
+            self._suppressed = 0
+        log.warning(msg, *args)
+
+
+class IntervalLog:
+    """One line per ``interval`` seconds for a repeating event: the first occurrence at once,
+    then, while it keeps happening, one line per interval saying how often it happened.
+    ``flush`` reports a count still pending (called from a periodic task)."""
+
+    def __init__(self, level: int, msg: str, interval: float = 10.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.level = level
+        self.msg = msg
+        self.interval = interval
+        self.clock = clock
+        self.total = 0
+        self._pending = 0
+        self._last = float("-inf")
+        self._detail = ""
+
+    def __call__(self, detail: str = "", n: int = 1) -> None:
+        self.total += n
+        self._pending += n
+        self._detail = detail
+        if self.clock() - self._last >= self.interval:
+            self._emit()
+
+    def flush(self) -> None:
+        if self._pending and self.clock() - self._last >= self.interval:
+            self._emit()
+
+    def _emit(self) -> None:
+        self._last = self.clock()
+        what = f" ({self._detail})" if self._detail else ""
+        log.log(self.level, "%s%s: %d time(s) in the last %.0f s", self.msg, what,
+                self._pending, self.interval)
+        self._pending = 0
