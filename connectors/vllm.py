@@ -202,7 +202,9 @@ class LMCConnector(KVConnectorBase_V1):
                                     str(cfg.cache_config.cache_dtype))
                 choice = resolve_cpu(tensors, isa)
             else:
-                choice = resolve_gpu(tensors, backend, self.settings.vllm.allow_untested)
+                choice = resolve_gpu(tensors, backend, self.settings.vllm.allow_untested,
+                                     kv_cache_layout=cfg.cache_config.kv_cache_layout,
+                                     head_size=cfg.model_config.get_head_size())
         except UnsupportedLayout as e:
             raise RuntimeError(f"lmc connector refused to start: {e}") from e
         w.register(choice)

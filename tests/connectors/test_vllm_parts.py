@@ -245,31 +245,66 @@ def test_untested_version_refused_unless_allowed():
     check_version("0.33.1", True)
 
 
-def _views(shape: tuple[int, ...], n: int = 2) -> dict[str, torch.Tensor]:
-    buf = torch.zeros(n, *shape)
-    return {f"model.layers.{i}.self_attn.attn": buf[i] for i in range(n)}
+def _vllm_views(order: str, B=8, H=2, N=16, C=128, L=2) -> dict[str, torch.Tensor]:
+    """Per-layer [B, H, N, C] views of one buffer laid out in vLLM's ``order`` (L B H N C
+    letters, outermost first), as vLLM 0.32's create_kv_cache_views makes them."""
+    size = dict(L=L, B=B, H=H, N=N, C=C)
+    stride, acc = {}, 1
+    for ax in reversed(order):
+        stride[ax], acc = acc, acc * size[ax]
+    view = torch.zeros(acc).as_strided([size[a] for a in "LBHNC"], [stride[a] for a in "LBHNC"])
+    return {f"model.layers.{i}.self_attn.attn": view[i] for i in range(L)}
 
 
-def test_interleaved_gpu_layout_refused_with_reason():
-    with pytest.raises(UnsupportedLayout, match="FLASH_ATTN.*interleaved.*separate K and V"):
-        resolve_gpu(_views((8, 2, 16, 128)), "FLASH_ATTN", allow_untested=True)
+@pytest.mark.parametrize("backend", ["FLASH_ATTN", "TRITON_ATTN", "FLASHINFER"])
+@pytest.mark.parametrize("order", ["LBNHC", "LBHNC", "LHBNC", "BLHNC", "BLNHC", "BHLNC"])
+def test_gpu_backends_map_to_vllm_gpu_in_every_layout(backend, order):
+    kv = _vllm_views(order)
+    choice = resolve_gpu(kv, backend, allow_untested=False, kv_cache_layout=order,
+                         head_size=64)
+    spec = choice.spec()
+    assert (choice.layout, spec.num_kv_heads, spec.block_size, spec.head_size) == \
+        ("vllm_gpu", 2, 16, 64)
 
 
-def test_mla_maps_by_geometry_only_when_allowed():
-    kv = _views((8, 1, 16, 576))
-    with pytest.raises(UnsupportedLayout, match="never run against lmc.*vllm_mla"):
-        resolve_gpu(kv, "FLASHMLA", allow_untested=False)
-    choice = resolve_gpu(kv, "FLASHMLA", allow_untested=True)
+def test_legacy_layout_names_are_aliases():
+    resolve_gpu(_vllm_views("LBNHC"), "FLASH_ATTN", False, kv_cache_layout="NHD")
+    resolve_gpu(_vllm_views("LBHNC"), "FLASH_ATTN", False, kv_cache_layout="HND")
+
+
+def test_layout_name_disagreeing_with_strides_is_refused():
+    with pytest.raises(UnsupportedLayout, match="resolved KV cache layout HND.*strides"):
+        resolve_gpu(_vllm_views("LBNHC"), "FLASHINFER", False, kv_cache_layout="HND")
+
+
+def test_padded_or_scaled_content_is_refused():
+    with pytest.raises(UnsupportedLayout, match="C = 136, not 2 \\* head_size 64"):
+        resolve_gpu(_vllm_views("LBNHC", C=136), "FLASH_ATTN", False, head_size=64)
+
+
+def test_other_backends_refused_by_name():
+    with pytest.raises(UnsupportedLayout, match="attention backend FLEX_ATTENTION with this cache is not one"):
+        resolve_gpu(_vllm_views("LBNHC"), "FLEX_ATTENTION", allow_untested=True)
+
+
+def test_flashmla_maps_to_vllm_mla():
+    kv = _vllm_views("BLHNC", H=1, C=576)
+    choice = resolve_gpu(kv, "FLASHMLA", allow_untested=False, kv_cache_layout="BLHNC")
     spec = choice.spec()
     assert (choice.layout, spec.block_size, spec.head_size, spec.num_layers) == \
         ("vllm_mla", 16, 576, 2)
-    assert choice.tensors[0].data_ptr() == kv["model.layers.0.self_attn.attn"].data_ptr()
+    assert choice.tensors[1].data_ptr() == kv["model.layers.1.self_attn.attn"].data_ptr()
 
 
-def test_earlier_flash_layouts_map_by_shape():
-    assert resolve_gpu(_views((2, 8, 16, 2, 64)), "FLASH_ATTN", True).layout == "vllm_flash"
-    assert resolve_gpu(_views((8, 2, 16, 2, 64)), "FLASHINFER", True).layout == \
-        "vllm_flashinfer"
+def test_earlier_flash_layouts_map_by_shape_only_when_allowed():
+    buf = torch.zeros(2, 2, 8, 16, 2, 64)
+    kv = {f"model.layers.{i}.self_attn.attn": buf[i] for i in range(2)}
+    assert resolve_gpu(kv, "FLASH_ATTN", True).layout == "vllm_flash"
+    with pytest.raises(UnsupportedLayout, match="allow_untested"):
+        resolve_gpu(kv, "FLASH_ATTN", False)
+    buf = torch.zeros(2, 8, 2, 16, 2, 64)
+    kv = {f"model.layers.{i}.self_attn.attn": buf[i] for i in range(2)}
+    assert resolve_gpu(kv, "FLASHINFER", True).layout == "vllm_flashinfer"
 
 
 def test_shared_kv_layers_refused():
