@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import signal
 import socket
 import subprocess
@@ -36,13 +37,15 @@ class DaemonProc:
     """One ``python -m lmc.server`` process with its log and ready file under ``workdir``."""
 
     def __init__(self, workdir: Path, flags: list[str], unix: bool = False,
-                 port: int | None = None, env: dict[str, str] | None = None) -> None:
+                 port: int | None = None, env: dict[str, str] | None = None,
+                 nofile: int | None = None) -> None:
         self.workdir = Path(workdir)
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.flags = flags
         self.unix_path = str(self.workdir / "lmc.sock") if unix else None
         self.want_port = 0 if port is None else port
         self.env = env or {}
+        self.nofile = nofile  # a low RLIMIT_NOFILE for the daemon (fd exhaustion tests)
         self.proc: subprocess.Popen | None = None
         self.info: dict[str, Any] = {}
         self.log_path = self.workdir / "daemon.log"
@@ -58,7 +61,8 @@ class DaemonProc:
             cmd += ["--unix-socket", self.unix_path]
         env = {**os.environ, "PYTHONPATH": str(ROOT), **self.env}
         log = open(self.log_path, "ab")  # noqa: SIM115 - handed to the child
-        self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=log)
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=log,
+                                     preexec_fn=self._limits if self.nofile else None)
         log.close()
         deadline = time.monotonic() + timeout
         while not ready.exists():
@@ -72,6 +76,9 @@ class DaemonProc:
         if self.want_port == 0:
             self.want_port = self.info["port"]  # a restart comes back on the same port
         return self
+
+    def _limits(self) -> None:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (self.nofile, self.nofile))
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
