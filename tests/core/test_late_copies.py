@@ -6,13 +6,17 @@ a missing wait."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 
+import numpy as np
 import pytest
 import torch
 
 from lmc import CacheConfig, CacheEngine
+from lmc.completion import EventCompletion
+from lmc.cuda_transfer import CudaTransfer
 from lmc.memory import Lease
 from tests.kvutil import assert_bits_equal, make_caches, spec_for, token_kv
 from tests.late_transfer import LateCompletion, late_copies, late_factory, new_seed
@@ -133,3 +137,69 @@ def test_the_late_backend_catches_a_missing_wait():
             h.wait()
             assert torch.isnan(dst[1].float()).any(), "the late copy moved poisoned memory"
     assert watch.violations and "freed under an in-flight scatter" in watch.violations[0]
+
+
+# ----------------------------------------------------------- plan() never reads the device
+_HOST_READS = {torch.Tensor.cpu, torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.numpy,
+               torch.Tensor.__bool__, torch.Tensor.__int__, torch.Tensor.__index__,
+               torch.Tensor.__float__, torch.Tensor.__array__}
+
+
+class DeviceOnly(torch.Tensor):
+    """A tensor standing for device memory: reading it on the host (a device sync on a GPU)
+    raises."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if func in _HOST_READS:
+            raise AssertionError(f"{func.__name__} read a device tensor on the host (a sync)")
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+class _PlanBackend:
+    """CupyBackend's plan-time calls; what it uploads is 'device' memory."""
+
+    sm_count = 1
+
+    def stream(self, stream):
+        return None
+
+    def context(self, stream):
+        return contextlib.nullcontext()
+
+    def event(self, stream):
+        return None
+
+    def upload(self, arr: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(arr.copy()).as_subclass(DeviceOnly)
+
+    def is_host(self, t: torch.Tensor) -> bool:
+        return not isinstance(t, DeviceOnly)
+
+
+def _cuda_transfer():
+    caches = make_caches("vllm_flash", layers=2, blocks=8, block_size=4)
+    spec = spec_for("vllm_flash", caches)
+    return CudaTransfer(spec, caches, backend=_PlanBackend())
+
+
+def test_plan_from_host_slots_never_reads_the_device():
+    tr = _cuda_transfer()
+    slots = torch.tensor([4, 5, 6, 7, 9, -1, 30, 31])
+    plan = tr.plan(slots, [(0, 4), (4, 8)])
+    tokens = plan.tokens.as_subclass(torch.Tensor)
+    assert tokens[0].tolist() == slots.tolist() and plan.holes == [False, True]
+    with pytest.raises(ValueError, match="slot 32"):
+        tr.plan(torch.tensor([1, 32]), [(0, 2)])
+
+
+def test_plan_from_device_slots_never_reads_them_back():
+    tr = _cuda_transfer()
+    slots = torch.tensor([4, 5, 6, 7, 9, -1, 32, 31]).as_subclass(DeviceOnly)
+    plan = tr.plan(slots, [(0, 4), (4, 8)])  # no ValueError: that would need a read
+    tokens = plan.tokens.as_subclass(torch.Tensor)
+    assert tokens[0].tolist() == [4, 5, 6, 7, 9, -1, -1, 31], "past the cache: skipped"
+    assert plan.holes == [True, True]  # unknown without a read: staged gathers pre-load
+    bad = plan.bad_slots.as_subclass(torch.Tensor)
+    with pytest.raises(ValueError, match="past the end of the KV cache"):
+        EventCompletion(None, bad).wait()  # reported at the host wait, after the copy
