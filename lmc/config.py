@@ -153,8 +153,8 @@ class CacheConfig:
         secret=True)
     integrity_secret: str | None = _field(
         None, _parse_opt_str,
-        "secret (>= 16 bytes) keying a tag on every value of a shared (Redis) tier; values "
-        "without a valid tag are misses (never logged; docs/integrity.md)", secret=True)
+        "secret (>= 16 bytes) keying a tag on every value of a shared tier (Redis, lmc://); "
+        "values without a valid tag are misses (never logged; docs/integrity.md)", secret=True)
     integrity_secret_file: str | None = _field(
         None, _parse_opt_str, "file holding integrity_secret (instead of the value itself)")
     remote_timeout: float = _field(

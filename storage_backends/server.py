@@ -10,6 +10,9 @@ Failure is a miss, never an exception: a call that fails or times out (``remote_
 of inactivity) answers misses, and a circuit breaker then keeps calls off the network until
 a trial call succeeds, so a dead or restarting server costs the engine nothing and the tier
 comes back by itself.
+
+With ``integrity_secret`` each chunk travels with a keyed tag stored as a companion value
+(``server_tags``); a chunk whose tag is missing or does not verify is a miss and is deleted.
 """
 
 from __future__ import annotations
@@ -24,12 +27,14 @@ from typing import Any, TypeVar
 from lmc.config import CacheConfig
 from lmc.integrity import Integrity
 from lmc.memory import MemoryObj, MemoryPool
-from lmc.serde import DTYPE_CODES
+from lmc.serde import DTYPE_CODES, CorruptValue
 from lmc.server import protocol as P
 from lmc.server.breaker import CLOSED, OPEN, CircuitBreaker
 from lmc.server.client import Address, Allocate, ClientConnection
 from lmc.server.probe import ProbePolicy
 from lmc.storage_backend import Key, StorageBackend, register_backend
+
+from .server_tags import Tags, interleave, tag_key
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -48,15 +53,12 @@ class ServerBackend(StorageBackend):
             raise ValueError("the server tier needs remote_url: lmc://host:port or "
                              "lmc+unix:///path")
         self.address = Address.parse(url)
-        if Integrity.from_config(config) is not None:  # never serve a shared value unchecked
-            raise ValueError(
-                "integrity_secret is set, but the lmc:// tier cannot carry integrity tags yet "
-                "(the daemon keeps only the value's header fields); use a redis:// tier for "
-                "tagged values or unset integrity_secret (docs/integrity.md)")
         self.url = f"lmc://{self.address}"
         self.namespace = namespace or self.address.namespace or config.remote_key_prefix
         self.pool = pool
         self.allocate = allocate or pool.allocate
+        integrity = Integrity.from_config(config)
+        self.tags = Tags(integrity, self.allocate) if integrity else None
         self.size = config.remote_connections
         self.timeout = config.remote_timeout
         self._token = config.remote_token
@@ -194,6 +196,38 @@ class ServerBackend(StorageBackend):
     def get(self, keys: Sequence[Key]) -> list[MemoryObj | None]:
         if not keys:
             return []
+        out = self._get_values(keys) if self.tags is None else self._get_tagged(keys)
+        hits = sum(o is not None for o in out)
+        self._count(hits=hits, misses=len(out) - hits,
+                    bytes_in=sum(o.nbytes for o in out if o is not None))
+        return out
+
+    def _get_tagged(self, keys: Sequence[Key]) -> list[MemoryObj | None]:
+        """Chunks with their tags (one call); only those whose tag verifies are returned."""
+        assert self.tags is not None
+        got = self._get_values(interleave(keys))
+        out: list[MemoryObj | None] = []
+        bad: list[Key] = []
+        for i, key in enumerate(keys):
+            tag, obj = got[2 * i], got[2 * i + 1]
+            if obj is not None:
+                try:
+                    self.tags.check(key, obj, tag)
+                except CorruptValue as e:
+                    obj.release()
+                    obj = None
+                    bad.append(key)
+                    self._count(corrupt=1)
+                    log.warning("server tier %s: chunk %s refused: %s; deleted, served as a "
+                                "miss", self.url, key.hex(), e)
+            if tag is not None:
+                tag.release()
+            out.append(obj)
+        if bad:
+            self.delete(bad)
+        return out
+
+    def _get_values(self, keys: Sequence[Key]) -> list[MemoryObj | None]:
         # sizes are unknown before the answer: assume equal chunks, split by count
         parts = self._split([SPLIT_BYTES // 4] * len(keys)) if len(keys) >= 8 else [(0, len(keys))]
 
@@ -202,11 +236,7 @@ class ServerBackend(StorageBackend):
                                                      on_corrupt=self._corrupt),
                               [None] * (b - a))
 
-        out = [o for part in self._parallel(parts, run) for o in part]
-        hits = sum(o is not None for o in out)
-        self._count(hits=hits, misses=len(out) - hits,
-                    bytes_in=sum(o.nbytes for o in out if o is not None))
-        return out
+        return [o for part in self._parallel(parts, run) for o in part]
 
     def _corrupt(self) -> None:
         self._count(corrupt=1)
@@ -220,25 +250,42 @@ class ServerBackend(StorageBackend):
             keys, objs = [keys[i] for i in ok], [objs[i] for i in ok]
         if not keys:
             return 0
+        bytes_out = sum(o.nbytes for o in objs)
+        if self.tags is None:
+            stored = sum(self._put_values(keys, objs))
+        else:
+            pairs_keys, pairs, tags = self.tags.seal(keys, objs)
+            try:
+                ok = self._put_values(pairs_keys, pairs)
+            finally:
+                for t in tags:
+                    t.release()
+            stored = sum(ok[i] and ok[i + 1] for i in range(0, len(ok), 2))
+        self._count(stored=stored, not_stored=len(keys) - stored, bytes_out=bytes_out)
+        return stored
+
+    def _put_values(self, keys: Sequence[Key], objs: Sequence[MemoryObj]) -> list[bool]:
+        """Whether each value is now stored."""
         parts = self._split([o.nbytes for o in objs])
         probe = self.probe.want()
 
-        def run(a: int, b: int) -> int:
+        def run(a: int, b: int) -> list[bool]:
             res, present = self._call(
                 "put", lambda c: c.put(self.namespace, keys[a:b], objs[a:b], probe), (b"", 0))
             if probe:
                 self.probe.saw(present, b - a)
-            return res.count(P.STORED)
+            return [j < len(res) and res[j] == P.STORED for j in range(b - a)]
 
-        stored = sum(self._parallel(parts, run))
-        self._count(stored=stored, not_stored=len(keys) - stored,
-                    bytes_out=sum(o.nbytes for o in objs))
-        return stored
+        return [ok for part in self._parallel(parts, run) for ok in part]
 
     def delete(self, keys: Sequence[Key]) -> int:
         if not keys:
             return 0
-        return self._call("delete", lambda c: c.delete(self.namespace, keys), 0)
+        n = self._call("delete", lambda c: c.delete(self.namespace, keys), 0)
+        if self.tags is not None:
+            tags = [tag_key(k) for k in keys]
+            self._call("delete", lambda c: c.delete(self.namespace, tags), 0)
+        return n
 
     # ------------------------------------------------------------- admin
     def server_stats(self) -> dict[str, Any]:

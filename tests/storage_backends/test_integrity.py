@@ -1,6 +1,6 @@
-"""Keyed integrity on the Redis tier, against a real redis-server: what a writer to the store
-without the secret can do to an engine without ``integrity_secret`` (forge values, which are
-served: the documented limitation) and cannot do to one with it."""
+"""Keyed integrity on the shared tiers, against a real redis-server and a real lmc daemon: what
+a writer to the store without the secret can do to an engine without ``integrity_secret``
+(forge values, which are served: the documented limitation) and cannot do to one with it."""
 
 from __future__ import annotations
 
@@ -9,7 +9,11 @@ import os
 import pytest
 import torch
 import xxhash
+from lmc.storage_backends.server import ServerBackend
+from lmc.storage_backends.server_tags import tag_key
 
+from lmc.config import CacheConfig
+from lmc.memory import MemoryPool
 from lmc.serde import (
     HEADER_SIZE,
     TAG_SIZE,
@@ -18,6 +22,8 @@ from lmc.serde import (
     encode_header,
     verify_payload,
 )
+from lmc.storage_backend import create_backend
+from tests.server.daemon_proc import DaemonProc
 
 from .test_redis import chunks, release, same_bytes
 
@@ -127,15 +133,86 @@ def test_wrong_secret_and_mixed_settings_are_misses(redis_server, tiers):
     release(objs + pobjs)
 
 
-def test_daemon_tier_refuses_a_secret_it_cannot_honour():
-    """The lmc:// tier would drop the tag, so with a secret it refuses to start rather than
-    store and serve values unchecked."""
-    from lmc.config import CacheConfig
-    from lmc.memory import MemoryPool
-    from lmc.storage_backend import create_backend
+# ------------------------------------------------------------------ the lmc daemon tier
+@pytest.fixture(scope="module")
+def daemon(tmp_path_factory):
+    d = DaemonProc(tmp_path_factory.mktemp("daemon"), ["--size", "64MiB"])
+    d.start()
+    yield d
+    d.kill()
 
-    pool = MemoryPool(1 << 20, pin_memory="false")
-    url = "lmc://127.0.0.1:1"
-    with pytest.raises(ValueError, match="integrity_secret is set, but the lmc:// tier"):
-        create_backend(url, CacheConfig(remote_url=url, integrity_secret=SECRET), pool)
-    pool.close()
+
+@pytest.fixture
+def daemon_tiers(daemon):
+    """``make(secret=None)`` -> a tier on the daemon over its own pool, one namespace per
+    test (a tier with no secret plays the writer without it)."""
+    ns = f"i{os.urandom(4).hex()}"
+    made = []
+
+    def make(secret: str | None = None) -> ServerBackend:
+        cfg = CacheConfig(remote_url=f"{daemon.url}?ns={ns}", remote_timeout=10.0,
+                          integrity_secret=secret, pin_memory="false")
+        t = create_backend(cfg.remote_url, cfg, MemoryPool(16 << 20, pin_memory="false"))
+        made.append(t)
+        return t
+
+    yield make
+    for t in made:
+        t.close()
+        assert t.pool.used_bytes == 0, "the tier kept or leaked pool memory"
+        t.pool.close()
+
+
+def _objs(pool: MemoryPool, n: int, seed: int) -> list:
+    g = torch.Generator().manual_seed(seed)
+    objs = pool.allocate_many((2, 2, 16, 64), torch.float16, n, 16)
+    for o in objs:
+        o.tensor.view(torch.int16).copy_(torch.randint(-2**15, 2**15, o.shape, generator=g))
+    return objs
+
+
+def test_daemon_tier_tags_round_trip_and_refuse_forgeries(daemon_tiers):
+    keyed, plain = daemon_tiers(SECRET), daemon_tiers()
+    keys = [os.urandom(16) for _ in range(3)]
+    objs = _objs(keyed.pool, 3, seed=1)
+    assert keyed.put(keys, objs) == 3
+    got = keyed.get(keys)
+    assert all(same_bytes(g.tensor, o.tensor) for g, o in zip(got, objs))
+    release(got)
+
+    # a writer without the secret replaces chunk 0 (the daemon checks its header: consistent)
+    forged = _objs(plain.pool, 1, seed=2)
+    assert plain.delete(keys[:1]) == 1 and plain.put(keys[:1], forged) == 1
+    seen = plain.get(keys[:1])  # the limitation: without a secret the forgery is served
+    assert same_bytes(seen[0].tensor, forged[0].tensor)
+    release(seen)
+    assert keyed.get(keys[:1]) == [None]
+    assert plain.contains([keys[0], tag_key(keys[0])]) == [False, False], "not deleted"
+
+    # a valid chunk and its tag copied to another key: the key is authenticated
+    stolen = plain.get([keys[1], tag_key(keys[1])])
+    other = os.urandom(16)
+    assert plain.put([tag_key(other), other], stolen) == 2
+    release(stolen)
+    assert keyed.get([other]) == [None]
+
+    # another secret, and a chunk stored without any tag
+    assert daemon_tiers(SECRET[::-1]).get(keys[2:3]) == [None]
+    untagged = os.urandom(16)
+    assert plain.put([untagged], forged) == 1
+    assert keyed.get([untagged]) == [None]
+    assert keyed.stats()["corrupt"] == 3
+    release(forged + objs)
+
+
+def test_daemon_tier_lost_tag_is_a_miss_and_the_chunk_is_rewritten(daemon_tiers):
+    keyed, plain = daemon_tiers(SECRET), daemon_tiers()
+    key = os.urandom(16)
+    objs = _objs(keyed.pool, 1, seed=3)
+    assert keyed.put([key], objs) == 1
+    assert plain.delete([tag_key(key)]) == 1  # as if the daemon had evicted the tag
+    assert keyed.get([key]) == [None]
+    assert keyed.put([key], objs) == 1        # stored again, with a tag
+    got = keyed.get([key])
+    assert same_bytes(got[0].tensor, objs[0].tensor)
+    release(got + objs)
