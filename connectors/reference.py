@@ -29,6 +29,7 @@ from lmc.kv_spec import KVSpec
 from lmc.reference.connector_api import ConnectorRequest, KVConnector
 from lmc.reference.scheduler_output import SchedulerOutput
 from lmc.storage_backend import StorageBackend
+from lmc.transfer import TransferFactory
 
 ConfigLike = CacheConfig | str | os.PathLike | Mapping[str, Any] | None
 
@@ -60,12 +61,15 @@ class LMCReferenceConnector(KVConnector):
         tiers: extra storage tiers below L1, passed to the ``CacheEngine``.
         cache_engine: use this engine instead of creating one (its spec must match the
             engine's KV cache); it is then not closed by ``shutdown``.
+        transfer: the ``CacheEngine``'s transfer choice ("auto", "torch", "cuda", or a
+            factory ``(spec, kv_caches) -> KVTransfer``, e.g. a test backend).
     """
 
     def __init__(self, config: ConfigLike = None, *, model_dir: str | os.PathLike | None = None,
                  model_id: str | None = None, layerwise: bool = True, save_decode: bool = False,
                  tiers: Sequence[StorageBackend] | None = None,
-                 cache_engine: CacheEngine | None = None) -> None:
+                 cache_engine: CacheEngine | None = None,
+                 transfer: str | TransferFactory = "auto") -> None:
         self.cache_config = load_cache_config(config)
         if model_id is None:
             if model_dir is None and cache_engine is None:
@@ -78,6 +82,7 @@ class LMCReferenceConnector(KVConnector):
         self.engine = cache_engine
         self._owns_engine = cache_engine is None
         self._tiers = tiers
+        self._transfer = transfer
         self.worker: WorkerConnector | None = None
 
     def _lookup(self, token_ids: Sequence[int]) -> int:
@@ -109,7 +114,8 @@ class LMCReferenceConnector(KVConnector):
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         spec = KVSpec.from_tensors(kv_caches, "vllm_flash")
         if self.engine is None:
-            self.engine = CacheEngine(self.cache_config, spec, self.model_id, tiers=self._tiers)
+            self.engine = CacheEngine(self.cache_config, spec, self.model_id, tiers=self._tiers,
+                                      transfer=self._transfer)
         elif self.engine.spec.namespace_fields() != spec.namespace_fields():
             raise ValueError(f"the given CacheEngine's KV spec {self.engine.spec} does not "
                              f"match the engine's KV cache {spec}")

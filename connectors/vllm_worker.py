@@ -2,7 +2,10 @@
 lookup server.
 
 Created with vLLM's worker; the ``CacheEngine`` is made in ``register_kv_caches``, once the
-KV tensors exist and their layout is known (:mod:`lmc.connectors.vllm_layout`). vLLM names
+KV tensors exist and their layout is known (:mod:`lmc.connectors.vllm_layout`). vLLM calls
+``wait_for_layer_load`` and ``save_kv_layer`` from the forward, on its compute stream: the
+core orders that stream after the layer's load, and each save after that point on it
+(:mod:`lmc.connectors.worker`), without blocking the host. vLLM names
 layers (``model.layers.3.self_attn.attn``); the core counts them, so names map to indices in
 layer order. Saves are committed within their step (``wait_for_save``), so no save is ever
 pending across steps: nothing to report through ``get_finished`` and nothing to rescue in

@@ -11,7 +11,12 @@ import yaml
 
 from lmc.reference import LLM
 from tests.connectors.helpers import BLOCK, assert_same, lmc_llm, plain_llm, prompt, run, stat
-from tests.late_transfer import copies  # noqa: F401 - the fixture below
+from tests.late_transfer import (
+    LateTransfer,
+    copies,  # noqa: F401 - the fixture below
+    late_factory,
+    new_seed,
+)
 
 pytestmark = pytest.mark.usefixtures("copies")  # every test: copies now, then late
 
@@ -221,3 +226,13 @@ def test_sync_loading_matches_layerwise(tiny_dir: Path, baseline: LLM) -> None:
     got = run(llm, [P])
     assert got[0].num_cached_tokens == len(P) - 1
     assert_same(got, run(baseline, [P]))
+
+
+def test_transfer_choice_reaches_the_cache_engine(tiny_dir: Path, baseline: LLM) -> None:
+    llm, conn = lmc_llm(tiny_dir, connector_kw={"transfer": late_factory(new_seed())})
+    assert isinstance(conn.engine.transfer_for(conn.worker.kv_caches), LateTransfer)
+    want = run(baseline, [P])
+    assert_same(run(llm, [P]), want)
+    again = run(llm, [P])
+    assert again[0].num_cached_tokens == len(P) - 1
+    assert_same(again, want)
