@@ -7,7 +7,7 @@ import torch
 
 from lmc.kv_spec import LAYOUTS
 from lmc.transfer import TorchTransfer, make_transfer
-from tests.kvutil import DTYPES, assert_bits_equal, make_caches, spec_for, token_kv
+from tests.kvutil import DTYPES, assert_bits_equal, bits, make_caches, spec_for, token_kv
 
 
 def _slots(spec, n, gen, aligned: bool) -> torch.Tensor:
@@ -118,3 +118,44 @@ def test_check_slots_names_the_problem():
         tr.check_slots(torch.zeros(4), 4)
     with pytest.raises(ValueError, match="1-D"):
         tr.check_slots(torch.zeros(2, 2, dtype=torch.long), 4)
+
+
+# ------------------------------------------------- vLLM 0.32 GPU caches in every memory order
+@pytest.mark.parametrize("order", ["NHD", "HND", "LHBNC", "BLHNC", "BHLNC"])
+@pytest.mark.parametrize("aligned", [True, False], ids=["blocks", "scattered"])
+def test_vllm_gpu_any_memory_order(order, aligned):
+    """Strides come from the tensors: the same spec code moves K/V interleaved per head in
+    vLLM's NHD/HND orders and in cross-layer allocations (a block holds every layer)."""
+    from tests.core.test_kv_spec import vllm_gpu_caches
+
+    def caches(zeros=False, seed=0):
+        if order in ("NHD", "HND"):
+            return make_caches("vllm_gpu", order=order, dtype=torch.bfloat16, blocks=12,
+                               zeros=zeros, seed=seed)
+        return vllm_gpu_caches(order, dtype=torch.bfloat16, blocks=12, zeros=zeros, seed=seed)
+
+    src = caches()
+    spec = spec_for("vllm_gpu", src)
+    tr = make_transfer(spec, src)
+    assert tr.strided, "K/V interleaved per head: no dense rows"
+    slots = _slots(spec, 24, torch.Generator().manual_seed(3), aligned)
+    slots[5] = -1
+    ranges = [(0, 8), (8, 16), (16, 24)]
+    plan = tr.plan(slots, ranges)
+    bufs = [torch.zeros(spec.chunk_shape(8), dtype=spec.dtype) for _ in ranges]
+    for layer in (2, 0, 1):
+        tr.gather(plan, bufs, layers=[layer])
+    got = torch.cat(bufs, dim=2)
+    keep = [i for i in range(24) if i != 5]
+    ref = token_kv(spec, src, slots.clamp(min=0))
+    assert_bits_equal(got[:, :, keep], ref[:, :, keep], f"vllm_gpu {order} gather")
+
+    dst = caches(zeros=True)
+    tr2 = make_transfer(spec_for("vllm_gpu", dst), dst)
+    tr2.scatter(tr2.plan(slots, ranges), bufs)
+    back = token_kv(spec, dst, slots.clamp(min=0))
+    assert_bits_equal(back[:, :, keep], ref[:, :, keep], f"vllm_gpu {order} scatter")
+    untouched = torch.ones(spec.num_blocks * spec.block_size, dtype=torch.bool)
+    untouched[slots[slots >= 0]] = False
+    rest = token_kv(spec, dst, torch.arange(untouched.numel())[untouched])
+    assert not bool(bits(rest).any()), "scatter wrote outside its slots"
