@@ -27,7 +27,8 @@ therefore holds an exclusive ``flock`` on ``<dir>/.lmc-disk-tier.lock`` for its 
 second tier on the same directory, in this process or another, is refused at start-up with
 a message naming the holder's PID and the fix (a directory per instance). The kernel drops
 the lock when its holder exits, however it exits (SIGKILL included), so a crash never leaves
-the directory locked.
+the directory locked; a child forked by the holder drops its inherited copy at once, so a
+long-lived child does not keep the directory locked after its parent closed the tier.
 
 Why one file per chunk rather than segment files, measured here (virtio disk, ext4 mounted
 with ``discard``, O_DIRECT, 1 GiB per case, see ``benchmarks/bench_disk.py``): for chunks of
@@ -172,6 +173,33 @@ def lock_directory(path: str) -> int:
     return fd
 
 
+class _DirLock:
+    """The fd holding a directory's lock; ``release`` is idempotent."""
+
+    def __init__(self, path: str) -> None:
+        self.fd = lock_directory(path)
+        _HELD.add(self)
+
+    def release(self) -> None:
+        fd, self.fd = self.fd, -1
+        if fd >= 0:
+            os.close(fd)
+
+
+_HELD: weakref.WeakSet[_DirLock] = weakref.WeakSet()
+
+
+def _drop_inherited_locks() -> None:
+    """In a forked child: close the copies of the parent's lock fds (the parent keeps its lock;
+    the child's tiers cannot run anyway, their I/O threads did not survive the fork)."""
+    for lock in list(_HELD):
+        lock.release()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_drop_inherited_locks)
+
+
 class _Entry:
     __slots__ = ("size", "readers")
 
@@ -210,9 +238,9 @@ class DiskBackend(StorageBackend):
         self._warned: set[str] = set()
         os.makedirs(self.path, exist_ok=True)
         self._check_ownership()  # before the lock file: refuse a foreign directory untouched
-        self._lock_fd = lock_directory(self.path)  # before anything writes or deletes files
+        self._dir_lock = _DirLock(self.path)  # before anything writes or deletes files
         # a tier dropped without close() still frees the directory when it is collected
-        self._unlock = weakref.finalize(self, os.close, self._lock_fd)
+        self._unlock = weakref.finalize(self, self._dir_lock.release)
         try:
             self._claim_directory()
             self.direct = self._probe_direct()

@@ -113,3 +113,23 @@ def test_two_processes_one_directory_one_wins_limit_holds_kill_frees(tmp_path):
                 if f:
                     f.close()
     assert os.path.exists(tmp_path / LOCK)  # kept (unlinking a lock file races with lockers)
+
+
+def _sleep(seconds: float) -> None:
+    time.sleep(seconds)
+
+
+def test_a_forked_child_does_not_keep_the_directory_locked(tmp_path):
+    """A child forked while the tier is open (a helper process of the engine) must not hold the
+    lock once the parent closes the tier: the child closes its inherited copy at fork."""
+    import multiprocessing as mp
+
+    a = _tier(tmp_path)
+    child = mp.get_context("fork").Process(target=_sleep, args=(30,))
+    child.start()
+    try:
+        a.close()
+        _tier(tmp_path).close()  # opens although the child still lives
+    finally:
+        child.kill()
+        child.join(10)
