@@ -1,0 +1,136 @@
+"""What a client can make the daemon hold is bounded: connections that never authenticate
+are timed out and capped below max_connections (authenticated clients keep a reserve),
+every half-received or half-sent frame is timed out whatever state the request was in,
+and running out of file descriptors costs one log line per interval, not one per retry."""
+
+from __future__ import annotations
+
+import socket
+import time
+
+import pytest
+
+from lmc.server import protocol as P
+from lmc.server.client import ServerError
+from tests.server import wire as W
+
+pytestmark = pytest.mark.integration
+TOKEN = "bounds-token-0123456789"
+
+
+def _wait(cond, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.05)
+
+
+def _server_stats(d) -> dict:
+    return d.stats(token=TOKEN)["server"]
+
+
+def test_idle_unauthenticated_sockets_never_lock_out_a_client(start_daemon):
+    d = start_daemon("--size", "16MiB", "--token", TOKEN, "--max-connections", "32",
+                     "--hello-timeout", "1.5")
+    idle = [socket.create_connection(("127.0.0.1", d.port), timeout=10) for _ in range(96)]
+    good = d.connect(token=TOKEN)  # at once: the oldest idle ones made room
+    assert good.ping() < 1.0
+    st = _server_stats(d)
+    assert st["connections"] <= 32 and st["unauthenticated"] <= 8, st
+    # every idle socket is closed: displaced or timed out after hello_timeout
+    deadline = time.monotonic() + 10
+    for s in idle:
+        s.settimeout(max(0.1, deadline - time.monotonic()))
+        assert s.recv(1) == b"", "an unauthenticated socket was held past hello_timeout"
+        s.close()
+    _wait(lambda: _server_stats(d)["unauthenticated"] == 0, 5, "pre-HELLO sessions left")
+    assert good.ping() < 1.0, "an authenticated idle connection must be kept"
+    good.close()
+    log = d.log()
+    assert log.count("sent no HELLO") <= 2 and log.count("closed the oldest") <= 2, \
+        "one line per interval, not one per connection"
+
+
+def test_authenticated_clients_keep_their_reserve(start_daemon):
+    """max_connections 8: at most 2 before HELLO. Six authenticated clients survive a flood
+    of junk connections, two more still get in, a ninth is refused: the cap holds."""
+    d = start_daemon("--size", "16MiB", "--token", TOKEN, "--max-connections", "8",
+                     "--hello-timeout", "30")
+    clients = [d.connect(token=TOKEN) for _ in range(6)]
+    junk = [socket.create_connection(("127.0.0.1", d.port), timeout=10) for _ in range(40)]
+    time.sleep(0.3)
+    assert all(c.ping() < 1.0 for c in clients)
+    clients += [d.connect(token=TOKEN) for _ in range(2)]
+    assert all(c.ping() < 1.0 for c in clients)
+    with pytest.raises((ServerError, OSError)):
+        d.connect(token=TOKEN, timeout=2).ping()
+    for s in junk:
+        s.close()
+    for c in clients:
+        c.close()
+
+
+def test_bad_request_put_then_silence_is_dropped(start_daemon, tmp_path):
+    """A PUT refused before its payload (bad items, forbidden namespace, bad types) has its
+    payload read and discarded; a client that stops sending half-way is dropped after
+    frame_timeout, as is one that stops inside a header or metadata."""
+    tok = tmp_path / "mine.token"
+    tok.write_text(TOKEN)
+    d = start_daemon("--size", "16MiB", "--frame-timeout", "0.5", "--tokens", f"{tok}:mine")
+    refused = [
+        W.frame(P.PUT, {"ns": "mine", "items": [b"x" * 10]}, b"\0" * (1 << 20)),  # bad_request
+        W.put("theirs", [W.value_bytes("theirs", b"k" * 16)] * 8),               # forbidden
+        W.frame(P.PUT, {"ns": 5, "items": []}, b"\0" * 4096),                    # bad types
+        W.frame(P.GET, {"ns": "mine", "keys": [b"k" * 16] * 50})[:60],            # in metadata
+        W.frame(P.PING, {})[:11],                                                # in a header
+    ]
+    for req in refused:
+        c = W.RawClient(d.port)
+        assert c.call(W.hello(TOKEN))[0] == P.OK
+        assert c.send(req[: len(req) // 2] if len(req) > 100 else req)  # then silence
+        assert c.at_eof(10), "a client silent mid-frame was held"
+        c.close()
+    c = W.RawClient(d.port)
+    assert c.send(W.hello(TOKEN)[:10])  # silent inside its HELLO
+    assert c.at_eof(10)
+    c.close()
+    _wait(lambda: _server_stats(d)["connections"] == 1, 5, "stalled sessions left")
+    assert "no progress" in d.log()
+
+
+def test_a_reader_that_stops_reading_loses_its_pins(start_daemon):
+    """GET answers the client never reads: the send stalls, the watchdog drops the
+    connection and the values it was sending are no longer pinned (they can be evicted)."""
+    d = start_daemon("--size", "32MiB", "--frame-timeout", "0.5", "--max-payload", "8MiB")
+    c = W.RawClient(d.port)
+    keys = [bytes([3, i]) * 8 for i in range(4)]
+    vals = [W.value_bytes("big", k, tokens=512, width=512) for k in keys]  # 1 MiB each
+    assert c.call(W.put("big", vals))[0] == P.OK
+    c.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    for i in range(24):  # ~96 MiB of answers nobody reads
+        assert c.send(W.frame(P.GET, {"ns": "big", "keys": keys}, req_id=i))
+    time.sleep(3)
+    st = d.stats()
+    assert st["server"]["connections"] == 1, "the stalled reader is still connected"
+    assert st["pool"]["objects"] == st["tiers"]["cpu.chunks"] == 4, "pins outlived the reader"
+    c.close()
+
+
+def test_out_of_fds_logs_once_per_interval(start_daemon):
+    """With RLIMIT_NOFILE 48, 80 connections exhaust the daemon's fds: accept() fails for
+    seconds, the log gets a line or two (not 20 a second), and once fds are free again a
+    client gets in."""
+    d = start_daemon("--size", "16MiB", "--hello-timeout", "60", nofile=48)
+    socks = []
+    for _ in range(80):
+        socks.append(socket.create_connection(("127.0.0.1", d.port), timeout=10))
+    time.sleep(3)
+    log = d.log()
+    assert log.count("accept failed") <= 2, log[-3000:]
+    assert "Too many open files" in log
+    for s in socks:
+        s.close()
+    _wait(lambda: "works again" in d.log(), 10, "accept never recovered")
+    c = d.connect()
+    assert c.ping() < 1.0
+    c.close()
