@@ -78,3 +78,10 @@ def test_secret_configuration(tmp_path):
     assert env.integrity_secret == SECRET
     assert SECRET not in repr(env) and SECRET not in repr(Integrity(SECRET))
     assert SECRET not in repr(CacheConfig(remote_token=SECRET))
+
+
+def test_missing_cryptography_names_the_install(monkeypatch):
+    import sys
+    monkeypatch.setitem(sys.modules, "cryptography.hazmat.primitives.ciphers.aead", None)
+    with pytest.raises(RuntimeError, match=r"lmc-kvcache\[integrity\]"):
+        Integrity(SECRET)
