@@ -124,7 +124,8 @@ class Daemon:
         return {"server": {"version": 1, "uptime_s": time.time() - self.started,
                            "connections": len(self.sessions),
                            "unauthenticated": len(self.pending), "draining": self.draining},
-                "pool": self.pool.stats(), "tiers": {**self.store.stats(), **self.storage.stats()},
+                "pool": {**self.pool.stats(), "leaks": len(self.pool.leaks)},
+                "tiers": {**self.store.stats(), **self.storage.stats()},
                 "namespaces": self.store.namespace_stats(allowed)}
 
     # ------------------------------------------------------------ sessions

@@ -3,6 +3,8 @@ evict a namespace's own oldest chunks, and the non-prefix get promotes lower-tie
 
 from __future__ import annotations
 
+import gc
+
 import torch
 
 from lmc.config import CacheConfig
@@ -91,3 +93,16 @@ def test_non_prefix_get_promotes_lower_tier_hits(tmp_path):
             o.release()
     assert l1.contains([ik[0], ik[2]]) == [True, True]  # promoted
     mgr.close()
+
+
+def test_a_key_given_twice_is_stored_once_without_a_leak():
+    s = _store()
+    pool = s.l1.pool
+    for i in range(10):
+        objs = s.allocate_many(SHAPE, torch.float32, 2, 16)
+        k = bytes([i]) * 16
+        s.commit("", [k, k], objs)
+        pool.release_many(objs)
+        del objs
+    gc.collect()
+    assert pool.leaks == [] and pool.stats()["objects"] == 10 == len(s.l1)
