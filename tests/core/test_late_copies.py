@@ -18,8 +18,9 @@ from lmc import CacheConfig, CacheEngine
 from lmc.completion import EventCompletion
 from lmc.cuda_transfer import CudaTransfer
 from lmc.memory import Lease
+from tests.core import cuda_emulation as emu
 from tests.kvutil import assert_bits_equal, make_caches, spec_for, token_kv
-from tests.late_transfer import LateCompletion, late_copies, late_factory, new_seed
+from tests.late_transfer import LateCompletion, LateTransfer, late_copies, late_factory, new_seed
 
 SLOTS = torch.arange(48)
 
@@ -203,3 +204,49 @@ def test_plan_from_device_slots_never_reads_them_back():
     bad = plan.bad_slots.as_subclass(torch.Tensor)
     with pytest.raises(ValueError, match="past the end of the KV cache"):
         EventCompletion(None, bad).wait()  # reported at the host wait, after the copy
+
+
+# ------------------------------------------------- the kernel path, layer-wise and late
+class _LockedHostBackend(emu.HostBackend):
+    """Late copies run on several threads; the emulation's access checks are global."""
+
+    lock = threading.Lock()
+
+    def launch(self, *args) -> None:
+        with self.lock:
+            super().launch(*args)
+
+
+@pytest.fixture(scope="module")
+def emu_lib(tmp_path_factory):
+    if emu.compiler() is None:
+        pytest.skip("no C++ compiler: the kernel code cannot run on the host")
+    return emu.build(tmp_path_factory.mktemp("emu"))
+
+
+def test_layerwise_through_the_emulated_kernels(emu_lib):
+    """CudaTransfer (its kernels compiled for the host) under the layer-wise forms, every
+    copy late: ``after=``/``stream=`` reach the kernel path and its handles are honoured."""
+    def make(spec, caches):
+        backend = _LockedHostBackend(emu_lib, caches=list(caches))
+        return LateTransfer(CudaTransfer(spec, caches, backend=backend), seed=1)
+
+    with late_copies(new_seed()) as watch:
+        src = make_caches("vllm_flash", layers=4, blocks=32, block_size=4)
+        dst = make_caches("vllm_flash", layers=4, blocks=32, block_size=4, zeros=True)
+        spec = spec_for("vllm_flash", src)
+        toks = list(range(100, 148))
+        with CacheEngine(CacheConfig(chunk_size=16, local_cpu_size="4MiB"), spec, "m",
+                         transfer=make) as eng:
+            st = eng.store_layer(toks, src, SLOTS)
+            for layer in range(spec.num_layers):
+                st.save(layer)
+            assert st.commit() == 48
+            slots2 = torch.arange(64, 112)
+            with eng.retrieve_layer(toks, dst, slots2) as rt:
+                rt.start()
+                for layer in range(spec.num_layers):
+                    rt.wait(layer)
+                    assert_bits_equal(token_kv(spec, dst, slots2)[layer],
+                                      token_kv(spec, src, SLOTS)[layer], f"layer {layer}")
+    watch.check()
