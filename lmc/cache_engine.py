@@ -272,7 +272,9 @@ class CacheEngine:
                        mask: Any = None) -> LayerwiseRetrieve:
         """Layer-wise retrieve: ``.num_tokens`` says how many will load; ``.start()`` loads all
         layers in order on a background thread and ``.wait(layer)`` blocks until that layer is
-        in the cache (or ``.load(layer)`` synchronously). See :class:`LayerwiseRetrieve`."""
+        in the cache (``.wait(layer, stream)``: the CUDA stream waits, not the host; or
+        ``.load(layer)`` synchronously). Pass host slot mappings: planning then never waits
+        for the device. See :class:`LayerwiseRetrieve`."""
         self._check_open()
         tr = self.transfer_for(kv_caches)
         slots = tr.check_slots(slot_mapping, self.db.num_tokens(tokens))
