@@ -265,6 +265,7 @@ class Daemon:
         s.task = asyncio.get_running_loop().create_task(s.run())
 
         def done(_: asyncio.Task) -> None:
+            s.sock.close()  # a task cancelled before its first step never ran its finally
             self.sessions.discard(s)
             self.pending.pop(s, None)
             M.CONNECTIONS.dec()
