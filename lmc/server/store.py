@@ -234,7 +234,12 @@ class NamespacedStore:
             self.l1.delete(victims)
 
     def delete(self, ns: str, ikeys: Sequence[bytes]) -> int:
-        n = self.storage.delete(ikeys)
+        """How many of the (distinct) keys were present anywhere; every copy goes (the
+        manager's own count adds up copies, so a key in memory and on disk would count
+        twice)."""
+        uniq = list(dict.fromkeys(ikeys))
+        n = sum(self.contains(uniq))
+        self.storage.delete(uniq)
         with self._lock:
             ledger = self._ledgers.get(ns)
             if ledger is not None:
@@ -269,6 +274,9 @@ class NamespacedStore:
         """Objects (one reference each, for the caller) or None; ``prefix`` stops at the first
         miss. Lower-tier hits go through the manager's ``get_prefix``, so they are promoted,
         and charged to ``ns``'s quota."""
+        uniq = list(dict.fromkeys(ikeys))
+        if len(uniq) < len(ikeys):
+            return self._spread(ikeys, uniq, self.get(ns, uniq, prefix), prefix)
         if len(self.storage.tiers) == 1:
             return self._get(ikeys, prefix)
         before = self.l1.contains(ikeys)
@@ -279,6 +287,29 @@ class NamespacedStore:
             if up:
                 self._charge(ns, [k for k, _ in up], [n for _, n in up])
         return found
+
+    @staticmethod
+    def _spread(ikeys: Sequence[bytes], uniq: list[bytes], got: list[MemoryObj | None],
+                prefix: bool) -> list[MemoryObj | None]:
+        """Answers for ``ikeys`` from the answers for its distinct keys ``uniq``, one reference
+        per position. Why: a key asked twice must be read once, or a lower tier returns two
+        objects for one key and promoting both leaks one."""
+        by = {k: o for k, o in zip(uniq, got) if o is not None}
+        used: set[bytes] = set()
+        out: list[MemoryObj | None] = []
+        for k in ikeys:
+            o = by.get(k)
+            if o is None and prefix:
+                break
+            if o is not None:
+                if k in used:
+                    o.acquire()
+                used.add(k)
+            out.append(o)
+        for k, o in by.items():
+            if k not in used:
+                o.release()
+        return out + [None] * (len(ikeys) - len(out))
 
     def _get(self, ikeys: Sequence[bytes], prefix: bool) -> list[MemoryObj | None]:
         n = len(ikeys)

@@ -1,6 +1,7 @@
 """A stateful fuzz run against a live daemon (see ``stateful_fuzz``): several driver threads,
 each multiplexing a dozen connections through authentication, half frames, silence,
-pipelining, forbidden namespaces, quotas and junk namespaces. Afterwards the daemon must be
+pipelining, forbidden namespaces, quotas, junk namespaces and a disk tier behind memory
+(promotions, lower-tier reads on the daemon's I/O threads). Afterwards the daemon must be
 back where it started: no connection, fd, pool object or pinned value left behind, RSS flat,
 and every GET hit along the way returned exactly the bytes PUT for that namespace and key.
 
@@ -48,7 +49,8 @@ def test_stateful_fuzz_returns_to_baseline(tmp_path):
         (tmp_path / f"{n}.token").write_text(sec)
     cfg = tmp_path / "fuzz.yaml"
     cfg.write_text(yaml.safe_dump({
-        "size": "8MiB", "quota_default": "256KiB", "quotas": {"a1": "1MiB"},
+        "size": "8MiB", "disk": str(tmp_path / "disk"), "disk_size": "64MiB",
+        "quota_default": "256KiB", "quotas": {"a1": "1MiB"},
         "max_namespaces": 4, "max_connections": 64, "max_payload": "1MiB", "max_batch": 16,
         "frame_timeout": FRAME_TIMEOUT, "hello_timeout": HELLO_TIMEOUT,
         "tokens": [{"token_file": str(tmp_path / "a.token"), "namespaces": ["a1", "a2"]},
@@ -117,6 +119,8 @@ def _run(d: DaemonProc, secrets: dict[str, str], seed: int, seconds: float) -> N
     # back to baseline: connections, fds, pins, memory
     assert _until(lambda: d.stats(token=ops)["server"]["connections"] == 1, 3 * FRAME_TIMEOUT), \
         f"seed {seed}: connections left: {d.stats(token=ops)['server']}"
+    assert _until(lambda: not d.stats(token=ops)["tiers"].get("disk.queue_chunks"), 30), \
+        "write-behind to the disk tier never drained"
     st = d.stats(token=ops)
     assert st["server"]["unauthenticated"] == 0
     assert st["pool"]["objects"] == st["tiers"]["cpu.chunks"], \

@@ -106,3 +106,27 @@ def test_a_key_given_twice_is_stored_once_without_a_leak():
         del objs
     gc.collect()
     assert pool.leaks == [] and pool.stats()["objects"] == 10 == len(s.l1)
+
+
+def test_a_key_asked_twice_is_read_once_from_disk(tmp_path):
+    """A lower tier must not be asked twice for one key: two objects for one key would be
+    promoted, and one of them leaked."""
+    cfg = CacheConfig(local_cpu_size="1MiB", pin_memory="false", local_disk=str(tmp_path))
+    pool = MemoryPool(cfg.local_cpu_size, pin_memory="false")
+    l1 = create_backend("cpu", cfg, pool)
+    mgr = StorageManager([l1, create_backend("disk", cfg, TierPool(l1))])
+    s = NamespacedStore(mgr)
+    keys = [bytes([i]) * 16 for i in range(3)]
+    _put(s, "", keys, 4.0)
+    assert mgr.flush(10)
+    ik = s.internal_keys("", keys)
+    for prefix in (False, True):
+        l1.delete(ik)  # only on disk now
+        got = s.get("", [ik[0], ik[1], ik[0], ik[2], ik[1]], prefix=prefix)
+        assert [o is not None for o in got] == [True] * 5
+        assert got[0] is got[2] and got[1] is got[4]
+        for o in got:
+            o.release()
+    gc.collect()
+    assert pool.leaks == [] and pool.stats()["objects"] == len(l1) == 3
+    mgr.close()
