@@ -202,8 +202,11 @@ class MemoryPool:
                 for o in objs:
                     self._live.add(o)
         step = self.allocator.block_size(offs[0])
-        if len(offs) > 1 and step == n and offs[-1] - offs[0] == step * (len(offs) - 1):
-            # one block carved into neighbours: all views from one call
+        if len(offs) > 1 and step == n and all(
+                b - a == step for a, b in zip(offs, offs[1:])):
+            # one block carved into neighbours, every one right after the previous (a
+            # fragmented pool can return e.g. [0, 10, 2]: first and last alone prove nothing):
+            # all views from one call
             for o, t in zip(objs, self.view(offs[0], (len(offs), *shape), dtype).unbind(0)):
                 o._tensor = t
         return objs

@@ -75,3 +75,31 @@ def test_pin_true_without_cuda_is_a_clear_error():
         pytest.skip("CUDA present: pinning is allowed here")
     with pytest.raises(ValueError, match="CUDA is not available"):
         MemoryPool(1 << 16, pin_memory=True)
+
+
+def test_allocate_many_on_fragmented_pool_gives_each_object_its_own_block():
+    """Regression: a fragmented pool returned blocks [0, 10, 2] (units); the batch's views were
+    built as if contiguous because first and last were evenly spaced, so the middle object
+    wrote into block 1, a live chunk."""
+    unit = 4096
+    pool = MemoryPool(12 * unit, pin_memory=False)
+    singles = [pool.allocate((unit,), torch.uint8) for _ in range(12)]
+    assert [o.offset for o in singles] == [i * unit for i in range(12)]
+    for i, o in enumerate(singles):
+        o.tensor.fill_(i)
+    for i in (0, 10, 2):  # three free single units, none adjacent: no batch block fits
+        singles[i].release()
+    batch = pool.allocate_many((unit,), torch.uint8, 3)
+    offs = [o.offset for o in batch]
+    assert sorted(offs) == [0, 2 * unit, 10 * unit]
+    assert offs != sorted(offs) or offs[1] - offs[0] != offs[2] - offs[1], \
+        "the allocator no longer fragments this way: rebuild the scenario"
+    base = pool.buffer.data_ptr()
+    for j, o in enumerate(batch):
+        assert o.tensor.data_ptr() == base + o.offset
+        o.tensor.fill_(100 + j)
+    for i, o in enumerate(singles):  # every live neighbour kept its bytes
+        if i not in (0, 10, 2):
+            assert bool((o.tensor == i).all()), f"live block {i} was overwritten"
+    for j, o in enumerate(batch):
+        assert bool((pool.buffer[o.offset: o.offset + unit] == 100 + j).all())
