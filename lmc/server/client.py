@@ -113,6 +113,9 @@ class ClientConnection:
             if token:
                 meta["token"] = token
             _, info = self.call(P.HELLO, meta)
+            granted = info.get("namespaces")  # a tenant token: the namespaces it may use
+            self.namespaces: list[str] | None = (
+                [n for n in granted if isinstance(n, str)] if isinstance(granted, list) else None)
             lim = info.get("limits") or {}
             self.limits = P.Limits(
                 max_meta=min(int(lim.get("max_meta", 1 << 20)), CLIENT_LIMITS.max_meta),

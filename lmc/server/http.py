@@ -20,7 +20,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 MAX_LINE = 8192
 MAX_HEADERS = 64
-TIMEOUT = 5.0
+TIMEOUT = 5.0        # for the whole exchange, not per line: trickled headers cannot hold it
+MAX_CLIENTS = 32     # scrapers and probes; more at once are closed unanswered
 
 
 class MetricsHTTP:
@@ -29,6 +30,7 @@ class MetricsHTTP:
         self.host = host
         self.want_port = port
         self.server: asyncio.base_events.Server | None = None
+        self.active = 0
 
     @property
     def port(self) -> int | None:
@@ -58,22 +60,31 @@ class MetricsHTTP:
         return "404 Not Found", "text/plain", b"not found\n"
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if self.active >= MAX_CLIENTS:
+            writer.close()
+            return
+        self.active += 1
         try:
-            line = await asyncio.wait_for(reader.readline(), TIMEOUT)
-            for _ in range(MAX_HEADERS):  # drain the headers, bounded
-                h = await asyncio.wait_for(reader.readline(), TIMEOUT)
-                if h in (b"\r\n", b"\n", b""):
-                    break
-            parts = line.decode("latin-1").split()
-            if len(parts) < 2 or parts[0] not in ("GET", "HEAD"):
-                status, ctype, body = "405 Method Not Allowed", "text/plain", b"GET only\n"
-            else:
-                status, ctype, body = self._route(parts[1])
-            head = (f"HTTP/1.0 {status}\r\nContent-Type: {ctype}\r\n"
-                    f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n").encode()
-            writer.write(head if parts and parts[0] == "HEAD" else head + body)
-            await asyncio.wait_for(writer.drain(), TIMEOUT)
+            await asyncio.wait_for(self._exchange(reader, writer), TIMEOUT)
         except (asyncio.TimeoutError, asyncio.LimitOverrunError, ValueError, OSError):
             pass
         finally:
+            self.active -= 1
             writer.close()
+
+    async def _exchange(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+                        ) -> None:
+        line = await reader.readline()
+        for _ in range(MAX_HEADERS):  # drain the headers, bounded
+            h = await reader.readline()
+            if h in (b"\r\n", b"\n", b""):
+                break
+        parts = line.decode("latin-1").split()
+        if len(parts) < 2 or parts[0] not in ("GET", "HEAD"):
+            status, ctype, body = "405 Method Not Allowed", "text/plain", b"GET only\n"
+        else:
+            status, ctype, body = self._route(parts[1])
+        head = (f"HTTP/1.0 {status}\r\nContent-Type: {ctype}\r\n"
+                f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n").encode()
+        writer.write(head if parts and parts[0] == "HEAD" else head + body)
+        await writer.drain()

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import socket
 import time
+import urllib.request
 
 import pytest
 
@@ -134,3 +135,20 @@ def test_out_of_fds_logs_once_per_interval(start_daemon):
     c = d.connect()
     assert c.ping() < 1.0
     c.close()
+
+
+def test_metrics_listener_is_bounded_too(start_daemon):
+    """Idle connections to /metrics: at most 32 are held, each at most 5 s in all."""
+    d = start_daemon("--size", "16MiB")
+    url_port = d.info["metrics_port"]
+    time.sleep(0.3)
+    fds0 = W.fd_count(d.pid)
+    idle = [socket.create_connection(("127.0.0.1", url_port), timeout=10) for _ in range(100)]
+    idle[0].sendall(b"GET /metr")  # and one that trickles
+    time.sleep(1.0)
+    assert W.fd_count(d.pid) <= fds0 + 32 + 2
+    _wait(lambda: W.fd_count(d.pid) <= fds0, 10, "idle /metrics connections were held")
+    for s in idle:
+        s.close()
+    assert urllib.request.urlopen(f"http://127.0.0.1:{url_port}/healthz", timeout=5).read() \
+        == b"ok\n"
