@@ -16,21 +16,24 @@ log = logging.getLogger("lmc.server.daemon")
 
 
 class RateLimitedWarnings:
-    """At most ``per_second`` warnings a second: a peer spraying bad frames cannot flood the
-    log (the suppressed count is reported with the next warning that gets through)."""
+    """At most ``limit`` warnings per ``window`` seconds: a peer spraying bad frames cannot
+    flood the log (the suppressed count is reported with the next warning that gets
+    through). Individual lines, unlike :class:`IntervalLog`, because the first few bad frames
+    of an incident are what an operator needs to see verbatim."""
 
-    def __init__(self, per_second: int = 20) -> None:
-        self.per_second = per_second
-        self._window = 0.0
+    def __init__(self, limit: int = 20, window: float = 10.0) -> None:
+        self.limit = limit
+        self.window = window
+        self._start = float("-inf")
         self._count = 0
         self._suppressed = 0
 
     def __call__(self, msg: str, *args: Any) -> None:
         now = time.monotonic()
-        if now - self._window >= 1.0:
-            self._window, self._count = now, 0
+        if now - self._start >= self.window:
+            self._start, self._count = now, 0
         self._count += 1
-        if self._count > self.per_second:
+        if self._count > self.limit:
             self._suppressed += 1
             return
         if self._suppressed:

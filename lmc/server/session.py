@@ -103,7 +103,7 @@ class Session:
             log.debug("%s: connection dropped (%s)", self.peer,
                       "shutdown" if self.daemon.draining else "stalled or timed out")
         except OSError as e:
-            log.warning("%s: connection error: %s", self.peer, e)
+            self.daemon.warn("%s: connection error: %s", self.peer, e)
         except Exception:
             log.exception("%s: internal error; closing the connection", self.peer)
         finally:

@@ -94,6 +94,12 @@ def test_stats_shows_a_tenant_its_own_namespaces(tenants):
     assert set(d.stats(token=sec["alpha"])["namespaces"]) == {"alpha"}
     assert set(d.stats(token=sec["beta"])["namespaces"]) == {"beta"}
     assert set(d.stats(token=sec["ops"])["namespaces"]) == {"alpha", "beta"}
+    conn = d.connect(token=sec["alpha"])
+    assert conn.namespaces == ["alpha", "shared"]  # the client learns its grant at HELLO
+    conn.close()
+    conn = d.connect(token=sec["ops"])
+    assert conn.namespaces is None
+    conn.close()
 
 
 def test_tier_with_an_ungranted_namespace_misses(tenants):
