@@ -88,10 +88,12 @@ def parse_tokens(v: Any, key: str, max_namespace: int = 64) -> tuple[TokenSpec, 
     either ``admin: true`` or a non-empty ``namespaces`` list; names and secrets unique."""
     if v is None or v == "" or v == []:
         return ()
-    if isinstance(v, str):
+    if isinstance(v, str):  # LMC_SERVER_TOKENS: a YAML list, or one FILE:NS[,NS] entry
         import yaml
 
         v = yaml.safe_load(v)
+        if isinstance(v, str):
+            v = [v]
     if not isinstance(v, Sequence) or isinstance(v, (str, bytes)):
         raise ValueError(f"{key}: expected a list of {{token_file, namespaces}} entries, "
                          f"got {type(v).__name__}")

@@ -185,3 +185,11 @@ def test_token_parsing_and_lookup(tmp_path):
     assert auth.check(b"tb").allows("c") and not auth.check(b"tb").allows("a")
     assert auth.check(b"t") is None and auth.check(b"") is None
     assert auth.granted_namespaces() == {"a", "b", "c"}
+
+
+def test_tokens_from_the_environment():
+    env = {"LMC_SERVER_TOKENS": "[{token_file: /run/a.token, namespaces: [a, b]}]"}
+    [spec] = ServerConfig.load(environ=env).tokens
+    assert (spec.token_file, spec.namespaces, spec.admin) == ("/run/a.token", ("a", "b"), False)
+    [spec] = ServerConfig.load(environ={"LMC_SERVER_TOKENS": "/run/ops.token:admin"}).tokens
+    assert spec.admin and spec.token_file == "/run/ops.token"
