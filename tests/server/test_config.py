@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import yaml
 
 from lmc.cli import build_parser
 from lmc.server.cli import config_from_args
@@ -64,3 +65,16 @@ def test_every_key_is_a_flag_and_cli_is_registered(tmp_path):
 def test_max_value_never_exceeds_max_payload():
     cfg = ServerConfig.load(overrides={"max_payload": "1MiB", "max_value": "2MiB"}, environ={})
     assert cfg.limits.max_value == 1 << 20
+
+
+def test_documented_multi_tenant_yaml_loads():
+    """The tokens examples in the README and docs/protocol.md are valid daemon config."""
+    root = Path(__file__).resolve().parents[2]
+    readme = (root / "README.md").read_text().split("**Multi-tenant.**", 1)[1]
+    protocol = (root / "docs" / "protocol.md").read_text().split(
+        "## Authentication and namespaces", 1)[1]
+    for text in (readme, protocol):
+        block = text.split("```yaml", 1)[1].split("```", 1)[0]
+        cfg = ServerConfig.load(overrides=yaml.safe_load(block), environ={})
+        assert cfg.tokens and any(t.admin for t in cfg.tokens)
+        assert all(t.admin or t.namespaces for t in cfg.tokens)
