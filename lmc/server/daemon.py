@@ -5,6 +5,11 @@ operations run inline on the loop (they are dictionary and pool operations); cal
 reach the disk or Redis tiers go to a small thread pool so one slow read never stalls the
 other clients. SIGTERM (or SIGINT): stop accepting, let in-flight requests finish (up to
 ``drain_timeout``), flush and close the storage (the disk tier's pending writes land), exit.
+
+Bounds on what peers can hold: connections before HELLO are capped below
+``max_connections`` (a newcomer displaces the oldest of them) and closed after
+``hello_timeout``; a watchdog drops any connection stalled mid-frame for ``frame_timeout``;
+repeating events are logged once per interval with a count (``ratelog``).
 """
 
 from __future__ import annotations

@@ -1,5 +1,9 @@
 """One client connection: authenticate, then read requests and answer them, in order.
 
+The token presented in HELLO decides the connection's :class:`~lmc.server.auth.Grant`; every
+request naming a namespace is checked against it before anything else is done for it
+(``forbidden``). Any failed HELLO closes the connection.
+
 A request is answered completely before the next one is read, so responses keep the order
 of requests and a client may pipeline. What the peer sends is bounded before it is read
 (``protocol.check_header``) and validated before it is used; a broken frame is answered
