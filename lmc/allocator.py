@@ -13,6 +13,10 @@ to ``align`` (4 KiB by default so that pool memory can feed O_DIRECT I/O unchang
 
 from __future__ import annotations
 
+import bisect
+
+from lmc import invariants
+
 SL_BITS = 4
 SL_COUNT = 1 << SL_BITS
 
@@ -174,3 +178,52 @@ class TLSFAllocator:
     @property
     def num_allocations(self) -> int:
         return len(self._used)
+
+
+class CheckedTLSFAllocator(TLSFAllocator):
+    """TLSF that proves every block it hands out overlaps no live block (invariant mode).
+
+    Keeps the live blocks' starts sorted, so each check is two neighbour comparisons; the
+    plain allocator pays nothing for it.
+    """
+
+    def __init__(self, size: int, align: int = 4096) -> None:
+        super().__init__(size, align)
+        self._starts: list[int] = []  # unit offsets of live blocks, sorted
+
+    def _track(self, off: int) -> None:
+        starts, used = self._starts, self._used
+        i = bisect.bisect_left(starts, off)
+        if i < len(starts) and starts[i] == off:
+            return  # the first block of a batch: checked when the whole block was allocated
+        end = off + used[off]
+        if end > self.units:
+            raise invariants.fail(f"allocator handed out units [{off}, {end}) past its "
+                                  f"capacity of {self.units}")
+        if i > 0 and starts[i - 1] + used[starts[i - 1]] > off:
+            p = starts[i - 1]
+            raise invariants.fail(f"allocator handed out units [{off}, {end}), overlapping "
+                                  f"the live block [{p}, {p + used[p]})")
+        if i < len(starts) and starts[i] < end:
+            n = starts[i]
+            raise invariants.fail(f"allocator handed out units [{off}, {end}), overlapping "
+                                  f"the live block [{n}, {n + used[n]})")
+        starts.insert(i, off)
+
+    def allocate(self, nbytes: int) -> int | None:
+        off = super().allocate(nbytes)
+        if off is not None:
+            self._track(off // self.align)
+        return off
+
+    def allocate_many(self, nbytes: int, count: int) -> list[int]:
+        offs = super().allocate_many(nbytes, count)
+        for off in offs:  # a batch block's pieces: each against the one before it
+            self._track(off // self.align)
+        return offs
+
+    def free(self, offset: int) -> None:
+        super().free(offset)
+        off = offset // self.align
+        i = bisect.bisect_left(self._starts, off)
+        del self._starts[i]

@@ -10,7 +10,9 @@ done calls ``release()``; the memory returns to the pool at zero. A tier evicts 
 it alone references, so nothing in use is ever evicted or reused. ``with obj:`` and
 :class:`Lease` release on exit. In debug mode every object records where it was allocated and
 an object garbage-collected while still referenced is reported as a leak with that site (and
-its memory reclaimed).
+its memory reclaimed). Invariant mode (:mod:`lmc.invariants`, on in the test suite) also checks
+every view's address and extent, that no two live blocks overlap, and that every reference is
+released before ``close()``.
 """
 
 from __future__ import annotations
@@ -18,7 +20,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
-import traceback
 import weakref
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -26,7 +27,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from lmc.allocator import TLSFAllocator
+from lmc import invariants as _invariants
+from lmc.allocator import CheckedTLSFAllocator, TLSFAllocator
 from lmc.pool_tuning import advise_hugepages
 from lmc.transfer import int_view
 
@@ -37,10 +39,10 @@ class MemoryObj:
     """A contiguous tensor view into the pool plus a reference count and metadata."""
 
     __slots__ = ("pool", "offset", "nbytes", "shape", "dtype", "num_tokens", "meta",
-                 "_refs", "_tensor", "_array", "site", "__weakref__")
+                 "_refs", "_tensor", "_array", "_site", "__weakref__")
 
     def __init__(self, pool: MemoryPool, offset: int, nbytes: int, shape: tuple[int, ...],
-                 dtype: torch.dtype, num_tokens: int, site: str | None) -> None:
+                 dtype: torch.dtype, num_tokens: int, site: _invariants.Site | None) -> None:
         self.pool = pool
         self.offset = offset
         self.nbytes = nbytes
@@ -51,7 +53,12 @@ class MemoryObj:
         self._refs = 1
         self._tensor: torch.Tensor | None = None
         self._array: np.ndarray | None = None
-        self.site = site
+        self._site = site
+
+    @property
+    def site(self) -> str | None:
+        """Where this object was allocated (debug and invariant modes), as a stack excerpt."""
+        return _invariants.format_site(self._site)
 
     @property
     def tensor(self) -> torch.Tensor:
@@ -60,6 +67,8 @@ class MemoryObj:
             if self._refs <= 0:
                 raise RuntimeError("MemoryObj used after its last release")
             t = self._tensor = self.pool.view(self.offset, self.shape, self.dtype)
+            if self.pool.invariants:
+                self.pool.check_view(self, t)
         return t
 
     @property
@@ -139,7 +148,9 @@ class MemoryPool:
     """A fixed buffer of ``size`` bytes: pinned where CUDA is present, plain otherwise."""
 
     def __init__(self, size: int, pin_memory: str | bool | None = "auto", align: int = 4096,
-                 debug: bool = False) -> None:
+                 debug: bool = False, invariants: bool | None = None) -> None:
+        """``invariants``: check views, overlaps and reference balance (see
+        :mod:`lmc.invariants`); ``None`` follows ``LMC_DEBUG_INVARIANTS``."""
         if size < align:
             raise ValueError(f"pool size {size} B is smaller than its alignment {align} B")
         self.pinned = _want_pinned(pin_memory)
@@ -148,10 +159,14 @@ class MemoryPool:
             advise_hugepages(raw)
         skew = (-raw.data_ptr()) % align  # start on an aligned address (O_DIRECT-ready)
         self.buffer = raw[skew: skew + size]
-        self.allocator = TLSFAllocator(size, align)
+        self.invariants = _invariants.enabled_by_env() if invariants is None else invariants
+        self.allocator = (CheckedTLSFAllocator if self.invariants else TLSFAllocator)(size, align)
+        if self.invariants:
+            _invariants.note_pool()
         self.size = self.allocator.capacity
         self.lock = threading.RLock()
         self.debug = debug
+        self._sites = debug or self.invariants  # record allocation sites, track live objects
         self._typed: dict[torch.dtype, torch.Tensor] = {}
         self._live: weakref.WeakSet[MemoryObj] = weakref.WeakSet()
         self.leaks: list[str] = []
@@ -196,9 +211,9 @@ class MemoryPool:
             offs = self.allocator.allocate_many(n, count)
             if not offs:
                 return []
-            site = "".join(traceback.format_stack(limit=8)[:-1]) if self.debug else None
+            site = _invariants.capture_site(1) if self._sites else None
             objs = [MemoryObj(self, off, n, shape, dtype, num_tokens, site) for off in offs]
-            if self.debug:
+            if self._sites:
                 for o in objs:
                     self._live.add(o)
         step = self.allocator.block_size(offs[0])
@@ -209,7 +224,23 @@ class MemoryPool:
             # all views from one call
             for o, t in zip(objs, self.view(offs[0], (len(offs), *shape), dtype).unbind(0)):
                 o._tensor = t
+                if self.invariants:
+                    self.check_view(o, t)
         return objs
+
+    def check_view(self, obj: MemoryObj, t: torch.Tensor) -> None:
+        """Invariant mode: ``t`` is exactly ``obj``'s bytes of this pool, inside its block."""
+        want = self.buffer.data_ptr() + obj.offset
+        nbytes = t.numel() * t.element_size()
+        if t.data_ptr() != want or nbytes != obj.nbytes or not t.is_contiguous():
+            raise _invariants.fail(
+                f"view of {obj!r} starts at pool+{t.data_ptr() - self.buffer.data_ptr()} "
+                f"(want pool+{obj.offset}), spans {nbytes} B (want {obj.nbytes}), "
+                f"contiguous={t.is_contiguous()}; allocated at:\n{obj.site}")
+        block = self.allocator.block_size(obj.offset)
+        if obj.offset + obj.nbytes > self.size or obj.nbytes > block:
+            raise _invariants.fail(f"{obj!r} of {obj.nbytes} B overruns its {block} B block "
+                                   f"or the {self.size} B pool")
 
     def acquire_many(self, objs: Iterable[MemoryObj]) -> None:
         with self.lock:
@@ -238,11 +269,13 @@ class MemoryPool:
             self.leaks.append(msg)
             if self.debug:
                 log.warning(msg)
+            if self.invariants:
+                _invariants.report(msg)
             obj._refs = 0
             self.allocator.free(obj.offset)
 
     def outstanding(self) -> list[tuple[MemoryObj, str | None]]:
-        """Live objects and their allocation sites (debug mode only)."""
+        """Live objects and their allocation sites (debug and invariant modes only)."""
         with self.lock:
             return [(o, o.site) for o in list(self._live) if o._refs > 0]
 
@@ -266,5 +299,18 @@ class MemoryPool:
             }
 
     def close(self) -> None:
+        """Refuse further allocations. Objects still referenced are reported (``leaks``;
+        a violation in invariant mode): every reference must be released before this."""
         with self.lock:
+            if self.closed:
+                return
             self.closed = True
+            live = self.outstanding()
+        if live:
+            sites = "\n".join(f"{o!r} allocated at:\n{site}" for o, site in live[:8])
+            msg = (f"MemoryPool closed with {len(live)} object(s) still referenced "
+                   f"(first {min(len(live), 8)}):\n{sites}")
+            self.leaks.append(msg)
+            log.warning(msg)
+            if self.invariants:
+                _invariants.report(msg)
