@@ -24,6 +24,7 @@ from lmc.kv_spec import KVCaches, KVSpec
 from lmc.layerwise import CopyLease, LayerwiseRetrieve, LayerwiseStore
 from lmc.memory import Lease, MemoryObj, MemoryPool
 from lmc.metrics import EngineMetrics
+from lmc.pins import PinTable
 from lmc.storage_backend import Key, StorageBackend, create_backend
 from lmc.storage_manager import StorageManager, TierPool
 from lmc.token_database import ChunkedTokenDatabase, Tokens, namespace_digest
@@ -69,7 +70,7 @@ class CacheEngine:
         self.metrics = EngineMetrics()
         self._transfer_pref = transfer
         self._transfers: OrderedDict[tuple, KVTransfer] = OrderedDict()
-        self._pins: dict[Key, list[MemoryObj]] = {}
+        self._pins = PinTable(config.max_pinned_chunks, config.pin_timeout)
         self._lock = threading.RLock()
         self._worker: ThreadPoolExecutor | None = None
         self._closed = False
@@ -120,8 +121,11 @@ class CacheEngine:
         return tr
 
     def _check_open(self) -> None:
+        """Every public call passes here: a closed engine refuses it, and pins past
+        ``pin_timeout`` are released (lazily, so no timer thread)."""
         if self._closed:
             raise RuntimeError("CacheEngine is closed")
+        self._pins.expire()
 
     def executor(self) -> ThreadPoolExecutor:
         """One background thread, in order: layer-wise copies and prefetches."""
@@ -197,38 +201,35 @@ class CacheEngine:
     # --------------------------------------------------------------- lookup
     def lookup(self, tokens: Tokens, pin: bool = False) -> int:
         """Leading prompt tokens that lmc can supply now. ``pin=True`` holds the L1 chunks
-        against eviction until ``retrieve`` of the same tokens or ``unpin``."""
+        against eviction until ``retrieve`` of the same tokens (every chunk, masked ones
+        included) or ``unpin``, for at most ``pin_timeout`` seconds; past
+        ``max_pinned_chunks`` pins are refused (the answer is the same)."""
         self._check_open()
         t0 = time.perf_counter()
         n = self.db.num_tokens(tokens)
         keys = self.db.keys(tokens)
         hits = self.storage.prefix_hits(keys)
         if pin and hits:
-            objs = self.storage.l1.get(keys[:hits])
-            with self._lock:
-                for k, o in zip(keys, objs):
-                    if o is not None:
-                        self._pins.setdefault(k, []).append(o)
+            self._pins.pin(keys[:hits], self.storage.l1.get(keys[:hits]))
         hit_tokens = min(hits * self.config.chunk_size, n)
         self.metrics.lookup(n, hit_tokens, time.perf_counter() - t0)
         return hit_tokens
 
     def unpin(self, tokens: Tokens) -> int:
         """Drop the pins a ``lookup(pin=True)`` of these tokens took; returns chunks unpinned."""
-        return self._unpin_keys(self.db.keys(tokens))
+        return self._pins.release(self.db.keys(tokens))
+
+    def _release_pins(self, tokens: Tokens) -> None:
+        """A retrieve's end of its lookup's pins: every chunk of the prompt, the masked ones
+        the engine already has included. Called once the retrieve holds its own references
+        on the chunks it loads, so they stay safe from eviction."""
+        if self._pins.count:
+            self._pins.release(self.db.keys(tokens))
 
     def _unpin_keys(self, keys: Sequence[Key]) -> int:
-        released = []
-        with self._lock:
-            for k in keys:
-                lst = self._pins.get(k)
-                if lst:
-                    released.append(lst.pop())
-                    if not lst:
-                        del self._pins[k]
-        for o in released:
-            o.release()
-        return len(released)
+        """Called by a completed :class:`LayerwiseRetrieve` with the keys it loaded. Nothing
+        to drop: ``retrieve_layer`` released the prompt's pins when it made the handle."""
+        return 0
 
     # ------------------------------------------------------------- retrieve
     def _fetch(self, tokens: Tokens, mask: Any) -> tuple[list[Chunk], list[MemoryObj]]:
@@ -256,13 +257,13 @@ class CacheEngine:
         tr = self.transfer_for(kv_caches)
         slots = tr.check_slots(slot_mapping, self.db.num_tokens(tokens))
         chunks, objs = self._fetch(tokens, mask)
+        self._release_pins(tokens)
         if not chunks:
             return 0
         with CopyLease(objs) as lease:  # the scatter owns objs until its handle is done
             arrays = [o.array for o in objs] if tr.device.type == "cpu" else None
             plan = tr.plan(slots, [(s, e) for s, e, _ in chunks])
             lease.attach(tr.scatter(plan, [o.tensor for o in objs], arrays=arrays)).wait()
-        self._unpin_keys([k for _, _, k in chunks])
         n = sum(e - s for s, e, _ in chunks)
         self.metrics.transfer("retrieve", n, sum(o.nbytes for o in objs),
                               time.perf_counter() - t0)
@@ -279,6 +280,7 @@ class CacheEngine:
         tr = self.transfer_for(kv_caches)
         slots = tr.check_slots(slot_mapping, self.db.num_tokens(tokens))
         chunks, objs = self._fetch(tokens, mask)
+        self._release_pins(tokens)
         plan = tr.plan(slots, [(s, e) for s, e, _ in chunks]) if chunks else None
         return LayerwiseRetrieve(self, tr, plan, chunks, objs)
 
@@ -308,7 +310,7 @@ class CacheEngine:
             for k, v in tier.stats().items():
                 out[f"{tier.name}.{k}"] = v
         out.update(self.storage.stats())
-        out["pinned_chunks"] = sum(len(v) for v in self._pins.values())
+        out.update(self._pins.stats())
         return out
 
     def flush(self, timeout: float | None = None) -> bool:
@@ -324,11 +326,7 @@ class CacheEngine:
         self._closed = True
         if self._worker is not None:
             self._worker.shutdown(wait=True)
-        with self._lock:
-            pins, self._pins = self._pins, {}
-        for lst in pins.values():
-            for o in lst:
-                o.release()
+        self._pins.clear()
         self.storage.close()
         self.pool.close()
 

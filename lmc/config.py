@@ -138,6 +138,12 @@ class CacheConfig:
         "page-lock the pool: auto = when CUDA is available")
     debug_leaks: bool = _field(
         False, _parse_bool, "record allocation sites of memory objects and report leaks")
+    max_pinned_chunks: int = _field(
+        4096, lambda v, k: _parse_int(v, k, minimum=0),
+        "chunks lookup(pin=True) may hold pinned at once; further pins are refused")
+    pin_timeout: float = _field(
+        60.0, lambda v, k: _parse_float(v, k, minimum=0.001),
+        "seconds a pin lives if no retrieve or unpin releases it first")
     # ---- lower tiers
     local_disk: str | None = _field(
         None, _parse_opt_str, "directory of the local disk tier; unset = no disk tier")

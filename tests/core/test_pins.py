@@ -1,0 +1,174 @@
+"""Pins from ``lookup(pin=True)``: released by the prompt's retrieve (masked chunks too),
+bounded in count, expiring after ``pin_timeout``; a lookup/retrieve loop never starves stores."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from lmc import CacheConfig, CacheEngine
+from lmc.pins import PinTable
+from tests.kvutil import assert_bits_equal, make_caches, spec_for, token_kv
+
+CHUNK = 16
+LAYOUT = "vllm_flash"
+
+
+def _setup(**cfg):
+    src = make_caches(LAYOUT, layers=2, heads=2, dim=64, blocks=64, block_size=4)
+    dst = make_caches(LAYOUT, layers=2, heads=2, dim=64, blocks=64, block_size=4, zeros=True)
+    spec = spec_for(LAYOUT, src)
+    config = CacheConfig(**{"chunk_size": CHUNK, "local_cpu_size": "8MiB", **cfg})
+    return src, dst, spec, CacheEngine(config, spec, model_id="pins")
+
+
+def _tokens(n: int, seed: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 30000, (n,), generator=g).tolist()
+
+
+def _slots(n: int, first_block: int = 0) -> torch.Tensor:
+    return torch.arange(first_block * 4, first_block * 4 + n)
+
+
+def _mask(n: int, skip: int) -> torch.Tensor:
+    m = torch.ones(n, dtype=torch.bool)
+    m[:skip] = False
+    return m
+
+
+def _refs(eng: CacheEngine) -> list[int]:
+    return [o.ref_count for o in eng.storage.l1._map.values()]
+
+
+def test_masked_retrieve_releases_the_pins_of_every_chunk():
+    src, dst, spec, eng = _setup()
+    with eng:
+        toks = _tokens(64, 1)
+        assert eng.store(toks, src, _slots(64)) == 64
+        assert eng.lookup(toks, pin=True) == 64
+        assert eng.stats()["pinned_chunks"] == 4
+        # the engine has the first two chunks already: only the last two are loaded
+        assert eng.retrieve(toks, dst, _slots(64, 16), mask=_mask(64, 32)) == 32
+        assert_bits_equal(token_kv(spec, dst, _slots(64, 16)[32:]),
+                          token_kv(spec, src, _slots(64)[32:]), "loaded half")
+        assert eng.stats()["pinned_chunks"] == 0
+        assert _refs(eng) == [1, 1, 1, 1], "a masked chunk kept its pin"
+
+
+def test_masked_layerwise_retrieve_releases_every_pin_and_only_its_own():
+    src, dst, spec, eng = _setup()
+    with eng:
+        toks = _tokens(64, 2)
+        eng.store(toks, src, _slots(64))
+        eng.lookup(toks, pin=True)
+        eng.lookup(toks, pin=True)  # a second request for the same prompt: its own pins
+        with eng.retrieve_layer(toks, dst, _slots(64, 16), mask=_mask(64, 48)) as r:
+            assert r.num_tokens == 16
+            r.start()
+            for layer in range(spec.num_layers):
+                r.wait(layer)
+        assert r.close() == 16
+        assert eng.stats()["pinned_chunks"] == 4, "the other request's pins are its own"
+        assert _refs(eng) == [2, 2, 2, 2]
+        assert eng.unpin(toks) == 4
+        assert _refs(eng) == [1, 1, 1, 1]
+
+
+def test_retrieve_with_no_hit_still_releases_the_pins():
+    src, dst, spec, eng = _setup()
+    with eng:
+        toks = _tokens(32, 3)
+        eng.store(toks, src, _slots(32))
+        eng.lookup(toks, pin=True)
+        assert eng.retrieve(toks, dst, _slots(32), mask=_mask(32, 32)) == 0  # all masked
+        assert eng.stats()["pinned_chunks"] == 0
+
+
+def test_pins_past_the_bound_are_refused_and_the_lookup_still_answers():
+    src, _, _, eng = _setup(max_pinned_chunks=3)
+    with eng:
+        a, b = _tokens(32, 4), _tokens(32, 5)
+        eng.store(a, src, _slots(32))
+        eng.store(b, src, _slots(32, 8))
+        assert eng.lookup(a, pin=True) == 32
+        assert eng.lookup(b, pin=True) == 32  # one of b's two chunks pinned, one refused
+        st = eng.stats()
+        assert st["pinned_chunks"] == 3 and st["pins_refused"] == 1
+        assert sorted(_refs(eng)) == [1, 2, 2, 2], "a refused pin kept its reference"
+        assert eng.lookup(b, pin=True) == 32
+        assert eng.stats()["pins_refused"] == 3
+        assert eng.unpin(a) == 2 and eng.unpin(b) == 1
+        assert _refs(eng) == [1, 1, 1, 1]
+
+
+def test_pins_expire_after_the_timeout_and_then_can_be_evicted():
+    src, _, spec, eng = _setup(pin_timeout=0.3,
+                               local_cpu_size=4 * spec_for(LAYOUT, make_caches(
+                                   LAYOUT, layers=2, heads=2, dim=64, blocks=64,
+                                   block_size=4)).chunk_nbytes(CHUNK))
+    with eng:
+        a, b = _tokens(64, 6), _tokens(64, 7)
+        assert eng.store(a, src, _slots(64)) == 64  # fills the pool
+        eng.lookup(a, pin=True)                      # ...and pins all of it, never retrieved
+        assert eng.store(b, src, _slots(64, 16)) == 0
+        assert eng.stats()["skipped_pool_full"] == 4
+        time.sleep(0.4)
+        assert eng.store(b, src, _slots(64, 16)) == 64, "expired pins still held the pool"
+        st = eng.stats()
+        assert st["pins_expired"] == 4 and st["pinned_chunks"] == 0
+        assert eng.lookup(a) == 0 and eng.lookup(b) == 64
+
+
+def test_lookup_pin_and_masked_retrieve_in_a_loop_never_starve_stores():
+    """The bug: masked chunks' pins were never released, so they piled up until every store
+    was skipped as pool_full. The pool holds 6 chunks; 60 prompts of 4 pass through it."""
+    probe = make_caches(LAYOUT, layers=2, heads=2, dim=64, blocks=64, block_size=4)
+    src, dst, spec, eng = _setup(local_cpu_size=6 * spec_for(LAYOUT, probe).chunk_nbytes(CHUNK))
+    with eng:
+        for i in range(60):
+            toks = _tokens(64, 100 + i)
+            assert eng.store(toks, src, _slots(64)) == 64, f"store {i} skipped"
+            assert eng.lookup(toks, pin=True) == 64
+            assert eng.retrieve(toks, dst, _slots(64, 16), mask=_mask(64, 16 * (i % 4))) \
+                == 64 - 16 * (i % 4)
+        st = eng.stats()
+        assert st.get("skipped_pool_full", 0) == 0 and st["pinned_chunks"] == 0
+        assert set(_refs(eng)) == {1}
+
+
+# ------------------------------------------------------------------ the table alone
+class _Obj:
+    def __init__(self) -> None:
+        self.released = 0
+
+    def release(self) -> None:
+        self.released += 1
+
+
+def test_table_releases_the_oldest_pin_per_key_and_stays_bounded():
+    now = [0.0]
+    t = PinTable(max_pins=1000, timeout=10.0, clock=lambda: now[0])
+    objs = [_Obj() for _ in range(3)]
+    assert t.pin(["k", "k", "j"], objs) == 3
+    assert t.release(["k", "missing"]) == 1 and objs[0].released == 1 and objs[1].released == 0
+    for i in range(5000):  # pin/release churn: released pins do not pile up in the queue
+        o = _Obj()
+        t.pin([i], [o])
+        t.release([i])
+        assert o.released == 1
+    assert t.count == 2 and len(t._order) <= 2 * t.count + 65
+    now[0] = 10.0
+    assert t.expire() == 2 and objs[1].released == 1 and objs[2].released == 1
+    assert t.count == 0 and t.expired == 2
+
+
+def test_table_rejects_nonsense_bounds():
+    with pytest.raises(ValueError, match="max_pins must be >= 0"):
+        PinTable(-1, 1.0)
+    with pytest.raises(ValueError, match="timeout must be > 0"):
+        PinTable(10, 0)
+    with pytest.raises(ValueError, match="pin_timeout"):
+        CacheConfig(pin_timeout=0)
