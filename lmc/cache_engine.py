@@ -11,7 +11,6 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -29,6 +28,7 @@ from lmc.storage_backend import Key, StorageBackend, create_backend
 from lmc.storage_manager import StorageManager, TierPool
 from lmc.token_database import ChunkedTokenDatabase, Tokens, namespace_digest
 from lmc.transfer import KVTransfer, make_transfer
+from lmc.transfer_cache import TransferCache
 
 log = logging.getLogger(__name__)
 Chunk = tuple[int, int, Key]
@@ -69,7 +69,8 @@ class CacheEngine:
                                       queue_bytes=config.write_queue_size)
         self.metrics = EngineMetrics()
         self._transfer_pref = transfer
-        self._transfers: OrderedDict[tuple, KVTransfer] = OrderedDict()
+        self._transfers = TransferCache(
+            lambda caches: make_transfer(spec, caches, transfer), capacity=4)
         self._pins = PinTable(config.max_pinned_chunks, config.pin_timeout)
         self._lock = threading.RLock()
         self._worker: ThreadPoolExecutor | None = None
@@ -97,28 +98,9 @@ class CacheEngine:
 
     # ------------------------------------------------------------- plumbing
     def transfer_for(self, kv_caches: KVCaches) -> KVTransfer:
-        """The (cached) transfer object bound to these cache tensors; validates new ones."""
-        if isinstance(kv_caches, (list, tuple)) and not self.spec.desc.split_planes:
-            tensors = kv_caches
-        else:
-            tensors = [t for _, ts in self.spec.split_layers(kv_caches) for t in ts]
-        try:  # address + shape + strides + dtype identify a bound cache; new ones are validated
-            sig = tuple((t.data_ptr(), t.shape, t.stride(), t.dtype) for t in tensors)
-        except AttributeError:
-            sig = None
-        if sig is not None and len(tensors):
-            sig += (tensors[0].device,)
-        with self._lock:
-            tr = self._transfers.get(sig) if sig is not None else None
-            if tr is not None:
-                self._transfers.move_to_end(sig)
-                return tr
-        tr = make_transfer(self.spec, kv_caches, self._transfer_pref)
-        with self._lock:
-            self._transfers[sig] = tr
-            while len(self._transfers) > 4:
-                self._transfers.popitem(last=False)
-        return tr
+        """The (cached) transfer object bound to these cache tensors; validates new ones.
+        Caches the caller has dropped are unbound, never kept alive (:mod:`lmc.transfer_cache`)."""
+        return self._transfers.get(kv_caches)
 
     def _check_open(self) -> None:
         """Every public call passes here: a closed engine refuses it, and pins past
@@ -327,6 +309,7 @@ class CacheEngine:
         if self._worker is not None:
             self._worker.shutdown(wait=True)
         self._pins.clear()
+        self._transfers.clear()  # a closed engine keeps no cache alive
         self.storage.close()
         self.pool.close()
 

@@ -263,3 +263,73 @@ def test_restoring_a_present_prefix_refreshes_its_lru_position():
         assert eng.store(hot, src, _slots_for(spec, 32, 1)) == 0  # present: skipped, touched
         eng.store(c, src, _slots_for(spec, 32, 3))                  # evicts b, not hot
         assert eng.lookup(hot) == 32 and eng.lookup(b) == 0 and eng.lookup(c) == 32
+
+
+# ------------------------------------------------------- bound caches are held weakly
+def _dropped_cache_is_freed(layout: str, wrap) -> None:
+    import gc
+    import weakref
+
+    src = make_caches(layout, blocks=32, block_size=4)
+    spec = spec_for(layout, src)
+    toks, slots = _tokens(32), _slots_for(spec, 32, 0)
+    with _engine(src, layout) as eng:
+        eng.store(toks, wrap(src), slots)
+        dst = make_caches(layout, blocks=32, block_size=4, zeros=True)
+        caches = wrap(dst)
+        assert eng.retrieve(toks, caches, slots) == 32
+        tr = weakref.ref(eng.transfer_for(caches))
+        assert eng.transfer_for(caches) is tr(), "a live cache's transfer is reused"
+        watched = [weakref.ref(t) for t in _leaves(dst)]
+        del dst, caches
+        gc.collect()
+        assert all(w() is None for w in watched), "the engine kept a dropped cache's tensors"
+        assert tr() is None, "the engine kept the transfer (and the memory) of a dropped cache"
+        assert len(eng._transfers) == 1  # only src's, which the test still holds
+        assert eng.lookup(toks) == 32
+
+
+def _leaves(caches):
+    from lmc.transfer_cache import leaf_tensors
+    return leaf_tensors(caches)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_a_dropped_kv_cache_is_freed_not_kept_by_the_engine(layout):
+    _dropped_cache_is_freed(layout, lambda c: c)
+
+
+def test_a_dropped_kv_cache_passed_as_a_mapping_is_freed():
+    _dropped_cache_is_freed(
+        "vllm_flash", lambda c: {f"model.layers.{i}.attn": t for i, t in enumerate(c)})
+
+
+def test_a_new_cache_at_a_freed_cache_address_gets_its_own_transfer():
+    """A cache dropped and reallocated (same address, shape and strides) must bind anew: the
+    old binding's callback must not unbind the new one either."""
+    import gc
+
+    src = make_caches("vllm_flash", blocks=32, block_size=4)
+    spec = spec_for("vllm_flash", src)
+    toks, slots = _tokens(32), _slots_for(spec, 32, 0)
+    with _engine(src, "vllm_flash") as eng:
+        eng.store(toks, src, slots)
+        for _ in range(3):
+            dst = make_caches("vllm_flash", blocks=32, block_size=4, zeros=True)
+            assert eng.retrieve(toks, dst, slots) == 32
+            assert_bits_equal(token_kv(spec, dst, slots), token_kv(spec, src, slots), "load")
+            del dst
+            gc.collect()
+            assert len(eng._transfers) == 1
+
+
+def test_at_most_four_caches_are_bound():
+    src = make_caches("vllm_flash", blocks=32, block_size=4)
+    spec = spec_for("vllm_flash", src)
+    toks, slots = _tokens(32), _slots_for(spec, 32, 0)
+    with _engine(src, "vllm_flash") as eng:
+        eng.store(toks, src, slots)
+        held = [make_caches("vllm_flash", blocks=32, block_size=4, zeros=True) for _ in range(6)]
+        for d in held:
+            assert eng.retrieve(toks, d, slots) == 32
+        assert len(eng._transfers) == 4
