@@ -78,10 +78,16 @@ class CPUBackend(StorageBackend):
 
     # ----------------------------------------------------------------- writes
     def put(self, keys: Sequence[Key], objs: Sequence[MemoryObj]) -> int:
+        """Keep a reference on each object whose key is new; a key already held (or repeated
+        in this call: two reads of one chunk promoted together) keeps its first object, and
+        the later one gets no reference, which would otherwise leak with no map entry."""
         with self._lock:
             m = self._map
-            new = [(k, o) for k, o in zip(keys, objs, strict=True) if k not in m]
-            self.pool.acquire_many(o for _, o in new)
+            new: dict[Key, MemoryObj] = {}
+            for k, o in zip(keys, objs, strict=True):
+                if k not in m and k not in new:
+                    new[k] = o
+            self.pool.acquire_many(new.values())
             m.update(new)
         return len(keys)
 

@@ -48,6 +48,8 @@ def test_prefix_spans_tiers_and_stops_at_first_gap():
     for o in got:
         o.release()
     assert sm.prefix_hits(keys[1:]) == 3 and sm.prefix_hits([keys[4]]) == 0
+    sm.close()  # the tiers' own references go back to their pools
+    assert p1.used_bytes == 0 and p2.used_bytes == 0
 
 
 class _Broken(StorageBackend):
