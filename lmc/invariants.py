@@ -9,7 +9,8 @@ built (or ``MemoryPool(..., invariants=True)``), the pool checks, as it goes:
 * no two live blocks overlap (the allocator checks each block it hands out against its
   neighbours);
 * reference counts balance: ``close()`` with objects still referenced, or an object
-  garbage-collected while referenced, is a violation naming the allocation site.
+  garbage-collected while referenced from a pool that lives on (judged at ``close()`` or
+  when :func:`take` is called), is a violation naming the allocation site.
 
 A violation raises :class:`InvariantError` where it is detected *and* is recorded here, so a
 violation that code under test swallows (a tier's ``except Exception``) still reaches the test
@@ -22,12 +23,15 @@ from __future__ import annotations
 import os
 import sys
 import threading
+import weakref
+from typing import Any
 
 ENV = "LMC_DEBUG_INVARIANTS"
 
 _lock = threading.Lock()
 _violations: list[str] = []
 pools_checked = 0  # pools built in invariant mode so far (the harness collects garbage after)
+_watched: weakref.WeakSet[Any] = weakref.WeakSet()  # pools that lost objects, not yet judged
 
 
 class InvariantError(AssertionError):
@@ -44,6 +48,12 @@ def note_pool() -> None:
     pools_checked += 1
 
 
+def watch(pool: Any) -> None:
+    """``pool`` had an object collected while referenced: :func:`take` reports it if the
+    pool is still alive then (``pool.lost_references()``)."""
+    _watched.add(pool)
+
+
 def report(msg: str) -> None:
     """Record a violation for the test harness (and anyone calling :func:`take`)."""
     with _lock:
@@ -57,7 +67,12 @@ def fail(msg: str) -> InvariantError:
 
 
 def take() -> list[str]:
-    """The violations recorded since the last call (and forget them)."""
+    """The violations recorded since the last call (and forget them), including references
+    lost by pools that are still alive."""
+    for pool in list(_watched):
+        for msg in pool.lost_references():
+            report(msg)
+    _watched.clear()
     with _lock:
         out = list(_violations)
         _violations.clear()

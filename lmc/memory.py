@@ -170,6 +170,7 @@ class MemoryPool:
         self._typed: dict[torch.dtype, torch.Tensor] = {}
         self._live: weakref.WeakSet[MemoryObj] = weakref.WeakSet()
         self.leaks: list[str] = []
+        self._lost: list[str] = []  # invariant mode: collected while referenced, not yet judged
         self.closed = False
 
     # ---------------------------------------------------------------- memory
@@ -269,10 +270,22 @@ class MemoryPool:
             self.leaks.append(msg)
             if self.debug:
                 log.warning(msg)
-            if self.invariants:
-                _invariants.report(msg)
+            if self.invariants:  # a leak only if the pool lives on (see lost_references)
+                self._lost.append(msg)
+                _invariants.watch(self)
             obj._refs = 0
             self.allocator.free(obj.offset)
+
+    def lost_references(self) -> list[str]:
+        """Invariant mode: objects collected while still referenced, since the last call.
+
+        Judged when the pool closes, or when the test harness asks while the pool is alive:
+        then the pool lost that memory for good. A pool dropped whole (an engine garbage-
+        collected without ``close()``, its tier's references with it) lost nothing.
+        """
+        with self.lock:
+            out, self._lost = self._lost, []
+        return out
 
     def outstanding(self) -> list[tuple[MemoryObj, str | None]]:
         """Live objects and their allocation sites (debug and invariant modes only)."""
@@ -306,6 +319,8 @@ class MemoryPool:
                 return
             self.closed = True
             live = self.outstanding()
+        for msg in self.lost_references():
+            _invariants.report(msg)
         if live:
             sites = "\n".join(f"{o!r} allocated at:\n{site}" for o, site in live[:8])
             msg = (f"MemoryPool closed with {len(live)} object(s) still referenced "

@@ -223,9 +223,15 @@ def test_the_harness_fails_a_test_that_leaks_and_names_the_site(pytester):
             leaky_helper(pool)
             pool.close()
 
+        KEPT = []
+
         def test_dropped_while_referenced():
+            KEPT.append(MemoryPool(1 << 16, pin_memory=False))  # the pool lives on
+            leaky_helper(KEPT[0])
+
+        def test_dropped_whole_without_close_is_no_leak():
             pool = MemoryPool(1 << 16, pin_memory=False)
-            leaky_helper(pool)
+            held = leaky_helper(pool)  # an owner dropped with its pool: nothing lost
 
         @pytest.mark.leaks_expected
         def test_leaks_on_purpose():
@@ -234,5 +240,5 @@ def test_the_harness_fails_a_test_that_leaks_and_names_the_site(pytester):
             pool.close()
     """)
     res = pytester.runpytest_inprocess("-q", "-p", "no:cacheprovider")
-    res.assert_outcomes(passed=3, errors=2)
+    res.assert_outcomes(passed=4, errors=2)
     res.stdout.fnmatch_lines(["*pool invariant violation*", "*in leaky_helper*"])
