@@ -88,8 +88,10 @@ class PinTable:
 
     def expire(self) -> int:
         """Release every pin past its deadline; returns how many."""
-        order = self._order
-        if not order or order[0].deadline > self.clock():  # the common case: nothing due
+        try:  # the common case, without the lock: nothing due
+            if self._order[0].deadline > self.clock():
+                return 0
+        except IndexError:  # empty (or emptied by another thread meanwhile)
             return 0
         out: list[MemoryObj] = []
         with self._lock:

@@ -172,3 +172,42 @@ def test_table_rejects_nonsense_bounds():
         PinTable(10, 0)
     with pytest.raises(ValueError, match="pin_timeout"):
         CacheConfig(pin_timeout=0)
+
+
+def test_pins_under_threads_with_expiry_and_bound_balance_to_zero():
+    """Four threads pin, retrieve (masked or not), abandon some lookups to expiry, against a
+    small bound: afterwards nothing is pinned and every chunk is back to the tier's one
+    reference."""
+    import threading
+
+    src, _, _, eng = _setup(max_pinned_chunks=6, pin_timeout=0.05)
+    errors: list[BaseException] = []
+    with eng:
+        prompts = [_tokens(64, 200 + i) for i in range(4)]
+        for p in prompts:
+            eng.store(p, src, _slots(64))
+
+        def worker(i: int) -> None:
+            try:
+                dst = make_caches(LAYOUT, layers=2, heads=2, dim=64, blocks=64, block_size=4,
+                                  zeros=True)
+                for r in range(40):
+                    p = prompts[(i + r) % 4]
+                    eng.lookup(p, pin=True)
+                    if r % 5 == 4:
+                        continue  # abandoned: only expiry releases it
+                    eng.retrieve(p, dst, _slots(64, 16), mask=_mask(64, 16 * (r % 3)))
+            except BaseException as e:  # noqa: BLE001 - reported below
+                errors.append(e)
+
+        threads = [threading.Thread(target=worker, args=(i,)) for i in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert not errors, errors[0]
+        time.sleep(0.1)
+        eng.lookup(prompts[0])  # any call sweeps what expired
+        st = eng.stats()
+        assert st["pinned_chunks"] == 0 and st["pins_expired"] > 0
+        assert set(_refs(eng)) == {1}
