@@ -208,11 +208,6 @@ class CacheEngine:
         if self._pins.count:
             self._pins.release(self.db.keys(tokens))
 
-    def _unpin_keys(self, keys: Sequence[Key]) -> int:
-        """Called by a completed :class:`LayerwiseRetrieve` with the keys it loaded. Nothing
-        to drop: ``retrieve_layer`` released the prompt's pins when it made the handle."""
-        return 0
-
     # ------------------------------------------------------------- retrieve
     def _fetch(self, tokens: Tokens, mask: Any) -> tuple[list[Chunk], list[MemoryObj]]:
         """The longest stored prefix (after the mask's False prefix) and its objects."""

@@ -241,8 +241,7 @@ class LayerwiseRetrieve(_Layerwise):
         err = self._wait_all()
         self.lease.release()
         complete = len(self._handles) == self.num_layers and err is None
-        if complete and self.chunks:
-            self.engine._unpin_keys([k for _, _, k in self.chunks])
+        if complete and self.chunks:  # the lookup's pins were released when the chunks were fetched
             self.engine.metrics.transfer("retrieve", self.num_tokens, self.nbytes,
                                          time.perf_counter() - self._t0)
         return self.num_tokens if complete else 0
