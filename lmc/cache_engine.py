@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -26,7 +26,7 @@ from lmc.metrics import EngineMetrics
 from lmc.pins import PinTable
 from lmc.storage_backend import Key, StorageBackend, create_backend
 from lmc.storage_manager import StorageManager, TierPool
-from lmc.token_database import ChunkedTokenDatabase, Tokens, namespace_digest
+from lmc.token_database import ChunkedTokenDatabase, Tokens, namespace_digest, tokens_to_bytes
 from lmc.transfer import KVTransfer, make_transfer
 from lmc.transfer_cache import TransferCache
 
@@ -181,32 +181,57 @@ class CacheEngine:
         return LayerwiseStore(self, tr, plan, chunks, objs)
 
     # --------------------------------------------------------------- lookup
-    def lookup(self, tokens: Tokens, pin: bool = False) -> int:
-        """Leading prompt tokens that lmc can supply now. ``pin=True`` holds the L1 chunks
-        against eviction until ``retrieve`` of the same tokens (every chunk, masked ones
-        included) or ``unpin``, for at most ``pin_timeout`` seconds; past
-        ``max_pinned_chunks`` pins are refused (the answer is the same)."""
+    def lookup(self, tokens: Tokens, pin: bool = False, *, request_id: Hashable = None
+               ) -> int:
+        """Leading prompt tokens that lmc can supply now.
+
+        ``pin=True`` holds the hit L1 chunks against eviction on behalf of ``request_id``
+        (default: the prompt itself, its exact token sequence) until that owner's
+        ``retrieve`` (which releases every pin of the owner, masked chunks included) or
+        ``unpin``, for at most ``pin_timeout`` seconds. A repeated pinned lookup by the same
+        owner replaces its pins (a scheduler re-asking for a waiting request never stacks
+        them); past ``max_pinned_chunks`` further pins are refused and the answer is the
+        same. Two requests with one prompt that each want their own pins pass request ids.
+        See :mod:`lmc.pins`."""
         self._check_open()
         t0 = time.perf_counter()
         n = self.db.num_tokens(tokens)
         keys = self.db.keys(tokens)
         hits = self.storage.prefix_hits(keys)
-        if pin and hits:
-            self._pins.pin(keys[:hits], self.storage.l1.get(keys[:hits]))
+        if pin:
+            objs = self.storage.l1.get(keys[:hits]) if hits else []
+            self._pins.pin(self._pin_owner(tokens, keys, request_id),
+                           [o for o in objs if o is not None])
         hit_tokens = min(hits * self.config.chunk_size, n)
         self.metrics.lookup(n, hit_tokens, time.perf_counter() - t0)
         return hit_tokens
 
-    def unpin(self, tokens: Tokens) -> int:
-        """Drop the pins a ``lookup(pin=True)`` of these tokens took; returns chunks unpinned."""
-        return self._pins.release(self.db.keys(tokens))
+    def unpin(self, tokens: Tokens = None, *, request_id: Hashable = None) -> int:
+        """Drop the pins a ``lookup(pin=True)`` took for ``request_id`` (or, without one, for
+        exactly these tokens); returns chunks unpinned."""
+        if tokens is None and request_id is None:
+            raise ValueError("unpin() needs the lookup's tokens or its request_id")
+        keys = self.db.keys(tokens) if request_id is None else []
+        return self._pins.release(self._pin_owner(tokens, keys, request_id))
 
-    def _release_pins(self, tokens: Tokens) -> None:
-        """A retrieve's end of its lookup's pins: every chunk of the prompt, the masked ones
-        the engine already has included. Called once the retrieve holds its own references
-        on the chunks it loads, so they stay safe from eviction."""
+    def _pin_owner(self, tokens: Tokens, keys: Sequence[Key], request_id: Hashable
+                   ) -> Hashable:
+        """Whose pins: the request named, else the prompt -- its chunk keys (each chained
+        over the whole prefix, so the last names them all) and the tokens past them."""
+        if request_id is not None:
+            return ("request", request_id)
+        n = self.db.num_tokens(tokens)
+        covered = min(len(keys) * self.config.chunk_size, n)
+        return ("prompt", n, keys[-1] if keys else None, tokens_to_bytes(tokens[covered:n]))
+
+    def _release_pins(self, tokens: Tokens, request_id: Hashable) -> None:
+        """A retrieve's end of its owner's pins: every chunk, the masked ones the engine
+        already has included, and only this owner's (another request's pins on a shared
+        prefix stay). Called once the retrieve holds its own references on the chunks it
+        loads, so they stay safe from eviction."""
         if self._pins.count:
-            self._pins.release(self.db.keys(tokens))
+            keys = self.db.keys(tokens) if request_id is None else []
+            self._pins.release(self._pin_owner(tokens, keys, request_id))
 
     # ------------------------------------------------------------- retrieve
     def _fetch(self, tokens: Tokens, mask: Any) -> tuple[list[Chunk], list[MemoryObj]]:
@@ -224,17 +249,18 @@ class CacheEngine:
         return chunks[: len(objs)], objs
 
     def retrieve(self, tokens: Tokens, kv_caches: KVCaches, slot_mapping: torch.Tensor,
-                 mask: Any = None) -> int:
+                 mask: Any = None, *, request_id: Hashable = None) -> int:
         """Write the stored KV of the longest hit prefix into ``kv_caches`` at
         ``slot_mapping``; returns the number of tokens written. Tokens under the mask's False
         prefix are neither looked up nor written (the engine has them); negative slots are
-        skipped."""
+        skipped. Releases every pin its owner's ``lookup(pin=True)`` took (``request_id``,
+        else these exact tokens), masked chunks included."""
         self._check_open()
         t0 = time.perf_counter()
         tr = self.transfer_for(kv_caches)
         slots = tr.check_slots(slot_mapping, self.db.num_tokens(tokens))
         chunks, objs = self._fetch(tokens, mask)
-        self._release_pins(tokens)
+        self._release_pins(tokens, request_id)
         if not chunks:
             return 0
         with CopyLease(objs) as lease:  # the scatter owns objs until its handle is done
@@ -247,7 +273,8 @@ class CacheEngine:
         return n
 
     def retrieve_layer(self, tokens: Tokens, kv_caches: KVCaches, slot_mapping: torch.Tensor,
-                       mask: Any = None) -> LayerwiseRetrieve:
+                       mask: Any = None, *, request_id: Hashable = None
+                       ) -> LayerwiseRetrieve:
         """Layer-wise retrieve: ``.num_tokens`` says how many will load; ``.start()`` loads all
         layers in order on a background thread and ``.wait(layer)`` blocks until that layer is
         in the cache (``.wait(layer, stream)``: the CUDA stream waits, not the host; or
@@ -257,7 +284,7 @@ class CacheEngine:
         tr = self.transfer_for(kv_caches)
         slots = tr.check_slots(slot_mapping, self.db.num_tokens(tokens))
         chunks, objs = self._fetch(tokens, mask)
-        self._release_pins(tokens)
+        self._release_pins(tokens, request_id)
         plan = tr.plan(slots, [(s, e) for s, e, _ in chunks]) if chunks else None
         return LayerwiseRetrieve(self, tr, plan, chunks, objs)
 

@@ -1,13 +1,19 @@
-"""Pins taken by ``lookup(pin=True)``: owned by the prompt, bounded in count and in time.
+"""Pins taken by ``lookup(pin=True)``: one set per owner, bounded in count and in time.
 
 A pin is one extra reference on an L1 chunk, so eviction passes it over until the engine
-loads it. Pins are keyed by chunk key and released by the prompt's *keys*, all of them: a
-retrieve whose mask skips the leading chunks still releases the pins its lookup took on them
-(the engine has that KV already and will never load it). A scheduler that looks up and then
-never retrieves (request aborted, preempted) would otherwise pin memory forever, so pins are
-also bounded: at most ``max_pins`` at once (further pins are refused, the lookup still
-answers) and each expires ``timeout`` seconds after it was taken. Expiry is lazy: every
-engine call sweeps what is due, oldest first.
+loads it. Every pin belongs to an *owner*: the request id the caller names, else the prompt
+itself (its token sequence). Owners matter because a scheduler asks again and again for a
+request that is still waiting: a repeated lookup by one owner *replaces* that owner's pins
+(it never stacks them), and a retrieve releases only its own owner's pins, on every chunk,
+masked ones included (the engine has that KV already and will never load it) -- never the
+pins another request took on a shared prefix, which would let those chunks be evicted
+between that request's lookup and its load.
+
+A scheduler that looks up and then never retrieves (request aborted, preempted) would pin
+memory forever, so pins are also bounded: at most ``max_pins`` chunks at once (a lookup past
+the bound pins its leading chunks that fit and no more; it still answers) and each owner's
+pins expire ``timeout`` seconds after its last lookup. Expiry is lazy: every engine call
+sweeps what is due, oldest first, so no timer thread is needed.
 """
 
 from __future__ import annotations
@@ -16,16 +22,19 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Hashable, Sequence
+from typing import Protocol
 
-from lmc.memory import MemoryObj
+
+class Releasable(Protocol):
+    def release(self) -> None: ...
 
 
-class _Pin:
-    __slots__ = ("key", "obj", "deadline")
+class _PinSet:
+    __slots__ = ("owner", "objs", "deadline")
 
-    def __init__(self, key: Hashable, obj: MemoryObj, deadline: float) -> None:
-        self.key = key
-        self.obj: MemoryObj | None = obj  # None once released
+    def __init__(self, owner: Hashable, objs: list[Releasable], deadline: float) -> None:
+        self.owner = owner
+        self.objs: list[Releasable] | None = objs  # None once released or replaced
         self.deadline = deadline
 
 
@@ -42,46 +51,36 @@ class PinTable:
         self.timeout = timeout
         self.clock = clock
         self._lock = threading.Lock()
-        self._by_key: dict[Hashable, deque[_Pin]] = {}
-        self._order: deque[_Pin] = deque()  # by deadline (one timeout: the order taken)
-        self.count = 0
+        self._owners: dict[Hashable, _PinSet] = {}
+        self._order: deque[_PinSet] = deque()  # by deadline (one timeout: the order taken)
+        self.count = 0  # chunks pinned, all owners
         self.refused = 0
         self.expired = 0
 
-    def pin(self, keys: Sequence[Hashable], objs: Sequence[MemoryObj | None]) -> int:
-        """Take ownership of one reference on each object (already acquired by the caller);
-        those past the bound are released at once. Returns the number pinned."""
-        extra: list[MemoryObj] = []
-        n = 0
+    def pin(self, owner: Hashable, objs: Sequence[Releasable]) -> int:
+        """Pin ``objs`` for ``owner``, replacing whatever it pinned before. The caller hands
+        over one reference on each (already acquired, so a chunk re-pinned is never without a
+        pin in between); those past the bound are released at once. Returns the number
+        pinned."""
         with self._lock:
-            deadline = self.clock() + self.timeout
-            for k, o in zip(keys, objs, strict=True):
-                if o is None:
-                    continue
-                if self.count >= self.max_pins:
-                    extra.append(o)
-                    continue
-                p = _Pin(k, o, deadline)
-                self._by_key.setdefault(k, deque()).append(p)
-                self._order.append(p)
-                self.count += 1
-                n += 1
+            old = self._take_locked(owner)
+            room = max(0, self.max_pins - self.count)
+            keep, extra = list(objs[:room]), list(objs[room:])
             self.refused += len(extra)
+            if keep:
+                p = _PinSet(owner, keep, self.clock() + self.timeout)
+                self._owners[owner] = p
+                self._order.append(p)
+                self.count += len(keep)
             self._compact_locked()
-        for o in extra:
+        for o in (*old, *extra):
             o.release()
-        return n
+        return len(keep)
 
-    def release(self, keys: Sequence[Hashable]) -> int:
-        """Drop one pin (the oldest) on each key that has one; returns pins dropped."""
-        out: list[MemoryObj] = []
+    def release(self, owner: Hashable) -> int:
+        """Drop every pin ``owner`` holds; returns how many."""
         with self._lock:
-            for k in keys:
-                q = self._by_key.get(k)
-                if q:
-                    out.append(self._drop_locked(q.popleft()))
-                    if not q:
-                        del self._by_key[k]
+            out = self._take_locked(owner)
         for o in out:
             o.release()
         return len(out)
@@ -93,18 +92,13 @@ class PinTable:
                 return 0
         except IndexError:  # empty (or emptied by another thread meanwhile)
             return 0
-        out: list[MemoryObj] = []
+        out: list[Releasable] = []
         with self._lock:
             order, now = self._order, self.clock()
             while order and order[0].deadline <= now:
                 p = order.popleft()
-                if p.obj is None:
-                    continue  # released earlier
-                q = self._by_key[p.key]
-                q.remove(p)
-                if not q:
-                    del self._by_key[p.key]
-                out.append(self._drop_locked(p))
+                if p.objs is not None:  # else released or replaced earlier
+                    out += self._take_locked(p.owner)
             self.expired += len(out)
         for o in out:
             o.release()
@@ -112,24 +106,29 @@ class PinTable:
 
     def clear(self) -> int:
         with self._lock:
-            out = [self._drop_locked(p) for q in self._by_key.values() for p in q]
-            self._by_key.clear()
+            out = [o for p in self._owners.values() for o in p.objs or ()]
+            for p in self._owners.values():
+                p.objs = None
+            self._owners.clear()
             self._order.clear()
+            self.count = 0
         for o in out:
             o.release()
         return len(out)
 
-    def _drop_locked(self, p: _Pin) -> MemoryObj:
-        o, p.obj = p.obj, None
-        self.count -= 1
-        assert o is not None
-        return o
+    def _take_locked(self, owner: Hashable) -> list[Releasable]:
+        p = self._owners.pop(owner, None)
+        if p is None or p.objs is None:
+            return []
+        objs, p.objs = p.objs, None
+        self.count -= len(objs)
+        return objs
 
     def _compact_locked(self) -> None:
-        """Released pins stay in the deadline queue until due; keep that queue bounded."""
-        if len(self._order) > 2 * self.count + 64:
-            self._order = deque(p for p in self._order if p.obj is not None)
+        """Released sets stay in the deadline queue until due; keep that queue bounded."""
+        if len(self._order) > 2 * len(self._owners) + 64:
+            self._order = deque(p for p in self._order if p.objs is not None)
 
     def stats(self) -> dict[str, int]:
-        return {"pinned_chunks": self.count, "pins_refused": self.refused,
-                "pins_expired": self.expired}
+        return {"pinned_chunks": self.count, "pin_owners": len(self._owners),
+                "pins_refused": self.refused, "pins_expired": self.expired}

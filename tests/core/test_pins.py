@@ -1,5 +1,7 @@
-"""Pins from ``lookup(pin=True)``: released by the prompt's retrieve (masked chunks too),
-bounded in count, expiring after ``pin_timeout``; a lookup/retrieve loop never starves stores."""
+"""Pins from ``lookup(pin=True)``: owned by a request id or the prompt, released by that
+owner's retrieve (masked chunks too) and never by another's, replaced (not stacked) by a
+repeated lookup, bounded in count, expiring after ``pin_timeout``; a lookup/retrieve loop
+never starves stores."""
 
 from __future__ import annotations
 
@@ -63,9 +65,10 @@ def test_masked_layerwise_retrieve_releases_every_pin_and_only_its_own():
     with eng:
         toks = _tokens(64, 2)
         eng.store(toks, src, _slots(64))
-        eng.lookup(toks, pin=True)
-        eng.lookup(toks, pin=True)  # a second request for the same prompt: its own pins
-        with eng.retrieve_layer(toks, dst, _slots(64, 16), mask=_mask(64, 48)) as r:
+        eng.lookup(toks, pin=True, request_id="r1")
+        eng.lookup(toks, pin=True, request_id="r2")  # a second request for the same prompt
+        with eng.retrieve_layer(toks, dst, _slots(64, 16), mask=_mask(64, 48),
+                                request_id="r1") as r:
             assert r.num_tokens == 16
             r.start()
             for layer in range(spec.num_layers):
@@ -73,8 +76,54 @@ def test_masked_layerwise_retrieve_releases_every_pin_and_only_its_own():
         assert r.close() == 16
         assert eng.stats()["pinned_chunks"] == 4, "the other request's pins are its own"
         assert _refs(eng) == [2, 2, 2, 2]
-        assert eng.unpin(toks) == 4
+        assert eng.unpin(request_id="r2") == 4
         assert _refs(eng) == [1, 1, 1, 1]
+
+
+def test_a_retrieve_never_releases_another_prompts_pins_on_a_shared_prefix():
+    """Pins released by chunk key let one prompt's retrieve drop the pins another request's
+    lookup took on their shared prefix: those chunks could then be evicted between that
+    request's lookup and its load."""
+    src, dst, _, eng = _setup()
+    with eng:
+        a = _tokens(64, 20)
+        b = a[:32] + _tokens(32, 21)  # shares a's first two chunks
+        eng.store(a, src, _slots(64))
+        eng.store(b, src, _slots(64, 16))
+        eng.lookup(a, pin=True)
+        assert eng.retrieve(b, dst, _slots(64, 16)) == 64  # b never pinned anything
+        assert eng.stats()["pinned_chunks"] == 4
+        assert eng.unpin(b) == 0 and eng.unpin(a) == 4
+        eng.lookup(b, pin=True)
+        assert eng.retrieve(b[:48], dst, _slots(48, 16)) == 48  # another prompt: not b's
+        assert eng.stats()["pinned_chunks"] == 4
+        assert eng.retrieve(b, dst, _slots(64, 16), mask=_mask(64, 64)) == 0
+        assert eng.stats()["pinned_chunks"] == 0 and set(_refs(eng)) == {1}
+
+
+def test_a_repeated_lookup_by_one_owner_replaces_its_pins():
+    """A scheduler re-asks for a request that is still waiting: the pins must not stack
+    (one retrieve would then leave all but one set pinned until the timeout)."""
+    src, dst, _, eng = _setup()
+    with eng:
+        toks = _tokens(64, 22)
+        eng.store(toks, src, _slots(64))
+        for _ in range(10):
+            assert eng.lookup(toks, pin=True) == 64
+            assert eng.stats()["pinned_chunks"] == 4
+        for _ in range(3):
+            eng.lookup(toks[:48], pin=True, request_id=7)
+        st = eng.stats()
+        assert st["pinned_chunks"] == 7 and st["pin_owners"] == 2
+        assert sorted(_refs(eng)) == [2, 3, 3, 3]
+        assert eng.retrieve(toks, dst, _slots(64, 16)) == 64
+        assert eng.retrieve(toks[:48], dst, _slots(48, 16), request_id=7) == 48
+        assert eng.stats()["pinned_chunks"] == 0 and set(_refs(eng)) == {1}
+        eng.lookup(toks, pin=True, request_id=7)
+        eng.lookup(_tokens(64, 23), pin=True, request_id=7)  # no hit: its old pins go too
+        assert eng.stats()["pinned_chunks"] == 0
+        with pytest.raises(ValueError, match="tokens or its request_id"):
+            eng.unpin()
 
 
 def test_retrieve_with_no_hit_still_releases_the_pins():
@@ -90,18 +139,21 @@ def test_retrieve_with_no_hit_still_releases_the_pins():
 def test_pins_past_the_bound_are_refused_and_the_lookup_still_answers():
     src, _, _, eng = _setup(max_pinned_chunks=3)
     with eng:
-        a, b = _tokens(32, 4), _tokens(32, 5)
+        a, b, c = _tokens(32, 4), _tokens(32, 5), _tokens(32, 6)
         eng.store(a, src, _slots(32))
         eng.store(b, src, _slots(32, 8))
+        eng.store(c, src, _slots(32, 16))
         assert eng.lookup(a, pin=True) == 32
-        assert eng.lookup(b, pin=True) == 32  # one of b's two chunks pinned, one refused
+        assert eng.lookup(b, pin=True) == 32  # b's first chunk pinned, its second refused
         st = eng.stats()
         assert st["pinned_chunks"] == 3 and st["pins_refused"] == 1
-        assert sorted(_refs(eng)) == [1, 2, 2, 2], "a refused pin kept its reference"
-        assert eng.lookup(b, pin=True) == 32
-        assert eng.stats()["pins_refused"] == 3
-        assert eng.unpin(a) == 2 and eng.unpin(b) == 1
-        assert _refs(eng) == [1, 1, 1, 1]
+        assert sorted(_refs(eng)) == [1, 1, 1, 2, 2, 2], "a refused pin kept its reference"
+        assert eng.lookup(c, pin=True) == 32  # nothing left: answered, nothing pinned
+        assert eng.lookup(b, pin=True) == 32  # b's own pin is replaced, not stacked
+        st = eng.stats()
+        assert st["pins_refused"] == 4 and st["pinned_chunks"] == 3
+        assert eng.unpin(a) == 2 and eng.unpin(b) == 1 and eng.unpin(c) == 0
+        assert set(_refs(eng)) == {1}
 
 
 def test_pins_expire_after_the_timeout_and_then_can_be_evicted():
@@ -148,21 +200,27 @@ class _Obj:
         self.released += 1
 
 
-def test_table_releases_the_oldest_pin_per_key_and_stays_bounded():
+def test_table_replaces_per_owner_expires_by_deadline_and_stays_bounded():
     now = [0.0]
     t = PinTable(max_pins=1000, timeout=10.0, clock=lambda: now[0])
     objs = [_Obj() for _ in range(3)]
-    assert t.pin(["k", "k", "j"], objs) == 3
-    assert t.release(["k", "missing"]) == 1 and objs[0].released == 1 and objs[1].released == 0
-    for i in range(5000):  # pin/release churn: released pins do not pile up in the queue
+    assert t.pin("k", objs[:2]) == 2 and t.pin("j", objs[2:]) == 1
+    now[0] = 5.0
+    fresh = _Obj()
+    assert t.pin("k", [fresh]) == 1  # replaces k's two pins
+    assert [o.released for o in objs] == [1, 1, 0] and t.count == 2
+    assert t.release("missing") == 0
+    for i in range(5000):  # pin/release churn: released sets do not pile up in the queue
         o = _Obj()
-        t.pin([i], [o])
-        t.release([i])
+        t.pin(i, [o])
+        t.release(i)
         assert o.released == 1
-    assert t.count == 2 and len(t._order) <= 2 * t.count + 65
+    assert t.count == 2 and len(t._order) <= 2 * len(t._owners) + 65
     now[0] = 10.0
-    assert t.expire() == 2 and objs[1].released == 1 and objs[2].released == 1
-    assert t.count == 0 and t.expired == 2
+    assert t.expire() == 1 and objs[2].released == 1 and fresh.released == 0
+    now[0] = 15.0
+    assert t.expire() == 1 and fresh.released == 1
+    assert t.count == 0 and t.expired == 2 and t.stats()["pin_owners"] == 0
 
 
 def test_table_rejects_nonsense_bounds():
