@@ -190,13 +190,15 @@ class CheckedTLSFAllocator(TLSFAllocator):
     def __init__(self, size: int, align: int = 4096) -> None:
         super().__init__(size, align)
         self._starts: list[int] = []  # unit offsets of live blocks, sorted
+        self._batch = False  # inside allocate_many: its pieces are checked once, at the end
 
     def _track(self, off: int) -> None:
         starts, used = self._starts, self._used
         i = bisect.bisect_left(starts, off)
-        if i < len(starts) and starts[i] == off:
-            return  # the first block of a batch: checked when the whole block was allocated
         end = off + used[off]
+        if i < len(starts) and starts[i] == off:
+            raise invariants.fail(f"allocator handed out units [{off}, {end}), whose start is "
+                                  f"already a live block's")
         if end > self.units:
             raise invariants.fail(f"allocator handed out units [{off}, {end}) past its "
                                   f"capacity of {self.units}")
@@ -212,13 +214,17 @@ class CheckedTLSFAllocator(TLSFAllocator):
 
     def allocate(self, nbytes: int) -> int | None:
         off = super().allocate(nbytes)
-        if off is not None:
+        if off is not None and not self._batch:
             self._track(off // self.align)
         return off
 
     def allocate_many(self, nbytes: int, count: int) -> list[int]:
-        offs = super().allocate_many(nbytes, count)
-        for off in offs:  # a batch block's pieces: each against the one before it
+        self._batch = True
+        try:
+            offs = super().allocate_many(nbytes, count)
+        finally:
+            self._batch = False
+        for off in offs:  # each piece against its live neighbours (and the one before it)
             self._track(off // self.align)
         return offs
 
@@ -226,4 +232,6 @@ class CheckedTLSFAllocator(TLSFAllocator):
         super().free(offset)
         off = offset // self.align
         i = bisect.bisect_left(self._starts, off)
+        if i == len(self._starts) or self._starts[i] != off:
+            raise invariants.fail(f"freed units at {off}, which the check never saw handed out")
         del self._starts[i]

@@ -8,6 +8,9 @@ built (or ``MemoryPool(..., invariants=True)``), the pool checks, as it goes:
   included);
 * no two live blocks overlap (the allocator checks each block it hands out against its
   neighbours);
+* freed memory is poisoned: a block is filled with 0xFF bytes (NaN in every float dtype)
+  when its last reference goes, so a copy that reads an object after releasing it (a late
+  asynchronous copy, a view kept past its release) moves garbage that a bit-exact test sees;
 * reference counts balance: ``close()`` with objects still referenced, or an object
   garbage-collected while referenced from a pool that lives on (judged at ``close()`` or
   when :func:`take` is called), is a violation naming the allocation site.

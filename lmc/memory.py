@@ -33,6 +33,7 @@ from lmc.pool_tuning import advise_hugepages
 from lmc.transfer import int_view
 
 log = logging.getLogger(__name__)
+POISON = 0xFF  # invariant mode: the byte freed blocks are filled with
 
 
 class MemoryObj:
@@ -258,7 +259,15 @@ class MemoryPool:
 
     def _free_locked(self, obj: MemoryObj) -> None:
         if not self.closed:
+            if self.invariants:
+                self._poison(obj.offset)
             self.allocator.free(obj.offset)
+
+    def _poison(self, offset: int) -> None:
+        """Invariant mode: fill a block being freed with 0xFF bytes (NaN in every float
+        dtype), so a copy that reads an object after its last release moves garbage that a
+        bit-exact check sees, never the stale but still correct KV that would hide it."""
+        self.buffer[offset: offset + self.allocator.block_size(offset)].fill_(POISON)
 
     def _leaked(self, obj: MemoryObj) -> None:
         """Called from ``MemoryObj.__del__``: report, then reclaim the memory."""
@@ -274,6 +283,8 @@ class MemoryPool:
                 self._lost.append(msg)
                 _invariants.watch(self)
             obj._refs = 0
+            if self.invariants:
+                self._poison(obj.offset)
             self.allocator.free(obj.offset)
 
     def lost_references(self) -> list[str]:

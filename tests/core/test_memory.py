@@ -126,6 +126,27 @@ def test_invariant_mode_follows_the_environment_and_costs_nothing_off(monkeypatc
     o.release()
 
 
+def test_invariant_mode_poisons_freed_blocks_so_use_after_release_reads_garbage(monkeypatch):
+    pool = MemoryPool(1 << 16, pin_memory=False, invariants=True)
+    keep = pool.allocate((1024,), torch.float32)
+    o = pool.allocate((2000,), torch.float16)
+    keep.tensor.fill_(3.0)
+    stale = o.tensor  # a view someone kept past the release
+    stale.fill_(1.0)
+    o.release()
+    assert bool(stale.isnan().all()), "freed KV still read as valid values"
+    assert bool((pool.buffer[o.offset: o.offset + 4096] == 0xFF).all())  # its whole block
+    assert bool((keep.tensor == 3.0).all()), "poisoning reached a live neighbour"
+    keep.release()
+    monkeypatch.setenv(invariants.ENV, "0")
+    off = MemoryPool(1 << 16, pin_memory=False)
+    o = off.allocate((100,), torch.float16)
+    o.tensor.fill_(1.0)
+    stale = o.tensor
+    o.release()
+    assert bool((stale == 1.0).all()), "the mode off must not pay for poisoning"
+
+
 def test_invariant_mode_catches_a_batch_view_at_the_wrong_address(monkeypatch):
     """The bug class of the fragmented-pool regression: a batch of objects whose views were
     built as if their blocks were neighbours. Forced here by a view one block off."""
@@ -164,6 +185,22 @@ def test_allocator_check_catches_overlapping_blocks(monkeypatch):
         while True:  # drain the real free block first; the corrupt one comes up in its class
             off = a.allocate(2 * 4096)
             assert off is not None, "the corrupt block was never handed out"
+    invariants.take()
+
+
+def test_allocator_check_catches_a_live_block_handed_out_again():
+    """The same start twice is the worst overlap of all; the batch path must not hide it."""
+    a = CheckedTLSFAllocator(1 << 20, align=4096)
+    assert a.allocate(4096) == 0
+    a._insert(0, 1)  # corrupted free list: the live block is offered again
+    with pytest.raises(InvariantError, match=r"\[0, 1\), whose start is already a live"):
+        a.allocate(4096)
+    invariants.take()
+    b = CheckedTLSFAllocator(1 << 20, align=4096)
+    assert b.allocate_many(4096, 2) == [0, 4096]
+    b._insert(1, 1)
+    with pytest.raises(InvariantError, match=r"\[1, 2\), whose start is already a live"):
+        b.allocate_many(4096, 1)
     invariants.take()
 
 
