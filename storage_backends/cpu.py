@@ -35,6 +35,7 @@ class CPUBackend(StorageBackend):
         self.on_evict: EvictListener | None = None  # lower tiers hook write-on-evict here
         self.evictions = 0
         self.evicted_bytes = 0
+        self._closed = False
 
     # ------------------------------------------------------------------ reads
     def contains(self, keys: Sequence[Key]) -> list[bool]:
@@ -80,11 +81,19 @@ class CPUBackend(StorageBackend):
     def put(self, keys: Sequence[Key], objs: Sequence[MemoryObj]) -> int:
         """Keep a reference on each object whose key is new; a key already held (or repeated
         in this call: two reads of one chunk promoted together) keeps its first object, and
-        the later one gets no reference, which would otherwise leak with no map entry."""
+        the later one gets no reference, which would otherwise leak with no map entry.
+        After ``close()`` nothing is kept (a late promotion from another thread would hold
+        its reference forever); an object of another pool is refused (evicting it would
+        free nothing here)."""
         with self._lock:
+            if self._closed:
+                return 0
             m = self._map
             new: dict[Key, MemoryObj] = {}
             for k, o in zip(keys, objs, strict=True):
+                if o.pool is not self.pool:
+                    raise ValueError(f"put of {o!r} for key {k!r}: it belongs to another "
+                                     f"memory pool than this tier's")
                 if k not in m and k not in new:
                     new[k] = o
             self.pool.acquire_many(new.values())
@@ -154,6 +163,8 @@ class CPUBackend(StorageBackend):
             o.release()
 
     def close(self) -> None:
+        with self._lock:
+            self._closed = True
         self.clear()
 
     def __len__(self) -> int:

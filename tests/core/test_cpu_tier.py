@@ -132,3 +132,25 @@ def test_eviction_under_concurrent_readers_never_frees_a_chunk_being_read():
     l1.close()
     assert pool.used_bytes == 0
     pool.close()
+
+
+def test_a_put_after_close_keeps_nothing_and_a_foreign_object_is_refused():
+    """A promotion finishing on another thread after the tier closed must not park a
+    reference in a map nobody will clear again (the pool's close would report it held)."""
+    import pytest
+
+    l1, pool = _l1()
+    other = MemoryPool(4 * UNIT, pin_memory=False, invariants=True)
+    stranger = _obj(other, 3)
+    with pytest.raises(ValueError, match="another memory pool"):
+        l1.put([b"s" * 16], [stranger])
+    assert stranger.ref_count == 1 and len(l1) == 0
+    stranger.release()
+    other.close()
+    l1.close()
+    late = _obj(pool, 4)
+    assert l1.put([b"l" * 16], [late]) == 0
+    assert late.ref_count == 1 and len(l1) == 0
+    late.release()
+    assert pool.used_bytes == 0
+    pool.close()
