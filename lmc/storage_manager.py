@@ -155,16 +155,13 @@ class StorageManager:
         Lower-tier hits are promoted into L1 on the way."""
         found: list[MemoryObj | None] = list(self.l1.get(keys)) if keys else []
         if self.lower and any(o is None for o in found):
-            self._from_queues(keys, found)
-            for level, tier in enumerate(self.lower):
-                todo = [i for i, o in enumerate(found) if o is None]
-                if not todo:
-                    break
-                got = self._get_lower(level, tier, [keys[i] for i in todo])
-                hit = [(i, o) for i, o in zip(todo, got) if o is not None]
-                for i, o in hit:
-                    found[i] = o
-                self._promote(level, [keys[i] for i, _ in hit], [o for _, o in hit])
+            try:
+                self._fill_from_lower(keys, found)
+            except BaseException:  # the caller never sees these: their references are ours
+                for o in found:
+                    if o is not None:
+                        o.release()
+                raise
         out: list[MemoryObj] = []
         for o in found:
             if o is None:
@@ -174,6 +171,19 @@ class StorageManager:
             if o is not None:
                 o.release()
         return out
+
+    def _fill_from_lower(self, keys: Sequence[Key], found: list[MemoryObj | None]) -> None:
+        """Fill L1's misses in ``found`` from the queues, then tier by tier (promoting)."""
+        self._from_queues(keys, found)
+        for level, tier in enumerate(self.lower):
+            todo = [i for i, o in enumerate(found) if o is None]
+            if not todo:
+                break
+            got = self._get_lower(level, tier, [keys[i] for i in todo])
+            hit = [(i, o) for i, o in zip(todo, got) if o is not None]
+            for i, o in hit:
+                found[i] = o
+            self._promote(level, [keys[i] for i, _ in hit], [o for _, o in hit])
 
     def _from_queues(self, keys: Sequence[Key], found: list[MemoryObj | None]) -> None:
         """Fill misses from chunks waiting in write-behind queues (and put them back in L1)."""

@@ -154,3 +154,30 @@ def test_a_put_after_close_keeps_nothing_and_a_foreign_object_is_refused():
     late.release()
     assert pool.used_bytes == 0
     pool.close()
+
+
+def test_a_failed_promotion_returns_every_reference_it_took(monkeypatch):
+    """get_prefix holds a reference on every chunk found so far; when promoting a lower-tier
+    hit raises, the caller never sees them, so the manager must release them itself."""
+    import pytest
+
+    l1, pool = _l1()
+    hot = _obj(pool, 1)
+    l1.put([b"h" * 16], [hot])
+    hot.release()
+    low = _Store(TierPool(l1))
+    low.data = {b"a" * 16: 7, b"b" * 16: 8}
+    sm = StorageManager([l1, low])
+
+    def broken_put(keys, objs):
+        raise MemoryError("injected: promotion failed")
+
+    monkeypatch.setattr(l1, "put", broken_put)
+    with pytest.raises(MemoryError, match="injected"):
+        sm.get_prefix([b"h" * 16, b"a" * 16, b"b" * 16])
+    monkeypatch.undo()
+    assert hot.ref_count == 1, "the L1 hit kept the failed call's reference"
+    assert pool.used_bytes == UNIT, "the chunks read from the lower tier were never freed"
+    sm.close()
+    assert pool.used_bytes == 0
+    pool.close()
