@@ -51,7 +51,7 @@ class DaemonProc:
         self.log_path = self.workdir / "daemon.log"
 
     # ------------------------------------------------------------ lifecycle
-    def start(self, timeout: float = 30.0) -> DaemonProc:
+    def start(self, timeout: float = 60.0) -> DaemonProc:
         ready = self.workdir / "ready.json"
         ready.unlink(missing_ok=True)
         cmd = [sys.executable, "-m", "lmc.server", "--host", "127.0.0.1",
