@@ -7,7 +7,9 @@ profiling, sleep mode, a test's scratch cache) must not stay allocated -- on a G
 gigabytes. So each transfer is built on *detached aliases* of the caller's tensors (same
 memory, distinct Python objects), and the entry watches the caller's own tensor objects
 through weak references: once any of them is collected the entry is dropped, and with it the
-aliases and the memory. At most ``capacity`` caches are bound at once (least recently used
+aliases and the memory. A view is watched through its base tensor (which the view keeps
+alive), so a caller passing fresh views of one cache on every call still hits the entry
+instead of paying a rebuild per call. At most ``capacity`` caches are bound at once (least recently used
 dropped first).
 """
 
@@ -47,6 +49,16 @@ def detached(kv_caches: KVCaches) -> KVCaches:
     if type(kv_caches) is tuple:
         return tuple(detached(x) for x in kv_caches)
     return kv_caches  # anything else: the transfer's validation names what is wrong
+
+
+def _roots(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The objects to watch: each tensor's base if it is a view (alive as long as any view
+    of it is), else itself; each once."""
+    out: dict[int, torch.Tensor] = {}
+    for t in tensors:
+        r = t._base if t._base is not None else t
+        out.setdefault(id(r), r)
+    return list(out.values())
 
 
 def _signature(tensors: list[torch.Tensor]) -> tuple | None:
@@ -95,7 +107,7 @@ class TransferCache:
             self._serial += 1
             entry = _Entry(tr, self._serial)
             entry.watch = [weakref.ref(t, lambda _, s=sig, n=entry.serial: _dropped(me, s, n))
-                           for t in owners]
+                           for t in _roots(owners)]
             self._map[sig] = entry
             while len(self._map) > self.capacity:
                 self._map.popitem(last=False)

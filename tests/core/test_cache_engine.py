@@ -333,3 +333,28 @@ def test_at_most_four_caches_are_bound():
         for d in held:
             assert eng.retrieve(toks, d, slots) == 32
         assert len(eng._transfers) == 4
+
+
+def test_fresh_views_of_one_cache_reuse_its_transfer_and_free_it_when_dropped():
+    """A caller that passes new view objects of the same cache on every call must not pay a
+    transfer build (layer validation, tables) per call; the base is what is watched."""
+    import gc
+    import weakref
+
+    src = make_caches("vllm_flash", blocks=32, block_size=4)
+    spec = spec_for("vllm_flash", src)
+    toks, slots = _tokens(32), _slots_for(spec, 32, 0)
+    with _engine(src, "vllm_flash") as eng:
+        eng.store(toks, src, slots)
+        base = make_caches("vllm_flash", blocks=32, block_size=4, zeros=True)
+        first = weakref.ref(eng.transfer_for([t.view(t.shape) for t in base]))
+        gc.collect()  # the first call's views are gone
+        for _ in range(3):
+            assert eng.retrieve(toks, [t.view(t.shape) for t in base], slots) == 32
+            assert eng.transfer_for([t.view(t.shape) for t in base]) is first()
+        assert_bits_equal(token_kv(spec, base, slots), token_kv(spec, src, slots), "load")
+        watched = [weakref.ref(t) for t in base]
+        del base
+        gc.collect()
+        assert all(w() is None for w in watched) and first() is None, \
+            "the engine kept a dropped cache reached through views"
