@@ -180,7 +180,8 @@ class CacheConfig:
         "when L1 chunks flow to lower tiers: on every store, or when evicted from L1")
     write_queue_size: int = _field(
         "1GiB", parse_size,
-        "bytes of chunks waiting to be written to lower tiers; beyond it writes are dropped")
+        "bytes of chunks waiting to be written to lower tiers, per tier, at most half the pool "
+        "(a quarter under write_on_evict); beyond it writes are dropped")
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):

@@ -16,6 +16,10 @@ writer thread per tier, so the engine's store never waits on them. ``write_polic
   of L1 (they stay readable from the queue). The queue bound is therefore capped at a quarter
   of the pool under this policy, or the queue could hold all of it and stores would fail.
 
+Under write-through a queued chunk is L1's own object, referenced until written and so
+unevictable; each queue is capped at half the pool (every queue mostly holds the same
+chunks), so a slow tier drops writes (counted) instead of leaving stores no room.
+
 A lower-tier hit is promoted: the object the tier read (allocated from the shared pool through
 :class:`TierPool`, which may evict L1) is put into L1, and under write-through it is also
 queued for the lower tiers above the one that had it. Chunks waiting in a queue are served
@@ -92,8 +96,9 @@ class StorageManager:
         self.close_timeout = close_timeout
         self.metrics = [tier_metrics(t) for t in self.lower]
         self._l1_pool = getattr(self.l1, "pool", None)
-        if write_policy == "write_on_evict" and self._l1_pool is not None:
-            queue_bytes = min(queue_bytes, self._l1_pool.size // 4)
+        if self._l1_pool is not None:  # queued chunks hold pool memory: see the module doc
+            share = 4 if write_policy == "write_on_evict" else 2
+            queue_bytes = min(queue_bytes, self._l1_pool.size // share)
         self.queues = [WriteBehind(t, queue_bytes, m) for t, m in zip(self.lower, self.metrics)]
         if self.queues and write_policy == "write_on_evict":
             if not hasattr(self.l1, "on_evict"):

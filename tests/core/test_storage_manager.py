@@ -87,3 +87,34 @@ def test_a_failing_tier_is_a_miss_not_an_error():
 def test_first_tier_must_allocate():
     with pytest.raises(TypeError, match="memory tier"):
         StorageManager([_Broken()])
+
+
+def test_write_through_queues_never_pin_the_whole_pool(tmp_path):
+    """Under write-through a queued chunk is also L1's object: referenced until written, so
+    unevictable. With a queue as large as the pool and a slow tier, every L1 chunk was
+    queued and every later allocation failed until the writer caught up; the queue is
+    capped at half the pool, so stores keep room while the tier is slow."""
+    from lmc.memory import Lease
+    from lmc.storage_manager import TierPool
+    from tests.core.slow_tier import SlowDisk
+
+    unit = 4096
+    pool = MemoryPool(16 * unit, pin_memory=False)
+    cfg = CacheConfig(local_cpu_size=16 * unit)
+    l1 = create_backend("cpu", cfg, pool)
+    slow = SlowDisk(config=cfg, pool=TierPool(l1), path=tmp_path, delay=0.2, io_threads=1)
+    sm = StorageManager([l1, slow], queue_bytes=1 << 30, close_timeout=0.1)
+    assert sm.queues[0].max_bytes == 8 * unit
+    objs = sm.allocate_many((unit,), torch.uint8, 16, 1)
+    assert len(objs) == 16
+    sm.put([bytes([i]) * 16 for i in range(16)], objs)
+    Lease(objs).release()
+    more = sm.allocate_many((unit,), torch.uint8, 4, 1)
+    assert len(more) == 4, "every L1 chunk was held by the write-behind queue"
+    Lease(more).release()
+    sm.close()
+    q = sm.queues[0]
+    if q._thread is not None:
+        q._thread.join()
+    assert pool.used_bytes == 0
+    pool.close()
