@@ -66,11 +66,16 @@ def test_cross_layout_load_is_bit_exact(dst_layout):
         a.store(toks, src, s1)
         objs = a.storage.get_prefix(a.db.keys(toks))
         with CacheEngine(_cfg(), dspec, "m") as b:
-            # Same namespace -> same keys; move the chunks over as a shared tier would.
+            # Same namespace -> same keys; copy the chunks over as a shared tier would (into
+            # b's own pool: an L1 tier holds objects of its pool only).
             assert b.db.keys(toks) == a.db.keys(toks)
-            b.storage.put(b.db.keys(toks), objs)
-            for o in objs:
+            copies = [b.storage.allocate(o.shape, o.dtype, o.num_tokens) for o in objs]
+            for c, o in zip(copies, objs):
+                c.tensor.copy_(o.tensor)
                 o.release()
+            b.storage.put(b.db.keys(toks), copies)
+            for c in copies:
+                c.release()
             assert b.retrieve(toks, dst, s2) == n
     assert_bits_equal(token_kv(dspec, dst, s2), token_kv(sspec, src, s1), dst_layout)
 
