@@ -80,6 +80,19 @@ class MemoryObj:
             a = self._array = int_view(self.tensor)
         return a
 
+    def byte_view(self, extent: int | None = None) -> memoryview:
+        """The object's bytes (``extent`` of them, up to its block: O_DIRECT pads) as a
+        writable slice of one cached memoryview of a CPU pool's buffer: zero-copy, no tensor
+        made per call (tier I/O hot paths). Refuses an object already freed: a read from a
+        tier into a released block would corrupt whatever the pool reuses it for."""
+        if self._refs <= 0:
+            raise RuntimeError(f"byte_view() of {self!r} after its last release")
+        n = self.nbytes if extent is None else extent
+        if n > self.nbytes and n > self.pool.allocator.block_size(self.offset):
+            raise ValueError(f"byte_view({extent}) of {self!r} runs past its "
+                             f"{self.pool.allocator.block_size(self.offset)} B block")
+        return self.pool.byte_buffer()[self.offset: self.offset + n]
+
     @property
     def ref_count(self) -> int:
         return self._refs
@@ -169,6 +182,7 @@ class MemoryPool:
         self.debug = debug
         self._sites = debug or self.invariants  # record allocation sites, track live objects
         self._typed: dict[torch.dtype, torch.Tensor] = {}
+        self._bytes: memoryview | None = None
         self._live: weakref.WeakSet[MemoryObj] = weakref.WeakSet()
         self.leaks: list[str] = []
         self._lost: list[str] = []  # invariant mode: collected while referenced, not yet judged
@@ -188,6 +202,13 @@ class MemoryPool:
         # as_strided's offset counts from the storage's start, not from this view's
         return typed.as_strided(tuple(shape), tuple(reversed(strides)),
                                 typed.storage_offset() + offset // item)
+
+    def byte_buffer(self) -> memoryview:
+        """The whole buffer as one writable byte memoryview (CPU memory, pinned or not)."""
+        mv = self._bytes
+        if mv is None:
+            mv = self._bytes = memoryview(self.buffer.numpy()).cast("B")
+        return mv
 
     def allocate(self, shape: Sequence[int], dtype: torch.dtype, num_tokens: int = 0
                  ) -> MemoryObj | None:

@@ -76,6 +76,24 @@ def test_debug_outstanding_lists_live_objects():
     assert pool.outstanding() == []
 
 
+def test_byte_view_is_the_objects_bytes_and_refuses_a_freed_object():
+    pool = MemoryPool(1 << 16, pin_memory=False)
+    a = pool.allocate((100,), torch.float32)
+    b = pool.allocate((10,), torch.uint8)
+    a.tensor.copy_(torch.arange(100, dtype=torch.float32))
+    mv = a.byte_view()
+    assert len(mv) == 400 and bytes(mv) == a.tensor.numpy().tobytes()
+    mv[:4] = torch.tensor([7.0]).numpy().tobytes()  # writable, zero-copy
+    assert float(a.tensor[0]) == 7.0
+    assert len(a.byte_view(4096)) == 4096  # padded to its block (O_DIRECT)
+    with pytest.raises(ValueError, match="runs past its 4096 B block"):
+        a.byte_view(4097)
+    a.release()
+    with pytest.raises(RuntimeError, match="after its last release"):
+        a.byte_view()
+    b.release()
+
+
 def test_pin_true_without_cuda_is_a_clear_error():
     if torch.cuda.is_available():
         pytest.skip("CUDA present: pinning is allowed here")
