@@ -363,3 +363,25 @@ def test_fresh_views_of_one_cache_reuse_its_transfer_and_free_it_when_dropped():
         gc.collect()
         assert all(w() is None for w in watched) and first() is None, \
             "the engine kept a dropped cache reached through views"
+
+
+@pytest.mark.gpu
+def test_a_dropped_cuda_cache_returns_its_gpu_memory():
+    """Where it matters most: GPU memory of a cache the engine had bound (vLLM reallocating
+    its KV cache after profiling) is given back once the caller drops it."""
+    import gc
+
+    src = make_caches("vllm_flash", blocks=32, block_size=4, device="cuda")
+    spec = spec_for("vllm_flash", src)
+    toks, slots = _tokens(32), _slots_for(spec, 32, 0).cuda()
+    with _engine(src, "vllm_flash") as eng:
+        eng.store(toks, src, slots)
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        dst = make_caches("vllm_flash", blocks=4096, block_size=4, zeros=True, device="cuda")
+        assert torch.cuda.memory_allocated() > before
+        assert eng.retrieve(toks, dst, slots) == 32
+        del dst
+        gc.collect()
+        torch.cuda.synchronize()
+        assert torch.cuda.memory_allocated() <= before, "the engine kept a dropped GPU cache"
