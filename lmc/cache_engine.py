@@ -197,14 +197,23 @@ class CacheEngine:
         t0 = time.perf_counter()
         n = self.db.num_tokens(tokens)
         keys = self.db.keys(tokens)
-        hits = self.storage.prefix_hits(keys)
         if pin:
-            objs = self.storage.l1.get(keys[:hits]) if hits else []
-            self._pins.pin(self._pin_owner(tokens, keys, request_id),
-                           [o for o in objs if o is not None])
+            hits, held = self._held_hits(keys)
+            self._pins.pin(self._pin_owner(tokens, keys, request_id), held)
+        else:
+            hits = self.storage.prefix_hits(keys)
         hit_tokens = min(hits * self.config.chunk_size, n)
         self.metrics.lookup(n, hit_tokens, time.perf_counter() - t0)
         return hit_tokens
+
+    def _held_hits(self, keys: Sequence[Key]) -> tuple[int, list[MemoryObj]]:
+        """A pinned lookup's answer and the L1 chunks in it, acquired *before* the answer is
+        counted: a chunk evicted between counting and pinning was promised unpinned."""
+        objs = self.storage.l1.get(keys)
+        lead = next((i for i, o in enumerate(objs) if o is None), len(objs))
+        hits = lead + self.storage.prefix_hits(keys[lead:])
+        Lease(objs[hits:]).release()
+        return hits, [o for o in objs[:hits] if o is not None]
 
     def unpin(self, tokens: Tokens = None, *, request_id: Hashable = None) -> int:
         """Drop the pins a ``lookup(pin=True)`` took for ``request_id`` (or, without one, for

@@ -269,3 +269,29 @@ def test_pins_under_threads_with_expiry_and_bound_balance_to_zero():
         st = eng.stats()
         assert st["pinned_chunks"] == 0 and st["pins_expired"] > 0
         assert set(_refs(eng)) == {1}
+
+
+def test_a_pinned_lookup_never_promises_a_chunk_evicted_before_it_was_pinned(monkeypatch):
+    """Counting hits first and pinning after left a window: a chunk evicted in between was
+    in the answer but not pinned, and the retrieve then loaded less than promised. Forced
+    here by an eviction of everything unreferenced right after the counting step."""
+    src, dst, spec, eng = _setup()
+    with eng:
+        toks = _tokens(64, 30)
+        eng.store(toks, src, _slots(64))
+        count = eng.storage.prefix_hits
+
+        def count_then_evict(keys):
+            n = count(keys)
+            with eng.storage.l1._lock:
+                eng.storage.l1._evict(1 << 40)  # another thread's store needing room
+            return n
+
+        monkeypatch.setattr(eng.storage, "prefix_hits", count_then_evict)
+        assert eng.lookup(toks, pin=True) == 64
+        monkeypatch.undo()
+        assert eng.stats()["pinned_chunks"] == 4, "a chunk in the answer was not pinned"
+        assert eng.retrieve(toks, dst, _slots(64, 16)) == 64, "the retrieve loaded less"
+        assert_bits_equal(token_kv(spec, dst, _slots(64, 16)), token_kv(spec, src, _slots(64)),
+                          "pinned load")
+        assert set(_refs(eng)) == {1}
