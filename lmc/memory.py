@@ -351,9 +351,15 @@ class MemoryPool:
                 return
             self.closed = True
             live = self.outstanding()
+            blocks = self.allocator.num_allocations
         for msg in self.lost_references():
             _invariants.report(msg)
-        if live:
+        if blocks and not self._sites:  # untracked: the count, without sites
+            msg = (f"MemoryPool closed with {blocks} block(s) still referenced "
+                   f"(set debug_leaks to record where they were allocated)")
+            self.leaks.append(msg)
+            log.warning(msg)
+        elif live:
             sites = "\n".join(f"{o!r} allocated at:\n{site}" for o, site in live[:8])
             msg = (f"MemoryPool closed with {len(live)} object(s) still referenced "
                    f"(first {min(len(live), 8)}):\n{sites}")

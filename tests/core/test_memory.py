@@ -260,6 +260,22 @@ def test_close_with_references_held_reports_each_with_its_site():
     assert invariants.take() == []
 
 
+def test_close_with_references_held_is_reported_even_untracked(monkeypatch, caplog):
+    """Production pools record no sites, but a close with references held still says so."""
+    monkeypatch.setenv(invariants.ENV, "0")
+    pool = MemoryPool(1 << 16, pin_memory=False)
+    kept = [pool.allocate((10,), torch.uint8) for _ in range(3)]
+    with caplog.at_level("WARNING", logger="lmc.memory"):
+        pool.close()
+    assert len(pool.leaks) == 1 and "3 block(s) still referenced" in pool.leaks[0]
+    assert "debug_leaks" in caplog.text
+    Lease(kept).release()
+    clean = MemoryPool(1 << 16, pin_memory=False)
+    clean.allocate((10,), torch.uint8).release()
+    clean.close()
+    assert clean.leaks == []
+
+
 def test_the_harness_fails_a_test_that_leaks_and_names_the_site(pytester):
     """tests/conftest.py's fixture, run on two small tests of its own: the one that closes a
     pool with a reference held fails at teardown; the marked one passes."""
