@@ -35,10 +35,13 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+_between_tests: list[str] = []  # violations recorded outside any test (fixtures, stray threads)
+
+
 @pytest.fixture(autouse=True)
 def _pool_invariants(request):
     """Fail the test whose run broke a pool invariant (including in threads it started)."""
-    invariants.take()  # what earlier code left (imports, session fixtures) is not this test's
+    _between_tests.extend(invariants.take())  # not this test's: reported at session end
     made = invariants.pools_checked
     yield
     if invariants.pools_checked != made:
@@ -47,3 +50,16 @@ def _pool_invariants(request):
     if found and request.node.get_closest_marker("leaks_expected") is None:
         pytest.fail(f"{len(found)} pool invariant violation(s):\n\n" + "\n\n".join(found),
                     pytrace=False)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """Violations no test owned (a fixture's teardown, a thread outliving its test) still
+    fail the run, instead of being dropped at the next test's start."""
+    found = _between_tests + invariants.take()
+    if found:
+        tr = session.config.pluginmanager.get_plugin("terminalreporter")
+        if tr is not None:
+            tr.write_sep("=", f"{len(found)} pool invariant violation(s) outside any test",
+                         red=True)
+            tr.write_line("\n\n".join(found))
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED

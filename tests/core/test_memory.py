@@ -313,3 +313,30 @@ def test_the_harness_fails_a_test_that_leaks_and_names_the_site(pytester):
     res = pytester.runpytest_inprocess("-q", "-p", "no:cacheprovider")
     res.assert_outcomes(passed=4, errors=2)
     res.stdout.fnmatch_lines(["*pool invariant violation*", "*in leaky_helper*"])
+
+
+def test_the_harness_fails_the_run_on_a_violation_outside_any_test(pytester):
+    """A module fixture's teardown that closes a pool with a reference held belongs to no
+    test; the run still fails and says so."""
+    from pathlib import Path
+
+    pytester.makeconftest((Path(__file__).parents[1] / "conftest.py").read_text())
+    pytester.makepyfile(test_fixture_leak="""
+        import pytest, torch
+        from lmc.memory import MemoryPool
+
+        @pytest.fixture(scope="module")
+        def pool():
+            p = MemoryPool(1 << 16, pin_memory=False)
+            held = p.allocate((10,), torch.uint8)
+            yield p
+            p.close()  # held is still referenced
+
+        def test_uses_the_pool(pool):
+            pool.allocate((10,), torch.uint8).release()
+    """)
+    res = pytester.runpytest_inprocess("-q", "-p", "no:cacheprovider")
+    res.assert_outcomes(passed=1)
+    assert res.ret == pytest.ExitCode.TESTS_FAILED
+    res.stdout.fnmatch_lines(["*1 pool invariant violation(s) outside any test*",
+                              "*still referenced*"])
