@@ -15,8 +15,17 @@ os.environ.setdefault("LMC_DEBUG_INVARIANTS", "1")  # before any pool exists
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+from hypothesis import HealthCheck, settings  # noqa: E402
 
 from lmc import invariants  # noqa: E402
+
+# Hypothesis: no deadline (a loaded CI machine is slow), failing examples printed with their
+# reproduce blob. LMC_HYPOTHESIS_PROFILE=long runs the model-based tests (tests/core/
+# test_model_*.py, which scale their own budgets from it) longer and shrinks their failures.
+settings.register_profile("lmc", deadline=None, print_blob=True,
+                          suppress_health_check=[HealthCheck.too_slow])
+settings.register_profile("long", settings.get_profile("lmc"), max_examples=1000)
+settings.load_profile(os.environ.get("LMC_HYPOTHESIS_PROFILE", "lmc"))
 
 pytest_plugins = ["pytester"]  # tests/core/test_memory.py runs the harness on a leaking test
 

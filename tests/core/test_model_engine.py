@@ -21,23 +21,23 @@ def _run(backend: Backend, examples: int, steps: int) -> None:
 
 
 def test_engine_l1_matches_model():
-    _run(Backend("l1"), 40, 40)
+    _run(Backend("l1"), 25, 30)
 
 
 def test_engine_disk_matches_model():
-    _run(Backend("disk", lambda d: {"local_disk": d}, persistent=True), 12, 30)
+    _run(Backend("disk", lambda d: {"local_disk": d}, persistent=True), 6, 15)
 
 
 def test_engine_redis_matches_model(redis_server):  # noqa: F811
     prefix = f"model{uuid.uuid4().hex[:8]}"
     _run(Backend("redis", lambda d: {"remote_url": redis_server.url, "remote_timeout": 5.0,
-                                     "remote_key_prefix": prefix}, persistent=True), 8, 30)
+                                     "remote_key_prefix": prefix}, persistent=True), 5, 15)
 
 
 @pytest.mark.integration
 def test_engine_daemon_matches_model(shared_daemon):  # noqa: F811
     _run(Backend("daemon", lambda d: {"remote_url": shared_daemon.url, "remote_timeout": 5.0},
-                 persistent=True), 8, 30)
+                 persistent=True), 5, 15)
 
 
 # ------------------------------------------------------------- shrunk regressions
