@@ -143,11 +143,15 @@ class EngineMachine(RuleBasedStateMachine):
         slots = slots_for(n, *slot_args)
         self.cache.write(tokens, slots)
         before = self._present(tokens)
-        l1_exc0 = excuses(self._stats(), False)
+        stats0 = self._stats()
+        l1_exc0 = excuses(stats0, False)
         got = self.eng.store(tokens, self.cache.caches, slots, mask)
         stats = self._stats()
         after = self._present(tokens)
-        exc, l1_exc1 = self._excuse(stats), excuses(stats, False)
+        l1_exc1 = excuses(stats, False)
+        # L1 alone: what the store itself evicted is not an excuse for its own new chunks. A
+        # lower tier: a write dropped during this store may be one of these chunks' own.
+        exc = self._excuse(stats0) if self.persistent else self._excuse(stats)
         keys = _keys(tokens)
         ends = chunk_ends(n)
         added = 0
