@@ -48,8 +48,8 @@ class ChunkPlan:
 
     start: int
     end: int
-    mode: str                      # "block" | "token" | "masked"
-    index: torch.Tensor            # row indices, plane-major, on the cache's device
+    mode: str                      # "block" | "token" | "masked" | "empty" (no slot mapped)
+    index: torch.Tensor | None     # row indices, plane-major, on the cache's device
     index_np: np.ndarray | None    # the same for numpy scatter (CPU caches)
     valid: torch.Tensor | None     # "masked": positions within the chunk whose slot is >= 0
 
@@ -273,6 +273,8 @@ class TorchTransfer(KVTransfer):
         start, end = rng
         if neg is not None and neg[start:end].any():
             keep = np.flatnonzero(~neg[start:end])
+            if not keep.size:  # every slot unmapped: the chunk moves nothing
+                return ChunkPlan(start, end, "empty", None, None, None)
             valid = self._to_index(keep)
             idx = (slots[start:end][valid] if self.strided
                    else self._to_index(self._flat(tok_rows[:, start:end][:, keep])))
@@ -326,7 +328,7 @@ class TorchTransfer(KVTransfer):
                 layers: Iterable[int] | None) -> None:
         layer_ids = range(self.spec.num_layers) if layers is None else list(layers)
         for cp, buf in zip(plan.chunks, bufs, strict=True):
-            if cp.start == cp.end:
+            if cp.start == cp.end or cp.mode == "empty":
                 continue
             buf = buf.view(self.int_dtype)
             for layer in layer_ids:
@@ -361,7 +363,7 @@ class TorchTransfer(KVTransfer):
                  layers: Iterable[int] | None, arrays: Sequence[np.ndarray] | None) -> None:
         layer_ids = range(self.spec.num_layers) if layers is None else list(layers)
         for i, (cp, buf) in enumerate(zip(plan.chunks, bufs, strict=True)):
-            if cp.start == cp.end:
+            if cp.start == cp.end or cp.mode == "empty":
                 continue
             buf = buf.view(self.int_dtype)
             src_np = None

@@ -78,10 +78,6 @@ def test_regression_batch_views_on_a_fragmented_pool():
     ])
 
 
-@pytest.mark.xfail(strict=True, raises=RuntimeError,
-                   reason="retrieve raises RuntimeError (reshape of 0 elements in the CPU "
-                          "scatter, lmc/transfer.py) when every slot of a hit chunk is -1 "
-                          "instead of skipping it; owner: helper E1/E2 (transfer)")
 def test_regression_chunk_with_every_slot_unmapped():
     """Shrunk from the machine: a one-token prompt stored, then retrieved with its only slot
     unmapped (-1). Negative slots are documented as skipped; nothing may be written."""
