@@ -33,7 +33,7 @@ def test_sixteen_threads_one_engine(geom):
     def work(t: int) -> None:
         try:
             start.wait()
-            totals.append(run_workload(eng, caches[t], 1000 + t, 60, owner=t))
+            totals.append(run_workload(eng, caches[t], 1000 + t, 100, owner=t))
         except BaseException as e:  # reported below, with the thread's seed in the message
             errors.append(e)
 
