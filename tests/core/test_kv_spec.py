@@ -189,9 +189,15 @@ def _move(src_spec, src, dst_spec, dst, n) -> None:
         objs = a.storage.get_prefix(a.db.keys(toks))
         with CacheEngine(_cfg(), dst_spec, "m") as b:
             assert b.db.keys(toks) == a.db.keys(toks)
-            b.storage.put(b.db.keys(toks), objs)
+            copies = []  # a shared tier copies bytes into the reader's own pool
             for o in objs:
+                c = b.pool.allocate(o.shape, o.dtype, o.num_tokens)
+                c.tensor.copy_(o.tensor)
+                copies.append(c)
                 o.release()
+            b.storage.put(b.db.keys(toks), copies)
+            for c in copies:
+                c.release()
             assert b.retrieve(toks, dst, s2) == n
     assert_bits_equal(token_kv(dst_spec, dst, s2), token_kv(src_spec, src, s1),
                       f"{src_spec.layout} -> {dst_spec.layout}")
