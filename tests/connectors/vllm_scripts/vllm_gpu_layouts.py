@@ -136,6 +136,21 @@ def check_case(name: str, requested: str | None, dtype: torch.dtype) -> str | No
     return f"{name}:{requested or 'default'}->{layout.name}:{str(dtype).removeprefix('torch.')}"
 
 
+def hand_over(src: CacheEngine, dst: CacheEngine, keys: list) -> None:
+    """Give ``dst`` the chunks ``src`` holds, as a shared tier would: bytes copied into
+    ``dst``'s own pool (an L1 refuses another pool's objects)."""
+    objs = src.storage.get_prefix(keys)
+    copies = []
+    for o in objs:
+        c = dst.pool.allocate(o.shape, o.dtype, o.num_tokens)
+        c.tensor.copy_(o.tensor)
+        copies.append(c)
+        o.release()
+    dst.storage.put(keys[: len(copies)], copies)
+    for c in copies:
+        c.release()
+
+
 def cross_layout(spec: KVSpec, tensors, slots, name: str, lay: str) -> None:
     """KV saved from the vLLM-built cache loads into vllm_flash and sglang_mha, and back."""
     n = slots.numel()
@@ -151,10 +166,7 @@ def cross_layout(spec: KVSpec, tensors, slots, name: str, lay: str) -> None:
         with CacheEngine(cfg, spec, "m") as a, CacheEngine(cfg, ospec, "m") as b:
             a.store(toks, tensors, slots)
             keys = a.db.keys(toks)
-            objs = a.storage.get_prefix(keys)
-            b.storage.put(keys, objs)
-            for o in objs:
-                o.release()
+            hand_over(a, b, keys)
             dst_slots = torch.randperm(NB * BS, generator=torch.Generator().manual_seed(9))[:n]
             if b.retrieve(toks, other, dst_slots) != n:
                 sys.exit(f"{name} {lay} -> {other_layout}: retrieve missed")
@@ -169,10 +181,7 @@ def cross_layout(spec: KVSpec, tensors, slots, name: str, lay: str) -> None:
         with CacheEngine(cfg, ospec, "m") as b2, CacheEngine(cfg, back_spec, "m") as c:
             b2.store(toks, other, dst_slots)
             keys = b2.db.keys(toks)
-            objs = b2.storage.get_prefix(keys)
-            c.storage.put(keys, objs)
-            for o in objs:
-                o.release()
+            hand_over(b2, c, keys)
             if c.retrieve(toks, back, slots) != n:
                 sys.exit(f"{other_layout} -> {name} {lay}: retrieve missed")
         z = torch.empty(spec.chunk_shape(n), dtype=dt)
