@@ -208,7 +208,22 @@ def storage_region(t: torch.Tensor, writable: bool) -> Region:
     return (st.data_ptr(), st.nbytes(), st.data_ptr(), writable)
 
 
-class HostBackend:
+class HostStreams:
+    """CupyBackend's stream calls on the CPU, where the host is the only stream."""
+
+    sm_count = 1
+
+    def stream(self, stream):
+        return None
+
+    def context(self, stream):
+        return contextlib.nullcontext()
+
+    def event(self, stream):
+        return None
+
+
+class HostBackend(HostStreams):
     """CupyBackend's interface on the CPU. The grid runs thread by thread in ``order``;
     memcpy is memmove; host buffers count as mapped (so "direct" and "staged" both run).
 
@@ -217,8 +232,6 @@ class HostBackend:
     (writable for a gather), plus ``virtual`` regions a test maps by hand. Meta-device caches
     have no memory of their own: only ``virtual`` regions back them.
     """
-
-    sm_count = 1
 
     def __init__(self, lib: ctypes.CDLL, order: int = 0, seed: int = 0,
                  caches: list[torch.Tensor] | None = None) -> None:
@@ -230,15 +243,6 @@ class HostBackend:
         self.launches: list[tuple[str, int]] = []
         self.accesses = 0
         self.copies = 0
-
-    def stream(self, stream):
-        return None
-
-    def context(self, stream):
-        return contextlib.nullcontext()
-
-    def event(self, stream):
-        return None
 
     def wait(self, stream, plan):
         pass

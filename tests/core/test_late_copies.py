@@ -6,7 +6,6 @@ a missing wait."""
 
 from __future__ import annotations
 
-import contextlib
 import threading
 import time
 
@@ -157,19 +156,8 @@ class DeviceOnly(torch.Tensor):
         return super().__torch_function__(func, types, args, kwargs or {})
 
 
-class _PlanBackend:
+class _PlanBackend(emu.HostStreams):
     """CupyBackend's plan-time calls; what it uploads is 'device' memory."""
-
-    sm_count = 1
-
-    def stream(self, stream):
-        return None
-
-    def context(self, stream):
-        return contextlib.nullcontext()
-
-    def event(self, stream):
-        return None
 
     def upload(self, arr: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(arr.copy()).as_subclass(DeviceOnly)

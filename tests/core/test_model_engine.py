@@ -24,28 +24,26 @@ def test_engine_l1_matches_model():
     _run(Backend("l1"), 25, 30)
 
 
-def test_engine_disk_matches_model():
-    _run(Backend("disk", lambda d: {"local_disk": d}, persistent=True), 6, 15)
-
-
-@pytest.mark.xfail(strict=False, reason=(
+REMOTE_FINDING = pytest.mark.xfail(strict=False, reason=(
     "open finding (2026-11-23): in one full-suite run both remote back-ends failed at burst "
     "seed 1123810595 ('retrieve: 0 chunk(s) hit from chunk 0, but 4 were stored ... with no "
     "eviction, dropped write or error since'); passes when run alone. Either the model misses "
     "a loss the shared redis/daemon fixture causes (another test's flush or restart) or the "
     "remote tier loses chunks silently: to be settled next session"))
+
+
+def test_engine_disk_matches_model():
+    _run(Backend("disk", lambda d: {"local_disk": d}, persistent=True), 6, 15)
+
+
+@REMOTE_FINDING
 def test_engine_redis_matches_model(redis_server):  # noqa: F811
     prefix = f"model{uuid.uuid4().hex[:8]}"
     _run(Backend("redis", lambda d: {"remote_url": redis_server.url, "remote_timeout": 5.0,
                                      "remote_key_prefix": prefix}, persistent=True), 5, 15)
 
 
-@pytest.mark.xfail(strict=False, reason=(
-    "open finding (2026-11-23): in one full-suite run both remote back-ends failed at burst "
-    "seed 1123810595 ('retrieve: 0 chunk(s) hit from chunk 0, but 4 were stored ... with no "
-    "eviction, dropped write or error since'); passes when run alone. Either the model misses "
-    "a loss the shared redis/daemon fixture causes (another test's flush or restart) or the "
-    "remote tier loses chunks silently: to be settled next session"))
+@REMOTE_FINDING
 @pytest.mark.integration
 def test_engine_daemon_matches_model(shared_daemon):  # noqa: F811
     _run(Backend("daemon", lambda d: {"remote_url": shared_daemon.url, "remote_timeout": 5.0},

@@ -9,10 +9,8 @@ import os
 import pytest
 import torch
 import xxhash
-from lmc.storage_backends.server import ServerBackend
 from lmc.storage_backends.server_tags import tag_key
 
-from lmc.config import CacheConfig
 from lmc.memory import MemoryPool
 from lmc.serde import (
     HEADER_SIZE,
@@ -22,7 +20,6 @@ from lmc.serde import (
     encode_header,
     verify_payload,
 )
-from lmc.storage_backend import create_backend
 from tests.server.daemon_proc import DaemonProc
 
 from .test_redis import chunks, release, same_bytes
@@ -143,24 +140,12 @@ def daemon(tmp_path_factory):
 
 
 @pytest.fixture
-def daemon_tiers(daemon):
+def daemon_tiers(daemon, tiers):
     """``make(secret=None)`` -> a tier on the daemon over its own pool, one namespace per
     test (a tier with no secret plays the writer without it)."""
     ns = f"i{os.urandom(4).hex()}"
-    made = []
-
-    def make(secret: str | None = None) -> ServerBackend:
-        cfg = CacheConfig(remote_url=f"{daemon.url}?ns={ns}", remote_timeout=10.0,
-                          integrity_secret=secret, pin_memory="false")
-        t = create_backend(cfg.remote_url, cfg, MemoryPool(16 << 20, pin_memory="false"))
-        made.append(t)
-        return t
-
-    yield make
-    for t in made:
-        t.close()
-        assert t.pool.used_bytes == 0, "the tier kept or leaked pool memory"
-        t.pool.close()
+    return lambda secret=None: tiers(f"{daemon.url}?ns={ns}", 16 << 20, remote_timeout=10.0,
+                                     integrity_secret=secret)
 
 
 def _objs(pool: MemoryPool, n: int, seed: int) -> list:
