@@ -220,12 +220,20 @@ class Backend:
     cleanup: list[str] = field(default_factory=list)
 
 
+# Counters of the disk, Redis (redis.py) and lmc:// (server.py) tiers that mean "this value
+# may now be missing": a failed or refused call, a value not stored, a bad value deleted.
+REMOTE_LOSSES = ("checksum_failures", "evictions", "corrupt", "failures", "skipped_open",
+                 "not_stored", "expired_in_queue", "rejected_keys")
+
+
 def excuses(stats: dict[str, Any], persistent: bool) -> float:
     """Counters that can legitimately turn a stored chunk into a miss.
 
     L1 alone: evictions and chunks skipped for lack of room. With a persistent lower tier a
-    chunk evicted from L1 is still below it, so only dropped writes, tier errors, checksum
-    failures and lower-tier evictions count."""
+    chunk evicted from L1 is still below it, so only what a tier reports as a lost write or
+    read counts: dropped writes, errors, checksum/tag failures, lower-tier evictions, and the
+    remote tiers' own counters for calls that failed, timed out in their queue or were turned
+    away by an open breaker (a loaded machine makes those happen; each is a reported miss)."""
     total = 0.0
     for k, v in stats.items():
         if not isinstance(v, (int, float)):
@@ -234,7 +242,7 @@ def excuses(stats: dict[str, Any], persistent: bool) -> float:
         if persistent:
             if "." in k and not k.startswith("cpu.") and (
                     tier_part.startswith(("dropped_", "errors_"))
-                    or tier_part in ("checksum_failures", "evictions")):
+                    or tier_part in REMOTE_LOSSES):
                 total += v
         elif k in ("cpu.evictions",) or k.startswith("skipped_pool_full"):
             total += v

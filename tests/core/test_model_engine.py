@@ -24,12 +24,15 @@ def test_engine_l1_matches_model():
     _run(Backend("l1"), 25, 30)
 
 
+# Open finding (2026-11-23), to be settled first next session: over both remote tiers a burst
+# ends with a chunk stored through write_through and never reported lost (no eviction, dropped
+# write, failed/refused call or bad value in any tier's counters) missing at a later retrieve:
+# e.g. start(pool_units=17, geom='mixed', seed=738, max_pins=4096), burst(seed=699): "retrieve:
+# 0 chunk(s) hit from chunk 2, but 1 were stored". Every hit is still checked bit for bit and
+# none was wrong; whether lmc loses a lower-tier chunk silently or the model misses a cause is
+# not known yet. Non-strict so that the L1 and disk machines keep CI meaningful meanwhile.
 REMOTE_FINDING = pytest.mark.xfail(strict=False, reason=(
-    "open finding (2026-11-23): in one full-suite run both remote back-ends failed at burst "
-    "seed 1123810595 ('retrieve: 0 chunk(s) hit from chunk 0, but 4 were stored ... with no "
-    "eviction, dropped write or error since'); passes when run alone. Either the model misses "
-    "a loss the shared redis/daemon fixture causes (another test's flush or restart) or the "
-    "remote tier loses chunks silently: to be settled next session"))
+    "open finding: a remote-tier chunk missing with no reported cause (see the comment above)"))
 
 
 def test_engine_disk_matches_model():
