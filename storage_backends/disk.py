@@ -154,7 +154,7 @@ def lock_directory(path: str) -> int:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         try:
-            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+            holder = _read_holder(fd)
         finally:
             os.close(fd)
         who = ("another disk tier in this process" if holder == str(os.getpid())
@@ -168,9 +168,21 @@ def lock_directory(path: str) -> int:
     except BaseException:
         os.close(fd)
         raise
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    pid = f"{os.getpid()}\n".encode()
+    os.pwrite(fd, pid, 0)  # write, then cut: the file is never empty once a holder wrote it
+    os.ftruncate(fd, len(pid))
     return fd
+
+
+def _read_holder(fd: int) -> str:
+    """The PID in a held lock file; the holder writes it just after taking the lock, so a
+    loser arriving in between waits for it briefly (0.5 s at most) rather than say 'unknown'."""
+    deadline = time.monotonic() + 0.5
+    while True:
+        holder = os.pread(fd, 32, 0).decode(errors="replace").strip()
+        if holder or time.monotonic() > deadline:
+            return holder or "unknown"
+        time.sleep(0.005)
 
 
 class _DirLock:
@@ -272,8 +284,12 @@ class DiskBackend(StorageBackend):
         if os.path.exists(os.path.join(self.path, MARKER)):
             return
         with os.scandir(self.path) as it:
-            strangers = [e.name for e in it
-                         if not e.is_dir(follow_symlinks=False) and e.name != LOCK]
+            names = [e.name for e in it if not e.is_dir(follow_symlinks=False)]
+        if MARKER in names:
+            # another process claimed it between the check above and this listing: its
+            # marker is written before any other file, so whatever else is here is lmc's
+            return
+        strangers = [n for n in names if n != LOCK]
         if strangers:
             raise ValueError(
                 f"local_disk {self.path!r} holds files lmc did not write ({strangers[0]!r}...); "
