@@ -22,7 +22,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from lmc.config import CacheConfig
 from lmc.integrity import Integrity
@@ -35,6 +35,9 @@ from lmc.server.probe import ProbePolicy
 from lmc.storage_backend import Key, StorageBackend, register_backend
 
 from .server_tags import Tags, interleave, tag_key
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -73,8 +76,8 @@ class ServerBackend(StorageBackend):
         self._last_warn = 0.0
         self._count_lock = threading.Lock()
         self.counts = {"calls": 0, "failures": 0, "skipped_open": 0, "hits": 0, "misses": 0,
-                       "stored": 0, "not_stored": 0, "corrupt": 0, "bytes_in": 0,
-                       "bytes_out": 0}
+                       "stored": 0, "not_stored": 0, "corrupt": 0, "alloc_failures": 0,
+                       "bytes_in": 0, "bytes_out": 0}
 
     def _count(self, **kv: int) -> None:
         with self._count_lock:
@@ -232,11 +235,20 @@ class ServerBackend(StorageBackend):
         parts = self._split([SPLIT_BYTES // 4] * len(keys)) if len(keys) >= 8 else [(0, len(keys))]
 
         def run(a: int, b: int) -> list[MemoryObj | None]:
-            return self._call("get", lambda c: c.get(self.namespace, keys[a:b], self.allocate,
+            return self._call("get", lambda c: c.get(self.namespace, keys[a:b], self._allocate,
                                                      on_corrupt=self._corrupt),
                               [None] * (b - a))
 
         return [o for part in self._parallel(parts, run) for o in part]
+
+    def _allocate(self, shape: Sequence[int], dtype: torch.dtype, num_tokens: int
+                  ) -> MemoryObj | None:
+        """The destination of one value; a full pool is a miss, and a counted one (a stored
+        chunk must never go missing with no counter saying why)."""
+        obj = self.allocate(shape, dtype, num_tokens)
+        if obj is None:
+            self._count(alloc_failures=1)
+        return obj
 
     def _corrupt(self) -> None:
         self._count(corrupt=1)

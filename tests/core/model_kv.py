@@ -223,7 +223,7 @@ class Backend:
 # Counters of the disk, Redis (redis.py) and lmc:// (server.py) tiers that mean "this value
 # may now be missing": a failed or refused call, a value not stored, a bad value deleted.
 REMOTE_LOSSES = ("checksum_failures", "evictions", "corrupt", "failures", "skipped_open",
-                 "not_stored", "expired_in_queue", "rejected_keys")
+                 "not_stored", "expired_in_queue", "rejected_keys", "alloc_failures")
 
 
 def excuses(stats: dict[str, Any], persistent: bool) -> float:

@@ -293,3 +293,26 @@ def test_values_the_server_holds_are_not_sent_again(shared_daemon):
     assert _bytes_in(shared_daemon) == before
     _release(objs)
     tier.close()
+
+
+def test_full_pool_is_a_counted_miss(shared_daemon):
+    """A value the daemon holds but the client's pool has no room for is a miss, and a counted
+    one: the model-based engine tests found such misses with no counter saying why."""
+    cfg, pool = client_pool()
+    tier = create_backend(shared_daemon.url + "?ns=fullpool", cfg, pool)
+    keys = _keys(3, tag=7)
+    objs = _chunks(pool, 3)
+    assert tier.put(keys, objs) == 3
+    hogs = []
+    while (h := pool.allocate((1, 1, 4, 1024), torch.uint8, 4)) is not None:
+        hogs.append(h)  # fill the pool
+    assert tier.get(keys) == [None] * 3
+    assert tier.stats()["alloc_failures"] == 3 and tier.stats()["failures"] == 0
+    _release(hogs)
+    got = tier.get(keys)  # room again: the same values come back
+    for o, g in zip(objs, got):
+        assert_bits_equal(g.tensor, o.tensor, "after the pool emptied")
+    _release(got)
+    _release(objs)
+    tier.close()
+    assert pool.used_bytes == 0
