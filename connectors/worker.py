@@ -29,6 +29,14 @@ A failed load (a chunk evicted between lookup and load, a tier error, a layer's 
 never raises into the engine: the request's blocks from the first bad position on are
 reported, its saves of this step are dropped (its compute read bad input), and the engine
 recomputes. Nothing of a failed request's step is ever stored.
+
+Chunk keys are kept per request (:class:`~lmc.token_database.RequestKeys`): a request is
+loaded and saved over many steps (chunked prefill saves a chunk or more per step), and each
+step hashes only the chunks its new tokens completed, not the whole prefix again. Keys are
+dropped when the adapter reports the request finished (:meth:`WorkerConnector.forget`),
+and at most ``max_tracked_requests`` are kept (least recently used go first).
+Loaded tokens are counted by the tier they came from as the load fetches them, so the
+statistics cost no second hash and no second question to any tier.
 """
 
 from __future__ import annotations
@@ -37,6 +45,8 @@ import contextlib
 import logging
 import threading
 import time
+from collections import OrderedDict
+from collections.abc import Iterable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
@@ -49,6 +59,7 @@ from lmc.cache_engine import CacheEngine
 from lmc.completion import current_stream
 from lmc.kv_spec import KVCaches
 from lmc.layerwise import LayerwiseRetrieve, LayerwiseStore, LoadError
+from lmc.token_database import ChunkKey, RequestKeys
 
 log = logging.getLogger(__name__)
 
@@ -112,7 +123,9 @@ class WorkerConnector:
     """Executes loads and saves for one engine worker (one tensor-parallel rank)."""
 
     def __init__(self, engine: CacheEngine, kv_caches: KVCaches, block_size: int,
-                 layerwise: bool = True) -> None:
+                 layerwise: bool = True, max_tracked_requests: int = 1024) -> None:
+        if max_tracked_requests < 1:
+            raise ValueError(f"max_tracked_requests must be >= 1, got {max_tracked_requests}")
         self.engine = engine
         self.kv_caches = kv_caches
         self.block_size = block_size
@@ -128,6 +141,8 @@ class WorkerConnector:
         self._stores: list[tuple[SaveSpec, LayerwiseStore]] | None = None
         self._failed: dict[str, int] = {}  # request id -> first position not validly loaded
         self._error_blocks: set[int] = set()
+        self._keys: OrderedDict[str, RequestKeys] = OrderedDict()  # request id -> its keys
+        self.max_tracked_requests = max_tracked_requests
 
     # ------------------------------------------------------------------ helpers
     def _slots(self, block_ids: tuple[int, ...], num_tokens: int, lo: int, hi: int
@@ -149,29 +164,34 @@ class WorkerConnector:
         log.warning("lmc load for request %s failed from position %d (%s): %d block(s) will "
                     "be recomputed", spec.request_id, position, why, len(blocks))
 
-    def _count_tiers(self, spec: LoadSpec) -> None:
-        """Which tier holds each position about to load (stats only: L1 is a dict lookup,
-        lower tiers are asked only about the chunks L1 lacks)."""
-        db, storage, cs = self.engine.db, self.engine.storage, self.chunk_size
-        first = spec.mask_start // cs
-        keys = db.keys(spec.token_ids)[first:]
-        sizes = [max(0, min((i + 1) * cs, spec.end) - max(i * cs, spec.start))
-                 for i in range(first, first + len(keys))]
-        todo = [j for j, p in enumerate(storage.l1_contains(keys)) if not p]
-        counts = {storage.tiers[0].name: sum(sizes) - sum(sizes[j] for j in todo)}
-        for tier in storage.tiers[1:]:
-            if not todo:
-                break
-            try:
-                present = tier.contains([keys[j] for j in todo])
-            except Exception:
-                break
-            counts[tier.name] = sum(sizes[j] for j, p in zip(todo, present) if p)
-            todo = [j for j, p in zip(todo, present) if not p]
+    def _request_keys(self, request_id: str, token_ids: tuple[int, ...]) -> list[ChunkKey]:
+        """The chunk keys of ``token_ids`` (a prefix of the request's sequence), hashing only
+        what this request has not hashed before."""
+        rk = self._keys.get(request_id)
+        if rk is None:
+            rk = self._keys[request_id] = self.engine.db.request_keys()
+            while len(self._keys) > self.max_tracked_requests:
+                self._keys.popitem(last=False)
+        else:
+            self._keys.move_to_end(request_id)
+        return rk.keys(token_ids)
+
+    def forget(self, request_ids: Iterable[str]) -> None:
+        """The requests ended: drop their kept keys (adapters call this with the engine's
+        finished ids; an id must never name another token sequence while it is kept)."""
+        for rid in request_ids:
+            self._keys.pop(rid, None)
+
+    @property
+    def num_tracked_requests(self) -> int:
+        return len(self._keys)
+
+    def _count_tiers(self, spec: LoadSpec, rt: LayerwiseRetrieve) -> None:
+        """Positions of ``[start, end)`` this load fetched, by source tier (stats only)."""
+        counts = rt.tokens_by_tier(spec.start, spec.end)
         with self._lock:
             for name, n in counts.items():
-                if n:
-                    self.stats.tokens_by_tier[name] = self.stats.tokens_by_tier.get(name, 0) + n
+                self.stats.tokens_by_tier[name] = self.stats.tokens_by_tier.get(name, 0) + n
 
     # --------------------------------------------------------------------- step
     def bind(self, meta: ConnectorMetadata) -> None:
@@ -193,14 +213,11 @@ class WorkerConnector:
             self.stats.load_tokens += spec.num_tokens
             n = len(spec.token_ids)
             try:
-                self._count_tiers(spec)
-            except Exception as e:  # stats only: never a reason to fail the load
-                log.debug("lmc: tier attribution failed: %s", e)
-            try:
                 rt = self.engine.retrieve_layer(
                     spec.token_ids, self.kv_caches,
                     self._slots(spec.block_ids, n, spec.start, spec.end),
-                    prefix_mask(n, spec.mask_start))
+                    prefix_mask(n, spec.mask_start),
+                    keys=self._request_keys(spec.request_id, spec.token_ids))
             except Exception as e:
                 log.exception("lmc: preparing the load of request %s failed", spec.request_id)
                 self._fail(spec, spec.start, f"{type(e).__name__}: {e}")
@@ -209,6 +226,7 @@ class WorkerConnector:
             covered = spec.mask_start + rt.num_tokens
             if covered < spec.end:  # a chunk was evicted or lost since the lookup
                 self._fail(spec, covered, "chunks missing from every tier")
+            self._count_tiers(spec, rt)
             self._loads.append(_ActiveLoad(spec, rt))
         if self.layerwise:
             ex = self.engine.executor()
@@ -284,9 +302,10 @@ class WorkerConnector:
         for spec in meta.saves:
             n = len(spec.token_ids)
             try:
-                st = self.engine.store_layer(spec.token_ids, self.kv_caches,
-                                             self._slots(spec.block_ids, n, spec.start, n),
-                                             prefix_mask(n, spec.start))
+                st = self.engine.store_layer(
+                    spec.token_ids, self.kv_caches, self._slots(spec.block_ids, n, spec.start, n),
+                    prefix_mask(n, spec.start),
+                    keys=self._request_keys(spec.request_id, spec.token_ids))
             except Exception:
                 log.exception("lmc: planning the save of request %s failed", spec.request_id)
                 self.stats.save_failures += 1

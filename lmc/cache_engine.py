@@ -21,17 +21,25 @@ import torch
 from lmc.config import CacheConfig
 from lmc.kv_spec import KVCaches, KVSpec
 from lmc.layerwise import CopyLease, LayerwiseRetrieve, LayerwiseStore
+from lmc.lookup import LookupResult
 from lmc.memory import Lease, MemoryObj, MemoryPool
 from lmc.metrics import EngineMetrics
 from lmc.pins import PinTable
 from lmc.storage_backend import Key, StorageBackend, create_backend
 from lmc.storage_manager import StorageManager, TierPool
-from lmc.token_database import ChunkedTokenDatabase, Tokens, namespace_digest, tokens_to_bytes
+from lmc.token_database import (
+    Chunk,
+    ChunkedTokenDatabase,
+    ChunkKey,
+    Tokens,
+    namespace_digest,
+    tokens_to_bytes,
+)
 from lmc.transfer import KVTransfer, make_transfer
 from lmc.transfer_cache import TransferCache
 
 log = logging.getLogger(__name__)
-Chunk = tuple[int, int, Key]
+Keys = Sequence[ChunkKey] | None  # a prompt's chunk keys computed ahead (RequestKeys), or None
 TierSpec = StorageBackend | Callable[[CacheConfig, TierPool], StorageBackend]
 
 
@@ -62,7 +70,7 @@ class CacheEngine:
                               config.chunk_size, config.tenant)
         self.db = ChunkedTokenDatabase(config.chunk_size, config.save_unfull_chunk, ns)
         self.pool = MemoryPool(config.local_cpu_size, config.pin_memory,
-                               debug=config.debug_leaks)
+                               debug=config.debug_leaks, prefault=config.local_cpu_prefault)
         l1 = create_backend("cpu", config, self.pool)
         self.storage = StorageManager([l1, *self._lower_tiers(l1, tiers)],
                                       write_policy=config.write_policy,
@@ -116,11 +124,22 @@ class CacheEngine:
                 self._worker = ThreadPoolExecutor(1, thread_name_prefix="lmc-io")
             return self._worker
 
+    # LayerwiseHost (lmc.layerwise): what layer-wise copies need from the engine
+    @property
+    def num_layers(self) -> int:
+        return self.spec.num_layers
+
+    def commit_chunks(self, keys: Sequence[ChunkKey], objs: Sequence[MemoryObj]) -> None:
+        self.storage.put(keys, objs)
+
+    def record_transfer(self, kind: str, tokens: int, nbytes: int, seconds: float) -> None:
+        self.metrics.transfer(kind, tokens, nbytes, seconds)
+
     # ---------------------------------------------------------------- store
     def _plan_store(self, tokens: Tokens, tr: KVTransfer, slots: torch.Tensor,
-                    mask: Any) -> tuple[list[Chunk], list[MemoryObj]]:
+                    mask: Any, keys: Keys = None) -> tuple[list[Chunk], list[MemoryObj]]:
         """Chunks to store and their freshly allocated objects (owned by the caller)."""
-        chunks = self.db.process_tokens(tokens, mask)
+        chunks = self.db.process_tokens(tokens, mask, keys)
         if not chunks:
             return [], []
         present = self.storage.l1_touch([k for _, _, k in chunks])
@@ -149,15 +168,17 @@ class CacheEngine:
         return todo, objs
 
     def store(self, tokens: Tokens, kv_caches: KVCaches, slot_mapping: torch.Tensor,
-              mask: Any = None) -> int:
+              mask: Any = None, *, keys: Keys = None) -> int:
         """Save the KV of ``tokens`` (at ``slot_mapping`` in ``kv_caches``); returns new tokens
         stored. Chunks already in L1 are skipped without copying; a chunk with an unmapped
-        (negative) slot or no room in the pool is skipped and counted, never half-stored."""
+        (negative) slot or no room in the pool is skipped and counted, never half-stored.
+        ``keys``: the prompt's chunk keys if already computed (``db.request_keys()``), so
+        the prompt is not hashed again; every method taking ``tokens`` accepts them."""
         self._check_open()
         t0 = time.perf_counter()
         tr = self.transfer_for(kv_caches)
         slots = tr.check_slots(slot_mapping, self.db.num_tokens(tokens))
-        chunks, objs = self._plan_store(tokens, tr, slots, mask)
+        chunks, objs = self._plan_store(tokens, tr, slots, mask, keys)
         if not chunks:
             return 0
         with CopyLease(objs) as lease:  # the gather owns objs until its handle is done
@@ -170,20 +191,20 @@ class CacheEngine:
         return n
 
     def store_layer(self, tokens: Tokens, kv_caches: KVCaches, slot_mapping: torch.Tensor,
-                    mask: Any = None) -> LayerwiseStore:
+                    mask: Any = None, *, keys: Keys = None) -> LayerwiseStore:
         """Layer-wise store: call ``.save(layer)`` once each layer's KV is in the cache, then
         ``.commit()``; nothing is visible before the commit. See :class:`LayerwiseStore`."""
         self._check_open()
         tr = self.transfer_for(kv_caches)
         slots = tr.check_slots(slot_mapping, self.db.num_tokens(tokens))
-        chunks, objs = self._plan_store(tokens, tr, slots, mask)
+        chunks, objs = self._plan_store(tokens, tr, slots, mask, keys)
         plan = tr.plan(slots, [(s, e) for s, e, _ in chunks]) if chunks else None
         return LayerwiseStore(self, tr, plan, chunks, objs)
 
     # --------------------------------------------------------------- lookup
-    def lookup(self, tokens: Tokens, pin: bool = False, *, request_id: Hashable = None
-               ) -> int:
-        """Leading prompt tokens that lmc can supply now.
+    def lookup(self, tokens: Tokens, pin: bool = False, *, request_id: Hashable = None,
+               keys: Keys = None) -> int:
+        """Leading prompt tokens that lmc can supply now (``lookup_result(...).tokens``).
 
         ``pin=True`` holds the hit L1 chunks against eviction on behalf of ``request_id``
         (default: the prompt itself, its exact token sequence) until that owner's
@@ -193,27 +214,40 @@ class CacheEngine:
         them); past ``max_pinned_chunks`` further pins are refused and the answer is the
         same. Two requests with one prompt that each want their own pins pass request ids.
         See :mod:`lmc.pins`."""
+        return self.lookup_result(tokens, pin, request_id=request_id, keys=keys).tokens
+
+    def lookup_result(self, tokens: Tokens, pin: bool = False, *,
+                      request_id: Hashable = None, keys: Keys = None) -> LookupResult:
+        """:meth:`lookup`'s answer with the tier holding each hit chunk, from the same single
+        pass over the tiers (see :class:`~lmc.lookup.LookupResult`)."""
         self._check_open()
         t0 = time.perf_counter()
         n = self.db.num_tokens(tokens)
-        keys = self.db.keys(tokens)
+        keys = self.db.keys(tokens) if keys is None else self.db.check_keys(keys, n)
         if pin:
-            hits, held = self._held_hits(keys)
+            sources, held = self._held_hits(keys)
             self._pins.pin(self._pin_owner(tokens, keys, request_id), held)
         else:
-            hits = self.storage.prefix_hits(keys)
-        hit_tokens = min(hits * self.config.chunk_size, n)
+            sources = self.storage.prefix_sources(keys)
+        hit_tokens = min(len(sources) * self.config.chunk_size, n)
         self.metrics.lookup(n, hit_tokens, time.perf_counter() - t0)
-        return hit_tokens
+        return LookupResult(hit_tokens, self.config.chunk_size, self.tier_names,
+                            tuple(sources) if hit_tokens else ())
 
-    def _held_hits(self, keys: Sequence[Key]) -> tuple[int, list[MemoryObj]]:
-        """A pinned lookup's answer and the L1 chunks in it, acquired *before* the answer is
-        counted: a chunk evicted between counting and pinning was promised unpinned."""
+    @property
+    def tier_names(self) -> tuple[str, ...]:
+        """The tiers' names, L1 first (what a ``LookupResult``'s sources index)."""
+        return tuple(t.name for t in self.storage.tiers)
+
+    def _held_hits(self, keys: Sequence[Key]) -> tuple[list[int], list[MemoryObj]]:
+        """A pinned lookup's hit sources and the L1 chunks in it, acquired *before* the
+        answer is counted: a chunk evicted between counting and pinning was promised
+        unpinned."""
         objs = self.storage.l1.get(keys)
         lead = next((i for i, o in enumerate(objs) if o is None), len(objs))
-        hits = lead + self.storage.prefix_hits(keys[lead:])
-        Lease(objs[hits:]).release()
-        return hits, [o for o in objs[:hits] if o is not None]
+        sources = [0] * lead + self.storage.prefix_sources(keys[lead:])
+        Lease(objs[len(sources):]).release()
+        return sources, [o for o in objs[:len(sources)] if o is not None]
 
     def unpin(self, tokens: Tokens = None, *, request_id: Hashable = None) -> int:
         """Drop the pins a ``lookup(pin=True)`` took for ``request_id`` (or, without one, for
@@ -243,10 +277,13 @@ class CacheEngine:
             self._pins.release(self._pin_owner(tokens, keys, request_id))
 
     # ------------------------------------------------------------- retrieve
-    def _fetch(self, tokens: Tokens, mask: Any) -> tuple[list[Chunk], list[MemoryObj]]:
-        """The longest stored prefix (after the mask's False prefix) and its objects."""
-        chunks = self.db.process_tokens(tokens, mask)
-        objs = self.storage.get_prefix([k for _, _, k in chunks]) if chunks else []
+    def _fetch(self, tokens: Tokens, mask: Any, keys: Keys = None
+               ) -> tuple[list[Chunk], list[MemoryObj], list[int]]:
+        """The longest stored prefix (after the mask's False prefix), its objects and the
+        index of the tier each came from."""
+        chunks = self.db.process_tokens(tokens, mask, keys)
+        objs, where = (self.storage.fetch_prefix([k for _, _, k in chunks]) if chunks
+                       else ([], []))
         for i, (o, (s, e, _)) in enumerate(zip(objs, chunks)):
             if o.shape != self.spec.chunk_shape(e - s) or o.dtype != self.spec.dtype:
                 log.error("chunk %d holds %s %s, expected %s %s: treated as a miss", i, o.shape,
@@ -255,10 +292,10 @@ class CacheEngine:
                     bad.release()
                 objs = objs[:i]
                 break
-        return chunks[: len(objs)], objs
+        return chunks[: len(objs)], objs, where[: len(objs)]
 
     def retrieve(self, tokens: Tokens, kv_caches: KVCaches, slot_mapping: torch.Tensor,
-                 mask: Any = None, *, request_id: Hashable = None) -> int:
+                 mask: Any = None, *, request_id: Hashable = None, keys: Keys = None) -> int:
         """Write the stored KV of the longest hit prefix into ``kv_caches`` at
         ``slot_mapping``; returns the number of tokens written. Tokens under the mask's False
         prefix are neither looked up nor written (the engine has them); negative slots are
@@ -268,7 +305,7 @@ class CacheEngine:
         t0 = time.perf_counter()
         tr = self.transfer_for(kv_caches)
         slots = tr.check_slots(slot_mapping, self.db.num_tokens(tokens))
-        chunks, objs = self._fetch(tokens, mask)
+        chunks, objs, _ = self._fetch(tokens, mask, keys)
         self._release_pins(tokens, request_id)
         if not chunks:
             return 0
@@ -282,7 +319,7 @@ class CacheEngine:
         return n
 
     def retrieve_layer(self, tokens: Tokens, kv_caches: KVCaches, slot_mapping: torch.Tensor,
-                       mask: Any = None, *, request_id: Hashable = None
+                       mask: Any = None, *, request_id: Hashable = None, keys: Keys = None
                        ) -> LayerwiseRetrieve:
         """Layer-wise retrieve: ``.num_tokens`` says how many will load; ``.start()`` loads all
         layers in order on a background thread and ``.wait(layer)`` blocks until that layer is
@@ -292,10 +329,11 @@ class CacheEngine:
         self._check_open()
         tr = self.transfer_for(kv_caches)
         slots = tr.check_slots(slot_mapping, self.db.num_tokens(tokens))
-        chunks, objs = self._fetch(tokens, mask)
+        chunks, objs, where = self._fetch(tokens, mask, keys)
         self._release_pins(tokens, request_id)
         plan = tr.plan(slots, [(s, e) for s, e, _ in chunks]) if chunks else None
-        return LayerwiseRetrieve(self, tr, plan, chunks, objs)
+        names = self.tier_names
+        return LayerwiseRetrieve(self, tr, plan, chunks, objs, [names[i] for i in where])
 
     # ------------------------------------------------------------- prefetch
     def prefetch(self, tokens: Tokens) -> Future:

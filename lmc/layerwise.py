@@ -12,6 +12,11 @@ handle. Copies run on lmc's copy stream; a save starts after a point recorded on
 stream at ``save`` time, a retrieve's loads after a point recorded when it was created, and
 ``wait(i, stream)`` makes the engine's stream (not the host) wait for layer i's load. The chunk
 buffers stay leased until every handle is done: ``commit``, ``close`` and ``abort`` wait first.
+
+What these objects need from the cache engine is declared by :class:`LayerwiseHost` (layer
+count, the I/O thread, making stored chunks visible, transfer metrics): a ``CacheEngine``
+is one, and so is anything else that owns chunks and a thread, without this module reaching
+into an engine's tiers or metrics.
 """
 
 from __future__ import annotations
@@ -19,18 +24,38 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any
+from collections.abc import Iterable, Sequence
+from concurrent.futures import Executor
+from typing import Any, Protocol
 
 from lmc import completion
 from lmc.completion import DONE, Completion, FutureCompletion, copy_stream, wait_all
 from lmc.memory import Lease, MemoryObj
+from lmc.token_database import Chunk, ChunkKey
 from lmc.transfer import KVTransfer, TransferPlan
 
-if TYPE_CHECKING:
-    from lmc.cache_engine import CacheEngine, Chunk
-
 log = logging.getLogger(__name__)
+
+
+class LayerwiseHost(Protocol):
+    """The engine side of a layer-wise copy (``CacheEngine`` implements it)."""
+
+    @property
+    def num_layers(self) -> int:
+        """Layers each chunk holds: a store commits only after all of them were saved."""
+        ...
+
+    def executor(self) -> Executor:
+        """The one ordered background thread that runs asynchronous copies."""
+        ...
+
+    def commit_chunks(self, keys: Sequence[ChunkKey], objs: Sequence[MemoryObj]) -> None:
+        """Make fully written chunks visible (the caller keeps its own references)."""
+        ...
+
+    def record_transfer(self, kind: str, tokens: int, nbytes: int, seconds: float) -> None:
+        """Count a finished ``"store"`` or ``"retrieve"``."""
+        ...
 
 
 class LoadError(RuntimeError):
@@ -72,15 +97,15 @@ class CopyLease(Lease):
 
 
 class _Layerwise:
-    def __init__(self, engine: CacheEngine, tr: KVTransfer, plan: TransferPlan | None,
+    def __init__(self, host: LayerwiseHost, tr: KVTransfer, plan: TransferPlan | None,
                  chunks: list[Chunk], objs: list[MemoryObj]) -> None:
-        self.engine = engine
+        self.host = host
         self.tr = tr
         self.plan = plan
         self.chunks = chunks
         self.lease = CopyLease(objs)
         self.bufs = [o.tensor for o in objs]
-        self.num_layers = engine.spec.num_layers
+        self.num_layers = host.num_layers
         self.num_tokens = sum(e - s for s, e, _ in chunks)
         self.nbytes = sum(o.nbytes for o in objs)
         self.stream = copy_stream(tr.device)
@@ -128,7 +153,7 @@ class LayerwiseStore(_Layerwise):
             h = self.tr.gather(self.plan, self.bufs, [layer], after=after, stream=self.stream)
             self._record(layer, h).wait()
         else:
-            fut = self.engine.executor().submit(self.tr.gather, self.plan, self.bufs, [layer],
+            fut = self.host.executor().submit(self.tr.gather, self.plan, self.bufs, [layer],
                                                 after=after, stream=self.stream)
             self._record(layer, FutureCompletion(fut))
 
@@ -148,11 +173,11 @@ class LayerwiseStore(_Layerwise):
         self._done = True
         try:
             if self.chunks:
-                self.engine.storage.put([k for _, _, k in self.chunks], self.lease.objs)
+                self.host.commit_chunks([k for _, _, k in self.chunks], self.lease.objs)
         finally:
             self.lease.release()
-        self.engine.metrics.transfer("store", self.num_tokens, self.nbytes,
-                                     time.perf_counter() - self._t0)
+        self.host.record_transfer("store", self.num_tokens, self.nbytes,
+                                  time.perf_counter() - self._t0)
         return self.num_tokens
 
     def abort(self) -> None:
@@ -176,17 +201,32 @@ class LayerwiseRetrieve(_Layerwise):
 
     Every load starts after the point the caller's stream had reached when this object was
     made, so no load overwrites blocks that earlier work on that stream still reads.
+    ``tiers``: per chunk, the name of the tier it was fetched from (empty when unknown), so
+    a connector can count loaded tokens by tier without asking the tiers again.
     """
 
-    def __init__(self, engine: CacheEngine, tr: KVTransfer, plan: TransferPlan | None,
-                 chunks: list[Chunk], objs: list[MemoryObj]) -> None:
-        super().__init__(engine, tr, plan, chunks, objs)
+    def __init__(self, host: LayerwiseHost, tr: KVTransfer, plan: TransferPlan | None,
+                 chunks: list[Chunk], objs: list[MemoryObj], tiers: Sequence[str] = ()
+                 ) -> None:
+        if tiers and len(tiers) != len(chunks):
+            raise ValueError(f"{len(tiers)} tier names for {len(chunks)} chunks")
+        super().__init__(host, tr, plan, chunks, objs)
+        self.tiers = tuple(tiers)
         self.after = tr.record_event() if chunks else DONE
+
+    def tokens_by_tier(self, start: int = 0, end: int | None = None) -> dict[str, int]:
+        """Positions in ``[start, end)`` this retrieve loads, by source tier."""
+        out: dict[str, int] = {}
+        for (s, e, _), tier in zip(self.chunks, self.tiers):
+            n = min(e, end if end is not None else e) - max(s, start)
+            if n > 0:
+                out[tier] = out.get(tier, 0) + n
+        return out
 
     def start(self) -> LayerwiseRetrieve:
         """Queue every layer's load in order on the I/O thread."""
         if self.chunks and not self._handles:
-            ex = self.engine.executor()
+            ex = self.host.executor()
             for layer in range(self.num_layers):
                 self._record(layer, FutureCompletion(ex.submit(self._copy, layer)))
         return self
@@ -242,8 +282,8 @@ class LayerwiseRetrieve(_Layerwise):
         self.lease.release()
         complete = len(self._handles) == self.num_layers and err is None
         if complete and self.chunks:  # the lookup's pins were released when the chunks were fetched
-            self.engine.metrics.transfer("retrieve", self.num_tokens, self.nbytes,
-                                         time.perf_counter() - self._t0)
+            self.host.record_transfer("retrieve", self.num_tokens, self.nbytes,
+                                      time.perf_counter() - self._t0)
         return self.num_tokens if complete else 0
 
     def __exit__(self, *exc: object) -> None:

@@ -31,13 +31,12 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
-from typing import Any
 
 import torch
 
 from lmc.memory import MemoryObj, MemoryPool
 from lmc.metrics import TierMetrics
-from lmc.storage_backend import Key, StorageBackend
+from lmc.storage_backend import Key, MemoryTier, StorageBackend
 from lmc.write_behind import WriteBehind
 
 log = logging.getLogger(__name__)
@@ -50,23 +49,38 @@ class TierPool:
     A lower tier's ``get`` allocates its destination with ``self.pool.allocate(shape, dtype,
     num_tokens)``. Given the raw pool, that fails as soon as L1 has filled it (the steady
     state); through this wrapper it evicts L1's least recently used chunks first, exactly as a
-    store does. Everything else is the pool's.
+    store does. It offers only what a lower tier may use of a pool: allocation, the pool's
+    size and stats. Bytes of an object are read and written through the object itself
+    (``MemoryObj.byte_view()``, ``io_spans()``), never through the pool's buffer.
     """
 
-    def __init__(self, l1: StorageBackend) -> None:
+    def __init__(self, l1: MemoryTier) -> None:
         self._l1 = l1
-        self._pool: MemoryPool = l1.pool  # type: ignore[attr-defined]
+        self.raw: MemoryPool = l1.pool
+        """The pool itself: what an object's ``pool`` is (``obj.pool is tier_pool.raw``)."""
 
     def allocate(self, shape: Sequence[int], dtype: torch.dtype, num_tokens: int = 0
                  ) -> MemoryObj | None:
-        return self._l1.allocate(shape, dtype, num_tokens)  # type: ignore[attr-defined]
+        return self._l1.allocate(shape, dtype, num_tokens)
 
     def allocate_many(self, shape: Sequence[int], dtype: torch.dtype, count: int,
                       num_tokens: int = 0) -> list[MemoryObj]:
-        return self._l1.allocate_many(shape, dtype, count, num_tokens)  # type: ignore
+        return self._l1.allocate_many(shape, dtype, count, num_tokens)
 
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._pool, name)
+    @property
+    def size(self) -> int:
+        return self.raw.size
+
+    @property
+    def used_bytes(self) -> int:
+        return self.raw.used_bytes
+
+    @property
+    def closed(self) -> bool:
+        return self.raw.closed
+
+    def stats(self) -> dict[str, float]:
+        return self.raw.stats()
 
 
 def tier_metrics(tier: StorageBackend) -> TierMetrics:
@@ -77,47 +91,46 @@ def tier_metrics(tier: StorageBackend) -> TierMetrics:
 
 
 class StorageManager:
-    """``tiers[0]`` must offer ``allocate`` (the L1 tier over the pool)."""
+    """``tiers[0]`` is L1, a :class:`lmc.storage_backend.MemoryTier` over the pool."""
 
     def __init__(self, tiers: Sequence[StorageBackend], *, write_policy: str = "write_through",
                  queue_bytes: int = 1 << 30, close_timeout: float = 30.0) -> None:
         if not tiers:
             raise ValueError("StorageManager needs at least one tier")
-        if not hasattr(tiers[0], "allocate"):
-            raise TypeError(f"the first tier must be a memory tier with allocate(); "
-                            f"got {type(tiers[0]).__name__}")
+        l1 = tiers[0]
+        if not isinstance(l1, MemoryTier):
+            missing = [m for m in ("pool", "allocate", "allocate_many", "touch", "on_evict")
+                       if not hasattr(l1, m)]
+            raise TypeError(f"the first tier must be a memory tier (lmc.storage_backend."
+                            f"MemoryTier); {type(l1).__name__} lacks {', '.join(missing)}")
         if write_policy not in WRITE_POLICIES:
             raise ValueError(f"write_policy {write_policy!r}: choose one of "
                              f"{', '.join(WRITE_POLICIES)}")
         self.tiers = list(tiers)
-        self.l1 = tiers[0]
+        self.l1: MemoryTier = l1
         self.lower = self.tiers[1:]
         self.write_policy = write_policy
         self.close_timeout = close_timeout
         self.metrics = [tier_metrics(t) for t in self.lower]
-        self._l1_pool = getattr(self.l1, "pool", None)
-        if self._l1_pool is not None:  # queued chunks hold pool memory: see the module doc
-            share = 4 if write_policy == "write_on_evict" else 2
-            queue_bytes = min(queue_bytes, self._l1_pool.size // share)
+        self._l1_pool = l1.pool
+        # queued chunks hold pool memory: see the module doc
+        share = 4 if write_policy == "write_on_evict" else 2
+        queue_bytes = min(queue_bytes, self._l1_pool.size // share)
         self.queues = [WriteBehind(t, queue_bytes, m) for t, m in zip(self.lower, self.metrics)]
         if self.queues and write_policy == "write_on_evict":
-            if not hasattr(self.l1, "on_evict"):
-                raise TypeError(f"write_on_evict needs an L1 tier with an on_evict hook; "
-                                f"{type(self.l1).__name__} has none")
-            self.l1.on_evict = self._on_evict  # type: ignore[attr-defined]
+            l1.on_evict = self._on_evict
 
     def allocate(self, shape: Sequence[int], dtype: torch.dtype, num_tokens: int
                  ) -> MemoryObj | None:
-        return self.l1.allocate(shape, dtype, num_tokens)  # type: ignore[attr-defined]
+        return self.l1.allocate(shape, dtype, num_tokens)
 
     def allocate_many(self, shape: Sequence[int], dtype: torch.dtype, count: int,
                       num_tokens: int) -> list[MemoryObj]:
-        return self.l1.allocate_many(shape, dtype, count, num_tokens)  # type: ignore
+        return self.l1.allocate_many(shape, dtype, count, num_tokens)
 
     def l1_touch(self, keys: Sequence[Key]) -> list[bool]:
         """L1 presence, refreshing the recency of present keys."""
-        touch = getattr(self.l1, "touch", None)
-        return touch(keys) if touch is not None else self.l1.contains(keys)
+        return self.l1.touch(keys)
 
     def l1_contains(self, keys: Sequence[Key]) -> list[bool]:
         return self.l1.contains(keys)
@@ -125,16 +138,23 @@ class StorageManager:
     # ---------------------------------------------------------------- lookups
     def prefix_hits(self, keys: Sequence[Key]) -> int:
         """Leading keys present in some tier (each tier asked once, batched)."""
+        return len(self.prefix_sources(keys))
+
+    def prefix_sources(self, keys: Sequence[Key]) -> list[int]:
+        """For each leading key present in some tier, the index in ``tiers`` of the first
+        tier holding it (a chunk waiting in a write-behind queue counts as L1): the longest
+        present prefix and where it lies, from one batched pass (each tier asked once)."""
         if not keys:
-            return 0
+            return []
         if len(self.tiers) == 1:
-            return self.l1.prefix_hits(keys)
+            return [0] * self.l1.prefix_hits(keys)
         present = self.l1.contains(keys)
         for q in self.queues:
             if q.queued_chunks:
                 present = [p or w for p, w in zip(present, q.contains(keys))]
-        for tier, m in zip(self.lower, self.metrics):
-            todo = [i for i, p in enumerate(present) if not p]
+        where = [0 if p else -1 for p in present]
+        for level, (tier, m) in enumerate(zip(self.lower, self.metrics), 1):
+            todo = [i for i, w in enumerate(where) if w < 0]
             if not todo:
                 break
             t0 = time.perf_counter()
@@ -147,21 +167,28 @@ class StorageManager:
             hits = 0
             for i, f in zip(todo, found):
                 if f:
-                    present[i] = True
+                    where[i] = level
                     hits += 1
             m.lookup(hits, len(todo) - hits, time.perf_counter() - t0)
         n = 0
-        while n < len(present) and present[n]:
+        while n < len(where) and where[n] >= 0:
             n += 1
-        return n
+        return where[:n]
 
     def get_prefix(self, keys: Sequence[Key]) -> list[MemoryObj]:
         """Objects for the longest present prefix of ``keys``, each acquired for the caller.
         Lower-tier hits are promoted into L1 on the way."""
+        return self.fetch_prefix(keys)[0]
+
+    def fetch_prefix(self, keys: Sequence[Key]) -> tuple[list[MemoryObj], list[int]]:
+        """``get_prefix``, and for each object the index in ``tiers`` of the tier it came
+        from (queued chunks count as L1): a load's per-tier attribution without asking any
+        tier a second time."""
         found: list[MemoryObj | None] = list(self.l1.get(keys)) if keys else []
+        where = [0] * len(found)
         if self.lower and any(o is None for o in found):
             try:
-                self._fill_from_lower(keys, found)
+                self._fill_from_lower(keys, found, where)
             except BaseException:  # the caller never sees these: their references are ours
                 for o in found:
                     if o is not None:
@@ -175,10 +202,12 @@ class StorageManager:
         for o in found[len(out):]:
             if o is not None:
                 o.release()
-        return out
+        return out, where[: len(out)]
 
-    def _fill_from_lower(self, keys: Sequence[Key], found: list[MemoryObj | None]) -> None:
-        """Fill L1's misses in ``found`` from the queues, then tier by tier (promoting)."""
+    def _fill_from_lower(self, keys: Sequence[Key], found: list[MemoryObj | None],
+                         where: list[int]) -> None:
+        """Fill L1's misses in ``found`` from the queues, then tier by tier (promoting);
+        ``where[i]`` becomes the index in ``tiers`` of the tier that supplied ``found[i]``."""
         self._from_queues(keys, found)
         for level, tier in enumerate(self.lower):
             todo = [i for i, o in enumerate(found) if o is None]
@@ -188,6 +217,7 @@ class StorageManager:
             hit = [(i, o) for i, o in zip(todo, got) if o is not None]
             for i, o in hit:
                 found[i] = o
+                where[i] = level + 1
             self._promote(level, [keys[i] for i, _ in hit], [o for _, o in hit])
 
     def _from_queues(self, keys: Sequence[Key], found: list[MemoryObj | None]) -> None:

@@ -26,6 +26,7 @@ import xxhash
 FORMAT_VERSION = 1
 KEY_BYTES = 16
 ChunkKey = bytes  # 16 bytes
+Chunk = tuple[int, int, ChunkKey]  # (start, end, key) of one chunk of a prompt
 
 Tokens = Any  # list[int] | np.ndarray | torch.Tensor
 
@@ -160,16 +161,35 @@ class ChunkedTokenDatabase:
         """A key cache for one growing request (see :class:`RequestKeys`)."""
         return RequestKeys(self)
 
+    def num_chunks(self, num_tokens: int) -> int:
+        """Chunks (hence keys) of a prompt of ``num_tokens`` tokens."""
+        cs = self.chunk_size
+        return -(-num_tokens // cs) if self.save_unfull_chunk else num_tokens // cs
+
+    def check_keys(self, keys: Sequence[ChunkKey], num_tokens: int) -> list[ChunkKey]:
+        """Keys a caller computed ahead (:class:`RequestKeys`) for a prompt of
+        ``num_tokens`` tokens: their count and size are checked, their content is the
+        caller's promise (checking it would cost the hashing it saves)."""
+        want = self.num_chunks(num_tokens)
+        if len(keys) != want:
+            raise ValueError(f"{len(keys)} precomputed keys for {num_tokens} tokens, "
+                             f"expected {want} (chunk_size {self.chunk_size})")
+        if keys and len(keys[-1]) != KEY_BYTES:
+            raise ValueError(f"precomputed keys must be {KEY_BYTES} bytes, "
+                             f"got {len(keys[-1])}")
+        return list(keys)
+
     def process_tokens(self, tokens: Tokens, mask: Sequence[bool] | torch.Tensor | np.ndarray
-                       | None = None) -> list[tuple[int, int, ChunkKey]]:
+                       | None = None, keys: Sequence[ChunkKey] | None = None) -> list[Chunk]:
         """``[(start, end, key)]`` for every chunk whose tokens the mask selects.
 
         ``mask`` False marks a prefix that the caller does not want (already cached, say): it
         must cover whole chunks, else ``ValueError``. Keys still chain through that prefix.
+        ``keys``: this prompt's keys, already computed (see :meth:`check_keys`).
         """
         n = self.num_tokens(tokens)
         skip = self.mask_prefix(mask, n)
-        keys = self.keys(tokens)
+        keys = self.keys(tokens) if keys is None else self.check_keys(keys, n)
         cs = self.chunk_size
         out = []
         for i, key in enumerate(keys):
@@ -199,38 +219,56 @@ class ChunkedTokenDatabase:
 class RequestKeys:
     """The keys of one request's token sequence, extended as its tokens arrive.
 
-    Why: a scheduler asks for a request's hits at every step while its prompt (and then its
-    output) grows; hashing the whole sequence each time costs O(length) per step. Full chunks
-    are hashed once and kept; only the chunks completed since the last call, and the partial
-    tail, are hashed. The sequence must only grow (a request's tokens are append-only); a
-    shorter sequence than last time starts over.
+    Why: a request is looked up, loaded and saved at many scheduler steps while its prompt
+    (and then its output) grows; hashing the whole sequence each time costs O(length) per
+    step. Full chunks are hashed once and kept; a call hashes only the chunks completed
+    since the last one, and the partial tail. A shorter sequence (a load cut at a chunk
+    boundary, say) is answered from the kept keys.
+
+    Contract: one ``RequestKeys`` follows one append-only token sequence (an engine's
+    request: its tokens never change, only grow). Checking the whole prefix again would cost
+    what this saves, so each call checks one chunk: the last full chunk it shares with what
+    was hashed is re-hashed and compared with the kept key, and on a mismatch (a reused
+    request id, a caller bug) everything is hashed afresh. Callers drop a request's
+    ``RequestKeys`` when the request ends.
     """
 
-    __slots__ = ("db", "_full", "_prev", "_hashed")
+    __slots__ = ("db", "_full", "_hashed", "restarts")
 
     def __init__(self, db: ChunkedTokenDatabase) -> None:
         self.db = db
         self._full: list[ChunkKey] = []   # keys of the complete chunks hashed so far
-        self._prev = db.namespace          # the last of them (the chain's state)
         self._hashed = 0                   # tokens those chunks cover
+        self.restarts = 0                  # calls whose tokens did not match (diagnostics)
 
     def keys(self, tokens: Tokens) -> list[ChunkKey]:
         """Same result as ``db.keys(tokens)``, hashing only what is new since the last call."""
         db = self.db
         n = db.num_tokens(tokens)
-        if n < self._hashed:  # not an extension of what we saw: start over
-            self._full, self._prev, self._hashed = [], db.namespace, 0
         cs = db.chunk_size
         full_end = n // cs * cs
+        if self._hashed and not self._matches(tokens, min(full_end, self._hashed)):
+            self.restarts += 1
+            self._full, self._hashed = [], 0
         if full_end > self._hashed:
             data = tokens_to_bytes(tokens[self._hashed: full_end])
-            self._prev = db._chain(self._prev, data, len(data), self._full)
+            prev = self._full[-1] if self._full else db.namespace
+            db._chain(prev, data, len(data), self._full)
             self._hashed = full_end
-        out = list(self._full)
+        out = self._full[: full_end // cs]
         if db.save_unfull_chunk and n > full_end:
-            tail = tokens_to_bytes(tokens[full_end:n])
-            out.append(xxhash.xxh3_128_digest(self._prev + tail))
+            prev = out[-1] if out else db.namespace
+            out.append(xxhash.xxh3_128_digest(prev + tokens_to_bytes(tokens[full_end:n])))
         return out
+
+    def _matches(self, tokens: Tokens, end: int) -> bool:
+        """Whether the full chunk ending at ``end`` hashes to the key kept for it."""
+        if end <= 0:
+            return True
+        i = end // self.db.chunk_size - 1
+        prev = self._full[i - 1] if i else self.db.namespace
+        chunk = tokens_to_bytes(tokens[end - self.db.chunk_size: end])
+        return xxhash.xxh3_128_digest(prev + chunk) == self._full[i]
 
     @property
     def hashed_tokens(self) -> int:

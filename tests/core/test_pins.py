@@ -279,17 +279,20 @@ def test_a_pinned_lookup_never_promises_a_chunk_evicted_before_it_was_pinned(mon
     with eng:
         toks = _tokens(64, 30)
         eng.store(toks, src, _slots(64))
-        count = eng.storage.prefix_hits
+        count = eng.storage.prefix_sources
+        counted = []
 
         def count_then_evict(keys):
             n = count(keys)
             with eng.storage.l1._lock:
                 eng.storage.l1._evict(1 << 40)  # another thread's store needing room
+            counted.append(len(keys))
             return n
 
-        monkeypatch.setattr(eng.storage, "prefix_hits", count_then_evict)
+        monkeypatch.setattr(eng.storage, "prefix_sources", count_then_evict)
         assert eng.lookup(toks, pin=True) == 64
         monkeypatch.undo()
+        assert counted, "the lookup did not count through the patched step"
         assert eng.stats()["pinned_chunks"] == 4, "a chunk in the answer was not pinned"
         assert eng.retrieve(toks, dst, _slots(64, 16)) == 64, "the retrieve loaded less"
         assert_bits_equal(token_kv(spec, dst, _slots(64, 16)), token_kv(spec, src, _slots(64)),

@@ -170,13 +170,46 @@ def test_request_keys_hash_only_new_chunks(monkeypatch):
     got = rk.keys(toks)
     monkeypatch.undo()
     assert got == db.keys(toks)
-    # only chunks 50..62 (new full chunks: 800..992) and the 8-token tail were packed
-    assert packed == [192, 8]
+    # the check of the last kept chunk (784..800), then only chunks 50..62 (new full
+    # chunks: 800..992) and the 8-token tail were packed
+    assert packed == [16, 192, 8]
 
 
-def test_request_keys_restart_on_shorter_sequence():
+def test_request_keys_serve_a_shorter_prefix_from_the_kept_keys(monkeypatch):
+    from lmc import token_database as tdb
+
+    db = ChunkedTokenDatabase(16, True, NS)
+    rk = db.request_keys()
+    toks = list(range(1, 1001))
+    rk.keys(toks)
+    packed: list[int] = []
+    real = tdb.tokens_to_bytes
+    monkeypatch.setattr(tdb, "tokens_to_bytes", lambda t: packed.append(len(t)) or real(t))
+    got = rk.keys(toks[:520])  # a load cut inside the sequence seen
+    monkeypatch.undo()
+    assert got == db.keys(toks[:520]) and rk.restarts == 0
+    assert packed == [16, 8], "only the checked chunk and the tail were packed"
+    assert rk.hashed_tokens == 992, "the longer keys are kept for the next step"
+    assert rk.keys(toks) == db.keys(toks)
+
+
+def test_request_keys_restart_on_a_different_sequence():
     db = ChunkedTokenDatabase(16, True, NS)
     rk = db.request_keys()
     rk.keys(list(range(100)))
-    other = list(range(500, 540))
-    assert rk.keys(other) == db.keys(other)
+    other = list(range(500, 540))  # shorter and different
+    assert rk.keys(other) == db.keys(other) and rk.restarts == 1
+    longer = list(range(7, 300))  # longer and different (a reused request id)
+    assert rk.keys(longer) == db.keys(longer) and rk.restarts == 2
+
+
+def test_precomputed_keys_are_checked_against_the_prompt():
+    db = ChunkedTokenDatabase(4, True, NS)
+    toks = list(range(10))
+    keys = db.keys(toks)
+    assert db.process_tokens(toks, keys=keys) == db.process_tokens(toks)
+    with pytest.raises(ValueError, match="2 precomputed keys for 10 tokens, expected 3"):
+        db.process_tokens(toks, keys=keys[:2])
+    with pytest.raises(ValueError, match="must be 16 bytes"):
+        db.process_tokens(toks, keys=[b"x"] * 3)
+    assert ChunkedTokenDatabase(4, False, NS).num_chunks(10) == 2 and db.num_chunks(10) == 3
