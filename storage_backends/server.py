@@ -161,13 +161,20 @@ class ServerBackend(StorageBackend):
     def _parallel(self, parts: list[tuple[int, int]], run: Callable[[int, int], T]) -> list[T]:
         if len(parts) == 1:
             return [run(*parts[0])]
+        if self._closed:  # no executor after close(): each part fails alone, a miss
+            return [run(a, b) for a, b in parts]
         if self._exec is None:
             with self._cond:
                 if self._exec is None:
                     self._exec = ThreadPoolExecutor(self.size, thread_name_prefix="lmc-remote")
-        futs = [self._exec.submit(run, a, b) for a, b in parts[1:]]
+        rest: list[Callable[[], T]] = []
+        for a, b in parts[1:]:
+            try:
+                rest.append(self._exec.submit(run, a, b).result)
+            except RuntimeError:  # close() shut the executor down: the part runs here (a miss)
+                rest.append(lambda a=a, b=b: run(a, b))
         first = run(*parts[0])  # the caller's thread does a share too
-        return [first, *(f.result() for f in futs)]
+        return [first, *(r() for r in rest)]
 
     def _split(self, weights: Sequence[int]) -> list[tuple[int, int]]:
         """Contiguous parts of about equal weight, at most one per connection."""
@@ -256,6 +263,8 @@ class ServerBackend(StorageBackend):
 
     # ------------------------------------------------------------ writes
     def put(self, keys: Sequence[Key], objs: Sequence[MemoryObj]) -> int:
+        if len(keys) != len(objs):  # the caller's bug: refused before anything is stored
+            raise ValueError(f"put: {len(keys)} keys but {len(objs)} objects")
         ok = [i for i, o in enumerate(objs) if o.dtype in DTYPE_CODES and len(o.shape) == 4]
         if len(ok) < len(objs):
             self._count(not_stored=len(objs) - len(ok))

@@ -1,0 +1,563 @@
+"""The storage-tier contract as one test suite that every tier runs unchanged.
+
+In the style of fsspec's abstract tests: the tests live here as a base class,
+:class:`TierContract`, and a tier's test module is one fixture and one line::
+
+    @pytest.fixture
+    def tier_spec(tmp_path):
+        return TierSpec("disk", config=lambda: {"local_disk": ..., "local_disk_size": "512KiB"})
+
+    class TestDiskContract(TierContract): ...
+
+Every tier is built the public way, ``create_backend(spec, CacheConfig(...), pool)``, over a
+pool of its own, and held to ``StorageBackend``'s contract (``lmc/storage_backend.py``):
+
+* a value read back is the value stored, bit for bit, with its shape, dtype and token count;
+  a batch answers each key in its place (hits beside misses, a key repeated in one batch);
+* ``get`` hands the caller one reference per hit; ``put`` keeps no reference of the caller's
+  (a tier that keeps an object takes its own), so memory goes back to the pool when the
+  caller releases, and an object a caller holds is never freed or reused for other data,
+  whatever the tier evicts meanwhile;
+* threads may call a tier at once, ``close()`` included: every call returns, none raises;
+* a value failing a check is a miss and is deleted; a dead or hung backend answers misses
+  within a deadline, never a hang or an exception.
+
+What a spec cannot offer (an in-process tier has no stored copy to damage, no process to kill)
+skips the tests that need it, saying so. Randomised tests print their seed; set
+``LMC_CONTRACT_SEED`` to replay one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import random
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+import torch
+
+from lmc.config import CacheConfig
+from lmc.memory import MemoryObj, MemoryPool
+from lmc.serde import DTYPE_CODES
+from lmc.storage_backend import Key, StorageBackend, create_backend
+
+SHAPE = (2, 2, 16, 64)            # [layers, planes, tokens, width]: 8 KiB of float16
+CHUNK_BYTES = 2 * 2 * 16 * 64 * 2
+POOL_BYTES = 4 << 20              # the pool of a tier made by ``make_tier`` (512 chunks)
+SMALL_POOL_BYTES = 24 * CHUNK_BYTES  # eviction test: a pool the flood overruns 4 times
+SLACK = 1.0                       # scheduling slack on a loaded 2-core machine, seconds
+ROUND_TRIPS = [
+    (SHAPE, torch.float16),
+    ((2, 2, 5, 64), torch.bfloat16),   # a prompt's last, partial chunk
+    ((3, 1, 16, 40), torch.float32),
+    ((1, 2, 1, 64), torch.uint8),
+    *[((2, 2, 16, 64), getattr(torch, n)) for n in ("float8_e4m3fn", "float8_e5m2")
+      if getattr(torch, n, None) in DTYPE_CODES],
+]
+
+
+@dataclass
+class TierSpec:
+    """One tier as the contract suite needs it.
+
+    ``spec`` and ``config`` build it (``config`` may be a callable giving fresh settings per
+    tier: a directory, a key prefix or namespace of its own). The hooks are optional:
+
+    * ``corrupt(tier, key)`` damages the stored value of ``key`` out of band, the way a bad
+      disk block or a writer to a shared store would (for a keyed tier, in a way only the
+      integrity tag can catch);
+    * ``kill(tier)`` makes the backend die (SIGKILL a server, remove a directory) and
+      ``revive(tier)`` brings it back; ``hang(tier)`` makes it stop answering (SIGSTOP) and
+      ``unhang(tier)`` lets it go on.
+
+    ``memory_tier``: the tier keeps the caller's objects themselves (L1): writers allocate
+    through its ``allocate_many``, which evicts. ``deadline`` bounds any one call on a dead or
+    hung backend, in seconds.
+    """
+
+    spec: str
+    config: dict[str, Any] | Callable[[], dict[str, Any]] = field(default_factory=dict)
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    corrupt: Callable[[StorageBackend, Key], None] | None = None
+    kill: Callable[[StorageBackend], None] | None = None
+    revive: Callable[[StorageBackend], None] | None = None
+    hang: Callable[[StorageBackend], None] | None = None
+    unhang: Callable[[StorageBackend], None] | None = None
+    memory_tier: bool = False
+    deadline: float = 2.0 + SLACK
+
+    def settings(self) -> dict[str, Any]:
+        return dict(self.config() if callable(self.config) else self.config)
+
+
+# --------------------------------------------------------------------------- chunk data
+def key_of(name: str) -> Key:
+    """A 16-byte content address for a test's own name for a chunk."""
+    return hashlib.blake2b(name.encode(), digest_size=16).digest()
+
+
+def expected_bytes(key: Key, nbytes: int) -> torch.Tensor:
+    """The bytes every chunk stored under ``key`` holds: a function of the key alone, so any
+    thread can check any hit it reads."""
+    g = torch.Generator().manual_seed(int.from_bytes(key[:8], "little"))
+    return torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=g)
+
+
+def raw(obj: MemoryObj) -> torch.Tensor:
+    return obj.tensor.reshape(-1).view(torch.uint8)
+
+
+def fill(obj: MemoryObj, key: Key) -> MemoryObj:
+    raw(obj).copy_(expected_bytes(key, obj.nbytes))
+    return obj
+
+
+def check_hit(obj: MemoryObj | None, key: Key, shape: Sequence[int] = SHAPE,
+              dtype: torch.dtype = torch.float16) -> None:
+    """``obj`` is the chunk stored under ``key``: shape, dtype, token count and every bit."""
+    assert obj is not None, f"miss for {key.hex()}"
+    assert obj.ref_count >= 1, f"{obj!r} for {key.hex()} came back without a reference"
+    assert (tuple(obj.shape), obj.dtype, obj.num_tokens) == (tuple(shape), dtype, shape[2]), \
+        f"{key.hex()}: got {obj!r}, stored shape {tuple(shape)} {dtype}"
+    assert torch.equal(raw(obj), expected_bytes(key, obj.nbytes)), \
+        f"{key.hex()}: the bytes read back differ from the bytes stored"
+
+
+def release(objs: Sequence[MemoryObj | None]) -> None:
+    for o in objs:
+        if o is not None:
+            o.release()
+
+
+def seeded(name: str) -> random.Random:
+    """A random source whose seed is printed (and replayed from ``LMC_CONTRACT_SEED``)."""
+    seed = int(os.environ.get("LMC_CONTRACT_SEED") or random.randrange(2**32))
+    print(f"{name}: LMC_CONTRACT_SEED={seed}")
+    return random.Random(seed)
+
+
+class Timed:
+    """Runs tier calls and records the slowest, for the dead-backend deadline."""
+
+    def __init__(self) -> None:
+        self.slowest = (0.0, "")
+
+    def __call__(self, what: str, fn: Callable[..., Any], *args: Any) -> Any:
+        t0 = time.monotonic()
+        out = fn(*args)
+        took = time.monotonic() - t0
+        if took > self.slowest[0]:
+            self.slowest = (took, what)
+        return out
+
+
+# --------------------------------------------------------------------------- the suite
+class TierContract:
+    """The contract tests. Subclass in a module that defines the ``tier_spec`` fixture."""
+
+    # ------------------------------------------------------------------ fixtures
+    @pytest.fixture
+    def make_tier(self, tier_spec: TierSpec):
+        """``make_tier(pool_bytes=..., **settings)`` -> a tier over a pool of its own; every
+        tier is closed after the test, and must have given all its pool memory back."""
+        made: list[StorageBackend] = []
+
+        def make(pool_bytes: int = POOL_BYTES, **settings: Any) -> StorageBackend:
+            config = CacheConfig(**{**tier_spec.settings(), **settings})
+            pool = MemoryPool(pool_bytes, pin_memory="false")
+            try:
+                tier = create_backend(tier_spec.spec, config, pool, **tier_spec.kwargs)
+            except BaseException:
+                pool.close()
+                raise
+            made.append(tier)
+            return tier
+
+        yield make
+        for tier in made:
+            tier.close()
+            tier.close()  # idempotent
+            pool = tier.pool  # type: ignore[attr-defined]
+            assert pool.used_bytes == 0, \
+                f"{tier.name}: {pool.used_bytes} B of pool memory kept after close()"
+            pool.close()
+
+    @pytest.fixture
+    def tier(self, make_tier) -> StorageBackend:
+        return make_tier()
+
+    # ------------------------------------------------------------------- helpers
+    @staticmethod
+    def chunks(tier: StorageBackend, spec: TierSpec, keys: Sequence[Key],
+               shape: Sequence[int] = SHAPE, dtype: torch.dtype = torch.float16
+               ) -> list[MemoryObj]:
+        """Pool objects filled with each key's bytes (fewer when the pool is full of
+        referenced chunks); the caller releases them."""
+        src: Any = tier if spec.memory_tier else tier.pool  # type: ignore[attr-defined]
+        objs = src.allocate_many(tuple(shape), dtype, len(keys), shape[2])
+        return [fill(o, k) for o, k in zip(objs, keys)]
+
+    def store(self, tier: StorageBackend, spec: TierSpec, keys: Sequence[Key],
+              shape: Sequence[int] = SHAPE, dtype: torch.dtype = torch.float16) -> None:
+        """Put ``keys`` (all of them stored), then drop the caller's references."""
+        objs = self.chunks(tier, spec, keys, shape, dtype)
+        assert len(objs) == len(keys), "the pool is too small for the test's chunks"
+        try:
+            assert tier.put(keys, objs) == len(keys)
+        finally:
+            release(objs)
+
+    @staticmethod
+    def used(tier: StorageBackend) -> int:
+        return tier.pool.used_bytes  # type: ignore[attr-defined]
+
+    # ------------------------------------------------------------- round trips
+    def test_round_trip_is_bit_exact(self, tier, tier_spec):
+        """Every dtype and a partial chunk come back with their shape, dtype, token count
+        and every bit, as often as asked."""
+        for shape, dtype in ROUND_TRIPS:
+            case = f"{tuple(shape)} {dtype}"
+            keys = [key_of(f"rt{i}{case}") for i in range(3)]
+            self.store(tier, tier_spec, keys, shape, dtype)
+            assert tier.contains(keys) == [True] * 3, case
+            assert tier.prefix_hits(keys) == 3, case
+            for _ in range(2):
+                got = tier.get(keys)
+                try:
+                    for k, o in zip(keys, got):
+                        check_hit(o, k, shape, dtype)
+                finally:
+                    release(got)
+
+    def test_stored_values_outlive_the_callers_objects(self, tier, tier_spec):
+        """After ``put`` the caller releases its objects and the pool reuses that memory for
+        other data: the values stored are unchanged."""
+        keys = [key_of(f"outlive{i}") for i in range(4)]
+        self.store(tier, tier_spec, keys)
+        others = self.chunks(tier, tier_spec, [key_of(f"other{i}") for i in range(8)])
+        try:
+            got = tier.get(keys)
+            try:
+                for k, o in zip(keys, got):
+                    check_hit(o, k)
+            finally:
+                release(got)
+        finally:
+            release(others)
+
+    def test_each_hit_is_one_reference_for_the_caller(self, tier, tier_spec):
+        """Releasing what ``get`` returned gives the pool back exactly its memory: no
+        reference is kept for the caller, none is missing."""
+        keys = [key_of(f"ref{i}") for i in range(3)]
+        self.store(tier, tier_spec, keys)
+        baseline = self.used(tier)
+        for _ in range(3):
+            got = tier.get(keys)
+            assert all(o is not None and o.ref_count >= 1 for o in got)
+            release(got)
+            assert self.used(tier) == baseline, "get leaked or lost a pool reference"
+
+    # ---------------------------------------------------------- batches, misses
+    def test_missing_keys_and_empty_batches(self, tier):
+        missing = [key_of(f"never{i}") for i in range(3)]
+        assert tier.get(missing) == [None] * 3
+        assert tier.contains(missing) == [False] * 3
+        assert tier.prefix_hits(missing) == 0
+        assert tier.delete(missing) == 0
+        assert tier.get([]) == [] and tier.contains([]) == []
+        assert tier.put([], []) == 0 and tier.delete([]) == 0 and tier.prefix_hits([]) == 0
+        assert self.used(tier) == 0, "a miss left pool memory allocated"
+
+    def test_partial_batches_answer_each_key_in_place(self, tier, tier_spec):
+        present = [key_of(f"part{i}") for i in range(4)]
+        absent = [key_of(f"hole{i}") for i in range(3)]
+        self.store(tier, tier_spec, present)
+        ask = [present[0], absent[0], present[1], present[2], absent[1], present[3], absent[2]]
+        want = [k in present for k in ask]
+        assert tier.contains(ask) == want
+        assert tier.prefix_hits(ask) == 1
+        assert tier.prefix_hits(present[:2] + absent[:1] + present[2:]) == 2
+        got = tier.get(ask)
+        try:
+            for k, o, hit in zip(ask, got, want):
+                if hit:
+                    check_hit(o, k)
+                else:
+                    assert o is None, f"{k.hex()} was never stored but got {o!r}"
+        finally:
+            release(got)
+        assert tier.delete([present[1], absent[0]]) == 1
+        assert tier.contains(present) == [True, False, True, True]
+        assert tier.get([present[1]]) == [None]
+
+    def test_duplicate_keys_in_one_batch(self, tier, tier_spec):
+        """One key twice in a batch (two reads of one chunk promoted together): stored once,
+        counted as stored each time, read as two references, deleted once."""
+        k, j = key_of("dup-k"), key_of("dup-j")
+        objs = self.chunks(tier, tier_spec, [k, k, j])
+        try:
+            assert tier.put([k, k, j], objs) == 3
+        finally:
+            release(objs)
+        assert tier.contains([k, j, k]) == [True, True, True]
+        got = tier.get([k, k, j, k])
+        try:
+            for key, o in zip([k, k, j, k], got):
+                check_hit(o, key)
+        finally:
+            release(got)
+        assert tier.delete([k, k]) == 1
+        assert tier.contains([k, j]) == [False, True]
+
+    def test_put_with_mismatched_lengths_is_refused(self, tier, tier_spec):
+        """A caller's bug is a clear error before anything is stored, not a half-stored batch."""
+        keys = [key_of("len0"), key_of("len1")]
+        objs = self.chunks(tier, tier_spec, keys[:1])
+        try:
+            with pytest.raises(ValueError):
+                tier.put(keys, objs)
+        finally:
+            release(objs)
+        assert tier.contains(keys) == [False, False]
+
+    # ------------------------------------------------------------------ memory
+    def test_eviction_never_reuses_a_chunk_a_reader_holds(self, make_tier, tier_spec):
+        """A reader holds one chunk while a flood four times the pool (and any tier capacity)
+        goes through: every read of the flood is right, and the held chunk keeps its bytes.
+        A memory tier also keeps the held chunk itself (referenced chunks are never evicted)."""
+        tier = make_tier(SMALL_POOL_BYTES)
+        held_key = key_of("held")
+        self.store(tier, tier_spec, [held_key, key_of("held-neighbour")])
+        held = tier.get([held_key])[0]
+        check_hit(held, held_key)
+        try:
+            flood = [key_of(f"flood{i}") for i in range(4 * SMALL_POOL_BYTES // CHUNK_BYTES)]
+            for at in range(0, len(flood), 6):
+                batch = flood[at: at + 6]
+                objs = self.chunks(tier, tier_spec, batch)
+                try:
+                    tier.put(batch[: len(objs)], objs)
+                finally:
+                    release(objs)
+                got = tier.get(flood[max(0, at - 6): at + 6])
+                try:
+                    for k, o in zip(flood[max(0, at - 6): at + 6], got):
+                        if o is not None:
+                            check_hit(o, k)
+                finally:
+                    release(got)
+                check_hit(held, held_key)
+            if tier_spec.memory_tier:
+                again = tier.get([held_key])
+                try:
+                    check_hit(again[0], held_key)
+                finally:
+                    release(again)
+        finally:
+            held.release()
+
+    # ------------------------------------------------------------- concurrency
+    def test_concurrent_readers_and_writers(self, make_tier, tier_spec):
+        """Four threads put, get, ask and delete over a shared key space larger than a small
+        pool: every hit is right, no call raises, and no reference is lost."""
+        tier = make_tier(2 * SMALL_POOL_BYTES)
+        rng = seeded("test_concurrent_readers_and_writers")
+        keys = [key_of(f"conc{i}") for i in range(48)]
+        seeds = [rng.randrange(2**32) for _ in range(4)]
+        errors: list[str] = []
+        ops = 60
+
+        def work(seed: int) -> None:
+            r = random.Random(seed)
+            try:
+                for _ in range(ops):
+                    batch = [r.choice(keys) for _ in range(r.randint(1, 4))]
+                    op = r.random()
+                    if op < 0.4:
+                        objs = self.chunks(tier, tier_spec, batch)
+                        try:
+                            n = tier.put(batch[: len(objs)], objs)
+                            assert 0 <= n <= len(objs), f"put of {len(objs)} returned {n}"
+                        finally:
+                            release(objs)
+                    elif op < 0.8:
+                        got = tier.get(batch)
+                        try:
+                            assert len(got) == len(batch)
+                            for k, o in zip(batch, got):
+                                if o is not None:
+                                    check_hit(o, k)
+                        finally:
+                            release(got)
+                    elif op < 0.93:
+                        assert len(tier.contains(batch)) == len(batch)
+                    else:
+                        assert 0 <= tier.delete(batch) <= len(batch)
+            except BaseException as e:  # reported with the thread's seed
+                errors.append(f"thread seed {seed}: {type(e).__name__}: {e}")
+
+        threads = [threading.Thread(target=work, args=(s,), daemon=True) for s in seeds]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert not any(t.is_alive() for t in threads), "a tier call hung under concurrency"
+        assert not errors, "\n".join(errors)
+        self.store(tier, tier_spec, keys[:2])  # still serves after the storm
+        got = tier.get(keys[:2])
+        try:
+            for k, o in zip(keys[:2], got):
+                check_hit(o, k)
+        finally:
+            release(got)
+
+    def test_close_with_work_in_flight(self, tier, tier_spec):
+        """``close()`` while three threads call the tier, which go on calling after it: every
+        call returns (misses or right bytes), none raises or hangs, and the pool gets all its
+        memory back once the callers release what they got."""
+        keys = [key_of(f"close{i}") for i in range(16)]
+        self.store(tier, tier_spec, keys[:8])
+        stop = threading.Event()
+        errors: list[str] = []
+        calls = [0, 0]  # before, after close
+
+        def work(seed: int) -> None:
+            r = random.Random(seed)
+            while not stop.is_set():
+                batch = [r.choice(keys) for _ in range(r.randint(1, 4))]
+                try:
+                    if r.random() < 0.5:
+                        got = tier.get(batch)
+                        try:
+                            assert len(got) == len(batch)
+                            for k, o in zip(batch, got):
+                                if o is not None:
+                                    check_hit(o, k)
+                        finally:
+                            release(got)
+                    else:
+                        objs = self.chunks(tier, tier_spec, batch)
+                        try:
+                            tier.put(batch[: len(objs)], objs)
+                        finally:
+                            release(objs)
+                    assert len(tier.contains(batch)) == len(batch)
+                except BaseException as e:
+                    errors.append(f"{'after' if closed.is_set() else 'before'} close: "
+                                  f"{type(e).__name__}: {e}")
+                    return
+                calls[closed.is_set()] += 1
+
+        closed = threading.Event()
+        threads = [threading.Thread(target=work, args=(s,), daemon=True) for s in range(3)]
+        for t in threads:
+            t.start()
+        time.sleep(0.3)
+        t0 = time.monotonic()
+        tier.close()
+        closed.set()
+        took = time.monotonic() - t0
+        time.sleep(0.2)
+        stop.set()
+        for t in threads:
+            t.join(tier_spec.deadline + 10)
+        assert not any(t.is_alive() for t in threads), "a call racing close() never returned"
+        assert not errors, "\n".join(errors)
+        assert calls[0] > 0, "no call ran before close(): the test proved nothing"
+        assert took < tier_spec.deadline + 10, f"close() took {took:.1f} s"
+        tier.close()  # again: a no-op
+
+    # ------------------------------------------------------------------ faults
+    def test_corrupted_value_is_a_miss_and_deleted(self, tier, tier_spec):
+        if tier_spec.corrupt is None:
+            pytest.skip(f"{tier_spec.spec}: the spec has no way to damage a stored value")
+        bad, good = key_of("corrupt-bad"), key_of("corrupt-good")
+        self.store(tier, tier_spec, [bad, good])
+        tier_spec.corrupt(tier, bad)
+        got = tier.get([bad, good])
+        try:
+            assert got[0] is None, "a damaged value was served"
+            check_hit(got[1], good)
+        finally:
+            release(got)
+        assert tier.contains([bad, good]) == [False, True], "the damaged value was not deleted"
+        assert tier.get([bad]) == [None]
+        self.store(tier, tier_spec, [bad])  # stored again: served again
+        got = tier.get([bad])
+        try:
+            check_hit(got[0], bad)
+        finally:
+            release(got)
+
+    def _misses_within_deadline(self, tier: StorageBackend, spec: TierSpec,
+                                keys: Sequence[Key]) -> None:
+        """Every call on a dead backend returns, in time, without raising; reads are
+        misses. Several rounds: the first calls meet the failure, later ones a breaker."""
+        timed = Timed()
+        for i in range(4):
+            assert timed("get", tier.get, keys) == [None] * len(keys)
+            assert len(timed("contains", tier.contains, keys)) == len(keys)
+            assert timed("prefix_hits", tier.prefix_hits, keys) in range(len(keys) + 1)
+            objs = self.chunks(tier, spec, [key_of(f"dead-put{i}")])
+            try:
+                n = timed("put", tier.put, [key_of(f"dead-put{i}")], objs)
+                assert n in (0, 1)
+            finally:
+                release(objs)
+            assert timed("delete", tier.delete, keys[:1]) in (0, 1)
+        took, what = timed.slowest
+        assert took <= spec.deadline, \
+            f"{what} on a dead backend took {took:.2f} s (deadline {spec.deadline} s)"
+
+    def _serves_again(self, tier: StorageBackend, spec: TierSpec, within: float = 20.0) -> None:
+        key = key_of("back")
+        deadline = time.monotonic() + within
+        while True:
+            objs = self.chunks(tier, spec, [key])
+            try:
+                tier.put([key], objs)
+            finally:
+                release(objs)
+            got = tier.get([key])
+            if got[0] is not None:
+                try:
+                    check_hit(got[0], key)
+                finally:
+                    release(got)
+                return
+            assert time.monotonic() < deadline, f"the tier did not come back in {within} s"
+            time.sleep(0.1)
+
+    @pytest.mark.integration
+    def test_dead_backend_answers_misses_within_a_deadline(self, tier, tier_spec):
+        if tier_spec.kill is None:
+            pytest.skip(f"{tier_spec.spec}: the spec has no way to kill its backend")
+        keys = [key_of(f"dead{i}") for i in range(8)]
+        self.store(tier, tier_spec, keys)
+        tier_spec.kill(tier)
+        try:
+            self._misses_within_deadline(tier, tier_spec, keys)
+        finally:
+            if tier_spec.revive is not None:
+                tier_spec.revive(tier)
+        if tier_spec.revive is not None:
+            self._serves_again(tier, tier_spec)
+
+    @pytest.mark.integration
+    def test_hung_backend_answers_misses_within_a_deadline(self, tier, tier_spec):
+        if tier_spec.hang is None:
+            pytest.skip(f"{tier_spec.spec}: the spec has no way to make its backend stop answering")
+        keys = [key_of(f"hung{i}") for i in range(8)]
+        self.store(tier, tier_spec, keys)
+        tier_spec.hang(tier)
+        try:
+            self._misses_within_deadline(tier, tier_spec, keys)
+        finally:
+            if tier_spec.unhang is not None:
+                tier_spec.unhang(tier)
+        self._serves_again(tier, tier_spec)

@@ -1,0 +1,33 @@
+"""The tier contract (``contract.py``) against the disk tier, on real files."""
+
+import itertools
+import os
+import shutil
+
+import pytest
+
+from .contract import TierContract, TierSpec
+
+
+def _flip_payload_byte(tier, key) -> None:
+    """A bad block: one payload bit of the key's file flipped, name and size unchanged."""
+    name = next(n for n in os.listdir(tier.path) if n.startswith(key.hex()))
+    fd = os.open(os.path.join(tier.path, name), os.O_RDWR)
+    try:
+        b = os.pread(fd, 1, 4096 + 100)
+        os.pwrite(fd, bytes([b[0] ^ 0x10]), 4096 + 100)
+    finally:
+        os.close(fd)
+
+
+@pytest.fixture
+def tier_spec(tmp_path):
+    dirs = (tmp_path / f"disk{i}" for i in itertools.count())
+    return TierSpec("disk", config=lambda: {"local_disk": str(next(dirs)),
+                                            "local_disk_size": "512KiB"},
+                    corrupt=_flip_payload_byte,
+                    kill=lambda tier: shutil.rmtree(tier.path))  # the device is gone
+
+
+class TestDiskContract(TierContract):
+    """Every contract test; 512 KiB of disk, so floods evict and recycle files."""
