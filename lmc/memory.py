@@ -29,7 +29,7 @@ import torch
 
 from lmc import invariants as _invariants
 from lmc.allocator import CheckedTLSFAllocator, TLSFAllocator
-from lmc.pool_tuning import advise_hugepages
+from lmc.prefault import Prefaulter, advise_hugepages
 from lmc.transfer import int_view
 
 log = logging.getLogger(__name__)
@@ -162,17 +162,30 @@ class MemoryPool:
     """A fixed buffer of ``size`` bytes: pinned where CUDA is present, plain otherwise."""
 
     def __init__(self, size: int, pin_memory: str | bool | None = "auto", align: int = 4096,
-                 debug: bool = False, invariants: bool | None = None) -> None:
+                 debug: bool = False, invariants: bool | None = None,
+                 prefault: str = "background", hugepages: bool = True) -> None:
         """``invariants``: check views, overlaps and reference balance (see
-        :mod:`lmc.invariants`); ``None`` follows ``LMC_DEBUG_INVARIANTS``."""
+        :mod:`lmc.invariants`); ``None`` follows ``LMC_DEBUG_INVARIANTS``. ``prefault``
+        (unpinned pools; pinning faults every page already): ``background`` populates the
+        pages from the front while the caller goes on, ``now`` before returning, ``off``
+        leaves the first write of each page to fault (see :mod:`lmc.prefault`)."""
         if size < align:
             raise ValueError(f"pool size {size} B is smaller than its alignment {align} B")
+        if prefault not in ("background", "now", "off"):
+            raise ValueError(f"prefault must be 'background', 'now' or 'off', got {prefault!r}")
         self.pinned = _want_pinned(pin_memory)
         raw = torch.empty(size + align, dtype=torch.uint8, pin_memory=self.pinned)
-        if not self.pinned:  # 2 MiB pages: fewer faults and TLB misses on chunk copies
-            advise_hugepages(raw)
+        # 2 MiB pages: fewer faults and TLB misses on chunk copies
+        huge = hugepages and not self.pinned and advise_hugepages(raw)
         skew = (-raw.data_ptr()) % align  # start on an aligned address (O_DIRECT-ready)
         self.buffer = raw[skew: skew + size]
+        self._prefault: Prefaulter | None = None
+        if prefault != "off" and not self.pinned:
+            self._prefault = Prefaulter(self.buffer, huge=huge)
+            if prefault == "now":  # nothing handed out yet: zeroing is a safe fallback
+                self._prefault.run(fallback_touch=True)
+            else:
+                self._prefault.start()
         self.invariants = _invariants.enabled_by_env() if invariants is None else invariants
         self.allocator = (CheckedTLSFAllocator if self.invariants else TLSFAllocator)(size, align)
         if self.invariants:
@@ -239,6 +252,10 @@ class MemoryPool:
             if self._sites:
                 for o in objs:
                     self._live.add(o)
+        pf = self._prefault
+        if pf is not None and pf.front < pf.size and max(offs) + n > pf.front:
+            for off in offs:  # past the pre-fault's front: populate here, not in the copy
+                pf.ensure(off, n)
         step = self.allocator.block_size(offs[0])
         if len(offs) > 1 and step == n and all(
                 b - a == step for a, b in zip(offs, offs[1:])):
@@ -341,6 +358,8 @@ class MemoryPool:
                 "objects": self.allocator.num_allocations,
                 "fragmentation": self.allocator.fragmentation(),
                 "pinned": float(self.pinned),
+                **(self._prefault.stats() if self._prefault is not None
+                   else {"prefaulted": self.size if self.pinned else 0}),
             }
 
     def close(self) -> None:
@@ -350,6 +369,9 @@ class MemoryPool:
             if self.closed:
                 return
             self.closed = True
+        if self._prefault is not None:
+            self._prefault.stop()
+        with self.lock:
             live = self.outstanding()
             blocks = self.allocator.num_allocations
         for msg in self.lost_references():

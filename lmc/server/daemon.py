@@ -32,7 +32,6 @@ from pathlib import Path
 from typing import Any
 
 from lmc.memory import MemoryPool
-from lmc.pool_tuning import tune_pool
 from lmc.server import metrics as M
 from lmc.server.auth import Grant
 from lmc.server.client import UNIX_SNDBUF
@@ -50,8 +49,8 @@ log = logging.getLogger(__name__)
 def build_storage(config: ServerConfig) -> tuple[MemoryPool, StorageManager]:
     """The pool, the memory tier and the configured lower tiers, in lmc's own manager."""
     cache_cfg = config.cache_config()
-    pool = MemoryPool(cache_cfg.local_cpu_size, pin_memory="false")
-    tune_pool(pool.buffer, huge=config.hugepages, touch=config.prefault)
+    pool = MemoryPool(cache_cfg.local_cpu_size, pin_memory="false", hugepages=config.hugepages,
+                      prefault="now" if config.prefault else "off")
     l1 = create_backend("cpu", cache_cfg, pool)
     lower_pool = TierPool(l1)  # lower tiers' reads may evict L1, like a store does
     tiers: list[StorageBackend] = [l1]

@@ -1,0 +1,275 @@
+"""Pre-faulting a memory pool: paying each page's first-touch cost before a store does.
+
+Why: a fresh pool is untouched virtual memory, so the first write into every page takes a page
+fault. Taken one 4 KiB page at a time by a copy, that ran at 0.1-1.6 GiB/s here (0.13 of
+memcpy at best; a VM makes every fault a trap). ``madvise(MADV_POPULATE_WRITE)`` (Linux 5.14+)
+faults a whole range in the kernel without a trap per page: 1.7-2.8 GiB/s here, 10x or more
+faster than faulting through the copy.
+
+How: ``MADV_POPULATE_WRITE`` never changes a page's contents, so it is safe on memory already
+in use. A background thread populates the pool from offset 0 upwards in 64 MiB steps while
+the engine starts and serves; the allocator (TLSF carves from the low end of the free block
+it picks) hands out blocks from the front, i.e. from pages already populated; a block that
+runs past the populated front is populated by the allocating thread itself (one syscall per
+allocation, still far cheaper than faulting through the copy). Start-up is not delayed.
+
+The daemon runs the same code synchronously before it serves (``run()``), so its first pass
+through the pool costs no faults at all. Without ``MADV_POPULATE_WRITE`` (an old kernel) the
+synchronous path touches the pages by zeroing them -- safe only because nothing is allocated
+yet -- and the background path does nothing (pages are faulted on first use, as before).
+
+Progress: log lines (sizes and durations in human units), ``front`` / ``stats()`` for pool
+stats, and the process-wide Prometheus gauge ``lmc_pool_prefaulted_bytes``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import errno
+import logging
+import threading
+import time
+import weakref
+from typing import Any
+
+import torch
+from prometheus_client import Gauge
+
+log = logging.getLogger(__name__)
+MADV_HUGEPAGE = 14
+MADV_POPULATE_WRITE = 23
+PAGE = 4096
+STEP = 64 << 20
+PREFAULTED = Gauge("lmc_pool_prefaulted_bytes",
+                   "Bytes of memory pools populated ahead of use (all pools of this process)")
+
+_libc: Any = None
+_populate_ok: bool | None = None  # None: not tried yet; False: the kernel refused it
+
+
+def human_bytes(n: float) -> str:
+    """``1536`` -> ``'1.5 KiB'``: for log lines a person reads."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+def human_seconds(s: float) -> str:
+    """``0.0123`` -> ``'12 ms'``, ``75`` -> ``'1 min 15 s'``."""
+    if s < 1:
+        return f"{s * 1e3:.0f} ms"
+    if s < 60:
+        return f"{s:.2f} s"
+    return f"{int(s // 60)} min {s % 60:.0f} s"
+
+
+def _c() -> Any:
+    global _libc
+    if _libc is None:
+        _libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
+        _libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+    return _libc
+
+
+def advise_hugepages(buf: torch.Tensor) -> bool:
+    """Ask for transparent huge pages over ``buf`` (Linux; a no-op elsewhere).
+
+    2 MiB pages: 512 times fewer faults and fewer TLB misses on chunk copies (refilling a
+    touched pool measured ~20% faster here). The kernel may compact memory to find them,
+    which can make populating slower (0.2-3.4 s per GiB measured here against ~0.7 s with
+    4 KiB pages under load), hence a switch."""
+    try:
+        addr = buf.data_ptr()
+        start = -(-addr // PAGE) * PAGE
+        length = (addr + buf.numel() * buf.element_size() - start) // PAGE * PAGE
+        if length <= 0:
+            return False
+        return _c().madvise(ctypes.c_void_p(start), ctypes.c_size_t(length),
+                            MADV_HUGEPAGE) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+def populate(addr: int, nbytes: int) -> bool:
+    """Fault in ``[addr, addr + nbytes)`` (widened to whole pages) for writing, contents kept.
+    False when the kernel lacks ``MADV_POPULATE_WRITE`` (or this is not Linux)."""
+    global _populate_ok
+    if _populate_ok is False or nbytes <= 0:
+        return bool(_populate_ok) or nbytes <= 0
+    try:
+        libc = _c()
+    except (OSError, AttributeError):
+        _populate_ok = False
+        return False
+    start = addr // PAGE * PAGE
+    end = -(-(addr + nbytes) // PAGE) * PAGE
+    if libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start),
+                     MADV_POPULATE_WRITE) == 0:
+        _populate_ok = True
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.EPERM):  # kernel < 5.14, or a sandbox
+        _populate_ok = False
+        return False
+    # ENOMEM (no memory now) or EFAULT: this range stays unfaulted; a copy faults it later
+    log.debug("madvise(MADV_POPULATE_WRITE) of %s at %#x failed: %s", human_bytes(nbytes),
+              addr, errno.errorcode.get(err, err))
+    return False
+
+
+class Prefaulter:
+    """Populates ``buf`` from its start: in the background (``start()``) or now (``run()``).
+
+    ``front``: bytes ``[0, front)`` are populated. Work is handed out in ``step``s from a
+    cursor, so a thread that allocates past the front (``ensure``) helps: it populates the
+    next steps up to its block's end instead of faulting them through its copy, and no step
+    is populated twice. A block inside the front costs one comparison.
+    """
+
+    def __init__(self, buf: torch.Tensor, name: str = "memory pool", step: int = STEP,
+                 huge: bool = False) -> None:
+        if step < PAGE or step % PAGE:
+            raise ValueError(f"pre-fault step must be a multiple of {PAGE} B, got {step}")
+        self.name = name
+        self.addr = buf.data_ptr()
+        self.size = buf.numel() * buf.element_size()
+        self.step = step
+        self.huge = huge
+        self.front = 0  # [0, front) populated
+        self.seconds = 0.0  # from the start until the front's last advance
+        self.done = threading.Event()  # the front reached the end, or the pre-fault stopped
+        self._cursor = 0  # [0, cursor) handed out to some thread
+        self._finished: dict[int, int] = {}  # steps populated beyond the front: start -> n
+        self._mu = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._keep = buf  # the memory must outlive the thread
+        self._t0 = time.perf_counter()
+        self._last_log = self._t0
+        self._next_log = self.size / 10
+
+    # ------------------------------------------------------------------ paths
+    def ensure(self, offset: int, nbytes: int) -> None:
+        """Populate ``[offset, offset + nbytes)`` unless the front already covers it.
+
+        Steps the background thread is populating at this moment are not waited for: the
+        copy faults whatever they have not reached yet (populating never changes contents,
+        so either order is correct)."""
+        end = offset + nbytes
+        if end <= self.front or _populate_ok is False:
+            return
+        if offset > self._cursor + 4 * self.step:  # far ahead: just this block
+            populate(self.addr + offset, nbytes)
+            return
+        while self._cursor < end and not self._stop.is_set():
+            if not self._step(fallback_touch=False):
+                break
+
+    def run(self, fallback_touch: bool = False) -> float:
+        """Populate the whole buffer now (the daemon's start-up); returns seconds taken.
+
+        ``fallback_touch``: without ``MADV_POPULATE_WRITE``, zero the pages instead -- only
+        for a buffer nothing has been handed out of yet (zeroing overwrites contents)."""
+        log.info("%s: pre-faulting %s%s", self.name, human_bytes(self.size), self._pages())
+        self._t0 = self._last_log = time.perf_counter()
+        while self._step(fallback_touch):
+            pass
+        self._stopped()
+        return self.seconds
+
+    def start(self) -> None:
+        """Populate in a background thread; returns at once."""
+        if self._thread is not None:
+            raise RuntimeError(f"{self.name}: pre-fault already started")
+        log.info("%s: pre-faulting %s in the background%s", self.name,
+                 human_bytes(self.size), self._pages())
+        self._t0 = self._last_log = time.perf_counter()
+        self._thread = threading.Thread(target=_background, args=(weakref.ref(self),),
+                                        daemon=True, name=f"lmc-prefault-{id(self):x}")
+        self._thread.start()
+
+    def stop(self, wait: float | None = 5.0) -> None:
+        """Stop advancing (the pool is closing); pages already populated stay."""
+        self._stop.set()
+        t = self._thread
+        if t is not None and t is not threading.current_thread():
+            t.join(wait)
+        self.done.set()
+
+    def stats(self) -> dict[str, float]:
+        return {"prefaulted": self.front, "prefault_seconds": self.seconds}
+
+    # -------------------------------------------------------------- internals
+    def _pages(self) -> str:
+        return " (transparent huge pages)" if self.huge else ""
+
+    def _step(self, fallback_touch: bool) -> bool:
+        """Claim the next step and populate it; False when none is left, on stop, or when
+        the kernel cannot populate (then the claimed step faults on first use)."""
+        if self._stop.is_set():
+            return False
+        with self._mu:
+            start = self._cursor
+            if start >= self.size:
+                return False
+            n = min(self.step, self.size - start)
+            self._cursor = start + n
+        if not populate(self.addr + start, n):
+            if not fallback_touch or _populate_ok is not False:
+                return False
+            self._keep.view(torch.uint8).reshape(-1)[start: start + n].zero_()
+        PREFAULTED.inc(n)
+        with self._mu:
+            self._finished[start] = n
+            front = self.front
+            while front in self._finished:
+                front += self._finished.pop(front)
+            self.front = front
+            now = time.perf_counter()
+            self.seconds = now - self._t0
+            report = front >= self._next_log and now - self._last_log >= 1.0
+            if report:
+                self._last_log = now
+            while self._next_log <= front:
+                self._next_log += self.size / 10
+        if front >= self.size:
+            if not self.done.is_set():
+                self.done.set()
+                rate = self.size / self.seconds if self.seconds > 0 else float("inf")
+                log.info("%s: pre-faulted %s in %s (%s/s)", self.name, human_bytes(self.size),
+                         human_seconds(self.seconds), human_bytes(rate))
+        elif report:
+            log.info("%s: pre-faulted %s of %s (%.0f%%) in %s", self.name, human_bytes(front),
+                     human_bytes(self.size), 100 * front / self.size,
+                     human_seconds(self.seconds))
+        return True
+
+    def _stopped(self) -> None:
+        """The background thread (or ``run``) ran out of steps: say so if the front did not
+        reach the end (a helping ``ensure`` may still finish the last steps)."""
+        if self.front < self.size and self._cursor < self.size and not self._stop.is_set():
+            log.info("%s: pre-fault stopped at %s of %s: the kernel did not populate this "
+                     "memory ahead of use (pages fault on first write)", self.name,
+                     human_bytes(self.front), human_bytes(self.size))
+            self.done.set()
+
+
+def _background(ref: weakref.ref[Prefaulter]) -> None:
+    """Thread body holding only a weak reference between steps: a pool garbage-collected
+    without ``close()`` stops its pre-fault instead of being kept alive by it."""
+    while True:
+        p = ref()
+        if p is None:
+            return
+        try:
+            if not p._step(fallback_touch=False):
+                p._stopped()
+                return
+        except Exception:  # never let a pre-fault failure reach the engine: stores fault
+            log.exception("%s: background pre-fault failed", p.name)
+            p.done.set()
+            return
+        del p
