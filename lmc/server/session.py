@@ -20,6 +20,7 @@ import socket
 import time
 from typing import TYPE_CHECKING, Any
 
+from lmc.p2p import daemon_ops as p2p_ops
 from lmc.serde import encode_header, payload_checksum
 from lmc.server import metrics as M
 from lmc.server import protocol as P
@@ -111,6 +112,7 @@ class Session:
         except Exception:
             log.exception("%s: internal error; closing the connection", self.peer)
         finally:
+            self.store.p2p.leave(self)  # a closed owner's locations go with it
             self.sock.close()
             log.debug("%s: disconnected", self.peer)
 
@@ -347,3 +349,4 @@ class Session:
 
     _handlers = {P.HELLO: _hello, P.PING: _ping, P.STATS: _stats, P.PUT: _put, P.GET: _get,
                  P.EXISTS: _exists, P.DELETE: _delete}
+    _handlers.update(dict.fromkeys(P.P2P_OPS, p2p_ops.handle))

@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 from lmc.memory import MemoryObj
+from lmc.p2p.directory import PeerDirectory
 from lmc.serde import payload_checksum
 from lmc.server import metrics as M
 from lmc.server.ratelog import IntervalLog
@@ -99,6 +100,7 @@ class NamespacedStore:
             logging.INFO, f"max_namespaces ({max_namespaces}) reached: the least recently used "
             "namespace's ledger was reclaimed and its chunks left memory")
         self._lock = threading.Lock()
+        self.p2p = PeerDirectory()  # who holds which chunk in its own pool (lmc/p2p)
 
     # ------------------------------------------------------------------ keys
     @staticmethod

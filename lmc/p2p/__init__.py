@@ -1,0 +1,13 @@
+"""Peer-to-peer KV: engines pull chunks straight from each other's memory pools over NIXL.
+
+* :mod:`lmc.p2p.wire` -- the fixed-size location record an owner advertises for a chunk.
+* :mod:`lmc.p2p.directory` -- the daemon's who-holds-what table (bounded per peer, dropped
+  with the peer's connection).
+* :mod:`lmc.p2p.directory_client` -- the engine's side of the directory ops.
+* :mod:`lmc.p2p.agent` -- one NIXL agent per engine: its pool and version table registered,
+  READs with a deadline.
+* ``lmc.storage_backends.p2p`` -- the tier that ties them together.
+
+NIXL is imported only by :mod:`lmc.p2p.agent`, so the daemon and everything else work without
+it installed.
+"""

@@ -1,0 +1,186 @@
+"""One NIXL agent per engine: the memory pool and a version table registered, READs with a
+deadline.
+
+The pool is registered once, whole (it is one buffer for the life of the engine), so no chunk
+is ever registered or copied on the way out: a reader READs straight from the owner's pool
+into its own. The version table is a small int64 array beside it (:mod:`lmc.p2p.wire` says
+what a slot means); a registered scratch array receives the slots a reader checks.
+
+A transfer that misses its deadline is asked to stop; until NIXL confirms it has, the
+destination objects stay referenced (``quarantined``), so a late write can never land in
+memory the pool has handed to someone else. NIXL is imported here only, and lazily, so
+nothing else in lmc needs it. Processes that made a UCX-backed agent crash in a library
+destructor at interpreter exit (NIXL 1.5.1): call :meth:`close`, then end with ``os._exit``.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from lmc.memory import MemoryObj, MemoryPool
+from lmc.p2p.wire import PeerInfo
+
+log = logging.getLogger(__name__)
+SCRATCH_SLOTS = 4096
+
+
+def import_nixl() -> Any:
+    """The ``nixl._api`` module, or an ImportError that says how to get it."""
+    try:
+        from nixl import _api
+    except ImportError as e:
+        raise ImportError("the p2p tier needs NIXL: pip install 'lmc-kvcache[nixl]' (or, "
+                          "without CUDA packages, pip install --no-deps nixl nixl-cu12; see "
+                          f"the README's P2P section): {e}") from e
+    return _api
+
+
+class TransferFailed(Exception):
+    """A READ ended in error or missed its deadline: the chunks it was for are misses."""
+
+
+class PoolAgent:
+    """Thread-safe (one lock around the agent): owners and readers share it."""
+
+    def __init__(self, name: str, pool: MemoryPool, slots: int = 1 << 16,
+                 backends: Sequence[str] = ("UCX",)) -> None:
+        api = import_nixl()
+        self.name = name
+        self.pool = pool
+        self._lock = threading.RLock()
+        self.agent = api.nixl_agent(name, api.nixl_agent_config(backends=list(backends)))
+        self.versions = torch.zeros(slots, dtype=torch.int64)
+        self._scratch = torch.zeros(SCRATCH_SLOTS, dtype=torch.int64)
+        self._regs = []
+        for t in (pool.buffer, self.versions, self._scratch):
+            descs = self.agent.get_reg_descs([(t.data_ptr(), t.numel() * t.element_size(), 0,
+                                               "")], "DRAM")
+            self._regs.append(self.agent.register_memory(descs))
+        self.info = PeerInfo(name, bytes(self.agent.get_agent_metadata()),
+                             pool.buffer.data_ptr(), pool.size, self.versions.data_ptr(), slots)
+        self._peers: dict[str, PeerInfo] = {}
+        self._quarantine: list[tuple[Any, list[MemoryObj]]] = []
+        self.closed = False
+
+    # ------------------------------------------------------------ peers
+    def knows(self, agent: str) -> PeerInfo | None:
+        return self._peers.get(agent)
+
+    def add_peer(self, info: PeerInfo) -> None:
+        with self._lock:
+            if info.agent not in self._peers:
+                self.agent.add_remote_agent(info.metadata)
+                self._peers[info.agent] = info
+
+    def forget_peer(self, agent: str) -> None:
+        """Drop a peer that failed a transfer: its next record is looked up afresh."""
+        with self._lock:
+            if self._peers.pop(agent, None) is not None:
+                try:
+                    self.agent.remove_remote_agent(agent)
+                except Exception as e:  # already gone on NIXL's side
+                    log.debug("remove_remote_agent(%s): %s", agent, e)
+
+    # ------------------------------------------------------------ reads
+    def read(self, peer: PeerInfo, pairs: Sequence[tuple[int, int, int]], deadline: float,
+             hold: Sequence[MemoryObj] = ()) -> None:
+        """READ ``(local_addr, remote_addr, nbytes)`` spans from ``peer`` by ``deadline``
+        (``time.monotonic``); raises :class:`TransferFailed`. ``hold``: the destination
+        objects, kept referenced if the transfer cannot be stopped after a timeout."""
+        with self._lock:
+            self._drain_quarantine()
+            a = self.agent
+            local = a.get_xfer_descs([(la, n, 0) for la, _, n in pairs], "DRAM")
+            remote = a.get_xfer_descs([(ra, n, 0) for _, ra, n in pairs], "DRAM")
+            try:
+                h = a.initialize_xfer("READ", local, remote, peer.agent)
+            except Exception as e:
+                raise TransferFailed(f"READ from {peer.agent} not started: {e}") from e
+            try:
+                state = a.transfer(h)
+                spin = 0
+                while state not in ("DONE", "ERR"):
+                    if time.monotonic() > deadline:
+                        self._abandon(h, hold)
+                        h = None
+                        raise TransferFailed(f"READ from {peer.agent} missed its deadline")
+                    spin += 1
+                    if spin > 64:  # a slow peer: stop burning a core on it
+                        time.sleep(5e-5)
+                    state = a.check_xfer_state(h)
+                if state == "ERR":
+                    raise TransferFailed(f"READ from {peer.agent} failed")
+            except TransferFailed:
+                raise
+            except Exception as e:  # nixl raises its own types for a dead peer
+                raise TransferFailed(f"READ from {peer.agent}: {e}") from e
+            finally:
+                if h is not None:
+                    self._release(h, hold)
+
+    def read_versions(self, peer: PeerInfo, slots: Sequence[int], deadline: float
+                      ) -> list[int]:
+        """The current values of ``slots`` in ``peer``'s version table (one READ per
+        ``SCRATCH_SLOTS``), read only after every earlier READ completed."""
+        out: list[int] = []
+        base = self._scratch.data_ptr()
+        with self._lock:  # the scratch array is shared
+            for i in range(0, len(slots), SCRATCH_SLOTS):
+                part = slots[i: i + SCRATCH_SLOTS]
+                self._scratch[: len(part)].fill_(0)
+                self.read(peer, [(base + 8 * j, peer.versions_addr + 8 * s, 8)
+                                 for j, s in enumerate(part)], deadline)
+                out += self._scratch[: len(part)].tolist()
+        return out
+
+    def _release(self, h: Any, hold: Sequence[MemoryObj]) -> None:
+        try:
+            self.agent.release_xfer_handle(h)
+        except Exception as e:
+            log.warning("NIXL transfer handle not released (%s): its destinations stay "
+                        "quarantined", e)
+            self._quarantine.append((h, [o.acquire() for o in hold]))
+
+    def _abandon(self, h: Any, hold: Sequence[MemoryObj]) -> None:
+        """A transfer past its deadline: try to stop it; if NIXL cannot yet, keep its
+        destinations referenced until it can (retried before every later READ)."""
+        self._release(h, hold)
+
+    def _drain_quarantine(self) -> None:
+        keep = []
+        for h, objs in self._quarantine:
+            try:
+                self.agent.release_xfer_handle(h)
+            except Exception:
+                keep.append((h, objs))
+                continue
+            for o in objs:
+                o.release()
+        self._quarantine = keep
+
+    @property
+    def quarantined(self) -> int:
+        return sum(len(o) for _, o in self._quarantine)
+
+    def close(self) -> None:
+        """Deregister everything. The process should then end with ``os._exit``."""
+        with self._lock:
+            if self.closed:
+                return
+            self.closed = True
+            self._drain_quarantine()
+            for _h, objs in self._quarantine:  # never released: the pool must not reuse them
+                log.warning("closing with a NIXL transfer still in flight; %d objects leak",
+                            len(objs))
+            for r in self._regs:
+                try:
+                    self.agent.deregister_memory(r)
+                except Exception as e:
+                    log.debug("deregister_memory: %s", e)
+            self._regs = []

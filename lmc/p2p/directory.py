@@ -1,0 +1,140 @@
+"""The daemon's directory of who holds which chunk, for the peer-to-peer tier.
+
+Why the daemon: a node's engines already share it (one address in their config, one token
+scheme, namespaces that keep tenants apart), and chunk keys are content addresses, so engines
+agree on names without coordinating; the directory only has to map a key to an owner. Why
+entries belong to a connection: an owner that dies closes its socket (the kernel does it,
+SIGKILL included), and its entries go with it, so a dead owner is forgotten without timers or
+heartbeats. An owner that is alive but slow is the reader's deadline's business; an entry
+whose chunk the owner let go is caught by the version check (:mod:`lmc.p2p.wire`).
+
+Bounded: at most ``max_peers`` joined connections, each with at most ``max_entries`` records
+(the oldest go first; the owner still holds the chunk, it is just no longer found). Not
+thread-safe by design: the daemon calls it from its event loop only.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Hashable, Sequence
+
+from lmc.p2p.wire import PeerInfo
+
+
+class DirectoryFull(Exception):
+    """``max_peers`` connections have joined already."""
+
+
+class _Peer:
+    __slots__ = ("info", "entries")
+
+    def __init__(self, info: PeerInfo) -> None:
+        self.info = info
+        self.entries: OrderedDict[bytes, bytes] = OrderedDict()  # internal key -> record
+
+
+class PeerDirectory:
+    """Keys are the daemon's internal (namespace-keyed) keys; records are opaque bytes here
+    (their layout is checked when they arrive, by the session)."""
+
+    def __init__(self, max_peers: int = 256, max_entries: int = 1 << 16) -> None:
+        if max_peers < 1 or max_entries < 1:
+            raise ValueError("max_peers and max_entries must be >= 1")
+        self.max_peers = max_peers
+        self.max_entries = max_entries
+        self._peers: dict[Hashable, _Peer] = {}  # by owning connection
+        self._by_agent: dict[str, Hashable] = {}
+        self._holders: dict[bytes, OrderedDict[Hashable, None]] = {}  # most recent last
+        self.dropped = 0  # records pushed out by max_entries
+
+    def join(self, conn: Hashable, info: PeerInfo) -> None:
+        """Bind ``info.agent`` to this connection (a second JOIN on it replaces the first and
+        forgets its records: the agent restarted)."""
+        other = self._by_agent.get(info.agent)
+        if other is not None and other is not conn:
+            raise ValueError(f"agent name {info.agent!r} is taken by another connection")
+        if conn in self._peers:
+            self.leave(conn)
+        elif len(self._peers) >= self.max_peers:
+            raise DirectoryFull(f"{self.max_peers} peers have joined the directory already")
+        self._peers[conn] = _Peer(info)
+        self._by_agent[info.agent] = conn
+
+    def leave(self, conn: Hashable) -> int:
+        """Forget a connection's agent and every record it advertised; how many."""
+        peer = self._peers.pop(conn, None)
+        if peer is None:
+            return 0
+        self._by_agent.pop(peer.info.agent, None)
+        for k in peer.entries:
+            self._unhold(k, conn)
+        return len(peer.entries)
+
+    def joined(self, conn: Hashable) -> bool:
+        return conn in self._peers
+
+    def peer_info_of(self, conn: Hashable) -> PeerInfo:
+        return self._peers[conn].info
+
+    def advertise(self, conn: Hashable, ikeys: Sequence[bytes], records: Sequence[bytes]
+                  ) -> int:
+        peer = self._peers.get(conn)
+        if peer is None:
+            raise ValueError("advertise before join")
+        for k, rec in zip(ikeys, records, strict=True):
+            if k in peer.entries:
+                peer.entries.move_to_end(k)
+            peer.entries[k] = rec
+            holders = self._holders.setdefault(k, OrderedDict())
+            holders[conn] = None
+            holders.move_to_end(conn)
+            while len(peer.entries) > self.max_entries:
+                old, _ = peer.entries.popitem(last=False)
+                self._unhold(old, conn)
+                self.dropped += 1
+        return len(ikeys)
+
+    def withdraw(self, conn: Hashable, ikeys: Sequence[bytes]) -> int:
+        peer = self._peers.get(conn)
+        if peer is None:
+            return 0
+        n = 0
+        for k in ikeys:
+            if peer.entries.pop(k, None) is not None:
+                self._unhold(k, conn)
+                n += 1
+        return n
+
+    def locate(self, ikeys: Sequence[bytes], exclude: str | None = None
+               ) -> list[tuple[str, bytes] | None]:
+        """For each key, ``(agent, record)`` of the most recent holder other than
+        ``exclude`` (the asker's own agent), else None."""
+        mine = self._by_agent.get(exclude) if exclude else None
+        out: list[tuple[str, bytes] | None] = []
+        for k in ikeys:
+            found = None
+            holders = self._holders.get(k)
+            if holders:
+                for conn in reversed(holders):
+                    if conn is not mine:
+                        peer = self._peers[conn]
+                        found = (peer.info.agent, peer.entries[k])
+                        break
+            out.append(found)
+        return out
+
+    def peer(self, agent: str) -> PeerInfo | None:
+        conn = self._by_agent.get(agent)
+        return None if conn is None else self._peers[conn].info
+
+    def _unhold(self, k: bytes, conn: Hashable) -> None:
+        holders = self._holders.get(k)
+        if holders is not None:
+            holders.pop(conn, None)
+            if not holders:
+                del self._holders[k]
+
+    def stats(self) -> dict[str, int]:
+        return {"peers": len(self._peers), "keys": len(self._holders),
+                "records": sum(len(p.entries) for p in self._peers.values()),
+                "dropped": self.dropped}

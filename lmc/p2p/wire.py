@@ -1,0 +1,110 @@
+"""The location record an owner advertises for one chunk, and the checks on it.
+
+A record says where a chunk lies in its owner's pool and how to prove, after reading it, that
+the memory still held that chunk: ``slot`` indexes the owner's version table (registered with
+NIXL beside the pool) and ``version`` is the value the slot holds while the chunk is exported.
+The owner clears the slot before it releases the chunk's memory, so a reader that finds the
+slot unchanged *after* its payload READ completed read the chunk, not whatever reused the
+memory. Fixed size, little-endian, so the daemon can bound and check it without knowing
+tensors::
+
+    key 16B | offset u64 | nbytes u64 | version u64 | slot u32 | dtype u8 | pad 3B
+    | shape 4 x u32 | num_tokens u32
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import struct
+
+import torch
+
+from lmc.serde import CODE_DTYPES, DTYPE_CODES
+
+_RECORD = struct.Struct("<16sQQQIB3x4II")
+RECORD_SIZE = _RECORD.size  # 68
+MAX_AGENT_NAME = 128
+MAX_METADATA = 4096  # bytes of NIXL agent metadata (UCX's is ~0.5 KiB on loopback)
+
+
+class BadRecord(ValueError):
+    """A record that cannot describe a chunk (wrong size, dtype, shape or bounds)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Record:
+    key: bytes
+    offset: int
+    nbytes: int
+    version: int
+    slot: int
+    dtype: torch.dtype
+    shape: tuple[int, int, int, int]
+    num_tokens: int
+
+    def pack(self) -> bytes:
+        return _RECORD.pack(self.key, self.offset, self.nbytes, self.version, self.slot,
+                            DTYPE_CODES[self.dtype], *self.shape, self.num_tokens)
+
+
+def unpack_record(raw: bytes) -> Record:
+    """Parse and check a record: its size, dtype, and that shape, dtype and length agree."""
+    if not isinstance(raw, (bytes, bytearray)) or len(raw) != RECORD_SIZE:
+        raise BadRecord(f"a location record is {RECORD_SIZE} bytes of bin")
+    key, off, n, ver, slot, code, s0, s1, s2, s3, ntok = _RECORD.unpack(raw)
+    dtype = CODE_DTYPES.get(code)
+    if dtype is None:
+        raise BadRecord(f"unknown dtype code {code}")
+    shape = (s0, s1, s2, s3)
+    if n <= 0 or s0 * s1 * s2 * s3 * dtype.itemsize != n:
+        raise BadRecord(f"shape {shape} of {dtype} does not match length {n}")
+    if s2 != ntok:
+        raise BadRecord(f"token count {ntok} does not match shape {shape}")
+    if ver == 0:
+        raise BadRecord("version 0 marks a free slot; an advertised chunk has version >= 1")
+    return Record(key, off, n, ver, slot, dtype, shape, ntok)
+
+
+@dataclasses.dataclass(frozen=True)
+class PeerInfo:
+    """What a reader needs to address an owner: its NIXL metadata and where its pool and
+    version table lie in its address space."""
+
+    agent: str
+    metadata: bytes
+    pool_base: int
+    pool_size: int
+    versions_addr: int
+    slots: int
+
+    def as_meta(self) -> dict:
+        return {"agent": self.agent, "metadata": self.metadata, "pool_base": self.pool_base,
+                "pool_size": self.pool_size, "versions_addr": self.versions_addr,
+                "slots": self.slots}
+
+    def check(self, rec: Record) -> None:
+        """The record lies inside this peer's pool and version table."""
+        if rec.offset + rec.nbytes > self.pool_size:
+            raise BadRecord(f"record [{rec.offset}, +{rec.nbytes}) runs past the peer's "
+                            f"{self.pool_size} B pool")
+        if rec.slot >= self.slots:
+            raise BadRecord(f"slot {rec.slot} past the peer's {self.slots} version slots")
+
+
+def peer_info(meta: dict) -> PeerInfo:
+    """A :class:`PeerInfo` from msgpack metadata, every field type- and range-checked."""
+    agent = meta.get("agent")
+    md = meta.get("metadata")
+    if not isinstance(agent, str) or not 0 < len(agent.encode()) <= MAX_AGENT_NAME:
+        raise ValueError(f"agent must be a name of 1..{MAX_AGENT_NAME} bytes")
+    if not isinstance(md, bytes) or not 0 < len(md) <= MAX_METADATA:
+        raise ValueError(f"metadata must be 1..{MAX_METADATA} bytes of bin")
+    ints = {}
+    for f in ("pool_base", "pool_size", "versions_addr", "slots"):
+        v = meta.get(f)
+        if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v < 1 << 64:
+            raise ValueError(f"field {f!r} must be an unsigned 64-bit integer")
+        ints[f] = v
+    if ints["pool_size"] == 0 or ints["slots"] == 0:
+        raise ValueError("pool_size and slots must be positive")
+    return PeerInfo(agent, md, **ints)

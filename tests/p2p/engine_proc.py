@@ -1,0 +1,144 @@
+"""An engine process for the P2P tests, driven by JSON lines on stdin (one JSON answer line
+each): ``python -m tests.p2p.engine_proc DIRECTORY_URL``.
+
+Its tiers are L1 and the P2P tier only, so a chunk it did not store itself can come from a
+peer's pool and nowhere else. KV is regenerated from a seed on every side, so a loader checks
+bit-exactness against what the owner stored without any side channel. NIXL agents crash at
+interpreter exit (see ``lmc.p2p.agent``): ``exit`` closes the engine and ends with
+``os._exit``; judge this process by its answers.
+
+Commands: ``store``/``load`` ``{seed, n}``; ``evict`` ``{seed, n}`` (delete the prompt's chunks
+everywhere, then store another prompt so the freed memory is reused); ``arm`` ``{when:
+before|after, action: kill|signal, pid}`` (the next READ from a peer first SIGKILLs ``pid``,
+or sends it SIGUSR1 and waits for its ``evicted`` file); ``stats``; ``exit``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import torch
+from lmc.storage_backends.p2p import P2PBackend
+
+from lmc import CacheConfig, CacheEngine
+from tests.kvutil import make_caches, spec_for
+from tests.server.engine_proc import _slots
+
+LAYOUT = "vllm_flash"
+GEOMETRY = {"blocks": 64, "block_size": 4, "layers": 4, "heads": 2, "dim": 64}
+
+
+def _caches(seed: int, zeros: bool = False):
+    return make_caches(LAYOUT, dtype=torch.bfloat16, seed=seed, zeros=zeros, **GEOMETRY)
+
+
+def _tokens(seed: int, n: int) -> list[int]:
+    return torch.randint(0, 30000, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def _wait_dead(pid: int, timeout: float = 10.0) -> None:
+    """Until ``pid`` is gone or a zombie (its parent, the test, reaps it)."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except (FileNotFoundError, IndexError):
+            return
+        if state in ("Z", "X"):
+            return
+        time.sleep(0.005)
+    raise TimeoutError(f"process {pid} still alive")
+
+
+class Engine:
+    def __init__(self, url: str, workdir: str) -> None:
+        self.workdir = Path(workdir)
+        cfg = CacheConfig(chunk_size=16, local_cpu_size="32MiB", pin_memory="false",
+                          remote_timeout=2.0)
+        src = _caches(0)
+        self.spec = spec_for(LAYOUT, src)
+        self.eng = CacheEngine(cfg, self.spec, model_id="p2p-test", tiers=[
+            lambda c, pool: P2PBackend(url, config=c, pool=pool)])
+        self.p2p: P2PBackend = self.eng.storage.tiers[-1]  # type: ignore[assignment]
+        self.stored: dict[int, list[int]] = {}
+        signal.signal(signal.SIGUSR1, self._on_signal)
+
+    def _on_signal(self, *_: object) -> None:
+        """Another process's READ is in flight on our chunks: let them all go, reuse memory."""
+        for seed, tokens in list(self.stored.items()):
+            self.evict(seed, len(tokens))
+        (self.workdir / f"evicted.{os.getpid()}").write_text("1")
+
+    def store(self, seed: int, n: int) -> dict:
+        tokens = _tokens(seed, n)
+        stored = self.eng.store(tokens, _caches(seed), _slots(self.spec, n, seed + 1))
+        self.stored[seed] = tokens
+        return {"stored": stored, "flushed": self.eng.flush(30),
+                "exports": self.p2p.stats()["exports"]}
+
+    def load(self, seed: int, n: int) -> dict:
+        tokens = _tokens(seed, n)
+        src, dst = _caches(seed), _caches(seed + 99, zeros=True)
+        s_src, s_dst = _slots(self.spec, n, seed + 1), _slots(self.spec, n, seed + 2)
+        hit = self.eng.lookup(tokens)
+        got = self.eng.retrieve(tokens, dst, s_dst)
+        # every retrieved token bit-exact; nothing past ``got`` written
+        exact = all(torch.equal(s[:, s_src[:got] // 4, s_src[:got] % 4].view(torch.int16),
+                                d[:, s_dst[:got] // 4, s_dst[:got] % 4].view(torch.int16))
+                    for s, d in zip(src, dst))
+        untouched = all(not d[:, s_dst[got:] // 4, s_dst[got:] % 4].view(torch.int16).any()
+                        for d in dst)
+        return {"lookup": hit, "retrieved": got, "bit_exact": exact, "untouched": untouched,
+                "p2p": self.p2p.stats()}
+
+    def evict(self, seed: int, n: int) -> dict:
+        tokens = self.stored.pop(seed, _tokens(seed, n))
+        keys = [k for _, _, k in self.eng.db.process_tokens(tokens)]
+        deleted = self.eng.storage.delete(keys)
+        filler = _tokens(seed + 1000, n)  # reuse the freed memory for other KV
+        self.eng.store(filler, _caches(seed + 1000), _slots(self.spec, n, seed + 1001))
+        return {"deleted": deleted}
+
+    def arm(self, when: str, action: str, pid: int) -> dict:
+        def hook(agent: str) -> None:
+            self.p2p.before_read = self.p2p.after_read = None  # once
+            if action == "kill":
+                os.kill(pid, signal.SIGKILL)
+                _wait_dead(pid)
+            else:
+                flag = self.workdir / f"evicted.{pid}"
+                flag.unlink(missing_ok=True)
+                os.kill(pid, signal.SIGUSR1)
+                end = time.monotonic() + 10
+                while not flag.exists() and time.monotonic() < end:
+                    time.sleep(0.002)
+        setattr(self.p2p, "before_read" if when == "before" else "after_read", hook)
+        return {"armed": when}
+
+
+def main() -> None:
+    url, workdir = sys.argv[1], sys.argv[2]
+    eng = Engine(url, workdir)
+    print(json.dumps({"pid": os.getpid(), "agent": eng.p2p.agent_name}), flush=True)
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        op = cmd.pop("op")
+        if op == "exit":
+            eng.eng.close()
+            print(json.dumps({"closed": True}), flush=True)
+            os._exit(0)
+        try:
+            out = eng.p2p.stats() if op == "stats" else getattr(eng, op)(**cmd)
+        except Exception as e:  # answered, so the test sees it
+            out = {"error": f"{type(e).__name__}: {e}"}
+        print(json.dumps(out), flush=True)
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()
