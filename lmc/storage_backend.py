@@ -1,13 +1,41 @@
-"""The tier interface every storage backend implements, and the registry that finds them.
+"""The tier contract every storage backend implements, and the registry that finds them.
 
-The core never imports a backend module by name: backends register themselves with
-:func:`register_backend` when their module is imported, and modules are found through the
-``lmc.storage_backends`` entry-point group (pyproject.toml), so a third-party tier plugs in the
-same way as ours. A backend is named in config by its name (``"cpu"``) or by a URL whose
-scheme it claims (``redis://``, ``lmc://``...).
+A tier is one class deriving :class:`StorageBackend`, registered with
+:func:`register_backend`. Config names it by name (``"disk"``) or by a URL whose scheme it
+claims (``redis://``, ``lmc://``...). Lookup order for a name or scheme: backends already
+imported, then lmc's own built-in modules (:data:`BUILTIN_BACKENDS`, found by module path, so
+a source checkout works without reinstalling), then the ``lmc.storage_backends`` entry-point
+group (how a third-party package plugs in). Per-backend options come from
+``CacheConfig.remote_options`` (or the URL's query), never from new core keys; see
+:mod:`lmc.tier_build`.
 
-All calls are batched: one call per prompt, never one per chunk, so a remote tier answers a
-whole prompt in one round trip.
+The contract (``tests/storage_backends/contract.py`` checks it on every tier):
+
+* **Batched.** ``contains``/``get``/``put``/``delete`` take a whole prompt's keys: one call per
+  prompt, never one per chunk, so a remote tier answers in one round trip. Results are in key
+  order, one per key, a key repeated in a batch answered in each place.
+* **Ownership.** ``get`` returns objects each holding one reference owned by the caller (who
+  releases it), allocated from the pool the tier was given (for lower tiers a
+  :class:`lmc.storage_manager.TierPool`, whose ``allocate`` may evict L1). ``put`` never
+  takes the caller's reference: a tier that keeps the object (L1) acquires its own; a tier
+  that copies it out (disk, remote) reads its bytes through ``MemoryObj.byte_view()`` /
+  ``io_spans()`` only during the call and keeps nothing.
+* **Failure is a miss.** A tier never raises into the engine for I/O: a dead, slow or full
+  backend answers ``False``/``None``/``0`` within a deadline (``remote_timeout`` for remote
+  tiers), counted in its metrics. Bad input (a wrong shape, keys and objects of different
+  lengths) is the caller's bug and may raise ``ValueError`` before any I/O.
+* **Corruption is a miss and a delete.** A value failing any check (the ``lmc.serde`` header,
+  checksums, a keyed tag) is released, counted, deleted from the backend and served as a miss
+  (:class:`lmc.remote_tier.Rejects`).
+* **Nothing half-written is visible.** ``contains``/``get`` see a value only once it is
+  completely stored (rename into place, a single SET, an acknowledged PUT).
+* **Close.** ``close()`` returns once work in flight is finished or abandoned; calls after it
+  answer misses or 0, never hang. Remote tiers share one breaker
+  (:class:`lmc.breaker.CircuitBreaker`) and one batch splitter
+  (:func:`lmc.remote_tier.split_batch`).
+
+The first tier (L1) is different: it keeps the caller's objects themselves and owns
+allocation, so it also implements :class:`MemoryTier`.
 """
 
 from __future__ import annotations
@@ -18,9 +46,11 @@ import logging
 import threading
 from collections.abc import Callable, Sequence
 from importlib import metadata
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
+    import torch
+
     from lmc.config import CacheConfig
     from lmc.memory import MemoryObj, MemoryPool
 
@@ -31,12 +61,9 @@ Key = bytes
 class StorageBackend(abc.ABC):
     """A tier. Keys are 16-byte content addresses; values are ``MemoryObj`` chunks.
 
-    Contract:
-    * ``get`` returns objects holding a reference for the caller (release them), or ``None``
-      for a miss. A tier that fails returns misses; it never raises into the engine for I/O.
-    * ``put`` never keeps the caller's reference; a tier that keeps the object acquires its own.
-      It returns how many keys it stored (already-present keys count as stored).
-    * Nothing is visible to ``contains``/``get`` before it is completely written.
+    See the module docstring for the whole contract: batched calls, the caller owns what
+    ``get`` returns, ``put`` keeps no reference of the caller's, failure is a miss within a
+    deadline, a corrupt value is a miss and is deleted, nothing half-written is visible.
     """
 
     name: str = "?"
@@ -73,11 +100,76 @@ class StorageBackend(abc.ABC):
         return {}
 
 
+EvictListener = Callable[[list[tuple[Key, "MemoryObj"]]], None]
+
+
+@runtime_checkable
+class MemoryTier(Protocol):
+    """L1: a tier over the process's pool that keeps the caller's objects themselves.
+
+    What the storage manager needs beyond :class:`StorageBackend`: allocation that evicts
+    unreferenced chunks to make room (stores and lower-tier reads allocate through it), a
+    presence check that refreshes recency, and the eviction hook write-on-evict feeds lower
+    tiers from. An object of another pool is refused by ``put`` (evicting it frees nothing).
+    """
+
+    name: str
+    pool: MemoryPool
+    on_evict: EvictListener | None
+    """Called under the tier's lock with the victims, before their memory is released."""
+
+    def allocate(self, shape: Sequence[int], dtype: torch.dtype, num_tokens: int
+                 ) -> MemoryObj | None:
+        """One object holding a reference for the caller, evicting if needed; ``None`` when
+        everything left is referenced."""
+
+    def allocate_many(self, shape: Sequence[int], dtype: torch.dtype, count: int,
+                      num_tokens: int) -> list[MemoryObj]:
+        """Up to ``count`` objects (fewer, possibly none, when the rest is referenced)."""
+
+    def touch(self, keys: Sequence[Key]) -> list[bool]:
+        """Presence of each key; present ones count as just used."""
+
+    def contains(self, keys: Sequence[Key]) -> list[bool]: ...
+
+    def prefix_hits(self, keys: Sequence[Key]) -> int: ...
+
+    def get(self, keys: Sequence[Key]) -> list[MemoryObj | None]: ...
+
+    def put(self, keys: Sequence[Key], objs: Sequence[MemoryObj]) -> int: ...
+
+    def delete(self, keys: Sequence[Key]) -> int: ...
+
+    def close(self) -> None: ...
+
+    def stats(self) -> dict[str, Any]: ...
+
+
 BackendFactory = Callable[..., StorageBackend]
 _by_name: dict[str, BackendFactory] = {}
 _by_scheme: dict[str, BackendFactory] = {}
 _loaded = False
 _load_lock = threading.Lock()
+
+BUILTIN_BACKENDS: dict[str, str] = {
+    "cpu": "lmc.storage_backends.cpu",
+    "disk": "lmc.storage_backends.disk",
+    "redis": "lmc.storage_backends.redis",
+    "server": "lmc.storage_backends.server",
+}
+"""Tiers by name, imported by module path on first use: lmc's own are found without package
+metadata (a source checkout, an ``lmc`` copied into a container), unlike entry points.
+:func:`register_backend_module` adds to it."""
+
+
+def register_backend_module(name: str, module: str) -> None:
+    """Make backend ``name`` importable on demand from ``module`` (which registers it with
+    :func:`register_backend` when imported): no package metadata, no reinstall. Its URL
+    schemes are found too, since a URL lookup imports every module listed here."""
+    global _loaded
+    with _load_lock:
+        BUILTIN_BACKENDS[name] = module
+        _loaded = False  # a URL lookup must import the new module as well
 
 
 def register_backend(name: str, schemes: Sequence[str] = ()) -> Callable[[type], type]:
@@ -93,19 +185,36 @@ def register_backend(name: str, schemes: Sequence[str] = ()) -> Callable[[type],
     return deco
 
 
+def _import_builtin(module: str) -> None:
+    try:
+        importlib.import_module(module)
+    except ImportError as e:  # e.g. redis-py missing: the other tiers still work
+        log.warning("built-in storage backend %s failed to import: %s", module, e)
+
+
 def _load_plugins(name: str | None = None) -> None:
-    """Import backend modules from the entry-point group: the one called ``name`` when given
-    (a backend asked for by name), else all of them (a URL: any module may claim the scheme)."""
+    """Import backend modules: for a backend asked for by ``name``, the built-in module or
+    the entry point of that name; for a URL (``name=None``), every built-in module and every
+    entry point (any module may claim the scheme)."""
     global _loaded
     with _load_lock:
         if _loaded:
             return
+        if name is not None and name in BUILTIN_BACKENDS:
+            _import_builtin(BUILTIN_BACKENDS[name])
+            return
+        if name is None:
+            for module in BUILTIN_BACKENDS.values():
+                _import_builtin(module)
         eps = metadata.entry_points(group="lmc.storage_backends")
         if name is not None:
             eps = [ep for ep in eps if ep.name == name]
         for ep in eps:
+            module = ep.value.split(":")[0]
+            if module in BUILTIN_BACKENDS.values():
+                continue  # imported above (an installed copy of our own entry points)
             try:
-                importlib.import_module(ep.value.split(":")[0])
+                importlib.import_module(module)
             except Exception as e:  # a broken plugin must not take the others down
                 log.warning("storage backend plugin %s (%s) failed to import: %s",
                             ep.name, ep.value, e)

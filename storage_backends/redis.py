@@ -10,7 +10,8 @@ which keys the server already has (content addressing: same key, same bytes) and
 the others. Every read checks the header key and both checksums (and, with
 ``integrity_secret``, the value's keyed tag: ``lmc.integrity``); a bad value is a miss, is
 deleted and is counted. The modules: ``redis_url`` (URL forms), ``redis_nodes`` (connections,
-cluster slots), ``redis_circuit`` (breaker), ``redis_jobs``/``redis_fetch`` (pipelines).
+cluster slots), ``redis_jobs``/``redis_fetch`` (pipelines); the breaker and the batch
+splitter are every remote tier's (``lmc.breaker``, ``lmc.remote_tier``).
 
 Failure policy: nothing raises into the engine for I/O. ``get``/``contains``/``delete`` end
 within ``remote_timeout`` (one deadline for the whole call, connects included); ``put`` runs
@@ -32,15 +33,16 @@ from typing import Any
 from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from lmc.breaker import OPEN, STATE_CODES, CircuitBreaker
 from lmc.config import CacheConfig
 from lmc.integrity import Integrity
 from lmc.memory import MemoryObj, MemoryPool
 from lmc.metrics import TierMetrics
+from lmc.remote_tier import split_batch
 from lmc.serde import DTYPE_CODES, HEADER_SIZE, TAG_SIZE
 from lmc.storage_backend import Key, StorageBackend, register_backend
 
 from . import redis_metrics as metrics
-from .redis_circuit import OPEN, STATE_CODES, CircuitBreaker
 from .redis_fetch import GetJob
 from .redis_jobs import Call, Job, SetJob, SmallJob
 from .redis_nodes import NodePool, Router
@@ -49,18 +51,6 @@ from .redis_wire import Deadline
 
 log = logging.getLogger(__name__)
 JobFactory = Callable[[Call, Sequence[int]], Job]
-
-
-def _split(idxs: list[int], parts: int) -> list[list[int]]:
-    """``parts`` contiguous, balanced slices of ``idxs`` (fewer if there are fewer keys)."""
-    parts = max(1, min(parts, len(idxs)))
-    q, r = divmod(len(idxs), parts)
-    out, at = [], 0
-    for p in range(parts):
-        n = q + (p < r)
-        out.append(idxs[at: at + n])
-        at += n
-    return out
 
 
 def _error_kind(e: BaseException) -> str:
@@ -190,7 +180,8 @@ class RedisBackend(StorageBackend):
                 self._count(rejected_keys=len(idxs))
                 continue
             parts = max(1, round(self.connections * len(idxs) / n)) if parallel else 1
-            pairs += [(node, make_job(call, part)) for part in _split(idxs, parts)]
+            pairs += [(node, make_job(call, idxs[a:b]))
+                      for a, b in split_batch([1] * len(idxs), parts)]
         if not pairs:
             return
         if len(pairs) == 1:

@@ -26,6 +26,7 @@ from collections.abc import Sequence
 
 from lmc.integrity import Integrity
 from lmc.memory import MemoryObj
+from lmc.remote_tier import Rejects
 from lmc.serde import (
     HEADER_SIZE,
     TAG_SIZE,
@@ -35,7 +36,7 @@ from lmc.serde import (
     verify_payload,
 )
 
-from .redis_jobs import Allocate, Call, Job, payload_view
+from .redis_jobs import Allocate, Call, Job
 from .redis_wire import Deadline, ReplyError, WireConn, command
 
 log = logging.getLogger(__name__)
@@ -50,7 +51,7 @@ class _Open:
         self.obj = obj
         self.hdr = hdr
         self.head = head  # header (and tag): what the integrity check needs at the end
-        self.view = payload_view(obj)
+        self.view = obj.byte_view()
         self.vlen = vlen
         self.pieces_left = 0
 
@@ -81,7 +82,7 @@ class GetJob(Job):
         self._more: deque[tuple[int, int]] = deque()    # (key, offset) ready to ask
         self._pending: deque[tuple[int, int]] = deque()  # asked, reply not read yet
         self._open: dict[int, _Open] = {}
-        self._bad: set[int] = set()
+        self._bad: Rejects[int] = Rejects("redis tier")  # indices into the call's keys
         self._held: list[int] = []
         self._est = self.piece                          # expected reply size, for the window
 
@@ -127,13 +128,12 @@ class GetJob(Job):
                 self._finish(i, st)
             self._ask(wc, dl)
         if self._bad:  # same connection, still in sync: remove what we refused to serve
-            bad = sorted(self._bad)
+            bad = self._bad.take()
             rk = self.call.rkeys
             wc.send([b"".join(command(b"DEL", rk[i]) for i in bad)], dl)
             for _ in bad:
                 wc.read_reply(dl)
             self.call.corrupt += len(bad)
-            self._bad = set()
 
     def _first(self, i: int, head: bytes, n: int) -> memoryview | None:
         if n == 0:
@@ -174,25 +174,27 @@ class GetJob(Job):
 
     def _finish(self, i: int, st: _Open) -> None:
         del self._open[i]
-        try:
+        integrity = self.integrity
+
+        def check() -> None:
             verify_payload(st.hdr, st.view)
-            if self.integrity is not None:
-                self.integrity.check(self.call.keys[i], st.head[:HEADER_SIZE],
-                                     st.head[HEADER_SIZE:], st.view)
-        except CorruptValue as e:
-            st.obj.release()
-            self._corrupt(i, e)
+            if integrity is not None:
+                integrity.check(self.call.keys[i], st.head[:HEADER_SIZE],
+                                st.head[HEADER_SIZE:], st.view)
+
+        if self._bad.verify(i, st.obj, check, self._name(i)) is None:
             return
         self.call.results[i] = st.obj
         self._held.append(i)
         self.call.nbytes += st.vlen
 
+    def _name(self, i: int) -> str:
+        return self.call.rkeys[i].decode(errors="replace")
+
     def _corrupt(self, i: int, e: CorruptValue) -> None:
         if i in self._bad:
             return
-        log.warning("redis value %s is corrupt (%s): treated as a miss and deleted",
-                    self.call.rkeys[i].decode(errors="replace"), e)
-        self._bad.add(i)
+        self._bad.reject(i, e, self._name(i))
         st = self._open.pop(i, None)
         if st is not None:
             st.obj.release()

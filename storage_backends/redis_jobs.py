@@ -9,7 +9,6 @@ allocated go back to the pool and its keys read as misses.
 from __future__ import annotations
 
 import logging
-import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -26,21 +25,8 @@ from lmc.serde import (
 from .redis_wire import Deadline, Outbox, ReplyError, WireConn, command
 
 log = logging.getLogger(__name__)
-_POOL_BYTES: weakref.WeakKeyDictionary[Any, memoryview] = weakref.WeakKeyDictionary()
 
 
-def payload_view(obj: MemoryObj) -> memoryview:
-    """The object's bytes as a slice of one cached view of its pool's buffer.
-
-    Same bytes as ``serde.tensor_bytes(obj.tensor)``, without making three tensors and a
-    numpy array per chunk: on the hot path those (and the garbage collections they trigger)
-    cost more than the checksum.
-    """
-    pool = obj.pool
-    mv = _POOL_BYTES.get(pool)
-    if mv is None:
-        mv = _POOL_BYTES[pool] = memoryview(pool.buffer.numpy()).cast("B")
-    return mv[obj.offset: obj.offset + obj.nbytes]
 Allocate = Callable[[Sequence[int], torch.dtype, int], "MemoryObj | None"]
 _TOPOLOGY_ERRORS = ("MOVED", "ASK", "CLUSTERDOWN", "TRYAGAIN")
 
@@ -132,7 +118,7 @@ class SetJob(Job):
         seal = self.integrity
         for i in self.idxs:
             obj = self.objs[i]
-            payload = payload_view(obj)
+            payload = obj.byte_view()
             header = encode_header(keys[i], obj.shape, obj.dtype, obj.num_tokens, payload,
                                    tagged=seal is not None)
             if seal is not None:

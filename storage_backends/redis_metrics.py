@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from prometheus_client import Counter, Gauge
 
-from .redis_circuit import STATE_CODES
+from lmc.breaker import STATE_CODES
 
 BREAKER_STATE = Gauge(
     "lmc_redis_breaker_state", "Circuit breaker of each Redis node: 0 closed, 1 half-open, 2 open",

@@ -20,7 +20,8 @@ from redis.connection import AbstractConnection
 from redis.crc import REDIS_CLUSTER_HASH_SLOTS, key_slot
 from redis.retry import Retry
 
-from .redis_circuit import CircuitBreaker
+from lmc.breaker import CircuitBreaker
+
 from .redis_url import RedisTarget
 from .redis_wire import Deadline, WireConn
 

@@ -24,12 +24,13 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from lmc.breaker import CLOSED, OPEN, CircuitBreaker
 from lmc.config import CacheConfig
 from lmc.integrity import Integrity
 from lmc.memory import MemoryObj, MemoryPool
-from lmc.serde import DTYPE_CODES, CorruptValue
+from lmc.remote_tier import Rejects, split_batch
+from lmc.serde import DTYPE_CODES
 from lmc.server import protocol as P
-from lmc.server.breaker import CLOSED, OPEN, CircuitBreaker
 from lmc.server.client import Address, Allocate, ClientConnection
 from lmc.server.probe import ProbePolicy
 from lmc.storage_backend import Key, StorageBackend, register_backend
@@ -66,7 +67,10 @@ class ServerBackend(StorageBackend):
         self.timeout = config.remote_timeout
         self._token = config.remote_token
         self._client_name = client_name
-        self.breaker = CircuitBreaker()
+        # a lost server must cost little: open after 2 failures, probe after 0.1 s doubling
+        # to 2 s (docs/protocol.md); a probe outlives its own timeout only if it is lost
+        self.breaker = CircuitBreaker(threshold=2, backoff=0.1, max_backoff=2.0,
+                                      probe_timeout=max(5.0, 4 * self.timeout))
         self.probe = ProbePolicy()
         self._idle: list[ClientConnection] = []
         self._open = 0
@@ -177,19 +181,9 @@ class ServerBackend(StorageBackend):
         return [first, *(r() for r in rest)]
 
     def _split(self, weights: Sequence[int]) -> list[tuple[int, int]]:
-        """Contiguous parts of about equal weight, at most one per connection."""
-        total = sum(weights)
-        n = min(self.size, len(weights), max(1, total // SPLIT_BYTES))
-        if n <= 1:
-            return [(0, len(weights))]
-        parts, start, acc, target = [], 0, 0, total / n
-        for i, w in enumerate(weights):
-            acc += w
-            if acc >= target * (len(parts) + 1) and len(parts) < n - 1 and i + 1 < len(weights):
-                parts.append((start, i + 1))
-                start = i + 1
-        parts.append((start, len(weights)))
-        return parts
+        """Contiguous parts of about equal weight, at most one per connection, none under
+        ``SPLIT_BYTES`` (a small batch stays one round trip)."""
+        return split_batch(weights, min(self.size, max(1, sum(weights) // SPLIT_BYTES)))
 
     # ------------------------------------------------------------- reads
     def contains(self, keys: Sequence[Key]) -> list[bool]:
@@ -213,28 +207,21 @@ class ServerBackend(StorageBackend):
         return out
 
     def _get_tagged(self, keys: Sequence[Key]) -> list[MemoryObj | None]:
-        """Chunks with their tags (one call); only those whose tag verifies are returned."""
-        assert self.tags is not None
+        """Chunks with their tags (one call); only those whose tag verifies are returned,
+        the others are deleted (verify-or-delete, :class:`lmc.remote_tier.Rejects`)."""
+        tags = self.tags
+        assert tags is not None
         got = self._get_values(interleave(keys))
         out: list[MemoryObj | None] = []
-        bad: list[Key] = []
+        rejects: Rejects[Key] = Rejects(f"server tier {self.url}")
         for i, key in enumerate(keys):
             tag, obj = got[2 * i], got[2 * i + 1]
             if obj is not None:
-                try:
-                    self.tags.check(key, obj, tag)
-                except CorruptValue as e:
-                    obj.release()
-                    obj = None
-                    bad.append(key)
-                    self._count(corrupt=1)
-                    log.warning("server tier %s: chunk %s refused: %s; deleted, served as a "
-                                "miss", self.url, key.hex(), e)
+                obj = rejects.verify(key, obj, lambda k=key, o=obj, t=tag: tags.check(k, o, t))
             if tag is not None:
                 tag.release()
             out.append(obj)
-        if bad:
-            self.delete(bad)
+        self._count(corrupt=rejects.delete_with(self.delete))
         return out
 
     def _get_values(self, keys: Sequence[Key]) -> list[MemoryObj | None]:
@@ -318,7 +305,9 @@ class ServerBackend(StorageBackend):
             conns = {"connections_open": self._open, "connections_idle": len(self._idle)}
         with self._count_lock:
             counts = dict(self.counts)
-        return {**counts, **conns, **self.breaker.stats(), "namespace": self.namespace}
+        b = self.breaker.stats()
+        return {**counts, **conns, "breaker": b.pop("state"),
+                **{f"breaker_{k}": v for k, v in b.items()}, "namespace": self.namespace}
 
     def close(self) -> None:
         with self._cond:

@@ -26,7 +26,6 @@ import torch
 from lmc.integrity import Integrity
 from lmc.memory import MemoryObj
 from lmc.serde import TAG_SIZE, CorruptValue, encode_header
-from lmc.server.views import byte_view
 
 TAG_SHAPE = (1, 1, 1, TAG_SIZE)
 TAG_DTYPE = torch.uint8
@@ -69,8 +68,8 @@ class Tags:
             if t is None:
                 continue
             tags.append(t)
-            payload = byte_view(o)
-            byte_view(t)[:] = self.integrity.seal(k, self._header(k, o, payload), payload)
+            payload = o.byte_view()
+            t.byte_view()[:] = self.integrity.seal(k, self._header(k, o, payload), payload)
             out_keys += (tag_key(k), k)
             out_objs += (t, o)
         return out_keys, out_objs, tags
@@ -81,5 +80,5 @@ class Tags:
             raise CorruptValue("no integrity tag (evicted, or written without the secret)")
         if tag.shape != TAG_SHAPE or tag.dtype != TAG_DTYPE:
             raise CorruptValue(f"integrity tag has shape {tag.shape} of {tag.dtype}")
-        payload = byte_view(obj)
-        self.integrity.check(key, self._header(key, obj, payload), byte_view(tag), payload)
+        payload = obj.byte_view()
+        self.integrity.check(key, self._header(key, obj, payload), tag.byte_view(), payload)

@@ -12,10 +12,10 @@ import uuid
 import pytest
 import torch
 from lmc.storage_backends.redis import RedisBackend
-from lmc.storage_backends.redis_circuit import CircuitBreaker
 from lmc.storage_backends.redis_url import parse_target
 from prometheus_client import REGISTRY
 
+from lmc.breaker import CircuitBreaker
 from lmc.config import CacheConfig
 from lmc.serde import HEADER_SIZE
 
@@ -625,7 +625,9 @@ def test_engine_shares_kv_through_redis_and_keeps_serving_l1_when_it_dies(own_re
             assert_bits_equal(token_kv(spec, dst2, slots), token_kv(spec, src, slots), "L1")
         b.store(other, src, slots)  # a store lands in L1; the dead tier only drops its copy
         assert b.contains_chunks(other).all()
-        assert b.stats()["redis.breaker"] == "open"
+        # never closed while the server is dead; half-open when the store's write-behind
+        # batch happens to be the probe after the backoff (a loaded machine is slow enough)
+        assert b.stats()["redis.breaker"] in ("open", "half_open")
 
 
 @pytest.mark.parametrize("secret", [None, "neighbour-test-secret-0123456789"],
