@@ -154,59 +154,162 @@ def bench_paged(layers: int, heads: int, dim: int, n_tokens: int, reps: int, lab
             copies.append(tc)
             ratios.append(tc / dt)
         med = statistics.median
+        spread["overs"], spread["ratios"] = overs[1:], ratios[1:]
         return med(calls[1:]), med(overs[1:]), med(copies[1:]), med(ratios[1:])
 
+    spread: dict[str, list[float]] = {}
     t_store, o_store, c_store, r_store = call_and_overhead(
         lambda: eng.store(toks, src, s_in), setup=lambda: eng.storage.l1.clear())
+    os_, rs_ = spread["overs"], spread["ratios"]
     eng.store(toks, src, s_in)
     assert eng.lookup(toks) == n_tokens
     t_retr, o_retr, c_retr, r_retr = call_and_overhead(lambda: eng.retrieve(toks, dst, s_out))
+    or_, rr_ = spread["overs"], spread["ratios"]
     eng.close()
     ranges = range(0, n_tokens, 256)
 
     chunks = len(ranges)
     print(f"CPU tier, {label}: {layers} layers x {heads} KV heads x {dim}, bf16, block {bs}, "
           f"{n_tokens} tokens = {nbytes / GiB:.2f} GiB, {chunks} chunks")
+    over = {"store": o_store / chunks * 1e6, "retrieve": o_retr / chunks * 1e6,
+            "store_total": t_store / chunks * 1e6, "retrieve_total": t_retr / chunks * 1e6,
+            "store_min": min(os_) / chunks * 1e6, "store_max": max(os_) / chunks * 1e6,
+            "retrieve_min": min(or_) / chunks * 1e6, "retrieve_max": max(or_) / chunks * 1e6,
+            "store_ratios": rs_, "retrieve_ratios": rr_}
     if not show_bandwidth:
-        return [], {"store": o_store / chunks * 1e6, "retrieve": o_retr / chunks * 1e6,
-                    "store_total": t_store / chunks * 1e6, "retrieve_total": t_retr / chunks * 1e6}
+        return [], over
     rows = [
         row("store (paged -> pool)", nbytes / t_store / GiB, "GiB/s", nbytes / c_store / GiB,
             "torch copy, 1 thread", ">= 0.75x copy", ratio=r_store),
         row("retrieve (pool -> paged)", nbytes / t_retr / GiB, "GiB/s", nbytes / c_retr / GiB,
             "torch copy, 1 thread", ">= 0.75x copy", ratio=r_retr),
     ]
-    over = {"store": o_store / chunks * 1e6, "retrieve": o_retr / chunks * 1e6,
-            "store_total": t_store / chunks * 1e6, "retrieve_total": t_retr / chunks * 1e6}
+    rows[0].update(ratio_min=min(rs_), ratio_max=max(rs_))
+    rows[1].update(ratio_min=min(rr_), ratio_max=max(rr_))
     return rows, over
+
+
+# ------------------------------------------------------- first fill of a new pool
+def bench_first_fill(n_tokens: int, reps: int, wait: bool, prefault: str = "background"
+                     ) -> dict:
+    """The first store into a new engine's pool (Llama-8B-like shape), against a warm copy
+    of the same bytes taken right after it; a fresh engine per repetition.
+
+    ``wait``: the first request arrives once the background pre-fault has covered the pool
+    (an engine loads its model and warms up after creating lmc; the seconds the pre-fault
+    took are reported), else the first request comes the moment the engine exists (the
+    worst case: the store's own thread populates its blocks). ``prefault="off"``: pages
+    fault on first write (the behaviour before the pre-fault)."""
+    layers, heads, dim, bs, dtype = 32, 8, 128, 16, torch.bfloat16
+    blocks = n_tokens // bs + 64
+    src = _paged_cache(layers, heads, dim, blocks, bs, dtype)
+    spec = KVSpec.from_tensors(src, "vllm_flash", block_size=bs)
+    nbytes = spec.chunk_nbytes(n_tokens)
+    s_in = _shuffled_slots(n_tokens, blocks, bs, 1)
+    toks = torch.randint(0, 100_000, (n_tokens,), generator=torch.Generator().manual_seed(3))
+    a = torch.ones(nbytes, dtype=torch.uint8)
+    b = torch.full((nbytes,), 2, dtype=torch.uint8)
+    ratios, firsts, steadies, copies, prefaults = [], [], [], [], []
+    for _ in range(reps):
+        cfg = CacheConfig(chunk_size=256, local_cpu_size=int(nbytes * 1.1) + (64 << 20),
+                          save_unfull_chunk=True, pin_memory="false",
+                          local_cpu_prefault=prefault)
+        eng = CacheEngine(cfg, spec, "bench-first-fill")
+        pf = eng.pool._prefault
+        pool_gib = eng.pool.size / GiB
+        if wait and pf is not None:
+            pf.done.wait()
+            prefaults.append(pf.seconds)
+        t0 = time.perf_counter()
+        eng.store(toks, src, s_in)
+        first = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        b.copy_(a)
+        tc = time.perf_counter() - t0
+        eng.storage.l1.clear()
+        t0 = time.perf_counter()
+        eng.store(toks, src, s_in)
+        steadies.append(time.perf_counter() - t0)
+        eng.close()
+        del eng
+        firsts.append(first)
+        copies.append(tc)
+        ratios.append(tc / first)
+    med = statistics.median
+    return {"first": nbytes / med(firsts) / GiB, "steady": nbytes / med(steadies) / GiB,
+            "copy": nbytes / med(copies) / GiB, "ratio": med(ratios),
+            "ratio_min": min(ratios), "ratio_max": max(ratios),
+            "prefault_s": med(prefaults) if prefaults else None, "pool_gib": pool_gib}
+
+
+def first_fill_rows(n_tokens: int, reps: int) -> list[dict]:
+    print(f"First fill of a new engine's pool (Llama-8B-like, {n_tokens} tokens; "
+          "a fresh engine per repetition)")
+    out = []
+    for label, wait, mode in (("first store, pre-fault off", False, "off"),
+                              ("first store at start-up", False, "background"),
+                              ("first store after pre-fault", True, "background")):
+        r = bench_first_fill(n_tokens, reps, wait, mode)
+        extra = (f"  (pre-fault of the {r['pool_gib']:.2f} GiB pool took {r['prefault_s']:.2f} s)"
+                 if r["prefault_s"] is not None else "")
+        out.append(row(label, r["first"], "GiB/s", r["copy"], "torch copy, 1 thread",
+                       ">= 0.7x copy", ratio=r["ratio"]))
+        out[-1].update(ratio_min=r["ratio_min"], ratio_max=r["ratio_max"],
+                       steady=r["steady"], prefault_s=r["prefault_s"])
+        print(f"    ratios {r['ratio_min']:.2f}-{r['ratio_max']:.2f}; steady-state store "
+              f"in the same engines {r['steady']:.2f} GiB/s{extra}")
+    return out
+
+
+def run(quick: bool = False, sections: tuple[str, ...] = ("hashing", "paged", "first_fill",
+                                                         "overhead")) -> list[dict]:
+    """Every figure of this benchmark (printed as it goes) as a list of rows."""
+    torch.set_num_threads(1)
+    reps = 3 if quick else 7
+    print(f"lmc core benchmark (torch {torch.__version__}, 1 thread)\n")
+    results: list[dict] = []
+    if "hashing" in sections:
+        for n_tok in (4096, 32768) if quick else (4096, 32768, 131072):
+            results += bench_hashing(n_tok, 20 if quick else 50)
+        print()
+    n = 2048 if quick else 8192
+    over_big = None
+    if "paged" in sections:
+        rows, over_big = bench_paged(32, 8, 128, n, reps, "Llama-8B-like")
+        results += rows
+        print()
+    if "first_fill" in sections:
+        results += first_fill_rows(n, 2 if quick else 3)
+        print()
+    if "overhead" in sections:
+        _, over_tiny = bench_paged(1, 1, 8, 8192 if quick else 32768, reps * 3,
+                                   "tiny (bookkeeping only)", show_bandwidth=False)
+        print("\nEngine overhead per chunk: call time minus byte moving (us; LMCache 0.5.6 "
+              "here: 37 store / 31 retrieve; target <= 5)")
+        for label, over in (("Llama-8B-like", over_big), ("tiny", over_tiny)):
+            if over is None:
+                continue
+            print(f"  {label:14s} store {over['store']:7.2f} us  retrieve "
+                  f"{over['retrieve']:7.2f} us   (whole call per chunk: "
+                  f"{over['store_total']:.1f} / {over['retrieve_total']:.1f} us)")
+            results.append({"name": f"overhead per chunk, {label}", "store_us": over["store"],
+                            "retrieve_us": over["retrieve"], "store_us_min": over["store_min"],
+                            "store_us_max": over["store_max"],
+                            "retrieve_us_min": over["retrieve_min"],
+                            "retrieve_us_max": over["retrieve_max"]})
+    return results
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="smaller sizes, fewer repetitions")
+    ap.add_argument("--only", help="comma-separated sections: hashing, paged, first_fill, "
+                                   "overhead (default: all)")
     ap.add_argument("--json", help="also write the figures to this file")
     args = ap.parse_args(argv)
-    torch.set_num_threads(1)
-    reps = 3 if args.quick else 7
-    print(f"lmc core benchmark (torch {torch.__version__}, 1 thread)\n")
-    results = []
-    for n_tok in (4096, 32768) if args.quick else (4096, 32768, 131072):
-        results += bench_hashing(n_tok, 20 if args.quick else 50)
-    print()
-    n = 2048 if args.quick else 8192
-    rows, over_big = bench_paged(32, 8, 128, n, reps, "Llama-8B-like")
-    results += rows
-    print()
-    _, over_tiny = bench_paged(1, 1, 8, 32768, reps * 3, "tiny (bookkeeping only)",
-                               show_bandwidth=False)
-    print("\nEngine overhead per chunk: call time minus byte moving (us; LMCache 0.5.6 here: "
-          "37 store / 31 retrieve; target <= 5)")
-    for label, over in (("Llama-8B-like", over_big), ("tiny", over_tiny)):
-        print(f"  {label:14s} store {over['store']:7.2f} us  retrieve {over['retrieve']:7.2f} us"
-              f"   (whole call per chunk: {over['store_total']:.1f} / "
-              f"{over['retrieve_total']:.1f} us)")
-        results.append({"name": f"overhead per chunk, {label}", "store_us": over["store"],
-                        "retrieve_us": over["retrieve"]})
+    sections = tuple(args.only.split(",")) if args.only else (
+        "hashing", "paged", "first_fill", "overhead")
+    results = run(args.quick, sections)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2)
