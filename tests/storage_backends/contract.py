@@ -156,25 +156,57 @@ class Timed:
         return out
 
 
+class _Pools:
+    """Memory pools by size, reused by the tests of one class."""
+
+    def __init__(self) -> None:
+        self._by_size: dict[int, MemoryPool] = {}
+
+    def get(self, size: int) -> MemoryPool:
+        pool = self._by_size.get(size)
+        if pool is None:
+            pool = self._by_size[size] = MemoryPool(size, pin_memory="false")
+        return pool
+
+    def drop(self, pool: MemoryPool) -> None:
+        """Forget a pool a failed test left memory in (closing it would report each leak
+        again); the next test builds a fresh one."""
+        self._by_size = {n: p for n, p in self._by_size.items() if p is not pool}
+
+    def close(self) -> None:
+        for pool in self._by_size.values():
+            pool.close()
+
+
 # --------------------------------------------------------------------------- the suite
 class TierContract:
     """The contract tests. Subclass in a module that defines the ``tier_spec`` fixture."""
 
     # ------------------------------------------------------------------ fixtures
+    @pytest.fixture(scope="class")
+    def pools(self):
+        """Pools by size, shared by a class's tests: each test's tiers must hand every byte
+        back (checked at their close), so a pool is as good as new for the next test, and
+        the harness's garbage collection after each test that builds a pool (a quarter
+        second here) is paid once per pool, not once per test."""
+        pools = _Pools()
+        yield pools
+        pools.close()
+
     @pytest.fixture
-    def make_tier(self, tier_spec: TierSpec):
-        """``make_tier(pool_bytes=..., **settings)`` -> a tier over a pool of its own; every
-        tier is closed after the test, and must have given all its pool memory back."""
+    def make_tier(self, tier_spec: TierSpec, pools):
+        """``make_tier(pool_bytes=..., **settings)`` -> a tier over a pool no other live tier
+        uses; every tier is closed after the test and must have given all its pool memory
+        back."""
         made: list[StorageBackend] = []
 
         def make(pool_bytes: int = POOL_BYTES, **settings: Any) -> StorageBackend:
+            pool = pools.get(pool_bytes)
+            others = [t.pool for t in made]  # type: ignore[attr-defined]
+            assert pool not in others, "a test makes at most one tier per pool size"
+            assert pool.used_bytes == 0, f"a pool of {pool_bytes} B starts with memory in use"
             config = CacheConfig(**{**tier_spec.settings(), **settings})
-            pool = MemoryPool(pool_bytes, pin_memory="false")
-            try:
-                tier = create_backend(tier_spec.spec, config, pool, **tier_spec.kwargs)
-            except BaseException:
-                pool.close()
-                raise
+            tier = create_backend(tier_spec.spec, config, pool, **tier_spec.kwargs)
             made.append(tier)
             return tier
 
@@ -183,9 +215,10 @@ class TierContract:
             tier.close()
             tier.close()  # idempotent
             pool = tier.pool  # type: ignore[attr-defined]
+            if pool.used_bytes:
+                pools.drop(pool)  # the next test gets a fresh one
             assert pool.used_bytes == 0, \
                 f"{tier.name}: {pool.used_bytes} B of pool memory kept after close()"
-            pool.close()
 
     @pytest.fixture
     def tier(self, make_tier) -> StorageBackend:
@@ -294,6 +327,8 @@ class TierContract:
         assert tier.delete([present[1], absent[0]]) == 1
         assert tier.contains(present) == [True, False, True, True]
         assert tier.get([present[1]]) == [None]
+        assert tier.delete([absent[1], present[0], present[3]]) == 2
+        assert tier.contains(present) == [False, False, True, False]
 
     def test_duplicate_keys_in_one_batch(self, tier, tier_spec):
         """One key twice in a batch (two reads of one chunk promoted together): stored once,
