@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Hashable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -25,8 +25,9 @@ from lmc.lookup import LookupResult
 from lmc.memory import Lease, MemoryObj, MemoryPool
 from lmc.metrics import EngineMetrics
 from lmc.pins import PinTable
-from lmc.storage_backend import Key, StorageBackend, create_backend
-from lmc.storage_manager import StorageManager, TierPool
+from lmc.storage_backend import Key
+from lmc.storage_manager import StorageManager
+from lmc.tier_build import TierSpec, build_storage
 from lmc.token_database import (
     Chunk,
     ChunkedTokenDatabase,
@@ -40,7 +41,6 @@ from lmc.transfer_cache import TransferCache
 
 log = logging.getLogger(__name__)
 Keys = Sequence[ChunkKey] | None  # a prompt's chunk keys computed ahead (RequestKeys), or None
-TierSpec = StorageBackend | Callable[[CacheConfig, TierPool], StorageBackend]
 
 
 class CacheEngine:
@@ -71,10 +71,11 @@ class CacheEngine:
         self.db = ChunkedTokenDatabase(config.chunk_size, config.save_unfull_chunk, ns)
         self.pool = MemoryPool(config.local_cpu_size, config.pin_memory,
                                debug=config.debug_leaks, prefault=config.local_cpu_prefault)
-        l1 = create_backend("cpu", config, self.pool)
-        self.storage = StorageManager([l1, *self._lower_tiers(l1, tiers)],
-                                      write_policy=config.write_policy,
-                                      queue_bytes=config.write_queue_size)
+        try:  # the tier stack the daemon builds too (lmc.tier_build)
+            self.storage: StorageManager = build_storage(config, self.pool, tiers or ())
+        except BaseException:
+            self.pool.close()
+            raise
         self.metrics = EngineMetrics()
         self._transfer_pref = transfer
         self._transfers = TransferCache(
@@ -83,26 +84,6 @@ class CacheEngine:
         self._lock = threading.RLock()
         self._worker: ThreadPoolExecutor | None = None
         self._closed = False
-
-    def _lower_tiers(self, l1: StorageBackend, extra: Sequence[TierSpec] | None
-                     ) -> list[StorageBackend]:
-        """Disk (``local_disk``), then remote (``remote_url``), then ``extra``: instances, or
-        factories ``(config, pool) -> tier`` that get the pool lower tiers allocate from."""
-        pool = TierPool(l1)
-        out: list[StorageBackend] = []
-        try:
-            if self.config.local_disk:
-                out.append(create_backend("disk", self.config, pool))
-            if self.config.remote_url:
-                out.append(create_backend(self.config.remote_url, self.config, pool))
-            for t in extra or ():
-                out.append(t if isinstance(t, StorageBackend) else t(self.config, pool))
-        except BaseException:
-            for t in out:
-                t.close()
-            self.pool.close()
-            raise
-        return out
 
     # ------------------------------------------------------------- plumbing
     def transfer_for(self, kv_caches: KVCaches) -> KVTransfer:

@@ -53,6 +53,7 @@ if TYPE_CHECKING:
 
     from lmc.config import CacheConfig
     from lmc.memory import MemoryObj, MemoryPool
+    from lmc.storage_manager import TierPool
 
 log = logging.getLogger(__name__)
 Key = bytes
@@ -156,6 +157,7 @@ BUILTIN_BACKENDS: dict[str, str] = {
     "disk": "lmc.storage_backends.disk",
     "redis": "lmc.storage_backends.redis",
     "server": "lmc.storage_backends.server",
+    "p2p": "lmc.storage_backends.p2p",
 }
 """Tiers by name, imported by module path on first use: lmc's own are found without package
 metadata (a source checkout, an ``lmc`` copied into a container), unlike entry points.
@@ -245,7 +247,8 @@ def backend_factory(spec: str) -> BackendFactory:
     raise ValueError(f"unknown storage backend {spec!r}; known: {', '.join(sorted(_by_name))}")
 
 
-def create_backend(spec: str, config: CacheConfig, pool: MemoryPool, **kwargs: Any
+def create_backend(spec: str, config: CacheConfig, pool: MemoryPool | TierPool, **kwargs: Any
                    ) -> StorageBackend:
-    """Instantiate a backend: ``factory(spec, config=..., pool=..., **kwargs)``."""
+    """Instantiate a backend: ``factory(spec, config=..., pool=..., **kwargs)``. L1 gets the
+    pool itself, lower tiers a ``TierPool`` (see :mod:`lmc.tier_build`)."""
     return backend_factory(spec)(spec, config=config, pool=pool, **kwargs)

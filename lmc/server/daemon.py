@@ -31,6 +31,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from lmc import tier_build
 from lmc.memory import MemoryPool
 from lmc.server import metrics as M
 from lmc.server.auth import Grant
@@ -40,30 +41,21 @@ from lmc.server.http import MetricsHTTP
 from lmc.server.ratelog import IntervalLog, RateLimitedWarnings
 from lmc.server.session import IDLE, Session
 from lmc.server.store import NamespacedStore
-from lmc.storage_backend import StorageBackend, create_backend
-from lmc.storage_manager import StorageManager, TierPool
+from lmc.storage_manager import StorageManager
 
 log = logging.getLogger(__name__)
 
 
 def build_storage(config: ServerConfig) -> tuple[MemoryPool, StorageManager]:
-    """The pool, the memory tier and the configured lower tiers, in lmc's own manager."""
+    """The pool, the memory tier and the configured lower tiers (``disk``, then ``redis``: any
+    backend's URL), in lmc's own manager, built as an engine builds its own."""
     cache_cfg = config.cache_config()
     pool = MemoryPool(cache_cfg.local_cpu_size, pin_memory="false", hugepages=config.hugepages,
                       prefault="now" if config.prefault else "off")
-    l1 = create_backend("cpu", cache_cfg, pool)
-    lower_pool = TierPool(l1)  # lower tiers' reads may evict L1, like a store does
-    tiers: list[StorageBackend] = [l1]
-    try:
-        if config.disk:
-            tiers.append(create_backend("disk", cache_cfg, lower_pool))
-        if config.redis:
-            tiers.append(create_backend(config.redis, cache_cfg, lower_pool))
-        manager = StorageManager(tiers, write_policy=cache_cfg.write_policy,
-                                 queue_bytes=cache_cfg.write_queue_size)
+    try:  # the engine's own tier stack: any lower tier an engine takes, the daemon takes
+        manager = tier_build.build_storage(cache_cfg, pool)
     except BaseException:
-        for t in tiers:
-            t.close()
+        pool.close()
         raise
     return pool, manager
 

@@ -118,3 +118,105 @@ def test_write_through_queues_never_pin_the_whole_pool(tmp_path):
         q._thread.join()
     assert pool.used_bytes == 0
     pool.close()
+
+
+# ------------------------------------------------------------------------ tier_build
+class _ToyTier(StorageBackend):
+    """A lower tier holding copies in a dict: the smallest real tier, for the builder."""
+
+    def __init__(self, spec: str, *, config: CacheConfig, pool, depth: int = 1,
+                 **_: object) -> None:
+        self.spec, self.pool, self.depth = spec, pool, depth
+        self.data: dict[bytes, tuple[tuple, torch.dtype, int, bytes]] = {}
+
+    def contains(self, keys):
+        return [k in self.data for k in keys]
+
+    def get(self, keys):
+        out = []
+        for k in keys:
+            v = self.data.get(k)
+            o = None if v is None else self.pool.allocate(v[0], v[1], v[2])
+            if o is not None:
+                o.byte_view()[:] = v[3]
+            out.append(o)
+        return out
+
+    def put(self, keys, objs):
+        for k, o in zip(keys, objs, strict=True):
+            self.data[k] = (o.shape, o.dtype, o.num_tokens, bytes(o.byte_view()))
+        return len(keys)
+
+    def delete(self, keys):
+        return sum(self.data.pop(k, None) is not None for k in keys)
+
+
+def _toy_factory():
+    from lmc.storage_backend import register_backend
+
+    return register_backend("toy-build", schemes=("toy-build",))(_ToyTier)
+
+
+def test_build_tiers_orders_tiers_and_passes_remote_options(tmp_path):
+    from lmc.storage_backends.cpu import CPUBackend
+    from lmc.storage_backends.disk import DiskBackend
+
+    from lmc.storage_manager import TierPool
+    from lmc.tier_build import build_tiers
+
+    _toy_factory()
+    cfg = CacheConfig(local_cpu_size=1 << 20, local_disk=str(tmp_path / "d"),
+                      local_disk_size="1MiB", remote_url="toy-build://x",
+                      remote_options={"depth": 3})
+    pool = MemoryPool(1 << 20, pin_memory=False)
+    extra = _ToyTier("extra", config=cfg, pool=pool)
+    tiers = build_tiers(cfg, pool, [lambda c, p: extra])
+    try:
+        assert [type(t) for t in tiers] == [CPUBackend, DiskBackend, _ToyTier, _ToyTier]
+        assert tiers[2].depth == 3 and tiers[2].spec == "toy-build://x"
+        assert isinstance(tiers[1].pool, TierPool) and tiers[1].pool.raw is pool
+        sm = StorageManager(tiers)
+        key, o = b"k" * 16, pool.allocate((1, 2, 4, 8), torch.float16, 4)
+        o.tensor.fill_(2.5)  # 4-D: [layers, planes, tokens, width], as disk stores chunks
+        sm.put([key], [o])
+        o.release()
+        assert sm.flush(10)
+        assert tiers[2].contains([key]) == [True] and tiers[1].contains([key]) == [True]
+    finally:
+        for t in reversed(tiers):
+            t.close()
+        pool.close()
+    assert pool.leaks == []
+
+
+def test_build_tiers_refuses_an_option_the_backend_does_not_take():
+    from lmc.tier_build import build_tiers
+
+    _toy_factory()
+    cfg = CacheConfig(local_cpu_size=1 << 20, remote_url="toy-build://x",
+                      remote_options={"dpth": 3})
+    pool = MemoryPool(1 << 20, pin_memory=False)
+    with pytest.raises(ValueError, match=r"remote_options: _ToyTier has no option 'dpth'; "
+                                         r"did you mean 'depth'\?"):
+        build_tiers(cfg, pool)
+    pool.close()
+    assert pool.leaks == []  # the L1 made before the failure was closed
+
+
+def test_tier_pool_offers_allocation_not_the_pool_internals():
+    from lmc.storage_manager import TierPool
+
+    l1, pool = _tier(64 << 10)
+    tp = TierPool(l1)
+    held = [_obj(pool, i) for i in range(3)]
+    l1.put([bytes([i]) * 16 for i in range(3)], held)
+    for o in held:
+        o.release()
+    big = tp.allocate((60 << 10,), torch.uint8)  # only fits by evicting L1's chunks
+    assert big is not None and len(l1) == 0
+    assert tp.used_bytes == pool.used_bytes and tp.size == pool.size
+    for name in ("buffer", "allocator", "byte_buffer", "view"):
+        assert not hasattr(tp, name), name
+    big.release()
+    l1.close()
+    pool.close()
