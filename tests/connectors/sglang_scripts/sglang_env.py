@@ -13,7 +13,10 @@ CPU meaning and nothing more:
 2. ``transfer_kv_direct`` (an sgl_kernel op, imported only under CUDA/HIP/XPU): per layer,
    ``dst[dst_idx] = src[src_idx]``;
 3. ``get_dummy_flat_data_page`` pins its scratch page: same page, unpinned;
-4. the test kit's ``get_device`` raises without an accelerator: "cpu".
+4. the test kit's ``get_device`` raises without an accelerator: "cpu";
+5. the ``page_first`` host layout's device copies (``io_backend="kernel"``) take raw device
+   pointer tables: for that layout only, ``load_to_device_per_layer`` and
+   ``backup_from_device_all_layer`` become their per-layer torch meaning.
 """
 
 from __future__ import annotations
@@ -82,6 +85,28 @@ def apply_cpu_shim() -> None:
         return torch.zeros((2, self.layer_num, self.page_size, self.head_num, self.head_dim),
                            dtype=self.dtype, device=self.device).flatten()
 
+    cls = host_mha.MHATokenToKVPoolHost
+    load, backup = cls.load_to_device_per_layer, cls.backup_from_device_all_layer
+
+    def load_per_layer(self, device_pool, host_indices, device_indices, layer_id, io_backend,
+                       **kw):
+        if self.layout != "page_first":
+            return load(self, device_pool, host_indices, device_indices, layer_id, io_backend,
+                        **kw)
+        hi, di = host_indices.to(torch.int64).cpu(), device_indices.to(torch.int64).cpu()
+        self.device_k_buffers[layer_id][di] = self.k_buffer[hi, layer_id]
+        self.device_v_buffers[layer_id][di] = self.v_buffer[hi, layer_id]
+
+    def backup_all_layers(self, device_pool, host_indices, device_indices, io_backend):
+        if self.layout != "page_first":
+            return backup(self, device_pool, host_indices, device_indices, io_backend)
+        hi, di = host_indices.to(torch.int64).cpu(), device_indices.to(torch.int64).cpu()
+        for layer in range(self.layer_num):
+            self.k_buffer[hi, layer] = self.device_k_buffers[layer][di]
+            self.v_buffer[hi, layer] = self.device_v_buffers[layer][di]
+
+    cls.load_to_device_per_layer = load_per_layer
+    cls.backup_from_device_all_layer = backup_all_layers
     host_common.ALLOC_MEMORY_FUNCS["cpu"] = cpu_alloc
     host_mha.transfer_kv_direct = _cpu_transfer_kv_direct
     host_mha.MHATokenToKVPoolHost.get_dummy_flat_data_page = dummy_page
