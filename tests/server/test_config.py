@@ -35,7 +35,8 @@ def test_precedence_yaml_env_flags(tmp_path):
     ({"size": "lots"}, "size"), ({"port": 70000}, "port"), ({"max_batch": 0}, "max_batch"),
     ({"sise": "1GiB"}, "did you mean 'size'"), ({"cache": {"chunk_sise": 3}}, "cache"),
     ({"port": None, "unix_socket": None}, "nothing to listen on"),
-    ({"redis": "lmc://x"}, "redis"), ({"unix_socket_mode": "rw"}, "unix_socket_mode"),
+    ({"redis": "http://x"}, "redis: .*known schemes: .*lmc.*redis"),
+    ({"unix_socket_mode": "rw"}, "unix_socket_mode"),
     ({"quotas": {"a": "big"}}, "quotas.a"),
 ])
 def test_bad_values_name_the_key(kv, match):
