@@ -24,7 +24,7 @@ def _config(args: argparse.Namespace) -> int:
     except (ValueError, OSError) as e:
         print(f"lmc config: {e}", file=sys.stderr)
         return 2
-    print(yaml.safe_dump(cfg.to_dict(), sort_keys=False).rstrip())
+    print(yaml.safe_dump(cfg.public_dict(), sort_keys=False).rstrip())  # secrets masked
     return 0
 
 
