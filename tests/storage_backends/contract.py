@@ -360,6 +360,23 @@ class TierContract:
             release(objs)
         assert tier.contains(keys) == [False, False]
 
+    def test_large_batch_with_holes(self, tier, tier_spec):
+        """One call for a whole long prompt (tiers split such batches over connections or
+        threads): each of 48 keys answered in its place, 36 hits bit-exact, 12 misses."""
+        keys = [key_of(f"large{i}") for i in range(48)]
+        present = [k for i, k in enumerate(keys) if i % 4 != 3]
+        self.store(tier, tier_spec, present)
+        assert tier.contains(keys) == [k in present for k in keys]
+        got = tier.get(keys)
+        try:
+            for k, o in zip(keys, got):
+                if k in present:
+                    check_hit(o, k)
+                else:
+                    assert o is None, f"{k.hex()} was never stored but got {o!r}"
+        finally:
+            release(got)
+
     # ------------------------------------------------------------------ memory
     def test_eviction_never_reuses_a_chunk_a_reader_holds(self, make_tier, tier_spec):
         """A reader holds one chunk while a flood four times the pool (and any tier capacity)
@@ -395,6 +412,38 @@ class TierContract:
                     release(again)
         finally:
             held.release()
+
+    def test_reads_into_a_full_pool_are_misses_then_hits(self, tier, tier_spec):
+        """With every byte of the pool held by the caller, a read that needs memory is a
+        miss, never an error or a partial object; once memory is back the same reads hit
+        (a tier that could not place a value must leave its connection or file clean)."""
+        keys = [key_of(f"full{i}") for i in range(6)]
+        self.store(tier, tier_spec, keys)
+        filler: list[MemoryObj] = []
+        while True:
+            more = tier.pool.allocate_many(SHAPE, torch.float16, 64, SHAPE[2])  # type: ignore[attr-defined]
+            if not more:
+                break
+            filler += more
+        try:
+            for _ in range(2):
+                got = tier.get(keys)
+                try:
+                    for k, o in zip(keys, got):
+                        if tier_spec.memory_tier:  # hands out the objects it holds
+                            check_hit(o, k)
+                        else:
+                            assert o is None, f"{o!r} read into a pool with no room"
+                finally:
+                    release(got)
+        finally:
+            release(filler)
+        got = tier.get(keys)
+        try:
+            for k, o in zip(keys, got):
+                check_hit(o, k)
+        finally:
+            release(got)
 
     # ------------------------------------------------------------- concurrency
     def test_concurrent_readers_and_writers(self, make_tier, tier_spec):
