@@ -8,7 +8,11 @@ different processes:
   supply?" with one lookup per request, remembers what each admitted request must load,
   and once per step turns the engine's schedule into a :class:`ConnectorMetadata`.
   It holds no tensors and no ``CacheEngine``: it reaches the cache only through a
-  ``lookup(token_ids) -> int`` callable, which an adapter may back by an RPC.
+  ``lookup(token_ids)`` callable answering a :class:`~lmc.lookup.LookupResult` (or a
+  plain token count), which an adapter may back by the cross-process lookup service
+  (:mod:`lmc.lookup_service`). Each request's result is kept with the request, so the
+  tiers its admitted load comes from (:meth:`SchedulerConnector.load_sources`) need no
+  second lookup.
 * :class:`~lmc.connectors.worker.WorkerConnector` (worker process) owns the
   ``CacheEngine`` and the engine's KV tensors and executes the metadata: layer-wise loads
   overlapped with compute, layer-wise saves committed at the end of the step, and load
@@ -34,6 +38,10 @@ Two decisions shape every adapter:
   the blocks from the first missing position, and the engine recomputes them. That keeps the
   lookup a pure function of the cache (no per-request state to leak on the worker, which is
   what a cross-process lookup needs) at the cost of a rare recompute.
+* **Hashing once per request.** A request is looked up once per admission (the answer is
+  cached while the engine re-asks), and the worker keeps each request's chunk keys across
+  steps (:class:`~lmc.token_database.RequestKeys`), so chunked prefill and decode saves
+  hash only the chunks each step completes.
 """
 
 from __future__ import annotations
@@ -53,16 +61,20 @@ from lmc.connectors.metadata import (
 from lmc.connectors.worker import WorkerConnector
 
 from lmc.config import CacheConfig
+from lmc.lookup import LookupResult
 
 log = logging.getLogger(__name__)
 
-LookupFn = Callable[[Sequence[int]], "int | None"]
+# token ids -> what the cache holds (a count where the backend cannot attribute tiers);
+# None: not known yet (a backend answering asynchronously)
+LookupFn = Callable[[Sequence[int]], "LookupResult | int | None"]
 
 __all__ = [
     "ConnectorConfig",
     "ConnectorMetadata",
     "LoadSpec",
     "LookupFn",
+    "LookupResult",
     "SaveSpec",
     "SchedulerConnector",
     "StepRequest",
@@ -113,6 +125,7 @@ class _PendingLoad:
     start: int
     end: int
     mask_start: int
+    sources: dict[str, int]  # positions of [start, end) by tier, L1 first ({}: unknown)
 
 
 @dataclass
@@ -137,7 +150,7 @@ class SchedulerConnector:
     def __init__(self, config: ConnectorConfig, lookup: LookupFn) -> None:
         self.config = config
         self._lookup = lookup
-        self._hits: dict[str, int] = {}  # request id -> stored prefix tokens, until admitted
+        self._hits: dict[str, LookupResult] = {}  # request id -> its lookup, until admitted
         self._pending: dict[str, _PendingLoad] = {}  # admitted, load not yet in a step
         self._step = 0
         self.stats = SchedulerStats()
@@ -152,37 +165,45 @@ class SchedulerConnector:
         lookup backend that answers asynchronously)."""
         if not self.config.load:
             return 0
-        hit = self._hits.get(request_id)
-        if hit is None:
-            hit = self._do_lookup(token_ids)
-            if hit is None:
+        found = self._hits.get(request_id)
+        if found is None:
+            found = self._do_lookup(token_ids)
+            if found is None:
                 return None
-            self._hits[request_id] = hit
+            self._hits[request_id] = found
         n = len(token_ids)
-        usable = min(hit, n - 1)
+        usable = min(found.tokens, n - 1)
         usable -= usable % self.config.align
         return max(0, usable - num_computed_tokens)
 
-    def _do_lookup(self, token_ids: Sequence[int]) -> int | None:
+    def _do_lookup(self, token_ids: Sequence[int]) -> LookupResult | None:
         self.stats.lookups += 1
         self.stats.lookup_tokens += len(token_ids)
+        cs = self.config.chunk_size
         try:
-            hit = self._lookup(token_ids)
+            found = self._lookup(token_ids)
         except Exception as e:  # a failing cache is a miss, never an engine error
             self.stats.lookup_errors += 1
             log.warning("lmc lookup failed (%s: %s): treated as a miss", type(e).__name__, e)
-            return 0
-        if hit is None:
+            return LookupResult.miss(cs)
+        if found is None:
             return None
-        hit = max(0, min(int(hit), len(token_ids)))
-        self.stats.hit_tokens += hit
-        return hit
+        if not isinstance(found, LookupResult):
+            found = LookupResult(max(0, int(found)), cs)
+        elif found.tokens and found.chunk_size != cs:
+            self.stats.lookup_errors += 1
+            log.warning("lmc lookup answered in chunks of %d, the connector uses %d: treated "
+                        "as a miss", found.chunk_size, cs)
+            return LookupResult.miss(cs)
+        found = found.clipped(len(token_ids))
+        self.stats.hit_tokens += found.tokens
+        return found
 
     def update_state_after_alloc(self, request_id: str, token_ids: Sequence[int],
                                  num_computed_tokens: int, num_external_tokens: int) -> None:
         """The engine admitted the request and will have lmc load ``num_external_tokens``
         positions from ``num_computed_tokens`` on (the engine's clamped answer)."""
-        self._hits.pop(request_id, None)
+        found = self._hits.pop(request_id, None)
         self._pending.pop(request_id, None)
         if num_external_tokens <= 0 or not self.config.load:
             return
@@ -192,8 +213,19 @@ class SchedulerConnector:
             raise ValueError(f"request {request_id}: load of [{start}, {end}) runs past its "
                              f"{len(token_ids)} tokens")
         stop = min(-(-end // cs) * cs, len(token_ids))  # end of the chunk holding end - 1
+        sources = found.tokens_by_tier(start, end) if found is not None else {}
+        if sum(sources.values()) != end - start:  # not attributed, or not what was looked up
+            sources = {}
         self._pending[request_id] = _PendingLoad(tuple(token_ids[:stop]), start, end,
-                                                 start - start % cs)
+                                                 start - start % cs, sources)
+
+    def load_sources(self, request_id: str) -> dict[str, int]:
+        """The admitted load's positions by the tier holding them (L1 first), from the
+        request's own lookup; ``{}`` if there is no pending load or its lookup did not
+        attribute tiers. Valid from ``update_state_after_alloc`` until the load is in a
+        step's metadata."""
+        pending = self._pending.get(request_id)
+        return dict(pending.sources) if pending is not None else {}
 
     # ------------------------------------------------------------------ metadata
     def build_metadata(self, scheduled: Iterable[ScheduledView | StepRequest],

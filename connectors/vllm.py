@@ -11,7 +11,7 @@ A thin translation: each vLLM hook is one call on the engine-agnostic core
 * role SCHEDULER (EngineCore process): :class:`~lmc.connectors.vllm_scheduler.SchedulerSide`
   answers ``get_num_new_matched_tokens`` by asking the workers' lookup servers over Unix
   sockets (minimum over tensor-parallel ranks, bounded by ``vllm.lookup_timeout``; why a
-  socket: :mod:`lmc.connectors.vllm_lookup`), tracks admitted requests and turns each
+  socket: :mod:`lmc.lookup_service`), tracks admitted requests and turns each
   ``SchedulerOutput`` into the core's picklable metadata.
 * role WORKER (each worker process): :class:`~lmc.connectors.vllm_worker.WorkerSide` owns
   the rank's ``CacheEngine`` (L1 pool, disk, remote tiers), loads hits layer by layer
@@ -47,7 +47,7 @@ from lmc.connectors.vllm_layout import (
     resolve_cpu,
     resolve_gpu,
 )
-from lmc.connectors.vllm_lookup import LookupClient, socket_path
+from lmc.connectors.vllm_lookup import socket_paths
 from lmc.connectors.vllm_scheduler import SchedulerSide
 from lmc.connectors.vllm_stats import LMCConnectorStats, LMCPromMetrics
 from lmc.connectors.vllm_worker import WorkerSide, tensors_by_name
@@ -61,6 +61,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorStats,
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+from lmc.lookup_service import LookupClient
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -157,8 +159,7 @@ class LMCConnector(KVConnectorBase_V1):
             save_decode=opts.save_decode, layerwise=opts.layerwise)
         dp_rank = getattr(vllm_config.parallel_config, "data_parallel_rank", 0) or 0
         tp_size = vllm_config.parallel_config.tensor_parallel_size
-        paths = [socket_path(opts.lookup_dir, str(ktc.engine_id), dp_rank, r)
-                 for r in range(tp_size)]
+        paths = socket_paths(opts.lookup_dir, str(ktc.engine_id), dp_rank, tp_size)
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
@@ -248,6 +249,14 @@ class LMCConnector(KVConnectorBase_V1):
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return set() if self._worker is None else self._worker.take_load_errors()
+
+    def get_finished(self, finished_req_ids: set[str]
+                     ) -> tuple[set[str] | None, set[str] | None]:
+        """Saves finish within their step, so nothing is pending; the worker only drops the
+        finished requests' kept chunk keys."""
+        if self._worker is not None:
+            self._worker.forget(finished_req_ids)
+        return None, None
 
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
         """Nothing to do: saves finish within their step, so no save of a preempted

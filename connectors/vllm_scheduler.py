@@ -1,9 +1,10 @@
 """Scheduler half of the vLLM connector: vLLM's scheduler hooks onto :class:`SchedulerConnector`.
 
 Runs in vLLM's EngineCore process. It holds no tensors and no cache: lookups go to the
-workers through :class:`~lmc.connectors.vllm_lookup.LookupClient` (minimum over
-tensor-parallel ranks, bounded by a timeout), and each step's plan goes to them as
-picklable metadata. Duck-typed on vLLM's ``Request`` and ``SchedulerOutput`` (no vLLM
+workers through :class:`~lmc.lookup_service.LookupClient` (minimum over tensor-parallel
+ranks, bounded by a timeout), and each step's plan goes to them as picklable metadata.
+Where the hits of an admitted load lie (L1 or lower tiers, vLLM's cache-hit sources) comes
+from the request's own lookup result, kept by the core. Duck-typed on vLLM's ``Request`` and ``SchedulerOutput`` (no vLLM
 import), so it is tested without vLLM.
 """
 
@@ -15,8 +16,10 @@ from typing import Any
 
 from lmc.connectors.core import ConnectorConfig, SchedulerConnector
 from lmc.connectors.metadata import ConnectorMetadata
-from lmc.connectors.vllm_lookup import LookupClient
 from lmc.connectors.vllm_requests import RequestTracker, cacheable
+
+from lmc.lookup import LookupResult
+from lmc.lookup_service import LookupClient
 
 log = logging.getLogger(__name__)
 
@@ -29,15 +32,9 @@ class SchedulerSide:
         self.core = SchedulerConnector(config, self._lookup)
         self.tracker = RequestTracker(config.save_decode)
         self._start: dict[str, int] = {}  # request id -> tokens it had before the lookup
-        self._l1: dict[str, int] = {}  # request id -> prefix tokens found in L1
-        self._sources: dict[str, tuple[int, int]] = {}  # admitted load: (L1, lower tiers)
-        self._current: str | None = None
 
-    def _lookup(self, token_ids: Sequence[int]) -> int:
-        hit, l1 = self.client.lookup(token_ids)
-        if self._current is not None:
-            self._l1[self._current] = l1
-        return hit
+    def _lookup(self, token_ids: Sequence[int]) -> LookupResult:
+        return self.client.lookup(token_ids)
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int
                                    ) -> tuple[int | None, bool]:
@@ -45,12 +42,8 @@ class SchedulerSide:
             return 0, False
         rid = request.request_id
         self._start[rid] = num_computed_tokens
-        self._current = rid
-        try:
-            n = self.core.get_num_new_matched_tokens(rid, list(request.all_token_ids),
-                                                     num_computed_tokens)
-        finally:
-            self._current = None
+        n = self.core.get_num_new_matched_tokens(rid, list(request.all_token_ids),
+                                                 num_computed_tokens)
         return n, False  # loads are synchronous (layer-wise, inside the step)
 
     def update_state_after_alloc(self, request: Any, num_external_tokens: int) -> None:
@@ -59,19 +52,16 @@ class SchedulerSide:
             return
         self.tracker.admit(request)
         start = self._start.pop(rid, request.num_computed_tokens)
-        l1 = self._l1.pop(rid, 0)
         self.core.update_state_after_alloc(rid, list(request.all_token_ids), start,
                                            num_external_tokens)
-        if num_external_tokens > 0:
-            host = min(num_external_tokens, max(0, l1 - start))
-            self._sources[rid] = (host, num_external_tokens - host)
 
     def hit_sources(self, request: Any, num_external_tokens: int) -> tuple[int, int]:
-        """(tokens from L1, tokens from lower tiers) of the load just admitted."""
-        host, lower = self._sources.pop(request.request_id, (0, num_external_tokens))
-        if host + lower != num_external_tokens:
+        """(tokens from L1, tokens from lower tiers) of the load just admitted; all lower
+        where the lookup did not say."""
+        by_tier = list(self.core.load_sources(request.request_id).values())
+        if not by_tier or sum(by_tier) != num_external_tokens:
             return 0, num_external_tokens
-        return host, lower
+        return by_tier[0], num_external_tokens - by_tier[0]
 
     def build_meta(self, so: Any) -> ConnectorMetadata:
         finished = set(getattr(so, "finished_req_ids", ()) or ())
@@ -85,8 +75,6 @@ class SchedulerSide:
         self.core.request_finished(rid)
         self.tracker.drop(rid)
         self._start.pop(rid, None)
-        self._l1.pop(rid, None)
-        self._sources.pop(rid, None)
 
     def stats(self) -> dict[str, float]:
         out = {f"scheduler.{k}": v for k, v in vars(self.core.stats).items() if k != "extra"}

@@ -20,15 +20,14 @@ import logging
 from collections.abc import Mapping
 from typing import Any
 
-import numpy as np
 import torch
 from lmc.connectors.metadata import ConnectorMetadata
 from lmc.connectors.vllm_layout import LayoutChoice
-from lmc.connectors.vllm_lookup import LookupServer
 from lmc.connectors.worker import WorkerConnector
 
 from lmc.cache_engine import CacheEngine
 from lmc.config import CacheConfig
+from lmc.lookup_service import LookupServer, engine_lookup
 
 log = logging.getLogger(__name__)
 
@@ -67,22 +66,11 @@ class WorkerSide:
         self.worker = WorkerConnector(self.engine, list(choice.tensors), self.block_size,
                                       layerwise=self.layerwise)
         self._layer_index = {name: i for i, name in enumerate(choice.names)}
-        self.server = LookupServer(self.socket_path, self._answer)
+        self.server = LookupServer(self.socket_path, engine_lookup(lambda: self.engine))
         atexit.register(self.close)  # flushes the write-behind queue if vLLM never calls
         log.info("lmc: %s, %d layers, block %d, %s; model %s, tp %d/%d; lookups at %s",
                  choice.detail, spec.num_layers, spec.block_size, spec.dtype, self.model_id,
                  self.tp_rank, self.tp_size, self.socket_path)
-
-    def _answer(self, tokens: np.ndarray) -> tuple[int, int]:
-        engine = self.engine
-        if engine is None:
-            return 0, 0
-        hit = engine.lookup(tokens)
-        if not hit:
-            return 0, 0
-        present = engine.contains_chunks(tokens[:hit])
-        l1 = int(np.argmin(present)) if not present.all() else len(present)
-        return hit, min(hit, l1 * engine.config.chunk_size)
 
     # ----------------------------------------------------------------- per step
     def bind(self, meta: ConnectorMetadata) -> None:
@@ -112,6 +100,11 @@ class WorkerSide:
 
     def take_load_errors(self) -> set[int]:
         return set() if self.worker is None else self.worker.take_load_errors()
+
+    def forget(self, request_ids: set[str]) -> None:
+        """Finished requests: the worker drops their kept chunk keys."""
+        if self.worker is not None and request_ids:
+            self.worker.forget(request_ids)
 
     # ------------------------------------------------------------------ metrics
     def stats(self) -> dict[str, Any]:

@@ -95,14 +95,17 @@ def minimum(results: Iterable[LookupResult]) -> LookupResult:
     results = list(results)
     if not results:
         raise ValueError("minimum() of no lookup results")
+    least = min(results, key=lambda r: r.tokens)
+    if least.tokens == 0:  # a miss (possibly from a rank that knows no chunk size yet)
+        return least
     first = results[0]
     cs = first.chunk_size
     if any(r.chunk_size != cs for r in results):
         raise ValueError(f"lookup results disagree on chunk_size: "
                          f"{sorted({r.chunk_size for r in results})}")
-    tokens = min(r.tokens for r in results)
-    if tokens == 0 or any(r.tiers != first.tiers or not r.sources for r in results):
-        return LookupResult(tokens, cs, first.tiers if tokens == 0 else ())
+    tokens = least.tokens
+    if any(r.tiers != first.tiers or not r.sources for r in results):
+        return LookupResult(tokens, cs)
     n = -(-tokens // cs)
     sources = tuple(max(r.sources[i] for r in results) for i in range(n))
     return LookupResult(tokens, cs, first.tiers, sources)

@@ -10,6 +10,8 @@ import pytest
 from lmc.connectors.core import ConnectorConfig, SchedulerConnector
 from lmc.connectors.metadata import ConnectorMetadata, LoadSpec, SaveSpec, StepRequest
 
+from lmc.lookup import LookupResult
+
 CS = 16
 
 
@@ -159,3 +161,41 @@ def test_metadata_pickles() -> None:
     back = pickle.loads(pickle.dumps(meta))
     assert back == meta and isinstance(back, ConnectorMetadata)
     assert isinstance(back.loads[0], LoadSpec) and isinstance(back.saves[0], SaveSpec)
+
+
+def test_load_sources_come_from_the_requests_own_lookup() -> None:
+    """The tiers of an admitted load are cut from the result kept with the request: no
+    second lookup, no state shared between requests."""
+    answers = {
+        "a": LookupResult(48, CS, ("cpu", "disk"), (0, 1, 1)),
+        "b": LookupResult(32, CS, ("cpu", "disk"), (0, 0)),
+    }
+    calls: list[str] = []
+
+    def lookup(tokens):
+        rid = "a" if tokens[0] == 100 else "b"
+        calls.append(rid)
+        return answers[rid]
+
+    sched = SchedulerConnector(ConnectorConfig(chunk_size=CS), lookup)
+    other = list(range(300, 400))
+    assert sched.get_num_new_matched_tokens("a", TOKENS, 0) == 48
+    assert sched.get_num_new_matched_tokens("b", other, 0) == 32  # interleaved
+    sched.update_state_after_alloc("b", other, 0, 32)
+    sched.update_state_after_alloc("a", TOKENS, 8, 40)  # 8 tokens were the engine's own
+    assert sched.load_sources("a") == {"cpu": 8, "disk": 32}
+    assert sched.load_sources("b") == {"cpu": 32, "disk": 0}
+    assert calls == ["a", "b"]
+    meta = sched.build_metadata([step("a", TOKENS, 48, 52), step("b", other, 32, 68)])
+    assert len(meta.loads) == 2 and sched.load_sources("a") == {}
+
+
+def test_a_plain_count_or_a_foreign_chunk_size_is_handled() -> None:
+    sched, _ = make(40)  # an int answer: usable, not attributed
+    assert sched.get_num_new_matched_tokens("r", TOKENS, 0) == 40
+    sched.update_state_after_alloc("r", TOKENS, 0, 40)
+    assert sched.load_sources("r") == {}
+    wrong = SchedulerConnector(ConnectorConfig(chunk_size=CS),
+                               lambda t: LookupResult(64, 32, ("cpu",), (0, 0)))
+    assert wrong.get_num_new_matched_tokens("r", TOKENS, 0) == 0
+    assert wrong.stats.lookup_errors == 1

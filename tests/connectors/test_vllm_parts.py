@@ -18,8 +18,10 @@ from lmc.connectors.vllm_layout import (
     layer_order,
     resolve_gpu,
 )
-from lmc.connectors.vllm_lookup import LookupClientStats
 from lmc.connectors.vllm_scheduler import SchedulerSide
+
+from lmc.lookup import LookupResult
+from lmc.lookup_service import LookupClientStats
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -107,13 +109,18 @@ class Output:
 
 
 class FakeClient:
+    """Answers ``hit`` tokens, the first ``l1`` of them (whole chunks) in L1."""
+
     def __init__(self, hit: int = 0, l1: int = 0) -> None:
         self.hit, self.l1, self.calls = hit, l1, 0
         self.stats = LookupClientStats()
 
     def lookup(self, tokens):
         self.calls += 1
-        return min(self.hit, len(tokens)), min(self.l1, len(tokens))
+        hit = min(self.hit, len(tokens))
+        chunks = -(-hit // 256)
+        sources = [0 if i * 256 < self.l1 else 1 for i in range(chunks)]
+        return LookupResult(hit, 256, ("cpu", "disk"), tuple(sources))
 
     def close(self) -> None:
         pass

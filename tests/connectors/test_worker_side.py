@@ -28,11 +28,11 @@ def slots_of(block_ids: tuple[int, ...], lo: int, hi: int) -> torch.Tensor:
     return torch.from_numpy(slot_mapping(block_ids, BS, hi, lo, hi)[lo:hi])
 
 
-def setup(layout: str = "vllm_flash"):
+def setup(layout: str = "vllm_flash", **cfg):
     src = make_caches(layout, layers=LAYERS, blocks=32, block_size=BS)
     dst = make_caches(layout, layers=LAYERS, blocks=32, block_size=BS, zeros=True)
     spec = spec_for(layout, src)
-    engine = CacheEngine(CacheConfig(chunk_size=CS, local_cpu_size="4MiB"), spec, "m")
+    engine = CacheEngine(CacheConfig(chunk_size=CS, local_cpu_size="4MiB", **cfg), spec, "m")
     return spec, engine, WorkerConnector(engine, src, BS), WorkerConnector(engine, dst, BS), \
         src, dst
 
@@ -141,3 +141,61 @@ def test_sync_mode_loads_before_the_forward() -> None:
         assert bool(dst[0][:, 16].view(torch.int32).any())  # in place before any wait
         wd.wait_for_save()
         assert wd.stats.loaded_tokens == 29
+
+
+def test_loaded_tokens_are_counted_by_tier_from_the_load_itself(tmp_path, monkeypatch) -> None:
+    """The per-tier counts come from the fetch that serves the load: the disk tier is read
+    once and never asked ``contains`` (once it was: a second hash and tier walk)."""
+    spec, engine, ws, wd, src, dst = setup(local_disk=str(tmp_path))
+    with engine:
+        step(ws, ConnectorMetadata(1, saves=[SaveSpec("a", TOKENS, blocks(0), 0)]))
+        assert engine.flush(10)
+        engine.storage.l1.delete(engine.db.keys(TOKENS)[2:])  # chunks 2-3 only on disk
+        disk = engine.storage.tiers[1]
+        calls: list[str] = []
+        for name in ("contains", "get"):
+            real = getattr(disk, name)
+            monkeypatch.setattr(disk, name, lambda keys, _r=real, _n=name:
+                                calls.append(_n) or _r(keys))
+        assert not step(wd, ConnectorMetadata(2, loads=[LoadSpec("b", TOKENS, blocks(16),
+                                                                 10, 29, 8)]))
+        assert calls == ["get"]
+        # [10, 16) from chunk 1 in L1; [16, 24) and [24, 29) from chunks 2-3 on disk
+        assert wd.stats.tokens_by_tier == {"cpu": 6, "disk": 13}
+        got = token_kv(spec, dst, slots_of(blocks(16), 10, 29))
+        assert_bits_equal(got, token_kv(spec, src, slots_of(blocks(0), 10, 29)), "mixed load")
+
+
+def test_a_request_is_hashed_once_across_its_steps(monkeypatch) -> None:
+    """Chunked prefill: each step saves the chunk it completed, hashing that chunk (and one
+    kept chunk as a check), not the whole prefix again."""
+    from lmc import token_database as tdb
+
+    _, engine, ws, _, _, _ = setup()
+    with engine:
+        packed: list[int] = []
+        real = tdb.tokens_to_bytes
+        monkeypatch.setattr(tdb, "tokens_to_bytes", lambda t: packed.append(len(t)) or real(t))
+        for i, end in enumerate((8, 16, 24)):
+            step(ws, ConnectorMetadata(i, saves=[SaveSpec("a", TOKENS[:end], blocks(0),
+                                                          end - 8)]))
+        monkeypatch.undo()
+        assert packed == [8, 8, 8, 8, 8]  # 8 + (check 8, new 8) * 2, not 8 + 16 + 24
+        assert engine.lookup(TOKENS[:24]) == 24 and ws.stats.saved_tokens == 24
+        assert ws.num_tracked_requests == 1
+        ws.forget(["a", "never-seen"])
+        assert ws.num_tracked_requests == 0
+
+
+def test_kept_keys_are_bounded_and_a_reused_id_is_rehashed() -> None:
+    spec, engine, ws, _, src, _ = setup()
+    with engine:
+        ws = WorkerConnector(engine, src, BS, max_tracked_requests=2)
+        for rid in ("a", "b", "c"):
+            step(ws, ConnectorMetadata(1, saves=[SaveSpec(rid, TOKENS[:16], blocks(0), 0)]))
+        assert ws.num_tracked_requests == 2
+        other = tuple(range(700, 724))  # "c" again, another sequence: must not reuse keys
+        step(ws, ConnectorMetadata(2, saves=[SaveSpec("c", other, blocks(8), 0)]))
+        assert engine.lookup(other) == 24 and engine.lookup(TOKENS[:16]) == 16
+        with pytest.raises(ValueError, match="max_tracked_requests"):
+            WorkerConnector(engine, src, BS, max_tracked_requests=0)

@@ -1,24 +1,34 @@
-"""The scheduler-to-worker lookup service (no vLLM needed): answers, minimum over ranks,
-timeouts and broken peers count as 0 hits quickly, never a hang."""
+"""The cross-process lookup service (engine-neutral, no engine needed): typed answers over
+the socket, minimum over ranks, timeouts and broken or malformed peers count as misses
+quickly (never a hang), and every wire field is bounded and checked."""
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import socket
+import struct
 import threading
 import time
 from pathlib import Path
 
 import numpy as np
 import pytest
-from lmc.connectors.vllm_lookup import (
+
+from lmc.lookup import LookupResult
+from lmc.lookup_service import (
     LOCAL_ENGINES,
+    MAX_NAME,
     LookupClient,
     LookupServer,
+    encode_answer,
     encode_request,
     socket_path,
 )
+
+CS = 16
+TIERS = ("cpu", "disk")
 
 
 @pytest.fixture
@@ -31,10 +41,21 @@ def sock_dir(tmp_path: Path) -> Path:
     d.rmdir()
 
 
+def answer(hit: int, l1: int) -> LookupResult:
+    """``hit`` tokens, chunks starting below ``l1`` in L1, the rest on disk."""
+    return LookupResult(hit, CS, TIERS, tuple(0 if i * CS < l1 else 1
+                                              for i in range(-(-hit // CS))))
+
+
 def prefix_answer(limit: int, l1: int):
-    def fn(tokens: np.ndarray) -> tuple[int, int]:
-        return min(limit, len(tokens)), min(l1, len(tokens))
+    def fn(tokens: np.ndarray) -> LookupResult:
+        return answer(min(limit, len(tokens)), l1)
     return fn
+
+
+def pair(r: LookupResult) -> tuple[int, int]:
+    """(hit tokens, of which in L1)."""
+    return r.tokens, r.tokens_by_tier().get("cpu", 0)
 
 
 def Client(paths: list[str], timeout: float) -> LookupClient:  # noqa: N802
@@ -54,8 +75,8 @@ def test_answers_over_the_socket(sock_dir):
     server = LookupServer(path, prefix_answer(512, 256))
     client = Client([path], timeout=2)
     try:
-        assert client.lookup(list(range(700))) == (512, 256)
-        assert client.lookup(np.arange(100)) == (100, 100)
+        assert client.lookup(list(range(700))) == answer(512, 256)
+        assert pair(client.lookup(np.arange(100))) == (100, 100)
         assert server.requests == 2 and client.stats.rank_failures == 0
     finally:
         client.close()
@@ -65,10 +86,12 @@ def test_answers_over_the_socket(sock_dir):
 
 def test_minimum_over_ranks(sock_dir):
     paths = [str(sock_dir / f"r{i}.sock") for i in range(3)]
-    servers = [LookupServer(p, prefix_answer(n, n)) for p, n in zip(paths, (768, 256, 512))]
+    servers = [LookupServer(p, prefix_answer(n, l1))
+               for p, n, l1 in zip(paths, (768, 256, 512), (0, 256, 32))]
     client = Client(paths, timeout=2)
     try:
-        assert client.lookup(list(range(1000))) == (256, 256)
+        # the shortest prefix, each chunk in the slowest tier any rank holds it in
+        assert client.lookup(list(range(1000))) == answer(256, 0)
     finally:
         client.close()
         for s in servers:
@@ -81,7 +104,7 @@ def test_in_process_engines_are_called_directly(sock_dir):
     client = LookupClient([path], timeout=2)
     try:
         assert LOCAL_ENGINES[path] is not None
-        assert client.lookup(list(range(400))) == (300, 0)
+        assert pair(client.lookup(list(range(400)))) == (300, 0)
         assert client.stats.local_calls == 1 and server.requests == 0
     finally:
         server.close()
@@ -91,7 +114,7 @@ def test_in_process_engines_are_called_directly(sock_dir):
 def test_missing_rank_is_zero_hits(sock_dir):
     client = Client([str(sock_dir / "nobody.sock")], timeout=0.5)
     t0 = time.perf_counter()
-    assert client.lookup([1, 2, 3]) == (0, 0)
+    assert client.lookup([1, 2, 3]).tokens == 0
     assert time.perf_counter() - t0 < 0.5
     assert client.stats.rank_failures == 1
 
@@ -100,19 +123,19 @@ def test_slow_rank_times_out_and_recovers(sock_dir):
     path = str(sock_dir / "slow.sock")
     delay = {"s": 1.0}
 
-    def slow(tokens: np.ndarray) -> tuple[int, int]:
+    def slow(tokens: np.ndarray) -> LookupResult:
         time.sleep(delay["s"])
-        return len(tokens), 0
+        return answer(len(tokens), 0)
 
     server = LookupServer(path, slow)
     client = Client([path], timeout=0.2)
     try:
         t0 = time.perf_counter()
-        assert client.lookup(list(range(10))) == (0, 0)
+        assert client.lookup(list(range(10))).tokens == 0
         assert time.perf_counter() - t0 < 0.6  # bounded by the timeout, not the server
         delay["s"] = 0.0
         time.sleep(1.1)  # the late answer goes to the dropped connection, not the next one
-        assert client.lookup(list(range(20))) == (20, 0)
+        assert pair(client.lookup(list(range(20)))) == (20, 0)
     finally:
         client.close()
         server.close()
@@ -121,11 +144,11 @@ def test_slow_rank_times_out_and_recovers(sock_dir):
 def test_one_slow_rank_of_two_is_zero(sock_dir):
     fast, slow = str(sock_dir / "a.sock"), str(sock_dir / "b.sock")
     s1 = LookupServer(fast, prefix_answer(100, 100))
-    s2 = LookupServer(slow, lambda t: (time.sleep(1.0), (len(t), 0))[1])
+    s2 = LookupServer(slow, lambda t: (time.sleep(1.0), answer(len(t), 0))[1])
     client = Client([fast, slow], timeout=0.2)
     try:
-        assert client.lookup(list(range(50))) == (0, 0)
-        assert client.lookup(list(range(50))) == (0, 0)  # both reconnect cleanly
+        assert client.lookup(list(range(50))).tokens == 0
+        assert client.lookup(list(range(50))).tokens == 0  # both reconnect cleanly
     finally:
         client.close()
         s1.close()
@@ -135,13 +158,13 @@ def test_one_slow_rank_of_two_is_zero(sock_dir):
 def test_failing_engine_answers_zero(sock_dir):
     path = str(sock_dir / "err.sock")
 
-    def broken(tokens: np.ndarray) -> tuple[int, int]:
+    def broken(tokens: np.ndarray) -> LookupResult:
         raise OSError("tier down")
 
     server = LookupServer(path, broken)
     client = Client([path], timeout=2)
     try:
-        assert client.lookup([5, 6]) == (0, 0)
+        assert client.lookup([5, 6]).tokens == 0
         assert server.errors == 1 and client.stats.rank_failures == 0
     finally:
         client.close()
@@ -160,7 +183,7 @@ def test_garbage_request_closes_only_that_connection(sock_dir):
             with contextlib.suppress(ConnectionResetError):
                 assert s.recv(16) == b""
         client = Client([path], timeout=2)
-        assert client.lookup([1] * 10) == (7, 7)
+        assert pair(client.lookup([1] * 10)) == (7, 7)
         client.close()
     finally:
         server.close()
@@ -193,7 +216,7 @@ def test_concurrent_clients(sock_dir):
         client = Client([path], timeout=2)
         try:
             for i in range(50):
-                assert client.lookup(list(range(n + i))) == (n + i, 0)
+                assert pair(client.lookup(list(range(n + i)))) == (n + i, 0)
         except BaseException as e:  # noqa: BLE001 - reported below
             errors.append(e)
         finally:
@@ -206,3 +229,117 @@ def test_concurrent_clients(sock_dir):
         t.join()
     server.close()
     assert not errors
+
+
+# ----------------------------------------------------------------- wire bounds and errors
+class RawServer:
+    """A peer that answers every request with fixed bytes (an old or broken server)."""
+
+    def __init__(self, path: str, reply: bytes) -> None:
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.bind(path)
+        self.sock.listen(4)
+        self.reply = reply
+        threading.Thread(target=self._run, daemon=True).start()
+
+    def _run(self) -> None:
+        with contextlib.suppress(OSError):
+            while True:
+                conn, _ = self.sock.accept()
+                with conn:
+                    n = struct.unpack("<4sI", conn.recv(8))[1]
+                    got = 0
+                    while got < 4 * n:
+                        got += len(conn.recv(4 * n - got))
+                    conn.sendall(self.reply)  # then hang up: a short reply ends there
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self.sock.shutdown(socket.SHUT_RDWR)
+        self.sock.close()
+
+
+def head(tokens=10, cs=CS, tiers=0, sources=0, magic=b"LMA2") -> bytes:
+    return struct.pack("<4sQIBI", magic, tokens, cs, tiers, sources)
+
+
+@pytest.mark.parametrize("reply,why", [
+    (struct.pack("<4sQQ", b"LMCA", 10, 10), "version 1"),
+    (head(magic=b"HTTP"), "bad lookup answer magic"),
+    (head(tokens=11), "11 hit tokens for a request of 10"),
+    (head(cs=0), "chunk size 0"),
+    (head(tiers=17), "17 tiers, at most 16"),
+    (head(sources=3, cs=8), "3 chunk sources for a request of 10 tokens in chunks of 8"),
+    (head(tiers=1) + bytes([MAX_NAME + 1]) + b"x" * (MAX_NAME + 1), "65 bytes, at most 64"),
+    (head(tiers=1) + b"\x02\xff\xfe", "not UTF-8"),
+    (head(tokens=10, tiers=1, sources=1) + b"\x03cpu\x01", "source 1 names no tier"),
+    (head()[:10], "peer closed the connection"),
+])
+def test_a_malformed_answer_is_a_miss_that_says_why(sock_dir, caplog, reply, why):
+    path = str(sock_dir / "raw.sock")
+    server = RawServer(path, reply)
+    client = Client([path], timeout=2)
+    try:
+        with caplog.at_level(logging.WARNING, logger="lmc.lookup_service"):
+            t0 = time.perf_counter()
+            assert client.lookup(list(range(10))) == LookupResult.miss()
+            assert time.perf_counter() - t0 < 1.5
+        assert client.stats.rank_failures == 1
+        assert why in caplog.text and path in caplog.text
+    finally:
+        client.close()
+        server.close()
+
+
+def test_an_old_client_request_is_refused_clearly(sock_dir, caplog):
+    path = str(sock_dir / "new.sock")
+    server = LookupServer(path, prefix_answer(7, 7))
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s, \
+                caplog.at_level(logging.WARNING, logger="lmc.lookup_service"):
+            s.connect(path)
+            s.sendall(struct.pack("<4sI", b"LMCQ", 1) + b"\0\0\0\0")
+            s.settimeout(2)
+            with contextlib.suppress(ConnectionResetError):
+                assert s.recv(16) == b""
+        assert server.errors == 1 and "version 1" in caplog.text
+    finally:
+        server.close()
+
+
+def test_a_request_over_the_limit_is_refused_by_the_server(sock_dir):
+    path = str(sock_dir / "big.sock")
+    server = LookupServer(path, prefix_answer(7, 7))
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+            s.connect(path)
+            s.sendall(struct.pack("<4sI", b"LMQ2", (1 << 24) + 1))
+            s.settimeout(2)
+            with contextlib.suppress(ConnectionResetError):
+                assert s.recv(16) == b""  # closed without allocating 64 MiB
+        assert server.errors == 1
+    finally:
+        server.close()
+
+
+def test_encoding_is_bounded():
+    with pytest.raises(ValueError, match="longer than 64 bytes"):
+        encode_answer(LookupResult(0, 1, ("t" * 65,)))
+    with pytest.raises(ValueError, match=r"\[0, 2\*\*32\)"):
+        encode_request([-1, 2])
+    with pytest.raises(ValueError, match="1-D"):
+        encode_request(np.zeros((2, 2), dtype=np.int64))
+    r = answer(40, 16)
+    assert len(encode_answer(r)) == struct.calcsize("<4sQIBI") + 4 + 5 + 3
+
+
+def test_a_lookup_returning_garbage_is_a_miss_not_a_dead_server(sock_dir):
+    path = str(sock_dir / "bad.sock")
+    server = LookupServer(path, lambda t: LookupResult(0, 1, ("x" * 100,)))
+    client = Client([path], timeout=2)
+    try:
+        assert client.lookup([1, 2]).tokens == 0
+        assert server.errors == 1 and client.stats.rank_failures == 0
+    finally:
+        client.close()
+        server.close()
