@@ -93,6 +93,23 @@ class MemoryObj:
                              f"{self.pool.allocator.block_size(self.offset)} B block")
         return self.pool.byte_buffer()[self.offset: self.offset + n]
 
+    def io_spans(self, align: int = 4096) -> tuple[memoryview, memoryview] | None:
+        """The object's bytes cut for direct (O_DIRECT) I/O: ``(head, tail)``, ``head`` its
+        leading whole ``align``-byte units starting at an ``align``-aligned address, ``tail``
+        the rest (under ``align`` bytes, maybe empty), both slices of :meth:`byte_view`.
+        ``None`` when the object does not start aligned (the tier then does buffered I/O).
+
+        Why: a tier moves ``head`` between the device and pool memory with no copy and pads
+        ``tail`` in a buffer of its own, so it never reads or writes past ``nbytes`` and never
+        needs to know how big the allocator's block is."""
+        if align <= 0 or align & (align - 1):
+            raise ValueError(f"io_spans: align must be a power of two, got {align}")
+        view = self.byte_view()
+        if (self.pool.buffer.data_ptr() + self.offset) % align:
+            return None
+        cut = self.nbytes - self.nbytes % align
+        return view[:cut], view[cut:]
+
     @property
     def ref_count(self) -> int:
         return self._refs

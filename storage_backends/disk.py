@@ -2,9 +2,13 @@
 
 File format. ``<dir>/<key hex>.<file bytes>.kv`` holds one 4 KiB block with the
 :mod:`lmc.serde` header (zero padded), then the payload padded to 4 KiB. Both parts are
-4 KiB-aligned, and pool objects are 4 KiB-aligned blocks, so a value goes from pool memory to
-the device (and back into a freshly allocated pool object) with one ``pwritev``/``preadv`` and
-no copy. The header carries the key, so a file renamed to another key's name is caught.
+4 KiB-aligned, and pool objects start 4 KiB-aligned, so a value goes from pool memory to the
+device (and back into a freshly allocated pool object) with one ``pwritev``/``preadv``: the
+object's whole 4 KiB units straight from or into pool memory, its last partial unit (if any)
+through a 4 KiB buffer of the tier's that also carries the zero padding
+(``MemoryObj.io_spans``). So the tier never touches pool bytes past ``obj.nbytes`` and needs
+nothing of the allocator. The header carries the key, so a file renamed to another key's
+name is caught.
 
 Crash consistency. A value is written under a temporary name (``.tmp.<pid>.<hex>``), optionally
 ``fdatasync``-ed (``disk_fsync``; then the directory is fsync-ed once per batch), and renamed
@@ -105,19 +109,13 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
-def _payload_view(obj: MemoryObj, padded: int) -> tuple[memoryview, bool]:
-    """A byte view of ``obj``: its 4 KiB-padded block when the pool allows it (O_DIRECT-ready:
-    aligned start, block at least ``padded`` long), else exactly its ``nbytes``."""
-    pool = obj.pool
-    buf = pool.buffer
-    try:
-        block = pool.allocator.block_size(obj.offset)
-    except (AttributeError, KeyError):
-        block = 0
-    if block >= padded and (buf.data_ptr() + obj.offset) % BLOCK == 0:
-        return memoryview(buf[obj.offset: obj.offset + padded].numpy()), True
-    flat = obj.tensor.reshape(-1).view(buf.dtype)  # uint8 view of the object itself
-    return memoryview(flat.numpy()), False
+_ZEROS = memoryview(bytes(BLOCK))
+
+
+def _payload_spans(obj: MemoryObj, direct: bool) -> tuple[memoryview, memoryview] | None:
+    """``(head, tail)`` of the object for O_DIRECT (``MemoryObj.io_spans``), or ``None`` when
+    the I/O is buffered or the object is not 4 KiB-aligned (then the whole ``byte_view()``)."""
+    return obj.io_spans(BLOCK) if direct else None
 
 
 def _io_all(op, fd: int, bufs: list[memoryview], offset: int) -> int:
@@ -436,14 +434,27 @@ class DiskBackend(StorageBackend):
             if obj is None:
                 self.metrics.error("get", "no_memory")
                 return None
-            view, aligned = _payload_view(obj, padded)
-            if self.direct and not aligned:  # unaligned destination: buffered read instead
-                os.close(fd)
-                fd = -1
-                fd = self._open(path, os.O_RDONLY, False)
-            if _io_all(os.preadv, fd, [view], BLOCK) < view.nbytes:
+            if obj.nbytes != h.payload_len:
+                raise CorruptValue(f"header's shape and dtype make {obj.nbytes} bytes, its "
+                                   f"payload length says {h.payload_len}")
+            view = obj.byte_view()
+            spans = _payload_spans(obj, self.direct)
+            if spans is None:
+                if self.direct:  # unaligned destination: buffered read instead
+                    os.close(fd)
+                    fd = -1
+                    fd = self._open(path, os.O_RDONLY, False)
+                bufs, want = [view], view.nbytes
+            else:  # the tail's block lands in our buffer: nothing past nbytes is written
+                head, tail = spans
+                tbuf = self._buf("_rtail")
+                bufs = [head, tbuf] if tail.nbytes else [head]
+                want = padded
+            if _io_all(os.preadv, fd, bufs, BLOCK) < want:
                 raise CorruptValue("file truncated")
-            if checksum(view[: h.payload_len]) != h.checksum:
+            if spans is not None and spans[1].nbytes:
+                spans[1][:] = tbuf[: spans[1].nbytes]
+            if checksum(view) != h.checksum:
                 raise CorruptValue("payload checksum mismatch")
             out, obj = obj, None
             return out
@@ -578,18 +589,24 @@ class DiskBackend(StorageBackend):
 
     def _write_file(self, path: str, key: Key, obj: MemoryObj, padded: int, create: bool
                     ) -> None:
-        view, aligned = _payload_view(obj, padded)
-        payload = view[: obj.nbytes]
-        if aligned:
-            view[obj.nbytes:] = bytes(padded - obj.nbytes)  # no stale pool bytes on disk
-            bufs = [view]
-        else:
-            bufs = [view, memoryview(bytes(padded - obj.nbytes))]
+        payload = obj.byte_view()
+        spans = _payload_spans(obj, self.direct)
+        pad = padded - obj.nbytes
+        if spans is None:  # buffered: the padding comes from a constant
+            bufs = [payload, _ZEROS[:pad]] if pad else [payload]
+        else:  # the tail and its padding go from our aligned buffer, never from pool bytes
+            head, tail = spans
+            bufs = [head]
+            if tail.nbytes:
+                tbuf = self._buf("_wtail")
+                tbuf[: tail.nbytes] = tail
+                tbuf[tail.nbytes:] = _ZEROS[tail.nbytes:]
+                bufs.append(tbuf)
         hdr = self._buf("_wbuf")
         hdr[:HEADER_SIZE] = encode_header(key, obj.shape, obj.dtype, obj.num_tokens, payload,
                                           checksum=checksum(payload))
         flags = os.O_WRONLY | (os.O_CREAT | os.O_EXCL if create else 0)
-        fd = self._open(path, flags, self.direct and aligned)
+        fd = self._open(path, flags, spans is not None)
         try:
             if _io_all(os.pwritev, fd, [hdr, *bufs], 0) < BLOCK + padded:
                 raise OSError(errno.EIO, "short write")

@@ -413,9 +413,10 @@ def test_writer_killed_mid_write_leaves_nothing_torn(tmp_path):
 
 @pytest.mark.parametrize("align", [4096, 512], ids=["o_direct_blocks", "unaligned_pool"])
 def test_io_never_touches_neighbouring_pool_memory(tmp_path, align):
-    """A 5000-byte value is padded to 8 KiB on disk. Writing it zeroes the padding in its own
-    pool block and reading it fills that block; neither may spill into the objects next to
-    it, whatever the pool's alignment (512: the block is too small, the exact path runs)."""
+    """A 5000-byte value is padded to 8 KiB on disk. Neither writing nor reading it touches
+    a pool byte past its 5000: not the rest of its own block (the padding comes from the
+    tier's buffer, ``MemoryObj.io_spans``), not the object next to it, whatever the pool's
+    alignment (512: the object is not 4 KiB-aligned, the buffered path runs)."""
     shape, dtype = (1, 1, 5, 500), torch.float16  # 5000 bytes
     pool = MemoryPool(64 << 10, pin_memory=False, align=align)
     tier = DiskBackend(config=CacheConfig(local_disk=str(tmp_path), local_disk_size="1MiB"),
@@ -423,16 +424,21 @@ def test_io_never_touches_neighbouring_pool_memory(tmp_path, align):
     value = pool.allocate(shape, dtype, 5)
     after = pool.allocate((16 << 10,), torch.uint8)  # the object right behind the value
     assert after.offset == value.offset + pool.allocator.block_size(value.offset)
+    slack = pool.buffer[value.offset + value.nbytes: after.offset]  # the block's own tail
     value.tensor.view(torch.uint8).random_()
     after.tensor.fill_(0xAB)
+    slack.fill_(0xCD)
     want = value.tensor.clone()
     assert tier.put([_key(1)], [value]) == 1
     assert bool((after.tensor == 0xAB).all()), "the write spilled past the object"
+    assert bool((slack == 0xCD).all()), "the write changed pool bytes past obj.nbytes"
     value.release()  # the read lands in the value's old block (the best fit), as asserted
+    slack.fill_(0xCD)  # (a freed block is poisoned in invariant mode)
     (got,) = tier.get([_key(1)])
     assert got is not None and got.offset == value.offset
     assert_bits_equal(got.tensor, want)
     assert bool((after.tensor == 0xAB).all()), "the read spilled past the object"
+    assert bool((slack == 0xCD).all()), "the read wrote pool bytes past obj.nbytes"
     got.release()
     after.release()
     tier.close()
