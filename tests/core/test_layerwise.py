@@ -101,3 +101,67 @@ def test_layer_index_checked():
             st.save(0)
         st.abort()
 
+
+
+class PlainHost:
+    """A LayerwiseHost that is not a CacheEngine: a dict of committed chunks and a thread."""
+
+    def __init__(self, num_layers: int) -> None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        self.num_layers = num_layers
+        self.pool = ThreadPoolExecutor(1)
+        self.committed: dict[bytes, torch.Tensor] = {}
+        self.transfers: list[tuple[str, int]] = []
+
+    def executor(self):
+        return self.pool
+
+    def commit_chunks(self, keys, objs) -> None:
+        for k, o in zip(keys, objs):
+            self.committed[k] = o.tensor.clone()
+
+    def record_transfer(self, kind, tokens, nbytes, seconds) -> None:
+        self.transfers.append((kind, tokens))
+
+
+def test_layerwise_objects_need_only_the_declared_host():
+    """lmc.layerwise reaches the engine through LayerwiseHost alone: a store and a retrieve
+    run against a host with no tiers, metrics or pins, and the module imports no engine."""
+    import ast
+    import inspect
+
+    from lmc import layerwise
+    from lmc.layerwise import LayerwiseRetrieve, LayerwiseStore
+
+    imported = {n.module for n in ast.walk(ast.parse(inspect.getsource(layerwise)))
+                if isinstance(n, ast.ImportFrom)}
+    assert "lmc.cache_engine" not in imported
+    eng, spec, src, dst, toks = _setup()
+    with eng:
+        host = PlainHost(spec.num_layers)
+        tr = eng.transfer_for(src)
+        chunks = eng.db.process_tokens(toks)
+        objs = eng.pool.allocate_many(spec.chunk_shape(16), spec.dtype, len(chunks), 16)
+        st = LayerwiseStore(host, tr, tr.plan(torch.arange(48), [(s, e) for s, e, _ in chunks]),
+                            chunks, objs)
+        for layer in range(spec.num_layers):
+            st.save(layer)
+        assert st.commit() == 48 and host.transfers == [("store", 48)]
+        assert list(host.committed) == [k for _, _, k in chunks]
+        back = eng.pool.allocate_many(spec.chunk_shape(16), spec.dtype, len(chunks), 16)
+        for o, (_, _, k) in zip(back, chunks):
+            o.tensor.copy_(host.committed[k])
+        slots2 = torch.arange(64, 112)
+        dtr = eng.transfer_for(dst)
+        rt = LayerwiseRetrieve(host, dtr, dtr.plan(slots2, [(s, e) for s, e, _ in chunks]),
+                               chunks, back, ["dict"] * len(chunks))
+        rt.start()
+        for layer in range(spec.num_layers):
+            rt.wait(layer)
+        assert rt.close() == 48 and rt.tokens_by_tier(10, 40) == {"dict": 30}
+        assert_bits_equal(token_kv(spec, dst, slots2), token_kv(spec, src, torch.arange(48)),
+                          "through a plain host")
+        with pytest.raises(ValueError, match="2 tier names for 3 chunks"):
+            LayerwiseRetrieve(host, dtr, None, chunks, [], ["a", "b"])
+        host.pool.shutdown()
