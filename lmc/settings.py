@@ -300,6 +300,7 @@ never reported as misspellings. ``tests/core/test_settings.py`` greps the tree f
 OTHER_ENV_PREFIXES: dict[str, str] = {
     "LMC_HYPOTHESIS_": "the test suite's hypothesis profiles",
     "LMC_VLLM_": "the vLLM venv used by CI and benchmarks",
+    "LMC_SGLANG_": "the SGLang venv used by its integration tests",
 }
 
 

@@ -3,6 +3,7 @@ file under configs/ loads."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -82,3 +83,46 @@ def test_every_shipped_config_loads(path):
 def test_describe_covers_every_key():
     assert [k for k, _, _ in CacheConfig.describe()] == list(CacheConfig.field_names())
     assert all(doc for _, _, doc in CacheConfig.describe())
+
+
+def test_zero_sized_pool_or_disk_is_refused():
+    with pytest.raises(ValueError, match="local_cpu_size: must be > 0"):
+        CacheConfig(local_cpu_size=0)
+    with pytest.raises(ValueError, match="local_disk_size: must be > 0"):
+        CacheConfig(local_disk_size="0GiB")
+
+
+def test_remote_url_scheme_must_belong_to_a_backend():
+    with pytest.raises(ValueError, match=r"remote_url: no storage backend handles URL scheme "
+                                         r"'http'.*known schemes: .*lmc\b.*redis\b"):
+        CacheConfig(remote_url="http://cache:80")
+    for url in ("redis://h:6379/0", "rediss+cluster://a:1,b:2", "lmc://h:7451?ns=a",
+                "lmc+unix:///run/lmc.sock"):
+        assert CacheConfig(remote_url=url).remote_url == url
+
+
+def test_remote_options_from_yaml_env_and_overrides(tmp_path):
+    f = tmp_path / "c.yaml"
+    f.write_text("remote_url: redis://h:6379\nremote_options:\n  get_piece: 65536\n"
+                 "  ssl_ca_certs: /etc/ca.pem\n")
+    cfg = CacheConfig.load(f, environ={})
+    assert cfg.remote_options == {"get_piece": 65536, "ssl_ca_certs": "/etc/ca.pem"}
+    env = {"LMC_REMOTE_OPTIONS": "{get_piece: 1024, breaker_threshold: 5}"}
+    assert CacheConfig.load(f, environ=env).remote_options == {"get_piece": 1024,
+                                                               "breaker_threshold": 5}
+    cfg2 = CacheConfig.load(f, overrides={"remote_options": {"x": [1, 2]}}, environ={})
+    assert cfg2.remote_options == {"x": [1, 2]}      # replaced as a whole, passed verbatim
+    assert hash(cfg) == hash(cfg.replace(remote_options={"other": 1}))  # hashable, unhashed
+    assert cfg != cfg.replace(remote_options={"other": 1})              # but compared
+    assert CacheConfig().remote_options == {} and cfg.to_dict()["remote_options"]["get_piece"]
+
+
+@pytest.mark.parametrize("value,needle", [
+    ("[a, b]", "remote_options: expected a mapping"),
+    ("{a: [1", "remote_options: expected a mapping such as '{a: 1}', cannot parse"),
+    ({"not-a-name": 1}, "option name 'not-a-name' is not a valid keyword name"),
+    ({1: 2}, "keys must be strings"),
+])
+def test_bad_remote_options_are_named(value, needle):
+    with pytest.raises(ValueError, match=re.escape(needle)):
+        CacheConfig(remote_url="redis://h:1", remote_options=value)

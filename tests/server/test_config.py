@@ -79,3 +79,60 @@ def test_documented_multi_tenant_yaml_loads():
         cfg = ServerConfig.load(overrides=yaml.safe_load(block), environ={})
         assert cfg.tokens and any(t.admin for t in cfg.tokens)
         assert all(t.admin or t.namespaces for t in cfg.tokens)
+
+
+def _server_cli(capsys, *flags: str) -> str:
+    """``lmc server FLAGS`` must refuse at config time (exit 2) with one line on stderr."""
+    from lmc.cli import main
+
+    assert main(["server", "--port", "0", *flags]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    return err
+
+
+def test_cache_flag_typo_names_the_closest_key(capsys):
+    err = _server_cli(capsys, "--cache", "local_cpu_sise=1GiB")
+    assert "unexpected keyword argument" not in err and "CacheConfig.__init__" not in err
+    assert "cache: unknown config key 'local_cpu_sise'; did you mean 'local_cpu_size'?" in err
+    assert "the daemon's own key 'size'" in err and "(in flags)" in err
+    err = _server_cli(capsys, "--cache", "write_polcy=write_on_evict")
+    assert "did you mean 'write_policy'?" in err
+
+
+def test_cache_keys_the_daemon_sets_itself_are_refused(capsys):
+    err = _server_cli(capsys, "--cache", "local_cpu_size=1GiB")
+    assert "cache.local_cpu_size: not a daemon setting (set by the daemon's own key 'size')" in err
+    with pytest.raises(ValueError, match="cache.remote_url: .*own key 'redis'"):
+        ServerConfig.load(overrides={"cache": {"remote_url": "redis://h:1"}}, environ={})
+
+
+def test_cache_values_are_checked_with_their_key(capsys):
+    err = _server_cli(capsys, "--cache", "write_policy=sometimes")
+    assert "cache.write_policy: 'sometimes' is not allowed; choose one of" in err
+
+
+def test_lower_tier_is_any_backend_url():
+    for url in ("redis://h:6379", "rediss+cluster://a:1,b:2", "lmc://other:7451?ns=a",
+                "lmc+unix:///run/other.sock"):
+        cfg = ServerConfig.load(overrides={"redis": url}, environ={})
+        assert cfg.cache_config().remote_url == url
+    with pytest.raises(ValueError, match="redis: expected a URL"):
+        ServerConfig.load(overrides={"redis": "cpu"}, environ={})
+
+
+def test_remote_options_reach_the_storage_config():
+    cfg = ServerConfig.load(overrides={"redis": "redis://h:1",
+                                       "cache": {"remote_options": {"get_piece": 4096}}},
+                            environ={"LMC_SERVER_MAX_BATCH": "8"})
+    assert cfg.cache_config().remote_options == {"get_piece": 4096}
+    env = {"LMC_SERVER_CACHE": "{write_policy: write_on_evict}"}  # a mapping as YAML text
+    assert ServerConfig.load(environ=env).cache_config().write_policy == "write_on_evict"
+
+
+def test_misspelled_server_variable_is_reported(caplog):
+    with caplog.at_level("WARNING", logger="lmc.settings"):
+        ServerConfig.load(environ={"LMC_SERVER_MAX_BACTH": "3", "LMC_CHUNK_SISE": "1"})
+    msgs = [r.getMessage() for r in caplog.records if r.name == "lmc.settings"]
+    assert msgs == ["environment variable LMC_SERVER_MAX_BACTH is not an lmc setting and is "
+                    "ignored; did you mean LMC_SERVER_MAX_BATCH?"]
