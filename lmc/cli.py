@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
+import re
 import sys
+from typing import Any
 
 import yaml
 
@@ -24,16 +27,40 @@ def _config(args: argparse.Namespace) -> int:
     except (ValueError, OSError) as e:
         print(f"lmc config: {e}", file=sys.stderr)
         return 2
-    print(yaml.safe_dump(cfg.public_dict(), sort_keys=False).rstrip())  # secrets masked
+    from lmc.units import readable_settings
+
+    # secrets masked; sizes and durations in units the file accepts again (2GiB, 500ms)
+    print(yaml.safe_dump(readable_settings(cfg), sort_keys=False).rstrip())
     return 0
+
+
+def help_text(doc: str | None) -> str:
+    """A module docstring as ``--help`` prose: RST markup (``code``, **bold**) removed."""
+    text = re.sub(r"``([^`]+)``", r"\1", doc or "")
+    text = re.sub(r"\*\*([^*]+)\*\*", r"\1", text)
+    return re.sub(r":\w+:`~?([^`]+)`", r"\1", text).strip()
+
+
+def add_command(sub: Any, name: str, summary: str, doc: str | None) -> argparse.ArgumentParser:
+    """A subcommand whose ``--help`` starts with ``doc`` (cleaned), paragraphs kept."""
+    return sub.add_parser(name, help=summary, description=help_text(doc) or summary,
+                          formatter_class=argparse.RawDescriptionHelpFormatter)
+
+
+_CONFIG_DOC = """Validate an engine config and print it resolved.
+
+Reads the YAML file (if given), then the LMC_* environment variables, checks every key and
+value, and prints the result as YAML (sizes as 2GiB, durations as 500ms; secrets as ***).
+Exit status 2 and a message naming the key when something is wrong."""
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="lmc", description="KV-cache middleware for LLM engines")
     p.add_argument("--version", action="store_true", help="print the version and exit")
-    sub = p.add_subparsers(dest="cmd")
-    c = sub.add_parser("config", help="validate a config (YAML + LMC_* env) and print it resolved")
-    c.add_argument("--config", help="YAML file (defaults only when omitted)")
+    sub = p.add_subparsers(dest="cmd", metavar="COMMAND")
+    c = add_command(sub, "config", "validate a config (YAML + LMC_* env) and print it resolved",
+                    _CONFIG_DOC)
+    c.add_argument("--config", metavar="FILE", help="YAML file (defaults only when omitted)")
     c.add_argument("--keys", action="store_true", help="list every key with its default")
     c.set_defaults(func=_config)
     for name in COMMAND_MODULES:
@@ -48,16 +75,31 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    if args.version:
-        from lmc import __version__
+    """Ordinary ways out (Ctrl-C, a closed pipe such as ``lmc stats | head``) end with a
+    line or silently, never a traceback."""
+    try:
+        args = build_parser().parse_args(argv)
+        if args.version:
+            from lmc import __version__
 
-        print(__version__)
-        return 0
-    if not getattr(args, "func", None):
-        build_parser().print_help()
-        return 1
-    return int(args.func(args))
+            print(__version__)
+            return 0
+        if not getattr(args, "func", None):
+            build_parser().print_help()
+            return 1
+        return int(args.func(args))
+    except KeyboardInterrupt:
+        print(f"\nlmc {_command(argv)}: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:
+        # the reader went away: point stdout at /dev/null so the final flush is quiet too
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
+
+
+def _command(argv: list[str] | None) -> str:
+    args = sys.argv[1:] if argv is None else argv
+    return next((a for a in args if not a.startswith("-")), "").strip()
 
 
 if __name__ == "__main__":
