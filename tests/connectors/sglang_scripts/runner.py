@@ -50,7 +50,8 @@ def run_script(name: str, *args: str, timeout: int = 300, **env: str
     """Run ``sglang_scripts/<name>`` with the SGLang python; fail with its output on a
     non-zero exit or a missing ``RESULT: PASS``."""
     full_env = dict(os.environ, PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1",
-                    TRANSFORMERS_OFFLINE="1", OMP_NUM_THREADS="1", **env)
+                    TRANSFORMERS_OFFLINE="1", OMP_NUM_THREADS="1",
+                    LMC_DEBUG_INVARIANTS="1", **env)  # leaked references fail the run
     proc = subprocess.run([sglang_python(), str(SCRIPTS / name), *args], capture_output=True,
                           text=True, timeout=timeout, env=full_env, cwd=SCRIPTS)
     out = proc.stdout + proc.stderr
