@@ -213,7 +213,7 @@ class CacheEngine:
         hit_tokens = min(len(sources) * self.config.chunk_size, n)
         self.metrics.lookup(n, hit_tokens, time.perf_counter() - t0)
         return LookupResult(hit_tokens, self.config.chunk_size, self.tier_names,
-                            tuple(sources) if hit_tokens else ())
+                            sources if hit_tokens else b"")
 
     @property
     def tier_names(self) -> tuple[str, ...]:

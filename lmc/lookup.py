@@ -19,6 +19,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 MAX_TIERS = 16  # bounds the wire format (lmc.lookup_service) and any sane tier stack
+_INDICES = bytes(range(MAX_TIERS))
 
 
 @dataclass(frozen=True)
@@ -29,14 +30,15 @@ class LookupResult:
         tokens: prefix tokens available (the last hit chunk may be a partial one).
         chunk_size: tokens per chunk (``sources`` counts chunks).
         tiers: tier names, fastest (L1) first.
-        sources: per hit chunk, the index into ``tiers`` of the tier that holds it; empty
-            when the lookup did not attribute its hits.
+        sources: per hit chunk, the index into ``tiers`` of the tier that holds it, one
+            byte each (any sequence of ints is converted); empty when the lookup did not
+            attribute its hits.
     """
 
     tokens: int
     chunk_size: int
     tiers: tuple[str, ...] = ()
-    sources: tuple[int, ...] = ()
+    sources: bytes = b""
 
     def __post_init__(self) -> None:
         if self.chunk_size < 1:
@@ -45,14 +47,20 @@ class LookupResult:
             raise ValueError(f"LookupResult: tokens must be >= 0, got {self.tokens}")
         if len(self.tiers) > MAX_TIERS:
             raise ValueError(f"LookupResult: {len(self.tiers)} tiers, at most {MAX_TIERS}")
+        if not isinstance(self.sources, bytes):
+            try:  # bytes: converted and range-checked in C (a lookup's hot path)
+                object.__setattr__(self, "sources", bytes(self.sources))
+            except (ValueError, TypeError):
+                raise ValueError(f"LookupResult: sources must be tier indices, got "
+                                 f"{self.sources!r:.80}") from None
         if not self.sources:
             return
         chunks = -(-self.tokens // self.chunk_size)
         if len(self.sources) != chunks:
             raise ValueError(f"LookupResult: {len(self.sources)} sources for {self.tokens} "
                              f"tokens in chunks of {self.chunk_size} ({chunks} chunks)")
-        bad = next((s for s in self.sources if not 0 <= s < len(self.tiers)), None)
-        if bad is not None:
+        if self.sources.translate(None, _INDICES[: len(self.tiers)]):  # some index left over
+            bad = max(self.sources)
             raise ValueError(f"LookupResult: source {bad} names no tier of {self.tiers}")
 
     @classmethod
@@ -69,12 +77,16 @@ class LookupResult:
         zeros included); empty if the result is not attributed."""
         if not self.sources:
             return {t: 0 for t in self.tiers} if self.tokens == 0 else {}
+        start = max(0, start)
         end = self.tokens if end is None else min(end, self.tokens)
         counts = [0] * len(self.tiers)
         cs = self.chunk_size
-        if end > start:
-            for i in range(max(0, start) // cs, -(-end // cs)):
-                counts[self.sources[i]] += min((i + 1) * cs, end) - max(i * cs, start)
+        if end > start:  # whole chunks counted in C, then the two cut edges taken off
+            first, last = start // cs, -(-end // cs)
+            seg = self.sources[first:last]
+            counts = [seg.count(t) * cs for t in range(len(self.tiers))]
+            counts[seg[0]] -= start - first * cs
+            counts[seg[-1]] -= last * cs - end
         return dict(zip(self.tiers, counts))
 
     def clipped(self, tokens: int) -> LookupResult:
@@ -107,5 +119,5 @@ def minimum(results: Iterable[LookupResult]) -> LookupResult:
     if any(r.tiers != first.tiers or not r.sources for r in results):
         return LookupResult(tokens, cs)
     n = -(-tokens // cs)
-    sources = tuple(max(r.sources[i] for r in results) for i in range(n))
+    sources = bytes(max(r.sources[i] for r in results) for i in range(n))
     return LookupResult(tokens, cs, first.tiers, sources)

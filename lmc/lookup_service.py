@@ -117,7 +117,7 @@ def encode_answer(result: LookupResult) -> bytes:
     parts = [_ANS_HEAD.pack(ANS_MAGIC, result.tokens, result.chunk_size, len(names),
                             len(result.sources))]
     parts += [bytes([len(b)]) + b for b in names]
-    parts.append(bytes(result.sources))
+    parts.append(result.sources)
     return b"".join(parts)
 
 
@@ -163,7 +163,7 @@ def read_answer(sock: socket.socket, num_tokens: int) -> LookupResult:
             tiers.append(_recv_exact(sock, k).decode())
         except UnicodeDecodeError as e:
             raise LookupProtocolError(f"tier name is not UTF-8: {e}") from None
-    sources = tuple(_recv_exact(sock, n_src))
+    sources = _recv_exact(sock, n_src)
     try:
         return LookupResult(tokens, cs, tuple(tiers), sources)
     except ValueError as e:

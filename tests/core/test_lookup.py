@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 from lmc import CacheConfig, CacheEngine
 from lmc.lookup import LookupResult, minimum
@@ -20,6 +22,9 @@ def test_result_checks_its_fields():
         LookupResult(40, 16, ("cpu",), (0, 0))
     with pytest.raises(ValueError, match="source 2 names no tier"):
         LookupResult(20, 16, ("cpu", "disk"), (0, 2))
+    with pytest.raises(ValueError, match="sources must be tier indices"):
+        LookupResult(20, 16, ("cpu", "disk"), (0, -1))
+    assert LookupResult(20, 16, ("cpu",), [0, 0]).sources == b"\0\0"
     with pytest.raises(ValueError, match="chunk_size must be >= 1"):
         LookupResult(0, 0)
     with pytest.raises(ValueError, match="at most 16"):
@@ -34,6 +39,21 @@ def test_tokens_by_tier_over_a_range():
     assert r.clipped(17) == LookupResult(17, 16, r.tiers, (0, 2))
     assert r.clipped(0).tokens_by_tier() == {"cpu": 0, "disk": 0, "redis": 0}
     assert LookupResult(40, 16).tokens_by_tier() == {}, "an unattributed hit says nothing"
+
+
+@given(st.data())
+def test_tokens_by_tier_matches_a_position_by_position_count(data):
+    cs = data.draw(st.integers(1, 9), "chunk_size")
+    tiers = tuple(f"t{i}" for i in range(data.draw(st.integers(1, 4), "tiers")))
+    tokens = data.draw(st.integers(0, 60), "tokens")
+    src = data.draw(st.lists(st.integers(0, len(tiers) - 1), min_size=-(-tokens // cs),
+                             max_size=-(-tokens // cs)), "sources")
+    start = data.draw(st.integers(-3, 70), "start")
+    end = data.draw(st.none() | st.integers(-3, 70), "end")
+    want = dict.fromkeys(tiers, 0)
+    for p in range(max(0, start), tokens if end is None else min(end, tokens)):
+        want[tiers[src[p // cs]]] += 1
+    assert LookupResult(tokens, cs, tiers, src).tokens_by_tier(start, end) == want
 
 
 def test_minimum_is_what_every_rank_can_load_from_its_slowest_tier():
