@@ -22,12 +22,13 @@ per server; while it is open the tier answers misses without calling.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import CancelledError, ThreadPoolExecutor
 from typing import Any
 
 from redis.exceptions import RedisError
@@ -113,6 +114,8 @@ class RedisBackend(StorageBackend):
         ex = self._executor
         if ex is None:
             with self._exec_lock:
+                if self.closed:  # a call that raced close() must not start a new executor
+                    raise RuntimeError("redis tier closed")
                 ex = self._executor
                 if ex is None:
                     ex = self._executor = ThreadPoolExecutor(
@@ -187,10 +190,18 @@ class RedisBackend(StorageBackend):
         if len(pairs) == 1:
             self._attempt(*pairs[0], dl)
         elif parallel:
-            futs = [self._pool().submit(self._attempt, node, job, dl) for node, job in pairs[1:]]
+            futs = []
+            for node, job in pairs[1:]:
+                try:
+                    futs.append(self._pool().submit(self._attempt, node, job, dl))
+                except RuntimeError:  # close() shut the executor down: this part is a miss
+                    job.abort()
             self._attempt(*pairs[0], dl)
             for f in futs:
-                f.result()  # _attempt never raises; every job is bounded by the deadline
+                # _attempt never raises; every job is bounded by the deadline; a job close()
+                # cancelled before it ran never started: its keys stay misses
+                with contextlib.suppress(CancelledError):
+                    f.result()
         else:
             self._pipelined(pairs, dl)
         if call.reply_errors:
@@ -327,8 +338,9 @@ class RedisBackend(StorageBackend):
                 "slot_refreshes": self.router.refreshes, **counts}
 
     def close(self) -> None:
-        self.closed = True
-        ex, self._executor = self._executor, None
+        with self._exec_lock:  # after this no call makes a new executor (see _pool)
+            self.closed = True
+            ex, self._executor = self._executor, None
         if ex is not None:
             ex.shutdown(wait=True, cancel_futures=True)
         self.router.close()

@@ -200,16 +200,24 @@ class TierContract:
         back."""
         made: list[StorageBackend] = []
 
-        def make(pool_bytes: int = POOL_BYTES, **settings: Any) -> StorageBackend:
-            pool = pools.get(pool_bytes)
-            others = [t.pool for t in made]  # type: ignore[attr-defined]
-            assert pool not in others, "a test makes at most one tier per pool size"
+        def make(pool_bytes: int = POOL_BYTES, fresh_pool: bool = False, **settings: Any
+                 ) -> StorageBackend:
+            """``fresh_pool``: a pool of this tier's own instead of the class's (a test
+            making several tiers of one size)."""
+            if fresh_pool:
+                pool = MemoryPool(pool_bytes, pin_memory="false")
+                own.append(pool)
+            else:
+                pool = pools.get(pool_bytes)
+                others = [t.pool for t in made]  # type: ignore[attr-defined]
+                assert pool not in others, "a test makes one tier per shared pool size"
             assert pool.used_bytes == 0, f"a pool of {pool_bytes} B starts with memory in use"
             config = CacheConfig(**{**tier_spec.settings(), **settings})
             tier = create_backend(tier_spec.spec, config, pool, **tier_spec.kwargs)
             made.append(tier)
             return tier
 
+        own: list[MemoryPool] = []
         yield make
         for tier in made:
             tier.close()
@@ -219,6 +227,8 @@ class TierContract:
                 pools.drop(pool)  # the next test gets a fresh one
             assert pool.used_bytes == 0, \
                 f"{tier.name}: {pool.used_bytes} B of pool memory kept after close()"
+        for pool in own:
+            pool.close()
 
     @pytest.fixture
     def tier(self, make_tier) -> StorageBackend:
@@ -500,22 +510,34 @@ class TierContract:
         finally:
             release(got)
 
-    def test_close_with_work_in_flight(self, tier, tier_spec):
-        """``close()`` while three threads call the tier, which go on calling after it: every
+    def test_close_with_work_in_flight(self, make_tier, tier_spec):
+        """``close()`` while three threads call the tier with batches of up to 12 keys (split
+        over connections or threads by remote tiers), and go on calling after it: every
         call returns (misses or right bytes), none raises or hangs, and the pool gets all its
-        memory back once the callers release what they got."""
+        memory back. Several rounds, each closing at a random moment (seed printed)."""
+        rng = seeded("test_close_with_work_in_flight")
         keys = [key_of(f"close{i}") for i in range(16)]
-        self.store(tier, tier_spec, keys[:8])
-        stop = threading.Event()
+        before = 0
+        for _ in range(4):
+            tier = make_tier(fresh_pool=True)
+            self.store(tier, tier_spec, keys[:8])
+            before += self._close_during_calls(tier, tier_spec, keys, rng)
+            assert self.used(tier) == 0, "memory still held once every caller released"
+        assert before > 0, "no call completed before close(): the test proved nothing"
+
+    def _close_during_calls(self, tier: StorageBackend, spec: TierSpec, keys: Sequence[Key],
+                            rng: random.Random) -> int:
+        """One round; returns how many calls completed before ``close()``."""
+        stop, closed = threading.Event(), threading.Event()
         errors: list[str] = []
         calls = [0, 0]  # before, after close
 
         def work(seed: int) -> None:
             r = random.Random(seed)
             while not stop.is_set():
-                batch = [r.choice(keys) for _ in range(r.randint(1, 4))]
+                batch = [r.choice(keys) for _ in range(r.randint(1, 12))]
                 try:
-                    if r.random() < 0.5:
+                    if r.random() < 0.6:
                         got = tier.get(batch)
                         try:
                             assert len(got) == len(batch)
@@ -525,7 +547,7 @@ class TierContract:
                         finally:
                             release(got)
                     else:
-                        objs = self.chunks(tier, tier_spec, batch)
+                        objs = self.chunks(tier, spec, batch)
                         try:
                             tier.put(batch[: len(objs)], objs)
                         finally:
@@ -537,24 +559,24 @@ class TierContract:
                     return
                 calls[closed.is_set()] += 1
 
-        closed = threading.Event()
-        threads = [threading.Thread(target=work, args=(s,), daemon=True) for s in range(3)]
+        threads = [threading.Thread(target=work, args=(rng.randrange(2**32),), daemon=True)
+                   for _ in range(3)]
         for t in threads:
             t.start()
-        time.sleep(0.3)
+        time.sleep(rng.uniform(0.02, 0.12))
         t0 = time.monotonic()
         tier.close()
         closed.set()
         took = time.monotonic() - t0
-        time.sleep(0.2)
+        time.sleep(0.05)
         stop.set()
         for t in threads:
-            t.join(tier_spec.deadline + 10)
+            t.join(spec.deadline + 10)
         assert not any(t.is_alive() for t in threads), "a call racing close() never returned"
         assert not errors, "\n".join(errors)
-        assert calls[0] > 0, "no call ran before close(): the test proved nothing"
-        assert took < tier_spec.deadline + 10, f"close() took {took:.1f} s"
+        assert took < spec.deadline + 10, f"close() took {took:.1f} s"
         tier.close()  # again: a no-op
+        return calls[0]
 
     # ------------------------------------------------------------------ faults
     def test_corrupted_value_is_a_miss_and_deleted(self, tier, tier_spec):
