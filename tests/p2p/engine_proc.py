@@ -1,5 +1,5 @@
 """An engine process for the P2P tests, driven by JSON lines on stdin (one JSON answer line
-each): ``python -m tests.p2p.engine_proc DIRECTORY_URL``.
+each, marked ``@lmc``): ``python -m tests.p2p.engine_proc DIRECTORY_URL``.
 
 Its tiers are L1 and the P2P tier only, so a chunk it did not store itself can come from a
 peer's pool and nowhere else. KV is regenerated from a seed on every side, so a loader checks
@@ -8,7 +8,8 @@ interpreter exit (see ``lmc.p2p.agent``): ``exit`` closes the engine and ends wi
 ``os._exit``; judge this process by its answers.
 
 Commands: ``store``/``load`` ``{seed, n}``; ``evict`` ``{seed, n}`` (delete the prompt's chunks
-everywhere, then store another prompt so the freed memory is reused); ``arm`` ``{when:
+everywhere, then store another prompt so the freed memory is reused); ``forget`` (the same,
+but the directory is not told); ``arm`` ``{when:
 before|after, action: kill|signal, pid}`` (the next READ from a peer first SIGKILLs ``pid``,
 or sends it SIGUSR1 and waits for its ``evicted`` file); ``stats``; ``exit``.
 """
@@ -104,6 +105,18 @@ class Engine:
         self.eng.store(filler, _caches(seed + 1000), _slots(self.spec, n, seed + 1001))
         return {"deleted": deleted}
 
+    def forget(self, seed: int, n: int) -> dict:
+        """Let the prompt's exports go *without* telling the directory (a lost withdraw), then
+        evict and reuse the memory: the directory keeps stale records for them."""
+        tokens = self.stored.get(seed, _tokens(seed, n))
+        keys = [k for _, _, k in self.eng.db.process_tokens(tokens)]
+        with self.p2p._lock:
+            gone = [t for t in (self.p2p._take(k) for k in keys) if t]
+        for _, e in gone:
+            e.obj.release()
+        out = self.evict(seed, n)
+        return {"forgotten": len(gone), **out}
+
     def arm(self, when: str, action: str, pid: int) -> dict:
         def hook(agent: str) -> None:
             self.p2p.before_read = self.p2p.after_read = None  # once
@@ -121,22 +134,27 @@ class Engine:
         return {"armed": when}
 
 
+def _answer(obj: dict) -> None:
+    """One answer line, marked: libraries below NIXL may print to stdout too."""
+    print("@lmc " + json.dumps(obj), flush=True)
+
+
 def main() -> None:
     url, workdir = sys.argv[1], sys.argv[2]
     eng = Engine(url, workdir)
-    print(json.dumps({"pid": os.getpid(), "agent": eng.p2p.agent_name}), flush=True)
+    _answer({"pid": os.getpid(), "agent": eng.p2p.agent_name})
     for line in sys.stdin:
         cmd = json.loads(line)
         op = cmd.pop("op")
         if op == "exit":
             eng.eng.close()
-            print(json.dumps({"closed": True}), flush=True)
+            _answer({"closed": True})
             os._exit(0)
         try:
             out = eng.p2p.stats() if op == "stats" else getattr(eng, op)(**cmd)
         except Exception as e:  # answered, so the test sees it
             out = {"error": f"{type(e).__name__}: {e}"}
-        print(json.dumps(out), flush=True)
+        _answer(out)
     os._exit(0)
 
 

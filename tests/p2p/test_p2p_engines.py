@@ -1,0 +1,92 @@
+"""Two engine processes sharing KV over NIXL: one stores, the other misses locally and READs
+the chunks from the first's pool, bit-exact; an owner killed around a transfer, a chunk
+evicted mid-read and a stale directory entry are misses, never wrong KV.
+
+The processes are shared by the module's tests (each takes seconds to start); every test
+uses its own prompt (seed), so none sees another's chunks."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+pytestmark = pytest.mark.integration
+N = 100  # six full chunks of 16 tokens and a partial one
+BYTES = N * 4 * 2 * 2 * 64 * 2  # tokens x layers x K,V x heads x dim x bf16
+
+
+def _clean_miss(r: dict) -> None:
+    """Nothing loaded, nothing written into the reader's cache, the engine still answering."""
+    assert r["retrieved"] == 0 and r["untouched"] and r["bit_exact"], r
+
+
+def _delta(before: dict, after: dict) -> dict:
+    return {k: after["p2p"][k] - before["p2p"][k] for k in
+            ("hits", "bytes_in", "stale", "transfer_failures")}
+
+
+def test_reader_pulls_owner_chunks_bit_exact(owner, reader):
+    assert owner("store", seed=11, n=N) == {"stored": N, "flushed": True, "exports": 7}
+    before = reader("load", seed=999, n=16)  # nobody has it: a plain miss
+    assert before["lookup"] == 0 and before["untouched"]
+    r = reader("load", seed=11, n=N)
+    assert r["lookup"] == N and r["retrieved"] == N and r["bit_exact"] and r["untouched"], r
+    assert _delta(before, r) == {"hits": 7, "bytes_in": BYTES, "stale": 0,
+                                 "transfer_failures": 0}
+    # promoted into the reader's L1: the next load asks no peer
+    assert _delta(r, reader("load", seed=11, n=N))["hits"] == 0
+    # the owner's own lookup never asks itself
+    assert owner("load", seed=11, n=N)["p2p"]["hits"] == 0
+
+
+def test_owner_killed_around_the_read_is_a_miss(directory, reader):
+    """SIGKILL the owner right before the payload READ, or after it and before the version
+    check: misses, no crash; the dead owner's records leave the directory with its socket."""
+    doomed = dict(zip(("before", "after"), directory.engines(2)))
+    for seed, (when, owner) in enumerate(doomed.items(), 12):
+        owner("store", seed=seed, n=N)
+        reader("arm", when=when, action="kill", pid=owner.pid)
+        r = reader("load", seed=seed, n=N)
+        _clean_miss(r)
+        assert r["p2p"]["transfer_failures"] >= 1, (when, r)
+        for _ in range(50):  # the daemon drops the records once it sees the socket close
+            again = reader("load", seed=seed, n=N)
+            _clean_miss(again)
+            if again["lookup"] == 0:
+                break
+            time.sleep(0.1)
+        assert again["lookup"] == 0, (when, again)
+
+
+def test_reader_still_pulls_after_a_peer_died(owner, reader):
+    owner("store", seed=14, n=N)
+    r = reader("load", seed=14, n=N)
+    assert r["retrieved"] == N and r["bit_exact"], r
+
+
+def test_chunk_evicted_mid_read_is_a_miss(owner, reader):
+    """The owner drops the chunks and reuses their memory after the payload READ, before the
+    version check: the READ brought whatever was there; the cleared version rejects it."""
+    owner("store", seed=15, n=N)
+    before = reader("stats")
+    reader("arm", when="after", action="signal", pid=owner.pid)
+    r = reader("load", seed=15, n=N)
+    _clean_miss(r)
+    assert r["p2p"]["stale"] - before["stale"] == 7, r
+    assert r["p2p"]["transfer_failures"] == before["transfer_failures"], r
+    assert reader("load", seed=15, n=N)["lookup"] == 0  # withdrawn from the directory
+    owner("store", seed=15, n=N)  # stored again: found and pulled again
+    assert reader("load", seed=15, n=N)["retrieved"] == N
+
+
+def test_stale_directory_entry_is_a_miss(owner, reader):
+    """The owner let its chunks go and reused the memory, but its withdraw never reached the
+    directory: readers find records, READ other KV, and the version check refuses it."""
+    owner("store", seed=16, n=N)
+    assert owner("forget", seed=16, n=N)["forgotten"] == 7
+    before = reader("stats")
+    r = reader("load", seed=16, n=N)
+    assert r["lookup"] == N, r  # the directory still says so
+    _clean_miss(r)
+    assert r["p2p"]["stale"] - before["stale"] == 7, r
