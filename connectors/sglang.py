@@ -35,6 +35,7 @@ from lmc.connectors.sglang_pages import (
     host_pool_spec_and_views,
     load_settings,
     page_namespace,
+    per_rank_config,
 )
 from sglang.srt.mem_cache.hicache_storage import (
     HiCacheStorage,
@@ -106,7 +107,9 @@ class LMCHiCacheStorage(HiCacheStorage):
                                 cp_size=c.attn_cp_size, rank_replicated=c.is_mla_model,
                                 tenant=self.cache_config.tenant)
             tp = (0, 1) if c.is_mla_model else (c.tp_rank, c.tp_size)
-            self.engine = CacheEngine(self.cache_config, spec, self.model_id, *tp)
+            config = per_rank_config(self.cache_config, c.tp_rank, c.tp_size, c.pp_rank,
+                                     c.pp_size)
+            self.engine = CacheEngine(config, spec, self.model_id, *tp)
             self.pages = PageStore(self.engine, ns, int(mem_pool_host.page_size), views)
             self._pool = mem_pool_host
         log.info("lmc HiCache backend: model %s, %s host pool (%s, %d layers, page %d), "

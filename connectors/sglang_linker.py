@@ -48,6 +48,7 @@ from lmc.connectors.sglang_pages import (
     device_pool_spec_and_caches,
     load_settings,
     page_namespace,
+    per_rank_config,
 )
 from sglang.srt.mem_cache.hicache_storage import PoolName, PoolTransfer
 from sglang.srt.mem_cache.unified_cache.components.base import ComponentType
@@ -120,7 +121,9 @@ class LMCCacheLinker(UnifiedCacheLinker):
                             cp_size=int(getattr(params, "attn_cp_size", 1)),
                             rank_replicated=replicated, tenant=cache_config.tenant)
         tp = (0, 1) if replicated else (tp_rank, tp_size)
-        self.engine = CacheEngine(cache_config, spec, self.model_id, *tp)
+        pp_rank, pp_size = int(getattr(params, "pp_rank", 0)), int(getattr(params, "pp_size", 1))
+        self.engine = CacheEngine(per_rank_config(cache_config, tp_rank, tp_size, pp_rank,
+                                                  pp_size), spec, self.model_id, *tp)
         self.pages = PageStore(self.engine, ns, self.page_size, caches)
         self.offload_owner = not replicated or tp_rank == 0  # one writer for replicated KV
         self.layer_done_counter = LayerWiseLoadCounter(self.num_layers)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -58,6 +59,18 @@ def load_settings(extra: Mapping[str, Any] | None) -> tuple[CacheConfig, dict[st
     path = ours.pop("config_file", None)
     opts = {k: ours.pop(k) for k in OPTIONS if k in ours}
     return CacheConfig.load(path, overrides=ours), opts
+
+
+def per_rank_config(config: CacheConfig, tp_rank: int, tp_size: int, pp_rank: int = 0,
+                    pp_size: int = 1) -> CacheConfig:
+    """One disk directory per rank (a disk tier is one process's: a second opener is
+    refused): ``<local_disk>/tp<r>of<n>[_pp<r>of<n>]`` when there is more than one rank.
+    Replicated (MLA) KV written by one rank reaches the others only through a shared remote
+    tier (``remote_url``: Redis or lmc's daemon)."""
+    if not config.local_disk or (tp_size == 1 and pp_size == 1):
+        return config
+    sub = f"tp{tp_rank}of{tp_size}" + (f"_pp{pp_rank}of{pp_size}" if pp_size > 1 else "")
+    return config.replace(local_disk=os.path.join(config.local_disk, sub))
 
 
 # ---------------------------------------------------------------------------- keys
@@ -199,8 +212,14 @@ class PageStore:
         return page_keys(self.namespace, hashes)
 
     def prefix_hits(self, hashes: Sequence[str]) -> int:
-        """Leading pages present in any tier."""
-        return self.engine.storage.prefix_hits(self.keys(hashes)) if hashes else 0
+        """Leading pages present in any tier (counted in lmc's lookup metrics, in tokens)."""
+        if not hashes:
+            return 0
+        t0 = time.perf_counter()
+        n = self.engine.storage.prefix_hits(self.keys(hashes))
+        self.engine.metrics.lookup(len(hashes) * self.page_size, n * self.page_size,
+                                   time.perf_counter() - t0)
+        return n
 
     def _plan(self, tr: KVTransfer, slots: torch.Tensor, pages: Sequence[int]) -> TransferPlan:
         ps = self.page_size
