@@ -142,6 +142,21 @@ class CacheConfig(Settings):
             raise ConfigError("remote_options: given, but there is no remote_url whose backend "
                               "would take them")
 
+    def check_backend_options(self) -> None:
+        """Check ``remote_options`` against what the remote backend's constructor takes (what
+        the tier builder will check at start-up), for ``lmc config``: it imports the backend
+        and the tier builder, which a plain config object should not need."""
+        if not (self.remote_url and self.remote_options):
+            return
+        from lmc.storage_backend import backend_factory
+        from lmc.tier_build import backend_options
+
+        try:
+            backend_options(backend_factory(self.remote_url), self.remote_options,
+                            "remote_options")
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+
     # ----------------------------------------------------------------- loading
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> dict[str, str]:

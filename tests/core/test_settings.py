@@ -255,6 +255,8 @@ def test_engine_keys_never_collide_with_another_namespace():
     ("pin_timeout: .inf\n", "pin_timeout: expected a finite number"),
     ("remote_options: {a: 1}\n", "remote_options: given, but there is no remote_url"),
     ("remote_url: redis://h:1\nremote_options: [a]\n", "remote_options: expected a mapping"),
+    ("remote_url: redis://h:1\nremote_options: {get_peice: 4}\n",
+     "remote_options: RedisBackend has no option 'get_peice'; did you mean 'get_piece'"),
 ])
 def test_lmc_config_refuses_what_would_fail_later(tmp_path, capsys, text, needle):
     f = _write(tmp_path, text)
