@@ -356,6 +356,13 @@ class TierContract:
                 check_hit(o, key)
         finally:
             release(got)
+        baseline = self.used(tier)
+        again = self.chunks(tier, tier_spec, [j, j])
+        try:  # present keys count as stored, and the tier takes nothing of these objects
+            assert tier.put([j, j], again) == 2
+        finally:
+            release(again)
+        assert self.used(tier) == baseline, "a put of present keys kept pool memory"
         assert tier.delete([k, k]) == 1
         assert tier.contains([k, j]) == [False, True]
 
@@ -509,6 +516,50 @@ class TierContract:
                 check_hit(o, k)
         finally:
             release(got)
+
+    def test_no_value_is_visible_before_it_is_complete(self, tier, tier_spec):
+        """Two readers ask for 192 KiB values while a writer stores and deletes them over and
+        over: a hit is always the whole value, never a torn or half-written one."""
+        shape = (2, 2, 96, 256)  # 192 KiB of float16: many socket reads, several disk pages
+        keys = [key_of(f"visible{i}") for i in range(2)]
+        stop = threading.Event()
+        errors: list[str] = []
+        hits = [0]
+
+        def read() -> None:
+            try:
+                while not stop.is_set():
+                    got = tier.get(keys)
+                    try:
+                        for k, o in zip(keys, got):
+                            if o is not None:
+                                check_hit(o, k, shape)
+                                hits[0] += 1
+                    finally:
+                        release(got)
+                    assert len(tier.contains(keys)) == 2
+            except BaseException as e:
+                errors.append(f"reader: {type(e).__name__}: {e}")
+
+        readers = [threading.Thread(target=read, daemon=True) for _ in range(2)]
+        for t in readers:
+            t.start()
+        try:
+            for _ in range(12):
+                objs = self.chunks(tier, tier_spec, keys, shape)
+                try:
+                    tier.put(keys[: len(objs)], objs)
+                finally:
+                    release(objs)
+                time.sleep(0.005)
+                tier.delete(keys[:1])
+        finally:
+            stop.set()
+            for t in readers:
+                t.join(30)
+        assert not any(t.is_alive() for t in readers), "a reader hung"
+        assert not errors, "\n".join(errors)
+        assert hits[0] > 0, "no reader ever saw a value: the test proved nothing"
 
     def test_close_with_work_in_flight(self, make_tier, tier_spec):
         """``close()`` while three threads call the tier with batches of up to 12 keys (split
