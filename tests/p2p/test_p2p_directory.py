@@ -1,0 +1,151 @@
+"""The directory of who holds which chunk: the table itself, the record format, and the
+daemon's P2P ops over a real socket (no NIXL needed: the directory never reads metadata)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from lmc.p2p.directory import DirectoryFull, PeerDirectory
+from lmc.p2p.directory_client import DirectoryConnection
+from lmc.p2p.wire import RECORD_SIZE, BadRecord, PeerInfo, Record, peer_info, unpack_record
+from lmc.server.client import Address, ServerError
+from tests.server.daemon_proc import DaemonProc
+
+
+def _info(agent: str, pool_size: int = 1 << 20, slots: int = 64) -> PeerInfo:
+    return PeerInfo(agent, b"md-" + agent.encode(), 0x10000, pool_size, 0x20000, slots)
+
+
+def _rec(key: bytes, offset: int = 0, version: int = 1, slot: int = 0) -> Record:
+    return Record(key, offset, 2 * 2 * 16 * 8 * 2, version, slot, torch.bfloat16,
+                  (2, 2, 16, 8), 16)
+
+
+def _key(i: int) -> bytes:
+    return i.to_bytes(16, "little")
+
+
+# ------------------------------------------------------------------ records
+def test_record_round_trip_and_checks():
+    r = _rec(_key(7), offset=4096, version=9, slot=3)
+    raw = r.pack()
+    assert len(raw) == RECORD_SIZE and unpack_record(raw) == r
+    with pytest.raises(BadRecord, match="bytes"):
+        unpack_record(raw[:-1])
+    with pytest.raises(BadRecord, match="does not match length"):
+        unpack_record(Record(r.key, 0, 100, 1, 0, torch.bfloat16, (2, 2, 16, 8), 16).pack())
+    with pytest.raises(BadRecord, match="version 0"):
+        unpack_record(_rec(_key(1), version=0).pack())
+    with pytest.raises(BadRecord, match="token count"):
+        unpack_record(Record(r.key, 0, r.nbytes, 1, 0, torch.bfloat16, (2, 2, 16, 8),
+                             15).pack())
+    info = _info("a", pool_size=8192, slots=4)
+    info.check(_rec(_key(1), offset=8192 - r.nbytes, slot=3))
+    with pytest.raises(BadRecord, match="runs past"):
+        info.check(_rec(_key(1), offset=8192 - r.nbytes + 1))
+    with pytest.raises(BadRecord, match="slot 4"):
+        info.check(_rec(_key(1), slot=4))
+
+
+def test_peer_info_fields_are_checked():
+    good = _info("a").as_meta()
+    assert peer_info(good) == _info("a")
+    for field, bad in (("agent", ""), ("agent", 5), ("metadata", b""), ("metadata", "x"),
+                       ("pool_size", 0), ("slots", -1), ("pool_base", True),
+                       ("versions_addr", 1 << 64)):
+        with pytest.raises(ValueError, match=field if field != "metadata" else "metadata"):
+            peer_info({**good, field: bad})
+
+
+# ------------------------------------------------------------------ the table
+def test_locate_prefers_the_newest_holder_never_the_asker():
+    d = PeerDirectory()
+    d.join("c1", _info("a"))
+    d.join("c2", _info("b"))
+    d.advertise("c1", [b"k1", b"k2"], [b"ra1", b"ra2"])
+    d.advertise("c2", [b"k1"], [b"rb1"])
+    assert d.locate([b"k1", b"k2", b"k3"]) == [("b", b"rb1"), ("a", b"ra2"), None]
+    assert d.locate([b"k1", b"k2"], exclude="b") == [("a", b"ra1"), ("a", b"ra2")]
+    assert d.locate([b"k2"], exclude="a") == [None]
+    assert d.withdraw("c2", [b"k1", b"k9"]) == 1
+    assert d.locate([b"k1"]) == [("a", b"ra1")]
+    assert d.leave("c1") == 2
+    assert d.locate([b"k1", b"k2"]) == [None, None]
+    assert d.peer("a") is None and d.peer("b") == _info("b")
+    assert d.stats() == {"peers": 1, "keys": 0, "records": 0, "dropped": 0}
+
+
+def test_bounds_peers_entries_and_names():
+    d = PeerDirectory(max_peers=2, max_entries=3)
+    d.join("c1", _info("a"))
+    d.join("c2", _info("b"))
+    with pytest.raises(DirectoryFull):
+        d.join("c3", _info("c"))
+    with pytest.raises(ValueError, match="taken"):
+        d.join("c2", _info("a"))
+    with pytest.raises(ValueError, match="before join"):
+        PeerDirectory().advertise("c9", [b"k"], [b"r"])
+    d.advertise("c1", [b"k%d" % i for i in range(5)], [b"r%d" % i for i in range(5)])
+    assert d.locate([b"k%d" % i for i in range(5)]) == [None, None, ("a", b"r2"),
+                                                         ("a", b"r3"), ("a", b"r4")]
+    assert d.stats()["dropped"] == 2 and d.stats()["records"] == 3
+    d.join("c1", _info("a"))  # a re-join forgets the old records (the agent restarted)
+    assert d.locate([b"k4"]) == [None]
+
+
+# ------------------------------------------------------------------ over the daemon
+@pytest.fixture(scope="module")
+def daemon(tmp_path_factory):
+    d = DaemonProc(tmp_path_factory.mktemp("dir"), ["--size", "8MiB"])
+    d.start()
+    yield d
+    d.kill()
+
+
+def _conn(d: DaemonProc, ns: str = "t") -> DirectoryConnection:
+    return DirectoryConnection(Address.parse(d.url), ns, None, 5.0, "test")
+
+
+def test_daemon_directory_round_trip(daemon):
+    owner, reader, other_ns = _conn(daemon), _conn(daemon), _conn(daemon, "u")
+    owner.join(_info("own-1"))
+    recs = [_rec(_key(i), offset=i * 4096, version=i + 1, slot=i) for i in range(5)]
+    assert owner.advertise(recs) == 5
+    got = reader.locate([r.key for r in recs] + [_key(99)], me="rdr")
+    assert got == [("own-1", r) for r in recs] + [None]
+    assert owner.locate([recs[0].key], me="own-1") == [None]  # never yourself
+    assert other_ns.locate([recs[0].key], me="x") == [None]  # namespaces keep tenants apart
+    assert reader.peer("own-1") == _info("own-1") and reader.peer("nobody") is None
+    assert owner.withdraw([recs[0].key, _key(98)]) == 1
+    assert reader.locate([recs[0].key, recs[1].key], me="r") == [None, ("own-1", recs[1])]
+    owner.close()  # the owner's records go with its connection
+    for _ in range(100):
+        if reader.locate([recs[1].key], me="r") == [None]:
+            break
+        time.sleep(0.02)
+    assert reader.locate([recs[1].key], me="r") == [None]
+    assert reader.peer("own-1") is None
+    reader.close()
+    other_ns.close()
+
+
+def test_daemon_refuses_bad_directory_requests(daemon):
+    c = _conn(daemon)
+    with pytest.raises(ServerError, match="before p2p join"):
+        c.advertise([_rec(_key(1))])
+    with pytest.raises(ServerError, match="p2p join"):
+        c.conn.call(0x20, {"agent": "x"})  # no metadata
+    c.join(_info("own-2", pool_size=1 << 16, slots=8))
+    bad = [(_rec(_key(1), offset=1 << 16), "runs past"), (_rec(_key(1), slot=8), "slot 8")]
+    for rec, why in bad:
+        with pytest.raises(ServerError, match=why):
+            c.advertise([rec])
+    with pytest.raises(ServerError, match="differs"):
+        c.conn.call(0x21, {"ns": "t", "keys": [_key(2)], "records": [_rec(_key(1)).pack()]})
+    with pytest.raises(ServerError, match="taken"):
+        _conn(daemon).join(_info("own-2"))
+    assert c.advertise([_rec(_key(3))]) == 1  # the connection survived every refusal
+    c.close()
