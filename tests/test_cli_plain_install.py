@@ -170,6 +170,7 @@ def test_config_and_server_and_stats_run(plain):
 def test_demo_runs(plain):
     out = _lmc(plain, "demo", "--quick", "--no-baseline", "--threads", "1", timeout=300)
     assert "generated tokens identical in every pass: yes" in out.stdout, out.stdout
+    assert "speed-up: not measured (--no-baseline" in out.stdout
 
 
 def test_every_package_is_installed():
