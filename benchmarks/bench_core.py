@@ -15,6 +15,7 @@ Every figure is printed next to its limit measured in the same run, as a ratio:
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import sys
@@ -190,6 +191,11 @@ def bench_paged(layers: int, heads: int, dim: int, n_tokens: int, reps: int, lab
 
 
 # ------------------------------------------------------- first fill of a new pool
+@functools.lru_cache(maxsize=1)
+def _first_fill_cache(n_tokens: int) -> list:
+    return _paged_cache(32, 8, 128, n_tokens // 16 + 64, 16, torch.bfloat16)
+
+
 def bench_first_fill(n_tokens: int, reps: int, wait: bool, prefault: str = "background"
                      ) -> dict:
     """The first store into a new engine's pool (Llama-8B-like shape), against a warm copy
@@ -200,9 +206,9 @@ def bench_first_fill(n_tokens: int, reps: int, wait: bool, prefault: str = "back
     took are reported), else the first request comes the moment the engine exists (the
     worst case: the store's own thread populates its blocks). ``prefault="off"``: pages
     fault on first write (the behaviour before the pre-fault)."""
-    layers, heads, dim, bs, dtype = 32, 8, 128, 16, torch.bfloat16
+    bs = 16
     blocks = n_tokens // bs + 64
-    src = _paged_cache(layers, heads, dim, blocks, bs, dtype)
+    src = _first_fill_cache(n_tokens)
     spec = KVSpec.from_tensors(src, "vllm_flash", block_size=bs)
     nbytes = spec.chunk_nbytes(n_tokens)
     s_in = _shuffled_slots(n_tokens, blocks, bs, 1)
@@ -262,27 +268,29 @@ def first_fill_rows(n_tokens: int, reps: int) -> list[dict]:
 
 
 def run(quick: bool = False, sections: tuple[str, ...] = ("hashing", "paged", "first_fill",
-                                                         "overhead")) -> list[dict]:
-    """Every figure of this benchmark (printed as it goes) as a list of rows."""
+                                                         "overhead"),
+        tokens: int | None = None, reps: int | None = None) -> list[dict]:
+    """Every figure of this benchmark (printed as it goes) as a list of rows. ``tokens``:
+    the paged and first-fill prompt length (default 8192; 2048 quick)."""
     torch.set_num_threads(1)
-    reps = 3 if quick else 7
+    reps = reps or (3 if quick else 7)
     print(f"lmc core benchmark (torch {torch.__version__}, 1 thread)\n")
     results: list[dict] = []
     if "hashing" in sections:
         for n_tok in (4096, 32768) if quick else (4096, 32768, 131072):
             results += bench_hashing(n_tok, 20 if quick else 50)
         print()
-    n = 2048 if quick else 8192
+    n = tokens or (2048 if quick else 8192)
     over_big = None
     if "paged" in sections:
         rows, over_big = bench_paged(32, 8, 128, n, reps, "Llama-8B-like")
         results += rows
         print()
     if "first_fill" in sections:
-        results += first_fill_rows(n, 2 if quick else 3)
+        results += first_fill_rows(n, min(reps, 3))
         print()
     if "overhead" in sections:
-        _, over_tiny = bench_paged(1, 1, 8, 8192 if quick else 32768, reps * 3,
+        _, over_tiny = bench_paged(1, 1, 8, 8192 if quick else 32768, 3 * reps,
                                    "tiny (bookkeeping only)", show_bandwidth=False)
         print("\nEngine overhead per chunk: call time minus byte moving (us; LMCache 0.5.6 "
               "here: 37 store / 31 retrieve; target <= 5)")
@@ -305,11 +313,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="smaller sizes, fewer repetitions")
     ap.add_argument("--only", help="comma-separated sections: hashing, paged, first_fill, "
                                    "overhead (default: all)")
+    ap.add_argument("--tokens", type=int, help="paged / first-fill prompt length")
+    ap.add_argument("--reps", type=int, help="repetitions (default 7; 3 with --quick)")
     ap.add_argument("--json", help="also write the figures to this file")
     args = ap.parse_args(argv)
     sections = tuple(args.only.split(",")) if args.only else (
         "hashing", "paged", "first_fill", "overhead")
-    results = run(args.quick, sections)
+    results = run(args.quick, sections, args.tokens, args.reps)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2)

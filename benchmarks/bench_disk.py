@@ -110,7 +110,8 @@ def engine(d: Path, spec: KVSpec, nbytes: int, fsync: bool) -> CacheEngine:
     """One engine for the whole run, its pool holding everything: pool pages are touched
     once and stay warm, as a long-running engine's are (first-touch page faults on this VM
     cost more than the disk, and they are not lmc's cost)."""
-    cfg = CacheConfig(chunk_size=CHUNK, local_cpu_size=nbytes + 4 * CHUNK_BYTES,
+    room = max(nbytes, 2 * PROMPT_CHUNKS * CHUNK_BYTES)  # write queues: half the pool
+    cfg = CacheConfig(chunk_size=CHUNK, local_cpu_size=room + 4 * CHUNK_BYTES,
                       local_disk=str(d), local_disk_size=2 * nbytes, disk_fsync=fsync,
                       write_queue_size=nbytes + CHUNK_BYTES)
     eng = CacheEngine(cfg, spec, "bench-llama-8b")
@@ -208,14 +209,29 @@ class TierOnly:
         return w, r
 
 
-def main() -> None:
+def set_layers(layers: int) -> None:
+    """A smaller chunk for smoke runs (``--layers``): every size here derives from it."""
+    global LAYERS, CHUNK_BYTES
+    LAYERS = layers
+    CHUNK_BYTES = LAYERS * 2 * CHUNK * HEADS * DIM * DTYPE.itemsize
+
+
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--dir", help="directory on the disk to measure (default: a new temp dir)")
     ap.add_argument("--gib", type=float, default=2.0, help="data per measurement")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--fsync", action="store_true", help="disk_fsync: fdatasync every value")
     ap.add_argument("--threads", type=int, default=4, help="I/O threads of the tier-only run")
-    args = ap.parse_args()
+    ap.add_argument("--layers", type=int, default=LAYERS,
+                    help="layers of the chunk shape (32: a 32 MiB Llama-8B chunk)")
+    ap.add_argument("--quick", action="store_true",
+                    help="smoke run: 2-layer chunks (2 MiB), 16 MiB per measurement, 1 rep")
+    ap.add_argument("--json", help="also write every repetition's figures to this file")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.layers, args.gib, args.reps = 2, 1 / 64, 1
+    set_layers(args.layers)
     root = Path(args.dir or tempfile.mkdtemp(prefix="lmc-bench-disk-"))
     root.mkdir(parents=True, exist_ok=True)
     nchunks = max(1, int(args.gib * GiB) // CHUNK_BYTES // PROMPT_CHUNKS) * PROMPT_CHUNKS
@@ -260,6 +276,10 @@ def main() -> None:
     if not args.dir:
         shutil.rmtree(root, ignore_errors=True)
     med = {k: statistics.median(v) for k, v in res.items()}
+    if args.json:
+        Path(args.json).write_text(json.dumps(
+            {"tool": tool, "fsync": args.fsync, "chunk_mib": CHUNK_BYTES / 2**20,
+             "gib": nbytes / GiB, "reps": res, "median": med}, indent=1))
     print(f"{'':28s}{'GiB/s':>8s}{'vs ' + tool:>10s}")
     print(f"{tool + ' write (limit)':28s}{med['lim_w']:8.2f}")
     print(f"{'lmc durable store (engine)':28s}{med['lmc_w']:8.2f}{med['lmc_w'] / med['lim_w']:9.0%}")

@@ -244,8 +244,9 @@ def bench_size(label: str, shape: tuple[int, ...], url: str, port: int, batch: i
                       ("lmc redis tier", "tier"), ("redis-py, 1 connection", "py")):
         res = {op: statistics.median(s[op] for s in series[key]) for op in ("put", "get")}
         for op, ref in (("put", "put_fresh"), ("get", "get"), ("put_1key", "put")):
-            res[f"{op}_ratio"] = statistics.median(
-                s[op.split("_")[0]] / b[ref] for s, b in zip(series[key], series["bench"]))
+            rs = [s[op.split("_")[0]] / b[ref] for s, b in zip(series[key], series["bench"])]
+            res[f"{op}_ratio"] = statistics.median(rs)
+            res[f"{op}_ratio_min"], res[f"{op}_ratio_max"] = min(rs), max(rs)
         out[key] = res
         print(f"  {name:34s} {res['put']:6.2f} {res['get']:6.2f} | {res['put_ratio']:12.2f} "
               f"{res['get_ratio']:5.2f} {res['put_1key_ratio']:8.2f}")
@@ -263,8 +264,9 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="smaller sizes, 2 rounds")
     ap.add_argument("--rounds", type=int, default=None)
-    ap.add_argument("--batch-mib", type=int, default=256,
-                    help="bytes per tier call (a prompt's chunks), in MiB (default 256)")
+    ap.add_argument("--batch-mib", type=int, default=None,
+                    help="bytes per tier call (a prompt's chunks), in MiB (default 256; "
+                         "64 with --quick)")
     ap.add_argument("--connections", type=int, default=4, help="remote_connections")
     ap.add_argument("--bench-clients", type=int, default=4, help="redis-benchmark -c")
     ap.add_argument("--url", help="use this server instead of starting one")
@@ -276,7 +278,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     rounds = args.rounds or (2 if args.quick else 5)
     shapes = QUICK if args.quick else SHAPES
-    batch_bytes = (64 if args.quick else args.batch_mib) * MiB
+    batch_bytes = (args.batch_mib or (64 if args.quick else 256)) * MiB
     server = None
     if args.url:
         url, port = args.url, args.bench_port or 6379
@@ -285,7 +287,7 @@ def main(argv: list[str] | None = None) -> int:
         url, port = f"redis://127.0.0.1:{server.port}/0", server.port
     print(f"Redis tier benchmark: redis-server {redis_version(port)} on 127.0.0.1:{port}, "
           f"redis-py {redis.__version__}, torch {torch.__version__}")
-    rates = hash_rates()
+    rates = hash_rates(8 * MiB, 2) if args.quick else hash_rates()
     print("single thread, 64 MiB buffer, GiB/s: "
           + ", ".join(f"{k} {v:.2f}" for k, v in rates.items()))
     results: list = [{"hash_rates": rates}]

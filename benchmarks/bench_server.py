@@ -217,7 +217,7 @@ class TierLoad:
             tier.close()
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--value", default="1MiB", help="value size (redis-benchmark -d)")
     ap.add_argument("--clients", type=int, default=4, help="client threads (redis -c)")
@@ -227,7 +227,9 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--json", help="also write the figures here")
-    a = ap.parse_args()
+    ap.add_argument("--daemon-size", default=None,
+                    help="the daemon's pool (default: twice --total, at least 1 GiB)")
+    a = ap.parse_args(argv)
     value, total = parse_size(a.value, "--value"), parse_size(a.total, "--total")
     if a.quick:
         total, a.reps = min(total, 128 << 20), 1
@@ -239,7 +241,8 @@ def main() -> int:
             samples.setdefault(name, {}).setdefault(k, []).append(v)
 
     with tempfile.TemporaryDirectory() as tmp, redis_server() as rport, \
-            lmc_daemon(max(2 * total, 1 << 30), Path(tmp)) as (tcp, unix):
+            lmc_daemon(parse_size(a.daemon_size, "--daemon-size") if a.daemon_size
+                       else max(2 * total, 1 << 30), Path(tmp)) as (tcp, unix):
         loads = {"lmc server, TCP": TierLoad(tcp + "?ns=bench-tcp", value, a.clients, total,
                                              a.batch, a.connections),
                  "lmc server, Unix": TierLoad(unix + "?ns=bench-unix", value, a.clients,
@@ -281,7 +284,7 @@ def main() -> int:
         print(f"{name:24s} {' '.join(cells)} {' '.join(ratio)}")
     if a.json:
         Path(a.json).write_text(json.dumps({"value": value, "clients": a.clients,
-                                            "rows": rows}, indent=1))
+                                            "rows": rows, "samples": samples}, indent=1))
     return 0
 
 

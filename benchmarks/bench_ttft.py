@@ -76,7 +76,7 @@ def worker_stat(conn: LMCReferenceConnector, key: str) -> float:
     return conn.stats().get(f"worker.{key}", 0.0)
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tokens", type=int, default=8192)
     ap.add_argument("--hidden", type=int, default=1024)
@@ -89,7 +89,7 @@ def main() -> int:
     ap.add_argument("--no-baseline", action="store_true", help="skip the engine-alone prefill")
     ap.add_argument("--quick", action="store_true", help="hidden 512, 4 layers, 4k tokens")
     ap.add_argument("--json", help="also write the figures to this file")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     if args.quick:
         args.tokens, args.hidden, args.layers, args.kv_heads = 4096, 512, 4, 4
     if args.threads:
@@ -116,7 +116,7 @@ def main() -> int:
 
     disk = tempfile.mkdtemp(prefix="lmc-bench-disk-")
     try:
-        cfg = CacheConfig(chunk_size=args.chunk_size, local_cpu_size=max(1 << 30, 3 * kv_bytes),
+        cfg = CacheConfig(chunk_size=args.chunk_size, local_cpu_size=max(256 << 20, 3 * kv_bytes),
                           local_disk=disk, local_disk_size=4 * kv_bytes)
         conn = LMCReferenceConnector(cfg, model_dir=path)
         llm = engine(path, n, conn)
@@ -129,6 +129,7 @@ def main() -> int:
         l1 = [ttft(llm, prompt) for _ in range(args.reps)]
         assert all(c == n - 1 for _, c in l1), l1
         res["l1_hit_s"] = statistics.median(t for t, _ in l1)
+        res["l1_hit_reps"] = [t for t, _ in l1]
 
         log("disk hits ...")
         disk_t = []
@@ -139,6 +140,7 @@ def main() -> int:
             assert c == n - 1 and worker_stat(conn, "tokens_from_disk") - before == n - 1
             disk_t.append(t)
         res["disk_hit_s"] = statistics.median(disk_t)
+        res["disk_hit_reps"] = disk_t
 
         sync_conn = LMCReferenceConnector(cfg, model_dir=path, cache_engine=conn.engine,
                                           layerwise=False)
@@ -167,6 +169,7 @@ def main() -> int:
                 row[f"{mode}_ttft_s"] = statistics.median(times[mode])
                 row[f"{mode}_load_s"] = statistics.median(loads[mode])
             row["layerwise_wait_s"] = statistics.median(waits)
+            row["layerwise_wait_reps"] = waits
             row["load_s"] = row["sync_load_s"]
             row["compute_s"] = row["sync_ttft_s"] - row["sync_load_s"]
             lo, hi = sorted((row["load_s"], row["compute_s"]))

@@ -55,6 +55,36 @@ value, and prints the result as YAML (sizes as 2GiB, durations as 500ms; secrets
 Exit status 2 and a message naming the key when something is wrong."""
 
 
+def _bench_runner() -> Any:
+    """``benchmarks/run_all.py`` of the source checkout lmc runs from, or None: the
+    benchmarks (and the tools they compare against) are not part of an installed package."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "run_all.py"
+    if not path.is_file():
+        return None
+    spec = importlib.util.spec_from_file_location("lmc_bench_run_all", path)
+    mod = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
+    sys.modules[spec.name] = mod  # type: ignore[union-attr]  (dataclasses look it up)
+    spec.loader.exec_module(mod)  # type: ignore[union-attr]
+    return mod
+
+
+def _add_bench(sub: Any) -> None:
+    runner = _bench_runner()
+    b = add_command(sub, "bench", "run the core, disk, Redis, daemon and TTFT benchmarks "
+                    "and print RESULTS.md-style tables",
+                    runner.__doc__ if runner else "Needs a source checkout of lmc.")
+    if runner is None:
+        b.set_defaults(func=lambda _a: print(
+            "lmc bench: the benchmarks are not installed with lmc; run it from a source "
+            "checkout (benchmarks/run_all.py)", file=sys.stderr) or 2)
+        return
+    runner.add_arguments(b)
+    b.set_defaults(func=runner.run)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="lmc", description="KV-cache middleware for LLM engines")
     p.add_argument("--version", action="store_true", help="print the version and exit")
@@ -64,6 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--config", metavar="FILE", help="YAML file (defaults only when omitted)")
     c.add_argument("--keys", action="store_true", help="list every key with its default")
     c.set_defaults(func=_config)
+    _add_bench(sub)
     for name in COMMAND_MODULES:
         try:
             mod = importlib.import_module(name)
