@@ -44,7 +44,7 @@ import torch
 from lmc.config import CacheConfig
 from lmc.memory import MemoryObj, MemoryPool
 from lmc.serde import DTYPE_CODES
-from lmc.storage_backend import Key, StorageBackend, create_backend
+from lmc.storage_backend import Key, MemoryTier, StorageBackend, create_backend
 
 SHAPE = (2, 2, 16, 64)            # [layers, planes, tokens, width]: 8 KiB of float16
 CHUNK_BYTES = 2 * 2 * 16 * 64 * 2
@@ -75,9 +75,9 @@ class TierSpec:
       ``revive(tier)`` brings it back; ``hang(tier)`` makes it stop answering (SIGSTOP) and
       ``unhang(tier)`` lets it go on.
 
-    ``memory_tier``: the tier keeps the caller's objects themselves (L1): writers allocate
-    through its ``allocate_many``, which evicts. ``deadline`` bounds any one call on a dead or
-    hung backend, in seconds.
+    ``deadline`` bounds any one call on a dead or hung backend, in seconds. A tier that
+    implements :class:`lmc.storage_backend.MemoryTier` (L1) keeps the caller's objects
+    themselves: the suite's writers allocate through its ``allocate_many``, which evicts.
     """
 
     spec: str
@@ -88,7 +88,6 @@ class TierSpec:
     revive: Callable[[StorageBackend], None] | None = None
     hang: Callable[[StorageBackend], None] | None = None
     unhang: Callable[[StorageBackend], None] | None = None
-    memory_tier: bool = False
     deadline: float = 2.0 + SLACK
 
     def settings(self) -> dict[str, Any]:
@@ -241,7 +240,7 @@ class TierContract:
                ) -> list[MemoryObj]:
         """Pool objects filled with each key's bytes (fewer when the pool is full of
         referenced chunks); the caller releases them."""
-        src: Any = tier if spec.memory_tier else tier.pool  # type: ignore[attr-defined]
+        src: Any = tier if isinstance(tier, MemoryTier) else tier.pool  # type: ignore[attr-defined]
         objs = src.allocate_many(tuple(shape), dtype, len(keys), shape[2])
         return [fill(o, k) for o, k in zip(objs, keys)]
 
@@ -421,7 +420,7 @@ class TierContract:
                 finally:
                     release(got)
                 check_hit(held, held_key)
-            if tier_spec.memory_tier:
+            if isinstance(tier, MemoryTier):
                 again = tier.get([held_key])
                 try:
                     check_hit(again[0], held_key)
@@ -447,7 +446,7 @@ class TierContract:
                 got = tier.get(keys)
                 try:
                     for k, o in zip(keys, got):
-                        if tier_spec.memory_tier:  # hands out the objects it holds
+                        if isinstance(tier, MemoryTier):  # hands out the objects it holds
                             check_hit(o, k)
                         else:
                             assert o is None, f"{o!r} read into a pool with no room"

@@ -7,7 +7,7 @@ from .contract import TierContract, TierSpec
 
 @pytest.fixture
 def tier_spec():
-    return TierSpec("cpu", memory_tier=True)
+    return TierSpec("cpu")
 
 
 class TestCPUContract(TierContract):
