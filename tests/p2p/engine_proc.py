@@ -59,13 +59,15 @@ def _wait_dead(pid: int, timeout: float = 10.0) -> None:
 class Engine:
     def __init__(self, url: str, workdir: str) -> None:
         self.workdir = Path(workdir)
+        # the P2P tier from config alone, as a deployment names it
         cfg = CacheConfig(chunk_size=16, local_cpu_size="32MiB", pin_memory="false",
-                          remote_timeout=2.0)
+                          remote_url=url, remote_timeout=2.0,
+                          remote_options={"export_ttl": 300.0})
         src = _caches(0)
         self.spec = spec_for(LAYOUT, src)
-        self.eng = CacheEngine(cfg, self.spec, model_id="p2p-test", tiers=[
-            lambda c, pool: P2PBackend(url, config=c, pool=pool)])
-        self.p2p: P2PBackend = self.eng.storage.tiers[-1]  # type: ignore[assignment]
+        self.eng = CacheEngine(cfg, self.spec, model_id="p2p-test")
+        self.p2p = self.eng.storage.tiers[-1]
+        assert isinstance(self.p2p, P2PBackend), self.eng.storage.tiers
         self.stored: dict[int, list[int]] = {}
         signal.signal(signal.SIGUSR1, self._on_signal)
 
