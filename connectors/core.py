@@ -152,6 +152,7 @@ class SchedulerConnector:
         self._lookup = lookup
         self._hits: dict[str, LookupResult] = {}  # request id -> its lookup, until admitted
         self._pending: dict[str, _PendingLoad] = {}  # admitted, load not yet in a step
+        self._finished: list[str] = []  # for the worker's forget, until a step carries work
         self._step = 0
         self.stats = SchedulerStats()
 
@@ -232,10 +233,12 @@ class SchedulerConnector:
                        finished_ids: Iterable[str] = (),
                        preempted_ids: Iterable[str] = ()) -> ConnectorMetadata:
         """This step's loads (admitted requests with a hit) and saves (chunks completed)."""
+        finished_ids = list(finished_ids)
         for rid in (*finished_ids, *preempted_ids):
             self._forget(rid)
+        self._finished += finished_ids
         self._step += 1
-        meta = ConnectorMetadata(step_id=self._step)
+        meta = ConnectorMetadata(step_id=self._step, forget=list(self._finished))
         for req in scheduled:
             pending = self._pending.pop(req.request_id, None)
             if pending is not None:
@@ -243,6 +246,8 @@ class SchedulerConnector:
             save = self.plan_save(req)
             if save is not None:
                 meta.saves.append(save)
+        if not meta.is_empty:  # adapters bind every step with work: delivered
+            self._finished = []
         return meta
 
     def _load_spec(self, req: ScheduledView | StepRequest, p: _PendingLoad) -> LoadSpec:

@@ -63,11 +63,17 @@ class SaveSpec:
 
 @dataclass
 class ConnectorMetadata:
-    """One step's work for the worker side."""
+    """One step's work for the worker side.
+
+    ``forget``: requests that finished since an earlier step, so the worker drops what it
+    keeps per request (chunk keys) before this step's work: a request id may then name a new
+    request. Repeated until a step with loads or saves carries it (adapters may skip binding
+    an empty step's metadata)."""
 
     step_id: int = 0
     loads: list[LoadSpec] = field(default_factory=list)
     saves: list[SaveSpec] = field(default_factory=list)
+    forget: list[str] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:

@@ -250,14 +250,6 @@ class LMCConnector(KVConnectorBase_V1):
     def get_block_ids_with_load_errors(self) -> set[int]:
         return set() if self._worker is None else self._worker.take_load_errors()
 
-    def get_finished(self, finished_req_ids: set[str]
-                     ) -> tuple[set[str] | None, set[str] | None]:
-        """Saves finish within their step, so nothing is pending; the worker only drops the
-        finished requests' kept chunk keys."""
-        if self._worker is not None:
-            self._worker.forget(finished_req_ids)
-        return None, None
-
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
         """Nothing to do: saves finish within their step, so no save of a preempted
         request is still reading its blocks."""

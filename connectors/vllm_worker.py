@@ -101,11 +101,6 @@ class WorkerSide:
     def take_load_errors(self) -> set[int]:
         return set() if self.worker is None else self.worker.take_load_errors()
 
-    def forget(self, request_ids: set[str]) -> None:
-        """Finished requests: the worker drops their kept chunk keys."""
-        if self.worker is not None and request_ids:
-            self.worker.forget(request_ids)
-
     # ------------------------------------------------------------------ metrics
     def stats(self) -> dict[str, Any]:
         out: dict[str, Any] = {}

@@ -33,8 +33,9 @@ recomputes. Nothing of a failed request's step is ever stored.
 Chunk keys are kept per request (:class:`~lmc.token_database.RequestKeys`): a request is
 loaded and saved over many steps (chunked prefill saves a chunk or more per step), and each
 step hashes only the chunks its new tokens completed, not the whole prefix again. Keys are
-dropped when the adapter reports the request finished (:meth:`WorkerConnector.forget`),
-and at most ``max_tracked_requests`` are kept (least recently used go first).
+dropped when the metadata reports the request finished (``ConnectorMetadata.forget``, before
+any work of the step, so a reused request id starts afresh), and at most
+``max_tracked_requests`` are kept (least recently used go first).
 Loaded tokens are counted by the tier they came from as the load fetches them, so the
 statistics cost no second hash and no second question to any tier.
 """
@@ -177,8 +178,8 @@ class WorkerConnector:
         return rk.keys(token_ids)
 
     def forget(self, request_ids: Iterable[str]) -> None:
-        """The requests ended: drop their kept keys (adapters call this with the engine's
-        finished ids; an id must never name another token sequence while it is kept)."""
+        """The requests ended: drop their kept keys (``bind`` does it for the metadata's
+        ``forget``; an id must never name another token sequence while it is kept)."""
         for rid in request_ids:
             self._keys.pop(rid, None)
 
@@ -199,6 +200,7 @@ class WorkerConnector:
         first, dropping its saves."""
         if self._meta is not None:
             self._finish(commit=False)
+        self.forget(meta.forget)
         self._meta = meta
         self.stats.steps += 1
 

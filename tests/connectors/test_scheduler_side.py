@@ -199,3 +199,13 @@ def test_a_plain_count_or_a_foreign_chunk_size_is_handled() -> None:
                                lambda t: LookupResult(64, 32, ("cpu",), (0, 0)))
     assert wrong.get_num_new_matched_tokens("r", TOKENS, 0) == 0
     assert wrong.stats.lookup_errors == 1
+
+
+def test_finished_requests_reach_the_worker_with_the_next_step_that_has_work() -> None:
+    sched, _ = make(0)
+    empty = sched.build_metadata([], finished_ids=["a"])
+    assert empty.is_empty and empty.forget == ["a"]  # an adapter may never bind this one
+    meta = sched.build_metadata([step("b", TOKENS, 0, 16)], finished_ids=["c"],
+                                preempted_ids=["d"])
+    assert meta.forget == ["a", "c"] and meta.saves  # preempted requests keep their tokens
+    assert sched.build_metadata([step("b", TOKENS, 16, 16)]).forget == []

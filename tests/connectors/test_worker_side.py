@@ -199,3 +199,19 @@ def test_kept_keys_are_bounded_and_a_reused_id_is_rehashed() -> None:
         assert engine.lookup(other) == 24 and engine.lookup(TOKENS[:16]) == 16
         with pytest.raises(ValueError, match="max_tracked_requests"):
             WorkerConnector(engine, src, BS, max_tracked_requests=0)
+
+
+def test_a_finished_request_id_reused_for_another_prompt_gets_fresh_keys() -> None:
+    """The worker's kept keys check only one chunk per call, which a prompt differing only
+    in an earlier chunk passes; the metadata's ``forget`` (a finished request) is what makes
+    reusing the id safe."""
+    _, engine, ws, _, _, _ = setup()
+    with engine:
+        first = TOKENS[:16]
+        second = tuple(range(800, 808)) + TOKENS[8:16]  # chunk 0 differs, chunk 1 the same
+        step(ws, ConnectorMetadata(1, saves=[SaveSpec("r", first, blocks(0), 0)]))
+        step(ws, ConnectorMetadata(2, saves=[SaveSpec("r", second, blocks(4), 0)],
+                                   forget=["r"]))
+        assert engine.lookup(second) == 16
+        assert engine.lookup(first) == 16
+        assert engine.db.keys(second)[1] != engine.db.keys(first)[1]
