@@ -73,7 +73,10 @@ class TierSpec:
       integrity tag can catch);
     * ``kill(tier)`` makes the backend die (SIGKILL a server, remove a directory) and
       ``revive(tier)`` brings it back; ``hang(tier)`` makes it stop answering (SIGSTOP) and
-      ``unhang(tier)`` lets it go on.
+      ``unhang(tier)`` lets it go on;
+    * ``reopen(tier)`` gives the settings of a second tier over the same stored values
+      (the same directory after a restart, the same server and key prefix from another
+      engine).
 
     ``deadline`` bounds any one call on a dead or hung backend, in seconds. A tier that
     implements :class:`lmc.storage_backend.MemoryTier` (L1) keeps the caller's objects
@@ -88,6 +91,7 @@ class TierSpec:
     revive: Callable[[StorageBackend], None] | None = None
     hang: Callable[[StorageBackend], None] | None = None
     unhang: Callable[[StorageBackend], None] | None = None
+    reopen: Callable[[StorageBackend], dict[str, Any]] | None = None
     deadline: float = 2.0 + SLACK
 
     def settings(self) -> dict[str, Any]:
@@ -393,7 +397,49 @@ class TierContract:
         finally:
             release(got)
 
+    def test_another_tier_over_the_same_store_serves_its_values(self, make_tier, tier_spec):
+        """What one tier stored, a second one over the same backend (a restarted engine, or
+        another engine sharing the server) reads back bit for bit."""
+        if tier_spec.reopen is None:
+            pytest.skip(f"{tier_spec.spec}: values live in the tier object itself")
+        first = make_tier()
+        keys = [key_of(f"reopen{i}") for i in range(4)]
+        self.store(first, tier_spec, keys[:3], (2, 2, 5, 64), torch.bfloat16)
+        settings = tier_spec.reopen(first)
+        first.close()
+        second = make_tier(fresh_pool=True, **settings)
+        assert second.contains(keys) == [True, True, True, False]
+        got = second.get(keys)
+        try:
+            for k, o in zip(keys[:3], got):
+                check_hit(o, k, (2, 2, 5, 64), torch.bfloat16)
+            assert got[3] is None
+        finally:
+            release(got)
+
     # ------------------------------------------------------------------ memory
+    def test_io_stays_inside_each_object(self, tier, tier_spec):
+        """Writing a value out and reading it back into pool memory touches only that
+        object's bytes: its neighbours in the pool (other chunks, other requests' data)
+        keep theirs. Partial chunks (2560 B in 4 KiB blocks) are where padding could spill."""
+        shape, dtype = (2, 2, 5, 64), torch.bfloat16
+        key = key_of("inside")
+        objs = self.chunks(tier, tier_spec, [key_of("left"), key, key_of("right")], shape, dtype)
+        assert len(objs) == 3
+        left, mid, right = objs
+        try:
+            assert tier.put([key], [mid]) == 1
+            mid.release()
+            got = tier.get([key])  # lands in the freed block where the pool reuses it
+            try:
+                check_hit(got[0], key, shape, dtype)
+            finally:
+                release(got)
+            check_hit(left, key_of("left"), shape, dtype)
+            check_hit(right, key_of("right"), shape, dtype)
+        finally:
+            release([left, right])
+
     def test_eviction_never_reuses_a_chunk_a_reader_holds(self, make_tier, tier_spec):
         """A reader holds one chunk while a flood four times the pool (and any tier capacity)
         goes through: every read of the flood is right, and the held chunk keeps its bytes.

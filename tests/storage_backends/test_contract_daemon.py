@@ -54,7 +54,8 @@ def tier_spec(request, contract_daemon):
         corrupt=_forge if keyed else None,
         kill=lambda tier: contract_daemon.kill(), revive=lambda tier: contract_daemon.start(),
         hang=lambda tier: _signal(contract_daemon, signal.SIGSTOP),
-        unhang=lambda tier: _signal(contract_daemon, signal.SIGCONT))
+        unhang=lambda tier: _signal(contract_daemon, signal.SIGCONT),
+        reopen=lambda tier: {"remote_key_prefix": tier.namespace})  # the namespace
 
 
 class TestDaemonContract(TierContract):

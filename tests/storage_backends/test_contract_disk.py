@@ -26,7 +26,8 @@ def tier_spec(tmp_path):
     return TierSpec("disk", config=lambda: {"local_disk": str(next(dirs)),
                                             "local_disk_size": "512KiB"},
                     corrupt=_flip_payload_byte,
-                    kill=lambda tier: shutil.rmtree(tier.path))  # the device is gone
+                    kill=lambda tier: shutil.rmtree(tier.path),  # the device is gone
+                    reopen=lambda tier: {"local_disk": tier.path})  # a restart
 
 
 class TestDiskContract(TierContract):

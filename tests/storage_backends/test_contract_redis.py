@@ -50,7 +50,8 @@ def tier_spec(request, contract_redis):
                         **({"integrity_secret": SECRET} if keyed else {})},
         corrupt=_damage(contract_redis, keyed),
         kill=lambda tier: contract_redis.kill(), revive=lambda tier: contract_redis.start(),
-        hang=lambda tier: contract_redis.pause(), unhang=lambda tier: contract_redis.resume())
+        hang=lambda tier: contract_redis.pause(), unhang=lambda tier: contract_redis.resume(),
+        reopen=lambda tier: {"remote_key_prefix": tier.prefix.decode().rstrip(":")})
 
 
 class TestRedisContract(TierContract):
