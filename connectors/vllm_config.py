@@ -18,19 +18,8 @@ import tempfile
 from collections.abc import Mapping
 from typing import Any
 
-from lmc.config import CacheConfig
-from lmc.settings import (
-    ConfigError,
-    Layer,
-    Settings,
-    parse_bool,
-    parse_duration,
-    parse_opt_str,
-    read_yaml,
-    setting,
-)
-
-PREFIX = "lmc."
+from lmc.config import CacheConfig, load_connector_settings
+from lmc.settings import Settings, parse_bool, parse_duration, parse_opt_str, setting
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,25 +60,6 @@ class ConnectorSettings:
 def load_settings(extra_config: Mapping[str, Any] | None,
                   environ: Mapping[str, str] | None = None) -> ConnectorSettings:
     """Settings from vLLM's ``kv_connector_extra_config`` (see the module docstring)."""
-    extra = {k[len(PREFIX):]: v for k, v in (extra_config or {}).items()
-             if isinstance(k, str) and k.startswith(PREFIX)}
-    path = extra.pop("config_file", None)
-    cache_layers: list[Layer] = []
-    opt_layers: list[Layer] = []
-    if path:
-        file = read_yaml(path, "lmc config")
-        data = dict(file.data)
-        section = data.pop("vllm", None) or {}
-        if not isinstance(section, dict):
-            raise ConfigError(f"{file.where('vllm')}: 'vllm' must be a mapping of connector "
-                              "options")
-        cache_layers.append(Layer.from_yaml(file, data))
-        opt_layers.append(Layer.from_yaml(file, section, section="vllm.", prefix="vllm."))
-    cache_layers.append(CacheConfig.env_layer(environ))
-    origin = "kv_connector_extra_config"
-    cache_layers.append(Layer({k: v for k, v in extra.items() if not k.startswith("vllm.")},
-                              origin, prefix=PREFIX))
-    opt_layers.append(Layer({k[5:]: v for k, v in extra.items() if k.startswith("vllm.")},
-                            origin, prefix=PREFIX + "vllm."))
-    return ConnectorSettings(CacheConfig.from_layers(cache_layers),
-                             VllmOptions.from_layers(opt_layers))
+    cache, opts = load_connector_settings(extra_config, "vllm", VllmOptions,
+                                          "kv_connector_extra_config", environ)
+    return ConnectorSettings(cache, opts)

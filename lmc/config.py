@@ -11,10 +11,11 @@ from __future__ import annotations
 import dataclasses
 import os
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, TypeVar
 
 from lmc.settings import (
     ConfigError,
+    Layer,
     Settings,
     check_known_keys,
     parse_bool,
@@ -25,10 +26,14 @@ from lmc.settings import (
     parse_opt_str,
     parse_positive_size,
     parse_size,
+    read_yaml,
     setting,
 )
 
-__all__ = ["CacheConfig", "ConfigError", "check_known_keys", "parse_remote_url", "parse_size"]
+__all__ = ["CacheConfig", "ConfigError", "check_known_keys", "load_connector_settings",
+           "parse_remote_url", "parse_size"]
+Opts = TypeVar("Opts", bound=Settings)
+EXTRA_PREFIX = "lmc."
 
 
 def parse_remote_url(value: Any, key: str) -> str | None:
@@ -171,3 +176,36 @@ class CacheConfig(Settings):
     def replace(self, **changes: Any) -> CacheConfig:
         self.check_keys(changes, "replace()")
         return dataclasses.replace(self, **changes)
+
+
+def load_connector_settings(extra: Mapping[str, Any] | None, section: str, options: type[Opts],
+                            origin: str, environ: Mapping[str, str] | None = None
+                            ) -> tuple[CacheConfig, Opts]:
+    """lmc's part of an engine's extra config (vLLM's ``kv_connector_extra_config``, ...).
+
+    Keys starting with ``lmc.`` are lmc's: ``lmc.config_file`` names a YAML file of cache keys
+    whose ``<section>:`` mapping holds the connector's ``options``; ``lmc.<key>`` overrides a
+    cache key and ``lmc.<section>.<option>`` an option. Precedence, lowest first: defaults,
+    YAML, ``LMC_<KEY>`` variables, extra-config keys. Other keys are the engine's and ignored.
+    Every message names the key as the user wrote it (``lmc.chunk_sise``) and where."""
+    ours = {k[len(EXTRA_PREFIX):]: v for k, v in (extra or {}).items()
+            if isinstance(k, str) and k.startswith(EXTRA_PREFIX)}
+    path = ours.pop("config_file", None)
+    sub = f"{section}."
+    cache_layers: list[Layer] = []
+    opt_layers: list[Layer] = []
+    if path:
+        file = read_yaml(path, "lmc config")
+        data = dict(file.data)
+        nested = data.pop(section, None) or {}
+        if not isinstance(nested, dict):
+            raise ConfigError(f"{file.where(section)}: '{section}' must be a mapping of "
+                              "connector options")
+        cache_layers.append(Layer.from_yaml(file, data))
+        opt_layers.append(Layer.from_yaml(file, nested, section=sub, prefix=sub))
+    cache_layers.append(CacheConfig.env_layer(environ))
+    cache_layers.append(Layer({k: v for k, v in ours.items() if not k.startswith(sub)},
+                              origin, prefix=EXTRA_PREFIX))
+    opt_layers.append(Layer({k[len(sub):]: v for k, v in ours.items() if k.startswith(sub)},
+                            origin, prefix=EXTRA_PREFIX + sub))
+    return CacheConfig.from_layers(cache_layers), options.from_layers(opt_layers)

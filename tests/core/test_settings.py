@@ -5,6 +5,7 @@ way, with messages that name the file and line, the closest valid key, and missp
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import re
 from collections.abc import Callable
@@ -15,15 +16,18 @@ import pytest
 from lmc.connectors.vllm_config import load_settings
 
 from lmc.cli import main as lmc_main
-from lmc.config import CacheConfig
+from lmc.config import CacheConfig, load_connector_settings
 from lmc.server.config import ServerConfig
 from lmc.settings import (
     ENV_NAMESPACES,
     OTHER_ENV,
     OTHER_ENV_PREFIXES,
     ConfigError,
+    Settings,
     parse_duration,
+    parse_int,
     read_yaml,
+    setting,
     unknown_env,
 )
 
@@ -273,3 +277,30 @@ def test_lmc_config_masks_secrets(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "tok-123" not in out and "0123456789abcdef-secret" not in out
     assert "remote_token: '***'" in out and "integrity_secret_file: null" in out
+
+
+# -------------------------------------------------------------- a connector's extra config
+@dataclasses.dataclass(frozen=True)
+class _ToyOptions(Settings):
+    """What a new engine adapter declares: its options, under its own section."""
+
+    page_size: int = setting(16, lambda v, k: parse_int(v, k, minimum=1), "tokens per page")
+
+
+def test_a_new_connector_reuses_the_extra_config_loader(tmp_path):
+    f = _write(tmp_path, "chunk_size: 128\ntoy:\n  page_size: 32\n")
+    extra = {"lmc.config_file": str(f), "lmc.toy.page_size": "64", "lmc.tenant": "a",
+             "toy_engine_key": 1}  # not lmc's: ignored
+    cache, opts = load_connector_settings(extra, "toy", _ToyOptions, "toy_extra",
+                                          environ={"LMC_CHUNK_SIZE": "64"})
+    assert (cache.chunk_size, cache.tenant, opts.page_size) == (64, "a", 64)
+    with pytest.raises(ConfigError, match=r"unknown config key 'lmc.toy.page_sise' in toy_extra; "
+                                          r"did you mean 'lmc.toy.page_size'\?"):
+        load_connector_settings({"lmc.toy.page_sise": 1}, "toy", _ToyOptions, "toy_extra", {})
+    f = _write(tmp_path, "toy:\n  page_size: 0\n")
+    with pytest.raises(ConfigError, match=rf"toy.page_size: must be >= 1, got 0 "
+                                          rf"\(in {re.escape(str(f))}:2\)"):
+        load_connector_settings({"lmc.config_file": str(f)}, "toy", _ToyOptions, "x", {})
+    f = _write(tmp_path, "toy: [1]\n")
+    with pytest.raises(ConfigError, match=r"c\.yaml:1: 'toy' must be a mapping"):
+        load_connector_settings({"lmc.config_file": str(f)}, "toy", _ToyOptions, "x", {})
