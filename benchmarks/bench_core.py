@@ -122,17 +122,18 @@ def bench_paged(layers: int, heads: int, dim: int, n_tokens: int, reps: int, lab
         return time.perf_counter() - t0
 
     # Time spent moving bytes inside the engine's own calls: overhead = the rest of the call.
-    moved = {"t": 0.0}
+    moved = {"t": 0.0, "cpu": 0.0}  # wall and this thread's CPU time inside the copies
     for tr in (eng.transfer_for(src), eng.transfer_for(dst)):
         for name in ("gather", "scatter"):
             real = getattr(tr, name)
 
             def timed(*a, _real=real, **k):
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.thread_time()
                 try:
                     return _real(*a, **k)
                 finally:
                     moved["t"] += time.perf_counter() - t0
+                    moved["cpu"] += time.thread_time() - c0
 
             setattr(tr, name, timed)
 
@@ -141,31 +142,32 @@ def bench_paged(layers: int, heads: int, dim: int, n_tokens: int, reps: int, lab
         """Median call time, overhead, interleaved copy time, and median per-rep ratio
         (copy time / call time): each rep pairs the call with a copy taken right next to it,
         so a shared machine's changing load hits both alike."""
-        calls, overs, copies, ratios = [], [], [], []
+        calls, overs, copies, ratios, cpus = [], [], [], [], []
         for _ in range(reps + 1):
             if setup:
                 setup()
-            moved["t"] = 0.0
-            t0 = time.perf_counter()
+            moved["t"] = moved["cpu"] = 0.0
+            t0, c0 = time.perf_counter(), time.thread_time()
             fn()
-            dt = time.perf_counter() - t0
+            dt, dc = time.perf_counter() - t0, time.thread_time() - c0
             tc = copy_once()
             calls.append(dt)
+            cpus.append(dc - moved["cpu"])
             overs.append(dt - moved["t"])
             copies.append(tc)
             ratios.append(tc / dt)
         med = statistics.median
-        spread["overs"], spread["ratios"] = overs[1:], ratios[1:]
+        spread["overs"], spread["ratios"], spread["cpu"] = overs[1:], ratios[1:], cpus[1:]
         return med(calls[1:]), med(overs[1:]), med(copies[1:]), med(ratios[1:])
 
     spread: dict[str, list[float]] = {}
     t_store, o_store, c_store, r_store = call_and_overhead(
         lambda: eng.store(toks, src, s_in), setup=lambda: eng.storage.l1.clear())
-    os_, rs_ = spread["overs"], spread["ratios"]
+    os_, rs_, oc_s = spread["overs"], spread["ratios"], statistics.median(spread["cpu"])
     eng.store(toks, src, s_in)
     assert eng.lookup(toks) == n_tokens
     t_retr, o_retr, c_retr, r_retr = call_and_overhead(lambda: eng.retrieve(toks, dst, s_out))
-    or_, rr_ = spread["overs"], spread["ratios"]
+    or_, rr_, oc_r = spread["overs"], spread["ratios"], statistics.median(spread["cpu"])
     eng.close()
     ranges = range(0, n_tokens, 256)
 
@@ -176,7 +178,8 @@ def bench_paged(layers: int, heads: int, dim: int, n_tokens: int, reps: int, lab
             "store_total": t_store / chunks * 1e6, "retrieve_total": t_retr / chunks * 1e6,
             "store_min": min(os_) / chunks * 1e6, "store_max": max(os_) / chunks * 1e6,
             "retrieve_min": min(or_) / chunks * 1e6, "retrieve_max": max(or_) / chunks * 1e6,
-            "store_ratios": rs_, "retrieve_ratios": rr_}
+            "store_ratios": rs_, "retrieve_ratios": rr_,
+            "store_cpu": oc_s / chunks * 1e6, "retrieve_cpu": oc_r / chunks * 1e6}
     if not show_bandwidth:
         return [], over
     rows = [
@@ -299,12 +302,15 @@ def run(quick: bool = False, sections: tuple[str, ...] = ("hashing", "paged", "f
                 continue
             print(f"  {label:14s} store {over['store']:7.2f} us  retrieve "
                   f"{over['retrieve']:7.2f} us   (whole call per chunk: "
-                  f"{over['store_total']:.1f} / {over['retrieve_total']:.1f} us)")
+                  f"{over['store_total']:.1f} / {over['retrieve_total']:.1f} us; "
+                  f"thread CPU time: {over['store_cpu']:.2f} / {over['retrieve_cpu']:.2f} us)")
             results.append({"name": f"overhead per chunk, {label}", "store_us": over["store"],
                             "retrieve_us": over["retrieve"], "store_us_min": over["store_min"],
                             "store_us_max": over["store_max"],
                             "retrieve_us_min": over["retrieve_min"],
-                            "retrieve_us_max": over["retrieve_max"]})
+                            "retrieve_us_max": over["retrieve_max"],
+                            "store_cpu_us": over["store_cpu"],
+                            "retrieve_cpu_us": over["retrieve_cpu"]})
     return results
 
 

@@ -73,7 +73,8 @@ def core_table(rows: list[dict]) -> list[Row]:
     for r in rows:
         if "store_us" in r:
             out.append((r["name"], f"{r['store_us']:.1f} / {r['retrieve_us']:.1f} µs",
-                        "– (store / retrieve)", "–",
+                        f"– (store / retrieve; thread CPU time {r['store_cpu_us']:.1f} / "
+                        f"{r['retrieve_cpu_us']:.1f} µs)", "–",
                         f"store {r['store_us_min']:.1f}–{r['store_us_max']:.1f}, retrieve "
                         f"{r['retrieve_us_min']:.1f}–{r['retrieve_us_max']:.1f} µs",
                         "≤ 5 µs (bookkeeping-only shape)"))
