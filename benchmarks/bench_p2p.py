@@ -1,0 +1,198 @@
+"""P2P chunk pull vs raw NIXL READ of the same bytes, between the same two processes.
+
+An owner process exports ``--chunks`` chunks from its pool through the P2P tier (advertised in
+a real ``lmc server`` directory); this process is the reader. Each repetition times, in
+alternating order:
+
+* **p2p get**: ``P2PBackend.get(keys)`` as an engine calls it on a local miss -- locate in the
+  directory, allocate destinations in the pool, one NIXL READ per owner, the version-slot READ
+  and check;
+* **raw READ**: one NIXL READ of the same spans into the same pool, descriptor lists built
+  beforehand (the transport's own speed: the limit).
+
+The first pull is checked bit for bit against the owner's data. NIXL agents crash at
+interpreter exit (NIXL 1.5.1), so both processes end with ``os._exit`` after teardown.
+
+    python benchmarks/bench_p2p.py [--chunks 32 --chunk-mib 8 --reps 7] [--json FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import hashlib
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+sys.path.insert(0, str(ROOT))
+
+from lmc.storage_backends.p2p import P2PBackend  # noqa: E402
+
+from lmc.config import CacheConfig  # noqa: E402
+from lmc.memory import MemoryPool  # noqa: E402
+
+LAYERS, TOKENS = 16, 256
+
+
+def _shape(chunk_mib: int) -> tuple[int, int, int, int]:
+    width = chunk_mib * 2**20 // (LAYERS * 2 * TOKENS * 2)
+    return (LAYERS, 2, TOKENS, width)
+
+
+def _key(i: int) -> bytes:
+    return hashlib.blake2b(i.to_bytes(4, "little"), digest_size=16).digest()
+
+
+def _fill(t: torch.Tensor, i: int) -> None:
+    g = torch.Generator().manual_seed(1000 + i)
+    t.view(torch.uint8).view(-1).copy_(
+        torch.randint(0, 256, (t.numel() * t.element_size(),), dtype=torch.uint8, generator=g))
+
+
+def _tier(url: str, pool: MemoryPool, name: str) -> P2PBackend:
+    cfg = CacheConfig(remote_timeout=30.0, pin_memory="false")
+    return P2PBackend(url, config=cfg, pool=pool, agent_name=name, export_bytes=pool.size)
+
+
+def owner(url: str, chunks: int, chunk_mib: int) -> None:
+    pool = MemoryPool((chunks + 1) * chunk_mib * 2**20, pin_memory="false")
+    tier = _tier(url, pool, f"bench-owner-{os.getpid()}")
+    objs = pool.allocate_many(_shape(chunk_mib), torch.bfloat16, chunks, TOKENS)
+    for i, o in enumerate(objs):
+        _fill(o.tensor, i)
+    tier.put([_key(i) for i in range(chunks)], objs)
+    pool.release_many(objs)
+    print(json.dumps({"ready": tier.stats()["exports"]}), flush=True)
+    sys.stdin.read()  # until the reader closes our stdin
+    tier.close()
+    os._exit(0)
+
+
+@contextlib.contextmanager
+def _daemon(workdir: Path):
+    ready = workdir / "ready.json"
+    proc = subprocess.Popen([sys.executable, "-m", "lmc.server", "--port", "0", "--size",
+                             "16MiB", "--ready-file", str(ready), "--log-level", "WARNING"],
+                            cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    try:
+        end = time.monotonic() + 60
+        while not ready.exists():
+            if proc.poll() is not None or time.monotonic() > end:
+                raise RuntimeError("lmc server did not start")
+            time.sleep(0.05)
+        yield f"p2p+lmc://127.0.0.1:{json.loads(ready.read_text())['port']}"
+    finally:
+        proc.terminate()
+        proc.wait(30)
+
+
+def _raw_read(tier: P2PBackend, info, pairs) -> None:
+    """One NIXL READ of ``pairs``, descriptors prebuilt: initialize, post, poll, release."""
+    a = tier.agent.agent
+    local, remote = pairs
+    h = a.initialize_xfer("READ", local, remote, info.agent)
+    state = a.transfer(h)
+    while state not in ("DONE", "ERR"):
+        state = a.check_xfer_state(h)
+    a.release_xfer_handle(h)
+    if state != "DONE":
+        raise RuntimeError("raw READ failed")
+
+
+def measure(url: str, chunks: int, chunk_mib: int, reps: int) -> dict:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "NIXL_LOG_LEVEL": "WARN"}
+    proc = subprocess.Popen([sys.executable, __file__, "--owner", url, "--chunks", str(chunks),
+                             "--chunk-mib", str(chunk_mib)], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True, env=env, cwd=ROOT)
+    try:
+        ready = json.loads(proc.stdout.readline())
+        assert ready["ready"] == chunks, ready
+        pool = MemoryPool((chunks + 1) * chunk_mib * 2**20, pin_memory="false")
+        tier = _tier(url, pool, f"bench-reader-{os.getpid()}")
+        keys = [_key(i) for i in range(chunks)]
+        nbytes = chunks * chunk_mib * 2**20
+        got = tier.get(keys)  # warm-up: connection, peer metadata; checked bit for bit
+        want = torch.empty(_shape(chunk_mib), dtype=torch.bfloat16)
+        for i, o in enumerate(got):
+            assert o is not None, f"chunk {i} missing"
+            _fill(want, i)
+            assert torch.equal(o.tensor.view(torch.int16), want.view(torch.int16)), i
+        owner_name = tier._locate(keys[:1], fresh=True)[0][0]
+        info = tier.agent.knows(owner_name)
+        recs = [g[1] for g in tier._locate(keys, fresh=True)]
+        a = tier.agent.agent
+        base = pool.buffer.data_ptr()
+        pairs = (a.get_xfer_descs([(base + o.offset, o.nbytes, 0) for o in got], "DRAM"),
+                 a.get_xfer_descs([(info.pool_base + r.offset, r.nbytes, 0) for r in recs],
+                                  "DRAM"))
+        pool.release_many(got)
+        out: dict[str, list[float]] = {"p2p": [], "raw": []}
+        for rep in range(reps):
+            for which in (("p2p", "raw") if rep % 2 == 0 else ("raw", "p2p")):
+                if which == "p2p":
+                    tier._located.clear()  # a fresh lookup: the directory is asked
+                    t0 = time.perf_counter()
+                    objs = tier.get(keys)
+                    dt = time.perf_counter() - t0
+                    assert all(o is not None for o in objs)
+                    pool.release_many(objs)
+                else:
+                    objs = pool.allocate_many(_shape(chunk_mib), torch.bfloat16, chunks,
+                                              TOKENS)
+                    # the same destinations as the warm-up pull (the pool hands them out again)
+                    t0 = time.perf_counter()
+                    _raw_read(tier, info, pairs)
+                    dt = time.perf_counter() - t0
+                    pool.release_many(objs)
+                out[which].append(nbytes / dt / 2**30)
+        stats = tier.stats()
+        tier.close()
+        return {"samples": out, "stale": stats["stale"], "failures": stats["transfer_failures"]}
+    finally:
+        proc.stdin.close()
+        proc.wait(30)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--chunks", type=int, default=32)
+    ap.add_argument("--chunk-mib", type=int, default=8)
+    ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--quick", action="store_true", help="8 chunks of 4 MiB, 3 repetitions")
+    ap.add_argument("--json", help="also write the figures here")
+    ap.add_argument("--owner", help=argparse.SUPPRESS)  # the owner process's role
+    a = ap.parse_args(argv)
+    if a.quick:
+        a.chunks, a.chunk_mib, a.reps = 8, 4, 3
+    if a.owner:
+        owner(a.owner, a.chunks, a.chunk_mib)
+    with tempfile.TemporaryDirectory() as tmp, _daemon(Path(tmp)) as url:
+        res = measure(url, a.chunks, a.chunk_mib, a.reps)
+    s = res["samples"]
+    p2p, raw = statistics.median(s["p2p"]), statistics.median(s["raw"])
+    ratios = [p / r for p, r in zip(s["p2p"], s["raw"])]
+    print(f"{a.chunks} chunks x {a.chunk_mib} MiB per pull, median of {a.reps}; "
+          f"load {os.getloadavg()[0]:.1f}")
+    print(f"p2p get   {p2p:6.2f} GiB/s")
+    print(f"raw READ  {raw:6.2f} GiB/s")
+    print(f"ratio     {p2p / raw:6.2f}  (per-rep {min(ratios):.2f}..{max(ratios):.2f}; "
+          f"target >= 0.8)  stale={res['stale']} failures={res['failures']}")
+    if a.json:
+        Path(a.json).write_text(json.dumps({"p2p_gibs": p2p, "raw_gibs": raw,
+                                            "ratio": p2p / raw, **res}, indent=1))
+    sys.stdout.flush()
+    os._exit(0)  # NIXL's exit-time crash (see lmc.p2p.agent); everything is closed
+
+
+if __name__ == "__main__":
+    main()
