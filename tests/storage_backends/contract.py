@@ -78,9 +78,11 @@ class TierSpec:
       (the same directory after a restart, the same server and key prefix from another
       engine).
 
-    ``deadline`` bounds any one call on a dead or hung backend, in seconds. A tier that
-    implements :class:`lmc.storage_backend.MemoryTier` (L1) keeps the caller's objects
-    themselves: the suite's writers allocate through its ``allocate_many``, which evicts.
+    ``skip`` maps a test's name to the reason this spec leaves it out (say where it is
+    covered instead). ``deadline`` bounds any one call on a dead or hung backend, in seconds.
+    A tier implementing :class:`lmc.storage_backend.MemoryTier` (L1) keeps the caller's
+    objects themselves: the suite's writers allocate through its ``allocate_many``, which
+    evicts.
     """
 
     spec: str
@@ -92,6 +94,7 @@ class TierSpec:
     hang: Callable[[StorageBackend], None] | None = None
     unhang: Callable[[StorageBackend], None] | None = None
     reopen: Callable[[StorageBackend], dict[str, Any]] | None = None
+    skip: dict[str, str] = field(default_factory=dict)
     deadline: float = 2.0 + SLACK
 
     def settings(self) -> dict[str, Any]:
@@ -186,6 +189,12 @@ class TierContract:
     """The contract tests. Subclass in a module that defines the ``tier_spec`` fixture."""
 
     # ------------------------------------------------------------------ fixtures
+    @pytest.fixture(autouse=True)
+    def _spec_skips(self, request, tier_spec: TierSpec) -> None:
+        reason = tier_spec.skip.get(request.node.originalname)
+        if reason:
+            pytest.skip(f"{tier_spec.spec}: {reason}")
+
     @pytest.fixture(scope="class")
     def pools(self):
         """Pools by size, shared by a class's tests: each test's tiers must hand every byte
