@@ -13,28 +13,48 @@ from prometheus_client import Counter, Gauge, Histogram
 
 _LAT_BUCKETS = (1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 0.1, 0.3, 1.0, 3.0)
 
-LOOKUPS = Counter("lmc_lookups", "Lookup calls")
-LOOKUP_TOKENS = Counter("lmc_lookup_tokens", "Prompt tokens looked up")
-HIT_TOKENS = Counter("lmc_hit_tokens", "Prompt tokens found by lookups")
-OP_BYTES = Counter("lmc_bytes", "KV bytes moved between the engine and lmc", ["op"])
-OP_TOKENS = Counter("lmc_tokens", "KV tokens moved between the engine and lmc", ["op"])
-OP_SECONDS = Histogram("lmc_op_seconds", "Latency of store / retrieve / lookup calls", ["op"],
-                       buckets=_LAT_BUCKETS)
-SKIPPED = Counter("lmc_skipped_chunks", "Chunks not stored", ["reason"])
 EVICTIONS = Counter("lmc_evictions", "Chunks evicted", ["tier"])
-POOL_USED = Gauge("lmc_pool_used_bytes", "Bytes in use in the memory pool")
-POOL_CAPACITY = Gauge("lmc_pool_capacity_bytes", "Size of the memory pool")
 
 
-_CHILDREN: dict[str, tuple] = {}
+class _EngineCollectors:
+    """The figures only a ``CacheEngine`` produces, registered when the process makes its
+    first engine: a process without one (the ``lmc server`` daemon, which runs tiers but no
+    engine) must not export them as series stuck at zero beside its own."""
+
+    def __init__(self) -> None:
+        self.lookups = Counter("lmc_lookups", "Lookup calls")
+        self.lookup_tokens = Counter("lmc_lookup_tokens", "Prompt tokens looked up")
+        self.hit_tokens = Counter("lmc_hit_tokens", "Prompt tokens found by lookups")
+        self.op_bytes = Counter("lmc_bytes", "KV bytes moved between the engine and lmc", ["op"])
+        self.op_tokens = Counter("lmc_tokens", "KV tokens moved between the engine and lmc",
+                                 ["op"])
+        self.op_seconds = Histogram("lmc_op_seconds",
+                                    "Latency of store / retrieve / lookup calls", ["op"],
+                                    buckets=_LAT_BUCKETS)
+        self.skipped = Counter("lmc_skipped_chunks", "Chunks not stored", ["reason"])
+        self.pool_used = Gauge("lmc_pool_used_bytes", "Bytes in use in the memory pool")
+        self.pool_capacity = Gauge("lmc_pool_capacity_bytes", "Size of the memory pool")
+        self.children: dict[str, tuple] = {}
+
+    def of(self, op: str) -> tuple:
+        """Labelled children cached: ``labels()`` costs a lock and a dict lookup per call."""
+        c = self.children.get(op)
+        if c is None:
+            c = self.children[op] = (self.op_bytes.labels(op), self.op_tokens.labels(op),
+                                     self.op_seconds.labels(op))
+        return c
 
 
-def _children(op: str) -> tuple:
-    """Labelled children cached: ``labels()`` costs a lock and a dict lookup per call."""
-    c = _CHILDREN.get(op)
-    if c is None:
-        c = _CHILDREN[op] = (OP_BYTES.labels(op), OP_TOKENS.labels(op), OP_SECONDS.labels(op))
-    return c
+_ENGINE: _EngineCollectors | None = None
+_ENGINE_LOCK = threading.Lock()
+
+
+def engine_collectors() -> _EngineCollectors:
+    global _ENGINE
+    with _ENGINE_LOCK:
+        if _ENGINE is None:
+            _ENGINE = _EngineCollectors()
+        return _ENGINE
 
 
 class EngineMetrics:
@@ -43,6 +63,7 @@ class EngineMetrics:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self.counts: dict[str, float] = defaultdict(float)
+        self._m = engine_collectors()
 
     def _add(self, **kv: float) -> None:
         with self._lock:
@@ -50,14 +71,15 @@ class EngineMetrics:
                 self.counts[k] += v
 
     def lookup(self, query_tokens: int, hit_tokens: int, seconds: float) -> None:
-        LOOKUPS.inc()
-        LOOKUP_TOKENS.inc(query_tokens)
-        HIT_TOKENS.inc(hit_tokens)
-        _children("lookup")[2].observe(seconds)
+        m = self._m
+        m.lookups.inc()
+        m.lookup_tokens.inc(query_tokens)
+        m.hit_tokens.inc(hit_tokens)
+        m.of("lookup")[2].observe(seconds)
         self._add(lookups=1, lookup_tokens=query_tokens, hit_tokens=hit_tokens)
 
     def transfer(self, op: str, tokens: int, nbytes: int, seconds: float) -> None:
-        b, t, s = _children(op)
+        b, t, s = self._m.of(op)
         b.inc(nbytes)
         t.inc(tokens)
         s.observe(seconds)
@@ -66,7 +88,7 @@ class EngineMetrics:
 
     def skipped(self, reason: str, chunks: int) -> None:
         if chunks:
-            SKIPPED.labels(reason).inc(chunks)
+            self._m.skipped.labels(reason).inc(chunks)
             self._add(**{f"skipped_{reason}": chunks})
 
     def evicted(self, tier: str, chunks: int) -> None:
@@ -75,8 +97,8 @@ class EngineMetrics:
             self._add(**{f"evictions_{tier}": chunks})
 
     def pool(self, used: int, capacity: int) -> None:
-        POOL_USED.set(used)
-        POOL_CAPACITY.set(capacity)
+        self._m.pool_used.set(used)
+        self._m.pool_capacity.set(capacity)
 
     def snapshot(self) -> dict[str, float]:
         with self._lock:

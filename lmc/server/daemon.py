@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import gc
 import json
 import logging
@@ -31,9 +32,10 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from lmc import tier_build
+from lmc import invariants, tier_build, units
 from lmc.memory import MemoryPool
 from lmc.server import metrics as M
+from lmc.server.activity import Activity
 from lmc.server.auth import Grant
 from lmc.server.client import UNIX_SNDBUF
 from lmc.server.config import ServerConfig
@@ -74,7 +76,27 @@ class Daemon:
     def __init__(self, config: ServerConfig) -> None:
         self.config = config
         self.auth = config.authenticator()
-        self.pool, self.storage = build_storage(config)
+        self.listeners: list[tuple[socket.socket, str]] = []
+        self.http: MetricsHTTP | None = None
+        # bind first: a taken address fails in a second, not after the pool's pre-fault
+        # (seconds per GiB); connections made meanwhile wait in the listen backlog
+        self.open_listeners()
+        try:
+            if config.metrics_port is not None:
+                self.http = MetricsHTTP(self, config.metrics_host, config.metrics_port,
+                                        sock=bind_tcp(config.metrics_host, config.metrics_port,
+                                                      "metrics_port"))
+            log.info("bound %s; building the storage (pool %s%s)", ", ".join(self.where()),
+                     units.size(config.size), ", pre-faulted before serving"
+                     if config.prefault else "")
+            t0 = time.perf_counter()
+            self.pool, self.storage = build_storage(config)
+        except BaseException:
+            self.close_listeners()
+            raise
+        log.info("storage ready in %s: tiers %s", units.seconds(time.perf_counter() - t0),
+                 ", ".join(t.name for t in self.storage.tiers))
+        self.activity = Activity(config.max_namespaces)
         self.store = NamespacedStore(self.storage, config.quotas, config.quota_default,
                                      config.max_namespaces,
                                      reserved=self.auth.granted_namespaces())
@@ -83,9 +105,9 @@ class Daemon:
         self.commit_bytes = max(1 << 20, min(64 << 20, self.pool.size // 8))
         self.sessions: set[Session] = set()
         self.pending: OrderedDict[Session, None] = OrderedDict()  # before HELLO, oldest first
-        self.listeners: list[tuple[socket.socket, str]] = []
         self.draining = False
         self.started = time.time()
+        self._violations = 0
         self.warn = RateLimitedWarnings()
         self.events = {
             "accept": IntervalLog(logging.WARNING, "accept failed"),
@@ -101,7 +123,6 @@ class Daemon:
                 f"{config.frame_timeout:g} s mid-frame"),
         }
         self._hello_seen: set[tuple[str, str]] = set()
-        self.http: MetricsHTTP | None = None
         self._stop: asyncio.Event | None = None
         self._tasks: list[asyncio.Task] = []
         M.bind_storage(lambda: self.pool.used_bytes, lambda: self.pool.size,
@@ -120,9 +141,33 @@ class Daemon:
         return {"server": {"version": 1, "uptime_s": time.time() - self.started,
                            "connections": len(self.sessions),
                            "unauthenticated": len(self.pending), "draining": self.draining},
-                "pool": {**self.pool.stats(), "leaks": len(self.pool.leaks)},
+                "pool": {**self.pool.stats(), "leaks": len(self.pool.leaks),
+                         "violations": self.invariant_violations()},
                 "tiers": {**self.store.stats(), **self.storage.stats()},
-                "namespaces": self.store.namespace_stats(allowed)}
+                "requests": (self.activity.totals() if allowed is None else
+                             _sum(self.activity.namespaces(allowed).values())),
+                "namespaces": self._namespaces(allowed)}
+
+    def _namespaces(self, allowed: frozenset[str] | None) -> dict[str, dict[str, Any]]:
+        """Every namespace that sent requests (its counts) and every quota-tracked one (its
+        chunks, bytes and quota in memory)."""
+        out: dict[str, dict[str, Any]] = {
+            ns: dict(c) for ns, c in self.activity.namespaces(allowed).items()}
+        for ns, held in self.store.namespace_stats(allowed).items():
+            out.setdefault(ns, {}).update(held)
+        return out
+
+    def invariant_violations(self) -> int:
+        """Pool invariant violations so far (invariant mode only, i.e. in lmc's tests): a
+        violation inside the daemon process must reach the test run, which reads this count
+        through STATS, even when the code that met it turned it into a miss."""
+        if not self.pool.invariants:
+            return 0
+        found = invariants.take()
+        for msg in found:
+            log.error("pool invariant violated: %s", msg)
+        self._violations += len(found)
+        return self._violations
 
     # ------------------------------------------------------------ sessions
     def established(self, s: Session) -> None:
@@ -144,10 +189,7 @@ class Daemon:
     # -------------------------------------------------------- listening
     def _listen_tcp(self) -> socket.socket:
         cfg = self.config
-        info = socket.getaddrinfo(cfg.host, cfg.port, type=socket.SOCK_STREAM)[0]
-        sock = socket.socket(info[0], socket.SOCK_STREAM)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind(info[4])
+        sock = bind_tcp(cfg.host, cfg.port, "port")
         if not cfg.is_loopback():
             log.warning("listening on %s, not loopback: only the tokens stand between this "
                         "cache and whoever can reach it", cfg.host)
@@ -176,13 +218,36 @@ class Daemon:
         return sock
 
     def open_listeners(self) -> None:
-        if self.config.port is not None:
-            self.listeners.append((self._listen_tcp(), "tcp"))
-        if self.config.unix_socket:
-            self.listeners.append((self._listen_unix(), "unix"))
+        try:
+            if self.config.port is not None:
+                self.listeners.append((self._listen_tcp(), "tcp"))
+            if self.config.unix_socket:
+                self.listeners.append((self._listen_unix(), "unix"))
+        except BaseException:
+            self.close_listeners()
+            raise
         for sock, _ in self.listeners:
             sock.listen(512)
             sock.setblocking(False)
+
+    def close_listeners(self) -> None:
+        for sock, via in self.listeners:
+            sock.close()
+            if via == "unix":
+                with contextlib.suppress(OSError):
+                    os.unlink(self.config.unix_socket)
+        self.listeners = []
+        if self.http is not None and self.http.sock is not None:
+            self.http.sock.close()
+
+    def where(self) -> list[str]:
+        """The listening addresses, as log lines name them."""
+        out = [f"tcp {self.config.host}:{self.port}" if via == "tcp"
+               else f"unix {self.config.unix_socket}" for _, via in self.listeners]
+        if self.http is not None and self.http.sock is not None:
+            out.append(f"metrics http://{self.config.metrics_host}:"
+                       f"{self.http.sock.getsockname()[1]}/metrics")
+        return out
 
     @property
     def port(self) -> int | None:
@@ -316,22 +381,16 @@ class Daemon:
             with contextlib.suppress(NotImplementedError, RuntimeError):
                 loop.add_signal_handler(sig, self.request_stop)
         try:
-            self.open_listeners()
-            if self.config.metrics_port is not None:
-                self.http = MetricsHTTP(self, self.config.metrics_host,
-                                        self.config.metrics_port)
+            if self.http is not None:
                 await self.http.start()
         except BaseException:
-            for sock, _ in self.listeners:
-                sock.close()
+            self.close_listeners()
             await loop.run_in_executor(None, self._flush_and_close)
             raise
         self._tasks = [loop.create_task(self._accept_loop(s, via)) for s, via in self.listeners]
         self._tasks.append(loop.create_task(self._watchdog()))
-        where = [f"tcp {self.config.host}:{self.port}" if via == "tcp"
-                 else f"unix {self.config.unix_socket}" for _, via in self.listeners]
-        log.info("lmc server listening on %s; pool %d MiB, tiers %s%s", ", ".join(where),
-                 self.pool.size >> 20, [t.name for t in self.storage.tiers],
+        log.info("lmc server serving on %s; pool %s, tiers %s%s", ", ".join(self.where()),
+                 units.size(self.pool.size), ", ".join(t.name for t in self.storage.tiers),
                  ", token required" if self.auth.required else "")
         if not self.auth.required:
             log.warning("no token configured: every process that can connect (to loopback or "
@@ -380,6 +439,33 @@ class Daemon:
             log.error("flushing the storage failed: %s", e)
         self.storage.close()
         self.pool.close()
+
+
+def bind_tcp(host: str, port: int, key: str) -> socket.socket:
+    """A TCP socket bound to ``host:port``; a failure names the address and the setting."""
+    try:
+        info = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    except socket.gaierror as e:
+        raise OSError(f"{key}: cannot resolve {host!r}: {e.strerror}") from None
+    sock = socket.socket(info[0], socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(info[4])
+    except OSError as e:
+        sock.close()
+        if e.errno == errno.EADDRINUSE:
+            raise OSError(f"{key}: {host}:{port} is already in use (another lmc server?); "
+                          f"stop it or choose another {key}") from None
+        raise OSError(f"{key}: cannot bind {host}:{port}: {e.strerror or e}") from None
+    return sock
+
+
+def _sum(counts: Any) -> dict[str, int]:
+    total: dict[str, int] = {}
+    for c in counts:
+        for k, v in c.items():
+            total[k] = total.get(k, 0) + v
+    return total
 
 
 def run(config: ServerConfig) -> int:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import socket
 from typing import TYPE_CHECKING
 
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
@@ -25,10 +26,12 @@ MAX_CLIENTS = 32     # scrapers and probes; more at once are closed unanswered
 
 
 class MetricsHTTP:
-    def __init__(self, daemon: Daemon, host: str, port: int) -> None:
+    def __init__(self, daemon: Daemon, host: str, port: int,
+                 sock: socket.socket | None = None) -> None:
         self.daemon = daemon
         self.host = host
         self.want_port = port
+        self.sock = sock  # bound already (the daemon binds every port before its pre-fault)
         self.server: asyncio.base_events.Server | None = None
         self.active = 0
 
@@ -39,9 +42,13 @@ class MetricsHTTP:
         return self.server.sockets[0].getsockname()[1]
 
     async def start(self) -> None:
-        self.server = await asyncio.start_server(self._handle, self.host, self.want_port,
-                                                 limit=MAX_LINE)
-        log.info("metrics on http://%s:%s/metrics", self.host, self.port)
+        if self.sock is not None:
+            self.server = await asyncio.start_server(self._handle, sock=self.sock,
+                                                     limit=MAX_LINE)
+        else:
+            self.server = await asyncio.start_server(self._handle, self.host, self.want_port,
+                                                     limit=MAX_LINE)
+            log.info("metrics on http://%s:%s/metrics", self.host, self.port)
 
     async def stop(self) -> None:
         if self.server is not None:

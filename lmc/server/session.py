@@ -247,6 +247,7 @@ class Session:
         finally:
             self.store.settle(ns, reserved)
         self._count_put(results, h.payload_len)
+        self.daemon.activity.put(ns, len(items), results.count(P.STORED), h.payload_len)
         await self._send(h.op, h.req_id, {"results": bytes(results)})
         return True
 
@@ -323,6 +324,8 @@ class Session:
             self.store.touch(ns, ikeys[: len(items)])
             await self._send(h.op, h.req_id, {"items": items, "more": more}, bufs, total)
             M.BYTES.labels("out").inc(total)
+            # cut short by max_payload: the rest is asked again, not missed
+            self.daemon.activity.get(ns, len(items) if more else len(keys), len(bufs), total)
         finally:
             live = [o for o in objs if o is not None]
             if live:
