@@ -406,10 +406,9 @@ class Settings:
         return Layer(values, "the environment", env_vars=env_vars)
 
     @classmethod
-    def from_layers(cls: type[S], layers: Iterable[Layer], **fixed: Any) -> S:
+    def from_layers(cls: type[S], layers: Iterable[Layer]) -> S:
         """Later layers win. Every key is checked against the schema and every value parsed
-        before the object is built, so that a message can say where the bad one came from;
-        ``fixed`` are values the caller sets itself (already checked)."""
+        before the object is built, so that a message can say where the bad one came from."""
         merged: dict[str, Any] = {}
         source: dict[str, Layer] = {}
         valid = cls.field_names()
@@ -427,7 +426,7 @@ class Settings:
                 nested = getattr(e, "key", None)
                 at = layer.where(nested if nested in layer.lines else key)
                 raise ConfigError(f"{e} (in {at})", nested or key) from None
-        return cls(**{**merged, **fixed})
+        return cls(**merged)
 
     @classmethod
     def load(cls: type[S], path: str | os.PathLike | None = None,
