@@ -198,22 +198,28 @@ class ServerBackend(StorageBackend):
         return self._call("prefix_hits", lambda c: c.prefix_hits(self.namespace, keys), 0)
 
     def get(self, keys: Sequence[Key]) -> list[MemoryObj | None]:
+        """Values whose checksum (and with a secret, keyed tag) verifies; the others are
+        misses, deleted after the call (verify-or-delete, :class:`lmc.remote_tier.Rejects`)."""
         if not keys:
             return []
-        out = self._get_values(keys) if self.tags is None else self._get_tagged(keys)
+        rejects: Rejects[Key] = Rejects(f"server tier {self.url}")
+        if self.tags is None:
+            out = self._get_values(keys, rejects)
+        else:
+            out = self._get_tagged(keys, rejects)
+        self._count(corrupt=rejects.delete_with(self.delete))
         hits = sum(o is not None for o in out)
         self._count(hits=hits, misses=len(out) - hits,
                     bytes_in=sum(o.nbytes for o in out if o is not None))
         return out
 
-    def _get_tagged(self, keys: Sequence[Key]) -> list[MemoryObj | None]:
-        """Chunks with their tags (one call); only those whose tag verifies are returned,
-        the others are deleted (verify-or-delete, :class:`lmc.remote_tier.Rejects`)."""
+    def _get_tagged(self, keys: Sequence[Key], rejects: Rejects[Key]
+                    ) -> list[MemoryObj | None]:
+        """Chunks with their tags (one call); only those whose tag verifies are returned."""
         tags = self.tags
         assert tags is not None
-        got = self._get_values(interleave(keys))
+        got = self._get_values(interleave(keys), rejects)
         out: list[MemoryObj | None] = []
-        rejects: Rejects[Key] = Rejects(f"server tier {self.url}")
         for i, key in enumerate(keys):
             tag, obj = got[2 * i], got[2 * i + 1]
             if obj is not None:
@@ -221,16 +227,19 @@ class ServerBackend(StorageBackend):
             if tag is not None:
                 tag.release()
             out.append(obj)
-        self._count(corrupt=rejects.delete_with(self.delete))
         return out
 
-    def _get_values(self, keys: Sequence[Key]) -> list[MemoryObj | None]:
+    def _get_values(self, keys: Sequence[Key], rejects: Rejects[Key]
+                    ) -> list[MemoryObj | None]:
         # sizes are unknown before the answer: assume equal chunks, split by count
         parts = self._split([SPLIT_BYTES // 4] * len(keys)) if len(keys) >= 8 else [(0, len(keys))]
 
+        def corrupt(key: Key) -> None:
+            rejects.reject(key, "payload checksum mismatch", key.hex())
+
         def run(a: int, b: int) -> list[MemoryObj | None]:
             return self._call("get", lambda c: c.get(self.namespace, keys[a:b], self._allocate,
-                                                     on_corrupt=self._corrupt),
+                                                     on_corrupt=corrupt),
                               [None] * (b - a))
 
         return [o for part in self._parallel(parts, run) for o in part]
@@ -243,10 +252,6 @@ class ServerBackend(StorageBackend):
         if obj is None:
             self._count(alloc_failures=1)
         return obj
-
-    def _corrupt(self) -> None:
-        self._count(corrupt=1)
-        log.warning("server tier %s: a value failed its checksum; treated as a miss", self.url)
 
     # ------------------------------------------------------------ writes
     def put(self, keys: Sequence[Key], objs: Sequence[MemoryObj]) -> int:

@@ -255,9 +255,10 @@ class ClientConnection:
         return bytes(results), 0
 
     def get(self, ns: str, keys: Sequence[bytes], allocate: Allocate, prefix: bool = False,
-            on_corrupt: Callable[[], None] | None = None) -> list[MemoryObj | None]:
+            on_corrupt: Callable[[bytes], None] | None = None) -> list[MemoryObj | None]:
         """Values into pool objects from ``allocate`` (each holding one reference for the
-        caller), None where missing, unallocatable or corrupt. ``prefix`` stops at a miss."""
+        caller), None where missing, unallocatable or corrupt (``on_corrupt(key)`` is told,
+        so the tier can delete it). ``prefix`` stops at a miss."""
         out: list[MemoryObj | None] = [None] * len(keys)
         todo = 0
         try:
@@ -274,7 +275,7 @@ class ClientConnection:
         return out
 
     def _get_frames(self, ns: str, keys: Sequence[bytes], start: int, allocate: Allocate,
-                    prefix: bool, out: list, on_corrupt: Callable[[], None] | None
+                    prefix: bool, out: list, on_corrupt: Callable[[bytes], None] | None
                     ) -> tuple[int, bool]:
         """Pipelined GETs of ``keys[start:]``; returns (first index not answered, whether
         the server held some back for size, so another round is needed)."""
@@ -309,7 +310,7 @@ class ClientConnection:
                     out[base + i] = None
                     obj.release()
                     if on_corrupt is not None:
-                        on_corrupt()
+                        on_corrupt(keys[base + i])
             if meta.get("more") is True:
                 state.update(resume=base + len(hdrs), more=True, stop=True)
             elif prefix and len(hdrs) < b - a:
