@@ -42,7 +42,7 @@ MADV_POPULATE_WRITE = 23
 PAGE = 4096
 STEP = 64 << 20
 PREFAULTED = Gauge("lmc_pool_prefaulted_bytes",
-                   "Bytes of memory pools populated ahead of use (all pools of this process)")
+                   "Bytes of open memory pools populated ahead of use (all of this process)")
 
 _libc: Any = None
 _populate_ok: bool | None = None  # None: not tried yet; False: the kernel refused it
@@ -145,6 +145,7 @@ class Prefaulter:
         self._finished: dict[int, int] = {}  # steps populated beyond the front: start -> n
         self._mu = threading.Lock()
         self._stop = threading.Event()
+        self._stop_counted = False
         self._thread: threading.Thread | None = None
         self._keep = buf  # the memory must outlive the thread
         self._t0 = time.perf_counter()
@@ -197,6 +198,10 @@ class Prefaulter:
         t = self._thread
         if t is not None and t is not threading.current_thread():
             t.join(wait)
+        with self._mu:  # the gauge counts live pools: this one's pages go with it
+            if not self._stop_counted:
+                self._stop_counted = True
+                PREFAULTED.dec(self.front + sum(self._finished.values()))
         self.done.set()
 
     def stats(self) -> dict[str, float]:
@@ -221,8 +226,9 @@ class Prefaulter:
             if not fallback_touch or _populate_ok is not False:
                 return False
             self._keep.view(torch.uint8).reshape(-1)[start: start + n].zero_()
-        PREFAULTED.inc(n)
         with self._mu:
+            if not self._stop_counted:
+                PREFAULTED.inc(n)
             self._finished[start] = n
             front = self.front
             while front in self._finished:
