@@ -220,3 +220,32 @@ def test_tier_pool_offers_allocation_not_the_pool_internals():
     big.release()
     l1.close()
     pool.close()
+
+
+def test_a_backend_is_found_by_module_path_without_entry_points(tmp_path, monkeypatch):
+    """``register_backend_module``: a tier module found by name and by its URL scheme with
+    no package metadata at all (no entry points, no reinstall)."""
+    import sys
+    from importlib import metadata
+
+    import lmc.storage_backend as sb
+
+    mod = "lmc_test_toy_tier_mod"
+    (tmp_path / f"{mod}.py").write_text(
+        "from lmc.storage_backend import register_backend\n"
+        "from tests.core.test_storage_manager import _ToyTier\n"
+        "@register_backend('toy-mod', schemes=('toymod',))\n"
+        "class ModTier(_ToyTier):\n"
+        "    pass\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(metadata, "entry_points", lambda **_: [])
+    monkeypatch.setattr(sb, "BUILTIN_BACKENDS", dict(sb.BUILTIN_BACKENDS))
+    monkeypatch.setattr(sb, "_by_name", dict(sb._by_name))
+    monkeypatch.setattr(sb, "_by_scheme", dict(sb._by_scheme))
+    monkeypatch.delitem(sys.modules, mod, raising=False)
+    with pytest.raises(ValueError, match="unknown storage backend 'toy-mod'"):
+        sb.backend_factory("toy-mod")
+    sb.register_backend_module("toy-mod", mod)
+    cls = sb.backend_factory("toy-mod")
+    assert cls.__name__ == "ModTier" and sb.backend_factory("toymod://h") is cls
+    monkeypatch.delitem(sys.modules, mod)
