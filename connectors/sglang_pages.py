@@ -20,9 +20,11 @@ No SGLang import here: pools are read by their attributes.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
+import struct
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -96,6 +98,29 @@ def page_namespace(model_id: str, spec: KVSpec, *, page_size: int, tp_rank: int,
         "tenant": tenant,
     }
     return xxhash.xxh3_128_digest(json.dumps(doc, sort_keys=True).encode())
+
+
+def sglang_page_hashes(tokens: Sequence[int], page_size: int, prior_hash: str | None = None
+                       ) -> list[str]:
+    """SGLang's page-hash chain over ``tokens`` (its ``get_hash_str``; a partial last page
+    is hashed too, as SGLang does):
+    ``h_i = SHA-256(h_{i-1} || page i's ids as little-endian uint32)``, a page holding an id
+    above 2**32-1 being hashed as a 0xff tag and uint64 ids instead. Lets a process that has
+    the tokens (another engine, a tool) name the pages SGLang stores, without SGLang."""
+    if page_size < 1:
+        raise ValueError(f"page_size must be >= 1, got {page_size}")
+    prior = bytes.fromhex(prior_hash) if prior_hash else b""
+    out = []
+    for start in range(0, len(tokens), page_size):
+        page = [int(t) for t in tokens[start:start + page_size]]
+        if any(t < 0 for t in page):
+            raise ValueError("token ids must be non-negative")
+        wide = any(t > 0xFFFFFFFF for t in page)
+        data = (b"\xff" + struct.pack(f"<{len(page)}Q", *page) if wide
+                else struct.pack(f"<{len(page)}I", *page))
+        prior = hashlib.sha256(prior + data).digest()
+        out.append(prior.hex())
+    return out
 
 
 def page_keys(namespace: bytes, hashes: Sequence[str]) -> list[Key]:

@@ -14,6 +14,7 @@ from runner import run_script  # noqa: E402
 pytestmark = pytest.mark.integration
 
 CHECKS = (
+    "page-hash twin:",
     "storage class: concrete subclass",
     *(f"{k} {lay}: batch_set_v1" for k in ("mha", "mla")
       for lay in ("layer_first", "page_first", "page_first_direct")),

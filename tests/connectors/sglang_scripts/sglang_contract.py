@@ -149,6 +149,22 @@ def reference_chunk(host, start: int) -> torch.Tensor:
     return torch.stack(rows)
 
 
+def check_page_hash_twin() -> None:
+    """lmc's copy of SGLang's page-hash chain equals SGLang's own (its C++ extension)."""
+    from lmc.connectors.sglang_pages import sglang_page_hashes
+
+    g = torch.Generator().manual_seed(3)
+    for n, ps in ((32, 4), (37, 8), (64, 16), (3, 4)):
+        toks = torch.randint(0, 150_000, (n,), generator=g).tolist()
+        assert sglang_page_hashes(toks, ps) == get_hash_str(toks, None, page_size=ps)
+        seed = "ab" * 32
+        assert sglang_page_hashes(toks, ps, seed) == get_hash_str(toks, seed, page_size=ps)
+    wide = [1, 2, 2**33, 4, 5, 6, 7, 8]
+    assert sglang_page_hashes(wide, 4) == get_hash_str(wide, None, page_size=4)
+    passed("page-hash twin: lmc's sglang_page_hashes equals SGLang's get_hash_str (seeded, "
+           "partial tail, ids above 2**32)")
+
+
 def check_storage_class() -> None:
     assert issubclass(LMCHiCacheStorage, HiCacheStorage)
     assert not inspect.isabstract(LMCHiCacheStorage), LMCHiCacheStorage.__abstractmethods__
@@ -341,6 +357,7 @@ def check_linker_contract() -> None:
 
 
 def main() -> None:
+    check_page_hash_twin()
     check_storage_class()
     runs = {}
     base = 100
