@@ -33,7 +33,7 @@ class VllmOptions(Settings):
     lookup_timeout: float = setting(
         1.0, lambda v, k: parse_duration(v, k, minimum=0.001),
         "seconds the scheduler waits for all workers to answer a lookup; past it the request "
-        "gets 0 hits (never a hang)")
+        "gets 0 hits (never a hang)", unit="duration")
     lookup_dir: str = setting(
         "", lambda v, k: parse_opt_str(v, k) or tempfile.gettempdir(),
         "directory of the workers' lookup sockets (default: the temp directory)")

@@ -73,7 +73,8 @@ class CacheConfig(Settings):
         256, lambda v, k: parse_int(v, k, minimum=1),
         "tokens per chunk; each chunk is one content-addressed object")
     local_cpu_size: int = setting(
-        "2GiB", parse_positive_size, "bytes of the pinned/plain CPU pool that backs the L1 tier")
+        "2GiB", parse_positive_size, "bytes of the pinned/plain CPU pool that backs the L1 tier",
+        unit="size")
     save_unfull_chunk: bool = setting(
         True, parse_bool, "also key and store the last partial chunk of a prompt")
     tenant: str | None = setting(
@@ -95,13 +96,14 @@ class CacheConfig(Settings):
         "chunks lookup(pin=True) may hold pinned at once; further pins are refused")
     pin_timeout: float = setting(
         60.0, lambda v, k: parse_duration(v, k, minimum=0.001),
-        "seconds (or '500ms', '5m') a pin lives if no retrieve or unpin releases it first")
+        "seconds (or '500ms', '5m') a pin lives if no retrieve or unpin releases it first",
+        unit="duration")
     # ---- lower tiers
     local_disk: str | None = setting(
         None, parse_opt_str, "directory of the local disk tier; unset = no disk tier")
     local_disk_size: int = setting(
         "16GiB", parse_positive_size,
-        "bytes the disk tier may use; least recently used chunks go first")
+        "bytes the disk tier may use; least recently used chunks go first", unit="size")
     disk_fsync: bool = setting(
         False, parse_bool, "fsync each disk value before it becomes visible (power-loss safe)")
     remote_url: str | None = setting(
@@ -123,13 +125,13 @@ class CacheConfig(Settings):
         None, parse_opt_str, "file holding integrity_secret (instead of the value itself)")
     remote_timeout: float = setting(
         1.0, lambda v, k: parse_duration(v, k, minimum=0.001),
-        "seconds (or '500ms') any remote call may take before it counts as a miss")
+        "seconds (or '500ms') any remote call may take before it counts as a miss", unit="duration")
     remote_key_prefix: str = setting(
         "lmc", lambda v, k: parse_opt_str(v, k) or "lmc",
         "prefix of every remote key, so deployments can share a server")
     remote_ttl: float = setting(
         0, lambda v, k: parse_duration(v, k, minimum=0),
-        "seconds (or '12h') a remote value lives (0 = no expiry)")
+        "seconds (or '12h') a remote value lives (0 = no expiry)", unit="duration")
     remote_connections: int = setting(
         4, lambda v, k: parse_int(v, k, minimum=1),
         "parallel connections to the remote tier for large values")
@@ -139,7 +141,7 @@ class CacheConfig(Settings):
     write_queue_size: int = setting(
         "1GiB", parse_size,
         "bytes of chunks waiting to be written to lower tiers, per tier, at most half the pool "
-        "(a quarter under write_on_evict); beyond it writes are dropped")
+        "(a quarter under write_on_evict); beyond it writes are dropped", unit="size")
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -176,11 +176,12 @@ def parse_mapping(value: Any, key: str) -> dict[str, Any]:
 
 # --------------------------------------------------------------------- schema fields
 def setting(default: Any, parse: Parser, doc: str, *, secret: bool = False,
-            hashed: bool = True) -> Any:
+            hashed: bool = True, unit: str | None = None) -> Any:
     """A schema field. ``secret`` keeps it out of the repr (so never logged); ``hashed=False``
-    for mappings, which cannot be part of the frozen config's hash."""
+    for mappings, which cannot be part of the frozen config's hash; ``unit`` (``"size"``:
+    bytes, ``"duration"``: seconds) lets tools show the value as ``2GiB`` / ``500ms``."""
     return dataclasses.field(default=default, repr=not secret, hash=None if hashed else False,
-                             metadata={"parse": parse, "doc": doc})
+                             metadata={"parse": parse, "doc": doc, "unit": unit})
 
 
 def closest(word: str, candidates: Iterable[str]) -> str | None:

@@ -139,10 +139,10 @@ class ServerConfig(Settings):
                                             "or FILE:admin (repeatable)")
     hello_timeout: float = setting(5.0, _seconds(0.01),
                                    "seconds a new connection has to authenticate (HELLO) "
-                                   "before it is closed")
+                                   "before it is closed", unit="duration")
     # ---- storage
     size: int = setting("1GiB", parse_positive_size,
-                        "memory pool (L1) size; the daemon never exceeds it")
+                        "memory pool (L1) size; the daemon never exceeds it", unit="size")
     prefault: bool = setting(True, parse_bool, "touch the whole pool at start-up so that no "
                              "request pays for page faults")
     hugepages: bool = setting(True, parse_bool, "back the pool with transparent huge pages")
@@ -150,22 +150,26 @@ class ServerConfig(Settings):
                                    "which unreferenced chunk the memory tier evicts first")
     disk: str | None = setting(None, parse_opt_str,
                                "directory of a disk tier behind memory (persists across restarts)")
-    disk_size: int = setting("16GiB", parse_positive_size, "bytes the disk tier may use")
+    disk_size: int = setting("16GiB", parse_positive_size, "bytes the disk tier may use",
+                             unit="size")
     redis: str | None = setting(None, parse_remote_url,
-                                 "URL of a shared tier behind disk: redis://, rediss://, "
-                                 "redis+cluster://, lmc://, or any scheme a registered "
-                                 "backend claims (as an engine's remote_url)")
+                                "URL of a shared tier behind disk: redis://, rediss://, "
+                                "redis+cluster://, lmc://, or any scheme a registered "
+                                "backend claims (as an engine's remote_url)")
     cache: dict[str, Any] = setting(None, _cache,
                                     "extra CacheConfig keys for the storage (write_policy, ...)")
     # ---- tenants
     quota_default: int | None = setting(None, _opt_size,
-                                        "memory bytes each namespace may hold (null = no limit)")
+                                        "memory bytes each namespace may hold (null = no limit)",
+                                        unit="size")
     quotas: dict[str, int] = setting(None, _quotas, "per-namespace memory quotas: {ns: size}")
     max_namespaces: int = setting(4096, _pos, "namespaces tracked for quotas at once")
     # ---- bounds
-    max_meta: int = setting("1MiB", parse_positive_size, "bytes of metadata in one frame")
-    max_payload: int = setting("256MiB", parse_positive_size, "bytes of payload in one frame")
-    max_value: int = setting("256MiB", parse_positive_size, "bytes of one value")
+    max_meta: int = setting("1MiB", parse_positive_size, "bytes of metadata in one frame",
+                            unit="size")
+    max_payload: int = setting("256MiB", parse_positive_size, "bytes of payload in one frame",
+                               unit="size")
+    max_value: int = setting("256MiB", parse_positive_size, "bytes of one value", unit="size")
     max_batch: int = setting(4096, _pos, "keys or values in one request")
     max_namespace: int = setting(64, lambda v, k: min(_pos(v, k), 64),
                                  "bytes of a namespace name (at most 64)")
@@ -176,9 +180,9 @@ class ServerConfig(Settings):
         "rest of max_connections is kept for authenticated clients")
     frame_timeout: float = setting(30.0, _seconds(0.01),
                                    "seconds a half-received frame may stall before the "
-                                   "connection is dropped")
+                                   "connection is dropped", unit="duration")
     drain_timeout: float = setting(10.0, _seconds(0),
-                                   "seconds SIGTERM waits for in-flight requests")
+                                   "seconds SIGTERM waits for in-flight requests", unit="duration")
     io_threads: int = setting(2, _pos, "threads for lower-tier (disk, Redis) calls")
     # ---- operations
     metrics_host: str = setting("127.0.0.1", lambda v, k: parse_opt_str(v, k) or "127.0.0.1",

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from lmc.connectors.vllm_config import load_settings
+from lmc.connectors.vllm_config import VllmOptions, load_settings
 
 from lmc.cli import main as lmc_main
 from lmc.config import CacheConfig, load_connector_settings
@@ -304,3 +304,20 @@ def test_a_new_connector_reuses_the_extra_config_loader(tmp_path):
     f = _write(tmp_path, "toy: [1]\n")
     with pytest.raises(ConfigError, match=r"c\.yaml:1: 'toy' must be a mapping"):
         load_connector_settings({"lmc.config_file": str(f)}, "toy", _ToyOptions, "x", {})
+
+
+@pytest.mark.parametrize("schema", [CacheConfig, ServerConfig, VllmOptions],
+                         ids=lambda s: s.__name__)
+def test_units_are_declared_where_values_take_them(schema):
+    """Tools show sizes as 2GiB and durations as 500ms from the ``unit`` a field declares:
+    a field taking such a value must declare it, and a declared unit must be true."""
+    for f in dataclasses.fields(schema):
+        parse, unit = f.metadata["parse"], f.metadata["unit"]
+        results = {}
+        for text, value in (("1KiB", 1024), ("500ms", 0.5)):
+            try:
+                results[text] = parse(text, f.name) == value
+            except ValueError:
+                results[text] = False
+        assert (unit == "size") == results["1KiB"], f.name
+        assert (unit == "duration") == results["500ms"], f.name
