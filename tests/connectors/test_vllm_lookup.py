@@ -3,10 +3,6 @@ half's cache-hit sources coming from the workers' own lookup answers over real s
 
 from __future__ import annotations
 
-import os
-import time
-from pathlib import Path
-
 import pytest
 import torch
 from lmc.connectors.core import ConnectorConfig
@@ -15,19 +11,11 @@ from lmc.connectors.vllm_scheduler import SchedulerSide
 
 from lmc import CacheConfig, CacheEngine
 from lmc.lookup_service import LookupClient, LookupServer, engine_lookup
+from tests import lookup_sockets
 from tests.kvutil import make_caches, spec_for
 
 CS = 16
-
-
-@pytest.fixture
-def sock_dir() -> Path:
-    d = Path("/tmp") / f"lmc-test-{os.getpid()}-{time.monotonic_ns()}"
-    d.mkdir()
-    yield d
-    for f in d.iterdir():
-        f.unlink()
-    d.rmdir()
+sock_dir = lookup_sockets.sock_dir  # the fixture
 
 
 def test_socket_paths_are_short_and_per_rank():

@@ -11,7 +11,6 @@ import socket
 import struct
 import threading
 import time
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -26,19 +25,12 @@ from lmc.lookup_service import (
     encode_request,
     socket_path,
 )
+from tests import lookup_sockets
+from tests.lookup_sockets import send_and_expect_close
 
 CS = 16
+sock_dir = lookup_sockets.sock_dir  # the fixture
 TIERS = ("cpu", "disk")
-
-
-@pytest.fixture
-def sock_dir(tmp_path: Path) -> Path:
-    d = Path("/tmp") / f"lmc-test-{os.getpid()}-{time.monotonic_ns()}"
-    d.mkdir()
-    yield d
-    for f in d.iterdir():
-        f.unlink()
-    d.rmdir()
 
 
 def answer(hit: int, l1: int) -> LookupResult:
@@ -175,13 +167,7 @@ def test_garbage_request_closes_only_that_connection(sock_dir):
     path = str(sock_dir / "g.sock")
     server = LookupServer(path, prefix_answer(7, 7))
     try:
-        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
-            s.connect(path)
-            s.sendall(b"HTTP/1.1 GET /\r\n\r\n")
-            s.settimeout(2)
-            # closed by the server (a reset when our unread bytes were pending)
-            with contextlib.suppress(ConnectionResetError):
-                assert s.recv(16) == b""
+        send_and_expect_close(path, b"HTTP/1.1 GET /\r\n\r\n")
         client = Client([path], timeout=2)
         assert pair(client.lookup([1] * 10)) == (7, 7)
         client.close()
@@ -295,13 +281,8 @@ def test_an_old_client_request_is_refused_clearly(sock_dir, caplog):
     path = str(sock_dir / "new.sock")
     server = LookupServer(path, prefix_answer(7, 7))
     try:
-        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s, \
-                caplog.at_level(logging.WARNING, logger="lmc.lookup_service"):
-            s.connect(path)
-            s.sendall(struct.pack("<4sI", b"LMCQ", 1) + b"\0\0\0\0")
-            s.settimeout(2)
-            with contextlib.suppress(ConnectionResetError):
-                assert s.recv(16) == b""
+        with caplog.at_level(logging.WARNING, logger="lmc.lookup_service"):
+            send_and_expect_close(path, struct.pack("<4sI", b"LMCQ", 1) + b"\0\0\0\0")
         assert server.errors == 1 and "version 1" in caplog.text
     finally:
         server.close()
@@ -311,12 +292,7 @@ def test_a_request_over_the_limit_is_refused_by_the_server(sock_dir):
     path = str(sock_dir / "big.sock")
     server = LookupServer(path, prefix_answer(7, 7))
     try:
-        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
-            s.connect(path)
-            s.sendall(struct.pack("<4sI", b"LMQ2", (1 << 24) + 1))
-            s.settimeout(2)
-            with contextlib.suppress(ConnectionResetError):
-                assert s.recv(16) == b""  # closed without allocating 64 MiB
+        send_and_expect_close(path, struct.pack("<4sI", b"LMQ2", (1 << 24) + 1))  # no 64 MiB
         assert server.errors == 1
     finally:
         server.close()
