@@ -382,6 +382,8 @@ class DiskBackend(StorageBackend):
 
     # ------------------------------------------------------------------ reads
     def contains(self, keys: Sequence[Key]) -> list[bool]:
+        if self._closed:  # its index may describe files the next tier on this directory owns
+            return [False] * len(keys)
         idx = self._index
         return [k in idx for k in keys]
 
@@ -686,6 +688,8 @@ class DiskBackend(StorageBackend):
         gone: list[str] = []
         n = dying = 0
         with self._lock:
+            if self._closed:  # the directory is no longer ours: a closed tier deletes nothing
+                return 0
             for k in keys:
                 e = self._index.pop(k, None)
                 if e is None:

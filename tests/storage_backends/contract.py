@@ -417,6 +417,7 @@ class TierContract:
         settings = tier_spec.reopen(first)
         first.close()
         second = make_tier(fresh_pool=True, **settings)
+        assert first.delete(keys[:1]) == 0, "a closed tier deleted from the store"
         assert second.contains(keys) == [True, True, True, False]
         got = second.get(keys)
         try:
@@ -681,6 +682,11 @@ class TierContract:
         assert not errors, "\n".join(errors)
         assert took < spec.deadline + 10, f"close() took {took:.1f} s"
         tier.close()  # again: a no-op
+        # a closed tier answers misses and changes nothing (its directory or namespace may
+        # already belong to the next tier)
+        assert tier.contains(keys) == [False] * len(keys), "contains() after close()"
+        assert tier.prefix_hits(keys) == 0 and tier.get(keys) == [None] * len(keys)
+        assert tier.delete(keys) == 0, "delete() after close()"
         return calls[0]
 
     # ------------------------------------------------------------------ faults
