@@ -24,7 +24,7 @@ def _config(args: argparse.Namespace) -> int:
         return 0
     try:
         cfg = CacheConfig.load(args.config)
-        cfg.check_backend_options()
+        cfg.preflight()
     except (ValueError, OSError) as e:
         print(f"lmc config: {e}", file=sys.stderr)
         return 2

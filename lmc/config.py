@@ -149,18 +149,21 @@ class CacheConfig(Settings):
             raise ConfigError("remote_options: given, but there is no remote_url whose backend "
                               "would take them")
 
-    def check_backend_options(self) -> None:
-        """Check ``remote_options`` against what the remote backend's constructor takes (what
-        the tier builder will check at start-up), for ``lmc config``: it imports the backend
-        and the tier builder, which a plain config object should not need."""
-        if not (self.remote_url and self.remote_options):
-            return
-        from lmc.storage_backend import backend_factory
-        from lmc.tier_build import backend_options
+    def preflight(self) -> None:
+        """What start-up would check beyond the schema, for ``lmc config``: ``remote_options``
+        against the remote backend's constructor (as the tier builder does) and the integrity
+        secret (read from its file, long enough). Separate from construction because it
+        imports the backend and reads files, which a config object alone should not need."""
+        from lmc.integrity import Integrity
 
         try:
-            backend_options(backend_factory(self.remote_url), self.remote_options,
-                            "remote_options")
+            Integrity.from_config(self)
+            if self.remote_url and self.remote_options:
+                from lmc.storage_backend import backend_factory
+                from lmc.tier_build import backend_options
+
+                backend_options(backend_factory(self.remote_url), self.remote_options,
+                                "remote_options")
         except ValueError as e:
             raise ConfigError(str(e)) from None
 

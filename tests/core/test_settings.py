@@ -261,6 +261,9 @@ def test_engine_keys_never_collide_with_another_namespace():
     ("remote_url: redis://h:1\nremote_options: [a]\n", "remote_options: expected a mapping"),
     ("remote_url: redis://h:1\nremote_options: {get_peice: 4}\n",
      "remote_options: RedisBackend has no option 'get_peice'; did you mean 'get_piece'"),
+    ("integrity_secret: short\n", "integrity_secret: at least 16 bytes"),
+    ("integrity_secret_file: /nonexistent/lmc.key\n", "integrity_secret_file .*cannot read"),
+    ("integrity_secret: 0123456789abcdef0\nintegrity_secret_file: /x\n", "not both"),
 ])
 def test_lmc_config_refuses_what_would_fail_later(tmp_path, capsys, text, needle):
     f = _write(tmp_path, text)
