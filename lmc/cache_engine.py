@@ -265,8 +265,12 @@ class CacheEngine:
         chunks = self.db.process_tokens(tokens, mask, keys)
         objs, where = (self.storage.fetch_prefix([k for _, _, k in chunks]) if chunks
                        else ([], []))
+        want: dict[int, tuple[int, ...]] = {}  # chunk_shape per length: a few calls each
         for i, (o, (s, e, _)) in enumerate(zip(objs, chunks)):
-            if o.shape != self.spec.chunk_shape(e - s) or o.dtype != self.spec.dtype:
+            shape = want.get(e - s)
+            if shape is None:
+                shape = want[e - s] = self.spec.chunk_shape(e - s)
+            if o.shape != shape or o.dtype != self.spec.dtype:
                 log.error("chunk %d holds %s %s, expected %s %s: treated as a miss", i, o.shape,
                           o.dtype, self.spec.chunk_shape(e - s), self.spec.dtype)
                 for bad in objs[i:]:
