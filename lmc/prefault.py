@@ -24,10 +24,12 @@ stats, and the process-wide Prometheus gauge ``lmc_pool_prefaulted_bytes``.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import errno
 import logging
+import os
 import threading
 import time
 import weakref
@@ -265,7 +267,13 @@ class Prefaulter:
 
 def _background(ref: weakref.ref[Prefaulter]) -> None:
     """Thread body holding only a weak reference between steps: a pool garbage-collected
-    without ``close()`` stops its pre-fault instead of being kept alive by it."""
+    without ``close()`` stops its pre-fault instead of being kept alive by it. The thread runs
+    at a lower priority (nice +5: about a third of a busy core), so an engine loading its
+    model meanwhile is hardly slowed;
+    a store that needs pages sooner populates them in its own thread (``ensure``)."""
+    with contextlib.suppress(AttributeError, OSError):  # yield the CPU to the engine's work
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + 5))
     while True:
         p = ref()
         if p is None:
