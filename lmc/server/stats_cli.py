@@ -1,8 +1,12 @@
 """``lmc stats``: what a running cache server holds and has done (its STATS answer).
 
-For operators: one command to see occupancy, hit counts and per-tier figures of a daemon
-without scraping Prometheus. The token comes from ``--token-file`` or ``LMC_REMOTE_TOKEN``
-(never a flag value, which ``ps`` would show).
+For operators: one command to see occupancy, hit rates and per-tier figures of a daemon
+without scraping Prometheus, in sections like ``redis-cli INFO`` (Server, Memory, Requests,
+Tiers, Namespaces). Sizes and durations are in human units, every hit rate comes with its
+denominator (hits/asked), and rates are per second since the daemon started, or over the
+last interval with ``--watch``. ``--json`` prints the raw answer for scripts. The token
+comes from ``--token-file`` or ``LMC_REMOTE_TOKEN`` (never a flag value, which ``ps`` would
+show).
 """
 
 from __future__ import annotations
@@ -11,59 +15,179 @@ import argparse
 import json
 import os
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
+from lmc import units
 from lmc.server.client import Address, ClientConnection, ServerError
 
 
-def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for k, v in d.items():
-        key = f"{prefix}{k}"
-        if isinstance(v, dict):
-            out.update(_flatten(v, f"{key}."))
-        else:
-            out[key] = v
+def fetch(url: str, token: str | None, timeout: float) -> dict[str, Any]:
+    """One STATS answer; a connection or protocol failure raises :class:`StatsError`."""
+    try:
+        conn = ClientConnection(Address.parse(url), token, timeout, "lmc-stats")
+    except ServerError as e:  # reached, but turned away (a missing or wrong token)
+        raise StatsError(f"{url} rejected the connection: {e}") from None
+    except (OSError, ValueError) as e:
+        raise StatsError(f"cannot reach {url}: {e}") from None
+    try:
+        return conn.stats()
+    except Exception as e:  # auth failure, protocol error, timeout: say which
+        raise StatsError(f"{url} did not answer STATS: {type(e).__name__}: {e}") from None
+    finally:
+        conn.close()
+
+
+class StatsError(Exception):
+    pass
+
+
+# ------------------------------------------------------------------------------ sections
+def _tiers(flat: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """``{"cpu.used": 1, "disk.get_hits": 2}`` -> ``{"cpu": {"used": 1}, "disk": {...}}``."""
+    out: dict[str, dict[str, Any]] = {}
+    for k, v in flat.items():
+        tier, _, name = k.partition(".")
+        out.setdefault(tier, {})[name] = v
     return out
+
+
+def _rate(now: dict[str, Any], before: dict[str, Any] | None, key: str, seconds: float,
+          fmt=units.rate) -> str:
+    """Per second over the last interval (``--watch``), else since the daemon started."""
+    base = (before or {}).get(key, 0)
+    return fmt(max(0.0, (now.get(key, 0) - base)) / max(seconds, 1e-9))
+
+
+def _per_s(x: float) -> str:
+    return f"{x:,.1f}/s" if x >= 10 or x == 0 else f"{x:.3g}/s"
+
+
+def format_info(stats: dict[str, Any], before: dict[str, Any] | None = None,
+                interval: float | None = None) -> str:
+    """``redis-cli INFO``-style sections: ``# Section`` then ``key: value`` lines, sizes and
+    durations in human units, every hit rate with its denominator. With ``before`` (the
+    previous answer) rates are over ``interval`` seconds, else since the daemon started."""
+    srv, pool = stats.get("server", {}), stats.get("pool", {})
+    req = stats.get("requests", {})
+    prev_req = (before or {}).get("requests") if before else None
+    span = interval if before is not None and interval else srv.get("uptime_s", 0)
+    over = f"last {units.seconds(span)}" if before is not None else "since start"
+    lines = ["# Server",
+             f"uptime: {units.seconds(srv.get('uptime_s', 0))}",
+             f"connections: {srv.get('connections', 0)} "
+             f"({srv.get('unauthenticated', 0)} not yet authenticated)",
+             f"draining: {'yes' if srv.get('draining') else 'no'}",
+             "", "# Memory",
+             f"used: {units.size(pool.get('used', 0))} of {units.size(pool.get('capacity', 0))}"
+             f" ({units.ratio(pool.get('used', 0), pool.get('capacity', 0)).split(' ')[0]})",
+             f"objects: {pool.get('objects', 0):,}",
+             f"fragmentation: {100 * pool.get('fragmentation', 0):.1f}%"]
+    if "prefaulted" in pool:
+        lines.append(f"pre-faulted: {units.size(pool['prefaulted'])} in "
+                     f"{units.seconds(pool.get('prefault_seconds', 0))}")
+    lines.append(f"leaks: {pool.get('leaks', 0)}")
+    lines += ["", f"# Requests ({over})",
+              f"puts: {req.get('puts', 0):,} ({req.get('stored', 0):,} of "
+              f"{req.get('put_values', 0):,} values stored), "
+              f"{_rate(req, prev_req, 'puts', span, _per_s)}",
+              f"gets: {req.get('gets', 0):,}, {_rate(req, prev_req, 'gets', span, _per_s)}",
+              f"hit rate: {units.ratio(req.get('hits', 0), req.get('get_keys', 0))} keys",
+              f"in: {units.size(req.get('bytes_in', 0))}, "
+              f"{_rate(req, prev_req, 'bytes_in', span)}",
+              f"out: {units.size(req.get('bytes_out', 0))}, "
+              f"{_rate(req, prev_req, 'bytes_out', span)}"]
+    tiers = _tiers({k: v for k, v in stats.get("tiers", {}).items()
+                    if not k.startswith("namespaces.")})
+    memory = next(iter(tiers), None)  # STATS lists the memory tier (L1) first
+    lower_hits = sum(t.get("get_hits", 0) for name, t in tiers.items() if name != memory)
+    lines += ["", "# Tiers"]
+    for name, t in tiers.items():
+        used = t.get("used", t.get("used_bytes", 0))
+        held = (f"{t.get('chunks', 0):,} chunks, {units.size(used)} of "
+                f"{units.size(t['capacity'])}; " if "capacity" in t else "")
+        if name == memory:  # what GETs found without a lower tier
+            hits = max(0, req.get("hits", 0) - lower_hits)
+            lines.append(f"{name}: {held}hits {units.ratio(hits, req.get('get_keys', 0))} keys"
+                         f"; evicted {t.get('evictions', 0):,} "
+                         f"({units.size(t.get('evicted_bytes', 0))})")
+            continue
+        asked = t.get("get_hits", 0) + t.get("get_misses", 0)
+        extra = [f"{k} {int(v):,}" for k, v in sorted(t.items())
+                 if (k.startswith(("errors_", "dropped_")) or k == "checksum_failures") and v]
+        lines.append(f"{name}: {held}hits {units.ratio(t.get('get_hits', 0), asked)} reads; "
+                     f"read {units.size(t.get('read_bytes', 0))}, written "
+                     f"{units.size(t.get('write_bytes', 0))}, queued "
+                     f"{units.size(t.get('queue_bytes', 0))}"
+                     + ("; " + ", ".join(extra) if extra else ""))
+    names = stats.get("namespaces", {})
+    lines += ["", f"# Namespaces ({len(names)})"]
+    for ns, c in sorted(names.items()):
+        held = (f"{c['chunks']:,} chunks, {units.size(c.get('bytes', 0))} in memory"
+                + (f" of quota {units.size(c['quota'])}" if c.get("quota") else "") + "; "
+                if "chunks" in c else "")
+        lines.append(f"{ns}: {held}puts {c.get('puts', 0):,}, gets {c.get('gets', 0):,}, "
+                     f"hit rate {units.ratio(c.get('hits', 0), c.get('get_keys', 0))} keys")
+    return "\n".join(lines)
 
 
 def _main(args: argparse.Namespace) -> int:
     token = os.environ.get("LMC_REMOTE_TOKEN")
     if args.token_file:
-        token = Path(args.token_file).read_text().strip()
+        try:
+            token = Path(args.token_file).read_text().strip()
+        except OSError as e:
+            print(f"lmc stats: --token-file: {e.strerror}: {args.token_file}", file=sys.stderr)
+            return 2
+    before: dict[str, Any] | None = None
+    while True:
+        t0 = time.monotonic()
+        try:
+            stats = fetch(args.url, token, args.timeout)
+        except StatsError as e:
+            print(f"lmc stats: {e}", file=sys.stderr)
+            return 2
+        if args.json:
+            print(json.dumps(stats, indent=2, sort_keys=True, default=str), flush=True)
+        else:
+            if args.watch and sys.stdout.isatty():
+                print("\x1b[H\x1b[2J", end="")  # clear the screen: one screenful per sample
+            if args.watch:
+                print(f"# {args.url} at {time.strftime('%H:%M:%S')}")
+            print(format_info(stats, before, args.watch), flush=True)
+        if not args.watch:
+            return 0
+        before = stats
+        time.sleep(max(0.0, args.watch - (time.monotonic() - t0)))
+        if not args.json and not sys.stdout.isatty():
+            print()
+
+
+def _positive_seconds(text: str) -> float:
     try:
-        conn = ClientConnection(Address.parse(args.url), token, args.timeout, "lmc-stats")
-    except ServerError as e:  # reached, but turned away (a missing or wrong token)
-        print(f"lmc stats: {args.url} rejected the connection: {e}", file=sys.stderr)
-        return 2
-    except (OSError, ValueError) as e:
-        print(f"lmc stats: cannot reach {args.url}: {e}", file=sys.stderr)
-        return 2
-    try:
-        stats = conn.stats()
-    except Exception as e:  # auth failure, protocol error, timeout: say which
-        print(f"lmc stats: {args.url} did not answer STATS: {type(e).__name__}: {e}",
-              file=sys.stderr)
-        return 2
-    finally:
-        conn.close()
-    if args.json:
-        print(json.dumps(stats, indent=2, sort_keys=True, default=str))
-    else:
-        flat = _flatten(stats)
-        width = max((len(k) for k in flat), default=0)
-        for k in sorted(flat):
-            print(f"{k:<{width}}  {flat[k]}")
-    return 0
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seconds, got {text!r}") from None
+    if not v > 0:
+        raise argparse.ArgumentTypeError(f"expected seconds > 0, got {text}")
+    return v
 
 
 def register_cli(subparsers: Any) -> None:
-    p = subparsers.add_parser("stats", help="print a running lmc server's statistics",
-                              description=__doc__)
-    p.add_argument("--url", default="lmc://127.0.0.1:7451",
+    from lmc.cli import add_command
+
+    p = add_command(subparsers, "stats", "print a running lmc server's statistics", __doc__)
+    p.add_argument("--url", default="lmc://127.0.0.1:7451", metavar="URL",
                    help="lmc://host:port or lmc+unix:///path (default %(default)s)")
-    p.add_argument("--token-file", help="file holding the shared token (else LMC_REMOTE_TOKEN)")
-    p.add_argument("--timeout", type=float, default=5.0, help="seconds (default %(default)s)")
-    p.add_argument("--json", action="store_true", help="print the raw answer as JSON")
+    p.add_argument("--token-file", metavar="FILE",
+                   help="file holding the token (else LMC_REMOTE_TOKEN)")
+    p.add_argument("--timeout", type=_positive_seconds, default=5.0, metavar="SECONDS",
+                   help="for the connection and the answer (default %(default)s)")
+    p.add_argument("--json", action="store_true",
+                   help="print the raw answer as JSON (bytes and seconds as numbers)")
+    p.add_argument("--watch", type=_positive_seconds, nargs="?", const=2.0, default=None,
+                   metavar="SECONDS",
+                   help="print again every SECONDS (default 2), rates over the last interval; "
+                        "Ctrl-C stops")
     p.set_defaults(func=_main)
