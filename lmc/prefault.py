@@ -269,8 +269,8 @@ def _background(ref: weakref.ref[Prefaulter]) -> None:
     """Thread body holding only a weak reference between steps: a pool garbage-collected
     without ``close()`` stops its pre-fault instead of being kept alive by it. The thread runs
     at a lower priority (nice +5: about a third of a busy core), so an engine loading its
-    model meanwhile is hardly slowed;
-    a store that needs pages sooner populates them in its own thread (``ensure``)."""
+    model meanwhile is hardly slowed; a store that needs pages sooner populates them in its
+    own thread (``ensure``)."""
     with contextlib.suppress(AttributeError, OSError):  # yield the CPU to the engine's work
         tid = threading.get_native_id()
         os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + 5))
