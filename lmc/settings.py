@@ -365,6 +365,12 @@ class Settings:
     WHAT: ClassVar[str] = "config"
     OVERRIDES: ClassVar[str] = "overrides"
 
+    def __new__(cls, *args: Any, **kwargs: Any) -> Any:
+        # an unknown keyword would otherwise be the dataclass's raw TypeError
+        # ("__init__() got an unexpected keyword argument"), with no hint
+        check_known_keys(kwargs, cls.field_names(), f"{cls.__name__}()", cls.WHAT)
+        return super().__new__(cls)
+
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):  # type: ignore[arg-type]
             object.__setattr__(self, f.name, f.metadata["parse"](getattr(self, f.name), f.name))

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import pickle
 import re
 from collections.abc import Callable
 from pathlib import Path
@@ -324,3 +325,16 @@ def test_units_are_declared_where_values_take_them(schema):
                 results[text] = False
         assert (unit == "size") == results["1KiB"], f.name
         assert (unit == "duration") == results["500ms"], f.name
+
+
+def test_constructing_with_an_unknown_keyword_names_the_closest():
+    """Not the dataclass's raw ``__init__() got an unexpected keyword argument``."""
+    with pytest.raises(ConfigError, match=r"unknown config key 'chunk_sise' in CacheConfig\(\); "
+                                          r"did you mean 'chunk_size'\?"):
+        CacheConfig(chunk_sise=3)
+    with pytest.raises(ConfigError, match=r"'sise' in ServerConfig\(\); did you mean 'size'"):
+        ServerConfig(sise="1GiB")
+    with pytest.raises(ConfigError, match=r"'chunk_sise' in replace\(\)"):
+        CacheConfig().replace(chunk_sise=3)
+    cfg = CacheConfig(remote_url="redis://h:1", remote_options={"get_piece": 4096})
+    assert pickle.loads(pickle.dumps(cfg)) == cfg  # engines ship configs to worker processes
