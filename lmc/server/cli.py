@@ -1,6 +1,13 @@
-"""``lmc server``: every config key is also a flag (``--unix-socket``, ``--metrics-port``...),
-generated from the schema so that a new key can never lack one. Flags win over
-``LMC_SERVER_<KEY>`` variables, which win over the YAML file."""
+"""Run the node-wide KV cache server: the engines of a host share it as their remote tier.
+
+Every setting is a flag, an LMC_SERVER_<KEY> environment variable and a key of the YAML file
+given with --config (configs/server/server.yaml lists them all with their defaults); flags
+win over variables, which win over the file. Sizes take 512MB, 4GiB or bytes; booleans
+true/false. It binds its ports first, then builds (and pre-faults) its memory pool, then
+serves until SIGTERM or Ctrl-C, when it drains in-flight requests and flushes its disk tier.
+"""
+
+# Why the flags are generated from ServerConfig's schema: a new key can never lack one.
 
 from __future__ import annotations
 
@@ -18,15 +25,46 @@ _LISTS = {"tokens": ("--tokens", "FILE:NS[,NS...]",
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--config", help="YAML file of server keys (configs/server/server.yaml)")
+    p.add_argument("--config", metavar="FILE",
+                   help="YAML file of server keys (configs/server/server.yaml)")
     for key, default, doc in ServerConfig.describe():
         if key in _MAPPINGS or key in _LISTS:
             flag, metavar, help_ = _MAPPINGS.get(key) or _LISTS[key]
             p.add_argument(flag, dest=key, action="append", metavar=metavar, help=help_)
             continue
-        shown = "" if default is None else f" (default {default!r})"
-        p.add_argument(f"--{key.replace('_', '-')}", dest=key, metavar="VALUE",
+        shown = "" if default is None else f" (default {_shown(default)})"
+        p.add_argument(f"--{key.replace('_', '-')}", dest=key, metavar=metavar_for(key, default,
+                                                                                  doc),
                        help=f"{doc}{shown}")
+
+
+_METAVARS = {"host": "ADDR", "metrics_host": "ADDR", "unix_socket": "PATH", "disk": "DIR",
+             "token": "TOKEN", "redis": "URL", "unix_socket_mode": "MODE",
+             "log_level": "{DEBUG,INFO,WARNING,ERROR}", "eviction_policy": "{lru,fifo}"}
+
+
+def metavar_for(key: str, default: Any, doc: str) -> str:
+    """What a flag's value looks like: named for the key's kind, never a bare VALUE."""
+    if key in _METAVARS:
+        return _METAVARS[key]
+    if isinstance(default, bool):
+        return "{true,false}"
+    if key == "port" or key.endswith("_port"):
+        return "PORT"
+    if key.endswith(("_file", "_dir")):
+        return "PATH"
+    if doc.startswith("seconds"):
+        return "SECONDS"
+    if key == "size" or key.endswith("_size") or key.startswith(("max_meta", "max_payload",
+                                                                  "max_value", "quota")):
+        return "SIZE"
+    if isinstance(default, int) or key.startswith("max_") or key.endswith("_threads"):
+        return "N"
+    return key.upper()
+
+
+def _shown(default: Any) -> str:
+    return str(default).lower() if isinstance(default, bool) else str(default)
 
 
 def _pairs(items: list[str], flag: str) -> dict[str, Any]:
@@ -61,8 +99,9 @@ def _main(args: argparse.Namespace) -> int:
 
 
 def register_cli(subparsers: Any) -> None:
-    p = subparsers.add_parser("server", help="run the node-wide KV cache server daemon",
-                              description=__doc__)
+    from lmc.cli import add_command
+
+    p = add_command(subparsers, "server", "run the node-wide KV cache server daemon", __doc__)
     add_arguments(p)
     p.set_defaults(func=_main)
 
