@@ -234,8 +234,8 @@ def _key_lines(node: yaml.Node, path: str, lines: dict[str, int], file: str) -> 
     if not isinstance(node, yaml.MappingNode):
         return
     for key_node, value_node in node.value:
-        if not isinstance(key_node, yaml.ScalarNode):
-            continue
+        if not isinstance(key_node, yaml.ScalarNode) or key_node.tag.endswith(":merge"):
+            continue  # a complex key, or a ``<<: *anchor`` merge (its keys may be overridden)
         name = f"{path}{key_node.value}"
         line = key_node.start_mark.line + 1
         if name in lines:
@@ -257,8 +257,11 @@ def read_yaml(path: str | os.PathLike, what: str = "config") -> YamlFile:
     except OSError as e:
         raise ConfigError(f"{name}: cannot read the {what} file: {e.strerror or e}") from None
     loader = yaml.SafeLoader(text)
+    lines: dict[str, int] = {}
     try:
         node = loader.get_single_node()
+        if node is not None:  # lines before constructing, which flattens ``<<`` merges
+            _key_lines(node, "", lines, name)
         data = loader.construct_document(node) if node is not None else None
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
@@ -274,8 +277,6 @@ def read_yaml(path: str | os.PathLike, what: str = "config") -> YamlFile:
     if not isinstance(data, dict):
         raise ConfigError(f"{name}: top level must be a mapping of {what} keys "
                           f"(key: value lines), got a {type(data).__name__}")
-    lines: dict[str, int] = {}
-    _key_lines(node, "", lines, name)
     return YamlFile(name, data, lines)
 
 

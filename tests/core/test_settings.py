@@ -338,3 +338,12 @@ def test_constructing_with_an_unknown_keyword_names_the_closest():
         CacheConfig().replace(chunk_sise=3)
     cfg = CacheConfig(remote_url="redis://h:1", remote_options={"get_piece": 4096})
     assert pickle.loads(pickle.dumps(cfg)) == cfg  # engines ship configs to worker processes
+
+
+def test_yaml_anchors_and_merges_are_not_duplicates(tmp_path):
+    f = _write(tmp_path, "vllm: &opts\n  lookup_timeout: 2\n  layerwise: false\n"
+                         "chunk_size: 128\n")
+    assert load_settings({"lmc.config_file": str(f)}, environ={}).vllm.layerwise is False
+    f = _write(tmp_path, "toy:\n  <<: {page_size: 8}\n  page_size: 32\n")
+    _, opts = load_connector_settings({"lmc.config_file": str(f)}, "toy", _ToyOptions, "x", {})
+    assert opts.page_size == 32  # an explicit key overrides the merged one, as YAML says
