@@ -16,7 +16,7 @@ import torch
 from lmc.config import CacheConfig
 from lmc.memory import MemoryPool
 from lmc.server.config import ServerConfig
-from lmc.server.daemon import Daemon
+from lmc.server.daemon import Daemon, build_storage
 from lmc.storage_backend import create_backend
 
 from .daemon_proc import free_port
@@ -74,3 +74,40 @@ def test_a_value_damaged_in_the_daemon_is_a_miss_and_is_deleted():
         pool.close()
     assert not thread.is_alive()
     assert pool.leaks == []
+
+
+def test_the_daemon_takes_any_lower_tier_an_engine_takes(tmp_path):
+    """The daemon builds its tiers with the engine's builder (``lmc.tier_build``): another
+    daemon (``lmc://``) behind it is a lower tier like Redis, with its backend options."""
+    from lmc.storage_backends.server import ServerBackend
+
+    port = free_port()
+    below = Daemon(ServerConfig(port=port, size="8MiB", prefault=False, hugepages=False))
+    thread, loops = _serve(below)
+    assert loops, "the daemon's loop did not start"
+    try:
+        cfg = ServerConfig(port=free_port(), size="8MiB", prefault=False, hugepages=False,
+                           disk=str(tmp_path / "d"), disk_size="1MiB",
+                           redis=f"lmc://127.0.0.1:{port}",
+                           cache={"remote_options": {"client_name": "chained-daemon"}})
+        pool, storage = build_storage(cfg)
+        try:
+            assert [t.name for t in storage.tiers] == ["cpu", "disk", "server"]
+            remote = storage.tiers[2]
+            assert isinstance(remote, ServerBackend)
+            assert remote._client_name == "chained-daemon"
+            key = b"c" * 16
+            o = storage.allocate((1, 2, 16, 64), torch.float16, 16)
+            o.tensor.fill_(3.0)
+            storage.put([key], [o])
+            o.release()
+            assert storage.flush(10)
+            assert remote.contains([key]) == [True]  # written down to the daemon below
+        finally:
+            storage.close()
+            pool.close()
+        assert pool.leaks == []
+    finally:
+        loops[0].call_soon_threadsafe(below.request_stop)
+        thread.join(30)
+    assert not thread.is_alive()
