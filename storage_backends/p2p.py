@@ -132,7 +132,10 @@ class P2PBackend(StorageBackend):
                 if o.pool is not self.raw:
                     raise ValueError(f"put of {o!r}: it belongs to another memory pool than "
                                      "this tier's (only pool memory is registered with NIXL)")
-                if k in self._exports:
+                held = self._exports.get(k)
+                if held is not None:  # stored again: it stays exported for another ttl
+                    held.at = now
+                    self._exports.move_to_end(k)
                     continue
                 if not self._free_slots:
                     gone += self._drop_oldest()
@@ -148,9 +151,8 @@ class P2PBackend(StorageBackend):
                                     tuple(o.shape), o.num_tokens))  # type: ignore[arg-type]
                 while self._exported_bytes > self.export_bytes and self._exports:
                     gone += self._drop_oldest()
-            live = {k for k, _ in gone}
-            fresh = [r for r in fresh if r.key in self._exports and r.key not in live]
             self.counts["exported"] += len(fresh)
+            fresh = [r for r in fresh if r.key in self._exports]  # not already pushed out
         self._finish_withdraw(gone)
         if fresh:
             self._advertise(fresh)
@@ -284,12 +286,13 @@ class P2PBackend(StorageBackend):
         if todo:
             got = self._ask(lambda c: c.locate([keys[i] for i in todo], self.agent.name),
                             [None] * len(todo))
-            if len(self._located) > 1 << 16:
-                self._located.clear()
-            for i, g in zip(todo, got):
-                out[i] = g
-                if g is not None:
-                    self._located[keys[i]] = (now, g[0], g[1])
+            with self._query_lock:
+                if len(self._located) > 1 << 16:
+                    self._located.clear()
+                for i, g in zip(todo, got):
+                    out[i] = g
+                    if g is not None:
+                        self._located[keys[i]] = (now, g[0], g[1])
         return out
 
     def contains(self, keys: Sequence[Key]) -> list[bool]:
@@ -377,8 +380,9 @@ class P2PBackend(StorageBackend):
                 o.release()
 
     def _forget_located(self, agent: str) -> None:
-        for k in [k for k, v in self._located.items() if v[1] == agent]:
-            self._located.pop(k, None)
+        with self._query_lock:  # engine threads may be filling it meanwhile
+            for k in [k for k, v in self._located.items() if v[1] == agent]:
+                self._located.pop(k, None)
 
     # ------------------------------------------------------------ lifecycle
     def close(self) -> None:

@@ -1,0 +1,69 @@
+"""Child process for ``test_p2p_exports``: one P2P tier over a bare pool, its exports pushed
+past their byte bound and left to expire; prints one JSON line of what it saw, then ends with
+``os._exit`` (a NIXL agent crashes its process at interpreter exit).
+
+``python -m tests.p2p.owner_bounds DIRECTORY_URL``"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+import torch
+from lmc.storage_backends.p2p import P2PBackend, directory_url
+
+from lmc.config import CacheConfig
+from lmc.memory import MemoryPool
+from lmc.p2p.directory_client import DirectoryConnection
+from lmc.server.client import Address
+
+SHAPE, CHUNK = (2, 2, 16, 64), 2 * 2 * 16 * 64 * 2  # 8 KiB of bf16
+TTL = 1.0
+
+
+def main(url: str) -> dict:
+    cfg = CacheConfig(remote_timeout=5.0, pin_memory="false")
+    pool = MemoryPool(1 << 20, pin_memory="false")
+    tier = P2PBackend(url, config=cfg, pool=pool, export_bytes=4 * CHUNK, export_ttl=TTL)
+    probe = DirectoryConnection(Address.parse(directory_url(url, cfg)), tier.namespace, None,
+                                5.0, "probe")
+    out: dict = {}
+    keys = [i.to_bytes(16, "little") for i in range(6)]
+    objs = pool.allocate_many(SHAPE, torch.bfloat16, 6, 16)
+    slots_before = tier.agent.versions.clone()
+    tier.put(keys, objs)
+    out["refs"] = [o.ref_count for o in objs]  # ours + the tier's on the 4 newest
+    out["exported"] = tier.exported(keys)
+    out["located"] = [g is not None for g in probe.locate(keys, "probe")]
+    out["live_slots"] = int((tier.agent.versions != 0).sum())
+    out["slots_were_clear"] = bool((slots_before == 0).all())
+    time.sleep(TTL * 0.6)
+    tier.put(keys[5:], objs[5:])  # stored again: its clock restarts
+    refreshed = time.monotonic()
+    time.sleep(TTL * 0.6)  # the others expire (swept by the timer: no call on the tier)
+    out["after_ttl"] = tier.exported(keys)
+    while any(tier.exported(keys)) and time.monotonic() - refreshed < 10 * TTL:
+        time.sleep(0.02)  # and then the refreshed one
+    out["swept"] = tier.exported(keys)
+    out["swept_after"] = time.monotonic() - refreshed
+    out["refs_after"] = [o.ref_count for o in objs]
+    out["live_slots_after"] = int((tier.agent.versions != 0).sum())
+    for _ in range(50):
+        out["located_after"] = [g is not None for g in probe.locate(keys, "probe")]
+        if not any(out["located_after"]):
+            break
+        time.sleep(0.02)
+    out["stats"] = {k: tier.stats()[k] for k in ("exported", "withdrawn", "expired")}
+    pool.release_many(objs)
+    probe.close()
+    tier.close()
+    pool.close()
+    out["leaks"] = pool.leaks
+    return out
+
+
+if __name__ == "__main__":
+    print("@lmc " + json.dumps(main(sys.argv[1])), flush=True)
+    os._exit(0)
