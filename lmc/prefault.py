@@ -158,18 +158,19 @@ class Prefaulter:
     def ensure(self, offset: int, nbytes: int) -> None:
         """Populate ``[offset, offset + nbytes)`` unless the front already covers it.
 
-        Steps the background thread is populating at this moment are not waited for: the
-        copy faults whatever they have not reached yet (populating never changes contents,
-        so either order is correct)."""
+        Claims the steps up to the block's end (so the background thread does not redo
+        them), then populates the block itself if part of it is still in a step the
+        background thread has not finished: a page left to the copy would fault there at a
+        tenth of the speed or less. Populating a page twice costs a page-table walk."""
         end = offset + nbytes
         if end <= self.front or _populate_ok is False:
             return
-        if offset > self._cursor + 4 * self.step:  # far ahead: just this block
+        if offset <= self._cursor + 4 * self.step:  # near the front: help advance it
+            while self._cursor < end and not self._stop.is_set():
+                if not self._step(fallback_touch=False):
+                    break
+        if end > self.front:
             populate(self.addr + offset, nbytes)
-            return
-        while self._cursor < end and not self._stop.is_set():
-            if not self._step(fallback_touch=False):
-                break
 
     def run(self, fallback_touch: bool = False) -> float:
         """Populate the whole buffer now (the daemon's start-up); returns seconds taken.
