@@ -778,3 +778,29 @@ class TierContract:
             if tier_spec.unhang is not None:
                 tier_spec.unhang(tier)
         self._serves_again(tier, tier_spec)
+
+    @pytest.mark.integration
+    def test_close_while_the_backend_hangs(self, tier, tier_spec):
+        """``close()`` with a read stuck on a backend that stopped answering: both return
+        within the deadline (the read with misses), neither waits for the backend."""
+        if tier_spec.hang is None:
+            pytest.skip(f"{tier_spec.spec}: the spec has no way to make its backend stop "
+                        f"answering")
+        keys = [key_of(f"hang-close{i}") for i in range(8)]
+        self.store(tier, tier_spec, keys)
+        got: list[Any] = []
+        reader = threading.Thread(target=lambda: got.append(tier.get(keys)), daemon=True)
+        tier_spec.hang(tier)
+        try:
+            reader.start()
+            time.sleep(0.2)  # the read is waiting on the backend
+            t0 = time.monotonic()
+            tier.close()
+            took = time.monotonic() - t0
+            reader.join(tier_spec.deadline)
+            assert not reader.is_alive(), "a read stuck on a hung backend outlived close()"
+        finally:
+            if tier_spec.unhang is not None:
+                tier_spec.unhang(tier)
+        assert took <= tier_spec.deadline, f"close() took {took:.2f} s on a hung backend"
+        assert got and got[0] == [None] * len(keys)
