@@ -20,6 +20,7 @@ pytestmark = pytest.mark.integration
 
 def test_linker_through_sglang_wiring():
     out = run_script("sglang_linker_flow.py").stdout
-    for check in ("save:", "load:", "failure at layer", "cancel:", "dead remote tier:"):
+    for check in ("save:", "load:", "failure at layer", "cancel:", "dead remote tier:",
+                  "cross-engine:"):
         assert any(x.startswith(f"PASS {check}") for x in out.splitlines()), \
             f"{check} did not pass:\n{out[-4000:]}"

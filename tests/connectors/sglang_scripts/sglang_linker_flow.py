@@ -243,6 +243,42 @@ def check_dead_remote(expected) -> None:
     passed(f"dead remote tier: served from disk, bit-exact, {time.perf_counter() - t0:.1f}s")
 
 
+def check_cross_engine(expected) -> None:
+    """Another lmc engine with a paged (vllm_flash, the reference engine's) cache and the
+    tokens names SGLang's pages with ``sglang_page_hashes``: it loads what SGLang offloaded,
+    and SGLang loads what it stored, bit for bit."""
+    from lmc.connectors.sglang_pages import PageStore, page_namespace, sglang_page_hashes
+
+    from lmc import CacheConfig, CacheEngine, KVSpec
+
+    blocks = 2 * PAGES
+    caches = [torch.zeros(2, blocks, PAGE, 2, 8, dtype=CFG.dtype) for _ in range(LAYERS)]
+    spec = KVSpec.from_tensors(caches, "vllm_flash")
+    ns = page_namespace("tiny-sglang", spec, page_size=PAGE, tp_rank=0, tp_size=1)
+    cfg = CacheConfig(local_cpu_size="32MiB", local_disk=os.path.join(TMP, "disk"))
+    with CacheEngine(cfg, spec, "tiny-sglang") as eng:
+        pages = PageStore(eng, ns, PAGE, caches)
+        slots = torch.arange(PAGE, PAGE + len(SEQ))  # any slots: blocks 1..PAGES
+        assert pages.load(sglang_page_hashes(SEQ, PAGE), slots) == [True] * PAGES
+        for layer, (k, v) in enumerate(expected):
+            flat = caches[layer].flatten(1, 2)  # [2, slots, heads, dim]
+            assert same(flat[0, slots], k) and same(flat[1, slots], v), layer
+        # the other way: KV this engine holds for new tokens, stored under SGLang's keys
+        other = [t + 100_000 for t in SEQ]
+        theirs = random_kv(len(other), seed=6)
+        for layer, (k, v) in enumerate(theirs):
+            caches[layer].flatten(1, 2)[0, slots] = k
+            caches[layer].flatten(1, 2)[1, slots] = v
+        assert pages.store(sglang_page_hashes(other, PAGE), slots) == [True] * PAGES
+    cache, alloc, rtp, worker = engine()  # a fresh SGLang engine on the same disk tier
+    r = prefill(cache, alloc, rtp, worker, theirs, 0.0, seq=other)
+    assert r.match.host_hit_length == len(other) and not r.failed
+    assert r.landed_at_wait == [True] * LAYERS, r.landed_at_wait
+    cache.linker.close()
+    passed("cross-engine: a paged (vllm_flash) lmc engine loads SGLang's offloaded pages and "
+           "SGLang loads the pages it stored, bit-exact, keyed by sglang_page_hashes(tokens)")
+
+
 def main() -> None:
     expected = random_kv(len(SEQ), seed=5)
     save(expected)
@@ -250,6 +286,7 @@ def main() -> None:
     check_failure(expected)
     check_cancel_and_reset(expected)
     check_dead_remote(expected)
+    check_cross_engine(expected)
     print("RESULT: PASS", flush=True)
 
 
