@@ -3,6 +3,7 @@ daemon's P2P ops over a real socket (no NIXL needed: the directory never reads m
 
 from __future__ import annotations
 
+import random
 import time
 
 import pytest
@@ -149,3 +150,31 @@ def test_daemon_refuses_bad_directory_requests(daemon):
         _conn(daemon).join(_info("own-2"))
     assert c.advertise([_rec(_key(3))]) == 1  # the connection survived every refusal
     c.close()
+
+
+def test_daemon_survives_garbage_directory_requests(daemon):
+    """Random field values for every P2P op: each is answered (ok or bad_request), the
+    connection stays usable, and the directory still works afterwards."""
+    from lmc.server import protocol as P
+
+    seed = random.randrange(1 << 30)
+    print(f"seed {seed}")
+    rng = random.Random(seed)
+    values = [None, 0, -1, 1 << 63, True, "", "x" * 300, b"", b"\0" * 16, b"\1" * RECORD_SIZE,
+              _rec(_key(1)).pack(), [], [b"\0" * 16], [None], {}, {"a": 1}, 1.5]
+    fields = ["ns", "keys", "records", "agent", "metadata", "pool_base", "pool_size",
+              "versions_addr", "slots", "self"]
+    c = _conn(daemon)
+    for _ in range(300):
+        meta = {f: rng.choice(values) for f in rng.sample(fields, rng.randint(0, len(fields)))}
+        try:
+            c.conn.call(rng.choice(list(P.P2P_OPS)), meta)
+        except ServerError as e:
+            assert e.status == P.BAD_REQUEST, (seed, meta, e)
+    c.close()
+    owner, reader = _conn(daemon), _conn(daemon)
+    owner.join(_info("own-after-fuzz"))
+    owner.advertise([_rec(_key(5))])
+    assert reader.locate([_key(5)], me="r") == [("own-after-fuzz", _rec(_key(5)))]
+    owner.close()
+    reader.close()
