@@ -271,6 +271,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--bench-clients", type=int, default=4, help="redis-benchmark -c")
     ap.add_argument("--url", help="use this server instead of starting one")
     ap.add_argument("--bench-port", type=int, help="its port, for redis-benchmark")
+    ap.add_argument("--sizes", help="comma-separated value sizes to run, of "
+                                    f"{', '.join(k.split()[0] for k in SHAPES)} (default: all; "
+                                    "--quick: the first two)")
     ap.add_argument("--json", help="also write the figures to this file")
     args = ap.parse_args(argv)
     if shutil.which("redis-server") is None or shutil.which("redis-benchmark") is None:
@@ -278,6 +281,12 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     rounds = args.rounds or (2 if args.quick else 5)
     shapes = QUICK if args.quick else SHAPES
+    if args.sizes:
+        want = args.sizes.split(",")
+        unknown = [w for w in want if w not in {k.split()[0] for k in SHAPES}]
+        if unknown:
+            ap.error(f"--sizes: unknown {', '.join(unknown)}")
+        shapes = {k: v for k, v in SHAPES.items() if k.split()[0] in want}
     batch_bytes = (args.batch_mib or (64 if args.quick else 256)) * MiB
     server = None
     if args.url:

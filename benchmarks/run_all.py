@@ -180,7 +180,7 @@ SUITES = {
     "disk": Suite("disk", "Disk tier", "bench_disk.py", ("--reps", "5", "--gib", "2"),
                   ("--quick",), disk_table),
     "redis": Suite("redis", "Redis tier", "bench_redis.py", ("--rounds", "7"),
-                   ("--quick", "--rounds", "1", "--batch-mib", "8"), redis_table,
+                   ("--quick", "--rounds", "1", "--batch-mib", "8", "--sizes", "1MiB"), redis_table,
                    needs=("redis-server", "redis-benchmark")),
     "daemon": Suite("daemon", "Cache-server daemon", "bench_server.py", ("--reps", "7"),
                     ("--quick", "--total", "8MiB", "--daemon-size", "64MiB", "--clients",
