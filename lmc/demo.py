@@ -308,8 +308,11 @@ def run_demo(model_dir: Path | None = None, config_path: str | None = None,
     if model_dir is None:
         engine_args["max_model_len"] = DEMO_MODEL["max_position_embeddings"]
         print("model: demo checkpoint " + ", ".join(f"{k}={v}" for k, v in DEMO_MODEL.items())
-              + " (random weights)", file=out)
+              + " (random weights; made once, then reused)", file=out, flush=True)
+        t0 = time.perf_counter()
         model_dir = demo_model_dir()
+        if time.perf_counter() - t0 > 1:
+            print(f"made the demo checkpoint in {time.perf_counter() - t0:.1f} s", file=out)
     print(f"model dir: {model_dir}", file=out)
     cfg = CacheConfig.load(config_path) if config_path else CacheConfig.load(
         overrides=DEMO_CONFIG)
