@@ -407,4 +407,5 @@ class P2PBackend(StorageBackend):
         with self._lock:
             return {**self.counts, "exports": len(self._exports),
                     "exported_bytes": self._exported_bytes,
-                    "quarantined": self.agent.quarantined}
+                    "quarantined": self.agent.quarantined,
+                    **{f"breaker_{k}": v for k, v in self.breaker.stats().items()}}

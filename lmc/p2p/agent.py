@@ -66,6 +66,7 @@ class PoolAgent:
                              pool.buffer.data_ptr(), pool.size, self.versions.data_ptr(), slots)
         self._peers: dict[str, PeerInfo] = {}
         self._quarantine: list[tuple[Any, list[MemoryObj]]] = []
+        self._stuck = 0  # transfers ever quarantined
         self.closed = False
 
     # ------------------------------------------------------------ peers
@@ -129,15 +130,29 @@ class PoolAgent:
         """The current values of ``slots`` in ``peer``'s version table (one READ per
         ``SCRATCH_SLOTS``), read only after every earlier READ completed."""
         out: list[int] = []
-        base = self._scratch.data_ptr()
         with self._lock:  # the scratch array is shared
             for i in range(0, len(slots), SCRATCH_SLOTS):
                 part = slots[i: i + SCRATCH_SLOTS]
+                base = self._scratch.data_ptr()
                 self._scratch[: len(part)].fill_(0)
-                self.read(peer, [(base + 8 * j, peer.versions_addr + 8 * s, 8)
-                                 for j, s in enumerate(part)], deadline)
+                stuck = self._stuck
+                try:
+                    self.read(peer, [(base + 8 * j, peer.versions_addr + 8 * s, 8)
+                                     for j, s in enumerate(part)], deadline)
+                except TransferFailed:
+                    if self._stuck > stuck:  # a late write may still land in the scratch
+                        self._new_scratch()
+                    raise
                 out += self._scratch[: len(part)].tolist()
         return out
+
+    def _new_scratch(self) -> None:
+        """Stop using a scratch array a stuck READ may still write (a late version value
+        there could pass a later check); the old one stays registered and alive."""
+        self._scratch = torch.zeros(SCRATCH_SLOTS, dtype=torch.int64)
+        t = self._scratch
+        self._regs.append(self.agent.register_memory(self.agent.get_reg_descs(
+            [(t.data_ptr(), t.numel() * t.element_size(), 0, "")], "DRAM")))
 
     def _release(self, h: Any, hold: Sequence[MemoryObj]) -> None:
         try:
@@ -146,6 +161,7 @@ class PoolAgent:
             log.warning("NIXL transfer handle not released (%s): its destinations stay "
                         "quarantined", e)
             self._quarantine.append((h, [o.acquire() for o in hold]))
+            self._stuck += 1
 
     def _abandon(self, h: Any, hold: Sequence[MemoryObj]) -> None:
         """A transfer past its deadline: try to stop it; if NIXL cannot yet, keep its

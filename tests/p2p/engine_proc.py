@@ -88,8 +88,10 @@ class Engine:
         tokens = _tokens(seed, n)
         src, dst = _caches(seed), _caches(seed + 99, zeros=True)
         s_src, s_dst = _slots(self.spec, n, seed + 1), _slots(self.spec, n, seed + 2)
+        t0 = time.monotonic()
         hit = self.eng.lookup(tokens)
         got = self.eng.retrieve(tokens, dst, s_dst)
+        seconds = time.monotonic() - t0
         # every retrieved token bit-exact; nothing past ``got`` written
         exact = all(torch.equal(s[:, s_src[:got] // 4, s_src[:got] % 4].view(torch.int16),
                                 d[:, s_dst[:got] // 4, s_dst[:got] % 4].view(torch.int16))
@@ -97,7 +99,7 @@ class Engine:
         untouched = all(not d[:, s_dst[got:] // 4, s_dst[got:] % 4].view(torch.int16).any()
                         for d in dst)
         return {"lookup": hit, "retrieved": got, "bit_exact": exact, "untouched": untouched,
-                "p2p": self.p2p.stats()}
+                "seconds": seconds, "p2p": self.p2p.stats()}
 
     def evict(self, seed: int, n: int) -> dict:
         tokens = self.stored.pop(seed, _tokens(seed, n))

@@ -7,6 +7,8 @@ uses its own prompt (seed), so none sees another's chunks."""
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 
 import pytest
@@ -90,3 +92,40 @@ def test_stale_directory_entry_is_a_miss(owner, reader):
     assert r["lookup"] == N, r  # the directory still says so
     _clean_miss(r)
     assert r["p2p"]["stale"] - before["stale"] == 7, r
+
+
+def test_stopped_owner_still_serves_its_exports(owner, reader):
+    """A SIGSTOPped owner: one host's READs go through the kernel (UCX's ``cma``), not the
+    owner's CPU, and its exports are still pinned: the pull completes, bit-exact."""
+    owner("store", seed=17, n=N)
+    os.kill(owner.pid, signal.SIGSTOP)
+    try:
+        r = reader("load", seed=17, n=N)
+    finally:
+        os.kill(owner.pid, signal.SIGCONT)
+    assert r["retrieved"] == N and r["bit_exact"], r
+
+
+def test_hung_directory_is_a_miss_within_the_deadline(directory, owner, reader):
+    """The daemon stops answering (SIGSTOP): lookups are misses within ``remote_timeout``
+    (2 s here), then mostly refused at once by the breaker; it comes back by itself after
+    SIGCONT."""
+    owner("store", seed=18, n=N)
+    pid = directory.daemon.proc.pid
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        for _ in range(4):
+            r = reader("load", seed=18, n=N)
+            _clean_miss(r)
+            # lookup and retrieve each ask at most once: two timeouts, plus a loaded machine
+            assert r["seconds"] < 2 * 2.0 + 3.0, r
+        # after three failures the breaker refuses calls at once (a probe now and then)
+        assert r["p2p"]["breaker_trips"] >= 1 and r["p2p"]["breaker_rejected"] >= 1, r
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    for _ in range(100):  # the breaker's probe finds it answering again
+        r = reader("load", seed=18, n=N)
+        if r["retrieved"] == N:
+            break
+        time.sleep(0.2)
+    assert r["retrieved"] == N and r["bit_exact"], r
