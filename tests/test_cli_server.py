@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -117,3 +118,20 @@ def test_metrics_have_no_dead_engine_series(daemons):
     assert not dead, f"the daemon exports engine-only series: {dead}"
     assert re.search(r"^lmc_server_pool_capacity_bytes 6\.7108864e\+07$", body, re.M)
     assert re.search(r'^lmc_server_values_total\{outcome="stored"\} 1\.0$', body, re.M)
+
+
+@pytest.mark.parametrize("entry", [["-m", "lmc.server"], ["-m", "lmc.cli", "server"]])
+def test_ctrl_c_while_the_pool_is_built_is_not_a_traceback(tmp_path, entry):
+    proc = subprocess.Popen([sys.executable, *entry, "--port", "0", "--size", "8GiB",
+                             "--prefault", "true"], cwd=ROOT,
+                            env={**os.environ, "PYTHONPATH": str(ROOT)},
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    seen, deadline = "", time.monotonic() + 90
+    while "building the storage" not in seen:
+        assert proc.poll() is None and time.monotonic() < deadline, seen
+        seen += proc.stdout.readline()
+    time.sleep(0.5)
+    proc.send_signal(signal.SIGINT)
+    out = seen + proc.communicate(timeout=60)[0]
+    assert proc.returncode == 130 and "lmc server: interrupted" in out, out
+    assert "Traceback" not in out

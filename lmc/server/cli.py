@@ -107,6 +107,11 @@ def register_cli(subparsers: Any) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m lmc.server", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m lmc.server", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     add_arguments(p)
-    return _main(p.parse_args(argv))
+    try:
+        return _main(p.parse_args(argv))
+    except KeyboardInterrupt:  # before the signal handlers exist (building the pool)
+        print("\nlmc server: interrupted", file=sys.stderr)
+        return 130
