@@ -9,7 +9,9 @@ interpreter exit (see ``lmc.p2p.agent``): ``exit`` closes the engine and ends wi
 
 Commands: ``store``/``load`` ``{seed, n}``; ``evict`` ``{seed, n}`` (delete the prompt's chunks
 everywhere, then store another prompt so the freed memory is reused); ``forget`` (the same,
-but the directory is not told); ``arm`` ``{when:
+but the directory is not told); ``churn`` ``{seconds, seeds, n, rng_seed}`` (store and
+evict those prompts at random in a thread) and ``churn_wait``; ``drop`` (forget a prompt
+locally); ``arm`` ``{when:
 before|after, action: kill|signal, pid}`` (the next READ from a peer first SIGKILLs ``pid``,
 or sends it SIGUSR1 and waits for its ``evicted`` file); ``stats``; ``exit``.
 """
@@ -18,8 +20,10 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import signal
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -83,6 +87,34 @@ class Engine:
         self.stored[seed] = tokens
         return {"stored": stored, "flushed": self.eng.flush(30),
                 "exports": self.p2p.stats()["exports"]}
+
+    def churn(self, seconds: float, seeds: list[int], n: int, rng_seed: int) -> dict:
+        """In a background thread for ``seconds``: store a random one of ``seeds`` if absent,
+        else evict it (its memory reused by other KV at once), as fast as it goes."""
+        def run() -> None:
+            rng = random.Random(rng_seed)
+            end = time.monotonic() + seconds
+            while time.monotonic() < end:
+                seed = rng.choice(seeds)
+                if seed in self.stored:
+                    self.evict(seed, n)
+                    self._churned["evicted"] += 1
+                else:
+                    self.store(seed, n)
+                    self._churned["stored"] += 1
+        self._churned = {"stored": 0, "evicted": 0}
+        self._churner = threading.Thread(target=run, name="churn")
+        self._churner.start()
+        return {"churning": seconds}
+
+    def churn_wait(self) -> dict:
+        self._churner.join()
+        return self._churned
+
+    def drop(self, seed: int, n: int) -> dict:
+        """Forget the prompt's chunks locally (so the next load asks the peers again)."""
+        keys = [k for _, _, k in self.eng.db.process_tokens(_tokens(seed, n))]
+        return {"dropped": self.eng.storage.delete(keys)}
 
     def load(self, seed: int, n: int) -> dict:
         tokens = _tokens(seed, n)

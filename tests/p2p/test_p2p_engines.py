@@ -8,6 +8,7 @@ uses its own prompt (seed), so none sees another's chunks."""
 from __future__ import annotations
 
 import os
+import random
 import signal
 import time
 
@@ -129,3 +130,30 @@ def test_hung_directory_is_a_miss_within_the_deadline(directory, owner, reader):
             break
         time.sleep(0.2)
     assert r["retrieved"] == N and r["bit_exact"], r
+
+
+def test_reads_racing_owner_churn_are_exact_or_misses(owner, reader):
+    """The owner stores and evicts a few prompts at random (freed memory reused for other KV
+    at once) while the reader keeps pulling them, forgetting each locally after: every token
+    a load returns is bit-exact, every other one untouched. Whatever the interleaving."""
+    seed = random.randrange(1 << 30)
+    print(f"seed {seed}")
+    rng = random.Random(seed)
+    prompts = list(range(40, 46))
+    before = reader("stats")
+    owner("churn", seconds=6.0, seeds=prompts, n=N, rng_seed=seed)
+    loads = hits = 0
+    end = time.monotonic() + 6.0
+    while time.monotonic() < end:
+        p = rng.choice(prompts)
+        r = reader("load", seed=p, n=N)
+        assert r["bit_exact"] and r["untouched"], (seed, p, r)
+        loads += 1
+        hits += r["retrieved"] > 0
+        reader("drop", seed=p, n=N)
+    churned = owner("churn_wait")
+    after = reader("stats")
+    print(f"{loads} loads, {hits} with hits, owner {churned}, reader "
+          f"stale +{after['stale'] - before['stale']}, "
+          f"hits +{after['hits'] - before['hits']}")
+    assert loads >= 3 and churned["stored"] >= 1, (seed, loads, churned)
