@@ -91,6 +91,9 @@ def test_junk_namespaces_cannot_lock_out_a_new_tenant(start_daemon):
     assert c.call(W.frame(P.EXISTS, {"ns": "junk2", "keys": [k]}))[1]["present"] == b"\0"
     st = d.stats()
     assert st["tiers"]["namespaces.tracked"] <= 4 and st["tiers"]["namespaces.reclaimed"] == 1
-    assert set(st["namespaces"]) == {"junk3", "tenant-a", "tenant-b", "tenant-c"}
+    # namespaces with a ledger (memory held); recently active ones are listed too, with
+    # their request counts only (lmc/server/activity.py, bounded by max_namespaces)
+    ledgers = {ns for ns, v in st["namespaces"].items() if "chunks" in v}
+    assert ledgers == {"junk3", "tenant-a", "tenant-b", "tenant-c"}
     assert st["pool"]["objects"] == st["tiers"]["cpu.chunks"] == 4
     c.close()
