@@ -132,6 +132,8 @@ class ServerBackend(StorageBackend):
 
     def _call(self, what: str, fn: Callable[[ClientConnection], T], miss: T) -> T:
         """Run ``fn`` on a pooled connection; any failure is ``miss`` (and a breaker tick)."""
+        if self._closed:  # a miss, not a failure: no breaker trip, no 'server failed' warning
+            return miss
         if not self.breaker.allow():
             self._count(skipped_open=1)
             return miss
