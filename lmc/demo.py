@@ -12,11 +12,16 @@ long system prompt, then questions about one long document — four times:
 It prints TTFT p50/p95 per pass, the share of prompt tokens each tier supplied, the bytes
 moved, and whether every pass generated the same tokens (it must: lmc never changes output).
 
+The headline speed-up is TTFT p50 without lmc over TTFT p50 with a warm lmc, measured in
+interleaved rounds (each prompt asked of one engine, then the other, so a busy machine slows
+both alike) and reported as the median with its range over the rounds. Both engines use the
+same pinned thread count (``--threads``) and are warmed up before anything is timed.
+
 Model: by default a random-weight Llama made on first run under the user's cache directory
-(``DEMO_MODEL``: hidden 256, 4 layers, 8k positions: big enough that a few-thousand-token
-prefill costs about a second on two cores, small enough to make in seconds); ``--model DIR``
-runs a real local checkpoint instead. Cache: ``DEMO_CONFIG`` (the same as
-``configs/demo.yaml``) with a fresh temporary disk directory, or ``--config FILE``.
+(hidden 256, 4 layers, 8k positions: big enough that a few-thousand-token prefill costs about
+a second on two cores, small enough to make in seconds); ``--model DIR`` runs a real local
+checkpoint instead. Cache: the values of ``configs/demo.yaml`` with a fresh temporary disk
+directory, or ``--config FILE``.
 """
 
 from __future__ import annotations
