@@ -135,6 +135,8 @@ class PeerDirectory:
                 del self._holders[k]
 
     def stats(self) -> dict[str, int]:
-        return {"peers": len(self._peers), "keys": len(self._holders),
-                "records": sum(len(p.entries) for p in self._peers.values()),
-                "dropped": self.dropped}
+        """Safe from another thread (the daemon's STATS runs off the event loop): the peers
+        are copied in one step before their records are counted."""
+        peers = list(self._peers.values())
+        return {"peers": len(peers), "keys": len(self._holders),
+                "records": sum(len(p.entries) for p in peers), "dropped": self.dropped}

@@ -378,4 +378,5 @@ class NamespacedStore:
         with self._lock:
             out["namespaces.tracked"] = len(self._ledgers)
             out["namespaces.reclaimed"] = self.reclaimed
+        out.update({f"p2p.{k}": v for k, v in self.p2p.stats().items()})
         return out

@@ -120,6 +120,8 @@ def test_daemon_directory_round_trip(daemon):
     assert owner.locate([recs[0].key], me="own-1") == [None]  # never yourself
     assert other_ns.locate([recs[0].key], me="x") == [None]  # namespaces keep tenants apart
     assert reader.peer("own-1") == _info("own-1") and reader.peer("nobody") is None
+    tiers = reader.conn.stats()["tiers"]
+    assert tiers["p2p.peers"] >= 1 and tiers["p2p.records"] >= 5, tiers
     assert owner.withdraw([recs[0].key, _key(98)]) == 1
     assert reader.locate([recs[0].key, recs[1].key], me="r") == [None, ("own-1", recs[1])]
     owner.close()  # the owner's records go with its connection
