@@ -9,7 +9,8 @@ heartbeats. An owner that is alive but slow is the reader's deadline's business;
 whose chunk the owner let go is caught by the version check (:mod:`lmc.p2p.wire`).
 
 Bounded: at most ``max_peers`` joined connections, each with at most ``max_entries`` records
-(the oldest go first; the owner still holds the chunk, it is just no longer found). Not
+(the oldest go first; the owner still holds the chunk, it is just no longer found): ~5 MiB
+of daemon memory per full peer, ~170 MiB at worst with the defaults. Not
 thread-safe by design: the daemon calls it from its event loop only.
 """
 
@@ -37,14 +38,14 @@ class PeerDirectory:
     """Keys are the daemon's internal (namespace-keyed) keys; records are opaque bytes here
     (their layout is checked when they arrive, by the session)."""
 
-    def __init__(self, max_peers: int = 256, max_entries: int = 1 << 16) -> None:
+    def __init__(self, max_peers: int = 32, max_entries: int = 1 << 14) -> None:
         if max_peers < 1 or max_entries < 1:
             raise ValueError("max_peers and max_entries must be >= 1")
         self.max_peers = max_peers
         self.max_entries = max_entries
         self._peers: dict[Hashable, _Peer] = {}  # by owning connection
         self._by_agent: dict[str, Hashable] = {}
-        self._holders: dict[bytes, OrderedDict[Hashable, None]] = {}  # most recent last
+        self._holders: dict[bytes, list[Hashable]] = {}  # most recent last; usually one
         self.dropped = 0  # records pushed out by max_entries
 
     def join(self, conn: Hashable, info: PeerInfo) -> None:
@@ -85,9 +86,13 @@ class PeerDirectory:
             if k in peer.entries:
                 peer.entries.move_to_end(k)
             peer.entries[k] = rec
-            holders = self._holders.setdefault(k, OrderedDict())
-            holders[conn] = None
-            holders.move_to_end(conn)
+            holders = self._holders.get(k)
+            if holders is None:
+                self._holders[k] = [conn]
+            elif holders[-1] is not conn:
+                if conn in holders:
+                    holders.remove(conn)
+                holders.append(conn)
             while len(peer.entries) > self.max_entries:
                 old, _ = peer.entries.popitem(last=False)
                 self._unhold(old, conn)
@@ -129,8 +134,8 @@ class PeerDirectory:
 
     def _unhold(self, k: bytes, conn: Hashable) -> None:
         holders = self._holders.get(k)
-        if holders is not None:
-            holders.pop(conn, None)
+        if holders is not None and conn in holders:
+            holders.remove(conn)
             if not holders:
                 del self._holders[k]
 
