@@ -100,6 +100,12 @@ def test_a_token_silences_the_warning(daemons, tmp_path):
     assert "s3cret-token" not in log
 
 
+def _families(text: str) -> set[str]:
+    """Metric family names in a scrape (a counter's TYPE line may carry its _total)."""
+    return {re.sub(r"_(total|created)$", "", f)
+            for f in re.findall(r"^# TYPE (\S+) ", text, re.M)}
+
+
 ENGINE_ONLY = ("lmc_lookups", "lmc_lookup_tokens", "lmc_hit_tokens", "lmc_bytes", "lmc_tokens",
                "lmc_op_seconds", "lmc_skipped_chunks", "lmc_pool_used_bytes",
                "lmc_pool_capacity_bytes")
@@ -113,7 +119,7 @@ def test_metrics_have_no_dead_engine_series(daemons):
     c.close()
     body = urllib.request.urlopen(f"http://127.0.0.1:{d.info['metrics_port']}/metrics",
                                   timeout=10).read().decode()
-    families = set(re.findall(r"^# TYPE (\S+) ", body, re.M))
+    families = _families(body)
     dead = [f for f in families if f in ENGINE_ONLY]
     assert not dead, f"the daemon exports engine-only series: {dead}"
     assert re.search(r"^lmc_server_pool_capacity_bytes 6\.7108864e\+07$", body, re.M)
@@ -135,3 +141,23 @@ def test_ctrl_c_while_the_pool_is_built_is_not_a_traceback(tmp_path, entry):
     out = seen + proc.communicate(timeout=60)[0]
     assert proc.returncode == 130 and "lmc server: interrupted" in out, out
     assert "Traceback" not in out
+
+
+def test_an_engine_process_exports_no_daemon_or_unborn_engine_series():
+    """The other side of the same rule: importing the engine and the lmc:// client adds no
+    lmc_server_* series, and engine series appear only with an engine."""
+    code = ("import re, lmc.cache_engine, lmc.storage_backends.server\n"
+            "from prometheus_client import REGISTRY, generate_latest\n"
+            "fams = lambda: {re.sub(r'_(total|created)$', '', f) for f in re.findall("
+            "r'^# TYPE (lmc\\S+)', generate_latest(REGISTRY).decode(), re.M)}\n"
+            "before = fams()\n"
+            "from lmc.metrics import EngineMetrics\n"
+            "EngineMetrics()\n"
+            "print(sorted(before)); print(sorted(fams() - before))\n")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
+                         text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert out.returncode == 0, out.stderr
+    before, added = (eval(line) for line in out.stdout.splitlines()[-2:])
+    assert not [f for f in before if f.startswith("lmc_server_")], before
+    assert not set(before) & set(ENGINE_ONLY), before
+    assert set(added) == set(ENGINE_ONLY), added
