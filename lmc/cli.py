@@ -123,6 +123,11 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"\nlmc {_command(argv)}: interrupted", file=sys.stderr)
         return 130
+    except ImportError as e:  # an optional package a setting needs: the message names its extra
+        if "pip install" not in str(e):
+            raise  # a broken install or a bug: the traceback is the useful part
+        print(f"lmc {_command(argv)}: {e}", file=sys.stderr)
+        return 2
     except BrokenPipeError:
         # the reader went away: point stdout at /dev/null so the final flush is quiet too
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())

@@ -39,12 +39,17 @@ _VALUE_PERSON = b"lmc-int-value"
 SECRET_HINT = 'e.g. python3 -c "import secrets; print(secrets.token_hex(32))"'
 
 
+class MissingPackage(RuntimeError, ImportError):
+    """An optional package a setting needs; the message names the extra that installs it
+    (an ImportError too, so that the ``lmc`` command prints it as one line)."""
+
+
 def _aead() -> Any:
     try:
         from cryptography.hazmat.primitives.ciphers.aead import ChaCha20Poly1305
     except ImportError:
-        raise RuntimeError("integrity_secret needs the 'cryptography' package: "
-                           "pip install 'lmc-kvcache[integrity]'") from None
+        raise MissingPackage("integrity_secret needs the 'cryptography' package: "
+                             "pip install 'lmc-kvcache[integrity]'") from None
     return ChaCha20Poly1305
 
 

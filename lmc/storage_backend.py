@@ -187,11 +187,23 @@ def register_backend(name: str, schemes: Sequence[str] = ()) -> Callable[[type],
     return deco
 
 
+# optional packages of built-in backends -> the extra that installs them
+OPTIONAL_EXTRAS = {"redis": "redis", "hiredis": "redis", "nixl": "nixl"}
+_unavailable: dict[str, str] = {}  # built-in module -> why it could not be imported
+
+
 def _import_builtin(module: str) -> None:
     try:
         importlib.import_module(module)
     except ImportError as e:  # e.g. redis-py missing: the other tiers still work
-        log.warning("built-in storage backend %s failed to import: %s", module, e)
+        missing = (e.name or "").split(".")[0]
+        if missing in OPTIONAL_EXTRAS:  # an extra not installed: said when its URL is used
+            _unavailable[module] = (f"{module} needs the {missing!r} package: pip install "
+                                    f"'lmc-kvcache[{OPTIONAL_EXTRAS[missing]}]'")
+            log.debug("built-in storage backend %s not available: %s", module, e)
+        else:
+            _unavailable[module] = f"{module} failed to import: {e}"
+            log.warning("built-in storage backend %s failed to import: %s", module, e)
 
 
 def _load_plugins(name: str | None = None) -> None:
@@ -242,8 +254,10 @@ def backend_factory(spec: str) -> BackendFactory:
     if factory is not None:
         return factory
     if "://" in spec:
+        why = "".join(f"; {msg}" for msg in _unavailable.values())
         raise ValueError(f"no storage backend handles URL scheme {spec.split('://', 1)[0]!r} "
-                         f"(in {spec!r}); known schemes: {', '.join(sorted(_by_scheme)) or 'none'}")
+                         f"(in {spec!r}); known schemes: {', '.join(sorted(_by_scheme)) or 'none'}"
+                         f"{why}")
     raise ValueError(f"unknown storage backend {spec!r}; known: {', '.join(sorted(_by_name))}")
 
 

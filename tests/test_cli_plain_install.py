@@ -167,6 +167,30 @@ def test_config_and_server_and_stats_run(plain):
     assert proc.returncode == 0, log
 
 
+def _fails(plain, *args: str) -> str:
+    venv, env, home = plain
+    out = subprocess.run([str(venv / "bin/lmc"), *args], capture_output=True, text=True,
+                         timeout=120, env=env, cwd=home)
+    assert out.returncode == 2, (out.returncode, out.stdout, out.stderr)
+    assert "Traceback" not in out.stderr and "WARNING" not in out.stderr, out.stderr
+    return out.stderr
+
+
+def test_settings_that_need_an_extra_name_it(plain):
+    """A setting whose backend lives in an extra fails in one line naming the extra."""
+    venv, env, home = plain
+    redis = home / "redis.yaml"
+    redis.write_text("remote_url: redis://127.0.0.1:6379/0\n")
+    assert "pip install 'lmc-kvcache[redis]'" in _fails(plain, "config", "--config", str(redis))
+    assert "pip install 'lmc-kvcache[redis]'" in _fails(
+        plain, "server", "--port", "0", "--redis", "redis://127.0.0.1:1/0")
+    integrity = home / "integrity.yaml"
+    integrity.write_text("remote_url: lmc://127.0.0.1:7451\n"
+                         "integrity_secret: 0123456789abcdef0123456789abcdef\n")
+    assert "pip install 'lmc-kvcache[integrity]'" in _fails(plain, "config", "--config",
+                                                             str(integrity))
+
+
 def test_demo_runs(plain):
     out = _lmc(plain, "demo", "--quick", "--no-baseline", "--threads", "1", timeout=300)
     assert "generated tokens identical in every pass: yes" in out.stdout, out.stdout
