@@ -60,6 +60,21 @@ def _rate(now: dict[str, Any], before: dict[str, Any] | None, key: str, seconds:
     return fmt(max(0.0, (now.get(key, 0) - base)) / max(seconds, 1e-9))
 
 
+_TIER_KEYS = {"capacity", "chunks", "used", "used_bytes", "get_hits", "get_misses",
+              "read_bytes", "write_bytes", "queue_bytes", "put_chunks"}
+
+
+def _plain_value(key: str, v: Any) -> str:
+    """A figure of an unknown group, in human units where its name says what it is."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return str(v)
+    if key.endswith("bytes"):
+        return units.size(v)
+    if key.endswith(("seconds", "_s")):
+        return units.seconds(v)
+    return f"{int(v):,}" if float(v).is_integer() else f"{v:.3g}"
+
+
 def _per_s(x: float) -> str:
     return f"{x:,.1f}/s" if x >= 10 or x == 0 else f"{x:.3g}/s"
 
@@ -98,8 +113,11 @@ def format_info(stats: dict[str, Any], before: dict[str, Any] | None = None,
               f"{_rate(req, prev_req, 'bytes_in', span)}",
               f"out: {units.size(req.get('bytes_out', 0))}, "
               f"{_rate(req, prev_req, 'bytes_out', span)}"]
-    tiers = _tiers({k: v for k, v in stats.get("tiers", {}).items()
-                    if not k.startswith("namespaces.")})
+    groups = _tiers({k: v for k, v in stats.get("tiers", {}).items()
+                     if not k.startswith("namespaces.")})
+    # a storage tier has storage figures; other groups (the P2P directory...) get a section
+    tiers = {n: t for n, t in groups.items() if set(t) & _TIER_KEYS}
+    others = {n: t for n, t in groups.items() if n not in tiers}
     memory = next(iter(tiers), None)  # STATS lists the memory tier (L1) first
     lower_hits = sum(t.get("get_hits", 0) for name, t in tiers.items() if name != memory)
     lines += ["", "# Tiers"]
@@ -121,6 +139,8 @@ def format_info(stats: dict[str, Any], before: dict[str, Any] | None = None,
                      f"{units.size(t.get('write_bytes', 0))}, queued "
                      f"{units.size(t.get('queue_bytes', 0))}"
                      + ("; " + ", ".join(extra) if extra else ""))
+    for name, t in others.items():
+        lines += ["", f"# {name}"] + [f"{k}: {_plain_value(k, v)}" for k, v in sorted(t.items())]
     names = stats.get("namespaces", {})
     lines += ["", f"# Namespaces ({len(names)})"]
     for ns, c in sorted(names.items()):
