@@ -14,6 +14,11 @@ The first pull is checked bit for bit against the owner's data. NIXL agents cras
 interpreter exit (NIXL 1.5.1), so both processes end with ``os._exit`` after teardown.
 
     python benchmarks/bench_p2p.py [--chunks 32 --chunk-mib 8 --reps 7] [--json FILE]
+
+``--pd`` measures prefill/decode instead, on the reference engine (the model of
+``bench_ttft.py``; 8k tokens): the TTFT of a decode instance that pulls the prompt's KV from a
+prefill instance over NIXL, against a single instance's full prefill and against loading the
+KV from the daemon (stored there by another instance).
 """
 
 from __future__ import annotations
@@ -79,10 +84,11 @@ def owner(url: str, chunks: int, chunk_mib: int) -> None:
 
 
 @contextlib.contextmanager
-def _daemon(workdir: Path):
+def _daemon(workdir: Path, size: str = "16MiB"):
     ready = workdir / "ready.json"
     proc = subprocess.Popen([sys.executable, "-m", "lmc.server", "--port", "0", "--size",
-                             "16MiB", "--ready-file", str(ready), "--log-level", "WARNING"],
+                             size, "--ready-file", str(ready), "--log-level", "WARNING",
+                             "--max-payload", "256MiB"],
                             cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
     try:
         end = time.monotonic() + 60
@@ -163,6 +169,83 @@ def measure(url: str, chunks: int, chunk_mib: int, reps: int) -> dict:
         proc.wait(30)
 
 
+# ------------------------------------------------------------ prefill/decode TTFT
+def _pd_model(a: argparse.Namespace):
+    from benchmarks.bench_ttft import model_dir, tokens
+    path = model_dir(a.hidden, a.layers, a.kv_heads, max(8192, a.tokens + 64))
+    return path, [0] + tokens(1, a.tokens - 1), a.tokens * a.layers * 2 * a.kv_heads * 64 * 4
+
+
+def _pd_config(a: argparse.Namespace, url: str, kv_bytes: int) -> CacheConfig:
+    return CacheConfig(chunk_size=256, local_cpu_size=max(256 << 20, 3 * kv_bytes),
+                       remote_url=url, remote_timeout=60.0, pin_memory="false")
+
+
+def pd_prefill(a: argparse.Namespace) -> None:
+    """The prefill instance: prefill the prompt (max_tokens=1), keep serving its exports."""
+    from lmc.connectors.reference import LMCReferenceConnector
+
+    from benchmarks.bench_ttft import engine, ttft
+    path, prompt, kv_bytes = _pd_model(a)
+    conn = LMCReferenceConnector(_pd_config(a, a.pd_prefill, kv_bytes), model_dir=path)
+    llm = engine(path, a.tokens, conn)
+    s, _ = ttft(llm, prompt)
+    conn.engine.flush(300)
+    print(json.dumps({"prefill_s": s}), flush=True)
+    sys.stdin.read()
+    llm.close()
+    os._exit(0)
+
+
+def pd(a: argparse.Namespace) -> dict:
+    """TTFT of the decode instance's first token: alone (full prefill), pulling the prompt's
+    KV from a prefill instance over NIXL, and loading it from the daemon."""
+    from lmc.connectors.reference import LMCReferenceConnector
+
+    from benchmarks.bench_ttft import engine, log, tokens, ttft
+    path, prompt, kv_bytes = _pd_model(a)
+    n, res = a.tokens, {"tokens": a.tokens, "kv_mib": kv_bytes / 2**20}
+    with tempfile.TemporaryDirectory() as tmp, \
+            _daemon(Path(tmp), str(max(64 << 20, 2 * kv_bytes))) as url:
+        plain = url.replace("p2p+", "", 1)
+        env = {**os.environ, "PYTHONPATH": str(ROOT), "NIXL_LOG_LEVEL": "WARN"}
+        # baselines first: a NIXL agent (the prefill instance's, ours) spins a core
+        llm = engine(path, n)
+        log("single instance: warm-up prefill, then the measured one ...")
+        ttft(llm, [0] + tokens(2, n - 1))
+        res["full_prefill_s"], _ = ttft(llm, prompt)
+        llm.close()
+        log("through the daemon: one instance stores, a fresh one loads ...")
+        conn = LMCReferenceConnector(_pd_config(a, plain + "?ns=pd-daemon", kv_bytes),
+                                     model_dir=path)
+        llm = engine(path, n, conn)
+        ttft(llm, prompt)
+        conn.engine.flush(300)
+        llm.close()
+        conn = LMCReferenceConnector(_pd_config(a, plain + "?ns=pd-daemon", kv_bytes),
+                                     model_dir=path)
+        llm = engine(path, n, conn)
+        res["daemon_s"], res["daemon_cached"] = ttft(llm, prompt)
+        llm.close()
+        prefill = subprocess.Popen(
+            [sys.executable, __file__, "--pd-prefill", url, "--tokens", str(n), "--hidden",
+             str(a.hidden), "--layers", str(a.layers), "--kv-heads", str(a.kv_heads)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env, cwd=ROOT)
+        try:
+            log("prefill instance: prefill ...")
+            res["prefill_instance_s"] = json.loads(prefill.stdout.readline())["prefill_s"]
+            log("decode instance: pull from the prefill instance over NIXL ...")
+            conn = LMCReferenceConnector(_pd_config(a, url, kv_bytes), model_dir=path)
+            llm = engine(path, n, conn)
+            res["p2p_s"], res["p2p_cached"] = ttft(llm, prompt)
+            res["p2p_hits"] = conn.engine.storage.tiers[-1].stats()["hits"]
+            llm.close()
+        finally:
+            prefill.stdin.close()
+            prefill.wait(120)
+    return res
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--chunks", type=int, default=32)
@@ -171,7 +254,33 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--quick", action="store_true", help="8 chunks of 4 MiB, 3 repetitions")
     ap.add_argument("--json", help="also write the figures here")
     ap.add_argument("--owner", help=argparse.SUPPRESS)  # the owner process's role
+    ap.add_argument("--pd", action="store_true",
+                    help="prefill/decode TTFT on the reference engine instead")
+    ap.add_argument("--tokens", type=int, default=8192, help="--pd: prompt length")
+    ap.add_argument("--hidden", type=int, default=1024, help="--pd: model width")
+    ap.add_argument("--layers", type=int, default=8, help="--pd: model depth")
+    ap.add_argument("--kv-heads", type=int, default=8, help="--pd: KV heads")
+    ap.add_argument("--pd-prefill", help=argparse.SUPPRESS)  # the prefill instance's role
     a = ap.parse_args(argv)
+    if a.pd_prefill:
+        pd_prefill(a)
+    if a.pd:
+        if a.quick:
+            a.tokens, a.hidden, a.layers, a.kv_heads = 4096, 512, 4, 4
+        r = pd(a)
+        full = r["full_prefill_s"]
+        print(f"{r['tokens']} tokens, {r['kv_mib']:.0f} MiB of KV; load "
+              f"{os.getloadavg()[0]:.1f}")
+        for name, key, cached in (("single instance, full prefill", "full_prefill_s", None),
+                                  ("decode instance, P2P pull", "p2p_s", "p2p_cached"),
+                                  ("decode instance, daemon load", "daemon_s",
+                                   "daemon_cached")):
+            extra = f"  cached {r[cached]}" if cached else ""
+            print(f"{name:32s} TTFT {r[key]:8.3f} s  {full / r[key]:6.1f}x{extra}")
+        if a.json:
+            Path(a.json).write_text(json.dumps(r, indent=1))
+        sys.stdout.flush()
+        os._exit(0)
     if a.quick:
         a.chunks, a.chunk_mib, a.reps = 8, 4, 3
     if a.owner:

@@ -54,6 +54,9 @@ class PoolAgent:
         self.name = name
         self.pool = pool
         self._lock = threading.RLock()
+        # NIXL's progress thread is needed: without it a reader's first READ hangs in
+        # connection set-up until the owner happens to progress its worker. Its cost: it
+        # spins about one core even while idle (measured with NIXL 1.5.1 here)
         self.agent = api.nixl_agent(name, api.nixl_agent_config(backends=list(backends)))
         self.versions = torch.zeros(slots, dtype=torch.int64)
         self._scratch = torch.zeros(SCRATCH_SLOTS, dtype=torch.int64)
