@@ -7,7 +7,7 @@ Owner side. Chunks reach this tier as every lower tier's do (``put`` from write-
 under write-through on every store): each is *exported*, i.e. the tier takes a reference on
 L1's own object (no copy), gives it a slot in the version table with a fresh version, and
 advertises ``(offset, length, slot, version, shape)`` on its membership connection. Exports
-are bounded in bytes (``export_bytes``, a quarter of the pool by default, since exported
+are bounded in bytes (``export_bytes``, half the pool by default, since exported
 chunks cannot be evicted) and in time (``export_ttl`` seconds after they were exported,
 swept by a timer): the oldest go first. Letting one go clears its slot *before* the
 reference is released.
@@ -81,7 +81,7 @@ class P2PBackend(StorageBackend):
         self.raw: MemoryPool = getattr(pool, "raw", pool)
         self.timeout = config.remote_timeout
         self._token = config.remote_token
-        self.export_bytes = self.raw.size // 4 if export_bytes is None else export_bytes
+        self.export_bytes = self.raw.size // 2 if export_bytes is None else export_bytes
         if export_ttl <= 0:
             raise ValueError(f"export_ttl must be > 0 seconds, got {export_ttl}")
         self.export_ttl = export_ttl
