@@ -21,8 +21,12 @@ def start_daemon(tmp_path):
         return d
 
     yield start
-    for d in procs:
-        d.kill()
+    try:
+        for d in procs:
+            d.audit()
+    finally:
+        for d in procs:
+            d.kill()
 
 
 @pytest.fixture(scope="module")
@@ -32,4 +36,7 @@ def shared_daemon(tmp_path_factory):
                    unix=True)
     d.start()
     yield d
-    d.kill()
+    try:
+        d.audit()
+    finally:
+        d.kill()

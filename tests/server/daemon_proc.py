@@ -96,6 +96,22 @@ class DaemonProc:
         self.proc.send_signal(signal.SIGTERM)
         return self.proc.wait(timeout)
 
+    def audit(self) -> None:
+        """Fail if the daemon met a pool invariant violation or leaked pool objects (the
+        test process cannot see inside it otherwise): its STATS where it still answers
+        without a token, and its log in any case."""
+        problems = [line for line in self.log().splitlines()
+                    if "InvariantError" in line or "pool invariant violated" in line]
+        if self.alive():
+            try:
+                pool = self.stats()["pool"]
+            except Exception:  # a token-only or dying daemon: the log is what we have
+                pool = {}
+            if pool.get("violations") or pool.get("leaks"):
+                problems.append(f"STATS pool: {pool}")
+        assert not problems, (f"daemon {self.workdir} broke pool invariants:\n"
+                              + "\n".join(problems[:20]))
+
     def kill(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.kill()  # SIGKILL to this pid only
