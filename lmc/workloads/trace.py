@@ -1,0 +1,196 @@
+"""The trace format: JSONL, one request per line (see ``docs/workloads.md``).
+
+One format serves every consumer (replay, the capacity planner, generators, loaders), so
+a trace generated once can be replayed on a real engine and sized by the planner and the
+two answers compared request for request. Bad input fails with ``file:line`` and the
+field, because traces are often hand-edited or produced by other tools.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+KEYS = ("arrival_s", "request_id", "session_id", "prefix_group", "prompt_tokens", "prompt", "output_len")
+
+
+class TraceError(ValueError):
+    """A trace line that cannot be read; the message names ``file:line`` and the field."""
+
+
+class Encoder(Protocol):
+    """What :meth:`TraceRequest.tokens` needs of a tokenizer (lmc.reference.tokenizer has it)."""
+
+    def encode(self, text: str) -> list[int]: ...
+
+
+@dataclass(frozen=True)
+class TraceRequest:
+    """One request: when it arrives, what it asks, how many tokens it generates.
+
+    Exactly one of ``prompt_tokens`` / ``prompt_text`` is set. ``session_id`` ties the turns
+    of one conversation together; ``prefix_group`` names requests built on one shared
+    prefix (a system prompt, a document); both are informational for reports and may be None.
+    """
+
+    arrival_s: float
+    request_id: str
+    session_id: str | None
+    prefix_group: str | None
+    prompt_tokens: list[int] | None
+    prompt_text: str | None
+    output_len: int
+
+    def __post_init__(self) -> None:
+        problem = _check(self)
+        if problem is not None:
+            raise TraceError(f"request {self.request_id!r}: {problem}")
+        if isinstance(self.arrival_s, int):
+            object.__setattr__(self, "arrival_s", float(self.arrival_s))
+
+    def tokens(self, tokenizer: Encoder | None) -> list[int]:
+        """The prompt as token ids; a text prompt needs a tokenizer (the engine's own, so
+        keys match what the engine caches)."""
+        if self.prompt_tokens is not None:
+            return list(self.prompt_tokens)
+        if tokenizer is None:
+            raise TraceError(
+                f"request {self.request_id!r} has a text prompt; a tokenizer is needed to get token ids"
+            )
+        assert self.prompt_text is not None
+        return list(tokenizer.encode(self.prompt_text))
+
+    def to_json(self) -> dict[str, Any]:
+        """The JSON object of one trace line (``prompt_tokens`` or ``prompt``, never both)."""
+        out: dict[str, Any] = {
+            "arrival_s": self.arrival_s,
+            "request_id": self.request_id,
+            "session_id": self.session_id,
+            "prefix_group": self.prefix_group,
+        }
+        if self.prompt_tokens is not None:
+            out["prompt_tokens"] = self.prompt_tokens
+        else:
+            out["prompt"] = self.prompt_text
+        out["output_len"] = self.output_len
+        return out
+
+
+def _check(req: TraceRequest) -> str | None:
+    """The first thing wrong with a request, as ``field: problem``, or None."""
+    if isinstance(req.arrival_s, bool) or not isinstance(req.arrival_s, (int, float)):
+        return f"arrival_s: expected a number of seconds, got {req.arrival_s!r}"
+    if not math.isfinite(req.arrival_s) or req.arrival_s < 0:
+        return f"arrival_s: must be finite and >= 0, got {req.arrival_s!r}"
+    if not isinstance(req.request_id, str) or not req.request_id:
+        return f"request_id: expected a non-empty string, got {req.request_id!r}"
+    for name in ("session_id", "prefix_group"):
+        value = getattr(req, name)
+        if value is not None and not isinstance(value, str):
+            return f"{name}: expected a string or null, got {value!r}"
+    if (req.prompt_tokens is None) == (req.prompt_text is None):
+        return "prompt_tokens/prompt: exactly one of them must be given"
+    if req.prompt_tokens is not None:
+        if not isinstance(req.prompt_tokens, list) or not req.prompt_tokens:
+            return "prompt_tokens: expected a non-empty list of token ids"
+        toks = req.prompt_tokens
+        # C-speed checks first (the planner reads million-request traces); find the culprit only on failure
+        if set(map(type, toks)) != {int} or min(toks) < 0 or max(toks) >= 2**32:
+            for i, tok in enumerate(toks):
+                if type(tok) is not int or not 0 <= tok < 2**32:
+                    return f"prompt_tokens[{i}]: expected a token id in [0, 2**32), got {tok!r}"
+    elif not isinstance(req.prompt_text, str) or not req.prompt_text:
+        return f"prompt: expected non-empty text, got {req.prompt_text!r}"
+    if isinstance(req.output_len, bool) or not isinstance(req.output_len, int) or req.output_len < 1:
+        return f"output_len: expected an integer >= 1, got {req.output_len!r}"
+    return None
+
+
+def _from_json(obj: Any) -> TraceRequest:
+    if not isinstance(obj, dict):
+        raise TraceError(f"expected a JSON object, got {type(obj).__name__}")
+    unknown = sorted(set(obj) - set(KEYS))
+    if unknown:
+        raise TraceError(f"{unknown[0]}: unknown key (known: {', '.join(KEYS)})")
+    for key in ("arrival_s", "request_id", "output_len"):
+        if key not in obj:
+            raise TraceError(f"{key}: missing")
+    if "prompt_tokens" in obj and "prompt" in obj:
+        raise TraceError("prompt_tokens/prompt: give one of them, not both")
+    if "prompt_tokens" not in obj and "prompt" not in obj:
+        raise TraceError("prompt_tokens/prompt: missing (one of them is required)")
+    req = object.__new__(TraceRequest)  # validate before __post_init__ wraps the message
+    fields = {
+        "arrival_s": obj["arrival_s"],
+        "request_id": obj["request_id"],
+        "session_id": obj.get("session_id"),
+        "prefix_group": obj.get("prefix_group"),
+        "prompt_tokens": obj.get("prompt_tokens"),
+        "prompt_text": obj.get("prompt"),
+        "output_len": obj["output_len"],
+    }
+    for name, value in fields.items():
+        object.__setattr__(req, name, value)
+    problem = _check(req)
+    if problem is not None:
+        raise TraceError(problem)
+    if isinstance(req.arrival_s, int):
+        object.__setattr__(req, "arrival_s", float(req.arrival_s))
+    return req
+
+
+def read_trace(path: str | os.PathLike[str]) -> Iterator[TraceRequest]:
+    """Requests of a JSONL trace in file order (streamed: a million-line trace is fine).
+
+    Blank lines are skipped. Arrival times must not decrease, since replay and the planner
+    walk the trace in order; a request id may not repeat. Errors read ``file:line: field: problem``.
+    """
+    path = Path(path)
+    seen: set[str] = set()
+    last = 0.0
+    with path.open(encoding="utf-8") as f:
+        for lineno, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            where = f"{path}:{lineno}"
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise TraceError(f"{where}: malformed JSON: {e.msg} (column {e.colno})") from None
+            try:
+                req = _from_json(obj)
+            except TraceError as e:
+                raise TraceError(f"{where}: {e}") from None
+            if req.arrival_s < last:
+                raise TraceError(
+                    f"{where}: arrival_s: {req.arrival_s} is earlier than the previous line's {last}"
+                    " (traces are in arrival order)"
+                )
+            if req.request_id in seen:
+                raise TraceError(f"{where}: request_id: {req.request_id!r} repeats an earlier line")
+            seen.add(req.request_id)
+            last = req.arrival_s
+            yield req
+
+
+def write_trace(path: str | os.PathLike[str], requests: Iterable[TraceRequest]) -> int:
+    """Write requests as JSONL (atomically: a temporary file renamed); returns the count."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    count = 0
+    try:
+        with tmp.open("w", encoding="utf-8") as f:
+            for req in requests:
+                f.write(json.dumps(req.to_json(), separators=(",", ":")))
+                f.write("\n")
+                count += 1
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+    return count
