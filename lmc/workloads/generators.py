@@ -1,0 +1,343 @@
+"""Generators for the workloads people use to evaluate KV offloading, deterministic from a seed.
+
+- **chat**: multi-turn conversations (12-18 turns by default) over one shared system
+  prompt; each turn's prompt is the whole history so far (system, earlier questions and
+  answers, the new question), the way vLLM's multi-turn benchmark drives a server.
+  ``active`` conversations are open at once and turns interleave across them, so the cache
+  has to hold several histories, not just the last one.
+- **prefix**: N groups x M prompts, each group a long system prompt of its own followed by
+  a short question, in a seeded random order (llm-d's shared-prefix benchmark).
+- **docqa**: D long documents asked a new question each round, R rounds, documents in the
+  same (``tile``) or a reshuffled (``random``) order each round: the long-document QA
+  pattern, where reuse distance is a whole round of documents.
+- **sharegpt**: a loader for ShareGPT-style JSON (``[{"conversations": [{"from": "human",
+  "value": ...}, {"from": "gpt", ...}]}]``): each human turn becomes a request whose prompt
+  is the history, with the recorded answer's length as ``output_len``.
+
+A request is built from *segments* (system prompt, a turn, an answer), so a trace can be
+written as text (portable to any model) or, given a tokenizer, as token ids made by
+concatenating each segment's tokens: prefixes are then shared exactly at the token level,
+whatever the tokenizer would merge across a boundary.
+
+Arrival times: a Poisson process of ``rate`` requests per second, or all at 0 (``rate``
+None: as fast as possible). Turns of one conversation keep their order; a replay also waits
+for a turn's answer before sending the next turn of the same session.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+from lmc.workloads.text import TextGen
+from lmc.workloads.trace import TraceError, TraceRequest
+
+WORDS_PER_TOKEN = 0.75  # English BPE rule of thumb, used only when no tokenizer is given
+
+
+class SegmentTokenizer(Protocol):
+    """What token-mode rendering needs (``lmc.reference.tokenizer.Tokenizer`` has it)."""
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
+
+
+@dataclass(frozen=True)
+class Draft:
+    """A request before rendering: its prompt as segments, joined in order."""
+
+    request_id: str
+    session_id: str | None
+    prefix_group: str | None
+    segments: tuple[str, ...]
+    output_len: int
+
+
+# --------------------------------------------------------------------------- helpers
+def load_tokenizer(path: str | Path) -> SegmentTokenizer:
+    """A ``tokenizer.json``, or a model directory holding one."""
+    from lmc.reference.tokenizer import Tokenizer
+
+    p = Path(path).expanduser()
+    if p.is_dir():
+        p = p / "tokenizer.json"
+    if not p.is_file():
+        raise FileNotFoundError(f"--tokenizer {path}: no tokenizer.json there")
+    return Tokenizer(p)
+
+
+class _Sizer:
+    """Makes text of about ``n`` tokens: counted with the tokenizer when there is one
+    (sentences added until it encodes to ``n`` or more), else estimated from words."""
+
+    def __init__(self, tokenizer: SegmentTokenizer | None) -> None:
+        self.tok = tokenizer
+
+    def text(self, gen: TextGen, tokens: int, paragraphs: bool = False) -> str:
+        words = max(1, round(tokens * WORDS_PER_TOKEN))
+        make = gen.paragraphs if paragraphs else gen.words
+        text = make(words)
+        if self.tok is None:
+            return text
+        sep = "\n\n" if paragraphs else " "
+        have = len(self.tok.encode(text, add_special_tokens=False))
+        while have < tokens:  # top up using the measured tokens-per-word ratio
+            ratio = have / max(1, text.count(" ") + 1)
+            more = make(max(4, math.ceil((tokens - have) / max(ratio, 0.1))))
+            text += sep + more
+            have = len(self.tok.encode(text, add_special_tokens=False))
+        return text
+
+
+def arrival_times(n: int, rate: float | None, seed: int) -> list[float]:
+    """``n`` Poisson arrivals at ``rate`` per second from t=0, or all 0 when ``rate`` is None."""
+    if rate is None:
+        return [0.0] * n
+    if not rate > 0 or not math.isfinite(rate):
+        raise ValueError(f"rate must be a positive number of requests per second, got {rate}")
+    rng = random.Random(seed ^ 0x5EED)
+    t, out = 0.0, []
+    for _ in range(n):
+        out.append(round(t, 6))
+        t += rng.expovariate(rate)
+    return out
+
+
+def interleave(sessions: Sequence[Sequence[Draft]], active: int, rng: random.Random
+               ) -> list[Draft]:
+    """Turns of ``active`` open sessions at a time, the next turn drawn from a random open
+    session; a finished session is replaced by the next unopened one. Order within a
+    session is kept."""
+    if active < 1:
+        raise ValueError(f"active must be >= 1, got {active}")
+    pending = list(reversed([list(s) for s in sessions if s]))
+    open_: list[list[Draft]] = []
+    out: list[Draft] = []
+    while pending or open_:
+        while pending and len(open_) < active:
+            open_.append(pending.pop())
+        i = rng.randrange(len(open_))
+        out.append(open_[i].pop(0))
+        if not open_[i]:
+            open_.pop(i)
+    return out
+
+
+def render(drafts: Sequence[Draft], arrivals: Sequence[float],
+           tokenizer: SegmentTokenizer | None = None) -> Iterator[TraceRequest]:
+    """Drafts as trace requests: text joined, or (with a tokenizer) each segment's tokens
+    concatenated after the tokenizer's own leading special tokens (BOS), each distinct
+    segment encoded once."""
+    cache: dict[str, list[int]] = {}
+    lead = list(tokenizer.encode("", add_special_tokens=True)) if tokenizer else []
+    for d, t in zip(drafts, arrivals, strict=True):
+        if tokenizer is None:
+            yield TraceRequest(t, d.request_id, d.session_id, d.prefix_group, None,
+                               "".join(d.segments), d.output_len)
+            continue
+        ids = list(lead)
+        for seg in d.segments:
+            toks = cache.get(seg)
+            if toks is None:
+                toks = cache[seg] = list(tokenizer.encode(seg, add_special_tokens=False))
+            ids.extend(toks)
+        yield TraceRequest(t, d.request_id, d.session_id, d.prefix_group, ids, None,
+                           d.output_len)
+
+
+def _check_range(name: str, lo: int, hi: int) -> None:
+    if lo < 1 or hi < lo:
+        raise ValueError(f"{name}: expected 1 <= min <= max, got {lo}-{hi}")
+
+
+def _positive(**values: int) -> None:
+    for name, v in values.items():
+        if v < 1:
+            raise ValueError(f"{name} must be >= 1, got {v}")
+
+
+# -------------------------------------------------------------------------------- chat
+@dataclass(frozen=True)
+class ChatSpec:
+    conversations: int = 16
+    turns: tuple[int, int] = (12, 18)
+    system_tokens: int = 1000
+    user_tokens: tuple[int, int] = (30, 120)
+    output_len: int = 64
+    active: int = 4
+    seed: int = 0
+
+
+def chat_drafts(spec: ChatSpec, tokenizer: SegmentTokenizer | None = None) -> list[Draft]:
+    """Multi-turn conversations over one system prompt; turn k's prompt is the system
+    prompt plus turns 1..k-1 (question and a synthetic answer of ``output_len`` tokens)
+    plus question k."""
+    _positive(conversations=spec.conversations, output_len=spec.output_len,
+              system_tokens=spec.system_tokens)
+    _check_range("turns", *spec.turns)
+    _check_range("user_tokens", *spec.user_tokens)
+    rng = random.Random(spec.seed)
+    size = _Sizer(tokenizer)
+    system = f"System: {size.text(TextGen(spec.seed * 1_000_003 + 1), spec.system_tokens)}\n"
+    sessions: list[list[Draft]] = []
+    for c in range(spec.conversations):
+        gen = TextGen(spec.seed * 1_000_003 + 100 + c)
+        history: list[str] = [system]
+        turns: list[Draft] = []
+        for k in range(rng.randint(*spec.turns)):
+            question = size.text(gen, rng.randint(*spec.user_tokens))
+            history.append(f"\nUser: {question}\nAssistant:")
+            turns.append(Draft(f"chat-{c}-{k}", f"chat-{c}", "system", tuple(history),
+                               spec.output_len))
+            history.append(f" {size.text(gen, spec.output_len)}\n")
+        sessions.append(turns)
+    return interleave(sessions, spec.active, rng)
+
+
+# ------------------------------------------------------------------------------ prefix
+@dataclass(frozen=True)
+class PrefixSpec:
+    groups: int = 8
+    prompts_per_group: int = 16
+    system_tokens: int = 2000
+    question_tokens: int = 60
+    output_len: int = 32
+    seed: int = 0
+
+
+def prefix_drafts(spec: PrefixSpec, tokenizer: SegmentTokenizer | None = None) -> list[Draft]:
+    """``groups`` distinct long system prompts, each followed by ``prompts_per_group``
+    different questions; all requests in a seeded random order."""
+    _positive(groups=spec.groups, prompts_per_group=spec.prompts_per_group,
+              system_tokens=spec.system_tokens, question_tokens=spec.question_tokens,
+              output_len=spec.output_len)
+    size = _Sizer(tokenizer)
+    drafts: list[Draft] = []
+    for g in range(spec.groups):
+        gen = TextGen(spec.seed * 1_000_003 + 7 + g)
+        system = f"System: {size.text(gen, spec.system_tokens)}\n"
+        for m in range(spec.prompts_per_group):
+            q = size.text(gen, spec.question_tokens)
+            drafts.append(Draft(f"prefix-{g}-{m}", None, f"group-{g}",
+                                (system, f"\nUser: {q}\nAssistant:"), spec.output_len))
+    random.Random(spec.seed).shuffle(drafts)
+    return drafts
+
+
+# ------------------------------------------------------------------------------- docqa
+@dataclass(frozen=True)
+class DocQASpec:
+    documents: int = 8
+    doc_tokens: int = 4000
+    rounds: int = 3
+    question_tokens: int = 30
+    output_len: int = 32
+    order: str = "tile"  # tile: the same document order every round; random: reshuffled
+    seed: int = 0
+
+
+def docqa_drafts(spec: DocQASpec, tokenizer: SegmentTokenizer | None = None) -> list[Draft]:
+    """Each round asks every document a new question (document text first, so the
+    document is the shared prefix)."""
+    _positive(documents=spec.documents, doc_tokens=spec.doc_tokens, rounds=spec.rounds,
+              question_tokens=spec.question_tokens, output_len=spec.output_len)
+    if spec.order not in ("tile", "random"):
+        raise ValueError(f"order must be 'tile' or 'random', got {spec.order!r}")
+    rng = random.Random(spec.seed)
+    size = _Sizer(tokenizer)
+    gens = [TextGen(spec.seed * 1_000_003 + 500 + d) for d in range(spec.documents)]
+    docs = [f"Document {d + 1}.\n\n{size.text(g, spec.doc_tokens, paragraphs=True)}\n"
+            for d, g in enumerate(gens)]
+    order = list(range(spec.documents))
+    drafts: list[Draft] = []
+    for r in range(spec.rounds):
+        if spec.order == "random":
+            rng.shuffle(order)
+        for d in order:
+            q = size.text(gens[d], spec.question_tokens)
+            drafts.append(Draft(f"doc-{d}-{r}", None, f"doc-{d}",
+                                (docs[d], f"\nQuestion: {q}\nAnswer:"), spec.output_len))
+    return drafts
+
+
+# ---------------------------------------------------------------------------- sharegpt
+USER_ROLES = frozenset({"human", "user"})
+ASSISTANT_ROLES = frozenset({"gpt", "assistant", "chatgpt", "bing", "bard", "model"})
+
+
+@dataclass(frozen=True)
+class ShareGPTSpec:
+    path: str
+    max_conversations: int | None = None
+    max_output_len: int = 1024
+    active: int = 4
+    seed: int = 0
+
+
+def sharegpt_drafts(spec: ShareGPTSpec, tokenizer: SegmentTokenizer | None = None
+                    ) -> tuple[list[Draft], int]:
+    """Requests from a ShareGPT-style file, and how many conversations were skipped (no
+    human turn followed by an answer). ``output_len`` is the recorded answer's length in
+    tokens (estimated from words without a tokenizer), capped at ``max_output_len``."""
+    path = Path(spec.path)
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise TraceError(f"{path}:{e.lineno}: malformed JSON: {e.msg}") from None
+    if not isinstance(data, list):
+        raise TraceError(f"{path}: expected a JSON list of conversations, got "
+                         f"{type(data).__name__}")
+    sessions: list[list[Draft]] = []
+    skipped = 0
+    for i, entry in enumerate(data):
+        if spec.max_conversations is not None and len(sessions) >= spec.max_conversations:
+            break
+        turns = _conversation(path, i, entry)
+        cid = str(entry.get("id", i))
+        history: list[str] = []
+        drafts: list[Draft] = []
+        for k, (role, text) in enumerate(turns):
+            if role == "system":
+                history.append(f"System: {text}\n")
+            elif role == "user":
+                history.append(f"\nUser: {text}\nAssistant:")
+                answer = turns[k + 1][1] if k + 1 < len(turns) and turns[k + 1][0] == "assistant" \
+                    else None
+                if answer is not None:
+                    n = (len(tokenizer.encode(answer, add_special_tokens=False)) if tokenizer
+                         else math.ceil(len(answer.split()) / WORDS_PER_TOKEN))
+                    drafts.append(Draft(f"sharegpt-{cid}-{len(drafts)}", f"sharegpt-{cid}", None,
+                                        tuple(history), max(1, min(n, spec.max_output_len))))
+            else:
+                history.append(f" {text}\n")
+        if drafts:
+            sessions.append(drafts)
+        else:
+            skipped += 1
+    return interleave(sessions, spec.active, random.Random(spec.seed)), skipped
+
+
+def _conversation(path: Path, i: int, entry: Any) -> list[tuple[str, str]]:
+    """One entry's turns as (system|user|assistant, text); errors name the entry."""
+    where = f"{path}: conversation {i}"
+    if not isinstance(entry, dict) or not isinstance(entry.get("conversations"), list):
+        raise TraceError(f"{where}: expected an object with a 'conversations' list")
+    out: list[tuple[str, str]] = []
+    for j, turn in enumerate(entry["conversations"]):
+        if not isinstance(turn, dict) or not isinstance(turn.get("value"), str):
+            raise TraceError(f"{where}, turn {j}: expected {{'from': ..., 'value': text}}")
+        who = str(turn.get("from", "")).lower()
+        if who in USER_ROLES:
+            out.append(("user", turn["value"]))
+        elif who in ASSISTANT_ROLES:
+            out.append(("assistant", turn["value"]))
+        elif who == "system":
+            out.append(("system", turn["value"]))
+        else:
+            raise TraceError(f"{where}, turn {j}: unknown role {turn.get('from')!r} (expected "
+                             f"human/user, gpt/assistant or system)")
+    return [(r, t) for r, t in out if t.strip()]
