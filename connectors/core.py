@@ -153,6 +153,8 @@ class SchedulerConnector:
         self._hits: dict[str, LookupResult] = {}  # request id -> its lookup, until admitted
         self._pending: dict[str, _PendingLoad] = {}  # admitted, load not yet in a step
         self._finished: list[str] = []  # for the worker's forget, until a step carries work
+        self._remote: set[str] = set()  # matched as asynchronous loads, not yet admitted
+        self._async_ready: list[LoadSpec] = []  # admitted asynchronous loads, for the next step
         self._step = 0
         self.stats = SchedulerStats()
 
@@ -176,6 +178,25 @@ class SchedulerConnector:
         usable = min(found.tokens, n - 1)
         usable -= usable % self.config.align
         return max(0, usable - num_computed_tokens)
+
+    def match_remote(self, request_id: str, token_ids: Sequence[int],
+                     num_computed_tokens: int, remote_tokens: int) -> int:
+        """A prefill/decode consumer's answer for a request another instance prefilled:
+        its first ``remote_tokens`` positions will be pulled *asynchronously* (the worker
+        waits for them in the background, the engine schedules the request once they are
+        in). Clamped like a lookup (the last token is computed here, ``align``); no lookup
+        is made, since the producer may still be publishing its chunks: the worker's load
+        waits for them and reports what never came as load errors (recomputed)."""
+        if not self.config.load:
+            return 0
+        usable = min(max(0, remote_tokens), len(token_ids) - 1)
+        usable -= usable % self.config.align
+        n = max(0, usable - num_computed_tokens)
+        if n:
+            self._remote.add(request_id)
+        else:
+            self._remote.discard(request_id)
+        return n
 
     def _do_lookup(self, token_ids: Sequence[int]) -> LookupResult | None:
         self.stats.lookups += 1
@@ -201,12 +222,29 @@ class SchedulerConnector:
         return found
 
     def update_state_after_alloc(self, request_id: str, token_ids: Sequence[int],
-                                 num_computed_tokens: int, num_external_tokens: int) -> None:
+                                 num_computed_tokens: int, num_external_tokens: int,
+                                 block_ids: Sequence[int] | None = None) -> None:
         """The engine admitted the request and will have lmc load ``num_external_tokens``
-        positions from ``num_computed_tokens`` on (the engine's clamped answer)."""
+        positions from ``num_computed_tokens`` on (the engine's clamped answer).
+        ``block_ids``: the request's blocks, needed now for an asynchronous load (it is
+        not scheduled until the load is in, so no step would carry its blocks)."""
         found = self._hits.pop(request_id, None)
         self._pending.pop(request_id, None)
+        remote = request_id in self._remote
+        self._remote.discard(request_id)
         if num_external_tokens <= 0 or not self.config.load:
+            return
+        if remote:
+            if block_ids is None:
+                raise ValueError(f"request {request_id}: an asynchronous load needs the "
+                                 "request's block ids at admission")
+            cs = self.config.chunk_size
+            start, end = num_computed_tokens, num_computed_tokens + num_external_tokens
+            stop = min(-(-end // cs) * cs, len(token_ids))
+            self.stats.loads += 1
+            self.stats.load_tokens += end - start
+            self._async_ready.append(LoadSpec(request_id, tuple(token_ids[:stop]),
+                                              tuple(block_ids), start, end, start - start % cs))
             return
         cs = self.config.chunk_size
         start, end = num_computed_tokens, num_computed_tokens + num_external_tokens
@@ -238,7 +276,9 @@ class SchedulerConnector:
             self._forget(rid)
         self._finished += finished_ids
         self._step += 1
-        meta = ConnectorMetadata(step_id=self._step, forget=list(self._finished))
+        meta = ConnectorMetadata(step_id=self._step, forget=list(self._finished),
+                                 async_loads=self._async_ready)
+        self._async_ready = []  # never dropped: the engine waits for each one's completion
         for req in scheduled:
             pending = self._pending.pop(req.request_id, None)
             if pending is not None:
@@ -296,6 +336,7 @@ class SchedulerConnector:
     def _forget(self, request_id: str) -> None:
         self._hits.pop(request_id, None)
         self._pending.pop(request_id, None)
+        self._remote.discard(request_id)
 
     @property
     def num_tracked_requests(self) -> int:

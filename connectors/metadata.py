@@ -68,16 +68,21 @@ class ConnectorMetadata:
     ``forget``: requests that finished since an earlier step, so the worker drops what it
     keeps per request (chunk keys) before this step's work: a request id may then name a new
     request. Repeated until a step with loads or saves carries it (adapters may skip binding
-    an empty step's metadata)."""
+    an empty step's metadata).
+
+    ``async_loads``: loads the engine does not wait for inside a step (a prefill/decode
+    consumer's: the prompt's KV is pulled from the producer in the background while other
+    requests run); the worker reports each one finished later (``get_finished``)."""
 
     step_id: int = 0
     loads: list[LoadSpec] = field(default_factory=list)
     saves: list[SaveSpec] = field(default_factory=list)
     forget: list[str] = field(default_factory=list)
+    async_loads: list[LoadSpec] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:
-        return not self.loads and not self.saves
+        return not self.loads and not self.saves and not self.async_loads
 
 
 class ScheduledView(Protocol):

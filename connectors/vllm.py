@@ -20,6 +20,13 @@ A thin translation: each vLLM hook is one call on the engine-agnostic core
   block ids so vLLM recomputes them.
 
 ``kv_role``: ``kv_producer`` saves only, ``kv_consumer`` loads only, ``kv_both`` does both.
+Prefill/decode disaggregation (``lmc pd-proxy``): a request sent to a producer with
+``kv_transfer_params: {"do_remote_decode": true}`` comes back with the parameters a consumer
+needs (:func:`~lmc.connectors.vllm_scheduler.producer_params`); a consumer given them
+reports the prompt as an *asynchronous* hit (``(n, True)``), its worker pulls the chunks in
+the background (over the P2P tier, from the producer's pool) and reports them through
+``get_finished``; what does not arrive within ``vllm.remote_prefill_wait`` is reported
+through ``get_block_ids_with_load_errors`` and recomputed.
 The KV layout is detected from the tensors and the attention backend, and anything lmc
 cannot address exactly is refused at start-up (:mod:`lmc.connectors.vllm_layout`).
 Loads are synchronous to the step (layer-wise overlapped with compute), so vLLM schedules
@@ -176,7 +183,8 @@ class LMCConnector(KVConnectorBase_V1):
                 cache = cache.replace(
                     local_disk=os.path.join(cache.local_disk, f"tp{rank}of{tp_size}"))
             self._worker = WorkerSide(cache, _model_id(vllm_config, opts.model_id),
-                                      rank, tp_size, block_size, opts.layerwise, paths[rank])
+                                      rank, tp_size, block_size, opts.layerwise, paths[rank],
+                                      remote_wait=opts.remote_prefill_wait)
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -247,6 +255,14 @@ class LMCConnector(KVConnectorBase_V1):
         if self._worker is not None and self.has_connector_metadata():
             self._worker.wait_for_save()
 
+    def get_finished(self, finished_req_ids: set[str]
+                     ) -> tuple[set[str] | None, set[str] | None]:
+        """(None, requests whose asynchronous load ended): saves never outlive their
+        step, so nothing is ever reported as sending."""
+        if self._worker is None:
+            return None, None
+        return None, self._worker.get_finished(finished_req_ids) or None
+
     def get_block_ids_with_load_errors(self) -> set[int]:
         return set() if self._worker is None else self._worker.take_load_errors()
 
@@ -296,7 +312,8 @@ class LMCConnector(KVConnectorBase_V1):
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
                                  num_external_tokens: int) -> None:
-        self._require_scheduler().update_state_after_alloc(request, num_external_tokens)
+        self._require_scheduler().update_state_after_alloc(request, num_external_tokens,
+                                                           blocks)
 
     def get_external_cache_hit_sources(self, request: Request, num_external_tokens: int
                                        ) -> dict[CacheHitSource, int]:
@@ -314,6 +331,7 @@ class LMCConnector(KVConnectorBase_V1):
 
     def request_finished(self, request: Request, block_ids: list[int]
                          ) -> tuple[bool, dict[str, Any] | None]:
-        if self._scheduler is not None:
-            self._scheduler.request_finished(request)
-        return False, None
+        if self._scheduler is None:
+            return False, None
+        return False, self._scheduler.request_finished(
+            request, str(self._kv_transfer_config.engine_id))

@@ -46,6 +46,11 @@ class VllmOptions(Settings):
     recompute_on_load_error: bool = setting(
         True, parse_bool, "switch vLLM's kv_load_failure_policy from 'fail' to 'recompute', so "
         "a lost or corrupt chunk costs a recompute, not a failed request")
+    remote_prefill_wait: float = setting(
+        30.0, lambda v, k: parse_duration(v, k, minimum=0.001),
+        "kv_consumer: seconds a request prefilled by a producer waits for the producer's "
+        "chunks to be published before the missing positions are recomputed here",
+        unit="duration")
     allow_untested: bool = setting(
         False, parse_bool, "accept a vLLM version or attention backend whose KV geometry lmc can "
         "map but which was never run against lmc (otherwise refused at start-up)")

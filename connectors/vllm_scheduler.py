@@ -11,6 +11,7 @@ import), so it is tested without vLLM.
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -32,6 +33,8 @@ class SchedulerSide:
         self.core = SchedulerConnector(config, self._lookup)
         self.tracker = RequestTracker(config.save_decode)
         self._start: dict[str, int] = {}  # request id -> tokens it had before the lookup
+        self._async: set[str] = set()  # matched as prefill/decode (asynchronous) loads
+        self.pd_requests = 0  # requests that arrived with a producer's kv_transfer_params
 
     def _lookup(self, token_ids: Sequence[int]) -> LookupResult:
         return self.client.lookup(token_ids)
@@ -42,18 +45,35 @@ class SchedulerSide:
             return 0, False
         rid = request.request_id
         self._start[rid] = num_computed_tokens
+        remote = remote_prefill_tokens(request)
+        if remote is not None and self.core.config.load:
+            # another instance prefilled it: pulled in the background, vLLM waits for it
+            n = self.core.match_remote(rid, list(request.all_token_ids), num_computed_tokens,
+                                       remote)
+            if n:
+                self._async.add(rid)
+                return n, True
         n = self.core.get_num_new_matched_tokens(rid, list(request.all_token_ids),
                                                  num_computed_tokens)
-        return n, False  # loads are synchronous (layer-wise, inside the step)
+        return n, False  # loads from lmc's own tiers are synchronous (layer-wise, in-step)
 
-    def update_state_after_alloc(self, request: Any, num_external_tokens: int) -> None:
+    def update_state_after_alloc(self, request: Any, num_external_tokens: int,
+                                 blocks: Any = None) -> None:
         rid = request.request_id
         if not cacheable(request):
             return
         self.tracker.admit(request)
         start = self._start.pop(rid, request.num_computed_tokens)
+        block_ids = None
+        if rid in self._async:
+            self._async.discard(rid)
+            block_ids = list(blocks.get_block_ids()[0]) if blocks is not None else None
+            params = request.kv_transfer_params
+            if num_external_tokens > 0 and isinstance(params, dict):
+                params["do_remote_prefill"] = False  # one transfer per request
+                self.pd_requests += 1
         self.core.update_state_after_alloc(rid, list(request.all_token_ids), start,
-                                           num_external_tokens)
+                                           num_external_tokens, block_ids)
 
     def hit_sources(self, request: Any, num_external_tokens: int) -> tuple[int, int]:
         """(tokens from L1, tokens from lower tiers) of the load just admitted; all lower
@@ -70,17 +90,56 @@ class SchedulerSide:
         steps = self.tracker.step_requests(so)
         return self.core.build_metadata(steps, finished, preempted)
 
-    def request_finished(self, request: Any) -> None:
+    def request_finished(self, request: Any, engine_id: str = "") -> dict[str, Any] | None:
+        """Forget the request; a producer answers the ``kv_transfer_params`` a consumer
+        needs (vLLM puts them in the request's output; ``lmc pd-proxy`` forwards them).
+        Blocks are never held past this: the saves are in lmc's pool already, exported
+        from there, so the consumer reads lmc's copy, not vLLM's blocks."""
         rid = request.request_id
         self.core.request_finished(rid)
         self.tracker.drop(rid)
         self._start.pop(rid, None)
+        self._async.discard(rid)
+        params = getattr(request, "kv_transfer_params", None)
+        if not (self.core.config.save and isinstance(params, dict)
+                and params.get("do_remote_decode")):
+            return None
+        return producer_params(request.num_prompt_tokens, engine_id)
 
     def stats(self) -> dict[str, float]:
         out = {f"scheduler.{k}": v for k, v in vars(self.core.stats).items() if k != "extra"}
         out.update({f"lookup.{k}": v for k, v in vars(self.client.stats).items()})
         out["scheduler.tracked_requests"] = len(self.tracker)
+        out["scheduler.pd_requests"] = self.pd_requests
         return out
 
     def close(self) -> None:
         self.client.close()
+
+
+# ------------------------------------------------------- prefill/decode parameters
+PD_MARK = "lmc_pd"  # set by an lmc producer: its consumer is an lmc consumer
+
+
+def producer_params(num_prompt_tokens: int, engine_id: str) -> dict[str, Any]:
+    """What a producer returns for a request it prefilled for another instance (vLLM's
+    ``kv_transfer_params`` shape, so proxies written for vLLM's own connectors pass it on
+    unchanged). The chunks are named by content, so no block ids or addresses are needed:
+    the consumer finds them in the directory."""
+    return {"do_remote_prefill": True, "do_remote_decode": False, PD_MARK: 1,
+            "remote_num_tokens": int(num_prompt_tokens), "remote_engine_id": engine_id}
+
+
+def remote_prefill_tokens(request: Any) -> int | None:
+    """Prompt tokens a producer prefilled for ``request`` (from its ``kv_transfer_params``),
+    or None when the request was not prefilled elsewhere by an lmc producer."""
+    params = getattr(request, "kv_transfer_params", None)
+    if not (isinstance(params, dict) and params.get("do_remote_prefill")
+            and params.get(PD_MARK)):
+        return None
+    n = params.get("remote_num_tokens")
+    if isinstance(n, bool) or not isinstance(n, (int, float)) or not math.isfinite(n) or n < 0:
+        log.warning("request %s: kv_transfer_params remote_num_tokens=%r is not a token "
+                    "count: prefilled here", getattr(request, "request_id", "?"), n)
+        return None
+    return int(n)

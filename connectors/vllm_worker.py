@@ -8,8 +8,8 @@ core orders that stream after the layer's load, and each save after that point o
 (:mod:`lmc.connectors.worker`), without blocking the host. vLLM names
 layers (``model.layers.3.self_attn.attn``); the core counts them, so names map to indices in
 layer order. Saves are committed within their step (``wait_for_save``), so no save is ever
-pending across steps: nothing to report through ``get_finished`` and nothing to rescue in
-``handle_preemptions``.
+pending across steps: ``get_finished`` reports only asynchronous (prefill/decode) loads, and
+there is nothing to rescue in ``handle_preemptions``.
 """
 
 from __future__ import annotations
@@ -33,7 +33,8 @@ log = logging.getLogger(__name__)
 
 # WorkerStats fields reported to vLLM as connector stats (deltas per interval)
 STAT_FIELDS = ("loads", "load_tokens", "loaded_tokens", "load_failures", "saves",
-               "saved_tokens", "saves_dropped", "save_failures")
+               "saved_tokens", "saves_dropped", "save_failures", "async_loads",
+               "async_load_failures")
 
 
 class WorkerSide:
@@ -41,7 +42,8 @@ class WorkerSide:
     server answering the scheduler."""
 
     def __init__(self, cache_config: CacheConfig, model_id: str, tp_rank: int, tp_size: int,
-                 block_size: int, layerwise: bool, socket_path: str) -> None:
+                 block_size: int, layerwise: bool, socket_path: str,
+                 remote_wait: float = 30.0) -> None:
         self.cache_config = cache_config
         self.model_id = model_id
         self.tp_rank = tp_rank
@@ -49,6 +51,7 @@ class WorkerSide:
         self.block_size = block_size  # vLLM's (manager) block size: what block ids count
         self.layerwise = layerwise
         self.socket_path = socket_path
+        self.remote_wait = remote_wait
         self.engine: CacheEngine | None = None
         self.worker: WorkerConnector | None = None
         self.server: LookupServer | None = None
@@ -64,7 +67,7 @@ class WorkerSide:
         self.engine = CacheEngine(self.cache_config, spec, self.model_id, self.tp_rank,
                                   self.tp_size)
         self.worker = WorkerConnector(self.engine, list(choice.tensors), self.block_size,
-                                      layerwise=self.layerwise)
+                                      layerwise=self.layerwise, remote_wait=self.remote_wait)
         self._layer_index = {name: i for i, name in enumerate(choice.names)}
         self.server = LookupServer(self.socket_path, engine_lookup(lambda: self.engine))
         atexit.register(self.close)  # flushes the write-behind queue if vLLM never calls
@@ -97,6 +100,11 @@ class WorkerSide:
     def wait_for_save(self) -> None:
         if self.worker is not None:
             self.worker.wait_for_save()
+
+    def get_finished(self, finished_ids: set[str]) -> set[str]:
+        """Requests whose asynchronous (prefill/decode) load ended; call before
+        :meth:`take_load_errors` in the same step, which then holds their failed blocks."""
+        return set() if self.worker is None else self.worker.get_finished(finished_ids)
 
     def take_load_errors(self) -> set[int]:
         return set() if self.worker is None else self.worker.take_load_errors()

@@ -38,6 +38,15 @@ any work of the step, so a reused request id starts afresh), and at most
 ``max_tracked_requests`` are kept (least recently used go first).
 Loaded tokens are counted by the tier they came from as the load fetches them, so the
 statistics cost no second hash and no second question to any tier.
+
+Asynchronous loads (``meta.async_loads``, a prefill/decode consumer's) run on a thread of
+their own, outside any step: each waits (up to ``remote_wait`` seconds) until every chunk
+it needs is findable (the producer publishes its chunks while the consumer is told about
+the request), loads all layers into the request's blocks (the engine does not touch them
+until the load is reported), then is reported by :meth:`WorkerConnector.get_finished`.
+What never came, or failed, is reported as load errors *before* the request is reported
+finished (vLLM wants the blocks no later than the finished id), so the engine recomputes
+exactly those positions.
 """
 
 from __future__ import annotations
@@ -48,7 +57,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Iterable
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -81,6 +90,9 @@ class WorkerStats:
     saved_tokens: int = 0  # new tokens stored (chunks already present are not counted)
     saves_dropped: int = 0  # saves of requests whose load failed in the same step
     save_failures: int = 0
+    async_loads: int = 0  # asynchronous (prefill/decode) loads finished, failed ones too
+    async_load_failures: int = 0  # of those, the ones that left positions to recompute
+    async_wait_seconds: float = 0.0  # time they waited for the chunks to be published
     tokens_by_tier: dict[str, int] = field(default_factory=dict)  # positions, by source tier
 
     def as_dict(self) -> dict[str, Any]:
@@ -124,9 +136,18 @@ class WorkerConnector:
     """Executes loads and saves for one engine worker (one tensor-parallel rank)."""
 
     def __init__(self, engine: CacheEngine, kv_caches: KVCaches, block_size: int,
-                 layerwise: bool = True, max_tracked_requests: int = 1024) -> None:
+                 layerwise: bool = True, max_tracked_requests: int = 1024,
+                 remote_wait: float = 30.0) -> None:
         if max_tracked_requests < 1:
             raise ValueError(f"max_tracked_requests must be >= 1, got {max_tracked_requests}")
+        if not remote_wait > 0:
+            raise ValueError(f"remote_wait must be > 0 seconds, got {remote_wait}")
+        self.remote_wait = remote_wait
+        self._async_ex: ThreadPoolExecutor | None = None
+        self._async_done: dict[str, set[int]] = {}  # finished, not yet reported -> bad blocks
+        self._async_active: set[str] = set()  # queued or running
+        self._async_cancel: set[str] = set()  # finished by the engine while loading: stop
+        self._closing = threading.Event()
         self.engine = engine
         self.kv_caches = kv_caches
         self.block_size = block_size
@@ -203,6 +224,12 @@ class WorkerConnector:
         self.forget(meta.forget)
         self._meta = meta
         self.stats.steps += 1
+        for spec in meta.async_loads:
+            if self._async_ex is None:
+                self._async_ex = ThreadPoolExecutor(1, thread_name_prefix="lmc-async-load")
+            with self._lock:
+                self._async_active.add(spec.request_id)
+            self._async_ex.submit(self._load_async, spec)
 
     def start_load(self) -> None:
         """Fetch every load's chunks (held until the step ends, so nothing stored later in
@@ -349,6 +376,78 @@ class WorkerConnector:
         self._stores = None
         self._failed = {}
 
+    # ------------------------------------------------------- asynchronous loads
+    def _load_async(self, spec: LoadSpec) -> None:
+        """Wait until ``spec``'s chunks are findable, load all layers, record the outcome.
+        Never raises: whatever goes wrong is positions to recompute."""
+        bad_from = spec.end
+        t0 = time.monotonic()
+        try:
+            keys = self.engine.db.keys(spec.token_ids)  # (the kept keys are the step's)
+            pause = 0.002
+            while (not self._closing.is_set() and spec.request_id not in self._async_cancel
+                   and self.engine.lookup(spec.token_ids, keys=keys) < spec.end
+                   and time.monotonic() - t0 < self.remote_wait):
+                time.sleep(pause)
+                pause = min(pause * 2, 0.05)
+            waited = time.monotonic() - t0
+            if self._closing.is_set() or spec.request_id in self._async_cancel:
+                bad_from = spec.start
+            else:
+                n = len(spec.token_ids)
+                rt = self.engine.retrieve_layer(
+                    spec.token_ids, self.kv_caches,
+                    self._slots(spec.block_ids, n, spec.start, spec.end),
+                    prefix_mask(n, spec.mask_start), keys=keys)
+                try:
+                    for layer in range(self.num_layers):
+                        rt.load(layer)
+                finally:
+                    loaded = rt.close()
+                bad_from = min(spec.end, spec.mask_start + loaded)
+                self._count_tiers(spec, rt)
+            with self._lock:
+                self.stats.async_wait_seconds += waited
+        except Exception as e:
+            log.exception("lmc: asynchronous load of request %s failed", spec.request_id)
+            bad_from = spec.start
+            why = f"{type(e).__name__}: {e}"
+        else:
+            why = "chunks not published in time" if bad_from < spec.end else ""
+        bs = self.block_size
+        bad = set(spec.block_ids[max(bad_from, spec.start) // bs: -(-spec.end // bs)]) \
+            if bad_from < spec.end else set()
+        if bad:
+            log.warning("lmc asynchronous load of request %s: positions from %d not loaded "
+                        "(%s): %d block(s) will be recomputed", spec.request_id, bad_from,
+                        why, len(bad))
+        with self._lock:
+            self.stats.async_loads += 1
+            self.stats.load_tokens += spec.num_tokens
+            self.stats.loaded_tokens += max(0, min(bad_from, spec.end) - spec.start)
+            if bad:
+                self.stats.async_load_failures += 1
+            self._async_done[spec.request_id] = bad
+            self._async_active.discard(spec.request_id)
+
+    def get_finished(self, finished_ids: Iterable[str] = ()) -> set[str]:
+        """Requests whose asynchronous load ended since the last call (their failed
+        blocks move to :meth:`take_load_errors` in the same call, so a caller that asks
+        for errors after this sees them). ``finished_ids``: requests the engine finished
+        or aborted; a load still waiting for them stops."""
+        with self._lock:
+            self._async_cancel.update(i for i in finished_ids if i in self._async_active)
+            done, self._async_done = self._async_done, {}
+            for bad in done.values():
+                self._error_blocks.update(bad)
+            self._async_cancel.difference_update(done)
+        return set(done)
+
+    @property
+    def num_async_loads(self) -> int:
+        """Asynchronous loads queued or running (not yet finished)."""
+        return len(self._async_active)
+
     def take_load_errors(self) -> set[int]:
         """Blocks whose load failed since the last call (then forgotten)."""
         with self._lock:
@@ -356,5 +455,8 @@ class WorkerConnector:
         return out
 
     def close(self) -> None:
+        self._closing.set()  # waiting asynchronous loads give up at once
+        if self._async_ex is not None:
+            self._async_ex.shutdown(wait=True)
         if self._meta is not None:
             self._finish(commit=False)
