@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.util
 import os
 import re
 import sys
@@ -12,7 +13,15 @@ from typing import Any
 
 import yaml
 
-COMMAND_MODULES = ("lmc.demo", "lmc.server.cli", "lmc.server.stats_cli")
+# Each subcommand's module (it offers ``register_cli(subparsers)`` and sets ``func`` on its
+# parser) and the one-line summary ``lmc --help`` lists. A module is imported only when its
+# command runs: they pull in torch, and ``lmc --help`` should answer at once.
+COMMANDS: dict[str, tuple[str, str]] = {
+    "demo": ("lmc.demo", "cold vs warm TTFT on the built-in reference engine"),
+    "server": ("lmc.server.cli", "run the node-wide KV cache server daemon"),
+    "stats": ("lmc.server.stats_cli", "print a running lmc server's statistics"),
+}
+COMMAND_MODULES = tuple(dict.fromkeys(module for module, _ in COMMANDS.values()))
 
 
 def _config(args: argparse.Namespace) -> int:
@@ -85,7 +94,9 @@ def _add_bench(sub: Any) -> None:
     b.set_defaults(func=runner.run)
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    """The whole command line; with ``only``, just that subcommand is built in full and the
+    others are listed by their summary without importing their modules."""
     p = argparse.ArgumentParser(prog="lmc", description="KV-cache middleware for LLM engines")
     p.add_argument("--version", action="store_true", help="print the version and exit")
     sub = p.add_subparsers(dest="cmd", metavar="COMMAND")
@@ -95,7 +106,14 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--keys", action="store_true", help="list every key with its default")
     c.set_defaults(func=_config)
     _add_bench(sub)
-    for name in COMMAND_MODULES:
+    registered: set[str] = set()
+    for command, (name, summary) in COMMANDS.items():
+        if only is not None and command != only:
+            if importlib.util.find_spec(name) is not None:
+                sub.add_parser(command, help=summary)  # listed; built when it runs
+            continue
+        if name in registered:
+            continue
         try:
             mod = importlib.import_module(name)
         except ModuleNotFoundError as e:
@@ -103,6 +121,7 @@ def build_parser() -> argparse.ArgumentParser:
                 raise  # the module exists but something it needs is missing
             continue
         mod.register_cli(sub)
+        registered.add(name)
     return p
 
 
@@ -110,14 +129,14 @@ def main(argv: list[str] | None = None) -> int:
     """Ordinary ways out (Ctrl-C, a closed pipe such as ``lmc stats | head``) end with a
     line or silently, never a traceback."""
     try:
-        args = build_parser().parse_args(argv)
+        args = build_parser(only=_command(argv)).parse_args(argv)
         if args.version:
             from lmc import __version__
 
             print(__version__)
             return 0
         if not getattr(args, "func", None):
-            build_parser().print_help()
+            build_parser(only="").print_help()
             return 1
         return int(args.func(args))
     except KeyboardInterrupt:

@@ -88,3 +88,45 @@ def test_closed_stdout_is_quiet(argv):
     err = p.stderr.read().decode()
     p.wait(timeout=60)
     assert "Traceback" not in err and "BrokenPipeError" not in err, err
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["--version"], ["stats", "--help"],
+                                  ["demo", "--help"], ["bench", "--help"], ["config", "--keys"]])
+def test_help_and_light_commands_do_not_import_torch(argv):
+    """torch takes seconds to import: ``lmc --help`` and the commands that never touch a
+    tensor answer without it (``lmc`` imports its public names lazily)."""
+    code = (f"import sys\nfrom lmc.cli import main\ntry:\n    rc = main({argv!r})\n"
+            "except SystemExit as e:\n    rc = e.code\n"
+            "heavy = sorted(m for m in ('torch', 'numpy', 'lmc.cache_engine') "
+            "if m in sys.modules)\nprint('HEAVY', heavy, rc)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         cwd=ROOT, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.rstrip().splitlines()[-1] == "HEAVY [] 0", (argv, out.stdout[-500:])
+
+
+def test_lmc_help_lists_every_command_with_its_own_summary():
+    """The summaries ``lmc --help`` shows without importing a command's module are the ones
+    that module registers (a table in lmc.cli that cannot drift from them)."""
+    from lmc.cli import COMMANDS
+
+    full = next(a for a in build_parser()._actions if a.dest == "cmd")
+    light = next(a for a in build_parser(only="")._actions if a.dest == "cmd")
+    own = {a.dest: a.help for a in full._choices_actions}
+    listed = {a.dest: a.help for a in light._choices_actions}
+    assert set(COMMANDS) <= set(listed) and set(listed) == set(own)
+    assert listed == own
+
+
+def test_public_api_imports_lazily():
+    code = ("import sys, lmc\nassert 'torch' not in sys.modules\n"
+            "from lmc import CacheConfig, CacheEngine, KVSpec, invariants\n"
+            "assert CacheEngine.__module__ == 'lmc.cache_engine' and 'torch' in sys.modules\n"
+            "assert set(lmc.__all__) == set(lmc._LAZY) and set(lmc.__all__) <= set(dir(lmc))\n"
+            "assert all(getattr(lmc, n) is not None for n in lmc.__all__)\n"
+            "try:\n    lmc.no_such_name\nexcept AttributeError as e:\n"
+            "    assert 'no_such_name' in str(e)\nelse:\n    raise SystemExit('no error')\n"
+            "print('OK')\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         cwd=ROOT, timeout=120)
+    assert out.stdout.strip() == "OK", out.stderr[-2000:]

@@ -20,11 +20,13 @@ from pathlib import Path
 from typing import Any
 
 from lmc import units
-from lmc.server.client import Address, ClientConnection, ServerError
 
 
 def fetch(url: str, token: str | None, timeout: float) -> dict[str, Any]:
     """One STATS answer; a connection or protocol failure raises :class:`StatsError`."""
+    # imported here: the client needs torch, which ``lmc stats --help`` should not wait for
+    from lmc.server.client import Address, ClientConnection, ServerError
+
     try:
         conn = ClientConnection(Address.parse(url), token, timeout, "lmc-stats")
     except ServerError as e:  # reached, but turned away (a missing or wrong token)
