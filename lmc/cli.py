@@ -20,6 +20,9 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("lmc.demo", "cold vs warm TTFT on the built-in reference engine"),
     "server": ("lmc.server.cli", "run the node-wide KV cache server daemon"),
     "stats": ("lmc.server.stats_cli", "print a running lmc server's statistics"),
+    "workload": ("lmc.workloads.cli", "write a workload trace (chat, prefix, docqa, sharegpt)"),
+    "replay": ("lmc.workloads.replay_cli", "replay a trace on the reference engine or an "
+               "OpenAI-compatible server: TTFT, throughput, hits per tier"),
 }
 COMMAND_MODULES = tuple(dict.fromkeys(module for module, _ in COMMANDS.values()))
 

@@ -1,0 +1,183 @@
+"""``lmc workload``: write a trace of a standard workload (see ``docs/workloads.md``)."""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import sys
+from typing import Any
+
+from lmc.workloads.trace import write_trace
+
+WORKLOAD_DOC = """Write a workload trace (JSONL, see docs/workloads.md) for lmc replay and lmc plan.
+
+  chat      multi-turn conversations (12-18 turns) over a shared system prompt; each turn's
+            prompt is the whole history so far
+  prefix    N groups x M prompts, each group over its own long system prompt
+  docqa     long documents asked a new question each round
+  sharegpt  conversations from a ShareGPT-style JSON file
+
+Text is generated from a seed (same seed, same trace). Sizes are in tokens: exact lower
+bounds with --tokenizer (the trace then holds token ids), estimated from words without.
+Arrivals: a Poisson process with --rate, else all at t=0 (replay them with --fast)."""
+
+# --------------------------------------------------------------------------- parsing
+def positive_int(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {n}")
+    return n
+
+
+def _int_range(text: str) -> tuple[int, int]:
+    """``12-18`` or ``15`` (both ends >= 1)."""
+    parts = text.split("-")
+    try:
+        lo, hi = (int(parts[0]), int(parts[-1])) if len(parts) <= 2 else (0, -1)
+    except ValueError:
+        lo, hi = 0, -1
+    if lo < 1 or hi < lo:
+        raise argparse.ArgumentTypeError(f"expected N or MIN-MAX with 1 <= MIN <= MAX, "
+                                         f"got {text!r}")
+    return lo, hi
+
+
+def _rate(text: str) -> float:
+    try:
+        r = float(text)
+    except ValueError:
+        r = -1.0
+    if not 0 < r < float("inf"):
+        raise argparse.ArgumentTypeError(f"expected requests per second > 0, got {text!r}")
+    return r
+
+
+# -------------------------------------------------------------------------- workload
+def _workload(args: argparse.Namespace) -> int:
+    from lmc.workloads import generators as g
+
+    try:
+        tok = g.load_tokenizer(args.tokenizer) if args.tokenizer else None
+        skipped = 0
+        if args.kind == "chat":
+            drafts = g.chat_drafts(g.ChatSpec(args.conversations, args.turns, args.system_tokens,
+                                              args.user_tokens, args.output_len, args.active,
+                                              args.seed), tok)
+        elif args.kind == "prefix":
+            drafts = g.prefix_drafts(g.PrefixSpec(args.groups, args.prompts_per_group,
+                                                  args.system_tokens, args.question_tokens,
+                                                  args.output_len, args.seed), tok)
+        elif args.kind == "docqa":
+            drafts = g.docqa_drafts(g.DocQASpec(args.documents, args.doc_tokens, args.rounds,
+                                                args.question_tokens, args.output_len,
+                                                args.order, args.seed), tok)
+        else:
+            drafts, skipped = g.sharegpt_drafts(g.ShareGPTSpec(
+                args.file, args.max_conversations, args.max_output_len, args.active,
+                args.seed), tok)
+        if not drafts:
+            raise ValueError("the workload has no requests")
+        arrivals = g.arrival_times(len(drafts), args.rate, args.seed)
+        lengths: list[int] = []
+
+        def counted(reqs: Any) -> Any:
+            for r in reqs:
+                lengths.append(len(r.prompt_tokens) if r.prompt_tokens is not None
+                               else len(r.prompt_text))
+                yield r
+
+        n = write_trace(args.output, counted(g.render(drafts, arrivals, tok)))
+    except (ValueError, OSError) as e:
+        print(f"lmc workload: {e}", file=sys.stderr)
+        return 2
+    unit = "tokens" if tok is not None else "characters"
+    sessions = len({d.session_id for d in drafts if d.session_id is not None})
+    groups = len({d.prefix_group for d in drafts if d.prefix_group is not None})
+    span = (f"arrivals over {arrivals[-1]:.1f} s at {args.rate:g}/s" if args.rate
+            else "all arriving at t=0")
+    print(f"wrote {n} requests to {args.output}: {sessions} sessions, {groups} prefix groups; "
+          f"prompts {min(lengths):,}-{max(lengths):,} {unit} "
+          f"(mean {sum(lengths) / n:,.0f}); {span}"
+          + (f"; {skipped} conversations skipped (no answered human turn)" if skipped else ""))
+    return 0
+
+
+def _register_workload(sub: Any) -> None:
+    from lmc.cli import add_command, help_text
+    from lmc.workloads import generators as g
+
+    p = add_command(sub, "workload", "write a workload trace (chat, prefix, docqa, sharegpt)",
+                    WORKLOAD_DOC)
+    kinds = p.add_subparsers(dest="kind", metavar="KIND", required=True)
+
+    def kind(name: str, summary: str, doc: str | None) -> argparse.ArgumentParser:
+        k = kinds.add_parser(name, help=summary,
+                             description=f"{summary}.\n\n{help_text(inspect.cleandoc(doc or ''))}",
+                             formatter_class=argparse.RawDescriptionHelpFormatter)
+        k.add_argument("-o", "--output", required=True, metavar="FILE",
+                       help="trace file to write (JSONL)")
+        k.add_argument("--seed", type=int, default=0, help="default %(default)s")
+        k.add_argument("--rate", type=_rate, default=None, metavar="R",
+                       help="Poisson arrivals, R requests/s (default: all at t=0)")
+        k.add_argument("--tokenizer", metavar="PATH",
+                       help="tokenizer.json or a model directory: write token ids (prefixes "
+                            "shared exactly) and size text in real tokens")
+        k.set_defaults(func=_workload)
+        return k
+
+    c = kind("chat", "multi-turn conversations over a shared system prompt", g.chat_drafts.__doc__)
+    d = g.ChatSpec()
+    c.add_argument("--conversations", type=positive_int, default=d.conversations, metavar="N",
+                   help="default %(default)s")
+    c.add_argument("--turns", type=_int_range, default=d.turns, metavar="MIN-MAX",
+                   help="turns per conversation (default 12-18)")
+    c.add_argument("--system-tokens", type=positive_int, default=d.system_tokens, metavar="N",
+                   help="default %(default)s")
+    c.add_argument("--user-tokens", type=_int_range, default=d.user_tokens, metavar="MIN-MAX",
+                   help="tokens per question (default 30-120)")
+    c.add_argument("--output-len", type=positive_int, default=d.output_len,
+                   help="tokens per answer (also the synthetic answer kept in the history)")
+    c.add_argument("--active", type=positive_int, default=d.active,
+                   help="conversations open at once, turns interleaved (default %(default)s)")
+
+    pr = kind("prefix", "N groups x M prompts over long system prompts", g.prefix_drafts.__doc__)
+    dp = g.PrefixSpec()
+    pr.add_argument("--groups", type=positive_int, default=dp.groups, metavar="N",
+                   help="default %(default)s")
+    pr.add_argument("--prompts-per-group", type=positive_int, default=dp.prompts_per_group, metavar="N",
+                   help="default %(default)s")
+    pr.add_argument("--system-tokens", type=positive_int, default=dp.system_tokens, metavar="N",
+                   help="default %(default)s")
+    pr.add_argument("--question-tokens", type=positive_int, default=dp.question_tokens, metavar="N",
+                   help="default %(default)s")
+    pr.add_argument("--output-len", type=positive_int, default=dp.output_len, metavar="N",
+                   help="default %(default)s")
+
+    dq = kind("docqa", "long documents re-asked in rounds", g.docqa_drafts.__doc__)
+    dd = g.DocQASpec()
+    dq.add_argument("--documents", type=positive_int, default=dd.documents, metavar="N",
+                   help="default %(default)s")
+    dq.add_argument("--doc-tokens", type=positive_int, default=dd.doc_tokens, metavar="N",
+                   help="default %(default)s")
+    dq.add_argument("--rounds", type=positive_int, default=dd.rounds, metavar="N",
+                   help="default %(default)s")
+    dq.add_argument("--question-tokens", type=positive_int, default=dd.question_tokens, metavar="N",
+                   help="default %(default)s")
+    dq.add_argument("--output-len", type=positive_int, default=dd.output_len, metavar="N",
+                   help="default %(default)s")
+    dq.add_argument("--order", choices=("tile", "random"), default=dd.order,
+                    help="document order each round (default %(default)s)")
+
+    sg = kind("sharegpt", "conversations from a ShareGPT-style JSON file", g.sharegpt_drafts.__doc__)
+    sg.add_argument("file", metavar="FILE", help="ShareGPT-style JSON")
+    sg.add_argument("--max-conversations", type=positive_int, default=None)
+    sg.add_argument("--max-output-len", type=positive_int, default=1024)
+    sg.add_argument("--active", type=positive_int, default=4,
+                    help="conversations open at once, turns interleaved (default %(default)s)")
+
+
+def register_cli(sub: Any) -> None:
+    _register_workload(sub)

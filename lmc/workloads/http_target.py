@@ -1,0 +1,291 @@
+"""Replay against an OpenAI-compatible server (vLLM with lmc, or any other) over HTTP.
+
+Each request is a streaming ``POST /v1/completions`` (standard library only): the first
+streamed choice is the first token, so TTFT is what a client sees. The final usage chunk
+(``stream_options.include_usage``) gives prompt tokens and, where the server reports it
+(vLLM's ``--enable-prompt-tokens-details``), the prompt tokens it did not compute.
+
+Per-tier hit tokens come from the server's ``/metrics``: vLLM with lmc exports lmc's
+worker counters as ``lmc:connector_total{stat="tokens_from_<tier>"}`` (see
+``connectors/vllm_stats.py``). They are server-wide counters, read before and after the
+replay (and about once a second for the timeline); a server without them gets "unknown",
+never an estimate.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import queue
+import re
+import threading
+import time
+import urllib.parse
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from lmc.workloads.dispatch import Dispatcher
+from lmc.workloads.replay import Progress, ReplayResult, RequestRecord
+from lmc.workloads.trace import TraceRequest
+
+METRIC = "lmc:connector_total"
+_SAMPLE = re.compile(r'^([A-Za-z_:][\w:]*)(\{[^}]*\})?\s+(\S+)')
+_STAT = re.compile(r'stat="([^"]*)"')
+
+
+class Endpoint:
+    """``http://host:port`` (a path prefix such as ``/api`` is kept)."""
+
+    def __init__(self, url: str, timeout: float = 600.0) -> None:
+        u = urllib.parse.urlsplit(url)
+        if u.scheme not in ("http", "https") or not u.hostname:
+            raise ValueError(f"--target {url!r}: expected http://host:port")
+        self.url = url.rstrip("/")
+        self.scheme, self.host, self.port = u.scheme, u.hostname, u.port
+        self.prefix = u.path.rstrip("/")
+        self.timeout = timeout
+
+    def connect(self, timeout: float | None = None) -> http.client.HTTPConnection:
+        cls = http.client.HTTPSConnection if self.scheme == "https" else http.client.HTTPConnection
+        return cls(self.host, self.port, timeout=timeout or self.timeout)
+
+    def get(self, path: str, timeout: float = 10.0) -> tuple[int, bytes]:
+        conn = self.connect(timeout)
+        try:
+            conn.request("GET", self.prefix + path)
+            resp = conn.getresponse()
+            return resp.status, resp.read()
+        finally:
+            conn.close()
+
+    def model(self) -> str:
+        """The first model the server lists (``GET /v1/models``)."""
+        status, body = self.get("/v1/models")
+        if status != 200:
+            raise OSError(f"{self.url}/v1/models answered HTTP {status}; pass --model")
+        data = json.loads(body).get("data") or []
+        if not data:
+            raise OSError(f"{self.url}/v1/models lists no model; pass --model")
+        return str(data[0]["id"])
+
+
+def parse_tier_metrics(text: str) -> tuple[dict[str, float], float | None] | None:
+    """``{tier: tokens}`` and load failures from a Prometheus text page, summed over label
+    sets (engines, ranks); None when the page has no lmc connector counters."""
+    tiers: dict[str, float] = {}
+    failures: float | None = None
+    found = False
+    for line in text.splitlines():
+        if not line.startswith(METRIC):
+            continue
+        m = _SAMPLE.match(line)
+        if not m or m.group(1) != METRIC:
+            continue
+        found = True
+        stat = _STAT.search(m.group(2) or "")
+        if stat is None:
+            continue
+        value = float(m.group(3))
+        name = stat.group(1)
+        if name.startswith("tokens_from_"):
+            tier = name.removeprefix("tokens_from_")
+            tiers[tier] = tiers.get(tier, 0.0) + value
+        elif name == "load_failures":
+            failures = (failures or 0.0) + value
+    return (tiers, failures) if found else None
+
+
+class _Scraper:
+    """Reads the server's lmc counters. ``found`` turns true once the page has carried
+    them: vLLM creates the series only when a count first becomes non-zero, so a fresh
+    server shows none before the replay and counts from zero."""
+
+    def __init__(self, ep: Endpoint) -> None:
+        self.ep = ep
+        self.found = False
+        self.why_unknown: str | None = None
+
+    def read(self) -> tuple[dict[str, float], float | None] | None:
+        """Counters now (zeros while none are exported); None when /metrics is unusable."""
+        try:
+            status, body = self.ep.get("/metrics", timeout=10)
+        except OSError as e:
+            self.why_unknown = f"unknown: {self.ep.url}/metrics unreachable ({e})"
+            return None
+        if status != 200:
+            self.why_unknown = f"unknown: {self.ep.url}/metrics answered HTTP {status}"
+            return None
+        got = parse_tier_metrics(body.decode("utf-8", "replace"))
+        if got is None:
+            self.why_unknown = (f"unknown: the server exports no {METRIC} (not vLLM with "
+                                "lmc?)")
+            return {}, None
+        self.found = True
+        return got
+
+
+def _delta(after: dict[str, float], before: dict[str, float]) -> dict[str, float]:
+    return {t: v - before.get(t, 0.0) for t, v in sorted(after.items())}
+
+
+def _body(req: TraceRequest, model: str, vllm_extras: bool) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "model": model,
+        "prompt": req.prompt_tokens if req.prompt_tokens is not None else req.prompt_text,
+        "max_tokens": req.output_len, "temperature": 0, "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    if vllm_extras:  # generate exactly output_len tokens; return them for comparisons
+        body.update(ignore_eos=True, return_token_ids=True)
+    return body
+
+
+def send(ep: Endpoint, req: TraceRequest, model: str, vllm_extras: bool, rec: RequestRecord,
+         t_due: float) -> None:
+    """One streaming completion; fills ``rec`` (times from ``t_due``, a perf_counter)."""
+    conn = ep.connect()
+    try:
+        conn.request("POST", ep.prefix + "/v1/completions",
+                     body=json.dumps(_body(req, model, vllm_extras)).encode(),
+                     headers={"Content-Type": "application/json", "Accept": "text/event-stream"})
+        resp = conn.getresponse()
+        if resp.status != 200:
+            detail = resp.read(2000).decode("utf-8", "replace").strip()
+            rec.error = f"HTTP {resp.status}: {detail[:300]}"
+            return
+        ids: list[int] = []
+        chunks = 0
+        for raw in resp:
+            line = raw.strip()
+            if not line.startswith(b"data:"):
+                continue
+            data = line[5:].strip()
+            if data == b"[DONE]":
+                break
+            event = json.loads(data)
+            if "error" in event:
+                rec.error = f"server error: {str(event['error'])[:300]}"
+                return
+            for choice in event.get("choices") or []:
+                if rec.ttft_s is None:
+                    rec.ttft_s = time.perf_counter() - t_due
+                chunks += 1
+                ids.extend(choice.get("token_ids") or [])
+            usage = event.get("usage")
+            if usage:
+                rec.prompt_tokens = usage.get("prompt_tokens")
+                rec.output_tokens = int(usage.get("completion_tokens") or 0)
+                details = usage.get("prompt_tokens_details") or {}
+                if details.get("cached_tokens") is not None:
+                    rec.cached_tokens = int(details["cached_tokens"])
+        rec.latency_s = time.perf_counter() - t_due
+        if rec.ttft_s is None:
+            rec.error = "the stream ended without a token"
+        if not rec.output_tokens:
+            rec.output_tokens = len(ids) or chunks
+        if ids:
+            rec.output_ids = ids
+        if rec.prompt_tokens is None and req.prompt_tokens is not None:
+            rec.prompt_tokens = len(req.prompt_tokens)
+    except (OSError, http.client.HTTPException, json.JSONDecodeError, ValueError) as e:
+        rec.error = f"{type(e).__name__}: {e}"
+    finally:
+        conn.close()
+
+
+def replay_http(requests: Sequence[TraceRequest], url: str, *, model: str | None = None,
+                fast: bool = False, concurrency: int | None = None,
+                progress: Progress | None = None, vllm_extras: bool = True,
+                timeout: float = 600.0, scrape_every: float = 1.0) -> ReplayResult:
+    """Replay ``requests`` against the server at ``url``; a request's failure (HTTP error,
+    timeout, broken stream) is recorded on it and the replay goes on."""
+    ep = Endpoint(url, timeout)
+    model = model or ep.model()
+    scraper = _Scraper(ep)
+    before = scraper.read()
+    records = {r.request_id: RequestRecord(r.request_id, r.session_id, r.prefix_group, 0.0)
+               for r in requests}
+    records_text = {r.request_id: r.prompt_tokens is None for r in requests}
+    disp = Dispatcher(requests, fast=fast, concurrency=concurrency)
+    done_q: queue.Queue[RequestRecord] = queue.Queue()
+    workers = min(512, concurrency or max(1, len(records)))
+    timeline: list[tuple[float, float, dict[str, float]]] = []
+    sent_prompt = 0.0
+    start = time.perf_counter()
+    if before is not None:
+        timeline.append((0.0, 0.0, {t: 0.0 for t in before[0]}))
+    next_scrape = start + scrape_every
+    stop = threading.Event()
+
+    def run(req: TraceRequest, rec: RequestRecord) -> None:
+        if not stop.is_set():
+            send(ep, req, model, vllm_extras, rec, start + rec.due_s)
+        else:
+            rec.error = "not sent: replay interrupted"
+        done_q.put(rec)
+
+    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="lmc-replay") as pool:
+        try:
+            while not disp.all_done:
+                now = time.perf_counter()
+                for req in disp.ready(now - start):
+                    rec = records[req.request_id]
+                    rec.due_s = disp.due[req.request_id]
+                    if req.prompt_tokens is not None:
+                        sent_prompt += len(req.prompt_tokens)
+                    pool.submit(run, req, rec)
+                if before is not None and now >= next_scrape:
+                    got = scraper.read()
+                    if got is not None:
+                        timeline.append((now - start, sent_prompt, _delta(got[0], before[0])))
+                    next_scrape = now + scrape_every
+                nxt = disp.next_due()
+                wait = next_scrape - now if before is not None else 1.0
+                if nxt is not None:
+                    wait = min(wait, nxt - (now - start))
+                try:
+                    rec = done_q.get(timeout=max(0.0, wait))
+                except queue.Empty:
+                    continue
+                t_done = time.perf_counter() - start
+                disp.done(rec.request_id, t_done)
+                if rec.prompt_tokens and records_text[rec.request_id]:
+                    sent_prompt += rec.prompt_tokens  # a text prompt's length: known now
+                if progress is not None:
+                    progress(rec, disp.finished, len(records))
+        finally:
+            stop.set()
+    duration = time.perf_counter() - start
+    tier_tokens, failures, source = _final_counters(scraper, before)
+    if tier_tokens is None:
+        timeline = []
+    else:
+        timeline.append((duration, sent_prompt, tier_tokens))
+    return ReplayResult(url, "fast" if fast else "timed", list(records.values()), duration,
+                        tier_tokens, source, failures, timeline)
+
+
+def _final_counters(scraper: _Scraper, before: Any
+                    ) -> tuple[dict[str, float] | None, float | None, str]:
+    """Counters after the replay: vLLM hands the worker's counts over with a later step,
+    so read until two reads a second apart agree (10 s at most)."""
+    if before is None:
+        return None, None, scraper.why_unknown or "unknown"
+    last: tuple[dict[str, float], float | None] | None = None
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        got = scraper.read()
+        if got is None:
+            return None, None, scraper.why_unknown or "unknown"
+        if got == last:
+            break
+        last = got
+        time.sleep(1.0)
+    if last is None or not scraper.found:
+        return None, None, scraper.why_unknown or "unknown"
+    failures = None if last[1] is None and before[1] is None else \
+        (last[1] or 0.0) - (before[1] or 0.0)
+    return (_delta(last[0], before[0]), failures,
+            f"{METRIC} from {scraper.ep.url}/metrics (server-wide: other clients' traffic "
+            "during the replay is counted too)")

@@ -1,0 +1,184 @@
+"""What a replay measures, and replay on the reference engine in-process.
+
+Both targets (this one and :mod:`lmc.workloads.http_target`) fill the same
+:class:`ReplayResult`: one :class:`RequestRecord` per trace request, the tokens each lmc
+tier supplied (or None where the target cannot tell: never guessed), and a timeline of
+cumulative per-tier tokens for the hit-rate plot.
+
+The reference engine is driven by one loop: send what the :class:`Dispatcher` says is
+due, run one engine step, record what finished, sleep only when the engine is idle until
+the next arrival. Prompts are tokenized before the clock starts, so TTFT is the engine's
+and lmc's, not the tokenizer's.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from lmc.workloads.dispatch import Dispatcher
+from lmc.workloads.trace import TraceRequest
+
+
+@dataclass
+class RequestRecord:
+    """One request's outcome; times in seconds from the replay's start. ``ttft_s`` and
+    ``latency_s`` count from ``due_s`` (see :mod:`lmc.workloads.dispatch`)."""
+
+    request_id: str
+    session_id: str | None
+    prefix_group: str | None
+    due_s: float
+    ttft_s: float | None = None
+    latency_s: float | None = None
+    prompt_tokens: int | None = None
+    output_tokens: int = 0
+    cached_tokens: int | None = None  # prompt tokens the target reported as not computed
+    output_ids: list[int] | None = None
+    error: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+
+@dataclass
+class ReplayResult:
+    target: str
+    mode: str  # "timed" or "fast"
+    records: list[RequestRecord]
+    duration_s: float
+    tier_tokens: dict[str, float] | None  # prompt tokens supplied by each lmc tier
+    tier_source: str  # where tier_tokens came from, or why they are unknown
+    load_failures: float | None = None  # lmc loads that failed (the engine recomputed)
+    # (seconds, prompt tokens of the requests sent so far, {tier: tokens supplied so far}):
+    # a tier's tokens arrive after the request is sent, so the share never overshoots
+    timeline: list[tuple[float, float, dict[str, float]]] = field(default_factory=list)
+
+    @property
+    def ok(self) -> list[RequestRecord]:
+        return [r for r in self.records if r.ok]
+
+    @property
+    def failed(self) -> list[RequestRecord]:
+        return [r for r in self.records if not r.ok]
+
+    def ttft_percentile(self, q: float) -> float | None:
+        return percentile([r.ttft_s for r in self.ok if r.ttft_s is not None], q)
+
+    @property
+    def prompt_tokens(self) -> int | None:
+        counts = [r.prompt_tokens for r in self.ok]
+        return None if any(c is None for c in counts) else sum(counts)  # type: ignore[misc]
+
+    @property
+    def output_tokens(self) -> int:
+        return sum(r.output_tokens for r in self.ok)
+
+
+def percentile(xs: Sequence[float], q: float) -> float | None:
+    """Linear interpolation between the two nearest samples; None for no samples."""
+    if not xs:
+        return None
+    s = sorted(xs)
+    pos = q * (len(s) - 1)
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(s) - 1)
+    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
+
+
+Progress = Callable[[RequestRecord, int, int], None]  # (record, finished, total)
+
+
+# --------------------------------------------------------------------------- reference
+def replay_reference(requests: Sequence[TraceRequest], llm: Any, *, fast: bool = False,
+                     concurrency: int | None = None, progress: Progress | None = None,
+                     keep_outputs: bool = True, target: str = "reference") -> ReplayResult:
+    """Replay ``requests`` on a :class:`lmc.reference.LLM` (with or without an lmc
+    connector); greedy, exactly ``output_len`` tokens each (EOS ignored)."""
+    from lmc.reference.request import SamplingParams
+
+    conn = getattr(llm, "kv_connector", None)
+    worker = getattr(conn, "worker", None)
+    tiers = [t.name for t in conn.engine.storage.tiers] if conn is not None else []
+    prompts: dict[str, list[int]] = {}
+    records: dict[str, RequestRecord] = {}
+    for r in requests:
+        records[r.request_id] = RequestRecord(r.request_id, r.session_id, r.prefix_group, 0.0)
+        prompts[r.request_id] = r.tokens(llm.tokenizer)
+
+    def tier_counts() -> dict[str, float]:
+        got = dict(worker.stats.tokens_by_tier) if worker is not None else {}
+        return {t: float(got.get(t, 0)) for t in tiers}
+
+    base_tiers = tier_counts()  # an engine used before: count this replay only
+
+    def tier_now() -> dict[str, float]:
+        return {t: n - base_tiers[t] for t, n in tier_counts().items()}
+
+    base_failures = worker.stats.load_failures if worker is not None else 0
+    disp = Dispatcher(requests, fast=fast, concurrency=concurrency)
+    sent_at: dict[str, float] = {}
+    timeline: list[tuple[float, float, dict[str, float]]] = [(0.0, 0.0, tier_now())]
+    sent_prompt = 0.0
+    start = time.perf_counter()
+    last_point = 0.0
+
+    def finish(rec: RequestRecord, now: float) -> None:
+        disp.done(rec.request_id, now)
+        if progress is not None:
+            progress(rec, disp.finished, len(records))
+
+    while not disp.all_done:
+        now = time.perf_counter() - start
+        for req in disp.ready(now):
+            rec = records[req.request_id]
+            rec.due_s = disp.due[req.request_id]
+            params = SamplingParams(max_tokens=req.output_len, ignore_eos=True)
+            sent_at[req.request_id] = time.perf_counter()
+            try:
+                llm.add_request(prompts[req.request_id], params, request_id=req.request_id)
+                sent_prompt += len(prompts[req.request_id])
+            except ValueError as e:  # too long for the model, token id out of its vocabulary
+                rec.error = str(e)
+                finish(rec, time.perf_counter() - start)
+        if llm.has_unfinished_requests():
+            outs = llm.step()
+            t_step = time.perf_counter()
+            for out in outs:
+                rec = records[out.request_id]
+                rec.prompt_tokens = len(out.prompt_token_ids)
+                rec.output_tokens = len(out.token_ids)
+                rec.cached_tokens = out.num_cached_tokens
+                if keep_outputs:
+                    rec.output_ids = list(out.token_ids)
+                if out.ttft_s is None:
+                    rec.error = f"no token generated (finish reason {out.finish_reason})"
+                else:
+                    first = sent_at[out.request_id] + out.ttft_s
+                    rec.ttft_s = first - (start + rec.due_s)
+                    rec.latency_s = t_step - (start + rec.due_s)
+                finish(rec, t_step - start)
+            if outs or t_step - start - last_point >= 0.25:
+                last_point = t_step - start
+                timeline.append((last_point, sent_prompt, tier_now()))
+            continue
+        nxt = disp.next_due()
+        if nxt is not None:
+            time.sleep(max(0.0, nxt - (time.perf_counter() - start)))
+    duration = time.perf_counter() - start
+    if conn is not None:
+        conn.engine.storage.flush(timeout=60)  # a lower tier's queued writes land
+    tier_tokens = tier_now() if conn is not None else None
+    if tier_tokens:
+        timeline.append((duration, sent_prompt, tier_tokens))
+    failures = (worker.stats.load_failures - base_failures) if worker is not None else None
+    source = ("lmc connector counters (in-process)" if conn is not None
+              else "no lmc connector: every prompt token computed")
+    if conn is None:
+        tier_tokens = {}
+    return ReplayResult(target, "fast" if fast else "timed", list(records.values()), duration,
+                        tier_tokens, source, failures, timeline)

@@ -1,0 +1,171 @@
+"""``lmc replay``: drive a real engine with a trace and report what lmc did for it."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from lmc.workloads.cli import positive_int
+from lmc.workloads.trace import TraceError, TraceRequest, read_trace
+
+REPLAY_DOC = """Replay a trace on a real engine and report TTFT, throughput and lmc hits per tier.
+
+Targets:
+  reference[:MODEL_DIR]  the built-in reference engine in this process (default model: the
+                         demo's), with lmc configured by --config (default: lmc demo's tiers,
+                         CPU then a temporary disk directory), or --no-lmc for the engine alone
+  http://host:port       any OpenAI-compatible server (/v1/completions, streamed: TTFT is the
+                         first streamed token); per-tier hits come from the server's lmc
+                         metrics (vLLM with lmc), else they are reported as unknown
+
+Requests are sent at their arrival times (or --fast: as soon as possible); a turn of a
+session waits for the previous turn's answer, and --concurrency N caps requests in flight.
+TTFT counts from when a request could be sent. Every request generates exactly its
+output_len tokens (greedy; EOS ignored where the target supports it)."""
+
+
+def _reference_llm(spec: str, args: argparse.Namespace, cleanup: list[Callable[[], None]]
+                   ) -> tuple[Any, str]:
+    """The in-process engine for ``reference[:MODEL_DIR]`` and a description of it."""
+    import torch
+
+    from lmc.demo import (
+        DEMO_CONFIG,
+        DEMO_MODEL,
+        ENGINE_ARGS,
+        default_threads,
+        demo_model_dir,
+        resolve_model_dir,
+    )
+
+    torch.set_num_threads(args.threads or default_threads())
+    engine_args = dict(ENGINE_ARGS)
+    _, _, model = spec.partition(":")
+    if model:
+        model_dir = resolve_model_dir(model)
+    else:
+        model_dir = demo_model_dir()
+        engine_args["max_model_len"] = DEMO_MODEL["max_position_embeddings"]
+    if args.max_num_seqs:
+        engine_args["max_num_seqs"] = args.max_num_seqs
+    from lmc.reference import LLM
+
+    if args.no_lmc:
+        return LLM(model_dir, **engine_args), f"reference engine ({model_dir.name}), no lmc"
+    from lmc.config import CacheConfig
+    from lmc.connectors.reference import LMCReferenceConnector
+
+    if args.config:
+        cfg = CacheConfig.load(args.config)
+    else:
+        disk = tempfile.mkdtemp(prefix="lmc-replay-disk-")
+        cleanup.append(lambda: shutil.rmtree(disk, ignore_errors=True))
+        cfg = CacheConfig.load(overrides={**DEMO_CONFIG, "local_disk": disk})
+    conn = LMCReferenceConnector(cfg, model_dir=model_dir)
+    try:
+        llm = LLM(model_dir, kv_connector=conn, **engine_args)
+    except BaseException:
+        conn.shutdown()
+        raise
+    tiers = ", ".join(t.name for t in conn.engine.storage.tiers)
+    return llm, f"reference engine ({model_dir.name}) with lmc ({tiers})"
+
+
+def _replay(args: argparse.Namespace) -> int:
+    from lmc.workloads import report
+
+    cleanup: list[Callable[[], None]] = []
+    llm = None
+    try:
+        if args.plot:
+            report.check_plot_available()
+        requests: list[TraceRequest] = list(read_trace(args.trace))
+        if args.limit:
+            requests = requests[:args.limit]
+        if not requests:
+            raise ValueError(f"{args.trace}: no requests")
+        bar = report.ProgressBar(len(requests))
+        target = args.target
+        if target == "reference" or target.startswith("reference:"):
+            from lmc.workloads.replay import replay_reference
+
+            llm, name = _reference_llm(target, args, cleanup)
+            res = replay_reference(requests, llm, fast=args.fast, concurrency=args.concurrency,
+                                   progress=bar, keep_outputs=bool(args.records), target=name)
+        elif target.startswith(("http://", "https://")):
+            if args.config or args.no_lmc:
+                raise ValueError("--config and --no-lmc apply to the reference target only "
+                                 "(a server's lmc is configured where it runs)")
+            from lmc.workloads.http_target import replay_http
+
+            res = replay_http(requests, target, model=args.model, fast=args.fast,
+                              concurrency=args.concurrency, progress=bar,
+                              vllm_extras=not args.openai_strict, timeout=args.timeout)
+        else:
+            raise ValueError(f"--target {target!r}: expected reference[:MODEL_DIR] or "
+                             "http://host:port")
+    except (TraceError, ValueError, OSError) as e:
+        print(f"lmc replay: {e}", file=sys.stderr)
+        return 2
+    finally:
+        if llm is not None:
+            llm.close()
+        for fn in cleanup:
+            fn()
+    print(report.format_report(res, args.trace))
+    if args.records:
+        with open(args.records, "w", encoding="utf-8") as f:
+            for r in res.records:
+                f.write(json.dumps(vars(r), separators=(",", ":")) + "\n")
+        print(f"\nper-request records: {args.records}")
+    if args.plot:
+        report.plot(res, args.plot, title=f"{Path(args.trace).name} on {res.target}")
+        print(f"plot: {args.plot}")
+    return 1 if res.failed and not res.ok else 0
+
+
+def _register_replay(sub: Any) -> None:
+    from lmc.cli import add_command
+
+    p = add_command(sub, "replay", "replay a trace on the reference engine or an "
+                    "OpenAI-compatible server: TTFT, throughput, hits per tier", REPLAY_DOC)
+    p.add_argument("trace", metavar="TRACE", help="trace file (JSONL, see lmc workload)")
+    p.add_argument("--target", required=True, metavar="TARGET",
+                   help="reference[:MODEL_DIR] or http://host:port")
+    p.add_argument("--fast", action="store_true",
+                   help="ignore arrival times: send each request as soon as it may go")
+    p.add_argument("--concurrency", type=positive_int, default=None, metavar="N",
+                   help="at most N requests in flight (default: no limit)")
+    p.add_argument("--limit", type=positive_int, default=None, metavar="N",
+                   help="replay only the first N requests")
+    p.add_argument("--plot", metavar="PNG",
+                   help="write a plot: TTFT over time and hit rate by tier (needs the plot "
+                        "extra)")
+    p.add_argument("--records", metavar="FILE",
+                   help="write one JSON line per request (times, tokens, hits, errors)")
+    ref = p.add_argument_group("reference target")
+    ref.add_argument("--config", metavar="FILE", help="lmc YAML config (default: lmc demo's)")
+    ref.add_argument("--no-lmc", action="store_true", help="the engine alone (a baseline)")
+    ref.add_argument("--threads", type=positive_int, default=None, metavar="N",
+                     help="torch threads (default: half the cores)")
+    ref.add_argument("--max-num-seqs", type=positive_int, default=None, metavar="N",
+                     help="engine batch size (default: lmc demo's)")
+    http = p.add_argument_group("HTTP target")
+    http.add_argument("--model", metavar="NAME",
+                      help="model name to ask for (default: the first in /v1/models)")
+    http.add_argument("--openai-strict", action="store_true",
+                      help="send only standard OpenAI fields (no ignore_eos / "
+                           "return_token_ids): answers may then stop early")
+    http.add_argument("--timeout", type=float, default=600.0, metavar="S",
+                      help="per-request timeout in seconds (default %(default)s)")
+    p.set_defaults(func=_replay)
+
+
+def register_cli(sub: Any) -> None:
+    _register_replay(sub)

@@ -1,0 +1,166 @@
+"""A replay's results for people: a progress line, a table, and a PNG plot.
+
+Figures an operator compares (TTFT percentiles, throughput, the share of prompt tokens each
+tier supplied) are printed in the units ``lmc stats`` uses (``lmc.units``). A figure the
+target could not report is printed as "unknown" with the reason, never as zero.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any, TextIO
+
+from lmc import units
+from lmc.workloads.replay import ReplayResult, RequestRecord, percentile
+
+PLOT_EXTRA = "pip install 'lmc-kvcache[plot]'"
+
+
+class ProgressBar:
+    """One stderr line redrawn in place on a terminal; on a pipe, a line every 10%."""
+
+    def __init__(self, total: int, stream: TextIO | None = None, width: int = 28) -> None:
+        self.total, self.width = total, width
+        self.stream = stream or sys.stderr
+        self.tty = hasattr(self.stream, "isatty") and self.stream.isatty()
+        self.failed = 0
+        self.ttfts: list[float] = []
+        self._last_decile = -1
+
+    def __call__(self, rec: RequestRecord, finished: int, total: int) -> None:
+        if not rec.ok:
+            self.failed += 1
+        elif rec.ttft_s is not None:
+            self.ttfts.append(rec.ttft_s)
+        decile = 10 * finished // max(1, total)
+        if not self.tty and decile == self._last_decile and finished != total:
+            return
+        self._last_decile = decile
+        fill = self.width * finished // max(1, total)
+        p50 = percentile(self.ttfts, 0.5)
+        line = (f"replay [{'#' * fill}{'.' * (self.width - fill)}] {finished}/{total}"
+                f"  TTFT p50 {units.seconds(p50) if p50 is not None else '-'}"
+                + (f"  failed {self.failed}" if self.failed else ""))
+        end = "\n" if finished == total or not self.tty else ""
+        self.stream.write(("\r\033[K" if self.tty else "") + line + end)
+        self.stream.flush()
+
+
+def _fmt_s(x: float | None) -> str:
+    return units.seconds(x) if x is not None else "-"
+
+
+def _count(x: float) -> str:
+    if x >= 1e6:
+        return f"{x / 1e6:.2f}M"
+    if x >= 1e4:
+        return f"{x / 1e3:.1f}k"
+    return f"{x:,.0f}"
+
+
+def format_report(res: ReplayResult, trace: str = "") -> str:
+    ok, failed = res.ok, res.failed
+    dur = max(res.duration_s, 1e-9)
+    mode = "at the trace's arrival times" if res.mode == "timed" else "as fast as possible"
+    lines = [f"replay{' of ' + trace if trace else ''} on {res.target}, {mode}", ""]
+    rows: list[tuple[str, str]] = [
+        ("requests", f"{len(ok)} ok, {len(failed)} failed, {units.seconds(res.duration_s)}"),
+    ]
+    ttfts = [r.ttft_s for r in ok if r.ttft_s is not None]
+    rows.append(("TTFT", "  ".join(f"p{q} {_fmt_s(percentile(ttfts, q / 100))}"
+                                   for q in (50, 95, 99))
+                 + (f"  mean {_fmt_s(sum(ttfts) / len(ttfts))}" if ttfts else "")))
+    prompt = res.prompt_tokens
+    thr = f"{len(ok) / dur:.2f} req/s, {_count(res.output_tokens / dur)} output tok/s"
+    if prompt is not None:
+        thr += f", {_count(prompt / dur)} prompt tok/s"
+    rows.append(("throughput", thr))
+    rows.append(("prompt tokens", f"{prompt:,}" if prompt is not None else
+                 "unknown (the server reported no usage)"))
+    cached = [r.cached_tokens for r in ok]
+    if ok and all(c is not None for c in cached) and prompt:
+        rows.append(("not computed", units.ratio(sum(cached), prompt)  # type: ignore[arg-type]
+                     + "  (reported per request by the target)"))
+    width = max(len(k) for k, _ in rows) + 2
+    lines += [f"{k:<{width}}{v}" for k, v in rows]
+    lines += ["", f"lmc hits by tier (prompt tokens supplied; {res.tier_source})"]
+    if res.tier_tokens is None:
+        lines.append("  unknown")
+    elif not res.tier_tokens:
+        lines.append("  none")
+    else:
+        for tier, n in res.tier_tokens.items():
+            share = units.ratio(n, prompt) if prompt else f"{n:,.0f} tokens"
+            lines.append(f"  {tier:<12}{share}")
+    if res.load_failures is not None:
+        lines.append(f"  {'load fails':<12}{res.load_failures:,.0f} (the engine recomputed "
+                     "those tokens)")
+    if failed:
+        lines += ["", f"failed requests ({len(failed)}):"]
+        for r in failed[:5]:
+            lines.append(f"  {r.request_id}: {r.error}")
+        if len(failed) > 5:
+            lines.append(f"  ... and {len(failed) - 5} more")
+    return "\n".join(lines)
+
+
+def _pyplot() -> Any:
+    try:
+        import matplotlib
+    except ImportError:
+        from lmc.integrity import MissingPackage
+
+        raise MissingPackage(f"--plot needs matplotlib: {PLOT_EXTRA}") from None
+    matplotlib.use("Agg")  # files only: no display needed
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def check_plot_available() -> None:
+    """Raise the install hint before a long replay rather than after it."""
+    _pyplot()
+
+
+def plot(res: ReplayResult, path: str, title: str = "") -> None:
+    """PNG: TTFT of each request over the replay (failures marked), and the cumulative
+    share of prompt tokens each lmc tier supplied."""
+    plt = _pyplot()
+    fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(9, 7), sharex=True)
+    ok = [r for r in res.ok if r.ttft_s is not None]
+    ax1.scatter([r.due_s for r in ok], [r.ttft_s for r in ok], s=10, label="TTFT")
+    failed = res.failed
+    if failed:
+        ax1.scatter([r.due_s for r in failed], [0] * len(failed), marker="x", color="red",
+                    label=f"failed ({len(failed)})")
+    p50 = res.ttft_percentile(0.5)
+    if p50 is not None:
+        ax1.axhline(p50, color="gray", linestyle="--", linewidth=1,
+                    label=f"p50 {units.seconds(p50)}")
+    ax1.set_ylabel("TTFT (s)")
+    ax1.set_title(title or f"replay on {res.target}")
+    ax1.legend(loc="upper right", fontsize=8)
+    ax1.grid(alpha=0.3)
+
+    if res.tier_tokens is None:
+        ax2.text(0.5, 0.5, f"per-tier hits {res.tier_source}", ha="center", va="center",
+                 wrap=True, transform=ax2.transAxes)
+    elif len(res.timeline) < 2:
+        ax2.text(0.5, 0.5, "no lmc tiers", ha="center", va="center", transform=ax2.transAxes)
+    else:
+        times = [t for t, _, _ in res.timeline]
+        tiers = sorted({k for _, _, d in res.timeline for k in d})
+        total = [0.0] * len(times)
+        for tier in tiers:
+            share = [d.get(tier, 0.0) / p if p else 0.0 for _, p, d in res.timeline]
+            total = [a + b for a, b in zip(total, share)]
+            ax2.step(times, share, where="post", label=tier)
+        ax2.step(times, total, where="post", color="black", linewidth=1.5, label="all tiers")
+        ax2.set_ylim(0, max(1.0, max(total) * 1.05))
+        ax2.legend(loc="lower right", fontsize=8)
+    ax2.set_ylabel("hit rate (cumulative)")
+    ax2.set_xlabel("seconds since the start of the replay (request due time)")
+    ax2.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
