@@ -7,7 +7,7 @@ For each value size (a KV chunk of a real model shape), every round measures, ba
     (2x slower here). So SET is also run as ``-t set -r 1000000000 --dbnum 1`` after a
     FLUSHDB: fresh keys, the same server work as the tier's put; the put ratio uses it;
   * the lmc Redis tier: ``put`` / ``get`` of a prompt's chunks (``--batch``) over
-    ``remote_connections`` connections, values verified, payloads landing in the pool;
+    ``connections`` (a backend option) connections, values verified, payloads landing in the pool;
   * redis-py alone (hiredis parser, one connection): SET / GET of the same value bytes;
   * the tier again with ``integrity_secret`` set (each value sealed and checked with a keyed
     tag, ``lmc.integrity``), so the tag's cost shows as a ratio to the plain tier.
@@ -191,8 +191,8 @@ def bench_size(label: str, shape: tuple[int, ...], url: str, port: int, batch: i
                rounds: int, connections: int, bench_clients: int) -> dict:
     nbytes = 2 * shape[0] * shape[1] * shape[2] * shape[3]
     pool = MemoryPool(2 * batch * nbytes + 64 * MiB, pin_memory="false")
-    cfg = CacheConfig(remote_url=url, remote_timeout=60, remote_connections=connections,
-                      remote_key_prefix="bench")
+    cfg = CacheConfig(remote_url=url, remote_timeout=60, remote_key_prefix="bench",
+                      remote_options={"connections": connections})
     tier = create_backend(url, cfg, pool)
     tagged = create_backend(url, cfg.replace(integrity_secret=os.urandom(32).hex(),
                                              remote_key_prefix="bench-tagged"), pool)
@@ -267,7 +267,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch-mib", type=int, default=None,
                     help="bytes per tier call (a prompt's chunks), in MiB (default 256; "
                          "64 with --quick)")
-    ap.add_argument("--connections", type=int, default=4, help="remote_connections")
+    ap.add_argument("--connections", type=int, default=4, help="the tier's connections option")
     ap.add_argument("--bench-clients", type=int, default=4, help="redis-benchmark -c")
     ap.add_argument("--url", help="use this server instead of starting one")
     ap.add_argument("--bench-port", type=int, help="its port, for redis-benchmark")

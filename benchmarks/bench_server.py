@@ -147,11 +147,10 @@ class TierLoad:
         self.ctx = []
         for c in range(clients):
             cfg = CacheConfig(local_cpu_size=2 * self.nbytes * per_client + (16 << 20),
-                              pin_memory="false", remote_timeout=30.0,
-                              remote_connections=connections)
+                              pin_memory="false", remote_timeout=30.0)
             pool = MemoryPool(cfg.local_cpu_size, pin_memory="false")
             pool.buffer.fill_(0)  # fault the pages in now, not inside the first timed run
-            tier = create_backend(url, cfg, pool)
+            tier = create_backend(url, cfg, pool, connections=connections)
             gen = torch.Generator().manual_seed(c)
             objs = []
             for _ in range(per_client):
@@ -223,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--clients", type=int, default=4, help="client threads (redis -c)")
     ap.add_argument("--total", default="256MiB", help="bytes moved per direction per rep")
     ap.add_argument("--batch", type=int, default=16, help="values per tier call")
-    ap.add_argument("--connections", type=int, default=1, help="remote_connections per tier")
+    ap.add_argument("--connections", type=int, default=1, help="connections per tier (the backend option)")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--json", help="also write the figures here")

@@ -9,6 +9,7 @@ names it, rather than deep inside a tier at the first request.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 from collections.abc import Mapping
 from typing import Any, TypeVar
@@ -16,6 +17,7 @@ from typing import Any, TypeVar
 from lmc.settings import (
     ConfigError,
     Layer,
+    Parser,
     Settings,
     check_known_keys,
     parse_bool,
@@ -30,8 +32,9 @@ from lmc.settings import (
     setting,
 )
 
-__all__ = ["CacheConfig", "ConfigError", "check_known_keys", "load_connector_settings",
-           "parse_remote_url", "parse_size"]
+__all__ = ["DEPRECATED_KEYS", "CacheConfig", "ConfigError", "check_known_keys",
+           "load_connector_settings", "parse_remote_url", "parse_size"]
+log = logging.getLogger(__name__)
 Opts = TypeVar("Opts", bound=Settings)
 EXTRA_PREFIX = "lmc."
 
@@ -61,6 +64,28 @@ def _options(value: Any, key: str) -> dict[str, Any]:
         if not name.isidentifier():
             raise ConfigError(f"{key}: option name {name!r} is not a valid keyword name")
     return out
+
+
+DEPRECATED_KEYS: dict[str, str] = {"remote_ttl": "ttl", "remote_connections": "connections"}
+"""Core keys that were options of particular backends -> the option's name now. They still
+work (a warning, once per process, names the new spelling), passed to the remote backend if
+it declares that option -- as before, when other backends ignored them."""
+_warned: set[str] = set()
+
+
+def _deprecated(parse: Parser) -> Parser:
+    """A deprecated key's parser: unset (``None``) stays unset, a value is checked as before."""
+    return lambda v, k: None if v is None else parse(v, k)
+
+
+def _warn_deprecated(key: str, value: Any) -> None:
+    if key in _warned:
+        return
+    _warned.add(key)
+    option = DEPRECATED_KEYS[key]
+    log.warning("config key %s is deprecated: it is an option of the remote tier's backend "
+                "now; write remote_options: {%s: %s} (or LMC_REMOTE_OPTIONS='{%s: %s}', or "
+                "?%s=%s in remote_url)", key, option, value, option, value, option, value)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,8 +137,9 @@ class CacheConfig(Settings):
         "any scheme a registered backend claims (unset = none)")
     remote_options: dict[str, Any] = setting(
         None, _options,
-        "keyword options for the remote tier's backend, merged with its URL's query "
-        "(a mapping; LMC_REMOTE_OPTIONS takes YAML such as '{a: 1}')", hashed=False)
+        "options of the remote tier's backend (each backend declares its own: connections, "
+        "ttl, ...), also given as the URL's query (a mapping; LMC_REMOTE_OPTIONS takes YAML "
+        "such as '{connections: 8}')", hashed=False)
     remote_token: str | None = setting(
         None, parse_opt_str, "shared token sent to an lmc:// cache server (never logged)",
         secret=True)
@@ -129,12 +155,13 @@ class CacheConfig(Settings):
     remote_key_prefix: str = setting(
         "lmc", lambda v, k: parse_opt_str(v, k) or "lmc",
         "prefix of every remote key, so deployments can share a server")
-    remote_ttl: float = setting(
-        0, lambda v, k: parse_duration(v, k, minimum=0),
-        "seconds (or '12h') a remote value lives (0 = no expiry)", unit="duration")
-    remote_connections: int = setting(
-        4, lambda v, k: parse_int(v, k, minimum=1),
-        "parallel connections to the remote tier for large values")
+    # ---- deprecated: options of one backend, now under remote_options (see DEPRECATED_KEYS)
+    remote_ttl: float | None = setting(
+        None, _deprecated(lambda v, k: parse_duration(v, k, minimum=0)),
+        "deprecated: remote_options: {ttl: ...} (Redis)", unit="duration")
+    remote_connections: int | None = setting(
+        None, _deprecated(lambda v, k: parse_int(v, k, minimum=1)),
+        "deprecated: remote_options: {connections: ...} (Redis, lmc://)")
     write_policy: str = setting(
         "write_through", lambda v, k: parse_choice(v, k, ("write_through", "write_on_evict")),
         "when L1 chunks flow to lower tiers: on every store, or when evicted from L1")
@@ -148,22 +175,29 @@ class CacheConfig(Settings):
         if self.remote_options and not self.remote_url:
             raise ConfigError("remote_options: given, but there is no remote_url whose backend "
                               "would take them")
+        for key in DEPRECATED_KEYS:
+            if getattr(self, key) is not None:
+                _warn_deprecated(key, getattr(self, key))
+
+    def legacy_options(self) -> dict[str, tuple[str, Any]]:
+        """``{option: (deprecated key, value)}`` for each deprecated key that is set."""
+        return {opt: (key, getattr(self, key)) for key, opt in DEPRECATED_KEYS.items()
+                if getattr(self, key) is not None}
 
     def preflight(self) -> None:
-        """What start-up would check beyond the schema, for ``lmc config``: ``remote_options``
-        against the remote backend's constructor (as the tier builder does) and the integrity
+        """What start-up would check beyond the schema, for ``lmc config``: the remote
+        backend's options (``remote_options``, the URL's query, deprecated keys: names and
+        values, as :func:`lmc.storage_backend.create_backend` checks them) and the integrity
         secret (read from its file, long enough). Separate from construction because it
         imports the backend and reads files, which a config object alone should not need."""
         from lmc.integrity import Integrity
 
         try:
             Integrity.from_config(self)
-            if self.remote_url and self.remote_options:
-                from lmc.storage_backend import backend_factory
-                from lmc.tier_build import backend_options
+            if self.remote_url:
+                from lmc.storage_backend import backend_factory, configured_options
 
-                backend_options(backend_factory(self.remote_url), self.remote_options,
-                                "remote_options")
+                configured_options(backend_factory(self.remote_url), self.remote_url, self)
         except ValueError as e:
             raise ConfigError(str(e)) from None
 

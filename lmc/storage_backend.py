@@ -5,9 +5,15 @@ A tier is one class deriving :class:`StorageBackend`, registered with
 claims (``redis://``, ``lmc://``...). Lookup order for a name or scheme: backends already
 imported, then lmc's own built-in modules (:data:`BUILTIN_BACKENDS`, found by module path, so
 a source checkout works without reinstalling), then the ``lmc.storage_backends`` entry-point
-group (how a third-party package plugs in). Per-backend options come from
-``CacheConfig.remote_options`` (or the URL's query), never from new core keys; see
-:mod:`lmc.tier_build`.
+group (how a third-party package plugs in).
+
+Per-backend options are the backend's own, never new core keys: a backend declares them in
+``OPTIONS`` (name -> :class:`BackendOption`: default, parser, one-line doc) and takes each
+as a keyword argument of its constructor. Config gives them under ``remote_options:`` or in
+the URL's query (``redis://h:6379?connections=8``); :func:`create_backend` merges the two,
+parses every value and refuses unknown names (naming the closest declared one). A backend
+declaring no ``OPTIONS`` (a toy tier in a test) takes its constructor's keyword parameters
+verbatim, from ``remote_options`` only.
 
 The contract (``tests/storage_backends/contract.py`` checks it on every tier):
 
@@ -29,6 +35,9 @@ The contract (``tests/storage_backends/contract.py`` checks it on every tier):
   (:class:`lmc.remote_tier.Rejects`).
 * **Nothing half-written is visible.** ``contains``/``get`` see a value only once it is
   completely stored (rename into place, a single SET, an acknowledged PUT).
+* **Optional: layer by layer.** ``get_layers`` (default ``None``: whole chunks through
+  ``get``) returns the hits at once and fills them in layer order; the storage manager
+  promotes a chunk read that way only after the whole value verified.
 * **Close.** ``close()`` returns once work in flight is finished or abandoned; calls after it
   answer misses or 0, never hang. Remote tiers share one breaker
   (:class:`lmc.breaker.CircuitBreaker`) and one batch splitter
@@ -41,22 +50,40 @@ allocation, so it also implements :class:`MemoryTier`.
 from __future__ import annotations
 
 import abc
+import dataclasses
+import difflib
 import importlib
+import inspect
 import logging
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from importlib import metadata
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol, runtime_checkable
+from urllib.parse import unquote_plus
+
+from lmc.settings import ConfigError
 
 if TYPE_CHECKING:
     import torch
 
     from lmc.config import CacheConfig
+    from lmc.layered_read import LayeredRead
     from lmc.memory import MemoryObj, MemoryPool
     from lmc.storage_manager import TierPool
 
 log = logging.getLogger(__name__)
 Key = bytes
+
+
+@dataclasses.dataclass(frozen=True)
+class BackendOption:
+    """One option a backend declares: what it is when not given, how a value from YAML, an
+    environment variable or a URL query (a string) becomes the typed value (``parse(value,
+    key)`` raising ``ValueError`` that names ``key``), and a line for the docs."""
+
+    default: Any
+    parse: Callable[[Any, str], Any]
+    doc: str
 
 
 class StorageBackend(abc.ABC):
@@ -68,6 +95,9 @@ class StorageBackend(abc.ABC):
     """
 
     name: str = "?"
+    OPTIONS: ClassVar[Mapping[str, BackendOption]] = {}
+    """The options config may give this backend (``remote_options:`` or the URL's query);
+    each is also a keyword parameter of the constructor, with the same default."""
 
     @abc.abstractmethod
     def contains(self, keys: Sequence[Key]) -> list[bool]:
@@ -93,6 +123,15 @@ class StorageBackend(abc.ABC):
     @abc.abstractmethod
     def delete(self, keys: Sequence[Key]) -> int:
         """Remove keys; returns how many were present."""
+
+    def get_layers(self, keys: Sequence[Key]) -> LayeredRead | None:
+        """Optional ranged fetch: open the hits now and read them layer by layer in the
+        background (:mod:`lmc.layered_read`), so a layer-wise retrieve's layer i waits only
+        for layer i. ``None`` (the default, and a tier's answer whenever it cannot do it
+        now) means: use :meth:`get`. The same contract as ``get`` otherwise: one reference
+        per hit for the caller, failure is a miss (a failed read, not an exception), a value
+        failing a check is deleted and reported not ok by the read, never promoted."""
+        return None
 
     def close(self) -> None:  # noqa: B027 - optional hook, most tiers hold nothing
         """Release resources; further calls may fail."""
@@ -261,8 +300,107 @@ def backend_factory(spec: str) -> BackendFactory:
     raise ValueError(f"unknown storage backend {spec!r}; known: {', '.join(sorted(_by_name))}")
 
 
+# ----------------------------------------------------------------------------- options
+_SET_BY_LMC = ("self", "spec", "config", "pool")
+
+
+def option_names(factory: BackendFactory) -> tuple[str, ...]:
+    """What config may set on ``factory``: its declared ``OPTIONS``, or (declaring none) the
+    keyword parameters of its constructor other than those lmc passes itself."""
+    declared = getattr(factory, "OPTIONS", None)
+    if declared:
+        return tuple(declared)
+    try:
+        params = inspect.signature(factory).parameters
+    except (TypeError, ValueError):  # a builtin or C factory: nothing to check against
+        return ()
+    return tuple(n for n, p in params.items() if n not in _SET_BY_LMC
+                 and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY))
+
+
+def _split_query(spec: str, names: Sequence[str]) -> tuple[str, dict[str, str]]:
+    """``spec`` without the query parameters naming an option, and those parameters. The
+    rest of the query is left byte for byte as written (it is the backend's: redis-py's TLS
+    options, ``ns=``)."""
+    base, sep, query = spec.partition("?")
+    if not sep or not names:
+        return spec, {}
+    kept, taken = [], {}
+    for part in query.split("&"):
+        name, _, value = part.partition("=")
+        if unquote_plus(name) in names:
+            taken[unquote_plus(name)] = unquote_plus(value)
+        elif part:
+            kept.append(part)
+    return (f"{base}?{'&'.join(kept)}" if kept else base), taken
+
+
+def backend_options(factory: BackendFactory, spec: str, options: Mapping[str, Any] | None = None,
+                    *, where: str = "remote_options",
+                    legacy: Mapping[str, tuple[str, Any]] | None = None
+                    ) -> tuple[str, dict[str, Any]]:
+    """The keyword options ``factory`` is built with for ``spec``, and ``spec`` with them
+    taken out of its query.
+
+    Sources: ``options`` (``remote_options``), the URL's query (declared options only: the
+    rest of a query is the backend's) and ``legacy`` (``{option: (old core key, value)}``,
+    from deprecated keys). An option given by two of them is refused rather than one
+    silently winning; a name the backend does not take is refused naming the closest one;
+    each value of a declared option is parsed, so ``'12h'`` or ``'8'`` from a URL work."""
+    known = option_names(factory)
+    declared: Mapping[str, BackendOption] = getattr(factory, "OPTIONS", None) or {}
+    label = getattr(factory, "__name__", repr(factory))
+    spec, from_query = _split_query(spec, tuple(declared))
+    out: dict[str, Any] = {}
+    origin: dict[str, str] = {}
+    sources = [("remote_url's ?{}=", from_query), (f"{where}.{{}}", options or {})]
+    for fmt, given in sources:
+        for name, value in given.items():
+            if name in _SET_BY_LMC:
+                raise ConfigError(f"{where}: {name!r} is set by lmc itself, not an option "
+                                  f"of {label}")
+            if name not in known:
+                near = difflib.get_close_matches(name, known, n=1)
+                hint = f"; did you mean {near[0]!r}?" if near else ""
+                raise ConfigError(f"{where}: {label} has no option {name!r}{hint} "
+                                  f"(its options: {', '.join(known) or 'none'})")
+            if name in origin:
+                raise ConfigError(f"{label} option {name!r} is given twice: in "
+                                  f"{origin[name]} and in {fmt.format(name)}; keep one")
+            out[name], origin[name] = value, fmt.format(name)
+    for name, (old_key, value) in (legacy or {}).items():
+        if name not in known:
+            continue  # the old core key never applied to this backend either
+        if name in origin:
+            raise ConfigError(f"{old_key} (deprecated) and {origin[name]} both set "
+                              f"{label}'s {name!r}; keep {origin[name]}")
+        out[name], origin[name] = value, old_key
+    for name, value in out.items():
+        if name in declared:
+            out[name] = declared[name].parse(value, origin[name])
+    return spec, out
+
+
+def configured_options(factory: BackendFactory, spec: str, config: CacheConfig
+                       ) -> tuple[str, dict[str, Any]]:
+    """:func:`backend_options` for a tier built from ``config``: ``remote_options`` (and the
+    deprecated core keys they replace) apply when ``spec`` is served by the same backend as
+    ``remote_url`` or there is no ``remote_url`` (a tier built by hand, as the deprecated
+    keys always applied); a URL's own query always applies."""
+    remote = getattr(config, "remote_url", None)
+    ours = not remote or remote == spec or _lookup(remote) is factory
+    if not ours:
+        return backend_options(factory, spec)
+    return backend_options(factory, spec, getattr(config, "remote_options", None),
+                           legacy=config.legacy_options())
+
+
 def create_backend(spec: str, config: CacheConfig, pool: MemoryPool | TierPool, **kwargs: Any
                    ) -> StorageBackend:
-    """Instantiate a backend: ``factory(spec, config=..., pool=..., **kwargs)``. L1 gets the
-    pool itself, lower tiers a ``TierPool`` (see :mod:`lmc.tier_build`)."""
-    return backend_factory(spec)(spec, config=config, pool=pool, **kwargs)
+    """Instantiate a backend: ``factory(spec, config=..., pool=..., **options, **kwargs)``,
+    with ``options`` from config (:func:`configured_options`) and ``kwargs`` (Python values:
+    callables, test hooks) winning over them. L1 gets the pool itself, lower tiers a
+    ``TierPool`` (see :mod:`lmc.tier_build`)."""
+    factory = backend_factory(spec)
+    spec, options = configured_options(factory, spec, config)
+    return factory(spec, config=config, pool=pool, **{**options, **kwargs})

@@ -5,53 +5,24 @@ set, then the backend claiming ``remote_url``'s scheme (any registered backend: 
 ``lmc://`` daemon, a third-party tier), then extra tiers the caller hands in. Lower tiers get
 a :class:`lmc.storage_manager.TierPool`, so their reads may evict L1 exactly as a store does.
 
-Per-backend options live under the backend's own key, not as core settings:
-``remote_options`` (a mapping, merged by the backend with its URL's query) is passed to the
-remote backend's constructor as keyword arguments. Names the constructor does not take are
-refused here, naming the closest one, instead of being swallowed by its ``**kwargs``.
+Per-backend options live under the backend's own key, not as core settings: the remote
+backend gets ``remote_options`` (and its URL's query) as the keyword options it declares,
+checked and parsed by :func:`lmc.storage_backend.create_backend`, which every tier here is
+made with -- so a tier built by hand in a test gets exactly what the engine's would.
 """
 
 from __future__ import annotations
 
-import difflib
-import inspect
-from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
 
 from lmc.config import CacheConfig
 from lmc.memory import MemoryPool
-from lmc.storage_backend import MemoryTier, StorageBackend, backend_factory, create_backend
+from lmc.storage_backend import MemoryTier, StorageBackend, create_backend
 from lmc.storage_manager import StorageManager, TierPool
 
 TierFactory = Callable[[CacheConfig, TierPool], StorageBackend]
 TierSpec = StorageBackend | TierFactory
 """An extra lower tier: an instance, or a factory ``(config, pool) -> tier``."""
-
-_BUILT_IN_ARGS = ("self", "spec", "config", "pool")
-
-
-def backend_options(factory: Callable[..., Any], options: Mapping[str, Any], where: str
-                    ) -> dict[str, Any]:
-    """``options`` checked against the keyword parameters ``factory`` declares; a name it does
-    not declare raises ``ValueError`` naming ``where`` and the closest declared name."""
-    if not options:
-        return {}
-    try:
-        params = inspect.signature(factory).parameters
-    except (TypeError, ValueError):  # a builtin or C factory: nothing to check against
-        return dict(options)
-    known = [n for n, p in params.items() if n not in _BUILT_IN_ARGS
-             and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
-    name = getattr(factory, "__name__", repr(factory))
-    for key in options:
-        if key in _BUILT_IN_ARGS:
-            raise ValueError(f"{where}: {key!r} is set by lmc itself, not an option of {name}")
-        if key not in known:
-            near = difflib.get_close_matches(key, known, n=1)
-            hint = f"; did you mean {near[0]!r}?" if near else ""
-            raise ValueError(f"{where}: {name} has no option {key!r}{hint} "
-                             f"(its options: {', '.join(known) or 'none'})")
-    return dict(options)
 
 
 def lower_tier_specs(config: CacheConfig) -> list[str]:
@@ -72,11 +43,7 @@ def build_lower_tiers(config: CacheConfig, l1: MemoryTier,
     out: list[StorageBackend] = []
     try:
         for spec in lower_tier_specs(config):
-            kwargs: dict[str, Any] = {}
-            if spec == config.remote_url:
-                options = getattr(config, "remote_options", None) or {}
-                kwargs = backend_options(backend_factory(spec), options, "remote_options")
-            out.append(create_backend(spec, config, pool, **kwargs))
+            out.append(create_backend(spec, config, pool))
         for t in extra:
             out.append(t if isinstance(t, StorageBackend) else t(config, pool))
     except BaseException:

@@ -41,7 +41,8 @@ from lmc.p2p.agent import PoolAgent, TransferFailed
 from lmc.p2p.directory_client import DirectoryConnection
 from lmc.p2p.wire import BadRecord, PeerInfo, Record
 from lmc.server.client import Address
-from lmc.storage_backend import Key, StorageBackend, register_backend
+from lmc.settings import parse_duration, parse_int, parse_opt_str, parse_size
+from lmc.storage_backend import BackendOption, Key, StorageBackend, register_backend
 
 log = logging.getLogger(__name__)
 LOCATION_TTL = 1.0  # seconds a located record serves a following get without asking again
@@ -69,6 +70,17 @@ def directory_url(spec: str, config: CacheConfig) -> str:
 @register_backend("p2p", schemes=("p2p+lmc", "p2p+unix"))
 class P2PBackend(StorageBackend):
     """Exports this engine's chunks and pulls other engines' over NIXL."""
+
+    OPTIONS = {  # remote_options / ?name=value in the URL; defaults as in __init__
+        "agent_name": BackendOption(None, parse_opt_str,
+                                    "this engine's NIXL agent name (default: host, pid, random)"),
+        "export_bytes": BackendOption(None, lambda v, k: None if v is None else parse_size(v, k),
+                                      "bytes of exported chunks at most (default: half the pool)"),
+        "export_ttl": BackendOption(600.0, lambda v, k: parse_duration(v, k, minimum=0.001),
+                                    "seconds a chunk stays exported (pinned in the pool)"),
+        "slots": BackendOption(1 << 16, lambda v, k: parse_int(v, k, minimum=1),
+                               "version slots: chunks exported at once at most"),
+    }
 
     def __init__(self, spec: str = "p2p", *, config: CacheConfig, pool: MemoryPool,
                  agent_name: str | None = None, export_bytes: int | None = None,

@@ -2,10 +2,11 @@
 
 One value per chunk, ``{remote_key_prefix}:{key.hex()}`` → ``lmc.serde`` header + payload.
 Every call is batched: ``contains`` is one pipeline per server (one round trip for a whole
-prompt); ``get``/``put`` spread a prompt's chunks over ``remote_connections`` parallel
-connections, each a pipeline whose payloads go between the socket and pool memory without
-intermediate copies (``redis_wire``); reads stream windowed ``GETRANGE`` pieces so that the
-server never buffers more than a few MiB per connection (``redis_fetch``). A put first asks
+prompt); ``get``/``put`` spread a prompt's chunks over ``connections`` parallel connections
+(an option, like ``ttl``: see ``RedisBackend.OPTIONS``), each a pipeline whose payloads go
+between the socket and pool memory without intermediate copies (``redis_wire``); reads
+stream windowed ``GETRANGE`` pieces so that the server never buffers more than a few MiB per
+connection (``redis_fetch``). A put first asks
 which keys the server already has (content addressing: same key, same bytes) and sends only
 the others. Every read checks the header key and both checksums (and, with
 ``integrity_secret``, the value's keyed tag: ``lmc.integrity``); a bad value is a miss, is
@@ -41,7 +42,8 @@ from lmc.memory import MemoryObj, MemoryPool
 from lmc.metrics import TierMetrics
 from lmc.remote_tier import split_batch
 from lmc.serde import DTYPE_CODES, HEADER_SIZE, TAG_SIZE
-from lmc.storage_backend import Key, StorageBackend, register_backend
+from lmc.settings import parse_duration, parse_int, parse_positive_size
+from lmc.storage_backend import BackendOption, Key, StorageBackend, register_backend
 
 from . import redis_metrics as metrics
 from .redis_fetch import GetJob
@@ -66,8 +68,27 @@ def _error_kind(e: BaseException) -> str:
 class RedisBackend(StorageBackend):
     """Remote tier over redis-py connections (hiredis) with a zero-copy value path."""
 
+    OPTIONS = {  # remote_options / ?name=value in the URL; defaults as in __init__
+        "connections": BackendOption(4, lambda v, k: parse_int(v, k, minimum=1),
+                                     "parallel connections a large batch is spread over"),
+        "ttl": BackendOption(0.0, lambda v, k: parse_duration(v, k, minimum=0),
+                             "seconds (or '12h') a value lives in Redis; 0 = no expiry"),
+        "get_piece": BackendOption(1 << 20, parse_positive_size,
+                                   "bytes per GETRANGE of a streamed read"),
+        "get_window": BackendOption(4 << 20, parse_positive_size,
+                                    "bytes a connection asks for ahead of what it has read"),
+        "breaker_threshold": BackendOption(3, lambda v, k: parse_int(v, k, minimum=1),
+                                           "failures in a row that open a server's breaker"),
+        "breaker_backoff": BackendOption(0.25, lambda v, k: parse_duration(v, k, minimum=0),
+                                         "seconds before the first trial call, doubling"),
+        "breaker_max_backoff": BackendOption(
+            10.0, lambda v, k: parse_duration(v, k, minimum=0),
+            "seconds between trial calls at most"),
+    }
+
     def __init__(self, spec: str = "redis://127.0.0.1:6379", *, config: CacheConfig,
-                 pool: MemoryPool, breaker_threshold: int = 3,
+                 pool: MemoryPool, connections: int = 4, ttl: float = 0.0,
+                 breaker_threshold: int = 3,
                  breaker_backoff: float = 0.25, breaker_max_backoff: float = 10.0,
                  get_piece: int = 1 << 20, get_window: int = 4 << 20, **_: Any) -> None:
         self.target = parse_target(spec)
@@ -75,8 +96,8 @@ class RedisBackend(StorageBackend):
         self.metrics = TierMetrics(self.name)  # the storage manager adds its counts here too
         self.timeout = config.remote_timeout
         self.prefix = config.remote_key_prefix.encode() + b":"
-        self.px = int(round(config.remote_ttl * 1000))
-        self.connections = config.remote_connections
+        self.px = int(round(ttl * 1000))
+        self.connections = connections
         self.get_piece = get_piece    # bytes per GETRANGE (see redis_fetch)
         self.get_window = get_window  # bytes requested ahead per connection
         self.integrity = Integrity.from_config(config)

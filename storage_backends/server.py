@@ -3,8 +3,9 @@
 ``remote_url: lmc://host:port`` (TCP) or ``lmc+unix:///path/to.sock`` (same host), with
 ``?ns=NAME`` to pick the namespace (default: ``remote_key_prefix``) and ``remote_token`` for
 the shared token. Every call is one batched, pipelined conversation; large batches are split
-over up to ``remote_connections`` connections in parallel. Values travel from and into pool
-memory without intermediate copies (see ``lmc.server.client``).
+over up to ``connections`` connections in parallel (an option: ``ServerBackend.OPTIONS``).
+Values travel from and into pool memory without intermediate copies (see
+``lmc.server.client``).
 
 Failure is a miss, never an exception: a call that fails or times out (``remote_timeout``
 of inactivity) answers misses, and a circuit breaker then keeps calls off the network until
@@ -33,7 +34,8 @@ from lmc.serde import DTYPE_CODES
 from lmc.server import protocol as P
 from lmc.server.client import Address, Allocate, ClientConnection
 from lmc.server.probe import ProbePolicy
-from lmc.storage_backend import Key, StorageBackend, register_backend
+from lmc.settings import parse_int, parse_opt_str
+from lmc.storage_backend import BackendOption, Key, StorageBackend, register_backend
 
 from .server_tags import Tags, interleave, tag_key
 
@@ -49,9 +51,18 @@ SPLIT_BYTES = 8 << 20  # batches larger than this go over several connections in
 class ServerBackend(StorageBackend):
     """A connection pool to one daemon, behind a circuit breaker."""
 
+    OPTIONS = {  # remote_options / ?name=value in the URL; defaults as in __init__
+        "connections": BackendOption(4, lambda v, k: parse_int(v, k, minimum=1),
+                                     "connections a batch over 8 MiB is split over"),
+        "namespace": BackendOption(None, parse_opt_str,
+                                   "the daemon namespace (default: ?ns= or remote_key_prefix)"),
+        "client_name": BackendOption("lmc-engine", lambda v, k: parse_opt_str(v, k) or "lmc-engine",
+                                     "how the daemon's log and STATS name this client"),
+    }
+
     def __init__(self, spec: str = "server", *, config: CacheConfig, pool: MemoryPool,
                  allocate: Allocate | None = None, namespace: str | None = None,
-                 client_name: str = "lmc-engine", **_: Any) -> None:
+                 client_name: str = "lmc-engine", connections: int = 4, **_: Any) -> None:
         url = spec if "://" in spec else config.remote_url
         if not url:
             raise ValueError("the server tier needs remote_url: lmc://host:port or "
@@ -63,7 +74,7 @@ class ServerBackend(StorageBackend):
         self.allocate = allocate or pool.allocate
         integrity = Integrity.from_config(config)
         self.tags = Tags(integrity, self.allocate) if integrity else None
-        self.size = config.remote_connections
+        self.size = connections
         self.timeout = config.remote_timeout
         self._token = config.remote_token
         self._client_name = client_name

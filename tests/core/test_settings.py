@@ -262,6 +262,15 @@ def test_engine_keys_never_collide_with_another_namespace():
     ("remote_url: redis://h:1\nremote_options: [a]\n", "remote_options: expected a mapping"),
     ("remote_url: redis://h:1\nremote_options: {get_peice: 4}\n",
      "remote_options: RedisBackend has no option 'get_peice'; did you mean 'get_piece'"),
+    ("remote_url: redis://h:1\nremote_options: {ttl: soon}\n",
+     "remote_options.ttl: cannot parse duration 'soon'"),
+    ("remote_url: redis://h:1?connections=0\n", r"remote_url's \?connections=: must be >= 1"),
+    ("remote_url: lmc://h:1?conections=2\nremote_options: {conections: 2}\n",
+     "ServerBackend has no option 'conections'; did you mean 'connections'"),
+    ("remote_url: redis://h:1?ttl=1h\nremote_options: {ttl: 2h}\n",
+     r"option 'ttl' is given twice: in remote_url's \?ttl= and in remote_options.ttl"),
+    ("remote_url: redis://h:1\nremote_ttl: 1h\nremote_options: {ttl: 2h}\n",
+     "remote_ttl \\(deprecated\\) and remote_options.ttl both set"),
     ("integrity_secret: short\n", "integrity_secret: at least 16 bytes"),
     ("integrity_secret_file: /nonexistent/lmc.key\n", "integrity_secret_file .*cannot read"),
     ("integrity_secret: 0123456789abcdef0\nintegrity_secret_file: /x\n", "not both"),
@@ -347,3 +356,100 @@ def test_yaml_anchors_and_merges_are_not_duplicates(tmp_path):
     f = _write(tmp_path, "toy:\n  <<: {page_size: 8}\n  page_size: 32\n")
     _, opts = load_connector_settings({"lmc.config_file": str(f)}, "toy", _ToyOptions, "x", {})
     assert opts.page_size == 32  # an explicit key overrides the merged one, as YAML says
+
+
+# ------------------------------------------------------------- per-backend options (issue 11)
+def _builtin_backends() -> list[type]:
+    """Every built-in backend class this install can import (p2p needs NIXL)."""
+    import importlib
+
+    from lmc.storage_backend import BUILTIN_BACKENDS, backend_factory
+
+    out = []
+    for name, module in BUILTIN_BACKENDS.items():
+        try:
+            importlib.import_module(module)
+        except ImportError:
+            continue
+        out.append(backend_factory(name))
+    return out
+
+
+def test_declared_backend_options_are_constructor_keywords_with_the_same_defaults():
+    """A backend's ``OPTIONS`` and its constructor must not drift apart: config passes each
+    option as a keyword, and code building a tier directly gets the documented default."""
+    import inspect
+
+    checked = 0
+    for cls in _builtin_backends():
+        params = inspect.signature(cls).parameters
+        for name, opt in cls.OPTIONS.items():
+            assert name in params, f"{cls.__name__}.OPTIONS[{name!r}] is no keyword of __init__"
+            assert params[name].default == opt.default, (cls.__name__, name)
+            assert opt.parse(opt.default, name) == opt.default, (cls.__name__, name)
+            assert opt.doc, (cls.__name__, name)
+            checked += 1
+    assert checked >= 10  # redis, lmc:// (p2p where NIXL is installed)
+
+
+def test_readme_lists_every_declared_backend_option():
+    readme = (ROOT / "README.md").read_text()
+    missing = [f"{cls.name}.{name}" for cls in _builtin_backends() for name in cls.OPTIONS
+               if f"| `{cls.name}` | `{name}` |" not in readme]
+    assert not missing, f"README's backend options table lacks {missing}"
+
+
+def _built(cfg: CacheConfig) -> Any:
+    from lmc.memory import MemoryPool
+    from lmc.storage_backend import create_backend
+
+    pool = MemoryPool(1 << 20, pin_memory="false")
+    tier = create_backend(cfg.remote_url, cfg, pool)  # no I/O: connections open on first use
+    tier.close()
+    pool.close()
+    return tier
+
+
+def test_backend_options_from_the_url_query_remote_options_or_deprecated_keys(caplog):
+    """Three spellings, one result; the rest of a query stays the backend's own (redis-py's
+    TLS options here), byte for byte."""
+    url = "redis://127.0.0.1:1/0"
+    new = _built(CacheConfig(remote_url=url, remote_options={"connections": 3, "ttl": "2h"}))
+    query = _built(CacheConfig(remote_url=f"{url}?connections=3&ssl_cert_reqs=none&ttl=2h"))
+    old = _built(CacheConfig(remote_url=url, remote_connections=3, remote_ttl="2h"))
+    for t in (new, query, old):
+        assert (t.connections, t.px) == (3, 7_200_000)
+    assert query.target.options["ssl_cert_reqs"] == "none"
+    assert "connections" not in query.target.options
+    dflt = _built(CacheConfig(remote_url=url))
+    assert (dflt.connections, dflt.px) == (4, 0)
+    srv = _built(CacheConfig(remote_url="lmc://127.0.0.1:1?ns=a&connections=2"))
+    assert (srv.size, srv.namespace) == (2, "a")
+    # a deprecated key the backend never took is ignored, as it always was
+    assert _built(CacheConfig(remote_url="lmc://127.0.0.1:1", remote_ttl=5)).size == 4
+    # and one set in a config without remote_url reaches a tier built by hand, as it did
+    from lmc.memory import MemoryPool
+    from lmc.storage_backend import create_backend
+
+    pool = MemoryPool(1 << 20, pin_memory="false")
+    tier = create_backend(url, CacheConfig(remote_connections=2), pool)
+    assert tier.connections == 2
+    tier.close()
+    pool.close()
+
+
+def test_a_deprecated_key_warns_once_naming_the_new_spelling(caplog, monkeypatch):
+    from lmc import config as config_mod
+
+    monkeypatch.setattr(config_mod, "_warned", set())
+    with caplog.at_level(logging.WARNING, logger="lmc.config"):
+        for _ in range(3):
+            cfg = CacheConfig.load(environ={"LMC_REMOTE_URL": "redis://127.0.0.1:1",
+                                            "LMC_REMOTE_CONNECTIONS": "6"})
+    msgs = [r.getMessage() for r in caplog.records if "deprecated" in r.getMessage()]
+    assert len(msgs) == 1, msgs
+    assert "remote_connections is deprecated" in msgs[0]
+    assert "remote_options: {connections: 6}" in msgs[0] and "?connections=6" in msgs[0]
+    assert cfg.remote_connections == 6 and _built(cfg).connections == 6
+    assert "remote_connections" not in [k for k, _, doc in CacheConfig.describe()
+                                        if not doc.startswith("deprecated")]
