@@ -51,12 +51,13 @@ _WORDS = ["cache", "key", "value", "token", "prompt", "model", "layer", "block",
 
 
 # ------------------------------------------------------------------------------ model
-def demo_model_dir() -> Path:
-    """The demo checkpoint (``DEMO_MODEL``), made once under the cache directory."""
+def demo_model_dir(progress: Callable[[str], None] | None = None) -> Path:
+    """The demo checkpoint (``DEMO_MODEL``), made once under the cache directory;
+    ``progress`` hears each step of making it."""
     from lmc.reference.tiny import cached_checkpoint
 
     return cached_checkpoint(f"demo-llama-h{DEMO_MODEL['hidden']}-l{DEMO_MODEL['layers']}"
-                             f"-v{DEMO_MODEL_VERSION}", **DEMO_MODEL)
+                             f"-v{DEMO_MODEL_VERSION}", progress=progress, **DEMO_MODEL)
 
 
 # --------------------------------------------------------------------------- workload
@@ -315,7 +316,9 @@ def run_demo(model_dir: Path | None = None, config_path: str | None = None,
         print("model: demo checkpoint " + ", ".join(f"{k}={v}" for k, v in DEMO_MODEL.items())
               + " (random weights; made once, then reused)", file=out, flush=True)
         t0 = time.perf_counter()
-        model_dir = demo_model_dir()
+        model_dir = demo_model_dir(
+            progress=lambda line: print(f"  making the checkpoint: {line}", file=out,
+                                        flush=True))
         if time.perf_counter() - t0 > 1:
             print(f"made the demo checkpoint in {time.perf_counter() - t0:.1f} s", file=out)
     print(f"model dir: {model_dir}", file=out)

@@ -74,6 +74,7 @@ from collections.abc import Sequence
 from concurrent.futures import CancelledError, ThreadPoolExecutor
 from typing import Any
 
+from lmc import units
 from lmc.config import CacheConfig, parse_size
 from lmc.memory import MemoryObj, MemoryPool
 from lmc.metrics import TierMetrics
@@ -89,6 +90,9 @@ LOCK = ".lmc-disk-tier.lock"
 _NAME = re.compile(r"^([0-9a-f]{32})\.([0-9]+)\.kv$")
 _TMP = re.compile(r"^\.tmp\.([0-9]+)\.[0-9a-f]+$")
 STALE_TMP_SECONDS = 3600.0  # no write takes this long: older temp files are debris
+# a start-up scan of a large directory (millions of files on a cold disk) can take minutes:
+# it logs where it is this often, so the operator sees progress rather than a hang
+SCAN_PROGRESS_SECONDS = 5.0
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
 _buffered_logged: set[str] = set()
 
@@ -330,9 +334,16 @@ class DiskBackend(StorageBackend):
         truncated files); evict down to capacity."""
         found: list[tuple[int, Key, int]] = []
         now = time.time()
-        bad = foreign = temps = 0
+        t0 = last = time.monotonic()
+        bad = foreign = temps = seen = found_bytes = 0
         with os.scandir(self.path) as it:
             for e in it:
+                seen += 1
+                if time.monotonic() - last >= SCAN_PROGRESS_SECONDS:
+                    last = time.monotonic()
+                    log.info("disk tier %s: index rebuild: %d files seen, %d chunks (%s) "
+                             "so far, %s", self.path, seen, len(found), units.size(found_bytes),
+                             units.seconds(last - t0))
                 name = e.name
                 if name in (MARKER, LOCK) or e.is_dir(follow_symlinks=False):
                     continue
@@ -346,6 +357,7 @@ class DiskBackend(StorageBackend):
                     if (stat.S_ISREG(st.st_mode) and st.st_size == size and size > BLOCK
                             and size % BLOCK == 0):
                         found.append((st.st_mtime_ns, bytes.fromhex(m[1]), size))
+                        found_bytes += size
                         continue
                     bad += 1
                 else:
@@ -376,8 +388,9 @@ class DiskBackend(StorageBackend):
         with self._lock:
             victims, _, dying = self._evict_locked(self._used - self.capacity, 0, recycle=False)
         self._unlink(victims, dying)
-        log.info("disk tier %s: %d chunks, %.1f of %.1f MiB, %s I/O", self.path,
-                 len(self._index), self._used / 2**20, self.capacity / 2**20,
+        log.info("disk tier %s: index rebuilt in %s: %d chunks, %s of %s, %s I/O", self.path,
+                 units.seconds(time.monotonic() - t0), len(self._index),
+                 units.size(self._used), units.size(self.capacity),
                  "O_DIRECT" if self.direct else "buffered")
 
     # ------------------------------------------------------------------ reads

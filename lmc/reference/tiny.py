@@ -21,6 +21,8 @@ import os
 import random
 import shutil
 import tempfile
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -214,12 +216,17 @@ def make_tiny_checkpoint(
     max_position_embeddings: int = 2048,
     dtype: str = "float32",
     shards: int = 1,
+    progress: Callable[[str], None] | None = None,
 ) -> Path:
     """Write a random-weight checkpoint to ``path`` (created if needed); returns it.
 
     ``model_type="qwen2"`` gives a Qwen2-style model: q/k/v biases and tied embeddings
     by default. ``shards > 1`` splits the weights into that many files plus an index.
+    ``progress`` is called with one line per step (tokenizer, weights, files) and how long
+    it took: a large checkpoint takes minutes, and a silent wait looks like a hang.
     """
+    say = progress or (lambda _line: None)
+    t0 = time.perf_counter()
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     cfg = tiny_config_dict(
@@ -232,12 +239,21 @@ def make_tiny_checkpoint(
     config = ModelConfig.from_dict(cfg)
     from lmc.reference.loader import resolve_dtype
 
+    say(f"training a {vocab}-id byte-level BPE tokenizer ...")
     tokenizer_json = _tokenizer_json(vocab, seed)
+    t1 = time.perf_counter()
+    say(f"tokenizer ready in {t1 - t0:.1f} s; drawing random weights ({layers} layers, "
+        f"hidden {hidden}) ...")
     weights = _random_weights(config, seed, resolve_dtype(dtype), _junk_token_ids(tokenizer_json))
+    nbytes = sum(t.numel() * t.element_size() for t in weights.values())
+    t2 = time.perf_counter()
+    say(f"{len(weights)} weight tensors, {nbytes / 2**20:.1f} MiB, in {t2 - t1:.1f} s; "
+        f"writing {'1 file' if shards <= 1 else f'{shards} shards'} ...")
     _write_json(path / "config.json", cfg)
     _write_json(path / "generation_config.json", {"bos_token_id": 0, "eos_token_id": 1})
     (path / "tokenizer.json").write_text(tokenizer_json)
     _write_weights(path, weights, shards)
+    say(f"checkpoint written to {path} in {time.perf_counter() - t0:.1f} s")
     return path
 
 
@@ -270,11 +286,13 @@ def cache_root() -> Path:
     return Path(base) / "lmc"
 
 
-def cached_checkpoint(name: str, **params: Any) -> Path:
+def cached_checkpoint(name: str, progress: Callable[[str], None] | None = None,
+                      **params: Any) -> Path:
     """``make_tiny_checkpoint(**params)`` made once as ``cache_root() / name`` and reused.
 
     Built in a temporary sibling directory and renamed into place, so a concurrent
     caller never sees a half-written checkpoint. ``name`` must change with ``params``.
+    ``progress`` hears the steps only when the checkpoint is made.
     """
     target = cache_root() / name
     if (target / "config.json").is_file():
@@ -282,7 +300,7 @@ def cached_checkpoint(name: str, **params: Any) -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=target.parent))
     try:
-        make_tiny_checkpoint(tmp, **params)
+        make_tiny_checkpoint(tmp, progress=progress, **params)
         try:
             os.rename(tmp, target)
         except OSError:
