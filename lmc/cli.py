@@ -23,6 +23,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "workload": ("lmc.workloads.cli", "write a workload trace (chat, prefix, docqa, sharegpt)"),
     "replay": ("lmc.workloads.replay_cli", "replay a trace on the reference engine or an "
                "OpenAI-compatible server: TTFT, throughput, hits per tier"),
+    "plan": ("lmc.planner.cli", "size the cache tiers for a trace: hit rate and predicted "
+             "TTFT per configuration"),
 }
 COMMAND_MODULES = tuple(dict.fromkeys(module for module, _ in COMMANDS.values()))
 

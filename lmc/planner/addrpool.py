@@ -1,0 +1,91 @@
+"""A memory pool of addresses only: lmc's TLSF allocator and ``MemoryObj`` references, no buffer.
+
+Why: the planner must run lmc's real L1 tier (``storage_backends/cpu.py``: its LRU order, its
+"only evict what nobody else references" rule, its allocate-evict-retry loop) for pools of
+many GiB, thousands of times faster than moving KV. Everything that decides *which* chunk is
+evicted lives in the tier and in the allocator, and neither touches bytes; only the buffer
+does. This pool keeps the allocator and the reference counting of
+:class:`lmc.memory.MemoryPool` and drops the buffer, so an object's ``tensor`` is refused.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable, Sequence
+
+import torch
+
+from lmc.allocator import TLSFAllocator
+from lmc.memory import MemoryObj
+
+
+class AddressPool:
+    """``MemoryPool``'s allocation and reference API over ``size`` bytes of address space."""
+
+    invariants = False
+    pinned = False
+
+    def __init__(self, size: int, align: int = 4096) -> None:
+        self.allocator = TLSFAllocator(size, align)
+        self.size = self.allocator.capacity
+        self.lock = threading.RLock()
+        self.closed = False
+        self.leaks: list[str] = []
+
+    def allocate(self, shape: Sequence[int], dtype: torch.dtype, num_tokens: int = 0
+                 ) -> MemoryObj | None:
+        objs = self.allocate_many(shape, dtype, 1, num_tokens)
+        return objs[0] if objs else None
+
+    def allocate_many(self, shape: Sequence[int], dtype: torch.dtype, count: int,
+                      num_tokens: int = 0) -> list[MemoryObj]:
+        """Up to ``count`` objects (fewer when the address space runs out), as the real pool."""
+        shape = tuple(shape)
+        n = dtype.itemsize
+        for d in shape:
+            n *= d
+        if n <= 0:
+            raise ValueError(f"cannot allocate an empty object of shape {shape}")
+        alloc = self.allocator
+        if alloc.used_bytes + n > alloc.capacity:  # exact shortcut: not even one fits
+            return []
+        offs = alloc.allocate_many(n, count)
+        return [MemoryObj(self, off, n, shape, dtype, num_tokens, None) for off in offs]  # type: ignore[arg-type]
+
+    def view(self, *_: object) -> torch.Tensor:
+        raise RuntimeError("an AddressPool holds no bytes: the planner never reads KV")
+
+    def acquire_many(self, objs: Iterable[MemoryObj]) -> None:
+        for o in objs:
+            if o._refs <= 0:
+                raise RuntimeError("acquire() of a MemoryObj that was already freed")
+            o._refs += 1
+
+    def release_many(self, objs: Iterable[MemoryObj]) -> None:
+        for o in objs:
+            o.release()
+
+    def _free_locked(self, obj: MemoryObj) -> None:
+        if not self.closed:
+            self.allocator.free(obj.offset)
+
+    def _leaked(self, obj: MemoryObj) -> None:
+        self.leaks.append(repr(obj))
+        obj._refs = 0
+        if not self.closed:
+            self.allocator.free(obj.offset)
+
+    @property
+    def used_bytes(self) -> int:
+        return self.allocator.used_bytes
+
+    @property
+    def free_bytes(self) -> int:
+        return self.allocator.free_bytes
+
+    def stats(self) -> dict[str, float]:
+        return {"capacity": self.size, "used": self.allocator.used_bytes,
+                "objects": self.allocator.num_allocations}
+
+    def close(self) -> None:
+        self.closed = True

@@ -1,0 +1,212 @@
+"""Size lmc's tiers for a trace: per-tier hit rate and predicted TTFT for a grid of L1, disk
+and remote sizes and write policies, from lmc's own chunking, keys and tier classes, with no
+KV bytes moved.
+
+  lmc plan --calibrate [--model DIR]        measure prefill and tier loads here (once)
+  lmc plan TRACE --l1 1GiB,4GiB,16GiB --disk 0,100GiB --policy write_through,write_on_evict
+
+TTFT comes from the calibration profile (prefill time per length, load bandwidth per tier,
+measured on this machine); without one, `lmc plan` says how to make it. The table lists
+every configuration; --target-hit-rate names the smallest one reaching it (least L1 first,
+then remote, then disk); --plot draws hit rate and TTFT over L1 size with the knee marked.
+See docs/planner.md for what is modelled and how it was validated.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from typing import Any
+
+from lmc.settings import parse_size
+
+PLAN_SUMMARY = "size the cache tiers for a trace: hit rate and predicted TTFT per configuration"
+
+
+def _sizes(text: str, what: str) -> list[int]:
+    out = []
+    for part in text.split(","):
+        part = part.strip()
+        if not part:
+            continue
+        try:
+            out.append(0 if part == "0" else parse_size(part, what))
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+    if not out:
+        raise argparse.ArgumentTypeError(f"{what}: give at least one size (e.g. 4GiB)")
+    return out
+
+
+def _policies(text: str) -> list[str]:
+    from lmc.storage_manager import WRITE_POLICIES
+
+    out = [p.strip() for p in text.split(",") if p.strip()]
+    bad = [p for p in out if p not in WRITE_POLICIES]
+    if bad or not out:
+        raise argparse.ArgumentTypeError(f"--policy {bad[0] if bad else text!r}: choose from "
+                                         f"{', '.join(WRITE_POLICIES)}")
+    return out
+
+
+def _rate(text: str) -> float:
+    try:
+        v = float(text.rstrip("%")) / (100 if text.endswith("%") else 1)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--target-hit-rate {text!r}: a fraction such as "
+                                         f"0.8 (or 80%)") from None
+    if not 0 < v <= 1:
+        raise argparse.ArgumentTypeError(f"--target-hit-rate {text!r}: must be in (0, 1]")
+    return v
+
+
+def _lengths(text: str) -> list[int]:
+    try:
+        out = sorted({int(x) for x in text.split(",") if x.strip()})
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--lengths {text!r}: token counts such as "
+                                         f"256,1024,4096") from None
+    if len(out) < 2 or out[0] < 1:
+        raise argparse.ArgumentTypeError("--lengths: at least two positive token counts")
+    return out
+
+
+def register_cli(sub: Any) -> None:
+    from lmc.cli import add_command
+
+    p = add_command(sub, "plan", PLAN_SUMMARY, __doc__)
+    p.add_argument("trace", nargs="?", metavar="TRACE", help="JSONL trace (docs/workloads.md)")
+    p.add_argument("--l1", type=lambda t: _sizes(t, "--l1"), default=[1 << 30, 4 << 30, 16 << 30],
+                   metavar="SIZES", help="L1 (CPU pool) sizes, comma-separated "
+                   "(default 1GiB,4GiB,16GiB)")
+    p.add_argument("--disk", type=lambda t: _sizes(t, "--disk"), default=[0], metavar="SIZES",
+                   help="disk tier sizes, 0 = none (default 0)")
+    p.add_argument("--remote", type=lambda t: _sizes(t, "--remote"), default=[0],
+                   metavar="SIZES", help="remote tier (an lmc daemon's memory) sizes, 0 = none")
+    p.add_argument("--policy", type=_policies, default=["write_through"], metavar="POLICIES",
+                   help="write policies: write_through,write_on_evict (default write_through)")
+    p.add_argument("--target-hit-rate", type=_rate, metavar="RATE",
+                   help="name the smallest configuration whose hit rate reaches RATE (0.8)")
+    p.add_argument("--plot", metavar="PNG", help="draw hit rate and TTFT over L1 size here")
+    p.add_argument("--json", action="store_true", help="print the results as JSON")
+    p.add_argument("--profile", metavar="PATH",
+                   help="calibration profile (default ~/.cache/lmc/plan-profile.json)")
+    p.add_argument("--no-ttft", action="store_true",
+                   help="hit rates only: no calibration profile needed")
+    p.add_argument("--kv-bytes-per-token", type=int, metavar="N",
+                   help="KV bytes per token (default: the profile's model's)")
+    p.add_argument("--chunk-size", type=int, default=None, metavar="N",
+                   help="tokens per chunk (default: the profile's, else 256)")
+    p.add_argument("--align", type=int, default=1, metavar="N",
+                   help="round hits down to N tokens (an engine loading whole blocks: vLLM's "
+                        "block size; the reference engine: 1)")
+    p.add_argument("--tokenizer", metavar="DIR",
+                   help="checkpoint whose tokenizer.json turns text prompts into ids")
+    p.add_argument("--limit", type=int, metavar="N", help="plan the first N requests only")
+    p.add_argument("--jobs", type=int, default=0, metavar="N",
+                   help="grid points simulated in parallel (default: one per core)")
+    g = p.add_argument_group("calibration (lmc plan --calibrate)")
+    g.add_argument("--calibrate", action="store_true", help="measure and store the profile")
+    g.add_argument("--model", metavar="DIR", help="checkpoint to measure (default: a small "
+                   "random-weight Llama made on first use)")
+    g.add_argument("--lengths", type=_lengths, default=[256, 1024, 2048, 4096],
+                   metavar="N,N,...", help="prefill lengths to measure")
+    g.add_argument("--load-tokens", type=int, default=4096, metavar="N",
+                   help="tokens per tier-load measurement")
+    g.add_argument("--reps", type=int, default=3, metavar="N", help="repetitions per figure")
+    g.add_argument("--disk-dir", metavar="DIR", help="where the disk-tier measurement writes")
+    g.add_argument("--redis", metavar="URL", help="also measure this remote tier "
+                   "(redis://... or lmc://...)")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.calibrate:
+        return _calibrate(args)
+    if not args.trace:
+        print("lmc plan: give a TRACE to plan (or --calibrate to measure this machine)",
+              file=sys.stderr)
+        return 2
+    try:
+        return _plan(args)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"lmc plan: {e}", file=sys.stderr)
+        return 2
+
+
+def _calibrate(args: argparse.Namespace) -> int:
+    from lmc.planner.calibrate import calibrate
+    from lmc.planner.costmodel import default_profile_path
+
+    try:
+        prof = calibrate(args.model, lengths=args.lengths, reps=args.reps,
+                         load_tokens=args.load_tokens, chunk_size=args.chunk_size or 256,
+                         disk_dir=args.disk_dir, remote_url=args.redis)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"lmc plan --calibrate: {e}", file=sys.stderr)
+        return 2
+    path = prof.save(args.profile or default_profile_path())
+    print(f"calibration profile written to {path}")
+    return 0
+
+
+def _plan(args: argparse.Namespace) -> int:
+    from lmc.planner import report
+    from lmc.planner.costmodel import Profile
+    from lmc.planner.keys import load_trace
+    from lmc.planner.sim import grid, run_grid
+
+    profile = None if args.no_ttft else Profile.load(args.profile)
+    bpt = args.kv_bytes_per_token or (profile.kv_bytes_per_token if profile else None)
+    if not bpt:
+        raise ValueError("--no-ttft needs --kv-bytes-per-token (KV bytes one token takes: "
+                         "layers x 2 x kv_heads x head_size x dtype bytes)")
+    chunk = args.chunk_size or (profile.chunk_size if profile else 256)
+    tok = None
+    if args.tokenizer:
+        from lmc.reference.tokenizer import Tokenizer
+
+        tok = Tokenizer(f"{args.tokenizer}/tokenizer.json")
+    t0 = time.perf_counter()
+    trace = load_trace(args.trace, chunk_size=chunk, tokenizer=tok, limit=args.limit)
+    t_keys = time.perf_counter() - t0
+    if not len(trace):
+        raise ValueError(f"{args.trace}: no requests")
+    points = grid(args.l1, args.disk, args.remote, args.policy)
+    t1 = time.perf_counter()
+    results = run_grid(trace, points, bytes_per_token=bpt, align=args.align,
+                       jobs=args.jobs or None)
+    t_sim = time.perf_counter() - t1
+    table, base = report.rows(results, trace, profile)
+    knees = {k.point for c in report.series(table).values() if (k := report.knee(c))}
+    best = report.smallest_reaching(table, args.target_hit_rate) \
+        if args.target_hit_rate else None
+    if args.plot:
+        report.plot(table, args.plot, title=f"{args.trace}: {len(trace):,} requests")
+    if args.json:
+        print(json.dumps({
+            "trace": args.trace, "requests": len(trace), "prompt_tokens": trace.prompt_tokens,
+            "distinct_chunks": trace.num_keys, "kv_bytes_per_token": bpt, "chunk_size": chunk,
+            "no_cache_ttft_mean_s": base, "profile": args.profile if profile else None,
+            "results": [r.to_json() for r in table],
+            "knees": [r.to_json() for r in table if r.point in knees],
+            "target_hit_rate": args.target_hit_rate,
+            "smallest_reaching_target": best.to_json() if best else None,
+            "seconds": {"keys": t_keys, "simulation": t_sim}}, indent=1))
+        return 0
+    from lmc import units
+
+    print(f"{args.trace}: {len(trace):,} requests, {trace.prompt_tokens:,} prompt tokens, "
+          f"{trace.num_keys:,} distinct chunks of {chunk} tokens, "
+          f"{units.size(bpt)} of KV per token")
+    print(report.format_table(table, base, knees))
+    if args.target_hit_rate:
+        print(f"smallest configuration reaching {100 * args.target_hit_rate:.0f}%: "
+              + (report.describe(best) if best else "none in this grid (try larger sizes)"))
+    if args.plot:
+        print(f"plot written to {args.plot}")
+    print(f"keys {units.seconds(t_keys)}, simulation of {len(points)} configurations "
+          f"{units.seconds(t_sim)}")
+    return 0

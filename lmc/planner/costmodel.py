@@ -1,0 +1,161 @@
+"""TTFT from hits: a cost model whose every number was measured on this machine.
+
+A profile (``lmc plan --calibrate``, stored as JSON) holds the engine's full-prefill time at a
+few prompt lengths and, per tier, the time to load a chunk's KV (bandwidth plus a per-chunk
+cost). Prefill time is fitted as ``t(L) = c0 + c1*L + c2*L**2`` (attention makes later tokens
+dearer), so computing the suffix ``[p, n)`` of a prompt whose first ``p`` tokens were loaded
+costs ``c0 + (t(n) - c0) - (t(p) - c0)``. A request's predicted TTFT is that plus each tier's
+load time, added (layer-wise loading can hide part of a load behind compute, so this errs
+high when both are large). Why a fit rather than the points: traces have every length, and
+the fit's residual on the measured points is kept in the profile so a bad fit is visible.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+PROFILE_VERSION = 1
+
+
+def default_profile_path() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "lmc" / "plan-profile.json"
+
+
+class MissingProfile(FileNotFoundError):
+    """No calibration profile where one was expected; the message says how to make one."""
+
+
+@dataclass
+class TierCost:
+    """Loading ``b`` bytes in ``c`` chunks from a tier takes ``b / bytes_per_s + c * per_chunk_s``."""
+
+    bytes_per_s: float
+    per_chunk_s: float = 0.0
+
+    def seconds(self, nbytes: Any, chunks: Any) -> Any:
+        return nbytes / self.bytes_per_s + chunks * self.per_chunk_s
+
+
+@dataclass
+class Profile:
+    model: str
+    kv_bytes_per_token: int
+    chunk_size: int
+    prefill_points: list[tuple[int, float]]  # (prompt tokens, full-prefill seconds), measured
+    tiers: dict[str, TierCost]
+    fit: tuple[float, float, float] = (0.0, 0.0, 0.0)
+    created: str = ""
+    host: str = ""
+    notes: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not any(self.fit):
+            self.fit = fit_prefill(self.prefill_points)
+
+    # ------------------------------------------------------------------ predictions
+    def prefill_s(self, start: Any, end: Any) -> Any:
+        """Seconds to compute tokens ``[start, end)`` of a prompt (``start`` already loaded)."""
+        c0, c1, c2 = self.fit
+        start = np.asarray(start, dtype=np.float64)
+        end = np.asarray(end, dtype=np.float64)
+        return c0 + c1 * (end - start) + c2 * (end * end - start * start)
+
+    def ttft_s(self, num_tokens: Any, hits: dict[str, Any]) -> Any:
+        """Predicted TTFT per request: ``hits`` maps a tier to loaded tokens per request."""
+        n = np.asarray(num_tokens, dtype=np.float64)
+        loaded = np.zeros_like(n)
+        load = np.zeros_like(n)
+        for tier, tok in hits.items():
+            tok = np.asarray(tok, dtype=np.float64)
+            loaded += tok
+            load += self.tier(tier).seconds(tok * self.kv_bytes_per_token,
+                                            np.ceil(tok / self.chunk_size))
+        return self.prefill_s(loaded, n) + load
+
+    def tier(self, name: str) -> TierCost:
+        cost = self.tiers.get(name)
+        if cost is None:
+            raise ValueError(f"the calibration profile has no load cost for the {name} tier "
+                             f"(it has {', '.join(self.tiers) or 'none'}); run lmc plan "
+                             f"--calibrate{' --redis URL' if name == 'remote' else ''} again")
+        return cost
+
+    def fit_error(self) -> float:
+        """Largest relative error of the fit on the measured points."""
+        pts = np.asarray(self.prefill_points, dtype=np.float64)
+        pred = self.prefill_s(0, pts[:, 0])
+        return float(np.max(np.abs(pred - pts[:, 1]) / pts[:, 1]))
+
+    # ------------------------------------------------------------------ storage
+    def to_json(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["version"] = PROFILE_VERSION
+        d["tiers"] = {k: asdict(v) for k, v in self.tiers.items()}
+        return d
+
+    def save(self, path: str | os.PathLike[str]) -> Path:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+        tmp.write_text(json.dumps(self.to_json(), indent=1) + "\n")
+        os.replace(tmp, path)
+        return path
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str] | None = None) -> Profile:
+        path = Path(path) if path is not None else default_profile_path()
+        if not path.is_file():
+            raise MissingProfile(
+                f"no calibration profile at {path}: make one with `lmc plan --calibrate` "
+                f"(add --model DIR to measure your checkpoint, --profile PATH to store it "
+                f"elsewhere)")
+        try:
+            d = json.loads(path.read_text())
+            if d.get("version") != PROFILE_VERSION:
+                raise ValueError(f"version {d.get('version')!r}, expected {PROFILE_VERSION}")
+            tiers = {k: TierCost(float(v["bytes_per_s"]), float(v.get("per_chunk_s", 0.0)))
+                     for k, v in d["tiers"].items()}
+            return cls(model=str(d["model"]), kv_bytes_per_token=int(d["kv_bytes_per_token"]),
+                       chunk_size=int(d["chunk_size"]),
+                       prefill_points=[(int(a), float(b)) for a, b in d["prefill_points"]],
+                       tiers=tiers, fit=tuple(float(x) for x in d["fit"]),  # type: ignore[arg-type]
+                       created=str(d.get("created", "")), host=str(d.get("host", "")),
+                       notes=dict(d.get("notes", {})))
+        except (ValueError, KeyError, TypeError) as e:
+            raise ValueError(f"calibration profile {path} is not readable ({e}); make it "
+                             f"again with `lmc plan --calibrate`") from None
+
+
+def fit_prefill(points: list[tuple[int, float]]) -> tuple[float, float, float]:
+    """Least-squares ``c0 + c1*L + c2*L**2`` with no negative coefficient (a negative one
+    would predict negative cost somewhere): terms that come out negative are dropped and the
+    rest refitted."""
+    if len(points) < 2:
+        raise ValueError(f"the prefill fit needs at least 2 measured lengths, got {len(points)}")
+    pts = np.asarray(points, dtype=np.float64)
+    L, t = pts[:, 0], pts[:, 1]
+    cols = {0: np.ones_like(L), 1: L, 2: L * L}
+    keep = [0, 1, 2] if len(points) >= 3 else [0, 1]
+    while True:
+        a = np.stack([cols[k] for k in keep], axis=1)
+        coef, *_ = np.linalg.lstsq(a, t, rcond=None)
+        neg = [k for k, c in zip(keep, coef) if c < 0]
+        if not neg or len(keep) == 1:
+            break
+        keep = [k for k in keep if k not in neg]
+    out = [0.0, 0.0, 0.0]
+    for k, c in zip(keep, coef):
+        out[k] = max(0.0, float(c))
+    return out[0], out[1], out[2]
+
+
+def stamp() -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())

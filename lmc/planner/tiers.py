@@ -1,0 +1,297 @@
+"""One tier stack without KV bytes: lmc's L1 tier, the disk tier's index, an lmc daemon's memory.
+
+What is lmc's own code here and what mirrors it:
+
+* **L1** is :class:`storage_backends.cpu.CPUBackend` itself over an :class:`AddressPool`
+  (lmc's TLSF allocator and ``MemoryObj`` reference counts, no buffer): its LRU/FIFO order,
+  its allocate-evict-retry loop and its rule that a referenced chunk is never evicted run
+  unchanged.
+* **remote** is an lmc daemon (``lmc://``): its memory tier is the same ``CPUBackend`` over a
+  pool of the remote's size, so it is that class again. A Redis remote with an LRU
+  ``maxmemory-policy`` evicts by sampled LRU, which this approximates.
+* **disk** is :class:`DiskIndex`: ``storage_backends/disk.py`` keeps its LRU index inside the
+  file I/O, so the index rules are mirrored here (file size = a 4 KiB header block plus the
+  payload rounded up to 4 KiB, with the disk tier's own ``BLOCK``/``_round_up``; ``contains``
+  does not refresh recency, ``get`` does; eviction pops the least recently used entries until
+  the new file fits, stopping early at a same-size victim, which the tier recycles).
+  ``tests/planner/test_disk_index.py`` drives the real ``DiskBackend`` and this index with
+  the same operations and checks they hold the same keys in the same order.
+
+:class:`SimCache` strings them together the way :class:`lmc.storage_manager.StorageManager`
+does (prefix lookups each tier once, promotion of lower-tier hits into L1, write-through or
+write-on-evict), with one difference that is the point of a simulation: write-behind queues
+drain at once. The real queues drain on their own threads, so a chunk waits in one for a
+while (readable from it, and under write-through unevictable from L1); see docs/planner.md
+for what that changes and by how much.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from lmc.config import CacheConfig
+from lmc.memory import MemoryObj
+from lmc.planner.addrpool import AddressPool
+from lmc.storage_backends.cpu import CPUBackend
+from lmc.storage_backends.disk import BLOCK, _round_up
+from lmc.storage_manager import WRITE_POLICIES
+
+Key = Any  # the planner's interned key ids (ints); lmc's tiers treat keys as opaque
+_BYTE = torch.uint8
+
+
+def memory_tier(capacity: int, eviction_policy: str = "lru") -> CPUBackend:
+    """lmc's L1 tier class over ``capacity`` bytes of address space."""
+    cfg = CacheConfig(eviction_policy=eviction_policy, local_cpu_size=max(capacity, 4096))
+    return CPUBackend(config=cfg, pool=AddressPool(capacity))  # type: ignore[arg-type]
+
+
+class DiskIndex:
+    """The disk tier's index and capacity rules (see the module doc), without files."""
+
+    name = "disk"
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = int(capacity)
+        self._index: OrderedDict[Key, int] = OrderedDict()  # key -> file bytes, LRU first
+        self.used = 0
+        self.evictions = 0
+        self.rejected = 0
+
+    @staticmethod
+    def file_bytes(nbytes: int) -> int:
+        return BLOCK + _round_up(nbytes)
+
+    def contains(self, keys: Sequence[Key]) -> list[bool]:
+        idx = self._index
+        return [k in idx for k in keys]
+
+    def touch_present(self, keys: Sequence[Key]) -> list[bool]:
+        """``get``'s first half: present keys become most recently used (before any read)."""
+        idx = self._index
+        out = []
+        for k in keys:
+            if k in idx:
+                idx.move_to_end(k)
+                out.append(True)
+            else:
+                out.append(False)
+        return out
+
+    def put(self, keys: Sequence[Key], nbytes: Sequence[int]) -> int:
+        stored = 0
+        idx = self._index
+        for k, n in zip(keys, nbytes):
+            size = BLOCK + _round_up(n)
+            if size > self.capacity:
+                self.rejected += 1
+                continue
+            if k in idx:
+                idx.move_to_end(k)
+                stored += 1
+                continue
+            over = self.used + size - self.capacity
+            freed = 0
+            while over > 0 and idx and freed < over:
+                _, vsize = idx.popitem(last=False)
+                self.used -= vsize
+                self.evictions += 1
+                if vsize == size:  # recycled: its file becomes the new value's
+                    break
+                freed += vsize
+            idx[k] = size
+            self.used += size
+            stored += 1
+        return stored
+
+    def keys_in_order(self) -> list[Key]:
+        return list(self._index)
+
+    def __len__(self) -> int:
+        return len(self._index)
+
+
+class RemoteDaemon:
+    """An lmc daemon's memory tier seen from the engine: ``contains``, ``get`` (refreshes the
+    daemon's LRU), ``put`` (the daemon allocates in its own pool, evicting)."""
+
+    name = "remote"
+
+    def __init__(self, capacity: int, eviction_policy: str = "lru") -> None:
+        self.tier = memory_tier(capacity, eviction_policy)
+
+    def contains(self, keys: Sequence[Key]) -> list[bool]:
+        return self.tier.contains(keys)
+
+    def touch_present(self, keys: Sequence[Key]) -> list[bool]:
+        objs = self.tier.get(keys)
+        out = [o is not None for o in objs]
+        for o in objs:
+            if o is not None:
+                o.release()
+        return out
+
+    def put(self, keys: Sequence[Key], nbytes: Sequence[int]) -> int:
+        stored = 0
+        tier = self.tier
+        for k, n in zip(keys, nbytes):
+            obj = tier.allocate((n,), _BYTE, 0)
+            if obj is None:
+                continue
+            tier.put([k], [obj])
+            obj.release()
+            stored += 1
+        return stored
+
+    @property
+    def evictions(self) -> int:
+        return self.tier.evictions
+
+    def __len__(self) -> int:
+        return len(self.tier)
+
+
+LowerTier = DiskIndex | RemoteDaemon
+
+
+class SimCache:
+    """L1 plus optional disk and remote tiers, driven the way the engine's storage manager
+    drives lmc's tiers; every chunk is ``bytes_per_token * tokens`` bytes."""
+
+    def __init__(self, l1_bytes: int, disk_bytes: int = 0, remote_bytes: int = 0,
+                 write_policy: str = "write_through", *, bytes_per_token: int,
+                 eviction_policy: str = "lru") -> None:
+        if write_policy not in WRITE_POLICIES:
+            raise ValueError(f"write policy {write_policy!r}: choose one of "
+                             f"{', '.join(WRITE_POLICIES)}")
+        if l1_bytes < 4096:
+            raise ValueError(f"L1 size must be at least 4 KiB, got {l1_bytes} B")
+        if bytes_per_token < 1:
+            raise ValueError(f"bytes_per_token must be >= 1, got {bytes_per_token}")
+        self.write_policy = write_policy
+        self.bpt = bytes_per_token
+        self.l1 = memory_tier(l1_bytes, eviction_policy)
+        self.lower: list[LowerTier] = []
+        if disk_bytes:
+            self.lower.append(DiskIndex(disk_bytes))
+        if remote_bytes:
+            self.lower.append(RemoteDaemon(remote_bytes, eviction_policy))
+        self.levels = ["L1"] + [t.name for t in self.lower]
+        if self.lower and write_policy == "write_on_evict":
+            self.l1.on_evict = self._on_evict
+
+    # ------------------------------------------------------------------ the engine's calls
+    def prefix_sources(self, keys: Sequence[Key]) -> list[int]:
+        """``StorageManager.prefix_sources``: per leading present key, the first tier holding it."""
+        present = self.l1.contains(keys)
+        where = [0 if p else -1 for p in present]
+        for level, tier in enumerate(self.lower, 1):
+            todo = [i for i, w in enumerate(where) if w < 0]
+            if not todo:
+                break
+            for i, f in zip(todo, tier.contains([keys[i] for i in todo])):
+                if f:
+                    where[i] = level
+        n = 0
+        while n < len(where) and where[n] >= 0:
+            n += 1
+        return where[:n]
+
+    def fetch_prefix(self, keys: Sequence[Key], sizes: Sequence[int]
+                     ) -> tuple[list[MemoryObj], list[int]]:
+        """``StorageManager.fetch_prefix``: the objects of the longest present prefix (held for
+        the caller) and the tier each came from; lower-tier hits are read into L1 memory
+        (which may evict L1) and promoted."""
+        l1 = self.l1
+        found: list[MemoryObj | None] = list(l1.get(keys))
+        where = [0] * len(found)
+        if self.lower and None in found:
+            for level, tier in enumerate(self.lower, 1):
+                todo = [i for i, o in enumerate(found) if o is None]
+                if not todo:
+                    break
+                hit = tier.touch_present([keys[i] for i in todo])
+                got_keys: list[Key] = []
+                got_objs: list[MemoryObj] = []
+                for i, h in zip(todo, hit):
+                    if not h:
+                        continue
+                    obj = l1.allocate((sizes[i] * self.bpt,), _BYTE, sizes[i])
+                    if obj is None:  # no L1 memory for the read: a miss, as in the tier
+                        continue
+                    found[i] = obj
+                    where[i] = level
+                    got_keys.append(keys[i])
+                    got_objs.append(obj)
+                if got_keys:
+                    l1.put(got_keys, got_objs)
+                    if self.write_policy == "write_through":
+                        for upper in self.lower[: level - 1]:
+                            self._write(upper, got_keys, got_objs)
+        out: list[MemoryObj] = []
+        for o in found:
+            if o is None:
+                break
+            out.append(o)
+        for o in found[len(out):]:
+            if o is not None:
+                o.release()
+        return out, where[: len(out)]
+
+    def store(self, keys: Sequence[Key], sizes: Sequence[int]) -> int:
+        """``CacheEngine._plan_store`` then ``StorageManager.put``: chunks already in L1 are
+        refreshed and skipped, runs of equal-size chunks allocated together (evicting), then
+        put and, under write-through, written to every lower tier. Returns chunks stored."""
+        l1 = self.l1
+        present = l1.touch(keys)
+        todo = [i for i, p in enumerate(present) if not p]
+        objs: list[MemoryObj] = []
+        j = 0
+        while j < len(todo):
+            size = sizes[todo[j]]
+            k = j + 1
+            while k < len(todo) and sizes[todo[k]] == size:
+                k += 1
+            got = l1.allocate_many((size * self.bpt,), _BYTE, k - j, size)
+            objs += got
+            if len(got) < k - j:  # pool full of referenced chunks
+                todo = todo[: len(objs)]
+                break
+            j = k
+        if not objs:
+            return 0
+        put_keys = [keys[i] for i in todo]
+        l1.put(put_keys, objs)
+        if self.write_policy == "write_through":
+            for tier in self.lower:
+                self._write(tier, put_keys, objs)
+        for o in objs:
+            o.release()
+        return len(objs)
+
+    # ------------------------------------------------------------------ write-behind
+    def _write(self, tier: LowerTier, keys: Sequence[Key], objs: Sequence[MemoryObj]) -> None:
+        """One write-behind batch, drained at once: what the tier lacks is put."""
+        todo = [(k, o.nbytes) for k, o, p in zip(keys, objs, tier.contains(keys)) if not p]
+        if todo:
+            tier.put([k for k, _ in todo], [n for _, n in todo])
+
+    def _on_evict(self, victims: list[tuple[Key, MemoryObj]]) -> None:
+        keys = [k for k, _ in victims]
+        objs = [o for _, o in victims]
+        for tier in self.lower:
+            self._write(tier, keys, objs)
+
+    def tier_stats(self) -> dict[str, float]:
+        out: dict[str, float] = {"L1.chunks": len(self.l1), "L1.evictions": self.l1.evictions}
+        for t in self.lower:
+            out[f"{t.name}.chunks"] = len(t)
+            out[f"{t.name}.evictions"] = t.evictions
+        return out
+
+
+Writer = Callable[[LowerTier, Sequence[Key], Sequence[MemoryObj]], None]
