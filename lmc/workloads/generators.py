@@ -71,25 +71,33 @@ def load_tokenizer(path: str | Path) -> SegmentTokenizer:
 
 
 class _Sizer:
-    """Makes text of about ``n`` tokens: counted with the tokenizer when there is one
-    (sentences added until it encodes to ``n`` or more), else estimated from words."""
+    """Makes text of about ``n`` tokens. With a tokenizer: its tokens per word measured
+    once on sample text, a little less than ``n`` generated, then sentences added until
+    the text encodes to ``n`` or more. Without: estimated from words."""
 
     def __init__(self, tokenizer: SegmentTokenizer | None) -> None:
         self.tok = tokenizer
+        self.tokens_per_word = 1 / WORDS_PER_TOKEN
+        if tokenizer is not None:
+            sample = TextGen(12345).words(400)
+            self.tokens_per_word = (len(tokenizer.encode(sample, add_special_tokens=False))
+                                    / (sample.count(" ") + 1))
+
+    def _count(self, text: str) -> int:
+        assert self.tok is not None
+        return len(self.tok.encode(text, add_special_tokens=False))
 
     def text(self, gen: TextGen, tokens: int, paragraphs: bool = False) -> str:
-        words = max(1, round(tokens * WORDS_PER_TOKEN))
-        make = gen.paragraphs if paragraphs else gen.words
-        text = make(words)
         if self.tok is None:
-            return text
-        sep = "\n\n" if paragraphs else " "
-        have = len(self.tok.encode(text, add_special_tokens=False))
-        while have < tokens:  # top up using the measured tokens-per-word ratio
-            ratio = have / max(1, text.count(" ") + 1)
-            more = make(max(4, math.ceil((tokens - have) / max(ratio, 0.1))))
-            text += sep + more
-            have = len(self.tok.encode(text, add_special_tokens=False))
+            words = max(1, round(tokens / self.tokens_per_word))
+            return gen.paragraphs(words) if paragraphs else gen.words(words)
+        words = max(1, int(0.9 * tokens / self.tokens_per_word))
+        text = gen.paragraphs(words) if paragraphs else gen.words(words)
+        have = self._count(text)
+        while have < tokens:
+            more = gen.words(max(1, int(0.9 * (tokens - have) / self.tokens_per_word)))
+            text += " " + more
+            have = self._count(text)
         return text
 
 
