@@ -15,6 +15,11 @@ Figures (all one request at a time, ``max_tokens=1``, so TTFT is the request's o
   ``max(load, compute) + min(load, compute) / layers`` (the first layer's copy is never
   hidden). "Model waited" is the time the layer-wise forward spent blocked on loads: the
   rest of the load time was hidden behind compute.
+* **lower-tier waits** (``--lower``, instead of the figures above): per layer, how long the
+  forward waited for its load on a disk hit (L1 emptied) and on a Redis hit (L1 emptied and
+  the disk copies deleted; a loopback ``redis-server`` is started). Layer 0's wait includes
+  the connector's ``start_load`` (where a fetch that reads whole chunks before any layer
+  loads spends its time); the forward's own steps are timed around the connector's calls.
 
 The model is a random-weight Llama made with ``make_tiny_checkpoint`` (default hidden 1024,
 8 layers, 16 heads, 8 KV heads: 32 KiB of fp32 KV per token, so an 8k prompt is 256 MiB of
@@ -22,6 +27,7 @@ KV), cached under the user's cache directory.
 
     python benchmarks/bench_ttft.py                 # 8k tokens, the recorded figures
     python benchmarks/bench_ttft.py --quick         # hidden 512, 4 layers, 4k tokens
+    python benchmarks/bench_ttft.py --lower         # per-layer waits on disk and Redis hits
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ import shutil
 import statistics
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -89,6 +96,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-baseline", action="store_true", help="skip the engine-alone prefill")
     ap.add_argument("--quick", action="store_true", help="hidden 512, 4 layers, 4k tokens")
     ap.add_argument("--json", help="also write the figures to this file")
+    ap.add_argument("--lower", action="store_true",
+                    help="only the per-layer model wait on disk and Redis hits")
     args = ap.parse_args(argv)
     if args.quick:
         args.tokens, args.hidden, args.layers, args.kv_heads = 4096, 512, 4, 4
@@ -103,6 +112,13 @@ def main(argv: list[str] | None = None) -> int:
                            "threads": torch.get_num_threads(), "chunk_size": args.chunk_size}
     log(f"model {path.name}: {n} tokens, {kv_bytes / 2**20:.0f} MiB of KV, "
         f"{torch.get_num_threads()} torch threads")
+
+    if args.lower:
+        res.update(lower_waits(path, n, prompt, kv_bytes, args))
+        report_lower(res)
+        if args.json:
+            Path(args.json).write_text(json.dumps(res, indent=2) + "\n")
+        return 0
 
     if not args.no_baseline:
         llm = engine(path, n)
@@ -184,6 +200,95 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps(res, indent=2) + "\n")
     return 0
+
+
+class LayerWaits:
+    """Times the forward's waits on lmc per layer: the connector's ``start_load`` (counted
+    as layer 0's) and each ``wait_for_layer(i)``, wrapped on the worker instance."""
+
+    def __init__(self, conn: LMCReferenceConnector, layers: int) -> None:
+        worker = conn._require_worker()
+        self.cur = [0.0] * layers
+        start, wait = worker.start_load, worker.wait_for_layer
+
+        def start_load() -> None:
+            t0 = time.perf_counter()
+            start()
+            self.cur[0] += time.perf_counter() - t0
+
+        def wait_for_layer(i: int) -> None:
+            t0 = time.perf_counter()
+            wait(i)
+            self.cur[i] += time.perf_counter() - t0
+
+        worker.start_load = start_load  # type: ignore[method-assign]
+        worker.wait_for_layer = wait_for_layer  # type: ignore[method-assign]
+
+    def take(self) -> list[float]:
+        out, self.cur = self.cur, [0.0] * len(self.cur)
+        return out
+
+
+def lower_waits(path: Path, n: int, prompt: list[int], kv_bytes: int, args: Any
+                ) -> dict[str, Any]:
+    """Per-layer waits on disk hits and Redis hits (see the module doc)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from bench_redis import Server  # a loopback redis-server, persistence off
+
+    server = Server()
+    disk = tempfile.mkdtemp(prefix="lmc-bench-disk-")
+    out: dict[str, Any] = {}
+    try:
+        cfg = CacheConfig(chunk_size=args.chunk_size, local_cpu_size=max(256 << 20, 3 * kv_bytes),
+                          local_disk=disk, local_disk_size=4 * kv_bytes,
+                          remote_url=f"redis://127.0.0.1:{server.port}", remote_timeout=30.0)
+        conn = LMCReferenceConnector(cfg, model_dir=path)
+        llm = engine(path, n, conn)
+        ttft(llm, prompt[:64])
+        log("lmc cold (prefill + saves to disk and Redis) ...")
+        ttft(llm, prompt)
+        storage = conn.engine.storage
+        assert storage.flush(timeout=300), "write-behind did not drain"
+        waits = LayerWaits(conn, args.layers)
+        keys = conn.engine.db.keys(prompt)
+        disk_tier = storage.lower[0]
+        for tier in ("disk", "redis"):
+            log(f"{tier} hits ...")
+            rows = []
+            for _ in range(args.reps):
+                storage.l1.clear()
+                if tier == "redis":
+                    disk_tier.delete(keys)
+                before = worker_stat(conn, f"tokens_from_{tier}")
+                waits.take()
+                t, c = ttft(llm, prompt)
+                w = waits.take()
+                got = worker_stat(conn, f"tokens_from_{tier}") - before
+                assert c == n - 1 and got == n - 1, (tier, c, got)
+                rows.append({"ttft_s": t, "waits_s": w})
+                assert storage.flush(timeout=300)  # promotions written back before the next
+            out[f"{tier}_lower"] = rows
+        llm.close()
+    finally:
+        shutil.rmtree(disk, ignore_errors=True)
+        server.stop()
+    return out
+
+
+def report_lower(r: dict[str, Any]) -> None:
+    print(f"\nPer-layer model wait on lower-tier hits, {r['tokens']}-token prompt "
+          f"({r['kv_mib']:.0f} MiB of KV, {r['layers']} layers, chunk {r['chunk_size']}, "
+          f"{r['threads']} threads), medians over repetitions\n")
+    print("| hit from | TTFT | total wait | layer 0 (incl. start_load) | layers 1.. (each) | "
+          "per layer |\n|---|---:|---:|---:|---:|---|")
+    for tier in ("disk", "redis"):
+        rows = r[f"{tier}_lower"]
+        per = [statistics.median(x["waits_s"][i] for x in rows) for i in range(r["layers"])]
+        total = statistics.median(sum(x["waits_s"]) for x in rows)
+        rest = statistics.mean(per[1:]) if len(per) > 1 else 0.0
+        ttft_s = statistics.median(x["ttft_s"] for x in rows)
+        print(f"| {tier} | {ttft_s * 1e3:.1f} ms | {total * 1e3:.1f} ms | {per[0] * 1e3:.1f} ms"
+              f" | {rest * 1e3:.1f} ms | {' '.join(f'{p * 1e3:.1f}' for p in per)} |")
 
 
 def report(r: dict[str, Any]) -> None:

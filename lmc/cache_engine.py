@@ -20,6 +20,7 @@ import torch
 
 from lmc.config import CacheConfig
 from lmc.kv_spec import KVCaches, KVSpec
+from lmc.layered_read import READY, LayerGate
 from lmc.layerwise import CopyLease, LayerwiseRetrieve, LayerwiseStore
 from lmc.lookup import LookupResult
 from lmc.memory import Lease, MemoryObj, MemoryPool
@@ -258,13 +259,19 @@ class CacheEngine:
             self._pins.release(self._pin_owner(tokens, keys, request_id))
 
     # ------------------------------------------------------------- retrieve
-    def _fetch(self, tokens: Tokens, mask: Any, keys: Keys = None
-               ) -> tuple[list[Chunk], list[MemoryObj], list[int]]:
-        """The longest stored prefix (after the mask's False prefix), its objects and the
-        index of the tier each came from."""
+    def _fetch(self, tokens: Tokens, mask: Any, keys: Keys = None, layered: bool = False
+               ) -> tuple[list[Chunk], list[MemoryObj], list[int], LayerGate]:
+        """The longest stored prefix (after the mask's False prefix), its objects, the
+        index of the tier each came from and, ``layered``, what is still arriving layer by
+        layer (:mod:`lmc.layered_read`; else every object is complete)."""
         chunks = self.db.process_tokens(tokens, mask, keys)
-        objs, where = (self.storage.fetch_prefix([k for _, _, k in chunks]) if chunks
-                       else ([], []))
+        gate = READY
+        if not chunks:
+            objs, where = [], []
+        elif layered:
+            objs, where, gate = self.storage.fetch_prefix_layered([k for _, _, k in chunks])
+        else:
+            objs, where = self.storage.fetch_prefix([k for _, _, k in chunks])
         want: dict[int, tuple[int, ...]] = {}  # chunk_shape per length: a few calls each
         for i, (o, (s, e, _)) in enumerate(zip(objs, chunks)):
             shape = want.get(e - s)
@@ -277,7 +284,7 @@ class CacheEngine:
                     bad.release()
                 objs = objs[:i]
                 break
-        return chunks[: len(objs)], objs, where[: len(objs)]
+        return chunks[: len(objs)], objs, where[: len(objs)], gate.prefix(len(objs))
 
     def retrieve(self, tokens: Tokens, kv_caches: KVCaches, slot_mapping: torch.Tensor,
                  mask: Any = None, *, request_id: Hashable = None, keys: Keys = None) -> int:
@@ -290,7 +297,7 @@ class CacheEngine:
         t0 = time.perf_counter()
         tr = self.transfer_for(kv_caches)
         slots = tr.check_slots(slot_mapping, self.db.num_tokens(tokens))
-        chunks, objs, _ = self._fetch(tokens, mask, keys)
+        chunks, objs, _, _ = self._fetch(tokens, mask, keys)
         self._release_pins(tokens, request_id)
         if not chunks:
             return 0
@@ -314,11 +321,11 @@ class CacheEngine:
         self._check_open()
         tr = self.transfer_for(kv_caches)
         slots = tr.check_slots(slot_mapping, self.db.num_tokens(tokens))
-        chunks, objs, where = self._fetch(tokens, mask, keys)
+        chunks, objs, where, gate = self._fetch(tokens, mask, keys, layered=True)
         self._release_pins(tokens, request_id)
         plan = tr.plan(slots, [(s, e) for s, e, _ in chunks]) if chunks else None
         names = self.tier_names
-        return LayerwiseRetrieve(self, tr, plan, chunks, objs, [names[i] for i in where])
+        return LayerwiseRetrieve(self, tr, plan, chunks, objs, [names[i] for i in where], gate)
 
     # ------------------------------------------------------------- prefetch
     def prefetch(self, tokens: Tokens) -> Future:

@@ -30,6 +30,7 @@ from typing import Any, Protocol
 
 from lmc import completion
 from lmc.completion import DONE, Completion, FutureCompletion, copy_stream, wait_all
+from lmc.layered_read import READY, LayerGate
 from lmc.memory import Lease, MemoryObj
 from lmc.token_database import Chunk, ChunkKey
 from lmc.transfer import KVTransfer, TransferPlan
@@ -203,15 +204,21 @@ class LayerwiseRetrieve(_Layerwise):
     made, so no load overwrites blocks that earlier work on that stream still reads.
     ``tiers``: per chunk, the name of the tier it was fetched from (empty when unknown), so
     a connector can count loaded tokens by tier without asking the tiers again.
+
+    ``gate``: chunks a lower tier is still reading layer by layer (:mod:`lmc.layered_read`).
+    Layer i's load first waits for layer i to land; the last layer's load also waits until
+    every such chunk verified, and fails (``LoadError``: the engine recomputes) if one did
+    not, so no load completes, and ``close`` reports no tokens, on unverified KV.
     """
 
     def __init__(self, host: LayerwiseHost, tr: KVTransfer, plan: TransferPlan | None,
-                 chunks: list[Chunk], objs: list[MemoryObj], tiers: Sequence[str] = ()
-                 ) -> None:
+                 chunks: list[Chunk], objs: list[MemoryObj], tiers: Sequence[str] = (),
+                 gate: LayerGate = READY) -> None:
         if tiers and len(tiers) != len(chunks):
             raise ValueError(f"{len(tiers)} tier names for {len(chunks)} chunks")
         super().__init__(host, tr, plan, chunks, objs)
         self.tiers = tuple(tiers)
+        self.gate = gate
         self.after = tr.record_event() if chunks else DONE
 
     def tokens_by_tier(self, start: int = 0, end: int | None = None) -> dict[str, int]:
@@ -232,6 +239,10 @@ class LayerwiseRetrieve(_Layerwise):
         return self
 
     def _copy(self, layer: int) -> Completion:
+        if self.gate is not READY:  # chunks still arriving: this layer's bytes first
+            self.gate.wait_layer(layer)
+            if layer == self.num_layers - 1:
+                self.gate.wait_verified()
         return self.tr.scatter(self.plan, self.bufs, [layer], after=self.after,
                                stream=self.stream)
 

@@ -34,6 +34,7 @@ from collections.abc import Sequence
 
 import torch
 
+from lmc.layered_read import LayeredRead, LayerGate
 from lmc.memory import MemoryObj, MemoryPool
 from lmc.metrics import TierMetrics
 from lmc.storage_backend import Key, MemoryTier, StorageBackend
@@ -204,15 +205,50 @@ class StorageManager:
                 o.release()
         return out, where[: len(out)]
 
+    def fetch_prefix_layered(self, keys: Sequence[Key]
+                             ) -> tuple[list[MemoryObj], list[int], LayerGate]:
+        """:meth:`fetch_prefix` for a layer-wise retrieve: tiers offering ``get_layers``
+        answer at once and fill their objects layer by layer afterwards; the gate says
+        which layer has landed and whether the chunks verified (:mod:`lmc.layered_read`).
+        Such chunks are promoted into L1 only once verified."""
+        found: list[MemoryObj | None] = list(self.l1.get(keys)) if keys else []
+        where = [0] * len(found)
+        parts: list[tuple[LayeredRead, int] | None] = [None] * len(found)
+        if self.lower and any(o is None for o in found):
+            try:
+                self._fill_from_lower(keys, found, where, parts)
+            except BaseException:
+                for o in found:
+                    if o is not None:
+                        o.release()
+                raise
+        n = 0
+        while n < len(found) and found[n] is not None:
+            n += 1
+        for o in found[n:]:
+            if o is not None:
+                o.release()  # a read still filling it holds its own reference
+        return [o for o in found[:n] if o is not None], where[:n], LayerGate(parts[:n])
+
     def _fill_from_lower(self, keys: Sequence[Key], found: list[MemoryObj | None],
-                         where: list[int]) -> None:
+                         where: list[int],
+                         parts: list[tuple[LayeredRead, int] | None] | None = None) -> None:
         """Fill L1's misses in ``found`` from the queues, then tier by tier (promoting);
-        ``where[i]`` becomes the index in ``tiers`` of the tier that supplied ``found[i]``."""
+        ``where[i]`` becomes the index in ``tiers`` of the tier that supplied ``found[i]``.
+        With ``parts``, tiers that read layer by layer may answer (``parts[i]``: the read
+        filling ``found[i]``)."""
         self._from_queues(keys, found)
         for level, tier in enumerate(self.lower):
             todo = [i for i, o in enumerate(found) if o is None]
             if not todo:
                 break
+            read = None if parts is None else self._open_layers(level, tier,
+                                                                [keys[i] for i in todo])
+            if read is not None:
+                for j, (i, o) in enumerate(zip(todo, read.objs)):
+                    if o is not None:
+                        found[i], where[i], parts[i] = o, level + 1, (read, j)  # type: ignore
+                continue
             got = self._get_lower(level, tier, [keys[i] for i in todo])
             hit = [(i, o) for i, o in zip(todo, got) if o is not None]
             for i, o in hit:
@@ -255,6 +291,41 @@ class StorageManager:
         m.read(len(hits), len(keys) - len(hits), sum(o.nbytes for o in hits),
                time.perf_counter() - t0)
         return got
+
+    def _open_layers(self, level: int, tier: StorageBackend, keys: list[Key]
+                     ) -> LayeredRead | None:
+        """The tier's layered read of ``keys``, with its promotion and counting set to run
+        when it ends; ``None`` when the tier reads whole chunks (then ``get`` is used)."""
+        m = self.metrics[level]
+        t0 = time.perf_counter()
+        try:
+            read = tier.get_layers(keys)
+        except Exception as e:
+            log.warning("tier %s failed get_layers(): %s", tier.name, e)
+            m.error("get", type(e).__name__)
+            return None
+        if read is None:
+            return None
+        if len(read.objs) != len(keys):
+            log.error("tier %s opened %d reads for %d keys: treated as misses", tier.name,
+                      len(read.objs), len(keys))
+            read.add_done_callback(lambda r: None)
+            for o in read.objs:
+                if o is not None:
+                    o.release()
+            return None
+
+        def ended(r: LayeredRead) -> None:
+            ok = r.ok or []
+            good = [(k, o) for k, o, g in zip(keys, r.objs, ok) if g and o is not None]
+            m.read(len(good), len(keys) - len(good), sum(o.nbytes for _, o in good),
+                   time.perf_counter() - t0)
+            if r.error is not None:  # (values failing a check are the tier's to count)
+                m.error("get", "layered_read", sum(o is not None for o in r.objs))
+            self._promote(level, [k for k, _ in good], [o for _, o in good])
+
+        read.add_done_callback(ended)
+        return read
 
     def _l1_put(self, keys: list[Key], objs: list[MemoryObj]) -> int:
         mine = [(k, o) for k, o in zip(keys, objs) if o.pool is self._l1_pool]

@@ -76,9 +76,17 @@ from typing import Any
 
 from lmc import units
 from lmc.config import CacheConfig, parse_size
+from lmc.layered_read import LayeredRead
 from lmc.memory import MemoryObj, MemoryPool
 from lmc.metrics import TierMetrics
-from lmc.serde import DTYPE_CODES, HEADER_SIZE, CorruptValue, decode_header, encode_header
+from lmc.serde import (
+    DTYPE_CODES,
+    HEADER_SIZE,
+    CorruptValue,
+    Header,
+    decode_header,
+    encode_header,
+)
 from lmc.serde import payload_checksum as checksum
 from lmc.storage_backend import Key, StorageBackend, register_backend
 
@@ -222,6 +230,30 @@ class _Entry:
         self.readers = 0
 
 
+class _NoMemory(Exception):
+    """The pool had no room for a value being read (a miss, counted)."""
+
+
+class _Value:
+    """An opened value: its file, its pool object (one reference) and its checked header."""
+
+    __slots__ = ("key", "entry", "fd", "obj", "hdr", "spans")
+
+    def __init__(self, key: Key, entry: _Entry, fd: int, obj: MemoryObj, hdr: Header,
+                 spans: tuple[memoryview, memoryview] | None) -> None:
+        self.key, self.entry, self.fd, self.obj, self.hdr, self.spans = (
+            key, entry, fd, obj, hdr, spans)
+
+    def close(self) -> None:
+        """Close the file and drop the object unless someone took it (``obj = None``)."""
+        fd, self.fd = self.fd, -1
+        if fd >= 0:
+            os.close(fd)
+        obj, self.obj = self.obj, None
+        if obj is not None:
+            obj.release()
+
+
 @register_backend("disk")
 class DiskBackend(StorageBackend):
     """Chunks as files under ``path`` (default ``config.local_disk``), at most ``capacity``
@@ -248,6 +280,7 @@ class DiskBackend(StorageBackend):
         self._seq = itertools.count()
         self._tag = secrets.token_hex(4)  # two instances in one process never share a name
         self._tls = threading.local()
+        self._coordinators: set[threading.Thread] = set()  # layered reads in progress
         self._closed = False
         self._warned: set[str] = set()
         os.makedirs(self.path, exist_ok=True)
@@ -428,16 +461,39 @@ class DiskBackend(StorageBackend):
                     e.readers -= 1
         return out
 
+    def get_layers(self, keys: Sequence[Key]) -> LayeredRead | None:
+        """Open the hits (headers checked, objects allocated, in parallel) and read them
+        layer by layer in the background (:mod:`storage_backends.disk_layers`)."""
+        from .disk_layers import DiskLayeredRead
+
+        jobs: list[tuple[int, Key, _Entry]] = []
+        with self._lock:
+            if self._closed:
+                return None
+            for i, k in enumerate(keys):
+                e = self._index.get(k)
+                if e is not None:
+                    e.readers += 1  # not recycled while we read it
+                    self._index.move_to_end(k)
+                    jobs.append((i, k, e))
+        call = DiskLayeredRead(self, jobs, len(keys))
+        call.start()
+        return call.read
+
+    def _reader_done(self, entry: _Entry) -> None:
+        with self._lock:
+            entry.readers -= 1
+
     def _open(self, path: str, flags: int, direct: bool) -> int:
         return os.open(path, flags | (_O_DIRECT if direct else 0), 0o644)
 
-    def _read(self, key: Key, entry: _Entry) -> MemoryObj | None:
-        """One value into a new pool object; ``None`` (and the file gone) if anything is off."""
+    def _open_value(self, key: Key, entry: _Entry) -> _Value:
+        """Open a value's file, check its header and allocate its pool object (one reference
+        for the caller). Raises like a read: ``CorruptValue``, ``OSError``, or
+        :class:`_NoMemory` when the pool has no room."""
         path = self._path(key, entry.size)
-        obj = None
-        fd = -1
+        fd = self._open(path, os.O_RDONLY, self.direct)
         try:
-            fd = self._open(path, os.O_RDONLY, self.direct)
             hdr = self._buf("_rbuf")
             if _io_all(os.preadv, fd, [hdr], 0) < HEADER_SIZE:
                 raise CorruptValue("file shorter than its header")
@@ -447,53 +503,71 @@ class DiskBackend(StorageBackend):
                 raise CorruptValue(f"file is {entry.size} bytes, header needs {BLOCK + padded}")
             obj = self.pool.allocate(h.shape, h.dtype, h.num_tokens)
             if obj is None:
-                self.metrics.error("get", "no_memory")
-                return None
-            if obj.nbytes != h.payload_len:
-                raise CorruptValue(f"header's shape and dtype make {obj.nbytes} bytes, its "
-                                   f"payload length says {h.payload_len}")
-            view = obj.byte_view()
-            spans = _payload_spans(obj, self.direct)
-            if spans is None:
-                if self.direct:  # unaligned destination: buffered read instead
+                raise _NoMemory()
+            try:
+                if obj.nbytes != h.payload_len:
+                    raise CorruptValue(f"header's shape and dtype make {obj.nbytes} bytes, its "
+                                       f"payload length says {h.payload_len}")
+                spans = _payload_spans(obj, self.direct)
+                if spans is None and self.direct:  # unaligned destination: buffered instead
                     os.close(fd)
                     fd = -1
                     fd = self._open(path, os.O_RDONLY, False)
+            except BaseException:
+                obj.release()
+                raise
+        except BaseException:
+            if fd >= 0:
+                os.close(fd)
+            raise
+        return _Value(key, entry, fd, obj, h, spans)
+
+    def _read_failed(self, key: Key, entry: _Entry, e: BaseException) -> None:
+        """A read's error as the contract wants it: a miss, counted; a bad value deleted."""
+        name = os.path.basename(self._path(key, entry.size))
+        if isinstance(e, FileNotFoundError):
+            self._forget(key, entry)  # evicted or deleted under us: a plain miss
+        elif isinstance(e, _NoMemory):
+            self.metrics.error("get", "no_memory")
+        elif isinstance(e, CorruptValue):
+            log.warning("disk tier: %s: %s; deleted, served as a miss", name, e)
+            self.metrics.checksum_failure()
+            self._discard(key, entry)
+        elif isinstance(e, OSError):
+            self.metrics.error("get", errno.errorcode.get(e.errno or 0, "oserror"))
+            log.warning("disk tier: reading %s failed: %s", name, e)
+        else:  # e.g. the pool closed under us: a miss, never an error
+            self.metrics.error("get", type(e).__name__)
+            log.warning("disk tier: reading %s failed: %s", name, e)
+
+    def _read(self, key: Key, entry: _Entry) -> MemoryObj | None:
+        """One value into a new pool object; ``None`` (and the file gone) if anything is off."""
+        v = None
+        try:
+            v = self._open_value(key, entry)
+            padded = _round_up(v.hdr.payload_len)
+            view = v.obj.byte_view()
+            if v.spans is None:
                 bufs, want = [view], view.nbytes
             else:  # the tail's block lands in our buffer: nothing past nbytes is written
-                head, tail = spans
+                head, tail = v.spans
                 tbuf = self._buf("_rtail")
                 bufs = [head, tbuf] if tail.nbytes else [head]
                 want = padded
-            if _io_all(os.preadv, fd, bufs, BLOCK) < want:
+            if _io_all(os.preadv, v.fd, bufs, BLOCK) < want:
                 raise CorruptValue("file truncated")
-            if spans is not None and spans[1].nbytes:
-                spans[1][:] = tbuf[: spans[1].nbytes]
-            if checksum(view) != h.checksum:
+            if v.spans is not None and v.spans[1].nbytes:
+                v.spans[1][:] = tbuf[: v.spans[1].nbytes]
+            if checksum(view) != v.hdr.checksum:
                 raise CorruptValue("payload checksum mismatch")
-            out, obj = obj, None
+            out, v.obj = v.obj, None
             return out
-        except FileNotFoundError:
-            self._forget(key, entry)  # evicted or deleted under us: a plain miss
-            return None
-        except CorruptValue as e:
-            log.warning("disk tier: %s: %s; deleted, served as a miss", os.path.basename(path), e)
-            self.metrics.checksum_failure()
-            self._discard(key, entry)
-            return None
-        except OSError as e:
-            self.metrics.error("get", errno.errorcode.get(e.errno or 0, "oserror"))
-            log.warning("disk tier: reading %s failed: %s", os.path.basename(path), e)
-            return None
-        except Exception as e:  # e.g. the pool closed under us: a miss, never an error
-            self.metrics.error("get", type(e).__name__)
-            log.warning("disk tier: reading %s failed: %s", os.path.basename(path), e)
+        except Exception as e:
+            self._read_failed(key, entry, e)
             return None
         finally:
-            if fd >= 0:
-                os.close(fd)
-            if obj is not None:
-                obj.release()
+            if v is not None:
+                v.close()
             with self._lock:
                 entry.readers -= 1
 
@@ -731,6 +805,10 @@ class DiskBackend(StorageBackend):
                 return
             self._closed = True
         self._io.shutdown(wait=True, cancel_futures=True)  # only the I/O in progress finishes
+        with self._lock:
+            coordinators = list(self._coordinators)
+        for t in coordinators:  # layered reads end (failed) once their I/O did
+            t.join()
         self._unlock()  # the directory is free for the next tier (idempotent)
 
     def stats(self) -> dict[str, Any]:

@@ -38,6 +38,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from lmc.breaker import OPEN, STATE_CODES, CircuitBreaker
 from lmc.config import CacheConfig
 from lmc.integrity import Integrity
+from lmc.layered_read import LayeredRead
 from lmc.memory import MemoryObj, MemoryPool
 from lmc.metrics import TierMetrics
 from lmc.remote_tier import split_batch
@@ -48,6 +49,7 @@ from lmc.storage_backend import BackendOption, Key, StorageBackend, register_bac
 from . import redis_metrics as metrics
 from .redis_fetch import GetJob
 from .redis_jobs import Call, Job, SetJob, SmallJob
+from .redis_layers import RedisLayeredRead
 from .redis_nodes import NodePool, Router
 from .redis_url import SCHEMES, parse_target
 from .redis_wire import Deadline
@@ -121,6 +123,7 @@ class RedisBackend(StorageBackend):
         self._exec_lock = threading.Lock()
         self._counts: Counter[str] = Counter()  # plain figures for stats()
         self._count_lock = threading.Lock()
+        self._coordinators: set[threading.Thread] = set()  # layered reads in progress
         self.closed = False
 
     # ------------------------------------------------------------------ helpers
@@ -296,14 +299,22 @@ class RedisBackend(StorageBackend):
         self._finish("get", t0, call, hit=hits, miss=len(keys) - hits)
         return results
 
+    def get_layers(self, keys: Sequence[Key]) -> LayeredRead | None:
+        """Heads now (one round trip), payloads layer by layer in the background
+        (:mod:`storage_backends.redis_layers`)."""
+        if not keys or self.closed:
+            return None
+        call = RedisLayeredRead(self, keys)
+        call.start()
+        return call.read
+
     def put(self, keys: Sequence[Key], objs: Sequence[MemoryObj]) -> int:
         if len(keys) != len(objs):
             raise ValueError(f"put: {len(keys)} keys but {len(objs)} objects")
-        for o in objs:  # bad input is the caller's error, raised before any I/O
-            if len(o.shape) != 4 or o.dtype not in DTYPE_CODES:
-                raise ValueError(f"put: cannot store a chunk of shape {o.shape} and dtype "
-                                 f"{o.dtype}; need 4-D [layers, planes, tokens, width] of "
-                                 f"{', '.join(str(d) for d in DTYPE_CODES)}")
+        ok = [i for i, o in enumerate(objs) if len(o.shape) == 4 and o.dtype in DTYPE_CODES]
+        if len(ok) < len(objs):  # what lmc.serde cannot encode is skipped, as every tier does
+            self.metrics.error("put", "unsupported", len(objs) - len(ok))
+            keys, objs = [keys[i] for i in ok], [objs[i] for i in ok]
         if not keys or self.closed:
             return 0
         t0 = time.perf_counter()
@@ -362,6 +373,9 @@ class RedisBackend(StorageBackend):
         with self._exec_lock:  # after this no call makes a new executor (see _pool)
             self.closed = True
             ex, self._executor = self._executor, None
+            coordinators = list(self._coordinators)
+        for t in coordinators:  # layered reads end within their deadline
+            t.join()
         if ex is not None:
             ex.shutdown(wait=True, cancel_futures=True)
         self.router.close()
