@@ -9,6 +9,12 @@ picklable metadata, exactly as they would across vLLM's process boundary.
 The ``CacheEngine`` is created when the engine registers its KV tensors (the ``KVSpec`` is
 read off them); the model identity in the key namespace comes from the checkpoint
 directory (:func:`lmc.connectors.model_id.model_identity`).
+
+``kv_role`` as in vLLM: ``kv_producer`` saves only and answers a request sent with
+``kv_transfer_params={"do_remote_decode": True}`` with the parameters a consumer needs
+(:mod:`lmc.connectors.pd_params`); ``kv_consumer`` loads only, and a request carrying a
+producer's parameters is an asynchronous load (the engine holds it while the worker pulls
+the prompt from the producer's pool in the background).
 """
 
 from __future__ import annotations
@@ -21,17 +27,20 @@ import torch
 from lmc.connectors.core import ConnectorConfig, SchedulerConnector
 from lmc.connectors.metadata import ConnectorMetadata
 from lmc.connectors.model_id import model_identity
+from lmc.connectors.pd_params import producer_params, remote_prefill_tokens, wants_remote_decode
 from lmc.connectors.worker import WorkerConnector
 
 from lmc.cache_engine import CacheEngine
 from lmc.config import CacheConfig
 from lmc.kv_spec import KVSpec
+from lmc.lookup import LookupResult
 from lmc.reference.connector_api import ConnectorRequest, KVConnector
 from lmc.reference.scheduler_output import SchedulerOutput
 from lmc.storage_backend import StorageBackend
 from lmc.transfer import TransferFactory
 
 ConfigLike = CacheConfig | str | os.PathLike | Mapping[str, Any] | None
+KV_ROLES = {"kv_both": (True, True), "kv_producer": (False, True), "kv_consumer": (True, False)}
 
 
 def load_cache_config(config: ConfigLike) -> CacheConfig:
@@ -63,13 +72,25 @@ class LMCReferenceConnector(KVConnector):
             engine's KV cache); it is then not closed by ``shutdown``.
         transfer: the ``CacheEngine``'s transfer choice ("auto", "torch", "cuda", or a
             factory ``(spec, kv_caches) -> KVTransfer``, e.g. a test backend).
+        kv_role: "kv_both" (default), "kv_producer" or "kv_consumer" (see the module).
+        remote_prefill_wait: seconds a consumer's asynchronous load waits for the
+            producer's chunks to be published before the rest is recomputed here.
+        engine_id: this instance's name in a producer's answers.
     """
 
     def __init__(self, config: ConfigLike = None, *, model_dir: str | os.PathLike | None = None,
                  model_id: str | None = None, layerwise: bool = True, save_decode: bool = False,
                  tiers: Sequence[StorageBackend] | None = None,
                  cache_engine: CacheEngine | None = None,
-                 transfer: str | TransferFactory = "auto") -> None:
+                 transfer: str | TransferFactory = "auto", kv_role: str = "kv_both",
+                 remote_prefill_wait: float = 30.0, engine_id: str = "") -> None:
+        if kv_role not in KV_ROLES:
+            raise ValueError(f"kv_role must be one of {sorted(KV_ROLES)}, got {kv_role!r}")
+        self.kv_role = kv_role
+        self.remote_prefill_wait = remote_prefill_wait
+        self.engine_id = engine_id or f"lmc-reference-{os.getpid()}"
+        self._finished_ids: set[str] = set()
+        load, save = KV_ROLES[kv_role]
         self.cache_config = load_cache_config(config)
         if model_id is None:
             if model_dir is None and cache_engine is None:
@@ -77,7 +98,8 @@ class LMCReferenceConnector(KVConnector):
             model_id = cache_engine.model_id if model_dir is None else model_identity(model_dir)
         self.model_id = model_id
         self.connector_config = ConnectorConfig.from_cache_config(
-            self.cache_config, save_decode=save_decode, layerwise=layerwise)
+            self.cache_config, save_decode=save_decode, layerwise=layerwise, load=load,
+            save=save)
         self.scheduler = SchedulerConnector(self.connector_config, self._lookup)
         self.engine = cache_engine
         self._owns_engine = cache_engine is None
@@ -85,30 +107,56 @@ class LMCReferenceConnector(KVConnector):
         self._transfer = transfer
         self.worker: WorkerConnector | None = None
 
-    def _lookup(self, token_ids: Sequence[int]) -> int:
-        # In-process: the worker's CacheEngine answers directly (vLLM's scheduler process
-        # would reach it over IPC instead).
-        return 0 if self.engine is None else self.engine.lookup(token_ids)
+    def _lookup(self, token_ids: Sequence[int]) -> LookupResult:
+        """The one typed lookup every adapter uses: the engine's ``lookup_result``, which says
+        which tier holds each hit chunk from the same single pass over the tiers, so the
+        scheduler core keeps it with the request and :meth:`load_sources` needs no second
+        hash or tier walk. In-process, the worker's ``CacheEngine`` answers directly; an
+        engine whose scheduler lives in another process asks the same function over
+        :mod:`lmc.lookup_service` (as vLLM's does)."""
+        if self.engine is None:  # KV tensors not registered yet: nothing can be cached
+            return LookupResult.miss(self.connector_config.chunk_size)
+        return self.engine.lookup_result(token_ids)
+
+    def load_sources(self, request: ConnectorRequest) -> dict[str, int]:
+        """The admitted load's tokens by the tier holding them (L1 first), from the request's
+        own lookup; ``{}`` when nothing is loaded (see ``SchedulerConnector.load_sources``)."""
+        return self.scheduler.load_sources(request.request_id)
 
     # ------------------------------------------------------------ scheduler side
     def get_num_new_matched_tokens(self, request: ConnectorRequest, num_computed_tokens: int
-                                   ) -> int:
+                                   ) -> int | tuple[int, bool]:
+        remote = remote_prefill_tokens(request)
+        if remote is not None and self.connector_config.load:
+            n = self.scheduler.match_remote(request.request_id, request.all_token_ids,
+                                            num_computed_tokens, remote)
+            if n:
+                return n, True
         n = self.scheduler.get_num_new_matched_tokens(
             request.request_id, request.all_token_ids, num_computed_tokens)
         return n or 0
 
     def update_state_after_alloc(self, request: ConnectorRequest, block_ids: list[int],
                                  num_external_tokens: int) -> None:
+        params = getattr(request, "kv_transfer_params", None)
+        if num_external_tokens > 0 and remote_prefill_tokens(request) is not None:
+            params["do_remote_prefill"] = False  # one transfer per request  # type: ignore
         self.scheduler.update_state_after_alloc(request.request_id, request.all_token_ids,
-                                                request.num_computed_tokens, num_external_tokens)
+                                                request.num_computed_tokens, num_external_tokens,
+                                                block_ids)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> ConnectorMetadata:
         return self.scheduler.build_metadata(scheduler_output.scheduled_requests,
                                              scheduler_output.finished_req_ids,
                                              scheduler_output.preempted_req_ids)
 
-    def request_finished(self, request: ConnectorRequest) -> None:
+    def request_finished(self, request: ConnectorRequest) -> dict | None:
         self.scheduler.request_finished(request.request_id)
+        self._finished_ids.add(request.request_id)
+        if self.connector_config.save and wants_remote_decode(
+                getattr(request, "kv_transfer_params", None)):
+            return producer_params(len(request.prompt_token_ids), self.engine_id)
+        return None
 
     # --------------------------------------------------------------- worker side
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -122,7 +170,8 @@ class LMCReferenceConnector(KVConnector):
         if self.worker is not None:
             self.worker.close()
         self.worker = WorkerConnector(self.engine, list(kv_caches.values()), spec.block_size,
-                                      layerwise=self.connector_config.layerwise)
+                                      layerwise=self.connector_config.layerwise,
+                                      remote_wait=self.remote_prefill_wait)
 
     def _require_worker(self) -> WorkerConnector:
         if self.worker is None:
@@ -143,6 +192,12 @@ class LMCReferenceConnector(KVConnector):
 
     def wait_for_save(self) -> None:
         self._require_worker().wait_for_save()
+
+    def get_finished(self) -> set[str]:
+        if self.worker is None:
+            return set()
+        finished, self._finished_ids = self._finished_ids, set()
+        return self.worker.get_finished(finished)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return set() if self.worker is None else self.worker.take_load_errors()

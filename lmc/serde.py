@@ -65,6 +65,12 @@ class Header:
         return self.version == VERSION_TAGGED
 
 
+def encodable(obj) -> bool:
+    """Whether a header can describe ``obj`` (a 4-D chunk of a dtype with a code): a tier
+    that serializes skips any other chunk (the contract in ``lmc.storage_backend``)."""
+    return len(obj.shape) == 4 and obj.dtype in DTYPE_CODES
+
+
 def payload_checksum(payload) -> int:
     return xxhash.xxh3_64_intdigest(payload)
 

@@ -28,8 +28,15 @@ The contract (``tests/storage_backends/contract.py`` checks it on every tier):
   ``io_spans()`` only during the call and keeps nothing.
 * **Failure is a miss.** A tier never raises into the engine for I/O: a dead, slow or full
   backend answers ``False``/``None``/``0`` within a deadline (``remote_timeout`` for remote
-  tiers), counted in its metrics. Bad input (a wrong shape, keys and objects of different
-  lengths) is the caller's bug and may raise ``ValueError`` before any I/O.
+  tiers), counted in its metrics. Only the caller's bugs raise, with ``ValueError``, before
+  any I/O: keys and objects of different lengths, an object of another pool given to L1.
+* **A chunk a tier cannot represent is skipped, never an error.** ``put`` stores what it
+  can, counts the rest in its stats and returns how many it stored; ``contains``/``get``
+  then answer a miss for the rest. L1 keeps any object; a tier that serializes (disk,
+  Redis, ``lmc://``) represents 4-D ``[layers, planes, tokens, width]`` chunks of the dtypes
+  in ``lmc.serde.DTYPE_CODES`` only. A model whose KV one tier cannot hold still runs: that
+  tier just never has it (raising would drop the batch's other chunks in the write-behind
+  thread, on every store).
 * **Corruption is a miss and a delete.** A value failing any check (the ``lmc.serde`` header,
   checksums, a keyed tag) is released, counted, deleted from the backend and served as a miss
   (:class:`lmc.remote_tier.Rejects`).
@@ -38,8 +45,16 @@ The contract (``tests/storage_backends/contract.py`` checks it on every tier):
 * **Optional: layer by layer.** ``get_layers`` (default ``None``: whole chunks through
   ``get``) returns the hits at once and fills them in layer order; the storage manager
   promotes a chunk read that way only after the whole value verified.
-* **Close.** ``close()`` returns once work in flight is finished or abandoned; calls after it
-  answer misses or 0, never hang. Remote tiers share one breaker
+* **Close.** ``close()`` is idempotent and returns within the tier's deadline
+  (``remote_timeout`` for remote tiers) even when its backend hangs. A call in flight on
+  another thread is not waited for past that deadline; it returns on its own, within the
+  same deadline, with what it completed: a ``get`` with right bytes or misses (each object
+  it returns is the caller's and stays valid: memory belongs to the pool, not the tier), a
+  ``put`` with the chunks it stored (each one whole or not visible at all), never an
+  exception. Calls made after ``close()`` start no I/O and change nothing (the directory or
+  namespace may already be the next tier's): ``contains`` all ``False``, ``get`` all
+  ``None``, ``put`` and ``delete`` 0. Once every caller released what it got, the tier
+  holds no pool memory. Remote tiers share one breaker
   (:class:`lmc.breaker.CircuitBreaker`) and one batch splitter
   (:func:`lmc.remote_tier.split_batch`).
 
@@ -134,7 +149,8 @@ class StorageBackend(abc.ABC):
         return None
 
     def close(self) -> None:  # noqa: B027 - optional hook, most tiers hold nothing
-        """Release resources; further calls may fail."""
+        """Release resources, within the deadline; calls in flight return by themselves with
+        what they completed, later calls are misses and 0 (module docstring: Close)."""
 
     def stats(self) -> dict[str, Any]:
         return {}

@@ -80,11 +80,11 @@ from lmc.layered_read import LayeredRead
 from lmc.memory import MemoryObj, MemoryPool
 from lmc.metrics import TierMetrics
 from lmc.serde import (
-    DTYPE_CODES,
     HEADER_SIZE,
     CorruptValue,
     Header,
     decode_header,
+    encodable,
     encode_header,
 )
 from lmc.serde import payload_checksum as checksum
@@ -630,7 +630,7 @@ class DiskBackend(StorageBackend):
             log.warning("disk tier %s: directory fsync failed: %s", self.path, e)
 
     def _write(self, key: Key, obj: MemoryObj) -> bool:
-        if len(obj.shape) != 4 or obj.dtype not in DTYPE_CODES:
+        if not encodable(obj):  # skipped and counted, as every tier does
             self.metrics.error("put", "unsupported")
             return False
         padded = _round_up(obj.nbytes)

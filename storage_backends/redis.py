@@ -42,7 +42,7 @@ from lmc.layered_read import LayeredRead
 from lmc.memory import MemoryObj, MemoryPool
 from lmc.metrics import TierMetrics
 from lmc.remote_tier import split_batch
-from lmc.serde import DTYPE_CODES, HEADER_SIZE, TAG_SIZE
+from lmc.serde import HEADER_SIZE, TAG_SIZE, encodable
 from lmc.settings import parse_duration, parse_int, parse_positive_size
 from lmc.storage_backend import BackendOption, Key, StorageBackend, register_backend
 
@@ -311,7 +311,7 @@ class RedisBackend(StorageBackend):
     def put(self, keys: Sequence[Key], objs: Sequence[MemoryObj]) -> int:
         if len(keys) != len(objs):
             raise ValueError(f"put: {len(keys)} keys but {len(objs)} objects")
-        ok = [i for i, o in enumerate(objs) if len(o.shape) == 4 and o.dtype in DTYPE_CODES]
+        ok = [i for i, o in enumerate(objs) if encodable(o)]
         if len(ok) < len(objs):  # what lmc.serde cannot encode is skipped, as every tier does
             self.metrics.error("put", "unsupported", len(objs) - len(ok))
             keys, objs = [keys[i] for i in ok], [objs[i] for i in ok]

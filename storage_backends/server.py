@@ -30,7 +30,7 @@ from lmc.config import CacheConfig
 from lmc.integrity import Integrity
 from lmc.memory import MemoryObj, MemoryPool
 from lmc.remote_tier import Rejects, split_batch
-from lmc.serde import DTYPE_CODES
+from lmc.serde import encodable
 from lmc.server import protocol as P
 from lmc.server.client import Address, Allocate, ClientConnection
 from lmc.server.probe import ProbePolicy
@@ -270,7 +270,7 @@ class ServerBackend(StorageBackend):
     def put(self, keys: Sequence[Key], objs: Sequence[MemoryObj]) -> int:
         if len(keys) != len(objs):  # the caller's bug: refused before anything is stored
             raise ValueError(f"put: {len(keys)} keys but {len(objs)} objects")
-        ok = [i for i, o in enumerate(objs) if o.dtype in DTYPE_CODES and len(o.shape) == 4]
+        ok = [i for i, o in enumerate(objs) if encodable(o)]  # the rest: skipped, counted
         if len(ok) < len(objs):
             self._count(not_stored=len(objs) - len(ok))
             keys, objs = [keys[i] for i in ok], [objs[i] for i in ok]

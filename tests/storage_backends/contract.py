@@ -18,7 +18,10 @@ pool of its own, and held to ``StorageBackend``'s contract (``lmc/storage_backen
   (a tier that keeps an object takes its own), so memory goes back to the pool when the
   caller releases, and an object a caller holds is never freed or reused for other data,
   whatever the tier evicts meanwhile;
+* a chunk a tier cannot represent (no ``lmc.serde`` header describes it) is skipped, never
+  an error: the batch's other chunks are stored;
 * threads may call a tier at once, ``close()`` included: every call returns, none raises;
+  calls after ``close()`` are misses and 0;
 * a value failing a check is a miss and is deleted; a dead or hung backend answers misses
   within a deadline, never a hang or an exception.
 
@@ -29,6 +32,7 @@ skips the tests that need it, saying so. Randomised tests print their seed; set
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import random
@@ -42,8 +46,9 @@ import pytest
 import torch
 
 from lmc.config import CacheConfig
+from lmc.layered_read import LayerReadError
 from lmc.memory import MemoryObj, MemoryPool
-from lmc.serde import DTYPE_CODES
+from lmc.serde import DTYPE_CODES, CorruptValue
 from lmc.storage_backend import Key, MemoryTier, StorageBackend, create_backend
 
 SHAPE = (2, 2, 16, 64)            # [layers, planes, tokens, width]: 8 KiB of float16
@@ -687,7 +692,50 @@ class TierContract:
         assert tier.contains(keys) == [False] * len(keys), "contains() after close()"
         assert tier.prefix_hits(keys) == 0 and tier.get(keys) == [None] * len(keys)
         assert tier.delete(keys) == 0, "delete() after close()"
+        late = [key_of("after-close")]
+        objs = [fill(o, late[0]) for o in tier.pool.allocate_many(  # type: ignore[attr-defined]
+            SHAPE, torch.float16, 1, SHAPE[2])]
+        try:
+            assert tier.put(late, objs) == 0, "put() after close() stored something"
+        finally:
+            release(objs)
+        assert tier.contains(late) == [False]
         return calls[0]
+
+    def test_a_chunk_the_tier_cannot_represent_is_skipped(self, tier, tier_spec):
+        """The one rule for shapes and dtypes (``lmc.storage_backend``: a chunk a tier cannot
+        represent is skipped): a batch mixing chunks no ``lmc.serde`` header describes (3-D,
+        float64) with good ones raises nothing and stores the good ones; each odd one is
+        either kept whole (L1 keeps any object) or a miss, and ``put`` counts only what it
+        stored."""
+        good = [key_of("odd-good0"), key_of("odd-good1")]
+        odd = [(key_of("odd-3d"), (4, 16, 64), torch.float16),
+               (key_of("odd-f64"), SHAPE, torch.float64)]
+        objs = self.chunks(tier, tier_spec, good[:1])
+        for k, shape, dtype in odd:
+            objs += self.chunks(tier, tier_spec, [k], shape, dtype)
+        objs += self.chunks(tier, tier_spec, good[1:])
+        keys = [good[0], *(k for k, _, _ in odd), good[1]]
+        assert len(objs) == len(keys), "the pool is too small for the test's chunks"
+        try:
+            stored = tier.put(keys, objs)
+        finally:
+            release(objs)
+        present = tier.contains(keys)
+        assert present[0] and present[-1], "a good chunk beside odd ones was not stored"
+        assert stored == sum(present), f"put() said {stored}, {sum(present)} are present"
+        got = tier.get(keys)
+        try:
+            check_hit(got[0], good[0])
+            check_hit(got[-1], good[1])
+            for (k, shape, dtype), o, here in zip(odd, got[1:-1], present[1:-1]):
+                if not here:
+                    assert o is None, f"{tuple(shape)} {dtype}: a miss in contains, a hit in get"
+                    continue
+                assert o is not None and (tuple(o.shape), o.dtype) == (shape, dtype)
+                assert torch.equal(raw(o), expected_bytes(k, o.nbytes)), f"{shape} {dtype}"
+        finally:
+            release(got)
 
     # ------------------------------------------------------------------ faults
     def test_corrupted_value_is_a_miss_and_deleted(self, tier, tier_spec):
@@ -710,6 +758,71 @@ class TierContract:
             check_hit(got[0], bad)
         finally:
             release(got)
+
+    # ------------------------------------------- optional: reads layer by layer
+    @staticmethod
+    def layered(tier: StorageBackend, keys: Sequence[Key]):
+        """``tier.get_layers(keys)``, skipping the test for tiers that read whole chunks."""
+        read = tier.get_layers(keys)
+        if read is None:
+            pytest.skip(f"{tier.name}: no get_layers (whole chunks only)")
+        assert len(read.objs) == len(keys), "one slot per key"
+        return read
+
+    def test_layered_read_is_bit_exact_and_one_reference_per_hit(self, tier, tier_spec):
+        """Every layer lands in order, each hit holds one reference for the caller, a miss
+        is ``None``; once verified the bytes are the stored ones (every round-trip shape)."""
+        for shape, dtype in ROUND_TRIPS:
+            case = f"{tuple(shape)} {dtype}"
+            keys = [key_of(f"lay{i}{case}") for i in range(3)]
+            self.store(tier, tier_spec, keys, shape, dtype)
+            asked = [keys[0], key_of(f"lay-missing{case}"), keys[1], keys[2]]
+            read = self.layered(tier, asked)
+            try:
+                assert read.objs[1] is None, case
+                for layer in range(shape[0]):
+                    read.wait_layer(layer, timeout=tier_spec.deadline + 10)
+                read.wait_verified(timeout=tier_spec.deadline + 10)
+                assert read.ok == [True, False, True, True], case
+                for k, o in zip(asked[::2] + asked[3:], read.objs[::2] + read.objs[3:]):
+                    check_hit(o, k, shape, dtype)
+                    assert o.ref_count == 1, f"{case}: a hit holds {o.ref_count} references"
+            finally:
+                release(read.objs)
+        assert self.used(tier) == 0, "the read kept pool memory after it ended"
+
+    def test_layered_read_of_a_corrupted_value_never_verifies(self, tier, tier_spec):
+        """A damaged value is a miss when opened or a read that does not verify; either way
+        it is deleted, and the other values of the call verify."""
+        if tier_spec.corrupt is None:
+            pytest.skip(f"{tier_spec.spec}: the spec has no way to damage a stored value")
+        bad, good = key_of("lay-corrupt-bad"), key_of("lay-corrupt-good")
+        self.store(tier, tier_spec, [bad, good])
+        tier_spec.corrupt(tier, bad)
+        read = self.layered(tier, [bad, good])
+        try:
+            read.wait_verified([1], timeout=tier_spec.deadline + 10)
+            check_hit(read.objs[1], good)
+            if read.objs[0] is not None:
+                with pytest.raises(CorruptValue):
+                    read.wait_verified([0])
+            assert read.ok is not None and not read.ok[0], "a damaged value verified"
+        finally:
+            release(read.objs)
+        assert tier.contains([bad, good]) == [False, True], "the damaged value was not deleted"
+
+    def test_layered_read_outlives_its_callers_and_a_close(self, make_tier, tier_spec):
+        """The caller drops its objects at once and the tier closes while the read may still
+        be filling them: nothing leaks (make_tier checks the pool after close), no error."""
+        tier = make_tier()
+        keys = [key_of(f"lay-close{i}") for i in range(16)]
+        self.store(tier, tier_spec, keys)
+        read = self.layered(tier, keys)
+        release(read.objs)
+        tier.close()
+        with contextlib.suppress(LayerReadError, CorruptValue):
+            read.wait_verified(timeout=tier_spec.deadline + 10)
+        assert read.done, "a read still running after close()"
 
     def _misses_within_deadline(self, tier: StorageBackend, spec: TierSpec,
                                 keys: Sequence[Key]) -> None:

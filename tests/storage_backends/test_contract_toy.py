@@ -12,7 +12,14 @@ import pytest
 
 from lmc.config import CacheConfig
 from lmc.memory import MemoryObj, MemoryPool
-from lmc.serde import HEADER_SIZE, CorruptValue, decode_header, encode_header, verify_payload
+from lmc.serde import (
+    HEADER_SIZE,
+    CorruptValue,
+    decode_header,
+    encodable,
+    encode_header,
+    verify_payload,
+)
 from lmc.storage_backend import Key, StorageBackend, register_backend
 
 from .contract import TierContract, TierSpec
@@ -57,6 +64,8 @@ class DictTier(StorageBackend):
         pairs = list(zip(keys, objs, strict=True))  # mismatched lengths: ValueError
         new = {}
         for k, o in pairs:  # copied now: the caller keeps its own reference
+            if not encodable(o):  # no header describes it: skipped, as every tier does
+                continue
             payload = bytes(o.byte_view())
             new[k] = encode_header(k, o.shape, o.dtype, o.num_tokens, payload) + payload
         with self._lock:
@@ -64,7 +73,7 @@ class DictTier(StorageBackend):
                 return 0
             for k, v in new.items():
                 self.values.setdefault(k, v)  # content-addressed: same key, same bytes
-        return len(pairs)
+        return sum(k in new for k, _ in pairs)
 
     def delete(self, keys: Sequence[Key]) -> int:
         with self._lock:
