@@ -45,7 +45,9 @@ class Dispatcher:
         self.due: dict[str, float] = {}
         self.in_flight = 0
         self.finished = 0
-        self._slot_free_at = 0.0  # when a slot last opened while all were taken
+        # client slots: when each free one opened (FIFO); None without a limit
+        self._slots: deque[float] | None = (deque([0.0] * concurrency)
+                                            if concurrency is not None else None)
 
     def _push(self, index: int, after: float) -> None:
         due = after if self.fast else max(self.requests[index].arrival_s, after)
@@ -55,9 +57,10 @@ class Dispatcher:
         """Requests to send now (each marked in flight, its due time in ``self.due``)."""
         out: list[TraceRequest] = []
         while self._eligible and self._eligible[0][0] <= now and (
-                self.concurrency is None or self.in_flight < self.concurrency):
+                self._slots is None or self._slots):
             due, i = heapq.heappop(self._eligible)
-            due = max(due, self._slot_free_at)
+            if self._slots is not None:
+                due = max(due, self._slots.popleft())
             req = self.requests[i]
             self.due[req.request_id] = due
             self.in_flight += 1
@@ -68,8 +71,8 @@ class Dispatcher:
         """A request finished (answered or failed) at ``now``: its session's next turn
         becomes due no earlier than ``now``."""
         i = self._by_id[request_id]
-        if self.concurrency is not None and self.in_flight >= self.concurrency:
-            self._slot_free_at = now
+        if self._slots is not None:
+            self._slots.append(now)
         self.in_flight -= 1
         self.finished += 1
         q = self._queues[self._session_of[i]]
@@ -80,8 +83,7 @@ class Dispatcher:
     def next_due(self) -> float | None:
         """The earliest due time among requests not yet sent, or None (all sent, or all
         waiting on answers / a concurrency slot)."""
-        if not self._eligible or (self.concurrency is not None
-                                  and self.in_flight >= self.concurrency):
+        if not self._eligible or (self._slots is not None and not self._slots):
             return None
         return self._eligible[0][0]
 
