@@ -59,20 +59,22 @@ class SimResult:
 
 
 def simulate(trace: KeyedTrace, point: GridPoint, *, bytes_per_token: int, align: int = 1,
-             eviction_policy: str = "lru") -> SimResult:
+             eviction_policy: str = "lru", queue_bytes: int = 1 << 30) -> SimResult:
     """Replay ``trace`` through ``point``'s tiers (see the module doc)."""
     if align < 1:
         raise ValueError(f"align must be >= 1, got {align}")
     t0 = time.perf_counter()
     cache = SimCache(point.l1, point.disk, point.remote, point.policy,
-                     bytes_per_token=bytes_per_token, eviction_policy=eviction_policy)
+                     bytes_per_token=bytes_per_token, eviction_policy=eviction_policy,
+                     queue_bytes=queue_bytes)
     levels = cache.levels
     cs = trace.chunk_size
     per = [array("l", bytes(8 * len(trace))) for _ in levels]
     totals = [0] * len(levels)
     key_ids, offsets, ntok = trace.key_ids, trace.offsets, trace.num_tokens
     full = [cs] * 64
-    prefix_sources, fetch, store = cache.prefix_sources, cache.fetch_prefix, cache.store
+    prefix_sources, fetch, store, drain = (cache.prefix_sources, cache.fetch_prefix, cache.store,
+                                           cache.drain)
     for i in range(len(trace)):
         keys = key_ids[offsets[i]: offsets[i + 1]].tolist()
         n = ntok[i]
@@ -100,6 +102,7 @@ def simulate(trace: KeyedTrace, point: GridPoint, *, bytes_per_token: int, align
         store(keys[start // cs:], sizes[start // cs:])
         for o in held:
             o.release()
+        drain()
     return SimResult(point, len(trace), trace.prompt_tokens,
                      {lvl: totals[j] for j, lvl in enumerate(levels)},
                      {lvl: per[j] for j, lvl in enumerate(levels)},

@@ -19,16 +19,20 @@ What is lmc's own code here and what mirrors it:
 
 :class:`SimCache` strings them together the way :class:`lmc.storage_manager.StorageManager`
 does (prefix lookups each tier once, promotion of lower-tier hits into L1, write-through or
-write-on-evict), with one difference that is the point of a simulation: write-behind queues
-drain at once. The real queues drain on their own threads, so a chunk waits in one for a
-while (readable from it, and under write-through unevictable from L1); see docs/planner.md
-for what that changes and by how much.
+write-on-evict), with one difference that is the point of a simulation: the write-behind queues are drained
+at the end of each request (:meth:`SimCache.drain`), where the real ones drain on their own
+threads whenever the tier is ready. Until then a queued chunk holds its pool memory, as in
+lmc: under write-through it cannot be evicted from L1, and under write-on-evict an
+allocation under pressure keeps evicting into the queue until the queue's bound
+(``write_queue_size``, at most a quarter of the pool) refuses a victim, which is then lost
+rather than written (``lmc/storage_manager.py`` documents this behaviour). See
+docs/planner.md for what the drain point changes and by how much.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -164,7 +168,7 @@ class SimCache:
 
     def __init__(self, l1_bytes: int, disk_bytes: int = 0, remote_bytes: int = 0,
                  write_policy: str = "write_through", *, bytes_per_token: int,
-                 eviction_policy: str = "lru") -> None:
+                 eviction_policy: str = "lru", queue_bytes: int = 1 << 30) -> None:
         if write_policy not in WRITE_POLICIES:
             raise ValueError(f"write policy {write_policy!r}: choose one of "
                              f"{', '.join(WRITE_POLICIES)}")
@@ -181,6 +185,12 @@ class SimCache:
         if remote_bytes:
             self.lower.append(RemoteDaemon(remote_bytes, eviction_policy))
         self.levels = ["L1"] + [t.name for t in self.lower]
+        # one queue per lower tier, bounded as StorageManager bounds it
+        share = 4 if write_policy == "write_on_evict" else 2
+        self.queue_cap = min(queue_bytes, self.l1.pool.size // share)
+        self._queues: list[dict[Key, MemoryObj]] = [{} for _ in self.lower]
+        self._queued = [0] * len(self.lower)
+        self.dropped = [0] * len(self.lower)
         if self.lower and write_policy == "write_on_evict":
             self.l1.on_evict = self._on_evict
 
@@ -230,8 +240,8 @@ class SimCache:
                 if got_keys:
                     l1.put(got_keys, got_objs)
                     if self.write_policy == "write_through":
-                        for upper in self.lower[: level - 1]:
-                            self._write(upper, got_keys, got_objs)
+                        for q in range(level - 1):  # the tiers above it missed these
+                            self._offer(q, got_keys, got_objs)
         out: list[MemoryObj] = []
         for o in found:
             if o is None:
@@ -267,31 +277,55 @@ class SimCache:
         put_keys = [keys[i] for i in todo]
         l1.put(put_keys, objs)
         if self.write_policy == "write_through":
-            for tier in self.lower:
-                self._write(tier, put_keys, objs)
+            for q in range(len(self.lower)):
+                self._offer(q, put_keys, objs)
         for o in objs:
             o.release()
         return len(objs)
 
     # ------------------------------------------------------------------ write-behind
-    def _write(self, tier: LowerTier, keys: Sequence[Key], objs: Sequence[MemoryObj]) -> None:
-        """One write-behind batch, drained at once: what the tier lacks is put."""
-        todo = [(k, o.nbytes) for k, o, p in zip(keys, objs, tier.contains(keys)) if not p]
-        if todo:
-            tier.put([k for k, _ in todo], [n for _, n in todo])
+    def _offer(self, q: int, keys: Sequence[Key], objs: Sequence[MemoryObj]) -> None:
+        """``WriteBehind.offer``: queue what fits the byte bound (holding a reference, so
+        the memory stays taken), drop the rest."""
+        queue = self._queues[q]
+        for k, o in zip(keys, objs):
+            if k in queue:
+                continue
+            if self._queued[q] + o.nbytes > self.queue_cap:
+                self.dropped[q] += 1
+                continue
+            o.acquire()
+            queue[k] = o
+            self._queued[q] += o.nbytes
 
     def _on_evict(self, victims: list[tuple[Key, MemoryObj]]) -> None:
         keys = [k for k, _ in victims]
         objs = [o for _, o in victims]
-        for tier in self.lower:
-            self._write(tier, keys, objs)
+        for q in range(len(self.lower)):
+            self._offer(q, keys, objs)
+
+    def drain(self) -> None:
+        """Every queue written to its tier (what the tier lacks is put), references released:
+        the writer threads caught up."""
+        for q, tier in enumerate(self.lower):
+            queue = self._queues[q]
+            if not queue:
+                continue
+            keys = list(queue)
+            objs = list(queue.values())
+            todo = [(k, o.nbytes) for k, o, p in zip(keys, objs, tier.contains(keys)) if not p]
+            if todo:
+                tier.put([k for k, _ in todo], [n for _, n in todo])
+            queue.clear()
+            self._queued[q] = 0
+            for o in objs:
+                o.release()
 
     def tier_stats(self) -> dict[str, float]:
         out: dict[str, float] = {"L1.chunks": len(self.l1), "L1.evictions": self.l1.evictions}
-        for t in self.lower:
+        for t, dropped in zip(self.lower, self.dropped):
             out[f"{t.name}.chunks"] = len(t)
             out[f"{t.name}.evictions"] = t.evictions
+            out[f"{t.name}.queue_dropped"] = dropped
         return out
 
-
-Writer = Callable[[LowerTier, Sequence[Key], Sequence[MemoryObj]], None]

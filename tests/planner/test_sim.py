@@ -56,17 +56,24 @@ def test_l1_only_hits_by_hand():
     assert list(r.per_request["L1"]) == [0, 3 * CS - 1, 0, 3 * CS - 1]
 
 
-def test_write_policies_and_promotion():
-    a, b = _prompt(1, 2 * CS), _prompt(2, 2 * CS)
-    kt = key_trace([_req(0, a), _req(1, b), _req(2, a), _req(3, b)])
-    for policy in ("write_through", "write_on_evict"):
-        # L1 holds 2 chunks: each prompt evicts the other, which must come back from disk
-        r = simulate(kt, GridPoint(2 * 4096, 64 * 8192, 0, policy), bytes_per_token=BPT)
-        assert list(r.per_request["disk"]) == [0, 0, 2 * CS - 1, 2 * CS - 1], policy
-        assert r.per_request["L1"].tolist() == [0, 0, 0, 0]
-    # a remote (an lmc daemon's memory) behaves the same below L1
-    r = simulate(kt, GridPoint(2 * 4096, 0, 64 * 4096, "write_through"), bytes_per_token=BPT)
-    assert list(r.per_request["remote"]) == [0, 0, 2 * CS - 1, 2 * CS - 1]
+def test_write_policies_promotion_and_the_write_queue_bound():
+    p = [_prompt(i, 2 * CS) for i in range(5)]
+    kt = key_trace([_req(i, toks) for i, toks in enumerate(p + p[:2])])
+    l1 = 8 * 4096  # 8 chunks; the write queue takes half the pool, a quarter on evict
+    disk = 64 * 8192
+    r = simulate(kt, GridPoint(l1, disk, 0, "write_through"), bytes_per_token=BPT)
+    # p0 is evicted by p4 and read back from disk, which evicts p1 (on disk as well)
+    assert list(r.per_request["disk"]) == [0] * 5 + [2 * CS - 1] * 2
+    assert list(r.per_request["L1"]) == [0] * 7
+    # write-on-evict: p4's allocation evicts p0 into the queue (2 chunks, the bound), and
+    # since queued chunks keep their memory it evicts p1 too, which the full queue drops:
+    # lmc's documented behaviour under pressure, so p1 is lost
+    r = simulate(kt, GridPoint(l1, disk, 0, "write_on_evict"), bytes_per_token=BPT)
+    assert list(r.per_request["disk"]) == [0] * 5 + [2 * CS - 1, 0]
+    assert r.tier_stats["disk.queue_dropped"] == 4  # p1, then p3 when p1's turn stores
+    # a remote (an lmc daemon's memory) behaves like the disk below L1
+    r = simulate(kt, GridPoint(l1, 0, 64 * 4096, "write_through"), bytes_per_token=BPT)
+    assert list(r.per_request["remote"]) == [0] * 5 + [2 * CS - 1] * 2
 
 
 def test_write_on_evict_writes_nothing_that_was_never_evicted():
