@@ -21,8 +21,9 @@ def _bad(msg: str) -> P.ProtocolError:
     return P.ProtocolError(P.BAD_REQUEST, msg)
 
 
-async def handle(session: Session, h: P.FrameHeader, meta: dict[str, Any]) -> bool:
-    """Serve one directory request on ``session``; the connection always stays open."""
+def answer(session: Session, h: P.FrameHeader, meta: dict[str, Any]) -> dict[str, Any]:
+    """The answer to one directory request on ``session`` (which sends it), or a
+    ``bad_request``/``forbidden`` ``ProtocolError``. Uses only the session's public side."""
     d = session.store.p2p
     if h.op == P.P2P_JOIN:
         try:
@@ -30,28 +31,27 @@ async def handle(session: Session, h: P.FrameHeader, meta: dict[str, Any]) -> bo
             d.join(session, info)
         except (ValueError, DirectoryFull) as e:
             raise _bad(f"p2p join: {e}") from None
-        answer: dict[str, Any] = {}
+        out: dict[str, Any] = {}
     elif h.op == P.P2P_PEER:
         agent = meta.get("agent")
         if not isinstance(agent, str):
             raise _bad("p2p peer: field 'agent' must be a string")
         info = d.peer(agent)
-        answer = {} if info is None else info.as_meta()
+        out = {} if info is None else info.as_meta()
     else:
-        ns = session._namespace(meta)
+        ns = session.granted_namespace(meta)
         keys = P.get_keys(meta, session.limits)
         ikeys = session.store.internal_keys(ns, keys)
         if h.op == P.P2P_ADVERTISE:
-            answer = {"advertised": _advertise(session, keys, ikeys, meta)}
+            out = {"advertised": _advertise(session, keys, ikeys, meta)}
         elif h.op == P.P2P_WITHDRAW:
-            answer = {"withdrawn": d.withdraw(session, ikeys)}
+            out = {"withdrawn": d.withdraw(session, ikeys)}
         else:  # P2P_LOCATE
             me = meta.get("self")
             found = d.locate(ikeys, me if isinstance(me, str) else None)
-            answer = {"agents": [f[0] if f else None for f in found],
-                      "records": [f[1] if f else None for f in found]}
-    await session._send(h.op, h.req_id, answer)
-    return True
+            out = {"agents": [f[0] if f else None for f in found],
+                   "records": [f[1] if f else None for f in found]}
+    return out
 
 
 def _advertise(session: Session, keys: list[bytes], ikeys: list[bytes],

@@ -208,8 +208,9 @@ class Session:
         await self._send(h.op, h.req_id, answer)
         return True
 
-    def _namespace(self, meta: dict[str, Any]) -> str:
-        """The request's namespace, if this connection's token grants it."""
+    def granted_namespace(self, meta: dict[str, Any]) -> str:
+        """The request's namespace, if this connection's token grants it (``FORBIDDEN``
+        otherwise): what every namespaced op, the P2P directory's included, starts with."""
         ns = P.get_namespace(meta, self.limits)
         if self.grant is None or not self.grant.allows(ns):
             M.FORBIDDEN.inc()
@@ -227,7 +228,7 @@ class Session:
         return True
 
     async def _put(self, h: P.FrameHeader, meta: dict[str, Any]) -> bool:
-        ns = self._namespace(meta)
+        ns = self.granted_namespace(meta)
         items = P.get_put_items(meta, h.payload_len, self.limits)
         ikeys = self.store.internal_keys(ns, [it.key for it in items])
         admitted, reserved = self.store.admit(ns, [it.payload_len for it in items])
@@ -298,7 +299,7 @@ class Session:
                 M.VALUES.labels(name).inc(n)
 
     async def _get(self, h: P.FrameHeader, meta: dict[str, Any]) -> bool:
-        ns = self._namespace(meta)
+        ns = self.granted_namespace(meta)
         keys = P.get_keys(meta, self.limits)
         prefix = P.get_flag(meta, "prefix")
         ikeys = self.store.internal_keys(ns, keys)
@@ -333,7 +334,7 @@ class Session:
         return True
 
     async def _exists(self, h: P.FrameHeader, meta: dict[str, Any]) -> bool:
-        ns = self._namespace(meta)
+        ns = self.granted_namespace(meta)
         ikeys = self.store.internal_keys(ns, P.get_keys(meta, self.limits))
         if P.get_flag(meta, "prefix"):
             hits = await self.daemon.run_storage(self.store.prefix_hits, ikeys)
@@ -344,12 +345,18 @@ class Session:
         return True
 
     async def _delete(self, h: P.FrameHeader, meta: dict[str, Any]) -> bool:
-        ns = self._namespace(meta)
+        ns = self.granted_namespace(meta)
         ikeys = self.store.internal_keys(ns, P.get_keys(meta, self.limits))
         n = await self.daemon.run_storage(self.store.delete, ns, ikeys)
         await self._send(h.op, h.req_id, {"deleted": n})
         return True
 
+    async def _p2p(self, h: P.FrameHeader, meta: dict[str, Any]) -> bool:
+        """A P2P directory op: answered by :mod:`lmc.p2p.daemon_ops` from this session's
+        public side (store, limits, granted namespace); the connection always stays open."""
+        await self._send(h.op, h.req_id, p2p_ops.answer(self, h, meta))
+        return True
+
     _handlers = {P.HELLO: _hello, P.PING: _ping, P.STATS: _stats, P.PUT: _put, P.GET: _get,
                  P.EXISTS: _exists, P.DELETE: _delete}
-    _handlers.update(dict.fromkeys(P.P2P_OPS, p2p_ops.handle))
+    _handlers.update(dict.fromkeys(P.P2P_OPS, _p2p))
