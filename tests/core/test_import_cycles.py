@@ -1,0 +1,131 @@
+"""No module of lmc imports, at load time, a module that imports it back.
+
+A cycle at module level means two modules need each other to exist: the coupling issue 11
+removed (the layer-wise copies calling the engine's private methods, the P2P directory ops
+calling the daemon session's). Imports under ``TYPE_CHECKING`` are annotations only and
+imports inside functions are deliberate late bindings (a plugin chosen at run time), so
+neither counts. Read from the source with ``ast``: nothing is imported to check it.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+PACKAGES = {"lmc": ROOT / "lmc", "lmc.connectors": ROOT / "connectors",
+            "lmc.storage_backends": ROOT / "storage_backends"}
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for package, folder in PACKAGES.items():
+        for path in folder.rglob("*.py"):
+            parts = list(path.relative_to(folder).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts.pop()
+            out[".".join([package, *parts])] = path
+    return out
+
+
+def _is_type_checking(node: ast.If) -> bool:
+    t = node.test
+    return (isinstance(t, ast.Name) and t.id == "TYPE_CHECKING") or (
+        isinstance(t, ast.Attribute) and t.attr == "TYPE_CHECKING")
+
+
+def _load_time_imports(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
+    """The lmc modules ``name`` imports when it is loaded."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found: set[str] = set()
+
+    def resolve(node: ast.Import | ast.ImportFrom) -> None:
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names if a.name in modules)
+            return
+        base = node.module or ""
+        if node.level:
+            parts = package.split(".")
+            parts = parts[: len(parts) - (node.level - 1)]
+            base = ".".join(parts + ([base] if base else []))
+        subs = [f"{base}.{a.name}" for a in node.names if f"{base}.{a.name}" in modules]
+        found.update(subs)
+        if len(subs) < len(node.names) and base in modules:
+            found.add(base)  # names defined in the module (or package) itself
+
+    def visit(body: list[ast.stmt]) -> None:
+        for node in body:
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                resolve(node)
+            elif isinstance(node, ast.If) and not _is_type_checking(node):
+                visit(node.body)
+                visit(node.orelse)
+            elif isinstance(node, ast.Try):
+                visit(node.body)
+                for handler in node.handlers:
+                    visit(handler.body)
+                visit(node.orelse)
+                visit(node.finalbody)
+
+    visit(ast.parse(path.read_text(encoding="utf-8")).body)
+    found.discard(name)
+    return found
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    out: list[list[str]] = []
+
+    def connect(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                connect(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            connect(v)
+    return out
+
+
+def test_no_module_level_import_cycles():
+    modules = _modules()
+    graph = {name: _load_time_imports(name, path, modules) for name, path in modules.items()}
+    assert len(graph) > 50  # the walk found the tree
+    found = _cycles(graph)
+    detail = "; ".join(" <-> ".join(c) + " (" + ", ".join(
+        f"{m} imports {sorted(graph[m] & set(c))}" for m in c) + ")" for c in found)
+    assert not found, f"module-level import cycles: {detail}"
+
+
+def test_the_cycle_finder_finds_a_cycle():
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+    assert _cycles(graph) == [["a", "b", "c"]]
+
+
+def test_layerwise_copies_know_the_engine_only_through_their_protocol():
+    modules = _modules()
+    tree = ast.parse(modules["lmc.layerwise"].read_text(encoding="utf-8"))
+    imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+    assert "lmc.cache_engine" not in imported
+    source = modules["lmc.layerwise"].read_text(encoding="utf-8")
+    assert "host._" not in source, "layerwise calls a private method of its host"
