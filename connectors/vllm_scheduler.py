@@ -11,12 +11,12 @@ import), so it is tested without vLLM.
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Sequence
 from typing import Any
 
 from lmc.connectors.core import ConnectorConfig, SchedulerConnector
 from lmc.connectors.metadata import ConnectorMetadata
+from lmc.connectors.pd_params import producer_params, remote_prefill_tokens
 from lmc.connectors.vllm_requests import RequestTracker, cacheable
 
 from lmc.lookup import LookupResult
@@ -116,30 +116,3 @@ class SchedulerSide:
     def close(self) -> None:
         self.client.close()
 
-
-# ------------------------------------------------------- prefill/decode parameters
-PD_MARK = "lmc_pd"  # set by an lmc producer: its consumer is an lmc consumer
-
-
-def producer_params(num_prompt_tokens: int, engine_id: str) -> dict[str, Any]:
-    """What a producer returns for a request it prefilled for another instance (vLLM's
-    ``kv_transfer_params`` shape, so proxies written for vLLM's own connectors pass it on
-    unchanged). The chunks are named by content, so no block ids or addresses are needed:
-    the consumer finds them in the directory."""
-    return {"do_remote_prefill": True, "do_remote_decode": False, PD_MARK: 1,
-            "remote_num_tokens": int(num_prompt_tokens), "remote_engine_id": engine_id}
-
-
-def remote_prefill_tokens(request: Any) -> int | None:
-    """Prompt tokens a producer prefilled for ``request`` (from its ``kv_transfer_params``),
-    or None when the request was not prefilled elsewhere by an lmc producer."""
-    params = getattr(request, "kv_transfer_params", None)
-    if not (isinstance(params, dict) and params.get("do_remote_prefill")
-            and params.get(PD_MARK)):
-        return None
-    n = params.get("remote_num_tokens")
-    if isinstance(n, bool) or not isinstance(n, (int, float)) or not math.isfinite(n) or n < 0:
-        log.warning("request %s: kv_transfer_params remote_num_tokens=%r is not a token "
-                    "count: prefilled here", getattr(request, "request_id", "?"), n)
-        return None
-    return int(n)

@@ -22,7 +22,10 @@ Call order in one engine step (``LLM.step``)::
     for each request that finished or was aborted:
         request_finished(request)              # blocks still allocated and intact
 
-The worker-side calls happen only in steps that schedule at least one token.
+The worker-side calls happen only in steps that schedule at least one token, or, while
+asynchronous loads are in flight, in empty steps too (``start_load_kv``, ``wait_for_save``,
+then ``get_finished`` and ``get_block_ids_with_load_errors``), so the loads start and end.
+In every step ``get_finished`` comes before ``get_block_ids_with_load_errors``.
 
 Engine guarantees:
 
@@ -82,11 +85,17 @@ class KVConnector(ABC):
     # ---------------------------------------------------------------- scheduler side
 
     @abstractmethod
-    def get_num_new_matched_tokens(self, request: ConnectorRequest, num_computed_tokens: int) -> int:
+    def get_num_new_matched_tokens(self, request: ConnectorRequest, num_computed_tokens: int
+                                   ) -> int | tuple[int, bool]:
         """How many tokens past ``num_computed_tokens`` the connector can supply.
 
         Must not block for long: it runs inside scheduling. The engine clamps the
         answer (see the module docstring), so over-reporting is safe but wasteful.
+        ``(n, True)`` (vLLM's form) makes the load *asynchronous*: the request gets its
+        blocks and waits, unscheduled, until ``get_finished`` reports it; other requests
+        run meanwhile. A partly failed async load reports its bad blocks through
+        ``get_block_ids_with_load_errors`` by the same step, and those positions are
+        recomputed.
         """
 
     @abstractmethod
@@ -109,9 +118,10 @@ class KVConnector(ABC):
         run, saves to make). The engine passes the result to ``start_load_kv`` and
         ``save_kv_layer`` unchanged."""
 
-    def request_finished(self, request: ConnectorRequest) -> None:  # noqa: B027 - optional hook
+    def request_finished(self, request: ConnectorRequest) -> dict | None:  # noqa: B027
         """The request finished or was aborted. Its blocks are still allocated and hold
-        its K/V; they are freed as soon as this returns."""
+        its K/V; they are freed as soon as this returns. May return ``kv_transfer_params``
+        for the request's output (a prefill/decode producer's answer)."""
 
     # ------------------------------------------------------------------- worker side
 
@@ -136,6 +146,11 @@ class KVConnector(ABC):
     def wait_for_save(self) -> None:
         """After the forward pass: block until this step's saves no longer need the
         cache contents (the blocks may be freed or reused after this)."""
+
+    def get_finished(self) -> set[str]:
+        """Requests whose asynchronous load ended since the last call (called every
+        step, before ``get_block_ids_with_load_errors``)."""
+        return set()
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         """Blocks whose external load failed in this step (cleared once reported)."""

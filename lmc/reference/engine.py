@@ -130,9 +130,13 @@ class LLM:
         return ids
 
     def add_request(
-        self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None
+        self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None,
+        kv_transfer_params: dict | None = None,
     ) -> str:
-        """Queue a request; returns its id. Arrival time (for TTFT) is now."""
+        """Queue a request; returns its id. Arrival time (for TTFT) is now.
+        ``kv_transfer_params``: prefill/decode parameters for the KV connector (vLLM's
+        shape: ``{"do_remote_decode": True}`` asks a producer to prefill for another
+        instance; a producer's answer, passed to a consumer, makes it pull the prompt)."""
         params = params or SamplingParams()
         request_id = request_id if request_id is not None else str(next(self._ids))
         request = Request(
@@ -141,6 +145,7 @@ class LLM:
             sampling_params=params,
             eos_token_ids=self.eos_token_ids,
             prompt=prompt if isinstance(prompt, str) else None,
+            kv_transfer_params=dict(kv_transfer_params) if kv_transfer_params else None,
         )
         self.scheduler.add_request(request)
         return request_id
@@ -163,12 +168,23 @@ class LLM:
         connector = self.kv_connector
         meta = connector.build_connector_meta(output) if connector is not None else None
         if output.is_empty:
+            if connector is not None and self.scheduler.has_remote_loads:
+                # no forward, but asynchronous loads to start (in meta) and to collect
+                connector.start_load_kv(meta)
+                connector.wait_for_save()
+                done = connector.get_finished()
+                self.scheduler.finish_remote_loads(
+                    done, set(connector.get_block_ids_with_load_errors()))
+                if not done:
+                    time.sleep(0.001)  # nothing else to run: do not spin on the poll
             return []
         sample_ids, logits = self.runner.execute(output, connector, meta)
         invalid: set[str] = set()
         if connector is not None:
+            done = connector.get_finished()  # before the errors: they include its blocks
             bad_blocks = set(connector.get_block_ids_with_load_errors())
             invalid = self.scheduler.handle_load_errors(output, bad_blocks)
+            self.scheduler.finish_remote_loads(done, bad_blocks)
 
         keep = [i for i, rid in enumerate(sample_ids) if rid not in invalid]
         requests = [self.scheduler.requests[sample_ids[i]] for i in keep]
@@ -197,11 +213,13 @@ class LLM:
         ignore_eos: bool = False,
         stop_token_ids: Sequence[int] = (),
         return_logits: bool = False,
+        kv_transfer_params: dict | Sequence[dict | None] | None = None,
     ) -> list[RequestOutput]:
         """Generate for each prompt (text, or a list of token ids); outputs in prompt
         order. ``seed`` seeds every request's own generator (see ``SamplingParams``).
-        Runs the engine until these requests finish (other queued requests progress
-        too)."""
+        ``kv_transfer_params``: one dict for every prompt or one per prompt (see
+        ``add_request``). Runs the engine until these requests finish (other queued
+        requests progress too)."""
         if isinstance(prompts, str) or (
             isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)
         ):
@@ -211,7 +229,15 @@ class LLM:
             ignore_eos=ignore_eos, stop_token_ids=tuple(stop_token_ids),
             return_logits=return_logits,
         )
-        ids = [self.add_request(p, params) for p in prompts]
+        if kv_transfer_params is None or isinstance(kv_transfer_params, dict):
+            kv_params = [kv_transfer_params] * len(prompts)
+        else:
+            kv_params = list(kv_transfer_params)
+            if len(kv_params) != len(prompts):
+                raise ValueError(f"{len(kv_params)} kv_transfer_params for {len(prompts)} "
+                                 "prompts")
+        ids = [self.add_request(p, params, kv_transfer_params=kp)
+               for p, kp in zip(prompts, kv_params)]
         pending = set(ids)
         results: dict[str, RequestOutput] = {}
         while pending and self.has_unfinished_requests():
@@ -247,4 +273,5 @@ class LLM:
             num_cached_tokens=request.num_cached_tokens,
             finish_reason=request.finish_reason,
             logits=torch.stack(request.logits) if request.logits else None,
+            kv_transfer_params=request.kv_transfer_params_out,
         )

@@ -22,6 +22,8 @@ class RequestOutput:
         num_cached_tokens: prompt tokens the KV connector supplied (0 without one).
         finish_reason: "stop" (EOS or a stop token), "length" (max_tokens or
             max_model_len) or "abort".
+        kv_transfer_params: what the KV connector answered for the request when it
+            finished (a prefill/decode producer's parameters for the consumer), or None.
         logits: with ``return_logits=True``, ``[len(token_ids), vocab]`` fp32 CPU: row
             ``i`` is the distribution token ``i`` was drawn from (row 0 = the prompt's
             last position); None otherwise.
@@ -36,3 +38,4 @@ class RequestOutput:
     num_cached_tokens: int
     finish_reason: str | None
     logits: torch.Tensor | None = None
+    kv_transfer_params: dict | None = None

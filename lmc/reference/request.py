@@ -45,6 +45,7 @@ class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
     PREEMPTED = "preempted"
+    WAITING_FOR_REMOTE_KVS = "waiting_for_remote_kvs"  # blocks held, KV arriving (async load)
     FINISHED_STOPPED = "stop"
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "abort"
@@ -81,6 +82,11 @@ class Request:
     num_cached_tokens: int = 0  # prompt tokens supplied by the connector (last admission)
     num_preemptions: int = 0
     first_token_time: float | None = None
+    # prefill/decode: what the request came with (vLLM's shape) and what its connector
+    # answered when it finished (a producer's parameters for the consumer)
+    kv_transfer_params: dict | None = None
+    kv_transfer_params_out: dict | None = None
+    remote_loaded: bool = False  # its prompt's KV arrived asynchronously: not asked again
     logits: list[torch.Tensor] = field(default_factory=list)
     generator: torch.Generator | None = None
 

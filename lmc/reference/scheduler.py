@@ -12,6 +12,12 @@ running request is preempted, recompute-style: its blocks are freed, its progres
 reset to 0, and it goes back to the front of the waiting queue; on re-admission it
 recomputes its prompt and the tokens it had generated. A step that preempted admits
 nobody new.
+
+A connector may answer a request's external tokens as an *asynchronous* load (a prefill/
+decode consumer's): the request gets blocks for them and waits in ``loading``, not
+scheduled and not preemptible, until the connector reports it finished
+(:meth:`Scheduler.finish_remote_loads`); it then goes back to the front of the waiting
+queue with those positions computed, less any the connector reported as failed blocks.
 """
 
 from __future__ import annotations
@@ -48,6 +54,8 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
+        self.loading: dict[str, Request] = {}  # asynchronous loads in flight
+        self._abandoned: dict[str, list[int]] = {}  # aborted while loading: blocks, until done
         self.num_preemptions = 0
         self._step_id = 0
         self._finished_since_last: list[str] = []
@@ -74,8 +82,13 @@ class Scheduler:
         self._finish(request, RequestStatus.FINISHED_ABORTED)
         return True
 
+    @property
+    def has_remote_loads(self) -> bool:
+        """Asynchronous loads in flight (aborted ones included: they still hold blocks)."""
+        return bool(self.loading or self._abandoned)
+
     def has_unfinished_requests(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.loading)
 
     # --------------------------------------------------------------- schedule
 
@@ -115,19 +128,25 @@ class Scheduler:
             request = self.waiting[0]
             is_resumed = request.status is RequestStatus.PREEMPTED
             is_new = request.status is RequestStatus.WAITING
-            num_external = self._num_external_tokens(request)
+            num_external, is_async = self._num_external_tokens(request)
             start = request.num_computed_tokens + num_external
             num_new = min(request.num_tokens - start, budget)
-            if not self._grow_blocks(request, start + num_new):
+            if not self._grow_blocks(request, start if is_async else start + num_new):
                 break
             self.waiting.popleft()
             if self.connector is not None:
                 # Before num_computed_tokens moves: the load covers
                 # [request.num_computed_tokens, request.num_computed_tokens + num_external).
                 self.connector.update_state_after_alloc(request, list(request.block_ids), num_external)
+            if is_async:  # holds its blocks, unscheduled, until the connector reports it
+                request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
+                request.num_computed_tokens = start
+                request.num_cached_tokens = num_external
+                self.loading[request.request_id] = request
+                continue
             request.status = RequestStatus.RUNNING
             request.num_computed_tokens = start
-            if is_new:
+            if is_new and not request.remote_loaded:
                 request.num_cached_tokens = num_external
             self.running.append(request)
             output.scheduled_requests.append(
@@ -136,13 +155,44 @@ class Scheduler:
             budget -= num_new
         return output
 
-    def _num_external_tokens(self, request: Request) -> int:
-        """Ask the connector, then clamp: the last token is always computed here."""
-        if self.connector is None:
-            return 0
+    def _num_external_tokens(self, request: Request) -> tuple[int, bool]:
+        """Ask the connector, then clamp: the last token is always computed here. Returns
+        ``(tokens, asynchronous)``; a request whose async load ended is not asked again."""
+        if self.connector is None or request.remote_loaded:
+            return 0, False
         offered = self.connector.get_num_new_matched_tokens(request, request.num_computed_tokens)
+        is_async = False
+        if isinstance(offered, tuple):
+            offered, is_async = offered
         offered = int(offered or 0)  # None (vLLM's "not yet") counts as no hit
-        return max(0, min(offered, request.num_tokens - 1 - request.num_computed_tokens))
+        n = max(0, min(offered, request.num_tokens - 1 - request.num_computed_tokens))
+        return n, bool(is_async and n > 0)
+
+    def finish_remote_loads(self, done: set[str], bad_blocks: set[int]) -> None:
+        """The connector reported these asynchronous loads ended (``bad_blocks``: the
+        blocks it could not fill, from any request). Each request goes back to the front
+        of the waiting queue with its positions up to its first bad block computed."""
+        for rid in done:
+            blocks = self._abandoned.pop(rid, None)
+            if blocks is not None:  # aborted while loading: its blocks are free now
+                self.block_manager.free(blocks)
+                continue
+            request = self.loading.pop(rid, None)
+            if request is None:
+                continue
+            for index, block_id in enumerate(request.block_ids):
+                valid = index * self.block_size
+                if valid >= request.num_computed_tokens:
+                    break
+                if block_id in bad_blocks:
+                    logger.warning("request %s: asynchronous KV load failed in block %d; "
+                                   "recomputing from position %d", rid, block_id, valid)
+                    request.num_computed_tokens = valid
+                    request.num_cached_tokens = min(request.num_cached_tokens, valid)
+                    break
+            request.remote_loaded = True
+            request.status = RequestStatus.WAITING
+            self.waiting.appendleft(request)
 
     def _grow_blocks(self, request: Request, num_tokens: int) -> bool:
         """Make the request's blocks cover ``num_tokens`` positions, if blocks allow."""
@@ -158,6 +208,7 @@ class Scheduler:
         self.block_manager.free(request.block_ids)
         request.block_ids = []
         request.num_computed_tokens = 0
+        request.remote_loaded = False  # recomputed (or looked up) like any resumed request
         request.status = RequestStatus.PREEMPTED
         request.num_preemptions += 1
         self.num_preemptions += 1
@@ -242,14 +293,20 @@ class Scheduler:
         return None
 
     def _finish(self, request: Request, status: RequestStatus) -> None:
+        loading = request.status is RequestStatus.WAITING_FOR_REMOTE_KVS
         if request.status is RequestStatus.RUNNING:
             self.running.remove(request)
+        elif loading:
+            self.loading.pop(request.request_id, None)
         else:
             self.waiting.remove(request)
         request.status = status
-        if self.connector is not None:
-            self.connector.request_finished(request)  # blocks still hold its K/V
-        self.block_manager.free(request.block_ids)
+        if self.connector is not None:  # blocks still hold its K/V
+            request.kv_transfer_params_out = self.connector.request_finished(request)
+        if loading:  # a load may still write them: freed when the connector reports it
+            self._abandoned[request.request_id] = request.block_ids
+        else:
+            self.block_manager.free(request.block_ids)
         request.block_ids = []
         del self.requests[request.request_id]
         self._finished_since_last.append(request.request_id)

@@ -12,7 +12,7 @@ import time
 import pytest
 from lmc.connectors.core import ConnectorConfig, SchedulerConnector
 from lmc.connectors.metadata import ConnectorMetadata, LoadSpec, SaveSpec, StepRequest
-from lmc.connectors.vllm_scheduler import producer_params, remote_prefill_tokens
+from lmc.connectors.pd_params import producer_params, remote_prefill_tokens
 from lmc.connectors.worker import WorkerConnector
 
 from lmc import CacheConfig, CacheEngine
