@@ -27,7 +27,8 @@ ROOT = Path(__file__).resolve().parents[1]
 VENV = Path(os.environ.get("LMC_PLAIN_VENV")
             or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "lmc/venv-plain")
 BASELINE = VENV / "lmc-baseline.txt"  # `pip freeze` right after torch: what stays installed
-EXTRAS_ONLY = ("redis", "hiredis", "cryptography", "pytest", "hypothesis", "ruff", "cupy")
+EXTRAS_ONLY = ("redis", "hiredis", "cryptography", "pytest", "hypothesis", "ruff", "cupy",
+               "matplotlib")
 
 pytestmark = pytest.mark.integration
 
@@ -189,6 +190,20 @@ def test_settings_that_need_an_extra_name_it(plain):
                          "integrity_secret: 0123456789abcdef0123456789abcdef\n")
     assert "pip install 'lmc-kvcache[integrity]'" in _fails(plain, "config", "--config",
                                                              str(integrity))
+
+
+def test_workload_and_replay_run_without_the_plot_extra(plain):
+    """``lmc replay`` needs matplotlib only for ``--plot``, and says which extra has it."""
+    venv, env, home = plain
+    trace = home / "prefix.jsonl"
+    _lmc(plain, "workload", "prefix", "--groups", "1", "--prompts-per-group", "2",
+         "--system-tokens", "300", "--question-tokens", "10", "--output-len", "2",
+         "-o", str(trace))
+    assert "pip install 'lmc-kvcache[plot]'" in _fails(
+        plain, "replay", str(trace), "--target", "reference", "--plot", str(home / "p.png"))
+    out = _lmc(plain, "replay", str(trace), "--target", "reference", "--fast", "--threads",
+               "1", timeout=300)
+    assert "2 ok, 0 failed" in out.stdout and "lmc hits by tier" in out.stdout, out.stdout
 
 
 def test_demo_runs(plain):
