@@ -60,7 +60,8 @@ class SimResult:
 
 def simulate(trace: KeyedTrace, point: GridPoint, *, bytes_per_token: int, align: int = 1,
              eviction_policy: str = "lru", queue_bytes: int = 1 << 30) -> SimResult:
-    """Replay ``trace`` through ``point``'s tiers (see the module doc)."""
+    """Replay ``trace`` through ``point``'s tiers (see the module doc). The write-behind
+    queues drain at the end of each request: a writer slower than one allocation."""
     if align < 1:
         raise ValueError(f"align must be >= 1, got {align}")
     t0 = time.perf_counter()
