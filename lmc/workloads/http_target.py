@@ -5,9 +5,10 @@ streamed choice is the first token, so TTFT is what a client sees. The final usa
 (``stream_options.include_usage``) gives prompt tokens and, where the server reports it
 (vLLM's ``--enable-prompt-tokens-details``), the prompt tokens it did not compute.
 
-Per-tier hit tokens come from the server's ``/metrics``: vLLM with lmc exports lmc's
-worker counters as ``lmc:connector_total{stat="tokens_from_<tier>"}`` (see
-``connectors/vllm_stats.py``). They are server-wide counters, read before and after the
+Per-tier hit tokens come from the server's own lmc counters: vLLM with lmc exports them on
+``/metrics`` as ``lmc:connector_total{stat="tokens_from_<tier>"}`` (see
+``connectors/vllm_stats.py``); lmc's reference server (``python -m lmc.reference.serve``)
+on ``/lmc/stats``. They are server-wide counters, read before and after the
 replay (and about once a second for the timeline); a server without them gets "unknown",
 never an estimate.
 """
@@ -96,33 +97,63 @@ def parse_tier_metrics(text: str) -> tuple[dict[str, float], float | None] | Non
     return (tiers, failures) if found else None
 
 
+def parse_lmc_stats(stats: Any) -> tuple[dict[str, float], float | None] | None:
+    """The same figures from an ``/lmc/stats`` JSON page (the reference engine's server:
+    its connector's flat counters, ``worker.tokens_from_<tier>``); None if not such a page."""
+    if not isinstance(stats, dict):
+        return None
+    tiers = {k.removeprefix("worker.tokens_from_"): float(v) for k, v in stats.items()
+             if k.startswith("worker.tokens_from_") and isinstance(v, (int, float))}
+    failures = stats.get("worker.load_failures")
+    return tiers, float(failures) if isinstance(failures, (int, float)) else None
+
+
 class _Scraper:
-    """Reads the server's lmc counters. ``found`` turns true once the page has carried
-    them: vLLM creates the series only when a count first becomes non-zero, so a fresh
-    server shows none before the replay and counts from zero."""
+    """Reads the server's lmc counters: ``lmc:connector_total`` on ``/metrics`` (vLLM with
+    lmc), else ``/lmc/stats`` (lmc's reference server). ``found`` turns true once either
+    has carried them: vLLM creates its series only when a count first becomes non-zero, so a
+    fresh server shows none before the replay and counts from zero."""
 
     def __init__(self, ep: Endpoint) -> None:
         self.ep = ep
         self.found = False
+        self.source = ""
         self.why_unknown: str | None = None
 
     def read(self) -> tuple[dict[str, float], float | None] | None:
-        """Counters now (zeros while none are exported); None when /metrics is unusable."""
-        try:
-            status, body = self.ep.get("/metrics", timeout=10)
-        except OSError as e:
-            self.why_unknown = f"unknown: {self.ep.url}/metrics unreachable ({e})"
-            return None
-        if status != 200:
-            self.why_unknown = f"unknown: {self.ep.url}/metrics answered HTTP {status}"
-            return None
-        got = parse_tier_metrics(body.decode("utf-8", "replace"))
-        if got is None:
-            self.why_unknown = (f"unknown: the server exports no {METRIC} (not vLLM with "
-                                "lmc?)")
-            return {}, None
-        self.found = True
-        return got
+        """Counters now (zeros while none are exported); None when neither page answers."""
+        problems: list[str] = []
+        for path in ("/metrics", "/lmc/stats"):
+            if self.source and self.source != path:
+                continue  # settled on the other page
+            try:
+                status, body = self.ep.get(path, timeout=10)
+            except OSError as e:
+                problems.append(f"{path} unreachable ({e})")
+                continue
+            if status != 200:
+                problems.append(f"{path} answered HTTP {status}")
+                continue
+            text = body.decode("utf-8", "replace")
+            if path == "/metrics":
+                got = parse_tier_metrics(text)
+                if got is None:
+                    problems.append(f"{path} has no {METRIC}")
+                    continue
+            else:
+                try:
+                    got = parse_lmc_stats(json.loads(text))
+                except json.JSONDecodeError:
+                    got = None
+                if got is None:
+                    problems.append(f"{path} is not lmc's stats")
+                    continue
+            self.found, self.source = True, path
+            return got
+        self.why_unknown = f"unknown: {self.ep.url}: " + "; ".join(problems)
+        if self.source or any("has no" in p for p in problems):
+            return {}, None  # a page that may carry the counters once there is traffic
+        return None
 
 
 def _delta(after: dict[str, float], before: dict[str, float]) -> dict[str, float]:
@@ -286,6 +317,7 @@ def _final_counters(scraper: _Scraper, before: Any
         return None, None, scraper.why_unknown or "unknown"
     failures = None if last[1] is None and before[1] is None else \
         (last[1] or 0.0) - (before[1] or 0.0)
+    what = METRIC if scraper.source == "/metrics" else "lmc's counters"
     return (_delta(last[0], before[0]), failures,
-            f"{METRIC} from {scraper.ep.url}/metrics (server-wide: other clients' traffic "
-            "during the replay is counted too)")
+            f"{what} from {scraper.ep.url}{scraper.source} (server-wide: other clients' "
+            "traffic during the replay is counted too)")
