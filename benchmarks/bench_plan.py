@@ -1,0 +1,90 @@
+"""How fast ``lmc plan`` is on a large trace: keys, one grid point, the whole grid.
+
+Writes a synthetic multi-turn chat trace of token ids (sessions of 12-18 turns over one of 8
+shared system prompts, a few hundred sessions open at once, each turn's prompt the whole
+history so far), then times the planner's phases separately with CPU and wall time:
+
+    python benchmarks/bench_plan.py --requests 1000000      # the RESULTS.md figure
+    python benchmarks/bench_plan.py --requests 20000        # a quick look
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import resource
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+from lmc.planner.keys import load_trace
+from lmc.planner.sim import GridPoint, grid, run_grid, simulate
+from lmc.workloads.trace import TraceRequest, write_trace
+
+
+def chat_trace(n: int, seed: int = 0, open_sessions: int = 400) -> Iterator[TraceRequest]:
+    rng = random.Random(seed)
+    systems = [[rng.randrange(2, 32000) for _ in range(300)] for _ in range(8)]
+    live: list[list] = []  # [session id, history, turns left]
+    next_sid = 0
+    for i in range(n):
+        while len(live) < open_sessions:
+            live.append([f"s{next_sid}", list(rng.choice(systems)), rng.randrange(12, 19)])
+            next_sid += 1
+        j = rng.randrange(len(live))
+        s = live[j]
+        s[1] += [rng.randrange(2, 32000) for _ in range(rng.randrange(20, 60))]  # user turn
+        yield TraceRequest(i * 0.01, f"r{i}", s[0], None, s[1], None, 64)
+        s[1] = s[1] + [rng.randrange(2, 32000) for _ in range(rng.randrange(20, 60))]
+        s[2] -= 1
+        if s[2] == 0:
+            live[j] = live[-1]
+            live.pop()
+
+
+def clock() -> tuple[float, float]:
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return time.perf_counter(), r.ru_utime + r.ru_stime
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--requests", type=int, default=1_000_000)
+    ap.add_argument("--trace", default="/tmp/lmc-bench-plan.jsonl")
+    ap.add_argument("--bytes-per-token", type=int, default=128 << 10,
+                    help="KV bytes per token (default: a Llama-3-8B in fp16)")
+    ap.add_argument("--jobs", type=int, default=2)
+    args = ap.parse_args(argv)
+    path = Path(args.trace)
+    if not path.is_file() or path.stat().st_mtime < 0:
+        t0 = time.perf_counter()
+        write_trace(path, chat_trace(args.requests))
+        print(f"wrote {path} ({path.stat().st_size / 2**30:.2f} GiB) in "
+              f"{time.perf_counter() - t0:.0f} s", file=sys.stderr)
+    w0, c0 = clock()
+    kt = load_trace(path, limit=args.requests)
+    w1, c1 = clock()
+    print(f"keys: {len(kt):,} requests, {kt.prompt_tokens:,} tokens ({kt.hashed_tokens:,} "
+          f"hashed), {kt.num_keys:,} distinct chunks: {w1 - w0:.1f} s wall, {c1 - c0:.1f} s CPU")
+    gib = 1 << 30
+    one = GridPoint(16 * gib, 0, 0, "write_through")
+    r = simulate(kt, one, bytes_per_token=args.bytes_per_token)
+    w2, c2 = clock()
+    print(f"one point {one}: {w2 - w1:.1f} s wall, {c2 - c1:.1f} s CPU, hit {r.hit_rate():.3f}")
+    pts = grid([4 * gib, 16 * gib, 64 * gib], [0, 512 * gib], [0],
+               ["write_through", "write_on_evict"])
+    res = run_grid(kt, pts, bytes_per_token=args.bytes_per_token, jobs=args.jobs)
+    w3, _ = clock()
+    print(f"grid of {len(pts)} points, {args.jobs} processes: {w3 - w2:.1f} s wall "
+          f"(per point CPU in the workers: {', '.join(f'{x.seconds:.0f}' for x in res)} s)")
+    for x in res:
+        print(f"  {x.point}: hit {x.hit_rate():.3f} "
+              f"{ {k: round(v / x.prompt_tokens, 3) for k, v in x.hit_tokens.items()} }")
+    print(f"load average {os.getloadavg()[0]:.1f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
