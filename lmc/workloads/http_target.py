@@ -142,11 +142,13 @@ class _Scraper:
                     continue
             else:
                 try:
-                    got = parse_lmc_stats(json.loads(text))
+                    page = json.loads(text)
                 except json.JSONDecodeError:
-                    got = None
+                    page = None
+                got = parse_lmc_stats(page) if page else None
                 if got is None:
-                    problems.append(f"{path} is not lmc's stats")
+                    problems.append(f"{path} is empty (no lmc connector)" if page == {}
+                                    else f"{path} is not lmc's stats")
                     continue
             self.found, self.source = True, path
             return got
