@@ -21,23 +21,30 @@ from pathlib import Path
 
 from lmc.planner.keys import load_trace
 from lmc.planner.sim import GridPoint, grid, run_grid, simulate
-from lmc.workloads.trace import TraceRequest, write_trace
 
 
-def chat_trace(n: int, seed: int = 0, open_sessions: int = 400) -> Iterator[TraceRequest]:
+def chat_lines(n: int, seed: int = 0, open_sessions: int = 400) -> Iterator[str]:
+    """JSONL lines of the trace. Each session keeps its history's JSON text and appends to
+    it, so a line costs its new tokens, not its whole prompt (``json.dumps`` of every
+    prompt took an hour for a million requests here)."""
     rng = random.Random(seed)
-    systems = [[rng.randrange(2, 32000) for _ in range(300)] for _ in range(8)]
-    live: list[list] = []  # [session id, history, turns left]
+
+    def words(k: int) -> str:
+        return ",".join(str(rng.randrange(2, 32000)) for _ in range(k))
+
+    systems = [words(300) for _ in range(8)]
+    live: list[list] = []  # [session id, history as JSON numbers, turns left]
     next_sid = 0
     for i in range(n):
         while len(live) < open_sessions:
-            live.append([f"s{next_sid}", list(rng.choice(systems)), rng.randrange(12, 19)])
+            live.append([f"s{next_sid}", rng.choice(systems), rng.randrange(12, 19)])
             next_sid += 1
         j = rng.randrange(len(live))
         s = live[j]
-        s[1] += [rng.randrange(2, 32000) for _ in range(rng.randrange(20, 60))]  # user turn
-        yield TraceRequest(i * 0.01, f"r{i}", s[0], None, s[1], None, 64)
-        s[1] = s[1] + [rng.randrange(2, 32000) for _ in range(rng.randrange(20, 60))]
+        s[1] = f"{s[1]},{words(rng.randrange(20, 60))}"  # the user's turn
+        yield (f'{{"arrival_s":{i * 0.01:.2f},"request_id":"r{i}","session_id":"{s[0]}",'
+               f'"prefix_group":null,"prompt_tokens":[{s[1]}],"output_len":64}}\n')
+        s[1] = f"{s[1]},{words(rng.randrange(20, 60))}"  # the answer
         s[2] -= 1
         if s[2] == 0:
             live[j] = live[-1]
@@ -58,9 +65,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--jobs", type=int, default=2)
     args = ap.parse_args(argv)
     path = Path(args.trace)
-    if not path.is_file() or path.stat().st_mtime < 0:
+    if not path.is_file():
         t0 = time.perf_counter()
-        write_trace(path, chat_trace(args.requests))
+        tmp = path.with_name(f".{path.name}.tmp")
+        with tmp.open("w") as f:
+            f.writelines(chat_lines(args.requests))
+        os.replace(tmp, path)
         print(f"wrote {path} ({path.stat().st_size / 2**30:.2f} GiB) in "
               f"{time.perf_counter() - t0:.0f} s", file=sys.stderr)
     w0, c0 = clock()
