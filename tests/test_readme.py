@@ -57,6 +57,8 @@ NOT_RUN = {
                        "connector runs in tests/connectors/test_vllm_integration.py",
     "python -m sglang.": "needs SGLang; its JSON is checked here, the adapters run in "
                          "tests/connectors/",
+    "python -m lmc.reference.serve ": "a long-running server; tests/p2p/test_pd_proxy.py runs "
+                                      "two of them behind lmc pd-proxy",
     "pip install ": "installs from a package registry",
     "sudo ": "needs root on a real host; `install` is coreutils",
     "head -c 32 /dev/urandom | base64 | sudo": "needs root (the same token recipe runs in the "
