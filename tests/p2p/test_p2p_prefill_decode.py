@@ -1,8 +1,9 @@
 """Prefill on one reference-engine process, decode on another: the decode instance's lookup
 finds the prompt's KV in the prefill instance's pool (the daemon's directory) and READs it
 over NIXL; its greedy tokens equal a single instance's (fp32), and it computed only the
-prompt's last token itself. This is the prefill/decode flow as a pull on a local miss; the
-asynchronous ``kv_producer``/``kv_consumer`` roles are not built (see docs/design.md)."""
+prompt's last token itself. This is the prefill/decode flow as a plain pull on a local miss
+(no roles); the asynchronous ``kv_producer``/``kv_consumer`` roles are tested in
+``test_pd_proxy.py`` (reference engine) and ``test_vllm_prefill_decode.py`` (vLLM)."""
 
 from __future__ import annotations
 
