@@ -112,7 +112,7 @@ def knee(curve: Sequence[Row]) -> Row | None:
         return None
     x = np.log2([max(r.point.l1, 1) for r in curve])
     y = np.array([r.hit_total for r in curve])
-    if x[-1] == x[0] or y[-1] <= y[0]:
+    if x[-1] == x[0] or y[-1] - y[0] < 0.01:  # flat (under a point gained): no knee
         return None
     xs, ys = (x - x[0]) / (x[-1] - x[0]), (y - y[0]) / (y[-1] - y[0])
     gain = ys - xs  # height above the chord
@@ -185,7 +185,10 @@ def plot(table: Sequence[Row], path: str | Path, title: str = "") -> Path:
         axes[1][0].set_ylabel("predicted mean TTFT (ms)")
         axes[1][0].grid(alpha=0.3)
     bottom.set_xscale("log", base=2)
-    bottom.set_xlabel("L1 size (GiB)")
+    sizes = sorted({r.point.l1 for r in table})
+    bottom.set_xticks([x / 2**30 for x in sizes], [_size(x) for x in sizes])
+    bottom.minorticks_off()
+    bottom.set_xlabel("L1 size (CPU pool per engine)")
     fig.tight_layout()
     path = Path(path)
     fig.savefig(path, dpi=110)
