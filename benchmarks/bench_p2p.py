@@ -185,13 +185,14 @@ def pd_prefill(a: argparse.Namespace) -> None:
     """The prefill instance: prefill the prompt (max_tokens=1), keep serving its exports."""
     from lmc.connectors.reference import LMCReferenceConnector
 
-    from benchmarks.bench_ttft import engine, ttft
+    from benchmarks.bench_ttft import engine
     path, prompt, kv_bytes = _pd_model(a)
-    conn = LMCReferenceConnector(_pd_config(a, a.pd_prefill, kv_bytes), model_dir=path)
+    conn = LMCReferenceConnector(_pd_config(a, a.pd_prefill, kv_bytes), model_dir=path,
+                                 kv_role="kv_producer", engine_id="prefill")
     llm = engine(path, a.tokens, conn)
-    s, _ = ttft(llm, prompt)
+    out = llm.generate([prompt], max_tokens=1, kv_transfer_params={"do_remote_decode": True})[0]
     conn.engine.flush(300)
-    print(json.dumps({"prefill_s": s}), flush=True)
+    print(json.dumps({"prefill_s": out.ttft_s, "params": out.kv_transfer_params}), flush=True)
     sys.stdin.read()
     llm.close()
     os._exit(0)
@@ -233,12 +234,24 @@ def pd(a: argparse.Namespace) -> dict:
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env, cwd=ROOT)
         try:
             log("prefill instance: prefill ...")
-            res["prefill_instance_s"] = json.loads(prefill.stdout.readline())["prefill_s"]
+            answer = json.loads(prefill.stdout.readline())
+            res["prefill_instance_s"] = answer["prefill_s"]
             log("decode instance: pull from the prefill instance over NIXL ...")
             conn = LMCReferenceConnector(_pd_config(a, url, kv_bytes), model_dir=path)
             llm = engine(path, n, conn)
             res["p2p_s"], res["p2p_cached"] = ttft(llm, prompt)
             res["p2p_hits"] = conn.engine.storage.tiers[-1].stats()["hits"]
+            llm.close()
+            log("decode instance as kv_consumer: the producer's kv_transfer_params, an "
+                "asynchronous pull ...")
+            conn = LMCReferenceConnector(_pd_config(a, url, kv_bytes), model_dir=path,
+                                         kv_role="kv_consumer")
+            llm = engine(path, n, conn)
+            out = llm.generate([prompt], max_tokens=1,
+                               kv_transfer_params=answer["params"])[0]
+            res["async_s"], res["async_cached"] = out.ttft_s, out.num_cached_tokens
+            res["async_loads"] = conn.worker.stats.async_loads
+            res["async_wait_s"] = conn.worker.stats.async_wait_seconds
             llm.close()
         finally:
             prefill.stdin.close()
@@ -273,6 +286,7 @@ def main(argv: list[str] | None = None) -> None:
               f"{os.getloadavg()[0]:.1f}")
         for name, key, cached in (("single instance, full prefill", "full_prefill_s", None),
                                   ("decode instance, P2P pull", "p2p_s", "p2p_cached"),
+                                  ("kv_consumer, async P2P pull", "async_s", "async_cached"),
                                   ("decode instance, daemon load", "daemon_s",
                                    "daemon_cached")):
             extra = f"  cached {r[cached]}" if cached else ""
