@@ -15,10 +15,12 @@ never an estimate.
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
 import queue
 import re
+import socket
 import threading
 import time
 import urllib.parse
@@ -174,11 +176,45 @@ def _body(req: TraceRequest, model: str, vllm_extras: bool) -> dict[str, Any]:
     return body
 
 
+class _Open:
+    """Sockets of the streams in flight, so an interrupted replay can cut them and free its
+    threads at once instead of waiting for every answer to end. (Sockets, not connections:
+    http.client drops a connection's socket once an HTTP/1.0 response owns it.)"""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._socks: set[socket.socket] = set()
+        self.closed = False
+
+    def add(self, sock: socket.socket) -> None:
+        with self._lock:
+            if self.closed:
+                raise OSError("replay interrupted")
+            self._socks.add(sock)
+
+    def discard(self, sock: socket.socket) -> None:
+        with self._lock:
+            self._socks.discard(sock)
+
+    def close_all(self) -> None:
+        with self._lock:
+            self.closed = True
+            socks, self._socks = list(self._socks), set()
+        for sock in socks:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)  # wakes a thread blocked on the stream
+
+
 def send(ep: Endpoint, req: TraceRequest, model: str, vllm_extras: bool, rec: RequestRecord,
-         t_due: float) -> None:
+         t_due: float, open_: _Open | None = None) -> None:
     """One streaming completion; fills ``rec`` (times from ``t_due``, a perf_counter)."""
     conn = ep.connect()
+    sock: socket.socket | None = None
     try:
+        if open_ is not None:
+            conn.connect()
+            sock = conn.sock
+            open_.add(sock)
         conn.request("POST", ep.prefix + "/v1/completions",
                      body=json.dumps(_body(req, model, vllm_extras)).encode(),
                      headers={"Content-Type": "application/json", "Accept": "text/event-stream"})
@@ -224,6 +260,8 @@ def send(ep: Endpoint, req: TraceRequest, model: str, vllm_extras: bool, rec: Re
     except (OSError, http.client.HTTPException, json.JSONDecodeError, ValueError) as e:
         rec.error = f"{type(e).__name__}: {e}"
     finally:
+        if open_ is not None and sock is not None:
+            open_.discard(sock)
         conn.close()
 
 
@@ -249,46 +287,44 @@ def replay_http(requests: Sequence[TraceRequest], url: str, *, model: str | None
     if before is not None:
         timeline.append((0.0, 0.0, {t: 0.0 for t in before[0]}))
     next_scrape = start + scrape_every
-    stop = threading.Event()
+    open_ = _Open()
 
     def run(req: TraceRequest, rec: RequestRecord) -> None:
-        if not stop.is_set():
-            send(ep, req, model, vllm_extras, rec, start + rec.due_s)
-        else:
-            rec.error = "not sent: replay interrupted"
+        send(ep, req, model, vllm_extras, rec, start + rec.due_s, open_)
         done_q.put(rec)
 
-    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="lmc-replay") as pool:
-        try:
-            while not disp.all_done:
-                now = time.perf_counter()
-                for req in disp.ready(now - start):
-                    rec = records[req.request_id]
-                    rec.due_s = disp.due[req.request_id]
-                    if req.prompt_tokens is not None:
-                        sent_prompt += len(req.prompt_tokens)
-                    pool.submit(run, req, rec)
-                if before is not None and now >= next_scrape:
-                    got = scraper.read()
-                    if got is not None:
-                        timeline.append((now - start, sent_prompt, _delta(got[0], before[0])))
-                    next_scrape = now + scrape_every
-                nxt = disp.next_due()
-                wait = next_scrape - now if before is not None else 1.0
-                if nxt is not None:
-                    wait = min(wait, nxt - (now - start))
-                try:
-                    rec = done_q.get(timeout=max(0.0, wait))
-                except queue.Empty:
-                    continue
-                t_done = time.perf_counter() - start
-                disp.done(rec.request_id, t_done)
-                if rec.prompt_tokens and records_text[rec.request_id]:
-                    sent_prompt += rec.prompt_tokens  # a text prompt's length: known now
-                if progress is not None:
-                    progress(rec, disp.finished, len(records))
-        finally:
-            stop.set()
+    pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="lmc-replay")
+    try:
+        while not disp.all_done:
+            now = time.perf_counter()
+            for req in disp.ready(now - start):
+                rec = records[req.request_id]
+                rec.due_s = disp.due[req.request_id]
+                if req.prompt_tokens is not None:
+                    sent_prompt += len(req.prompt_tokens)
+                pool.submit(run, req, rec)
+            if before is not None and now >= next_scrape:
+                got = scraper.read()
+                if got is not None:
+                    timeline.append((now - start, sent_prompt, _delta(got[0], before[0])))
+                next_scrape = now + scrape_every
+            nxt = disp.next_due()
+            wait = next_scrape - now if before is not None else 1.0
+            if nxt is not None:
+                wait = min(wait, nxt - (now - start))
+            try:
+                rec = done_q.get(timeout=max(0.0, wait))
+            except queue.Empty:
+                continue
+            t_done = time.perf_counter() - start
+            disp.done(rec.request_id, t_done)
+            if rec.prompt_tokens and records_text[rec.request_id]:
+                sent_prompt += rec.prompt_tokens  # a text prompt's length: known now
+            if progress is not None:
+                progress(rec, disp.finished, len(records))
+    finally:  # normally all done; interrupted: streams cut, queued requests dropped
+        open_.close_all()
+        pool.shutdown(wait=True, cancel_futures=True)
     duration = time.perf_counter() - start
     tier_tokens, failures, source = _final_counters(scraper, before)
     if tier_tokens is None:

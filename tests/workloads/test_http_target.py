@@ -9,12 +9,14 @@ and hits reported as unknown, never guessed, when the server has no lmc counters
 
 from __future__ import annotations
 
+import _thread
 import json
 import os
 import random
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -128,6 +130,23 @@ def test_text_prompts_timed_arrivals_and_failures(server, model):
     assert "max_model_len" in by_id["too-long"].error, by_id["too-long"].error
     assert "out of range" in by_id["bad-id"].error, by_id["bad-id"].error
     assert len(res.failed) == 2
+
+
+def test_an_interrupted_replay_stops_at_once(server):
+    """Ctrl-C mid-stream: the open streams are cut and queued requests dropped, so the
+    replay ends in about a second, not when the server has finished every answer."""
+    reqs = [TraceRequest(0.0, f"long-{i}", None, None, [5 + i] * 20, None, 1500)
+            for i in range(3)]
+    timer = threading.Timer(2.0, _thread.interrupt_main)
+    timer.start()
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            replay_http(reqs, server, fast=True, concurrency=2)
+    finally:
+        timer.cancel()
+    assert time.monotonic() - t0 < 6
+    assert not [t for t in threading.enumerate() if t.name.startswith("lmc-replay")]
 
 
 def test_a_server_without_lmc_counters_reports_them_unknown(tmp_path, trace):
