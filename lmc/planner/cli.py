@@ -18,6 +18,7 @@ import argparse
 import json
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 from lmc.settings import parse_size
@@ -184,7 +185,8 @@ def _plan(args: argparse.Namespace) -> int:
     best = report.smallest_reaching(table, args.target_hit_rate) \
         if args.target_hit_rate else None
     if args.plot:
-        report.plot(table, args.plot, title=f"{args.trace}: {len(trace):,} requests")
+        report.plot(table, args.plot, title=f"{Path(args.trace).name}: {len(trace):,} requests, "
+                    f"{trace.prompt_tokens:,} prompt tokens")
     if args.json:
         print(json.dumps({
             "trace": args.trace, "requests": len(trace), "prompt_tokens": trace.prompt_tokens,
