@@ -6,6 +6,12 @@ history so far), then times the planner's phases separately with CPU and wall ti
 
     python benchmarks/bench_plan.py --requests 1000000      # the RESULTS.md figure
     python benchmarks/bench_plan.py --requests 20000        # a quick look
+    python benchmarks/bench_plan.py --ttft                  # predicted vs measured TTFT
+
+``--ttft`` calibrates a profile for a small random-weight model, replays a mixed trace
+(shared system prompts, growing conversations, one-off prompts) on the reference engine with
+lmc (L1 and a disk tier, one request at a time, write queues flushed after each) and prints
+the engine's hit rate and mean TTFT beside the planner's prediction for the same trace.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ from pathlib import Path
 
 from lmc.planner.keys import load_trace
 from lmc.planner.sim import GridPoint, grid, run_grid, simulate
+from lmc.workloads.trace import TraceRequest
 
 
 def chat_lines(n: int, seed: int = 0, open_sessions: int = 400) -> Iterator[str]:
@@ -51,6 +58,89 @@ def chat_lines(n: int, seed: int = 0, open_sessions: int = 400) -> Iterator[str]
             live.pop()
 
 
+def mixed_trace(n: int = 60, seed: int = 7) -> list[TraceRequest]:
+    rng = random.Random(seed)
+
+    def toks(k: int) -> list[int]:
+        return [rng.randrange(2, 2000) for _ in range(k)]
+
+    systems = [toks(300), toks(520)]
+    convs: dict[str, list[int]] = {}
+    out = []
+    for i in range(n):
+        kind = rng.random()
+        if kind < 0.5:
+            sid = f"c{rng.randrange(4)}"
+            hist = convs.get(sid) or systems[int(sid[1:]) % 2][:]
+            prompt = hist + toks(rng.randrange(40, 200))
+            if len(prompt) > 1000:
+                prompt = systems[0] + toks(100)
+            convs[sid] = prompt + toks(30)
+            out.append(TraceRequest(float(i), f"r{i}", sid, None, prompt, None, 1))
+        elif kind < 0.85:
+            g = rng.randrange(2)
+            out.append(TraceRequest(float(i), f"r{i}", None, f"g{g}",
+                                    systems[g] + toks(rng.randrange(10, 300)), None, 1))
+        else:
+            out.append(TraceRequest(float(i), f"r{i}", None, None, toks(rng.randrange(100, 700)),
+                                    None, 1))
+    return out
+
+
+def ttft_check(profile_path: str) -> int:
+    """Predicted vs measured hit rate and TTFT (see the module doc)."""
+    import statistics
+    import tempfile
+
+    from lmc.connectors.reference import LMCReferenceConnector
+
+    from lmc.config import CacheConfig
+    from lmc.planner.calibrate import calibrate
+    from lmc.planner.keys import key_trace
+    from lmc.planner.report import as_numpy
+    from lmc.reference import LLM
+    from lmc.reference.tiny import cached_checkpoint
+
+    model = cached_checkpoint("plan-bench-h256-l4-kv2", hidden=256, layers=4, heads=4,
+                              kv_heads=2, max_position_embeddings=2048)
+    prof = calibrate(model, lengths=(128, 256, 512, 1024), reps=3, load_tokens=1024)
+    prof.save(profile_path)
+    reqs = mixed_trace()
+    bpt = prof.kv_bytes_per_token
+    l1, disk = 8 * 256 * bpt, 64 * 256 * bpt
+    with tempfile.TemporaryDirectory() as d:
+        cfg = CacheConfig(local_cpu_size=l1, local_disk=d, local_disk_size=disk,
+                          local_cpu_prefault="off")
+        conn = LMCReferenceConnector(cfg, model_dir=model)
+        llm = LLM(model, block_size=16, max_num_batched_tokens=2048, max_num_seqs=1,
+                  max_model_len=1100, kv_connector=conn)
+        llm.generate([mixed_trace(1, seed=99)[0].prompt_tokens], max_tokens=1)  # warm-up
+        conn.engine.storage.l1.clear()
+        measured, hits = [], 0
+        try:
+            for r in reqs:
+                before = conn.stats()
+                measured.append(llm.generate([r.prompt_tokens], max_tokens=1)[0].ttft_s)
+                conn.engine.storage.flush(timeout=60)
+                after = conn.stats()
+                hits += sum(after.get(k, 0) - before.get(k, 0) for k in after
+                            if k.startswith("worker.tokens_from_"))
+        finally:
+            llm.close()
+    kt = key_trace(reqs)
+    sim = simulate(kt, GridPoint(l1, disk, 0, "write_through"), bytes_per_token=bpt)
+    pred = prof.ttft_s(as_numpy(kt.num_tokens),
+                       {t: as_numpy(a) for t, a in sim.per_request.items()})
+    total = kt.prompt_tokens
+    print(f"{len(reqs)} requests, {total} prompt tokens, L1 {l1 >> 20} MiB, disk "
+          f"{disk >> 20} MiB, write_through")
+    print(f"hit rate: engine {hits / total:.4f}, planner {sim.hit_rate():.4f}")
+    print(f"mean TTFT: engine {statistics.mean(measured) * 1e3:.1f} ms, planner "
+          f"{float(pred.mean()) * 1e3:.1f} ms (ratio {float(pred.mean()) / statistics.mean(measured):.2f})")
+    print(f"load average {os.getloadavg()[0]:.1f}")
+    return 0
+
+
 def clock() -> tuple[float, float]:
     r = resource.getrusage(resource.RUSAGE_SELF)
     return time.perf_counter(), r.ru_utime + r.ru_stime
@@ -63,7 +153,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--bytes-per-token", type=int, default=128 << 10,
                     help="KV bytes per token (default: a Llama-3-8B in fp16)")
     ap.add_argument("--jobs", type=int, default=2)
+    ap.add_argument("--ttft", action="store_true", help="predicted vs measured TTFT instead")
+    ap.add_argument("--profile", default="/tmp/lmc-bench-plan-profile.json")
     args = ap.parse_args(argv)
+    if args.ttft:
+        return ttft_check(args.profile)
     path = Path(args.trace)
     if not path.is_file():
         t0 = time.perf_counter()

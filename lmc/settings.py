@@ -295,6 +295,7 @@ OTHER_ENV: dict[str, str] = {
     "LMC_CONTRACT_SEED": "the tier contract suite",
     "LMC_LATE_SEED": "the late-copy test harness",
     "LMC_PLAIN_VENV": "the plain-install CLI test",
+    "LMC_TEST_SEED": "the seed of randomized tests (tests/workloads, tests/planner)",
 }
 """``LMC_*`` variables read outside the config schemas (debug switches, tests, CI): known, so
 never reported as misspellings. ``tests/core/test_settings.py`` greps the tree for reads."""
