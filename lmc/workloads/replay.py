@@ -96,10 +96,21 @@ Progress = Callable[[RequestRecord, int, int], None]  # (record, finished, total
 # --------------------------------------------------------------------------- reference
 def replay_reference(requests: Sequence[TraceRequest], llm: Any, *, fast: bool = False,
                      concurrency: int | None = None, progress: Progress | None = None,
-                     keep_outputs: bool = True, target: str = "reference") -> ReplayResult:
+                     keep_outputs: bool = True, target: str = "reference",
+                     warm_up: bool = True) -> ReplayResult:
     """Replay ``requests`` on a :class:`lmc.reference.LLM` (with or without an lmc
-    connector); greedy, exactly ``output_len`` tokens each (EOS ignored)."""
+    connector); greedy, exactly ``output_len`` tokens each (EOS ignored). ``warm_up`` runs
+    one untimed request of random tokens first, so the first timed request does not pay
+    the engine's one-time costs (allocations, lazy imports: seconds here)."""
+    import random
+
     from lmc.reference.request import SamplingParams
+
+    if warm_up:
+        rng = random.Random(0x1DC)
+        vocab = min(llm.config.vocab_size, 1 << 15)
+        llm.generate([[rng.randrange(vocab) for _ in range(64)]], max_tokens=2,
+                     ignore_eos=True)
 
     conn = getattr(llm, "kv_connector", None)
     worker = getattr(conn, "worker", None)

@@ -155,16 +155,17 @@ def plot(res: ReplayResult, path: str, title: str = "") -> None:
             share = [d.get(tier, 0.0) / p if p else 0.0 for _, p, d in res.timeline]
             total = [a + b for a, b in zip(total, share)]
             ax2.step(times, share, where="post", label=tier)
-        ax2.step(times, total, where="post", color="black", linewidth=1.5, label="all tiers")
+        ax2.step(times, total, where="post", color="black", linewidth=1, linestyle="--",
+                 label="all tiers")
         ax2.set_ylim(0, max(1.0, max(total) * 1.05))
-        ax2.legend(loc="lower right", fontsize=8)
     per_req = [(r.due_s, r.cached_tokens / r.prompt_tokens) for r in ok
                if r.cached_tokens is not None and r.prompt_tokens]
     if per_req:  # what each request itself was spared, where the target reports it
         ax2.scatter([x for x, _ in per_req], [y for _, y in per_req], s=8, color="gray",
                     alpha=0.6, label="per request (not computed)")
-        ax2.legend(loc="lower right", fontsize=8)
         ax2.set_ylim(0, max(1.0, ax2.get_ylim()[1]))
+    if ax2.get_legend_handles_labels()[0]:
+        ax2.legend(loc="upper left", fontsize=8)
     ax2.set_ylabel("hit rate (tiers: cumulative)")
     ax2.set_xlabel("seconds since the start of the replay (request due time)")
     ax2.grid(alpha=0.3)
