@@ -109,8 +109,9 @@ def replay_reference(requests: Sequence[TraceRequest], llm: Any, *, fast: bool =
     if warm_up:
         rng = random.Random(0x1DC)
         vocab = min(llm.config.vocab_size, 1 << 15)
-        llm.generate([[rng.randrange(vocab) for _ in range(64)]], max_tokens=2,
-                     ignore_eos=True)
+        # long enough to store chunks: the first stores pay for pool pages too
+        warm = [rng.randrange(vocab) for _ in range(min(512, llm.max_model_len - 8))]
+        llm.generate([warm], max_tokens=2, ignore_eos=True)
 
     conn = getattr(llm, "kv_connector", None)
     worker = getattr(conn, "worker", None)
