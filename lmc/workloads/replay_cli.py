@@ -77,6 +77,13 @@ def _reference_llm(spec: str, args: argparse.Namespace, cleanup: list[Callable[[
     return llm, f"reference engine ({model_dir.name}) with lmc ({tiers})"
 
 
+def _only_for(which: str, **given: Any) -> None:
+    """Refuse options the chosen target would silently ignore."""
+    wrong = [f"--{k.replace('_', '-')}" for k, v in given.items() if v]
+    if wrong:
+        raise ValueError(f"{', '.join(wrong)}: only for {which}")
+
+
 def _replay(args: argparse.Namespace) -> int:
     from lmc.workloads import report
 
@@ -93,15 +100,17 @@ def _replay(args: argparse.Namespace) -> int:
         bar = report.ProgressBar(len(requests))
         target = args.target
         if target == "reference" or target.startswith("reference:"):
+            _only_for("the HTTP target", model=args.model, openai_strict=args.openai_strict,
+                      timeout=args.timeout != 600.0)
             from lmc.workloads.replay import replay_reference
 
             llm, name = _reference_llm(target, args, cleanup)
             res = replay_reference(requests, llm, fast=args.fast, concurrency=args.concurrency,
                                    progress=bar, keep_outputs=bool(args.records), target=name)
         elif target.startswith(("http://", "https://")):
-            if args.config or args.no_lmc:
-                raise ValueError("--config and --no-lmc apply to the reference target only "
-                                 "(a server's lmc is configured where it runs)")
+            _only_for("the reference target (a server's engine and lmc are configured where "
+                      "it runs)", config=args.config, no_lmc=args.no_lmc, threads=args.threads,
+                      max_num_seqs=args.max_num_seqs)
             from lmc.workloads.http_target import replay_http
 
             res = replay_http(requests, target, model=args.model, fast=args.fast,

@@ -125,8 +125,11 @@ def test_bad_targets_and_traces_are_one_line_errors(tmp_path, capsys, prefix_tra
     write_trace(trace, prefix_trace[:1])
     assert main(["replay", str(trace), "--target", "ftp://x"]) == 2
     assert "expected reference[:MODEL_DIR] or http://host:port" in capsys.readouterr().err
-    assert main(["replay", str(trace), "--target", "http://127.0.0.1:9", "--no-lmc"]) == 2
-    assert "--no-lmc apply to the reference target only" in capsys.readouterr().err
+    assert main(["replay", str(trace), "--target", "http://127.0.0.1:9", "--no-lmc",
+                 "--threads", "2"]) == 2
+    assert "--no-lmc, --threads: only for the reference target" in capsys.readouterr().err
+    assert main(["replay", str(trace), "--target", "reference", "--model", "m"]) == 2
+    assert "--model: only for the HTTP target" in capsys.readouterr().err
     trace.write_text('{"arrival_s": 0}\n')
     assert main(["replay", str(trace), "--target", "reference"]) == 2
     err = capsys.readouterr().err
