@@ -154,6 +154,38 @@ class TLSFAllocator:
             off, units = prev, units + prev_units
         self._insert(off, units)
 
+    def free_many(self, offsets: list[int]) -> None:
+        """``free`` each block; neighbouring ones (a batch allocated together, evicted or
+        released together) are merged first and enter the free lists once per run, not once
+        per block. Every offset is checked before anything is freed."""
+        align, used = self.align, self._used
+        units_of: dict[int, int] = {}
+        for offset in offsets:
+            off = offset // align
+            if offset % align or off not in used or off in units_of:
+                raise ValueError(f"free of offset {offset}, which is not an allocated block")
+            units_of[off] = used[off]
+        runs: list[list[int]] = []  # [start, units] of runs of adjacent blocks
+        for off in sorted(units_of):
+            units = units_of[off]
+            del used[off]
+            if runs and runs[-1][0] + runs[-1][1] == off:
+                runs[-1][1] += units
+            else:
+                runs.append([off, units])
+        for off, units in runs:
+            self.used_bytes -= units * align
+            nxt = self._free_by_start.get(off + units)
+            if nxt is not None:
+                self._remove(off + units, nxt)
+                units += nxt
+            prev = self._free_by_end.get(off)
+            if prev is not None:
+                prev_units = self._free_by_start[prev]
+                self._remove(prev, prev_units)
+                off, units = prev, units + prev_units
+            self._insert(off, units)
+
     def block_size(self, offset: int) -> int:
         return self._used[offset // self.align] * self.align
 
@@ -235,3 +267,13 @@ class CheckedTLSFAllocator(TLSFAllocator):
         if i == len(self._starts) or self._starts[i] != off:
             raise invariants.fail(f"freed units at {off}, which the check never saw handed out")
         del self._starts[i]
+
+    def free_many(self, offsets: list[int]) -> None:
+        super().free_many(offsets)
+        for offset in offsets:
+            off = offset // self.align
+            i = bisect.bisect_left(self._starts, off)
+            if i == len(self._starts) or self._starts[i] != off:
+                raise invariants.fail(f"freed units at {off}, which the check never saw "
+                                      f"handed out")
+            del self._starts[i]

@@ -23,7 +23,7 @@ from lmc.kv_spec import KVCaches, KVSpec
 from lmc.layered_read import READY, LayerGate
 from lmc.layerwise import CopyLease, LayerwiseRetrieve, LayerwiseStore
 from lmc.lookup import LookupResult
-from lmc.memory import Lease, MemoryObj, MemoryPool
+from lmc.memory import LazyTensors, Lease, MemoryObj, MemoryPool
 from lmc.metrics import EngineMetrics
 from lmc.pins import PinTable
 from lmc.storage_backend import Key
@@ -165,7 +165,9 @@ class CacheEngine:
             return 0
         with CopyLease(objs) as lease:  # the gather owns objs until its handle is done
             plan = tr.plan(slots, [(s, e) for s, e, _ in chunks])
-            lease.attach(tr.gather(plan, [o.tensor for o in objs])).wait()
+            # CPU: numpy views only (a tensor per chunk costs more than all else it needs)
+            arrays = self.pool.arrays(objs) if tr.device.type == "cpu" else None
+            lease.attach(tr.gather(plan, LazyTensors(objs), arrays=arrays)).wait()
             self.storage.put([k for _, _, k in chunks], objs)
         n = sum(e - s for s, e, _ in chunks)
         self.metrics.transfer("store", n, sum(o.nbytes for o in objs), time.perf_counter() - t0)
@@ -302,9 +304,9 @@ class CacheEngine:
         if not chunks:
             return 0
         with CopyLease(objs) as lease:  # the scatter owns objs until its handle is done
-            arrays = [o.array for o in objs] if tr.device.type == "cpu" else None
+            arrays = self.pool.arrays(objs) if tr.device.type == "cpu" else None
             plan = tr.plan(slots, [(s, e) for s, e, _ in chunks])
-            lease.attach(tr.scatter(plan, [o.tensor for o in objs], arrays=arrays)).wait()
+            lease.attach(tr.scatter(plan, LazyTensors(objs), arrays=arrays)).wait()
         n = sum(e - s for s, e, _ in chunks)
         self.metrics.transfer("retrieve", n, sum(o.nbytes for o in objs),
                               time.perf_counter() - t0)

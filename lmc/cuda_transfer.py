@@ -394,7 +394,7 @@ class CudaTransfer(KVTransfer):
     # --------------------------------------------------------------------- execute
     def gather(self, plan: TransferPlan, bufs: Sequence[torch.Tensor],
                layers: Iterable[int] | None = None, *, after: Completion | None = None,
-               stream: torch.cuda.Stream | None = None) -> Completion:
+               stream: torch.cuda.Stream | None = None, arrays: Any = None) -> Completion:
         """Cache -> ``bufs`` on ``stream`` once ``after`` is reached; a handle on an event
         recorded after the work."""
         return self._run(plan, bufs, layers, stream, after, to_cache=False)

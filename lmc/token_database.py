@@ -100,7 +100,9 @@ def tokens_to_bytes(tokens: Tokens) -> bytes:
             raise ValueError(f"tokens must be 1-D, got shape {tokens.shape}")
         if tokens.dtype.kind not in "iu":
             raise TypeError(f"tokens must be integers, got dtype {tokens.dtype}")
-        if tokens.dtype != np.uint32 and tokens.size:
+        # int64 (what tensors hold) is checked in one pass: a negative id read as uint64 is huge
+        if tokens.dtype != np.uint32 and tokens.size and (
+                tokens.dtype != np.int64 or int(tokens.view(np.uint64).max()) > 0xFFFFFFFF):
             lo, hi = int(tokens.min()), int(tokens.max())
             if lo < 0 or hi > 0xFFFFFFFF:
                 raise ValueError(f"token ids must be in [0, 2**32), got range [{lo}, {hi}]")
@@ -191,11 +193,11 @@ class ChunkedTokenDatabase:
         skip = self.mask_prefix(mask, n)
         keys = self.keys(tokens) if keys is None else self.check_keys(keys, n)
         cs = self.chunk_size
-        out = []
-        for i, key in enumerate(keys):
-            start = i * cs
-            if start >= skip:
-                out.append((start, min(start + cs, n), key))
+        first = -(-skip // cs)  # the first chunk starting at or after the skipped prefix
+        lo, hi = first * cs, len(keys) * cs
+        out = list(zip(range(lo, hi, cs), range(lo + cs, hi + cs, cs), keys[first:]))
+        if out and out[-1][1] > n:  # the partial tail ends at the prompt's end
+            out[-1] = (out[-1][0], n, out[-1][2])
         return out
 
     def mask_prefix(self, mask: Any, n: int) -> int:

@@ -64,17 +64,17 @@ class CPUBackend(StorageBackend):
         return n
 
     def get(self, keys: Sequence[Key]) -> list[MemoryObj | None]:
-        out: list[MemoryObj | None] = []
         with self._lock:
             m = self._map
-            touch = self.policy == "lru"
-            for k in keys:
-                obj = m.get(k)
-                if obj is not None:
-                    obj.acquire()
-                    if touch:
-                        m.move_to_end(k)
-                out.append(obj)
+            out: list[MemoryObj | None] = [m.get(k) for k in keys]
+            hits = [o for o in out if o is not None]
+            if hits:
+                self.pool.acquire_many(hits)  # one pool lock for the batch, not one each
+                if self.policy == "lru":
+                    move = m.move_to_end
+                    for k, o in zip(keys, out):
+                        if o is not None:
+                            move(k)
         return out
 
     # ----------------------------------------------------------------- writes
@@ -147,9 +147,9 @@ class CPUBackend(StorageBackend):
             return 0
         if self.on_evict is not None:
             self.on_evict(victims)
-        for k, obj in victims:
+        for k, _ in victims:
             del self._map[k]
-            obj.release()
+        self.pool.release_many([obj for _, obj in victims])  # neighbours freed as one block
         self.evictions += len(victims)
         self.evicted_bytes += freed
         EVICTIONS.labels(self.name).inc(len(victims))
@@ -159,8 +159,7 @@ class CPUBackend(StorageBackend):
         with self._lock:
             objs = list(self._map.values())
             self._map.clear()
-        for o in objs:
-            o.release()
+        self.pool.release_many(objs)
 
     def close(self) -> None:
         with self._lock:

@@ -173,7 +173,7 @@ class LateTransfer(KVTransfer):
 
     def gather(self, plan: TransferPlan, bufs: Sequence[torch.Tensor],
                layers: Any = None, *, after: Completion | None = None,
-               stream: Any = None) -> Completion:
+               stream: Any = None, arrays: Any = None) -> Completion:
         bufs = list(bufs)
         lids = None if layers is None else list(layers)
         for i, b in enumerate(bufs):  # in flight: the destination holds garbage
@@ -239,7 +239,9 @@ def late_copies(seed: int, max_delay: float = MAX_DELAY) -> Iterator[Watch]:
         watch.transfers += 1
         return LateTransfer(real_make(spec, kv_caches, prefer), rng.randrange(2**32), max_delay)
 
-    def free(pool: MemoryPool, obj: Any) -> None:
+    real_free_many = MemoryPool._free_many_locked
+
+    def check_free(pool: MemoryPool, obj: Any) -> None:
         if not pool.closed:
             lo = pool.buffer.data_ptr() + obj.offset
             users = RUNNER.overlapping(lo, lo + obj.nbytes)
@@ -247,11 +249,21 @@ def late_copies(seed: int, max_delay: float = MAX_DELAY) -> Iterator[Watch]:
                 watch.violations.append(f"pool memory of {obj!r} freed under an in-flight "
                                         f"{users[0]}")
             pool.buffer[obj.offset: obj.offset + obj.nbytes].fill_(POISON_BYTE)
+
+    def free(pool: MemoryPool, obj: Any) -> None:
+        check_free(pool, obj)
         real_free(pool, obj)
+
+    def free_many(pool: MemoryPool, objs: list[Any]) -> None:  # batch releases
+        for obj in objs:
+            check_free(pool, obj)
+        real_free_many(pool, objs)
 
     print(f"late copies: seed {seed} (LMC_LATE_SEED={seed} repeats it)")
     with _patched(lmc.cache_engine, "make_transfer", make), \
-            _patched(MemoryPool, "_free_locked", free), _patched(completion, "STRICT", True), \
+            _patched(MemoryPool, "_free_locked", free), \
+            _patched(MemoryPool, "_free_many_locked", free_many), \
+            _patched(completion, "STRICT", True), \
             _patched(sys.modules[__name__], "ACTIVE", watch):
         yield watch
 

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import copy
 import random
 
 import pytest
 
-from lmc.allocator import TLSFAllocator
+from lmc.allocator import CheckedTLSFAllocator, TLSFAllocator
 
 
 def test_alloc_free_coalesces_back_to_one_block():
@@ -81,3 +82,51 @@ def test_fragmentation_bounded_under_store_evict_churn():
     assert mean >= 0.88, f"pool only {mean:.1%} full on average when an allocation failed"
     assert min(at_failure) >= 0.75, f"pool only {min(at_failure):.1%} full at worst"
     assert max(frag_seen) < 1.0
+
+
+def _state(a: TLSFAllocator) -> tuple:
+    """What decides the allocator's answers, up to the order of blocks within a class."""
+    return (a.used_bytes, a._fl_bitmap, {k: v for k, v in a._sl_bitmap.items() if v},
+            dict(a._free_by_start), dict(a._free_by_end), dict(a._used),
+            {k: set(v) for k, v in a._lists.items() if v})
+
+
+@pytest.mark.parametrize("checked", [False, True])
+def test_free_many_leaves_the_state_that_freeing_one_by_one_leaves(checked):
+    """``free_many`` (eviction and batch release) merges neighbouring blocks before they
+    enter the free lists; the free space it leaves must be exactly that of ``free`` called
+    for each block: same blocks in the same size classes. At every step of a random churn
+    (batches, singles, random subsets freed in random order; seeded) a copy frees one by
+    one and the result is compared."""
+    seed = random.randrange(2**32)
+    rng = random.Random(seed)
+    a = (CheckedTLSFAllocator if checked else TLSFAllocator)(4 << 20, align=4096)
+    live: list[int] = []
+    for step in range(600):
+        if live and rng.random() < 0.4:
+            rng.shuffle(live)
+            k = rng.randint(1, min(len(live), 40))
+            gone, live = live[:k], live[k:]
+            ref = copy.deepcopy(a)
+            for off in gone:
+                ref.free(off)
+            a.free_many(gone)
+            assert _state(a) == _state(ref), f"seed {seed} step {step}"
+            if checked:
+                assert a._starts == ref._starts, f"seed {seed} step {step}"
+        else:
+            live += a.allocate_many(rng.randint(1, 40_000), rng.randint(1, 12))
+    a.free_many(live)
+    assert a.used_bytes == 0 and a.fragmentation() == 0
+
+
+def test_free_many_checks_every_offset_before_freeing_any():
+    a = TLSFAllocator(1 << 20, align=4096)
+    offs = a.allocate_many(4096, 4)
+    before = _state(a)
+    for bad in ([offs[0], offs[1], 8 * 4096], [offs[0], offs[0]], [offs[2], offs[1] + 1]):
+        with pytest.raises(ValueError, match="not an allocated block"):
+            a.free_many(bad)
+        assert _state(a) == before, bad
+    a.free_many(offs)
+    assert a.used_bytes == 0

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 
+import numpy as np
 import pytest
 import torch
 
@@ -119,9 +120,10 @@ def test_allocate_many_on_fragmented_pool_gives_each_object_its_own_block():
     assert offs != sorted(offs) or offs[1] - offs[0] != offs[2] - offs[1], \
         "the allocator no longer fragments this way: rebuild the scenario"
     base = pool.buffer.data_ptr()
-    for j, o in enumerate(batch):
-        assert o.tensor.data_ptr() == base + o.offset
-        o.tensor.fill_(100 + j)
+    arrays = pool.arrays(batch)  # batch views: made together on first use
+    for j, (o, t) in enumerate(zip(batch, pool.tensors(batch))):
+        assert t.data_ptr() == base + o.offset == arrays[j].__array_interface__["data"][0]
+        t.fill_(100 + j)
     for i, o in enumerate(singles):  # every live neighbour kept its bytes
         if i not in (0, 10, 2):
             assert bool((o.tensor == i).all()), f"live block {i} was overwritten"
@@ -129,6 +131,39 @@ def test_allocate_many_on_fragmented_pool_gives_each_object_its_own_block():
         assert bool((pool.buffer[o.offset: o.offset + unit] == 100 + j).all())
     Lease(batch + [o for i, o in enumerate(singles) if i not in (0, 10, 2)]).release()
     assert pool.used_bytes == 0
+
+
+def test_batch_views_of_spaced_neighbours_mixed_with_cached_and_foreign_objects():
+    """``tensors()`` / ``arrays()`` make a run's views in one go: objects smaller than their
+    block (evenly spaced with gaps), one whose view already exists, one of a shorter shape
+    and one of another pool in the same list each get exactly their own bytes."""
+    pool = MemoryPool(1 << 20, pin_memory=False)
+    other = MemoryPool(1 << 16, pin_memory=False)
+    objs = pool.allocate_many((5000,), torch.uint8, 5)  # 8 KiB blocks: 3192 B gaps
+    assert [o.offset for o in objs] == [i * 8192 for i in range(5)]
+    cached = objs[2].tensor
+    short = pool.allocate((100,), torch.uint8)
+    foreign = other.allocate((300,), torch.uint8)
+    batch = objs[:3] + [short] + objs[3:] + [foreign]
+    tensors = pool.tensors(batch)
+    arrays = pool.arrays(batch)
+    assert tensors[2] is cached
+    pool.buffer.fill_(0)
+    for j, (o, t, a) in enumerate(zip(batch, tensors, arrays)):
+        assert tuple(t.shape) == a.shape == o.shape and t.is_contiguous()
+        assert a.flags.c_contiguous and a.dtype == np.uint8
+        assert o.tensor is t and o.array is a  # cached on the objects
+        a[:] = j + 1  # through the array, read back through the tensor
+        assert bool((t == j + 1).all())
+    for j, o in enumerate(batch[:-1]):
+        block = pool.buffer[o.offset: o.offset + 8192].numpy()
+        assert (block[: o.nbytes] == j + 1).all() and (block[o.nbytes:] == 0).all()
+    Lease(batch[:-1]).release()
+    foreign.release()
+    with pytest.raises(RuntimeError, match="after its last release"):
+        pool.arrays([objs[0]])
+    pool.close()
+    other.close()
 
 
 # ------------------------------------------------------------------ invariant mode
@@ -175,11 +210,28 @@ def test_invariant_mode_catches_a_batch_view_at_the_wrong_address(monkeypatch):
         return real_view(offset + 4096, shape, dtype)
 
     monkeypatch.setattr(pool, "view", shifted)
+    objs = pool.allocate_many((4096,), torch.uint8, 2)
     with pytest.raises(InvariantError, match=r"starts at pool\+4096 \(want pool\+0\)"):
-        pool.allocate_many((4096,), torch.uint8, 2)
+        pool.tensors(objs)  # views are made in a batch on first use
     assert any("want pool+0" in v for v in invariants.take())
     pool.close()
     invariants.take()  # the batch never reached a caller: its references are this test's
+
+
+def test_invariant_mode_catches_a_batch_array_at_the_wrong_address(monkeypatch):
+    """The same for the numpy views CPU copies use (made from the pool's buffer, not from a
+    tensor): one block off fails, for a batch of neighbours and for a single object."""
+    pool = MemoryPool(1 << 16, pin_memory=False, invariants=True)
+    real = pool._typed_array
+    monkeypatch.setattr(pool, "_typed_array", lambda item: real(item)[4096 // item:])
+    objs = pool.allocate_many((1024,), torch.float32, 3)
+    with pytest.raises(InvariantError, match=r"starts at pool\+4096 \(want pool\+0\)"):
+        pool.arrays(objs)
+    with pytest.raises(InvariantError, match=r"array of .* \(want pool\+4096\)"):
+        objs[1].array  # noqa: B018 - made on first access
+    invariants.take()
+    pool.release_many(objs)
+    pool.close()
 
 
 def test_invariant_mode_catches_a_view_longer_than_its_object(monkeypatch):
