@@ -433,18 +433,26 @@ class DiskBackend(StorageBackend):
         idx = self._index
         return [k in idx for k in keys]
 
-    def get(self, keys: Sequence[Key]) -> list[MemoryObj | None]:
-        out: list[MemoryObj | None] = [None] * len(keys)
+    def _reserve_reads(self, keys: Sequence[Key]) -> list[tuple[int, Key, _Entry]] | None:
+        """``(position, key, entry)`` of each hit, each entry counted as read (so it is not
+        recycled until :meth:`_reader_done`) and refreshed in the LRU; ``None`` once closed."""
         jobs: list[tuple[int, Key, _Entry]] = []
         with self._lock:
             if self._closed:
-                return out
+                return None
             for i, k in enumerate(keys):
                 e = self._index.get(k)
                 if e is not None:
                     e.readers += 1  # not recycled while we read it
                     self._index.move_to_end(k)
                     jobs.append((i, k, e))
+        return jobs
+
+    def get(self, keys: Sequence[Key]) -> list[MemoryObj | None]:
+        out: list[MemoryObj | None] = [None] * len(keys)
+        jobs = self._reserve_reads(keys)
+        if jobs is None:
+            return out
         futures = []
         for _, k, e in jobs:
             try:
@@ -466,16 +474,9 @@ class DiskBackend(StorageBackend):
         layer by layer in the background (:mod:`storage_backends.disk_layers`)."""
         from .disk_layers import DiskLayeredRead
 
-        jobs: list[tuple[int, Key, _Entry]] = []
-        with self._lock:
-            if self._closed:
-                return None
-            for i, k in enumerate(keys):
-                e = self._index.get(k)
-                if e is not None:
-                    e.readers += 1  # not recycled while we read it
-                    self._index.move_to_end(k)
-                    jobs.append((i, k, e))
+        jobs = self._reserve_reads(keys)
+        if jobs is None:
+            return None
         call = DiskLayeredRead(self, jobs, len(keys))
         call.start()
         return call.read

@@ -157,7 +157,9 @@ class DiskLayeredRead:
             every = [f for row in futures for _, f in row]
             for f in every:
                 f.cancel()
-            wait(every)  # nothing may still write into an object after this
+            # nothing may still write into an object after this; a future cancelled here
+            # or by close()'s shutdown never runs, and wait() would never count it as done
+            wait([f for f in every if not f.cancelled()])
         ok = [False] * len(read.objs)
         try:
             for j, (i, v, _, _) in enumerate(plans):
