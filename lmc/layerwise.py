@@ -31,7 +31,7 @@ from typing import Any, Protocol
 from lmc import completion
 from lmc.completion import DONE, Completion, FutureCompletion, copy_stream, wait_all
 from lmc.layered_read import READY, LayerGate
-from lmc.memory import Lease, MemoryObj
+from lmc.memory import LazyTensors, Lease, MemoryObj
 from lmc.token_database import Chunk, ChunkKey
 from lmc.transfer import KVTransfer, TransferPlan
 
@@ -105,7 +105,9 @@ class _Layerwise:
         self.plan = plan
         self.chunks = chunks
         self.lease = CopyLease(objs)
-        self.bufs = [o.tensor for o in objs]
+        self.bufs = LazyTensors(objs)  # made only if a torch path indexes them
+        # CPU: the numpy views each layer's copy moves (no tensor made per chunk or layer)
+        self.arrays = objs[0].pool.arrays(objs) if objs and tr.device.type == "cpu" else None
         self.num_layers = host.num_layers
         self.num_tokens = sum(e - s for s, e, _ in chunks)
         self.nbytes = sum(o.nbytes for o in objs)
@@ -151,11 +153,13 @@ class LayerwiseStore(_Layerwise):
             return
         after = self.tr.record_event() if after is None else after
         if sync:
-            h = self.tr.gather(self.plan, self.bufs, [layer], after=after, stream=self.stream)
+            h = self.tr.gather(self.plan, self.bufs, [layer], after=after, stream=self.stream,
+                               arrays=self.arrays)
             self._record(layer, h).wait()
         else:
             fut = self.host.executor().submit(self.tr.gather, self.plan, self.bufs, [layer],
-                                                after=after, stream=self.stream)
+                                                after=after, stream=self.stream,
+                                                arrays=self.arrays)
             self._record(layer, FutureCompletion(fut))
 
     def commit(self) -> int:
@@ -243,8 +247,8 @@ class LayerwiseRetrieve(_Layerwise):
             self.gate.wait_layer(layer)
             if layer == self.num_layers - 1:
                 self.gate.wait_verified()
-        return self.tr.scatter(self.plan, self.bufs, [layer], after=self.after,
-                               stream=self.stream)
+        return self.tr.scatter(self.plan, self.bufs, [layer], arrays=self.arrays,
+                               after=self.after, stream=self.stream)
 
     def issue(self, layer: int) -> Completion:
         """Launch ``layer``'s load from the calling thread (a connector's I/O thread) without
