@@ -4,6 +4,8 @@ and the due time TTFT is measured from."""
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from lmc.workloads import TraceRequest
 from lmc.workloads.dispatch import Dispatcher
@@ -63,3 +65,43 @@ def test_concurrency_caps_in_flight_and_due_counts_from_a_free_slot():
 def test_bad_concurrency():
     with pytest.raises(ValueError, match="concurrency must be >= 1"):
         Dispatcher([], concurrency=0)
+
+
+@settings(max_examples=60)
+@given(st.lists(st.tuples(st.integers(0, 3) | st.none(), st.floats(0, 5)), min_size=1,
+                max_size=25),
+       st.booleans(), st.integers(1, 4) | st.none(), st.randoms(use_true_random=True))
+def test_any_trace_any_answer_times(spec, fast, concurrency, rnd):
+    """Simulated replay with random answer times: each request goes exactly once, never
+    before it is due, after its session's previous answer, within the slot limit."""
+    arrivals = sorted(t for _, t in spec)
+    reqs = [_req(f"r{i}", arrivals[i], None if s is None else f"s{s}")
+            for i, (s, _) in enumerate(spec)]
+    d = Dispatcher(reqs, fast=fast, concurrency=concurrency)
+    now, in_flight, answered = 0.0, {}, {}
+    order: list[str] = []
+    while not d.all_done:
+        for r in d.ready(now):
+            assert r.request_id not in order
+            order.append(r.request_id)
+            due = d.due[r.request_id]
+            assert due <= now and (fast or due >= r.arrival_s)
+            in_flight[r.request_id] = now + rnd.uniform(0, 2)
+        assert concurrency is None or len(in_flight) <= concurrency
+        nxt = d.next_due()
+        candidates = list(in_flight.values()) + ([nxt] if nxt is not None else [])
+        now = max(now, min(candidates))
+        for rid, t in sorted(in_flight.items(), key=lambda kv: kv[1]):
+            if t <= now:
+                del in_flight[rid]
+                answered[rid] = t
+                d.done(rid, t)
+    assert sorted(order) == sorted(r.request_id for r in reqs)
+    by_session: dict[str, list[TraceRequest]] = {}
+    for r in reqs:
+        if r.session_id is not None:
+            by_session.setdefault(r.session_id, []).append(r)
+    for turns in by_session.values():
+        for a, b in zip(turns, turns[1:]):  # trace order kept, and b waited for a's answer
+            assert order.index(a.request_id) < order.index(b.request_id)
+            assert d.due[b.request_id] >= answered[a.request_id]
