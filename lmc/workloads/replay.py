@@ -120,7 +120,9 @@ def replay_reference(requests: Sequence[TraceRequest], llm: Any, *, fast: bool =
     records: dict[str, RequestRecord] = {}
     for r in requests:
         records[r.request_id] = RequestRecord(r.request_id, r.session_id, r.prefix_group, 0.0)
-        prompts[r.request_id] = r.tokens(llm.tokenizer)
+        # text through the engine's own encode: a model without tokenizer.json says so
+        prompts[r.request_id] = (list(r.prompt_tokens) if r.prompt_tokens is not None
+                                 else llm.encode(r.prompt_text))
 
     def tier_counts() -> dict[str, float]:
         got = dict(worker.stats.tokens_by_tier) if worker is not None else {}

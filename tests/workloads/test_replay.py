@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import shutil
 import sys
 
 import pytest
@@ -94,6 +95,14 @@ def test_a_failing_request_is_recorded_and_the_replay_goes_on(model):
     assert "too-long" in errors and errors["too-long"] and errors["bad-id"]
     assert "out of range" in errors["bad-id"]
     assert len(res.ok) == 2 and res.ttft_percentile(0.5) is not None
+
+
+def test_text_prompts_need_the_models_tokenizer(model, tmp_path):
+    bare = tmp_path / "bare"
+    shutil.copytree(model, bare)
+    (bare / "tokenizer.json").unlink()
+    with LLM(bare, **ENGINE) as llm, pytest.raises(ValueError, match="has no tokenizer.json"):
+        replay_reference([TraceRequest(0, "t", None, None, None, "Some text.", 1)], llm)
 
 
 def test_replay_command_prints_the_table_and_writes_records_and_plot(model, tmp_path, capsys):
