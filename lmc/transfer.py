@@ -214,13 +214,21 @@ class TorchTransfer(KVTransfer):
         bs = self.spec.block_size
         blk = first_slots // bs
         off = first_slots - blk * bs if unit == self.W else None
-        parts = []
-        for p in self.strides:
-            elem = blk * p.block + p.base
+        out = np.empty((len(self.strides), first_slots.shape[0]), dtype=np.int64)
+        for row, p in zip(out, self.strides):
+            if p.block % unit or p.base % unit or off is not None and p.token % unit:
+                elem = blk * p.block + p.base
+                if off is not None and p.token:
+                    elem = elem + off * p.token
+                row[:] = elem // unit
+                continue
+            # strides in whole rows (always, where row tables apply): no division per row
+            np.multiply(blk, p.block // unit, out=row)
+            if p.base:
+                row += p.base // unit
             if off is not None and p.token:
-                elem = elem + off * p.token
-            parts.append(elem // unit)
-        return np.stack(parts)
+                row += off * (p.token // unit)
+        return out
 
     def _to_index(self, arr: np.ndarray) -> torch.Tensor:
         t = torch.from_numpy(arr)
@@ -398,7 +406,6 @@ class TorchTransfer(KVTransfer):
         layer_ids = range(self.spec.num_layers) if layers is None else list(layers)
         if len(bufs) != len(plan.chunks):
             raise ValueError(f"{len(bufs)} buffers for {len(plan.chunks)} planned chunks")
-        take = np.take
         for i, cp in enumerate(plan.chunks):
             if cp.start == cp.end or cp.mode == "empty":
                 continue
@@ -407,14 +414,15 @@ class TorchTransfer(KVTransfer):
                 idx = cp.index_np
                 np_tabs = self.tok_np if cp.mode == "token" else self.blk_np
                 if idx.ndim == 1:
-                    for layer in layer_ids:
-                        take(np_tabs[layer][0], idx, 0, arr[layer].reshape(idx.shape[0], -1),
-                             "clip")
+                    rows = idx.shape[0]
+                    for layer in layer_ids:  # the method: np.take adds two Python calls
+                        np_tabs[layer][0].take(idx, 0, arr[layer].reshape(rows, -1), "clip")
                 else:
+                    rows = idx.shape[1]
                     for layer in layer_ids:
                         dst = arr[layer]
                         for p, t in enumerate(np_tabs[layer]):
-                            take(t, idx[p], 0, dst[p].reshape(idx.shape[1], -1), "clip")
+                            t.take(idx[p], 0, dst[p].reshape(rows, -1), "clip")
                 continue
             buf = bufs[i].view(self.int_dtype)
             for layer in layer_ids:
