@@ -4,6 +4,13 @@ then an explicit dict (loaded by :mod:`lmc.settings`, like every lmc schema).
 One schema (``CacheConfig``) is the single source of truth for every key, its type, its default
 and what values are allowed, so that a bad key or value fails at start-up with a message that
 names it, rather than deep inside a tier at the first request.
+
+Its keys are generic: what every engine has (chunking, L1), the built-in disk tier, and what
+any remote tier needs (where it is, a deadline, a namespace, a credential -- a secret, kept
+out of printed mappings -- and integrity). What only one backend means (Redis's ``ttl``,
+connection counts) is that backend's option, declared by the backend and given under
+``remote_options`` (:mod:`lmc.storage_backend`); keys that were such options are kept as
+deprecated aliases (:data:`DEPRECATED_KEYS`).
 """
 
 from __future__ import annotations
