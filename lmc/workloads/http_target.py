@@ -237,10 +237,14 @@ def send(ep: Endpoint, req: TraceRequest, model: str, vllm_extras: bool, rec: Re
                 rec.error = f"server error: {str(event['error'])[:300]}"
                 return
             for choice in event.get("choices") or []:
+                got = choice.get("token_ids") or []
+                # a chunk with nothing in it (some servers open with one) is not a token
+                if not (got or choice.get("text") or choice.get("finish_reason")):
+                    continue
                 if rec.ttft_s is None:
                     rec.ttft_s = time.perf_counter() - t_due
                 chunks += 1
-                ids.extend(choice.get("token_ids") or [])
+                ids.extend(got)
             usage = event.get("usage")
             if usage:
                 rec.prompt_tokens = usage.get("prompt_tokens")
