@@ -198,6 +198,8 @@ def read_trace(path: str | os.PathLike[str]) -> Iterator[TraceRequest]:
 def write_trace(path: str | os.PathLike[str], requests: Iterable[TraceRequest]) -> int:
     """Write requests as JSONL (atomically: a temporary file renamed); returns the count."""
     path = Path(path)
+    if not path.parent.is_dir():  # else the error would name the temporary file
+        raise FileNotFoundError(f"{path}: no directory {path.parent}")
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
     count = 0
     try:

@@ -41,6 +41,8 @@ def test_round_trip_tokens_and_text(tmp_path):
     assert "prompt_tokens" in lines[0] and '"prompt"' not in lines[0]
     assert '"prompt"' in lines[1] and "prompt_tokens" not in lines[1]
     assert not list(tmp_path.glob(".*tmp*")), "the temporary file was left behind"
+    with pytest.raises(FileNotFoundError, match=r"t.jsonl: no directory .*nowhere"):
+        write_trace(tmp_path / "nowhere" / "t.jsonl", reqs)
 
 
 def test_tokens_of_text_needs_a_tokenizer():
