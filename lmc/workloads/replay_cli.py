@@ -92,6 +92,9 @@ def _replay(args: argparse.Namespace) -> int:
     try:
         if args.plot:
             report.check_plot_available()
+        for flag, out in (("--plot", args.plot), ("--records", args.records)):
+            if out and not Path(out).resolve().parent.is_dir():  # found now, not after the run
+                raise ValueError(f"{flag} {out}: no directory {Path(out).resolve().parent}")
         requests: list[TraceRequest] = list(read_trace(args.trace))
         if args.limit:
             requests = requests[:args.limit]

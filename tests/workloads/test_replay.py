@@ -139,6 +139,9 @@ def test_bad_targets_and_traces_are_one_line_errors(tmp_path, capsys, prefix_tra
     assert "--no-lmc, --threads: only for the reference target" in capsys.readouterr().err
     assert main(["replay", str(trace), "--target", "reference", "--model", "m"]) == 2
     assert "--model: only for the HTTP target" in capsys.readouterr().err
+    assert main(["replay", str(trace), "--target", "reference", "--records",
+                 str(tmp_path / "no" / "r.jsonl")]) == 2
+    assert "--records" in capsys.readouterr().err
     trace.write_text('{"arrival_s": 0}\n')
     assert main(["replay", str(trace), "--target", "reference"]) == 2
     err = capsys.readouterr().err
