@@ -22,7 +22,8 @@ Targets:
                          CPU then a temporary disk directory), or --no-lmc for the engine alone
   http://host:port       any OpenAI-compatible server (/v1/completions, streamed: TTFT is the
                          first streamed token); per-tier hits come from the server's lmc
-                         metrics (vLLM with lmc), else they are reported as unknown
+                         counters (vLLM with lmc: /metrics; lmc's reference server:
+                         /lmc/stats), else they are reported as unknown
 
 Requests are sent at their arrival times (or --fast: as soon as possible); a turn of a
 session waits for the previous turn's answer, and --concurrency N caps requests in flight.
