@@ -252,6 +252,7 @@ def pd(a: argparse.Namespace) -> dict:
             res["async_s"], res["async_cached"] = out.ttft_s, out.num_cached_tokens
             res["async_loads"] = conn.worker.stats.async_loads
             res["async_wait_s"] = conn.worker.stats.async_wait_seconds
+            res["async_load_s"] = conn.worker.stats.async_load_seconds
             llm.close()
         finally:
             prefill.stdin.close()

@@ -93,6 +93,7 @@ class WorkerStats:
     async_loads: int = 0  # asynchronous (prefill/decode) loads finished, failed ones too
     async_load_failures: int = 0  # of those, the ones that left positions to recompute
     async_wait_seconds: float = 0.0  # time they waited for the chunks to be published
+    async_load_seconds: float = 0.0  # then fetching and copying them (all layers)
     tokens_by_tier: dict[str, int] = field(default_factory=dict)  # positions, by source tier
 
     def as_dict(self) -> dict[str, Any]:
@@ -408,6 +409,7 @@ class WorkerConnector:
                 self._count_tiers(spec, rt)
             with self._lock:
                 self.stats.async_wait_seconds += waited
+                self.stats.async_load_seconds += time.monotonic() - t0 - waited
         except Exception as e:
             log.exception("lmc: asynchronous load of request %s failed", spec.request_id)
             bad_from = spec.start
