@@ -103,8 +103,9 @@ def register_cli(sub: Any) -> None:
     p.add_argument("--align", type=int, default=1, metavar="N",
                    help="round hits down to N tokens (an engine loading whole blocks: vLLM's "
                         "block size; the reference engine: 1)")
-    p.add_argument("--tokenizer", metavar="DIR",
-                   help="checkpoint whose tokenizer.json turns text prompts into ids")
+    p.add_argument("--tokenizer", metavar="PATH",
+                   help="tokenizer.json, or a checkpoint directory holding one: turns text "
+                        "prompts into ids (the engine's own, so keys match what it caches)")
     p.add_argument("--limit", type=int, metavar="N", help="plan the first N requests only")
     p.add_argument("--jobs", type=int, default=0, metavar="N",
                    help="grid points simulated in parallel (default: one per core)")
@@ -169,7 +170,8 @@ def _plan(args: argparse.Namespace) -> int:
     if args.tokenizer:
         from lmc.reference.tokenizer import Tokenizer
 
-        tok = Tokenizer(f"{args.tokenizer}/tokenizer.json")
+        path = Path(args.tokenizer)
+        tok = Tokenizer(path if path.is_file() else path / "tokenizer.json")
     t0 = time.perf_counter()
     trace = load_trace(args.trace, chunk_size=chunk, tokenizer=tok, limit=args.limit)
     t_keys = time.perf_counter() - t0
