@@ -134,7 +134,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         return _plan(args)
     except (ValueError, FileNotFoundError) as e:
-        print(f"lmc plan: {e}", file=sys.stderr)
+        hint = " (give lmc plan --tokenizer PATH)" if "tokenizer is needed" in str(e) else ""
+        print(f"lmc plan: {e}{hint}", file=sys.stderr)
         return 2
 
 
