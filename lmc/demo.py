@@ -376,6 +376,7 @@ def run_demo(model_dir: Path | None = None, config_path: str | None = None,
             conn = LMCReferenceConnector(cfg, model_dir=model_dir)
             llm = LLM(model_dir, kv_connector=conn, **engine_args)
             closing.append(llm)
+            warm_up(llm, w)  # the new process's first-call costs are not the disk's
             lmc_pass(llm, "lmc, restarted (disk -> L1)")
             llm.close()
             closing.remove(llm)

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from lmc import demo
 from lmc.cli import main
 from lmc.demo import Headline, Workload, default_threads, resolve_model_dir, run_demo
 from lmc.reference import make_tiny_checkpoint
@@ -60,10 +61,27 @@ def test_headline_is_a_median_with_its_range():
     assert "meaning:" in Headline.MEANING
 
 
-def test_run_demo_pins_threads_and_prints_the_headline(tiny_dir):
+def test_run_demo_pins_threads_and_prints_the_headline(tiny_dir, monkeypatch):
     torch.set_num_threads(1)
+    events: list[tuple[str, object]] = []  # every engine is warmed up before it is timed
+
+    def spy(name, real):
+        def call(llm, *args, **kw):
+            events.append((name, llm))  # held: no engine's id() is reused by the next one
+            return real(llm, *args, **kw)
+        return call
+
+    monkeypatch.setattr(demo, "warm_up", spy("warm", demo.warm_up))
+    monkeypatch.setattr(demo, "run_pass", spy("timed", demo.run_pass))
     out = io.StringIO()
     run_demo(tiny_dir, None, TINY, baseline=True, out=out, rounds=2)
+    engines: list[object] = []
+    for _, e in events:
+        if not any(e is x for x in engines):
+            engines.append(e)
+    assert len(engines) == 3, events  # no lmc; lmc; lmc restarted
+    for e in engines:
+        assert next(name for name, x in events if x is e) == "warm", events
     text = out.getvalue()
     assert "engine threads: 1" in text
     assert "over 2 interleaved round(s)" in text and "range" in text
