@@ -23,6 +23,7 @@ CHECKS = (
     "refusals:",
     "errors on the data path",
     "linker: concrete UnifiedCacheLinker",
+    "linker refusals:",
 )
 
 

@@ -283,8 +283,9 @@ def check_namespaces() -> None:
 def check_refusals() -> None:
     dev = mha_pool()
     b = backend(host_pool(dev, "layer_first"))
-    raises(UnsupportedPool, lambda: b.register_mem_host_pool_v2(b.mem_pool_host, PoolName.MAMBA),
-           "mamba")
+    for side in (PoolName.MAMBA, PoolName.SWA, PoolName.INDEXER):
+        raises(UnsupportedPool, lambda side=side: b.register_mem_host_pool_v2(
+            b.mem_pool_host, side), side.value)
     raises(UnsupportedPool, lambda: b.batch_exists_v2(
         ["a" * 64], [PoolTransfer(name=PoolName.SWA, keys=["a" * 64])]), "swa")
     res = b.batch_exists_v2(["a" * 64], [PoolTransfer(name=PoolName.KV, keys=["a" * 64])])
@@ -301,8 +302,8 @@ def check_refusals() -> None:
     raises(UnsupportedPool, lambda: backend(host_pool(fp8, "layer_first")), "uint8")
     raises(ValueError, lambda: backend(host_pool(dev, "layer_first"), **{"lmc.chunk_sise": 8}),
            "chunk_sise")
-    passed("refusals: side pools (mamba, swa), page_head layout, v_head_dim != head_dim, fp8 "
-           "stored as uint8, unknown lmc config keys: each named in the error")
+    passed("refusals: side pools (mamba, swa, indexer), page_head layout, v_head_dim != "
+           "head_dim, fp8 stored as uint8, unknown lmc config keys: each named in the error")
 
 
 def check_never_none() -> None:
@@ -317,22 +318,41 @@ def check_never_none() -> None:
     passed("errors on the data path are misses/False, never None or a raise")
 
 
+def linker_params(dev) -> tuple[ServerArgs, CacheInitParams]:
+    alloc = TokenToKVPoolAllocator(size=SIZE, dtype=dev.dtype, device="cpu", kvcache=dev,
+                                   need_sort=False)
+    rtp = ReqToTokenPool(size=4, max_context_len=128, device="cpu", enable_memory_saver=False)
+    params = CacheInitParams(disable=False, req_to_token_pool=rtp,
+                             token_to_kv_pool_allocator=alloc, page_size=PS)
+    return ServerArgs(model_path="dummy", page_size=PS), params
+
+
+def make_linker(dev):
+    """Built by SGLang's own factory, the way the scheduler's startup builds it."""
+    sa, params = linker_params(dev)
+    return create_unified_cache_linker(
+        sa, params, backend="dynamic", components={ComponentType.FULL},
+        config={"linker": "LMCCacheLinker", "linker_module_path": "lmc.connectors.sglang",
+                "linker_extra_config": {"lmc.local_cpu_size": "32MiB", "lmc.model_id": "tiny"}})
+
+
+def check_linker_refusals() -> None:
+    """The linker refuses, at construction and by name, the device pools it cannot move bit
+    for bit (fp8 stored as uint8, K and V of different widths)."""
+    raises(UnsupportedPool, lambda: make_linker(mha_pool(dtype=torch.float8_e4m3fn)), "uint8",
+           "fp8")
+    raises(UnsupportedPool, lambda: make_linker(mha_pool(v_head_dim=4)), "v_head_dim=4",
+           "head_dim=8")
+    passed("linker refusals: fp8 (uint8) and v_head_dim != head_dim device pools, through "
+           "SGLang's factory")
+
+
 def check_linker_contract() -> None:
     assert issubclass(LMCCacheLinker, UnifiedCacheLinker)
     assert not inspect.isabstract(LMCCacheLinker), LMCCacheLinker.__abstractmethods__
     for dev in (mha_pool(), mla_pool()):
-        alloc = TokenToKVPoolAllocator(size=SIZE, dtype=DTYPE, device="cpu", kvcache=dev,
-                                       need_sort=False)
-        rtp = ReqToTokenPool(size=4, max_context_len=128, device="cpu",
-                             enable_memory_saver=False)
-        params = CacheInitParams(disable=False, req_to_token_pool=rtp,
-                                 token_to_kv_pool_allocator=alloc, page_size=PS)
-        sa = ServerArgs(model_path="dummy", page_size=PS)
-        linker = create_unified_cache_linker(
-            sa, params, backend="dynamic", components={ComponentType.FULL},
-            config={"linker": "LMCCacheLinker", "linker_module_path": "lmc.connectors.sglang",
-                    "linker_extra_config": {"lmc.local_cpu_size": "32MiB",
-                                            "lmc.model_id": "tiny"}})
+        sa, params = linker_params(dev)
+        linker = make_linker(dev)
         assert isinstance(linker, LMCCacheLinker)
         assert hasattr(linker.layer_done_counter, "set_consumer")
         assert hasattr(linker.layer_done_counter, "wait_until")
@@ -370,6 +390,7 @@ def main() -> None:
     check_refusals()
     check_never_none()
     check_linker_contract()
+    check_linker_refusals()
     for run in runs.values():
         run["backend"].close()
     print("RESULT: PASS", flush=True)

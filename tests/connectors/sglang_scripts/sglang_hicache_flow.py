@@ -11,17 +11,23 @@ backend: a restarted engine) prefetches from lmc, matches, loads back layer by l
 every layer's K/V must be bit-exact.
 
 Faults: ``random`` (SGLang's ``SGLANG_TEST_HICACHE_BACKEND_RANDOM_FAILURE``/``_DELAY``, set
-by the caller) and ``dead-remote`` (an lmc remote tier nobody listens on) must give fewer
-hits, never a crash, a hang, a leaked lock or wrong KV.
+by the caller), ``dead-remote`` (a Redis remote tier nobody listens on) and ``dead-daemon``
+(an lmc cache-server address nobody listens on) must give fewer hits, never a crash, a hang,
+a leaked lock (no tree node stays locked, no prefetch or load-back stays in flight) or wrong
+KV. ``slow-disk`` delays every disk write, so the producer's pages are still queued for the
+disk when SGLang detaches the backend: the restarted engine finds them all only if
+``close()`` flushed them.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
 import tempfile
+import threading
 import time
 from array import array
 
@@ -57,7 +63,11 @@ SCENARIOS = [  # (layout, generic path, fault): what --all runs, in one process
     ("layer_first", False, "none"), ("page_first", False, "none"),
     ("layer_first", True, "none"), ("page_first", True, "none"),
     ("page_first", False, "random"), ("layer_first", False, "dead-remote"),
+    ("page_first", False, "dead-daemon"), ("layer_first", False, "slow-disk"),
 ]
+FAULTS = ("none", "random", "dead-remote", "dead-daemon", "slow-disk")
+FULL_HITS = ("none", "dead-remote", "dead-daemon", "slow-disk")  # the disk tier has every page
+DISK_RELEASED = threading.Event()  # slow-disk: disk writes may proceed (set at detach)
 RANDOM_FAULTS = {"SGLANG_TEST_HICACHE_BACKEND_RANDOM_FAILURE": "0.3",
                  "SGLANG_TEST_HICACHE_BACKEND_RANDOM_DELAY": "0.02"}
 
@@ -66,7 +76,7 @@ def parse() -> argparse.Namespace:
     ap = argparse.ArgumentParser()
     ap.add_argument("--layout", choices=("layer_first", "page_first"), default="layer_first")
     ap.add_argument("--generic", action="store_true", help="interface_v1 off: batch_get/set")
-    ap.add_argument("--fault", choices=("none", "random", "dead-remote"), default="none")
+    ap.add_argument("--fault", choices=FAULTS, default="none")
     ap.add_argument("--all", action="store_true", help="every scenario of SCENARIOS")
     return ap.parse_args()
 
@@ -129,6 +139,44 @@ def run(args: argparse.Namespace) -> None:
     lmc_extra = {"lmc.local_disk": os.path.join(tmp, "disk")}
     if args.fault == "dead-remote":
         lmc_extra.update({"lmc.remote_url": "redis://127.0.0.1:9/0", "lmc.remote_timeout": 0.5})
+    if args.fault == "dead-daemon":
+        lmc_extra.update({"lmc.remote_url": "lmc://127.0.0.1:9", "lmc.remote_timeout": 0.5})
+    slow = slow_disk() if args.fault == "slow-disk" else contextlib.nullcontext()
+    with slow:
+        _run(args, t_start, tmp, lmc_extra)
+
+
+def slow_disk():
+    """Disk tier writes wait until the producer detaches (a disk far slower than the
+    stores): the writer holds one page inside ``put`` (batches of one, set by the caller),
+    the others queue in lmc's write-behind, as on a busy disk; only a draining ``close()``
+    writes those."""
+    from lmc.storage_backends.disk import DiskBackend
+
+    real = DiskBackend.put
+    DISK_RELEASED.clear()
+
+    def put(self, keys, objs):
+        DISK_RELEASED.wait(DEADLINE)
+        return real(self, keys, objs)
+
+    @contextlib.contextmanager
+    def patched():
+        DiskBackend.put = put
+        try:
+            yield
+        finally:
+            DiskBackend.put = real
+
+    return patched()
+
+
+def disk_files(tmp: str) -> int:
+    d = os.path.join(tmp, "disk")
+    return sum(n.endswith(".kv") for n in os.listdir(d)) if os.path.isdir(d) else 0
+
+
+def _run(args: argparse.Namespace, t_start: float, tmp: str, lmc_extra: dict) -> None:
     cfg = CacheConfig(page_size=PAGE, components=(ComponentType.FULL,), num_layers=LAYERS,
                       head_num=2, head_dim=8, kv_size=256)
     kit = UnifiedRadixCacheFixtures()
@@ -137,6 +185,9 @@ def run(args: argparse.Namespace) -> None:
     # ---------------------------------------------------------------- producer
     prod, prod_alloc, prod_rtp = build_fixture(cfg)
     cc = init_hicache(prod, args, lmc_extra)
+    if args.fault == "slow-disk":
+        for q in lmc_backend(cc).engine.storage.queues:
+            q.batch_chunks = 1  # one page in flight, the rest queued behind it
     kv = prod_alloc.get_kvcache()
     seq = list(range(7000, 7000 + PAGES * PAGE))
     kit._insert(prod, prod_alloc, prod_rtp, seq)
@@ -168,10 +219,18 @@ def run(args: argparse.Namespace) -> None:
     stored = pb.stats_counts.get("pages_stored", 0)
     print(f"producer: {stored} pages stored, backend calls ok, "
           f"{time.perf_counter() - t_start:.1f}s", flush=True)
-    if args.fault == "none":
+    if args.fault != "random":
         assert stored >= PAGES, pb.stats_counts  # repeated backups answer True again
+    assert prod.protected_size() == 0, f"producer left {prod.protected_size()} tokens locked"
+    on_disk = disk_files(tmp)
+    DISK_RELEASED.set()  # slow-disk: the held writes may go on, behind close()'s drain
     cc.detach_storage_backend()  # SGLang's own detach: stops the threads, calls close()
     assert pb._closed
+    if args.fault == "slow-disk":  # else the restart below would not show close()'s flush
+        assert on_disk < PAGES, f"all {on_disk} pages were on disk before close()"
+        assert disk_files(tmp) >= PAGES, f"close() left {PAGES - disk_files(tmp)} unwritten"
+        print(f"close(): {on_disk} of {PAGES} pages were on disk at detach, "
+              f"{disk_files(tmp)} after", flush=True)
 
     # ---------------------------------------------------------------- consumer
     cons, cons_alloc, cons_rtp = build_fixture(cfg)
@@ -192,8 +251,8 @@ def run(args: argparse.Namespace) -> None:
     hit = mr.host_hit_length
     print(f"consumer: host_hit_length={hit} of {len(seq)}", flush=True)
     assert hit % PAGE == 0 and 0 <= hit <= len(seq)
-    if args.fault == "none" or args.fault == "dead-remote":
-        assert hit == len(seq), hit  # the disk tier has every page
+    if args.fault in FULL_HITS:
+        assert hit == len(seq), hit
     ok = True
     if hit:
         cons.init_load_back(InitLoadBackParams(best_match_node=req.best_match_node,
@@ -218,6 +277,8 @@ def run(args: argparse.Namespace) -> None:
     print(f"bit-exact K/V on all {LAYERS} layers for the {hit} loaded tokens: {ok}", flush=True)
     assert ok
     assert not cons.ongoing_prefetch, "prefetch left in flight"
+    assert not cons.ongoing_load_back, "load-back left in flight"
+    assert cons.protected_size() == 0, f"consumer left {cons.protected_size()} tokens locked"
     cb = lmc_backend(ccc)
     print(f"consumer backend: {cb.stats_counts}", flush=True)
     ccc.detach_storage_backend()

@@ -12,12 +12,15 @@ makes the scheduler's calls (``match_prefix`` -> ``init_load_back`` ->
 (``get_key_buffer``, which waits for that layer) and then "computes" for a fixed time.
 
 Checks, each printed as ``PASS <name>``:
-* save: insert offloads every page, the offload commits, ``close()`` flushes to disk;
+* save: insert offloads every page, the offload commits; disk writes are held back so
+  pages are still queued at shutdown, and ``close()`` must drain them to disk;
 * load in a restarted engine: every layer's K/V is in the pool when ``wait_until(layer)``
   returns (checked before that layer computes), bit-exact, and loads overlap compute;
 * a failure at one layer: the request is aborted (``FINISH_ABORT``), no wait hangs;
 * a queued load cancelled by the request's release, ``reset``/``close`` under load;
-* a dead remote tier: lookups and loads still served from disk, nothing hangs.
+* a dead remote tier (Redis, the lmc daemon): lookups and loads still served from disk,
+  nothing hangs;
+* after every prefill, failed or not: no tree node left locked, no load left queued.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from __future__ import annotations
 import os
 import sys
 import tempfile
+import threading
 import time
 from array import array
 from types import SimpleNamespace
@@ -113,8 +117,35 @@ def same(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.equal(a.view(torch.int16), b.view(torch.int16))
 
 
+def disk_files() -> int:
+    d = os.path.join(TMP, "disk")
+    return sum(n.endswith(".kv") for n in os.listdir(d)) if os.path.isdir(d) else 0
+
+
 def save(expected) -> None:
+    """Disk writes are held until shutdown (a disk far slower than the offloads), one page in
+    flight and the rest queued in lmc's write-behind: only a draining ``close()`` gets them
+    all to disk, where the restarted engines below load them from."""
+    from lmc.storage_backends.disk import DiskBackend
+
+    released = threading.Event()
+    real_put = DiskBackend.put
+
+    def held_put(self, keys, objs):
+        released.wait(20)
+        return real_put(self, keys, objs)
+
+    DiskBackend.put = held_put
+    try:
+        _save(expected, released)
+    finally:
+        DiskBackend.put = real_put
+
+
+def _save(expected, released: threading.Event) -> None:
     cache, alloc, _, _ = engine()
+    for q in cache.linker.cache_linker.engine.storage.queues:
+        q.batch_chunks = 1
     kv = alloc.get_kvcache()
     slots = alloc.alloc(len(SEQ))
     for layer, (k, v) in enumerate(expected):  # the prefill forward wrote these
@@ -128,9 +159,14 @@ def save(expected) -> None:
         time.sleep(0.005)
     assert not cache.linker.pending_offloads, "offload never committed"
     assert linker.counts.get("offloaded_pages", 0) == PAGES, linker.counts
+    assert cache.protected_size() == 0, f"{cache.protected_size()} tokens left locked"
+    on_disk = disk_files()
+    assert on_disk < PAGES, f"all {on_disk} pages were on disk before close()"
+    released.set()
     cache.linker.close()  # what the engine's shutdown reaches: drains to the disk tier
-    passed(f"save: insert offloaded {PAGES} pages, committed through check_hicache_events, "
-           "close() flushed them to disk")
+    assert disk_files() == PAGES, f"close() left {PAGES - disk_files()} pages unwritten"
+    passed(f"save: insert offloaded {PAGES} pages, committed through check_hicache_events; "
+           f"{on_disk} on disk when close() began, all {PAGES} after (it drained the queue)")
 
 
 def prefill(cache, alloc, rtp, worker, expected, compute_s: float, seq=SEQ):
@@ -158,6 +194,9 @@ def prefill(cache, alloc, rtp, worker, expected, compute_s: float, seq=SEQ):
         time.sleep(compute_s)
     failed = cache.finish_external_linker_loads([req])
     dt = time.perf_counter() - t0
+    # nothing left behind, failed or not: no node locked, no load in flight or queued
+    assert cache.protected_size() == 0, f"{cache.protected_size()} tokens left locked"
+    assert cache.linker.inflight_load_rids == [] and not cache.linker.cache_linker._queued
     return SimpleNamespace(req=req, match=mr, loaded=loaded, slots=slots, index=index,
                            failed=failed, dt=dt, landed_at_wait=landed_at_wait)
 
@@ -233,14 +272,20 @@ def check_cancel_and_reset(expected) -> None:
 
 
 def check_dead_remote(expected) -> None:
-    cache, alloc, rtp, worker = engine(**{"lmc.remote_url": "redis://127.0.0.1:9/0",
-                                          "lmc.remote_timeout": 0.5})
-    t0 = time.perf_counter()
-    r = prefill(cache, alloc, rtp, worker, expected, 0.0)
-    assert r.match.host_hit_length == len(SEQ) and not r.failed
-    assert r.landed_at_wait == [True] * LAYERS
-    cache.linker.close()
-    passed(f"dead remote tier: served from disk, bit-exact, {time.perf_counter() - t0:.1f}s")
+    """A Redis and an lmc cache-server remote tier that nobody answers: lookups and loads
+    are served from the disk tier, bit-exact, without waiting on the dead address."""
+    took = []
+    for url in ("redis://127.0.0.1:9/0", "lmc://127.0.0.1:9"):
+        cache, alloc, rtp, worker = engine(**{"lmc.remote_url": url,
+                                              "lmc.remote_timeout": 0.5})
+        t0 = time.perf_counter()
+        r = prefill(cache, alloc, rtp, worker, expected, 0.0)
+        assert r.match.host_hit_length == len(SEQ) and not r.failed, url
+        assert r.landed_at_wait == [True] * LAYERS, url
+        cache.linker.close()
+        took.append(f"{url.split(':')[0]} {time.perf_counter() - t0:.1f}s")
+    passed(f"dead remote tier (Redis, lmc daemon): served from disk, bit-exact, "
+           f"{', '.join(took)}")
 
 
 def check_cross_engine(expected) -> None:
