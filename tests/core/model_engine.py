@@ -24,6 +24,7 @@ from collections.abc import Hashable
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
+from lmc.layerwise import LoadError
 from tests.core.model_kv import (
     CHUNK,
     GEOMETRIES,
@@ -206,16 +207,42 @@ class EngineMachine(RuleBasedStateMachine):
         got = self.eng.unpin(tokens, request_id=rid)
         assert got == want, f"unpin released {got} pins, the owner held {want}"
 
-    @rule(p=PROMPTS, masked=st.sampled_from([0, 0, 1, 2]), slot_args=SLOTS, rid=RIDS)
-    def retrieve(self, p, masked, slot_args, rid):
+    def _retrieve_layerwise(self, tokens, slots, mask, rid) -> int:
+        """``retrieve_layer``, every layer in order (lower-tier hits arrive layer by layer:
+        :mod:`lmc.layered_read`). A load that failed (``LoadError``: a chunk did not verify
+        or its read failed) reports 0 tokens and must be one the tiers counted; the engine
+        would recompute, so its partly written blocks are put back for the model."""
+        snap = self.cache.snapshot()
+        exc = self._excuse()
+        rt = self.eng.retrieve_layer(tokens, self.cache.caches, slots, mask, request_id=rid)
+        failed = None
+        try:
+            for layer in range(self.eng.spec.num_layers):
+                rt.load(layer)
+        except LoadError as e:
+            failed = e
+        finally:
+            got = rt.close()
+        if failed is not None:
+            assert got == 0, f"a failed layer-wise load reported {got} tokens"
+            assert self._excuse() > exc, f"layer-wise load failed uncounted: {failed}"
+            self.cache.words.copy_(snap)  # (the cache tensors are views of these words)
+        return got
+
+    @rule(p=PROMPTS, masked=st.sampled_from([0, 0, 1, 2]), slot_args=SLOTS, rid=RIDS,
+          layerwise=st.booleans())
+    def retrieve(self, p, masked, slot_args, rid, layerwise=False):
         tokens = prompt(*p)
         n = len(tokens)
         masked = min(masked, (n - 1) // CHUNK)
         slots = slots_for(n, *slot_args)
         l1 = self._present(tokens)
         snap = self.cache.snapshot()
-        got = self.eng.retrieve(tokens, self.cache.caches, slots, mask_for(n, masked),
-                                request_id=rid)
+        if layerwise:
+            got = self._retrieve_layerwise(tokens, slots, mask_for(n, masked), rid)
+        else:
+            got = self.eng.retrieve(tokens, self.cache.caches, slots, mask_for(n, masked),
+                                    request_id=rid)
         start = masked * CHUNK
         self.cache.check_retrieved(snap, tokens, slots, start, start + got,
                                    f"retrieve (mask {masked} chunks)")
@@ -248,7 +275,7 @@ class EngineMachine(RuleBasedStateMachine):
             elif x < 0.72:
                 call = ("unpin", (p, rid))
             else:
-                call = ("retrieve", (p, r.choice([0, 0, 1, 2]), sa, rid))
+                call = ("retrieve", (p, r.choice([0, 0, 1, 2]), sa, rid, r.random() < 0.5))
             trace.append(f"{call[0]}{call[1]!r}")
             try:
                 getattr(self, call[0])(*call[1])
