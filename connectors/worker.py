@@ -40,8 +40,9 @@ Loaded tokens are counted by the tier they came from as the load fetches them, s
 statistics cost no second hash and no second question to any tier.
 
 Asynchronous loads (``meta.async_loads``, a prefill/decode consumer's) run on a thread of
-their own, outside any step: each waits (up to ``remote_wait`` seconds) until every chunk
-it needs is findable (the producer publishes its chunks while the consumer is told about
+their own, outside any step: each waits (up to ``remote_wait`` seconds, polled with its
+own backoff, so one never published does not delay the others) until every chunk it needs
+is findable (the producer publishes its chunks while the consumer is told about
 the request), loads all layers into the request's blocks (the engine does not touch them
 until the load is reported), then is reported by :meth:`WorkerConnector.get_finished`.
 What never came, or failed, is reported as load errors *before* the request is reported
@@ -53,11 +54,12 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import queue
 import threading
 import time
 from collections import OrderedDict
 from collections.abc import Iterable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -72,6 +74,7 @@ from lmc.layerwise import LayerwiseRetrieve, LayerwiseStore, LoadError
 from lmc.token_database import ChunkKey, RequestKeys
 
 log = logging.getLogger(__name__)
+_STOP = object()  # ends the asynchronous loads' thread
 
 
 @dataclass
@@ -144,7 +147,8 @@ class WorkerConnector:
         if not remote_wait > 0:
             raise ValueError(f"remote_wait must be > 0 seconds, got {remote_wait}")
         self.remote_wait = remote_wait
-        self._async_ex: ThreadPoolExecutor | None = None
+        self._async_inbox: queue.Queue = queue.Queue()
+        self._async_thread: threading.Thread | None = None
         self._async_done: dict[str, set[int]] = {}  # finished, not yet reported -> bad blocks
         self._async_active: set[str] = set()  # queued or running
         self._async_cancel: set[str] = set()  # finished by the engine while loading: stop
@@ -226,11 +230,13 @@ class WorkerConnector:
         self._meta = meta
         self.stats.steps += 1
         for spec in meta.async_loads:
-            if self._async_ex is None:
-                self._async_ex = ThreadPoolExecutor(1, thread_name_prefix="lmc-async-load")
+            if self._async_thread is None:
+                self._async_thread = threading.Thread(target=self._async_loop,
+                                                      name="lmc-async-load", daemon=True)
+                self._async_thread.start()
             with self._lock:
                 self._async_active.add(spec.request_id)
-            self._async_ex.submit(self._load_async, spec)
+            self._async_inbox.put(spec)
 
     def start_load(self) -> None:
         """Fetch every load's chunks (held until the step ends, so nothing stored later in
@@ -378,21 +384,57 @@ class WorkerConnector:
         self._failed = {}
 
     # ------------------------------------------------------- asynchronous loads
-    def _load_async(self, spec: LoadSpec) -> None:
-        """Wait until ``spec``'s chunks are findable, load all layers, record the outcome.
-        Never raises: whatever goes wrong is positions to recompute."""
+    def _async_loop(self) -> None:
+        """The asynchronous loads' thread: every pending load is checked in turn (each
+        with its own backoff), so one whose producer never publishes does not hold up
+        the others; a load runs as soon as all its chunks are findable, or with what is
+        there once its ``remote_wait`` has passed."""
+        pending: list[list] = []  # [spec, keys, started, next check, pause]
+        while True:
+            now = time.monotonic()
+            wake = min((p[3] for p in pending), default=now + 3600.0)
+            try:
+                spec = self._async_inbox.get(timeout=max(0.0, wake - now) if pending
+                                             else None)
+            except queue.Empty:
+                spec = None
+            if spec is _STOP:
+                for p in pending:
+                    self._load_async(p[0], p[1], p[2], cancelled=True)
+                return
+            if spec is not None:
+                try:
+                    keys = self.engine.db.keys(spec.token_ids)  # (kept keys are the step's)
+                except Exception:
+                    log.exception("lmc: hashing request %s failed", spec.request_id)
+                    keys = None
+                pending.append([spec, keys, time.monotonic(), 0.0, 0.002])
+            now = time.monotonic()
+            for p in list(pending):
+                spec, keys, started, check, pause = p
+                if check > now:
+                    continue
+                cancelled = self._closing.is_set() or spec.request_id in self._async_cancel
+                try:
+                    ready = cancelled or keys is None or \
+                        self.engine.lookup(spec.token_ids, keys=keys) >= spec.end
+                except Exception:
+                    log.exception("lmc: lookup for request %s failed", spec.request_id)
+                    ready = True  # the load then finds what it can
+                if ready or now - started >= self.remote_wait:
+                    pending.remove(p)
+                    self._load_async(spec, keys, started, cancelled)
+                else:
+                    p[3], p[4] = now + pause, min(pause * 2, 0.05)
+
+    def _load_async(self, spec: LoadSpec, keys: list | None, started: float,
+                    cancelled: bool) -> None:
+        """Load all layers of what is findable now, record the outcome. Never raises:
+        whatever goes wrong is positions to recompute."""
         bad_from = spec.end
-        t0 = time.monotonic()
+        waited = time.monotonic() - started
         try:
-            keys = self.engine.db.keys(spec.token_ids)  # (the kept keys are the step's)
-            pause = 0.002
-            while (not self._closing.is_set() and spec.request_id not in self._async_cancel
-                   and self.engine.lookup(spec.token_ids, keys=keys) < spec.end
-                   and time.monotonic() - t0 < self.remote_wait):
-                time.sleep(pause)
-                pause = min(pause * 2, 0.05)
-            waited = time.monotonic() - t0
-            if self._closing.is_set() or spec.request_id in self._async_cancel:
+            if cancelled or keys is None:
                 bad_from = spec.start
             else:
                 n = len(spec.token_ids)
@@ -409,17 +451,18 @@ class WorkerConnector:
                 self._count_tiers(spec, rt)
             with self._lock:
                 self.stats.async_wait_seconds += waited
-                self.stats.async_load_seconds += time.monotonic() - t0 - waited
+                self.stats.async_load_seconds += time.monotonic() - started - waited
         except Exception as e:
             log.exception("lmc: asynchronous load of request %s failed", spec.request_id)
             bad_from = spec.start
             why = f"{type(e).__name__}: {e}"
         else:
-            why = "chunks not published in time" if bad_from < spec.end else ""
+            why = ("stopped" if cancelled else "chunks not published in time") \
+                if bad_from < spec.end else ""
         bs = self.block_size
         bad = set(spec.block_ids[max(bad_from, spec.start) // bs: -(-spec.end // bs)]) \
             if bad_from < spec.end else set()
-        if bad:
+        if bad and not cancelled:
             log.warning("lmc asynchronous load of request %s: positions from %d not loaded "
                         "(%s): %d block(s) will be recomputed", spec.request_id, bad_from,
                         why, len(bad))
@@ -458,7 +501,9 @@ class WorkerConnector:
 
     def close(self) -> None:
         self._closing.set()  # waiting asynchronous loads give up at once
-        if self._async_ex is not None:
-            self._async_ex.shutdown(wait=True)
+        if self._async_thread is not None:
+            self._async_inbox.put(_STOP)
+            self._async_thread.join()
+            self._async_thread = None
         if self._meta is not None:
             self._finish(commit=False)

@@ -133,3 +133,20 @@ def test_step_requests_are_not_confused_with_async_ones():
     s.update_state_after_alloc("r", TOKENS, 0, 29)
     meta = s.build_metadata([StepRequest("r", TOKENS, 30, blocks(0), 29, 1)])
     assert len(meta.loads) == 1 and meta.async_loads == []
+
+
+def test_a_load_never_published_does_not_hold_up_the_next():
+    spec, engine, ws, wd, src, dst = _setup(remote_wait=3.0)
+    with engine:
+        other = tuple(range(900, 930))  # never stored anywhere
+        wd.bind(ConnectorMetadata(1, async_loads=[
+            LoadSpec("stuck", other, blocks(0), 0, 29, 0),
+            LoadSpec("ready", TOKENS, blocks(16), 0, 29, 0)]))
+        step(ws, ConnectorMetadata(2, saves=[SaveSpec("p", TOKENS, blocks(8), 0)]))
+        t0 = time.monotonic()
+        done, errors = _finished(wd)
+        assert done == {"ready"} and errors == set() and time.monotonic() - t0 < 2.5
+        done, errors = _finished(wd)
+        assert done == {"stuck"} and errors == set(blocks(0)[: -(-29 // BS)])
+        wd.close()
+        ws.close()
