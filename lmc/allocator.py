@@ -14,6 +14,7 @@ to ``align`` (4 KiB by default so that pool memory can feed O_DIRECT I/O unchang
 from __future__ import annotations
 
 import bisect
+from collections import OrderedDict
 
 from lmc import invariants
 
@@ -42,7 +43,11 @@ class TLSFAllocator:
         self.capacity = self.units * align
         self._fl_bitmap = 0
         self._sl_bitmap: dict[int, int] = {}
-        self._lists: dict[tuple[int, int], dict[int, None]] = {}
+        # Per size class, its free blocks in insertion order (the first is handed out). An
+        # OrderedDict, not a dict: a dict's first item is found by scanning past the holes its
+        # deletions leave, O(blocks ever freed there) once a class held many (seen: ~0.1 ms
+        # per allocation in a store that evicts); the OrderedDict's is O(1).
+        self._lists: dict[tuple[int, int], OrderedDict[int, None]] = {}
         self._free_by_start: dict[int, int] = {}   # unit offset -> units
         self._free_by_end: dict[int, int] = {}     # unit end -> unit offset
         self._used: dict[int, int] = {}            # unit offset -> units
@@ -66,7 +71,10 @@ class TLSFAllocator:
 
     def _insert(self, off: int, units: int) -> None:
         fl, sl = self._mapping(units)
-        self._lists.setdefault((fl, sl), {})[off] = None
+        lst = self._lists.get((fl, sl))
+        if lst is None:
+            lst = self._lists[(fl, sl)] = OrderedDict()
+        lst[off] = None
         self._fl_bitmap |= 1 << fl
         self._sl_bitmap[fl] = self._sl_bitmap.get(fl, 0) | (1 << sl)
         self._free_by_start[off] = units

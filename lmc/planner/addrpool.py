@@ -62,8 +62,21 @@ class AddressPool:
             o._refs += 1
 
     def release_many(self, objs: Iterable[MemoryObj]) -> None:
+        """As ``MemoryPool.release_many``: the blocks whose last reference goes are freed in
+        one ``free_many`` (neighbours merged first), which decides the order of the free lists
+        and so which blocks later allocations get: freeing them one by one instead made the
+        planner's L1 evict other chunks than the engine's."""
+        dead: list[MemoryObj] = []
         for o in objs:
-            o.release()
+            if o._refs <= 0:
+                o.release()  # raises: already freed
+            elif o._refs > 1:
+                o._refs -= 1
+            else:
+                o._refs = 0
+                dead.append(o)
+        if dead and not self.closed:
+            self.allocator.free_many([o.offset for o in dead])
 
     def _free_locked(self, obj: MemoryObj) -> None:
         if not self.closed:

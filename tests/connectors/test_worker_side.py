@@ -145,7 +145,8 @@ def test_sync_mode_loads_before_the_forward() -> None:
 
 def test_loaded_tokens_are_counted_by_tier_from_the_load_itself(tmp_path, monkeypatch) -> None:
     """The per-tier counts come from the fetch that serves the load: the disk tier is read
-    once and never asked ``contains`` (once it was: a second hash and tier walk)."""
+    once (layer by layer: ``get_layers``) and never asked ``contains`` (once it was: a
+    second hash and tier walk)."""
     spec, engine, ws, wd, src, dst = setup(local_disk=str(tmp_path))
     with engine:
         step(ws, ConnectorMetadata(1, saves=[SaveSpec("a", TOKENS, blocks(0), 0)]))
@@ -153,13 +154,13 @@ def test_loaded_tokens_are_counted_by_tier_from_the_load_itself(tmp_path, monkey
         engine.storage.l1.delete(engine.db.keys(TOKENS)[2:])  # chunks 2-3 only on disk
         disk = engine.storage.tiers[1]
         calls: list[str] = []
-        for name in ("contains", "get"):
+        for name in ("contains", "get", "get_layers"):
             real = getattr(disk, name)
             monkeypatch.setattr(disk, name, lambda keys, _r=real, _n=name:
                                 calls.append(_n) or _r(keys))
         assert not step(wd, ConnectorMetadata(2, loads=[LoadSpec("b", TOKENS, blocks(16),
                                                                  10, 29, 8)]))
-        assert calls == ["get"]
+        assert calls == ["get_layers"]
         # [10, 16) from chunk 1 in L1; [16, 24) and [24, 29) from chunks 2-3 on disk
         assert wd.stats.tokens_by_tier == {"cpu": 6, "disk": 13}
         got = token_kv(spec, dst, slots_of(blocks(16), 10, 29))

@@ -199,12 +199,19 @@ def test_put_skips_keys_already_stored(redis_server, tiers):
     assert t.stats()["put_present"] == 4
 
 
-def test_put_rejects_bad_chunks_before_any_io(redis_server, tiers):
+def test_put_skips_chunks_it_cannot_represent_without_any_io(redis_server, tiers):
+    """The tier contract's shape rule: a chunk no header describes is skipped and counted,
+    and no command reaches Redis for it; a key/object count mismatch is a caller's error."""
     t = tiers(redis_server.url)
     bad = t.pool.allocate((4, 16), torch.float16, 16)
-    with pytest.raises(ValueError, match=r"shape \(4, 16\)"):
-        t.put([os.urandom(16)], [bad])
-    bad.release()
+    with redis_server.client() as c:
+        sets = c.info("commandstats").get("cmdstat_set", {"calls": 0})["calls"]
+        try:
+            assert t.put([os.urandom(16)], [bad]) == 0
+        finally:
+            bad.release()
+        assert c.info("commandstats").get("cmdstat_set", {"calls": 0})["calls"] == sets
+    assert t.metrics.counts["errors_put_unsupported"] == 1
     with pytest.raises(ValueError, match="2 keys but 0"):
         t.put([b"k" * 16] * 2, [])
 
