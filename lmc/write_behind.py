@@ -46,6 +46,7 @@ class WriteBehind:
         self._pending: dict[Key, MemoryObj] = {}  # queued or being written
         self._bytes = 0  # bytes queued + being written
         self._inflight = 0
+        self._writing: list[MemoryObj] = []  # the batch inside tier.put() now
         self._cv = threading.Condition()
         self._closed = False
         self._thread: threading.Thread | None = None
@@ -142,6 +143,7 @@ class WriteBehind:
                 if not self._q:
                     return
                 batch = self._next_batch_locked()
+                self._writing = [o for _, o in batch]
             self._write(batch)
 
     def _absent(self, batch: list[tuple[Key, MemoryObj]]) -> list[tuple[Key, MemoryObj]]:
@@ -181,6 +183,7 @@ class WriteBehind:
                     self._pending.pop(k, None)
                 self._bytes -= nbytes
                 self._inflight -= len(batch)
+                self._writing = []
                 depth = (self._bytes, len(self._pending))
                 self._cv.notify_all()
             for o in objs:
@@ -227,6 +230,10 @@ class WriteBehind:
             if thread.is_alive():
                 log.warning("tier %s: writer still inside put() at close; left to finish",
                             self.tier.name)
+                with self._cv:
+                    writing = list(self._writing)
+                if writing:  # its chunks are the writer's until put() returns, not leaks
+                    writing[0].pool.leave_to_thread(writing)
         self.metrics.queue(self._bytes, len(self._pending))
 
     def stats(self) -> dict[str, float]:
