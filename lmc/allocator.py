@@ -150,6 +150,10 @@ class TLSFAllocator:
         units = self._used.pop(off, None)
         if units is None or offset % self.align:
             raise ValueError(f"free of offset {offset}, which is not an allocated block")
+        self._release_run(off, units)
+
+    def _release_run(self, off: int, units: int) -> None:
+        """Put ``units`` used units at ``off`` back, merged with free physical neighbours."""
         self.used_bytes -= units * self.align
         nxt = self._free_by_start.get(off + units)
         if nxt is not None:
@@ -182,17 +186,7 @@ class TLSFAllocator:
             else:
                 runs.append([off, units])
         for off, units in runs:
-            self.used_bytes -= units * align
-            nxt = self._free_by_start.get(off + units)
-            if nxt is not None:
-                self._remove(off + units, nxt)
-                units += nxt
-            prev = self._free_by_end.get(off)
-            if prev is not None:
-                prev_units = self._free_by_start[prev]
-                self._remove(prev, prev_units)
-                off, units = prev, units + prev_units
-            self._insert(off, units)
+            self._release_run(off, units)
 
     def block_size(self, offset: int) -> int:
         return self._used[offset // self.align] * self.align
@@ -270,18 +264,16 @@ class CheckedTLSFAllocator(TLSFAllocator):
 
     def free(self, offset: int) -> None:
         super().free(offset)
+        self._untrack(offset)
+
+    def free_many(self, offsets: list[int]) -> None:
+        super().free_many(offsets)
+        for offset in offsets:
+            self._untrack(offset)
+
+    def _untrack(self, offset: int) -> None:
         off = offset // self.align
         i = bisect.bisect_left(self._starts, off)
         if i == len(self._starts) or self._starts[i] != off:
             raise invariants.fail(f"freed units at {off}, which the check never saw handed out")
         del self._starts[i]
-
-    def free_many(self, offsets: list[int]) -> None:
-        super().free_many(offsets)
-        for offset in offsets:
-            off = offset // self.align
-            i = bisect.bisect_left(self._starts, off)
-            if i == len(self._starts) or self._starts[i] != off:
-                raise invariants.fail(f"freed units at {off}, which the check never saw "
-                                      f"handed out")
-            del self._starts[i]
