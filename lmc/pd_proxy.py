@@ -26,8 +26,10 @@ import signal
 import sys
 import threading
 import urllib.parse
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
 from typing import Any
+
+from lmc.http_json import JsonHandler
 
 log = logging.getLogger(__name__)
 TIMEOUT = 600.0
@@ -103,23 +105,8 @@ class Proxy:
         self.httpd.server_close()
 
 
-class _Handler(BaseHTTPRequestHandler):
+class _Handler(JsonHandler):
     proxy: Proxy
-    protocol_version = "HTTP/1.0"  # a relayed stream ends when the connection closes
-
-    def log_message(self, fmt: str, *args: Any) -> None:
-        log.debug("%s " + fmt, self.address_string(), *args)
-
-    def _json(self, status: int, obj: Any) -> None:
-        data = json.dumps(obj).encode()
-        self.send_response(status)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
-
-    def _error(self, status: int, msg: str) -> None:
-        self._json(status, {"error": {"message": msg, "code": status}})
 
     def do_GET(self) -> None:
         if self.path == "/health":

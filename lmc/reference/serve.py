@@ -33,9 +33,11 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
+
+from lmc.http_json import JsonHandler
 
 log = logging.getLogger(__name__)
 
@@ -197,24 +199,8 @@ class Server:
         self.llm.close()
 
 
-class _Handler(BaseHTTPRequestHandler):
+class _Handler(JsonHandler):
     app: Server
-    protocol_version = "HTTP/1.0"  # a stream ends when the connection closes
-
-    def log_message(self, fmt: str, *args: Any) -> None:
-        log.debug("%s " + fmt, self.address_string(), *args)
-
-    def _json(self, status: int, obj: Any) -> None:
-        data = json.dumps(obj).encode()
-        self.send_response(status)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
-
-    def _error(self, status: int, msg: str) -> None:
-        self._json(status, {"error": {"message": msg, "type": "invalid_request_error"
-                                      if status == 400 else "server_error", "code": status}})
 
     def do_GET(self) -> None:
         if self.path == "/health":
