@@ -58,6 +58,17 @@ def help_text(doc: str | None) -> str:
     return re.sub(r":\w+:`~?([^`]+)`", r"\1", text).strip()
 
 
+def positive_int(text: str) -> int:
+    """argparse type for counts: a whole number >= 1, refused with what was given."""
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {n}")
+    return n
+
+
 def add_command(sub: Any, name: str, summary: str, doc: str | None) -> argparse.ArgumentParser:
     """A subcommand whose ``--help`` starts with ``doc`` (cleaned), paragraphs kept."""
     return sub.add_parser(name, help=summary, description=help_text(doc) or summary,

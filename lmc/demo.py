@@ -38,6 +38,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from lmc.cli import positive_int
+
 DEMO_MODEL: dict[str, Any] = {"hidden": 256, "layers": 4, "heads": 4, "kv_heads": 2,
                               "vocab": 2048, "max_position_embeddings": 8192, "seed": 0}
 DEMO_MODEL_VERSION = 1
@@ -405,18 +407,8 @@ def run_demo(model_dir: Path | None = None, config_path: str | None = None,
     return results
 
 
-def _positive_int(text: str) -> int:
-    try:
-        n = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}") from None
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {n}")
-    return n
-
-
 def _count(text: str) -> int:
-    return 0 if text.strip() == "0" else _positive_int(text)
+    return 0 if text.strip() == "0" else positive_int(text)
 
 
 def _cli(args: argparse.Namespace) -> int:
@@ -446,7 +438,7 @@ def register_cli(sub: Any) -> None:
     p.add_argument("--quick", action="store_true", help="a smaller workload (seconds)")
     p.add_argument("--no-baseline", action="store_true",
                    help="skip the engine-alone pass (and so the speed-up)")
-    p.add_argument("--threads", type=_positive_int, default=None, metavar="N",
+    p.add_argument("--threads", type=positive_int, default=None, metavar="N",
                    help=f"torch threads for both engines (default: half the cores, here "
                         f"{default_threads()}), the same in every pass")
     p.add_argument("--rounds", type=_count, default=3, metavar="N",

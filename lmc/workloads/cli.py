@@ -7,6 +7,7 @@ import inspect
 import sys
 from typing import Any
 
+from lmc.cli import positive_int
 from lmc.workloads.trace import write_trace
 
 WORKLOAD_DOC = """Write a workload trace (JSONL, see docs/workloads.md) for lmc replay and lmc plan.
@@ -22,16 +23,6 @@ bounds with --tokenizer (the trace then holds token ids), estimated from words w
 Arrivals: a Poisson process with --rate, else all at t=0 (replay them with --fast)."""
 
 # --------------------------------------------------------------------------- parsing
-def positive_int(text: str) -> int:
-    try:
-        n = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}") from None
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {n}")
-    return n
-
-
 def _int_range(text: str) -> tuple[int, int]:
     """``12-18`` or ``15`` (both ends >= 1)."""
     parts = text.split("-")

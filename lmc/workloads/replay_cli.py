@@ -11,7 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from lmc.workloads.cli import positive_int
+from lmc.cli import positive_int
 from lmc.workloads.trace import TraceError, TraceRequest, read_trace
 
 REPLAY_DOC = """Replay a trace on a real engine and report TTFT, throughput and lmc hits per tier.
