@@ -23,7 +23,7 @@ from lmc.kv_spec import KVCaches, KVSpec
 from lmc.layered_read import READY, LayerGate
 from lmc.layerwise import CopyLease, LayerwiseRetrieve, LayerwiseStore
 from lmc.lookup import LookupResult
-from lmc.memory import LazyTensors, Lease, MemoryObj, MemoryPool
+from lmc.memory import LazyTensors, Lease, MemoryObj, MemoryPool, PoolArrays
 from lmc.metrics import EngineMetrics
 from lmc.pins import PinTable
 from lmc.storage_backend import Key
@@ -165,8 +165,9 @@ class CacheEngine:
             return 0
         with CopyLease(objs) as lease:  # the gather owns objs until its handle is done
             plan = tr.plan(slots, [(s, e) for s, e, _ in chunks])
-            # CPU: numpy views only (a tensor per chunk costs more than all else it needs)
-            arrays = self.pool.arrays(objs) if tr.device.type == "cpu" else None
+            # CPU: numpy views only (a tensor per chunk costs more than all else it needs),
+            # a run of neighbouring objects as one view
+            arrays = PoolArrays(objs) if tr.device.type == "cpu" else None
             lease.attach(tr.gather(plan, LazyTensors(objs), arrays=arrays)).wait()
             self.storage.put([k for _, _, k in chunks], objs)
         n = sum(e - s for s, e, _ in chunks)
@@ -304,7 +305,7 @@ class CacheEngine:
         if not chunks:
             return 0
         with CopyLease(objs) as lease:  # the scatter owns objs until its handle is done
-            arrays = self.pool.arrays(objs) if tr.device.type == "cpu" else None
+            arrays = PoolArrays(objs) if tr.device.type == "cpu" else None
             plan = tr.plan(slots, [(s, e) for s, e, _ in chunks])
             lease.attach(tr.scatter(plan, LazyTensors(objs), arrays=arrays)).wait()
         n = sum(e - s for s, e, _ in chunks)

@@ -182,6 +182,40 @@ class LazyTensors(Sequence[torch.Tensor]):
         return iter(self._made())
 
 
+class PoolArrays(Sequence[np.ndarray]):
+    """Integer numpy views of a batch of objects for a CPU copy, made only as the copy asks.
+
+    ``spans()`` cuts the batch into runs of objects evenly spaced in their pool (one shape
+    and dtype: a batch allocated together), each run one strided array ``[m, *shape]``: a
+    copy of many chunks then takes one numpy call per layer, and no view is made per object.
+    Indexing gives one object's own ``array`` (made for the whole batch at first use,
+    :meth:`MemoryPool.arrays`), for copies that go chunk by chunk."""
+
+    __slots__ = ("_objs", "_arrays", "_spans")
+
+    def __init__(self, objs: Sequence[MemoryObj]) -> None:
+        self._objs = objs
+        self._arrays: list[np.ndarray] | None = None
+        self._spans: list[tuple[int, int, np.ndarray]] | None = None
+
+    def spans(self) -> list[tuple[int, int, np.ndarray]]:
+        """``(i, j, a)`` covering the batch in order, ``a[k]`` exactly ``objs[i + k]``'s
+        bytes (see :meth:`MemoryPool.spans`)."""
+        s = self._spans
+        if s is None:
+            s = self._spans = self._objs[0].pool.spans(self._objs) if self._objs else []
+        return s
+
+    def __len__(self) -> int:
+        return len(self._objs)
+
+    def __getitem__(self, i):  # type: ignore[override]  # int or slice, as a list's
+        a = self._arrays
+        if a is None:
+            a = self._arrays = self._objs[0].pool.arrays(self._objs) if self._objs else []
+        return a[i]
+
+
 class Lease:
     """Releases a batch of objects on exit: ``with Lease(objs): ...``."""
 
@@ -361,14 +395,79 @@ class MemoryPool:
                     dtype: torch.dtype) -> list[np.ndarray]:
         if count == 1:
             return [self.array_view(offset, shape, dtype)]
+        return list(self._run_array(offset, count, step, shape, dtype))
+
+    def _run_array(self, offset: int, count: int, step: int, shape: tuple[int, ...],
+                   dtype: torch.dtype) -> np.ndarray:
+        """``count`` objects of ``shape``, ``step`` bytes apart from ``offset``, as one
+        strided integer array ``[count, *shape]`` (each object's part C-contiguous)."""
         typed = self._typed_array(dtype.itemsize)
         strides = [step]
         acc = dtype.itemsize
         for d in reversed(shape):
             strides.insert(1, acc)
             acc *= d
+        if count == 1:
+            strides[0] = acc  # any stride will do; a whole one keeps the view contiguous
         # one strided view over the run (numpy checks it lies inside the buffer)
-        return list(np.ndarray((count, *shape), typed.dtype, typed, offset, tuple(strides)))
+        return np.ndarray((count, *shape), typed.dtype, typed, offset, tuple(strides))
+
+    def spans(self, objs: Sequence[MemoryObj]) -> list[tuple[int, int, np.ndarray]]:
+        """``(i, j, a)`` covering ``objs`` in order: ``a`` an integer array ``[j - i, *shape]``
+        whose ``a[k]`` is exactly ``objs[i + k]``'s bytes (what its ``array`` holds). A run
+        of objects of this pool, of one shape and dtype and evenly spaced (a batch allocated
+        together: the usual case, recognised with no loop per object) is one strided view;
+        nothing is cached on the objects. Refuses an object already released."""
+        n = len(objs)
+        if not n:
+            return []
+        o = objs[0]
+        shape, dtype = o.shape, o.dtype
+        offs = [x.offset for x in objs]
+        step = offs[1] - offs[0] if n > 1 else o.nbytes
+        if (step >= o.nbytes and min([x._refs for x in objs]) > 0
+                and [x.pool for x in objs].count(self) == n
+                and [x.shape for x in objs].count(shape) == n
+                and [x.dtype for x in objs].count(dtype) == n
+                and offs == list(range(offs[0], offs[0] + n * step, step))):
+            out = [(0, n, self._run_array(offs[0], n, step, shape, dtype))]
+        else:
+            out = self._spans_slow(objs)
+        if self.invariants:
+            for i, j, a in out:
+                for k in range(i, j):
+                    if objs[k].pool is self:
+                        self.check_array(objs[k], a[k - i])
+        return out
+
+    def _spans_slow(self, objs: Sequence[MemoryObj]) -> list[tuple[int, int, np.ndarray]]:
+        """:meth:`spans` of a batch that is not one run: each run found in turn."""
+        out: list[tuple[int, int, np.ndarray]] = []
+        n, i = len(objs), 0
+        while i < n:
+            o = objs[i]
+            if o.pool is not self:  # another pool's: its own view
+                out.append((i, i + 1, o.array[None]))
+                i += 1
+                continue
+            if o._refs <= 0:
+                raise RuntimeError("MemoryObj used after its last release")
+            shape, dtype, prev = o.shape, o.dtype, o.offset
+            j, step = i + 1, 0
+            if j < n:
+                step = objs[j].offset - prev
+                if step < o.nbytes:
+                    step = 0
+            while step and j < n:
+                q = objs[j]
+                if (q.offset - prev != step or q.dtype is not dtype or q._refs <= 0
+                        or q.pool is not self or (q.shape is not shape and q.shape != shape)):
+                    break
+                prev = q.offset
+                j += 1
+            out.append((i, j, self._run_array(o.offset, j - i, step, shape, dtype)))
+            i = j
+        return out
 
     def byte_buffer(self) -> memoryview:
         """The whole buffer as one writable byte memoryview (CPU memory, pinned or not)."""

@@ -82,6 +82,52 @@ class TransferPlan:
     chunks: list[ChunkPlan]
 
 
+class PlanRun:
+    """Consecutive chunks of one size and mode ("block" or "token") of a CPU plan, whose row
+    indices are the rows of one array: ``index_np[k]`` is chunk ``first + k``'s
+    (``[count, planes * per]`` for one-table layouts, ``[count, planes, per]`` else).
+
+    Why: a prompt's chunks are planned by one reshape, and a Python object per chunk costs
+    more than that; a run is also copied with one numpy call per layer where its buffers
+    lie evenly spaced in the pool (:class:`lmc.memory.PoolArrays`)."""
+
+    __slots__ = ("first", "count", "mode", "index_np")
+
+    def __init__(self, first: int, count: int, mode: str, index_np: np.ndarray) -> None:
+        self.first = first
+        self.count = count
+        self.mode = mode
+        self.index_np = index_np
+
+
+class TorchPlan(TransferPlan):
+    """:class:`TorchTransfer`'s plan: ``parts`` in chunk order, each a :class:`PlanRun` or
+    ``(i, ChunkPlan)`` for a chunk planned alone. ``chunks`` (a ChunkPlan per chunk, the
+    generic view other code reads) is made from them on first use only."""
+
+    def __init__(self, ranges: Sequence[tuple[int, int]],
+                 parts: list[PlanRun | tuple[int, ChunkPlan]]) -> None:
+        self.ranges = ranges
+        self.parts = parts
+        self._chunks: list[ChunkPlan] | None = None
+
+    @property  # type: ignore[override]  # the base's field, made lazily here
+    def chunks(self) -> list[ChunkPlan]:
+        out = self._chunks
+        if out is None:
+            out = []
+            rng = self.ranges
+            for part in self.parts:
+                if isinstance(part, PlanRun):
+                    f, idx = part.first, part.index_np
+                    out += [ChunkPlan(*rng[f + k], part.mode, None, idx[k], None)
+                            for k in range(part.count)]
+                else:
+                    out.append(part[1])
+            self._chunks = out
+        return out
+
+
 class KVTransfer(abc.ABC):
     """Moves KV between an engine's cache (fixed at construction) and chunk buffers.
 
@@ -234,13 +280,16 @@ class TorchTransfer(KVTransfer):
         t = torch.from_numpy(arr)
         return t if self.cpu else t.to(self.device, non_blocking=False)
 
-    def plan(self, slots: torch.Tensor, ranges: Sequence[tuple[int, int]]) -> TransferPlan:
+    def plan(self, slots: torch.Tensor, ranges: Sequence[tuple[int, int]]) -> TorchPlan:
         """Rows for the whole call are computed once, vectorised; runs of consecutive
-        equal-size chunks (a prompt's full chunks) get their indices from one reshape."""
+        equal-size chunks (a prompt's full chunks) get their indices from one reshape (on
+        CPU one :class:`PlanRun` each: no object per chunk)."""
         bs, n_all = self.spec.block_size, slots.numel()
+        ranges = ranges if isinstance(ranges, list) else list(ranges)
         if n_all == 0 or not ranges:
             empty = torch.empty(0, dtype=torch.int64, device=self.device)
-            return TransferPlan([ChunkPlan(a, b, "token", empty, None, None) for a, b in ranges])
+            return TorchPlan(ranges, [(i, ChunkPlan(a, b, "token", empty, None, None))
+                                      for i, (a, b) in enumerate(ranges)])
         s = slots.cpu().numpy()
         by_block = (self.block_ok or self.strided and bs > 1) and n_all >= bs
         blocks = self._blocks(s) if by_block else None
@@ -271,33 +320,28 @@ class TorchTransfer(KVTransfer):
             _, heads, blk_ok = blocks
             if self.block_ok:
                 blk_rows = self._rows(heads, bs * self.W)
-        chunks: list[ChunkPlan] = []
-        i, count = 0, len(ranges)
-        while i < count:
+        parts: list[PlanRun | tuple[int, ChunkPlan]] = []
+        for i, j in _runs(ranges):
             s0, e0 = ranges[i]
             n = e0 - s0
-            j, end = i + 1, e0
-            while j < count:  # the run of consecutive chunks of n tokens from here
-                a, b = ranges[j]
-                if a != end or b - a != n:
-                    break
-                end = b
-                j += 1
+            end = ranges[j - 1][1]
             aligned = (blk_ok is not None and s0 % bs == 0 and n % bs == 0
                        and (blk_ok is True or bool(blk_ok[s0 // bs: end // bs].all())))
             if neg is not None and neg[s0:end].any() or self.strided and not aligned:
-                chunks += [self._plan_one(slots, neg, tok_rows(), r) for r in ranges[i:j]]
+                parts += [(k, self._plan_one(slots, neg, tok_rows(), ranges[k]))
+                          for k in range(i, j)]
             elif self.strided:  # whole blocks of a strided layout: block ids
-                for a, b in ranges[i:j]:
+                for k in range(i, j):
+                    a, b = ranges[k]
                     ids = np.ascontiguousarray(heads[a // bs: b // bs] // bs)
-                    chunks.append(ChunkPlan(a, b, "block", None if self.cpu else
-                                            self._to_index(ids), ids if self.cpu else None, None))
+                    parts.append((k, ChunkPlan(a, b, "block", None if self.cpu else
+                                               self._to_index(ids), ids if self.cpu else None,
+                                               None)))
             elif aligned:
-                chunks += self._plan_run(blk_rows, s0 // bs, n // bs, ranges[i:j], "block")
+                parts += self._plan_run(blk_rows, s0 // bs, n // bs, ranges, i, j, "block")
             else:
-                chunks += self._plan_run(tok_rows(), s0, n, ranges[i:j], "token")
-            i = j
-        return TransferPlan(chunks)
+                parts += self._plan_run(tok_rows(), s0, n, ranges, i, j, "token")
+        return TorchPlan(ranges, parts)
 
     def _blocks(self, s: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray | bool]:
         """The slots cut in blocks: ``(v, heads, ok)``, ``v`` the whole blocks' slots as
@@ -315,18 +359,21 @@ class TorchTransfer(KVTransfer):
         return v, heads, ((heads % bs) == 0) & (in_order == heads[:, None]).all(1)
 
     def _plan_run(self, rows: np.ndarray, first: int, per: int,
-                  ranges: Sequence[tuple[int, int]], mode: str) -> list[ChunkPlan]:
-        """Consecutive chunks of ``per`` rows each, starting at row column ``first``. On CPU
-        each chunk gets a numpy row view only (its tensor index is made if ever needed)."""
-        c = len(ranges)
+                  ranges: Sequence[tuple[int, int]], i: int, j: int, mode: str
+                  ) -> list[PlanRun | tuple[int, ChunkPlan]]:
+        """Chunks ``i..j-1`` (consecutive, ``per`` rows each), starting at row column
+        ``first``: on CPU one :class:`PlanRun` (numpy rows only: a tensor index is made
+        only if a torch path asks for one), elsewhere a tensor index per chunk."""
+        c = j - i
         planes = rows.shape[0]
         r = rows[:, first: first + c * per].reshape(planes, c, per).transpose(1, 0, 2)
         r = (r.reshape(c, planes * per) if len(self.tok_tables[0]) == 1
              else np.ascontiguousarray(r))
         if self.cpu:
-            return [ChunkPlan(s, e, mode, None, a, None) for (s, e), a in zip(ranges, r)]
+            return [PlanRun(i, c, mode, r)]
         idx = self._to_index(r).unbind(0)
-        return [ChunkPlan(s, e, mode, t, None, None) for (s, e), t in zip(ranges, idx)]
+        return [(k, ChunkPlan(*ranges[k], mode, t, None, None))
+                for k, t in zip(range(i, j), idx)]
 
     def _plan_one(self, slots: torch.Tensor, neg: np.ndarray | None, tok_rows: np.ndarray | None,
                   rng: tuple[int, int]) -> ChunkPlan:
@@ -387,6 +434,18 @@ class TorchTransfer(KVTransfer):
             self._scatter(plan, bufs, layers, arrays)
         return self._completion(s)
 
+    def _parts(self, plan: TransferPlan, n_bufs: int) -> list[PlanRun | tuple[int, ChunkPlan]]:
+        """The plan's parts in chunk order (a plan made elsewhere: one per chunk), checked
+        against the number of buffers."""
+        if isinstance(plan, TorchPlan):
+            parts, n = plan.parts, len(plan.ranges)
+        else:
+            parts = list(enumerate(plan.chunks))
+            n = len(parts)
+        if n_bufs != n:
+            raise ValueError(f"{n_bufs} buffers for {n} planned chunks")
+        return parts
+
     def _np_buf(self, cp: ChunkPlan, i: int, bufs: Sequence[torch.Tensor],
                 arrays: Sequence[np.ndarray] | None) -> np.ndarray | None:
         """Chunk ``i``'s buffer as a C-contiguous integer array where the numpy path applies
@@ -398,31 +457,47 @@ class TorchTransfer(KVTransfer):
         a = int_view(bufs[i])
         return a if a.flags.c_contiguous else None  # a reshape of it would be a copy
 
+    def _run_bufs(self, run: PlanRun, bufs: Sequence[torch.Tensor],
+                  arrays: Sequence[np.ndarray] | None) -> list[tuple[int, np.ndarray | None]]:
+        """The buffers of ``run``'s chunks as ``(k, a)`` pieces: ``a`` an integer array
+        ``[m, *chunk shape]`` holding chunks ``first + k`` .. ``first + k + m - 1`` (from
+        one span of evenly spaced pool objects where ``arrays`` offers ``spans()``, see
+        :class:`lmc.memory.PoolArrays`; else one chunk each), or ``None``: that chunk's
+        buffer is no C-contiguous array and takes the torch path."""
+        first, end = run.first, run.first + run.count
+        spans = getattr(arrays, "spans", None)
+        out: list[tuple[int, np.ndarray | None]] = []
+        if spans is not None:
+            for a, b, arr in spans():
+                if a < end and b > first:
+                    lo, hi = max(a, first), min(b, end)
+                    out.append((lo - first, arr[lo - a: hi - a]))
+            return out
+        for i in range(first, end):
+            if arrays is not None:
+                out.append((i - first, arrays[i][None]))
+                continue
+            a = int_view(bufs[i])
+            out.append((i - first, a[None] if a.flags.c_contiguous else None))
+        return out
+
     def _gather(self, plan: TransferPlan, bufs: Sequence[torch.Tensor],
                 layers: Iterable[int] | None, arrays: Sequence[np.ndarray] | None) -> None:
-        """CPU block and token rows: ``np.take`` straight into the chunk's array (no tensor
+        """CPU block and token rows: ``np.take`` straight into the chunks' arrays (no tensor
         made per chunk or layer; 'clip' because 'raise' buffers the output, and every index
-        was bounds-checked by ``plan``). Else ``index_select``."""
+        was bounds-checked by ``plan``), a run's evenly spaced chunks in one call per layer
+        where their destination is one contiguous array. Else ``index_select``."""
         layer_ids = range(self.spec.num_layers) if layers is None else list(layers)
-        if len(bufs) != len(plan.chunks):
-            raise ValueError(f"{len(bufs)} buffers for {len(plan.chunks)} planned chunks")
-        for i, cp in enumerate(plan.chunks):
+        for part in self._parts(plan, len(bufs)):
+            if isinstance(part, PlanRun):
+                self._gather_run(part, bufs, arrays, layer_ids)
+                continue
+            i, cp = part
             if cp.start == cp.end or cp.mode == "empty":
                 continue
             arr = self._np_buf(cp, i, bufs, arrays)
             if arr is not None:
-                idx = cp.index_np
-                np_tabs = self.tok_np if cp.mode == "token" else self.blk_np
-                if idx.ndim == 1:
-                    rows = idx.shape[0]
-                    for layer in layer_ids:  # the method: np.take adds two Python calls
-                        np_tabs[layer][0].take(idx, 0, arr[layer].reshape(rows, -1), "clip")
-                else:
-                    rows = idx.shape[1]
-                    for layer in layer_ids:
-                        dst = arr[layer]
-                        for p, t in enumerate(np_tabs[layer]):
-                            t.take(idx[p], 0, dst[p].reshape(rows, -1), "clip")
+                self._take(cp.index_np[None], cp.mode, arr[None], layer_ids)
                 continue
             buf = bufs[i].view(self.int_dtype)
             for layer in layer_ids:
@@ -436,6 +511,39 @@ class TorchTransfer(KVTransfer):
                 else:
                     tabs = self.tok_tables[layer] if cp.mode == "token" else self.blk_tables[layer]
                     self._index_into(tabs, cp.index, dst)
+
+    def _gather_run(self, run: PlanRun, bufs: Sequence[torch.Tensor],
+                    arrays: Sequence[np.ndarray] | None, layer_ids: Sequence[int]) -> None:
+        idx = run.index_np
+        if idx.shape[-1] == 0:  # chunks of no tokens
+            return
+        for k, big in self._run_bufs(run, bufs, arrays):
+            if big is not None:
+                self._take(idx[k: k + big.shape[0]], run.mode, big, layer_ids)
+                continue
+            tabs = self.tok_tables if run.mode == "token" else self.blk_tables
+            buf, ix = bufs[run.first + k].view(self.int_dtype), torch.from_numpy(idx[k])
+            for layer in layer_ids:
+                self._index_into(tabs[layer], ix, buf[layer])
+
+    def _take(self, idx: np.ndarray, mode: str, big: np.ndarray,
+              layer_ids: Sequence[int]) -> None:
+        """Rows ``idx`` (``[m, rows]``; ``[m, planes, rows]`` for two-table layouts) into
+        ``big`` (``[m, *chunk shape]``, each chunk C-contiguous): one ``take`` per layer
+        (and plane) where the destination is one contiguous array, else one per chunk."""
+        m, rows = big.shape[0], idx.shape[-1]
+        np_tabs = self.tok_np if mode == "token" else self.blk_np
+        two = idx.ndim == 3
+        for layer in layer_ids:
+            for p, t in enumerate(np_tabs[layer]):
+                # a view (each chunk's layer is contiguous): its rows of this layer/plane
+                dst = (big[:, layer, p] if two else big[:, layer]).reshape(m, rows, -1)
+                ix = idx[:, p] if two else idx
+                if m == 1 or dst.flags.c_contiguous:
+                    t.take(ix, 0, dst, "clip")
+                else:  # a strided destination would be buffered: chunk by chunk
+                    for q in range(m):
+                        t.take(ix[q], 0, dst[q], "clip")
 
     def _index(self, tabs: list[torch.Tensor], idx: torch.Tensor) -> torch.Tensor:
         if len(tabs) == 1:
@@ -456,22 +564,16 @@ class TorchTransfer(KVTransfer):
     def _scatter(self, plan: TransferPlan, bufs: Sequence[torch.Tensor],
                  layers: Iterable[int] | None, arrays: Sequence[np.ndarray] | None) -> None:
         layer_ids = range(self.spec.num_layers) if layers is None else list(layers)
-        if len(bufs) != len(plan.chunks):
-            raise ValueError(f"{len(bufs)} buffers for {len(plan.chunks)} planned chunks")
-        for i, cp in enumerate(plan.chunks):
+        for part in self._parts(plan, len(bufs)):
+            if isinstance(part, PlanRun):
+                self._scatter_run(part, bufs, arrays, layer_ids)
+                continue
+            i, cp = part
             if cp.start == cp.end or cp.mode == "empty":
                 continue
             src_np = self._np_buf(cp, i, bufs, arrays)
             if src_np is not None:
-                idx = cp.index_np
-                np_tabs = self.tok_np if cp.mode == "token" else self.blk_np
-                for layer in layer_ids:
-                    tabs_l, rows = np_tabs[layer], src_np[layer]
-                    if idx.ndim == 1:
-                        tabs_l[0][idx] = rows.reshape(idx.shape[0], -1)
-                    else:
-                        for p, t in enumerate(tabs_l):
-                            t[idx[p]] = rows[p].reshape(idx.shape[1], -1)
+                self._put(cp.index_np[None], cp.mode, src_np[None], layer_ids)
                 continue
             buf = bufs[i].view(self.int_dtype)
             for layer in layer_ids:
@@ -484,12 +586,44 @@ class TorchTransfer(KVTransfer):
                     tabs = self.tok_tables[layer]
                 else:
                     tabs = self.tok_tables[layer] if cp.mode == "token" else self.blk_tables[layer]
-                src = src.to(self.device, non_blocking=False)
-                if len(tabs) == 1:
-                    tabs[0].index_copy_(0, cp.index, src.reshape(cp.index.numel(), -1))
-                else:
-                    for p, (t, ix) in enumerate(zip(tabs, cp.index)):
-                        t.index_copy_(0, ix, src[p].reshape(ix.numel(), -1))
+                self._index_copy(tabs, cp.index, src)
+
+    def _index_copy(self, tabs: list[torch.Tensor], idx: torch.Tensor, src: torch.Tensor
+                    ) -> None:
+        """``src`` (one layer of a chunk, ``[planes, tokens, W]``) into rows ``idx``."""
+        src = src.to(self.device, non_blocking=False)
+        if len(tabs) == 1:
+            tabs[0].index_copy_(0, idx, src.reshape(idx.numel(), -1))
+        else:
+            for p, (t, ix) in enumerate(zip(tabs, idx)):
+                t.index_copy_(0, ix, src[p].reshape(ix.numel(), -1))
+
+    def _scatter_run(self, run: PlanRun, bufs: Sequence[torch.Tensor],
+                     arrays: Sequence[np.ndarray] | None, layer_ids: Sequence[int]) -> None:
+        idx = run.index_np
+        if idx.shape[-1] == 0:  # chunks of no tokens
+            return
+        for k, big in self._run_bufs(run, bufs, arrays):
+            if big is not None:
+                self._put(idx[k: k + big.shape[0]], run.mode, big, layer_ids)
+                continue
+            tabs = self.tok_tables if run.mode == "token" else self.blk_tables
+            buf, ix = bufs[run.first + k].view(self.int_dtype), torch.from_numpy(idx[k])
+            for layer in layer_ids:
+                self._index_copy(tabs[layer], ix, buf[layer])
+
+    def _put(self, idx: np.ndarray, mode: str, big: np.ndarray, layer_ids: Sequence[int]
+             ) -> None:
+        """``big`` (``[m, *chunk shape]``) into rows ``idx`` (as :meth:`_take`'s): one fancy
+        assignment per layer (and plane) for all ``m`` chunks, their source strided or not
+        (each chunk's rows of a layer are contiguous, so the reshape is a view)."""
+        m, rows = big.shape[0], idx.shape[-1]
+        np_tabs = self.tok_np if mode == "token" else self.blk_np
+        two = idx.ndim == 3
+        for layer in layer_ids:
+            for p, t in enumerate(np_tabs[layer]):
+                t[idx[:, p] if two else idx] = (
+                    big[:, layer, p] if two else big[:, layer]).reshape(m, rows, -1)
 
     # Strided layouts: advanced indexing on the per-plane views.
     def _strided_gather(self, layer: int, cp: ChunkPlan, dst: torch.Tensor) -> None:
@@ -521,6 +655,34 @@ class TorchTransfer(KVTransfer):
         pos = slice(None) if cp.valid is None else cp.valid
         for p, (view, _) in enumerate(self.plane_views[layer]):
             view[blk, off] = src[p, pos].reshape(-1, H, D).to(view.device)
+
+
+def _runs(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """``(i, j)`` for each run of chunks ``ranges[i:j]`` that are consecutive (each starts
+    where the previous ends) and of one size. The usual call -- a prompt's full chunks, then
+    maybe a shorter tail -- is recognised by one list comparison, with no loop per chunk."""
+    count = len(ranges)
+    s0, e0 = ranges[0]
+    n = e0 - s0
+    full = count if ranges[-1][1] - ranges[-1][0] == n else count - 1
+    if n > 0 and full and ranges[:full] == list(zip(range(s0, s0 + full * n, n),
+                                                    range(e0, e0 + full * n, n))):
+        return [(0, count)] if full == count else [(0, full), (full, count)]
+    out = []
+    i = 0
+    while i < count:
+        s0, e0 = ranges[i]
+        n = e0 - s0
+        j, end = i + 1, e0
+        while j < count:
+            a, b = ranges[j]
+            if a != end or b - a != n:
+                break
+            end = b
+            j += 1
+        out.append((i, j))
+        i = j
+    return out
 
 
 def _dense_rows(p: PlaneStrides, width: int, head_size: int, heads: int) -> bool:
