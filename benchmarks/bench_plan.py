@@ -8,10 +8,11 @@ history so far), then times the planner's phases separately with CPU and wall ti
     python benchmarks/bench_plan.py --requests 20000        # a quick look
     python benchmarks/bench_plan.py --ttft                  # predicted vs measured TTFT
 
-``--ttft`` calibrates a profile for a small random-weight model, replays a mixed trace
-(shared system prompts, growing conversations, one-off prompts) on the reference engine with
-lmc (L1 and a disk tier, one request at a time, write queues flushed after each) and prints
-the engine's hit rate and mean TTFT beside the planner's prediction for the same trace.
+``--ttft`` calibrates a profile for a small random-weight model (one torch thread, lmc
+attached), replays a mixed trace (shared system prompts, growing conversations, one-off
+prompts) on the reference engine with lmc at two L1 sizes over a disk tier (one request at a
+time, write queues flushed after each, three passes, each request's median TTFT) and prints
+the engine's hit rate and mean TTFT beside the planner's prediction (``lmc.planner.validate``).
 """
 
 from __future__ import annotations
@@ -89,55 +90,32 @@ def mixed_trace(n: int = 60, seed: int = 7) -> list[TraceRequest]:
 
 def ttft_check(profile_path: str) -> int:
     """Predicted vs measured hit rate and TTFT (see the module doc)."""
-    import statistics
-    import tempfile
+    import torch
+    from lmc.storage_backends.disk import DiskBackend
 
-    from lmc.connectors.reference import LMCReferenceConnector
-
-    from lmc.config import CacheConfig
-    from lmc.planner.calibrate import calibrate
-    from lmc.planner.keys import key_trace
-    from lmc.planner.report import as_numpy
-    from lmc.reference import LLM
+    from lmc.planner.validate import validate, warmup_request
     from lmc.reference.tiny import cached_checkpoint
 
+    torch.set_num_threads(1)  # two cores shared with others: one thread is far steadier
     model = cached_checkpoint("plan-bench-h256-l4-kv2", hidden=256, layers=4, heads=4,
                               kv_heads=2, max_position_embeddings=2048)
-    prof = calibrate(model, lengths=(128, 256, 512, 1024), reps=3, load_tokens=1024)
+    print(f"load average {os.getloadavg()[0]:.1f} before")
+    reqs = [warmup_request(1024, 2000), *mixed_trace()]
+    chunk = 256 * 4096  # this model's KV: 4 KiB per token
+    points = [GridPoint(4 * chunk, 16 * chunk, 0, "write_through"),
+              GridPoint(16 * chunk, 64 * chunk, 0, "write_through")]
+    def disk(path: str, capacity: int):  # one I/O thread: a batch lands in a defined LRU order
+        return lambda c, pool: DiskBackend(config=c, pool=pool, path=path, capacity=capacity,
+                                           io_threads=1)
+
+    prof, res = validate(model, reqs, points, passes=3, lengths=(128, 256, 512, 1024),
+                         load_tokens=768, disk_tier=disk, max_model_len=1100)
     prof.save(profile_path)
-    reqs = mixed_trace()
-    bpt = prof.kv_bytes_per_token
-    l1, disk = 8 * 256 * bpt, 64 * 256 * bpt
-    with tempfile.TemporaryDirectory() as d:
-        cfg = CacheConfig(local_cpu_size=l1, local_disk=d, local_disk_size=disk,
-                          local_cpu_prefault="off")
-        conn = LMCReferenceConnector(cfg, model_dir=model)
-        llm = LLM(model, block_size=16, max_num_batched_tokens=2048, max_num_seqs=1,
-                  max_model_len=1100, kv_connector=conn)
-        llm.generate([mixed_trace(1, seed=99)[0].prompt_tokens], max_tokens=1)  # warm-up
-        conn.engine.storage.l1.clear()
-        measured, hits = [], 0
-        try:
-            for r in reqs:
-                before = conn.stats()
-                measured.append(llm.generate([r.prompt_tokens], max_tokens=1)[0].ttft_s)
-                conn.engine.storage.flush(timeout=60)
-                after = conn.stats()
-                hits += sum(after.get(k, 0) - before.get(k, 0) for k in after
-                            if k.startswith("worker.tokens_from_"))
-        finally:
-            llm.close()
-    kt = key_trace(reqs)
-    sim = simulate(kt, GridPoint(l1, disk, 0, "write_through"), bytes_per_token=bpt)
-    pred = prof.ttft_s(as_numpy(kt.num_tokens),
-                       {t: as_numpy(a) for t, a in sim.per_request.items()})
-    total = kt.prompt_tokens
-    print(f"{len(reqs)} requests, {total} prompt tokens, L1 {l1 >> 20} MiB, disk "
-          f"{disk >> 20} MiB, write_through")
-    print(f"hit rate: engine {hits / total:.4f}, planner {sim.hit_rate():.4f}")
-    print(f"mean TTFT: engine {statistics.mean(measured) * 1e3:.1f} ms, planner "
-          f"{float(pred.mean()) * 1e3:.1f} ms (ratio {float(pred.mean()) / statistics.mean(measured):.2f})")
-    print(f"load average {os.getloadavg()[0]:.1f}")
+    for point, c in zip(points, res):
+        print(f"{c.requests} requests, {c.prompt_tokens} prompt tokens, L1 {point.l1 >> 20} "
+              f"MiB, disk {point.disk >> 20} MiB, write_through, median of 3 passes")
+        print(f"  {c}")
+    print(f"load average {os.getloadavg()[0]:.1f} after")
     return 0
 
 

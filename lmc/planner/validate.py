@@ -1,0 +1,147 @@
+"""The planner against the engine: replay a trace on the reference engine with lmc and put
+the measured hit rate and mean TTFT beside the planner's prediction for the same tiers.
+
+Requests run one at a time, each followed by draining lmc's write-behind queues (the
+planner's model of the writer threads). A warm-up request (a process's first prefill pays
+page faults and kernel set-up) is sent first and is part of the trace both sides see, so
+the cache state stays identical; it is left out of both figures. TTFT on a shared machine
+is noisy, so the trace is replayed ``passes`` times, each on a fresh engine, cache and disk
+directory (the hits repeat exactly), and each request's median TTFT is kept: a burst of load
+from elsewhere then moves a request's figure only if it lands on most passes. The
+calibration's rounds are taken between the passes, so the profile and the replay are
+measured under the same conditions (on a shared machine the load from elsewhere drifts by
+tens of percent between minutes).
+"""
+
+from __future__ import annotations
+
+import random
+import statistics
+import tempfile
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from lmc.planner.calibrate import Calibrator
+from lmc.planner.costmodel import Profile
+from lmc.planner.keys import key_trace
+from lmc.planner.report import as_numpy
+from lmc.planner.sim import GridPoint, simulate
+from lmc.workloads.trace import TraceRequest
+
+TIER_COUNTERS = {"L1": "cpu", "disk": "disk", "remote": "remote"}
+TierFactory = Callable[[Any, Any], Any]  # (CacheConfig, pool) -> StorageBackend
+
+
+@dataclass
+class Comparison:
+    requests: int
+    prompt_tokens: int
+    hit_measured: float
+    hit_predicted: float
+    ttft_measured_s: float  # mean over requests of each request's median over passes
+    ttft_predicted_s: float
+    hits_measured: dict[str, int]
+    hits_predicted: dict[str, int]
+
+    @property
+    def ttft_ratio(self) -> float:
+        return self.ttft_predicted_s / self.ttft_measured_s
+
+    def __str__(self) -> str:
+        return (f"hit rate: engine {self.hit_measured:.4f}, planner {self.hit_predicted:.4f} "
+                f"({self.hits_measured} vs {self.hits_predicted} of {self.prompt_tokens} "
+                f"tokens); mean TTFT: engine {self.ttft_measured_s * 1e3:.1f} ms, planner "
+                f"{self.ttft_predicted_s * 1e3:.1f} ms (ratio {self.ttft_ratio:.2f})")
+
+
+def warmup_request(length: int, vocab: int, seed: int = 99) -> TraceRequest:
+    rng = random.Random(seed)
+    return TraceRequest(0.0, "warm-up", None, None,
+                        [rng.randrange(2, vocab) for _ in range(length)], None, 1)
+
+
+def replay_pass(model: Path, reqs: Sequence[TraceRequest], point: GridPoint, *,
+                disk_tier: Callable[[str, int], TierFactory] | None = None,
+                max_model_len: int = 2048) -> tuple[list[float], list[dict[str, int]]]:
+    """One pass on a fresh engine and cache: each request's TTFT and loaded tokens per tier.
+    ``point``'s disk size, if any, is a disk tier in a fresh directory
+    (``disk_tier(path, capacity)`` builds it; default: lmc's own from the config)."""
+    from lmc.config import CacheConfig
+    from lmc.connectors.reference import LMCReferenceConnector
+    from lmc.reference import LLM
+
+    if point.remote:
+        raise ValueError("replay: a remote tier is not supported here (give remote=0)")
+    ttfts: list[float] = []
+    hits: list[dict[str, int]] = []
+    with tempfile.TemporaryDirectory(prefix="lmc-plan-replay-") as d:
+        kw: dict[str, Any] = {"local_cpu_size": point.l1, "write_policy": point.policy,
+                              "local_cpu_prefault": "off"}
+        tiers = None
+        if point.disk and disk_tier is not None:
+            tiers = [disk_tier(d, point.disk)]
+        elif point.disk:
+            kw.update(local_disk=d, local_disk_size=point.disk)
+        conn = LMCReferenceConnector(CacheConfig(**kw), model_dir=model, tiers=tiers)
+        llm = LLM(model, block_size=16, max_num_batched_tokens=max_model_len, max_num_seqs=1,
+                  max_model_len=max_model_len, kv_connector=conn)
+        try:
+            for r in reqs:
+                before = conn.stats()
+                ttfts.append(llm.generate([r.prompt_tokens], max_tokens=1)[0].ttft_s)
+                if not conn.engine.storage.flush(timeout=60):
+                    raise RuntimeError("replay: lmc's tier writes did not finish in 60 s")
+                after = conn.stats()
+                hits.append({t: after.get(f"worker.tokens_from_{c}", 0)
+                             - before.get(f"worker.tokens_from_{c}", 0)
+                             for t, c in TIER_COUNTERS.items()})
+        finally:
+            llm.close()
+    return ttfts, hits
+
+
+def validate(model: Path, reqs: Sequence[TraceRequest], points: Sequence[GridPoint], *,
+             passes: int = 3, lengths: Sequence[int] = (128, 256, 512, 1024),
+             load_tokens: int = 768, disk_tier: Callable[[str, int], TierFactory] | None = None,
+             max_model_len: int = 2048) -> tuple[Profile, list[Comparison]]:
+    """Calibrate and replay, interleaved: a calibration round, then one pass of the trace
+    per point, then another round, ``passes`` times. Each point's TTFTs are the per-request
+    medians over the passes; its hits are the first pass's (every pass must agree)."""
+    cal = Calibrator(model, lengths=lengths, load_tokens=load_tokens)
+    runs: list[list[tuple[list[float], list[dict[str, int]]]]] = [[] for _ in points]
+    try:
+        cal.round()
+        for _ in range(passes):
+            for i, point in enumerate(points):
+                runs[i].append(replay_pass(model, reqs, point, disk_tier=disk_tier,
+                                           max_model_len=max_model_len))
+            cal.round()
+        prof = cal.profile()
+    finally:
+        cal.close()
+    out = []
+    for point, rs in zip(points, runs):
+        if any(h != rs[0][1] for _, h in rs):
+            raise RuntimeError(f"replay at {point}: the passes loaded different tokens")
+        ttfts = [statistics.median(t) for t in zip(*(t for t, _ in rs))]
+        out.append(compare(prof, reqs, point, ttfts, rs[0][1]))
+    return prof, out
+
+
+def compare(profile: Profile, reqs: Sequence[TraceRequest], point: GridPoint,
+            ttfts: Sequence[float], hits: Sequence[dict[str, int]], skip: int = 1
+            ) -> Comparison:
+    """The planner's prediction for ``reqs`` at ``point`` beside a :func:`replay`'s figures,
+    over the requests after the first ``skip`` (the warm-up)."""
+    kt = key_trace(list(reqs))
+    sim = simulate(kt, point, bytes_per_token=profile.kv_bytes_per_token)
+    n = as_numpy(kt.num_tokens)
+    pred = profile.ttft_s(n, {t: as_numpy(a) for t, a in sim.per_request.items()})
+    total = int(n[skip:].sum())
+    got = {t: sum(h.get(t, 0) for h in hits[skip:]) for t in sim.per_request}
+    want = {t: int(as_numpy(a)[skip:].sum()) for t, a in sim.per_request.items()}
+    return Comparison(len(reqs) - skip, total, sum(got.values()) / total,
+                      sum(want.values()) / total, statistics.mean(ttfts[skip:]),
+                      float(pred[skip:].mean()), got, want)
