@@ -1,13 +1,18 @@
-"""TTFT from hits: a cost model whose every number was measured on this machine.
+"""TTFT from hits: a cost model whose every number was measured on this machine, with lmc.
 
-A profile (``lmc plan --calibrate``, stored as JSON) holds the engine's full-prefill time at a
-few prompt lengths and, per tier, the time to load a chunk's KV (bandwidth plus a per-chunk
-cost). Prefill time is fitted as ``t(L) = c0 + c1*L + c2*L**2`` (attention makes later tokens
+A profile (``lmc plan --calibrate``, stored as JSON) holds the TTFT of a request that misses,
+served by the reference engine *with lmc's connector* (so it includes lmc's lookup and the
+saving of the new chunks), at a few prompt lengths, and, per tier, what loading a chunk's KV
+from it adds to a request's TTFT through the connector (see :mod:`lmc.planner.calibrate`).
+Prefill time is fitted as ``t(L) = c0 + c1*L + c2*L**2`` (attention makes later tokens
 dearer), so computing the suffix ``[p, n)`` of a prompt whose first ``p`` tokens were loaded
-costs ``c0 + (t(n) - c0) - (t(p) - c0)``. A request's predicted TTFT is that plus each tier's
-load time, added (layer-wise loading can hide part of a load behind compute, so this errs
-high when both are large). Why a fit rather than the points: traces have every length, and
-the fit's residual on the measured points is kept in the profile so a bad fit is visible.
+costs ``c0 + (t(n) - c0) - (t(p) - c0)``: ``c0`` is the per-request cost (scheduling, lookup,
+sampling) paid once. A request's predicted TTFT is that plus each tier's load time; since a
+tier's cost is measured as a hit's TTFT minus the fitted prefill of its computed token, what
+layer-wise loading hides behind compute is already left out of it. Why a fit rather than the
+points: traces have every length, and the fit's residual on the measured points is kept in
+the profile so a bad fit is visible. ``tests/planner/test_validate.py`` checks the predicted
+mean TTFT against a replay within 20%.
 """
 
 from __future__ import annotations
