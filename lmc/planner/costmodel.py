@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-PROFILE_VERSION = 1
+PROFILE_VERSION = 2  # 2: measured with lmc attached (1 measured the engine alone)
 
 
 def default_profile_path() -> Path:
