@@ -149,8 +149,8 @@ def test_planner_predicts_the_engines_mean_ttft():
     request's median TTFT over three passes; one retry of the whole calibrate+replay if the
     first attempt misses (both printed). It still fails if the cost model is wrong: by hand,
     doubling (or halving) the prefill fit gave ratios near 2 (0.5), and a planner that
-    ignores the cache (every request a full prefill) misses by far more than 20%, which is
-    also asserted below. Dropping the tier load costs moves the prediction by a few percent
+    ignores the cache (every request a full prefill) misses by more than 20% at the point with
+    the most hits, which is also asserted. Dropping the tier load costs moves the prediction by a few percent
     only (loads of this model's KV take a few ms against tens of ms of prefill on a CPU), so
     this test does not check the load term on its own.
     """
@@ -168,20 +168,30 @@ def test_planner_predicts_the_engines_mean_ttft():
         for attempt in (1, 2):
             prof, res = validate(model, reqs, points, passes=3, lengths=(128, 256, 512, 1024),
                                  load_tokens=768, disk_tier=_disk_tier, max_model_len=1100)
-            ok = True
+            # what a planner that ignored the cache would say (every prompt computed)
+            no_cache = float(prof.prefill_s(0, [len(r.prompt_tokens) for r in reqs[1:]]).mean())
             for point, c in zip(points, res):
                 print(f"attempt {attempt}, L1 {point.l1 >> 20} MiB, disk "
-                      f"{point.disk / 2**20:.1f} MiB: {c}")
-                ok &= (abs(c.hit_measured - c.hit_predicted) <= HIT_TOLERANCE
-                       and abs(c.ttft_ratio - 1) <= TTFT_TOLERANCE)
-            if ok:
+                      f"{point.disk / 2**20:.1f} MiB: {c}; ignoring the cache: "
+                      f"{no_cache * 1e3:.1f} ms")
+            if not _ttft_misses(res, no_cache):
                 break
     finally:
         torch.set_num_threads(threads)
     hit_rates = [c.hit_measured for c in res]
     assert min(hit_rates) > 0.2 and hit_rates[0] != hit_rates[1]  # the tiers matter
-    no_cache = float(prof.prefill_s(0, [len(r.prompt_tokens) for r in reqs[1:]]).mean())
-    for point, c in zip(points, res):
-        assert abs(c.hit_measured - c.hit_predicted) <= HIT_TOLERANCE, (point, str(c))
-        assert abs(c.ttft_ratio - 1) <= TTFT_TOLERANCE, (point, str(c))
-        assert no_cache / c.ttft_measured_s - 1 > TTFT_TOLERANCE, (point, no_cache)
+    assert not _ttft_misses(res, no_cache), [str(c) for c in res]
+
+
+def _ttft_misses(res: list, no_cache: float) -> list[str]:
+    """What is off in one attempt: hit rates beyond 2 points, mean TTFT beyond 20%, or a bar
+    so loose that ignoring the cache would pass it at the point with the most hits."""
+    out = [f"hit rate {c.hit_measured:.4f} vs {c.hit_predicted:.4f}" for c in res
+           if abs(c.hit_measured - c.hit_predicted) > HIT_TOLERANCE]
+    out += [f"TTFT ratio {c.ttft_ratio:.2f}" for c in res
+            if abs(c.ttft_ratio - 1) > TTFT_TOLERANCE]
+    best = max(res, key=lambda c: c.hit_measured)
+    if no_cache / best.ttft_measured_s - 1 <= TTFT_TOLERANCE:
+        out.append(f"ignoring the cache ({no_cache * 1e3:.1f} ms) is within 20% of "
+                   f"{best.ttft_measured_s * 1e3:.1f} ms")
+    return out
