@@ -37,7 +37,13 @@ from lmc.token_database import (
     namespace_digest,
     tokens_to_bytes,
 )
-from lmc.transfer import KVTransfer, make_transfer
+from lmc.transfer import (
+    ChunkRanges,
+    KVTransfer,
+    TransferPlan,
+    equal_runs,
+    make_transfer,
+)
 from lmc.transfer_cache import TransferCache
 
 log = logging.getLogger(__name__)
@@ -118,36 +124,61 @@ class CacheEngine:
         self.metrics.transfer(kind, tokens, nbytes, seconds)
 
     # ---------------------------------------------------------------- store
+    def _ranges(self, chunks: list[Chunk], regular: bool) -> Sequence[tuple[int, int]]:
+        """The token ranges of ``chunks`` for planning: a :class:`ChunkRanges` where they
+        are a run of a prompt's chunks as ``process_tokens`` cut them (``regular``: no
+        chunk left out but at the end), which costs nothing per chunk; else a list."""
+        if regular and chunks:
+            return ChunkRanges(chunks[0][0], self.db.chunk_size, len(chunks), chunks[-1][1])
+        return [(s, e) for s, e, _ in chunks]
+
+    @staticmethod
+    def _num_tokens(chunks: list[Chunk], ranges: Any) -> int:
+        """Tokens in ``chunks``, whose token ranges are ``ranges`` (or unknown: ``None``)."""
+        if isinstance(ranges, ChunkRanges):
+            return ranges.end - ranges.start if ranges.count else 0
+        return sum(e - s for s, e, _ in chunks)
+
     def _plan_store(self, tokens: Tokens, tr: KVTransfer, slots: torch.Tensor,
-                    mask: Any, keys: Keys = None) -> tuple[list[Chunk], list[MemoryObj]]:
-        """Chunks to store and their freshly allocated objects (owned by the caller)."""
+                    mask: Any, keys: Keys = None
+                    ) -> tuple[list[Chunk], list[MemoryObj], TransferPlan | None]:
+        """Chunks to store, their freshly allocated objects (owned by the caller) and the
+        plan of their copy (``None`` when there is nothing to store)."""
         chunks = self.db.process_tokens(tokens, mask, keys)
         if not chunks:
-            return [], []
+            return [], [], None
         present = self.storage.l1_touch([k for _, _, k in chunks])
-        todo = [c for c, p in zip(chunks, present) if not p]
+        todo = [c for c, p in zip(chunks, present) if not p] if True in present else chunks
         self.metrics.skipped("present", len(chunks) - len(todo))
-        if todo and tr.has_negative(slots):
+        if not todo:
+            return [], [], None
+        # nothing left out: the prompt's own consecutive chunks
+        ranges = self._ranges(todo, len(todo) == len(chunks))
+        plan = tr.plan(slots, ranges)
+        unmapped = getattr(plan, "unmapped", None)  # known from planning, or asked
+        if tr.has_negative(slots) if unmapped is None else unmapped:
             neg = (slots < 0).cpu().numpy()
             keep = [c for c in todo if not neg[c[0]:c[1]].any()]
             self.metrics.skipped("unmapped_slots", len(todo) - len(keep))
-            todo = keep
+            if len(keep) < len(todo):
+                todo = keep
+                if not todo:
+                    return [], [], None
+                ranges = self._ranges(todo, False)
+                plan = tr.plan(slots, ranges)
         objs: list[MemoryObj] = []
-        i = 0
-        while i < len(todo):  # runs of equal-size chunks are allocated together
-            size = todo[i][1] - todo[i][0]
-            j = i + 1
-            while j < len(todo) and todo[j][1] - todo[j][0] == size:
-                j += 1
-            got = self.storage.allocate_many(self.spec.chunk_shape(size), self.spec.dtype,
-                                             j - i, size)
+        for i, j in equal_runs(ranges):  # runs of equal-size chunks are allocated together
+            a, b = ranges[i]
+            got = self.storage.allocate_many(self.spec.chunk_shape(b - a), self.spec.dtype,
+                                             j - i, b - a)
             objs += got
             if len(got) < j - i:  # pool full of referenced chunks: later ones are useless too
                 self.metrics.skipped("pool_full", len(todo) - len(objs))
-                todo = todo[: len(objs)]
+                todo = todo[: len(objs)]  # a prefix: as regular as all of them were
+                plan = (tr.plan(slots, self._ranges(todo, isinstance(ranges, ChunkRanges)))
+                        if todo else None)
                 break
-            i = j
-        return todo, objs
+        return todo, objs, plan
 
     def store(self, tokens: Tokens, kv_caches: KVCaches, slot_mapping: torch.Tensor,
               mask: Any = None, *, keys: Keys = None) -> int:
@@ -160,18 +191,18 @@ class CacheEngine:
         t0 = time.perf_counter()
         tr = self.transfer_for(kv_caches)
         slots = tr.check_slots(slot_mapping, self.db.num_tokens(tokens))
-        chunks, objs = self._plan_store(tokens, tr, slots, mask, keys)
+        chunks, objs, plan = self._plan_store(tokens, tr, slots, mask, keys)
         if not chunks:
             return 0
         with CopyLease(objs) as lease:  # the gather owns objs until its handle is done
-            plan = tr.plan(slots, [(s, e) for s, e, _ in chunks])
             # CPU: numpy views only (a tensor per chunk costs more than all else it needs),
             # a run of neighbouring objects as one view
             arrays = PoolArrays(objs) if tr.device.type == "cpu" else None
             lease.attach(tr.gather(plan, LazyTensors(objs), arrays=arrays)).wait()
             self.storage.put([k for _, _, k in chunks], objs)
-        n = sum(e - s for s, e, _ in chunks)
-        self.metrics.transfer("store", n, sum(o.nbytes for o in objs), time.perf_counter() - t0)
+        n = self._num_tokens(chunks, getattr(plan, "ranges", None))
+        # every object is spec.chunk_shape(its tokens): bytes are linear in tokens
+        self.metrics.transfer("store", n, self.spec.chunk_nbytes(n), time.perf_counter() - t0)
         self.metrics.pool(self.pool.used_bytes, self.pool.size)
         return n
 
@@ -182,8 +213,7 @@ class CacheEngine:
         self._check_open()
         tr = self.transfer_for(kv_caches)
         slots = tr.check_slots(slot_mapping, self.db.num_tokens(tokens))
-        chunks, objs = self._plan_store(tokens, tr, slots, mask, keys)
-        plan = tr.plan(slots, [(s, e) for s, e, _ in chunks]) if chunks else None
+        chunks, objs, plan = self._plan_store(tokens, tr, slots, mask, keys)
         return LayerwiseStore(self, tr, plan, chunks, objs)
 
     # --------------------------------------------------------------- lookup
@@ -263,10 +293,12 @@ class CacheEngine:
 
     # ------------------------------------------------------------- retrieve
     def _fetch(self, tokens: Tokens, mask: Any, keys: Keys = None, layered: bool = False
-               ) -> tuple[list[Chunk], list[MemoryObj], list[int], LayerGate]:
+               ) -> tuple[list[Chunk], list[MemoryObj], list[int], LayerGate,
+                          Sequence[tuple[int, int]]]:
         """The longest stored prefix (after the mask's False prefix), its objects, the
-        index of the tier each came from and, ``layered``, what is still arriving layer by
-        layer (:mod:`lmc.layered_read`; else every object is complete)."""
+        index of the tier each came from, what is still arriving layer by layer
+        (``layered``, :mod:`lmc.layered_read`; else every object is complete) and the
+        chunks' token ranges (for ``tr.plan``)."""
         chunks = self.db.process_tokens(tokens, mask, keys)
         gate = READY
         if not chunks:
@@ -275,19 +307,33 @@ class CacheEngine:
             objs, where, gate = self.storage.fetch_prefix_layered([k for _, _, k in chunks])
         else:
             objs, where = self.storage.fetch_prefix([k for _, _, k in chunks])
-        want: dict[int, tuple[int, ...]] = {}  # chunk_shape per length: a few calls each
-        for i, (o, (s, e, _)) in enumerate(zip(objs, chunks)):
-            shape = want.get(e - s)
-            if shape is None:
-                shape = want[e - s] = self.spec.chunk_shape(e - s)
-            if o.shape != shape or o.dtype != self.spec.dtype:
-                log.error("chunk %d holds %s %s, expected %s %s: treated as a miss", i, o.shape,
-                          o.dtype, self.spec.chunk_shape(e - s), self.spec.dtype)
-                for bad in objs[i:]:
-                    bad.release()
-                objs = objs[:i]
-                break
-        return chunks[: len(objs)], objs, where[: len(objs)], gate.prefix(len(objs))
+        if objs and not self._shapes_ok(chunks, objs):
+            want: dict[int, tuple[int, ...]] = {}  # chunk_shape per length: a few calls each
+            for i, (o, (s, e, _)) in enumerate(zip(objs, chunks)):
+                shape = want.get(e - s)
+                if shape is None:
+                    shape = want[e - s] = self.spec.chunk_shape(e - s)
+                if o.shape != shape or o.dtype != self.spec.dtype:
+                    log.error("chunk %d holds %s %s, expected %s %s: treated as a miss", i,
+                              o.shape, o.dtype, self.spec.chunk_shape(e - s), self.spec.dtype)
+                    for bad in objs[i:]:
+                        bad.release()
+                    objs = objs[:i]
+                    break
+        chunks = chunks[: len(objs)]
+        # a prefix of the prompt's chunks as process_tokens cut them
+        return (chunks, objs, where[: len(objs)], gate.prefix(len(objs)),
+                self._ranges(chunks, True))
+
+    def _shapes_ok(self, chunks: list[Chunk], objs: list[MemoryObj]) -> bool:
+        """Whether every object has its chunk's shape and the cache's dtype, checked with
+        no loop per chunk: every chunk but the last of ``process_tokens`` is full."""
+        n = len(objs)
+        s, e, _ = chunks[n - 1]
+        shapes = [o.shape for o in objs]
+        return ([o.dtype for o in objs].count(self.spec.dtype) == n
+                and shapes[n - 1] == self.spec.chunk_shape(e - s)
+                and shapes[: n - 1].count(self.spec.chunk_shape(self.db.chunk_size)) == n - 1)
 
     def retrieve(self, tokens: Tokens, kv_caches: KVCaches, slot_mapping: torch.Tensor,
                  mask: Any = None, *, request_id: Hashable = None, keys: Keys = None) -> int:
@@ -300,16 +346,17 @@ class CacheEngine:
         t0 = time.perf_counter()
         tr = self.transfer_for(kv_caches)
         slots = tr.check_slots(slot_mapping, self.db.num_tokens(tokens))
-        chunks, objs, _, _ = self._fetch(tokens, mask, keys)
+        chunks, objs, _, _, ranges = self._fetch(tokens, mask, keys)
         self._release_pins(tokens, request_id)
         if not chunks:
             return 0
         with CopyLease(objs) as lease:  # the scatter owns objs until its handle is done
             arrays = PoolArrays(objs) if tr.device.type == "cpu" else None
-            plan = tr.plan(slots, [(s, e) for s, e, _ in chunks])
+            plan = tr.plan(slots, ranges)
             lease.attach(tr.scatter(plan, LazyTensors(objs), arrays=arrays)).wait()
-        n = sum(e - s for s, e, _ in chunks)
-        self.metrics.transfer("retrieve", n, sum(o.nbytes for o in objs),
+        n = self._num_tokens(chunks, ranges)
+        # every object was checked to be spec.chunk_shape(its tokens): bytes linear in tokens
+        self.metrics.transfer("retrieve", n, self.spec.chunk_nbytes(n),
                               time.perf_counter() - t0)
         return n
 
@@ -324,9 +371,9 @@ class CacheEngine:
         self._check_open()
         tr = self.transfer_for(kv_caches)
         slots = tr.check_slots(slot_mapping, self.db.num_tokens(tokens))
-        chunks, objs, where, gate = self._fetch(tokens, mask, keys, layered=True)
+        chunks, objs, where, gate, ranges = self._fetch(tokens, mask, keys, layered=True)
         self._release_pins(tokens, request_id)
-        plan = tr.plan(slots, [(s, e) for s, e, _ in chunks]) if chunks else None
+        plan = tr.plan(slots, ranges) if chunks else None
         names = self.tier_names
         return LayerwiseRetrieve(self, tr, plan, chunks, objs, [names[i] for i in where], gate)
 

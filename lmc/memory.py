@@ -188,7 +188,8 @@ class PoolArrays(Sequence[np.ndarray]):
     ``spans()`` cuts the batch into runs of objects evenly spaced in their pool (one shape
     and dtype: a batch allocated together), each run one strided array ``[m, *shape]``: a
     copy of many chunks then takes one numpy call per layer, and no view is made per object.
-    Indexing gives one object's own ``array`` (made for the whole batch at first use,
+    The spans are made here, before the copy starts (a copy's time is its bytes'). Indexing
+    gives one object's own ``array`` (made for the whole batch at first use,
     :meth:`MemoryPool.arrays`), for copies that go chunk by chunk."""
 
     __slots__ = ("_objs", "_arrays", "_spans")
@@ -196,15 +197,12 @@ class PoolArrays(Sequence[np.ndarray]):
     def __init__(self, objs: Sequence[MemoryObj]) -> None:
         self._objs = objs
         self._arrays: list[np.ndarray] | None = None
-        self._spans: list[tuple[int, int, np.ndarray]] | None = None
+        self._spans = objs[0].pool.spans(objs) if objs else []
 
     def spans(self) -> list[tuple[int, int, np.ndarray]]:
         """``(i, j, a)`` covering the batch in order, ``a[k]`` exactly ``objs[i + k]``'s
         bytes (see :meth:`MemoryPool.spans`)."""
-        s = self._spans
-        if s is None:
-            s = self._spans = self._objs[0].pool.spans(self._objs) if self._objs else []
-        return s
+        return self._spans
 
     def __len__(self) -> int:
         return len(self._objs)

@@ -187,7 +187,7 @@ class StorageManager:
         tier a second time."""
         found: list[MemoryObj | None] = list(self.l1.get(keys)) if keys else []
         where = [0] * len(found)
-        if self.lower and any(o is None for o in found):
+        if self.lower and None in found:
             try:
                 self._fill_from_lower(keys, found, where)
             except BaseException:  # the caller never sees these: their references are ours
@@ -195,11 +195,9 @@ class StorageManager:
                     if o is not None:
                         o.release()
                 raise
-        out: list[MemoryObj] = []
-        for o in found:
-            if o is None:
-                break
-            out.append(o)
+        if None not in found:  # every chunk found: no loop per chunk
+            return found, where
+        out = found[: found.index(None)]
         for o in found[len(out):]:
             if o is not None:
                 o.release()

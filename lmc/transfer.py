@@ -24,7 +24,7 @@ from __future__ import annotations
 import abc
 import contextlib
 import dataclasses
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -82,6 +82,49 @@ class TransferPlan:
     chunks: list[ChunkPlan]
 
 
+class ChunkRanges(Sequence[tuple[int, int]]):
+    """``count`` consecutive token ranges of ``size`` tokens from ``start``, the last one
+    ending at ``end`` (a prompt's chunks: its tail may be shorter). Why: it is what a call
+    plans nearly always, and as a list it costs a tuple per chunk to build and a comparison
+    per chunk to recognise; planning reads its runs from it directly."""
+
+    __slots__ = ("start", "size", "count", "end")
+
+    def __init__(self, start: int, size: int, count: int, end: int) -> None:
+        if size <= 0 or count < 0 or count and not (
+                start + (count - 1) * size < end <= start + count * size):
+            raise ValueError(f"ChunkRanges(start={start}, size={size}, count={count}, "
+                             f"end={end}): the last range must end inside the last chunk")
+        self.start, self.size, self.count, self.end = start, size, count, end
+
+    def __len__(self) -> int:
+        return self.count
+
+    def __getitem__(self, i):  # type: ignore[override]  # int or slice, as a list's
+        if isinstance(i, slice):
+            return [self[k] for k in range(*i.indices(self.count))]
+        if i < 0:
+            i += self.count
+        if not 0 <= i < self.count:
+            raise IndexError(f"range {i} of {self.count}")
+        a = self.start + i * self.size
+        return (a, min(a + self.size, self.end))
+
+    def __iter__(self) -> Iterator[tuple[int, int]]:
+        return iter(self[:])
+
+    def runs(self) -> list[tuple[int, int]]:
+        """``(i, j)`` per run of equal ranges: the full ones, then a shorter tail."""
+        c = self.count
+        if not c:
+            return []
+        full = c if self.end - self.start == c * self.size else c - 1
+        return [(0, c)] if full == c else [(0, full), (full, c)] if full else [(0, c)]
+
+    def __repr__(self) -> str:
+        return f"ChunkRanges({self.start}, {self.size}, {self.count}, {self.end})"
+
+
 class PlanRun:
     """Consecutive chunks of one size and mode ("block" or "token") of a CPU plan, whose row
     indices are the rows of one array: ``index_np[k]`` is chunk ``first + k``'s
@@ -103,12 +146,15 @@ class PlanRun:
 class TorchPlan(TransferPlan):
     """:class:`TorchTransfer`'s plan: ``parts`` in chunk order, each a :class:`PlanRun` or
     ``(i, ChunkPlan)`` for a chunk planned alone. ``chunks`` (a ChunkPlan per chunk, the
-    generic view other code reads) is made from them on first use only."""
+    generic view other code reads) is made from them on first use only. ``unmapped``:
+    whether the slot mapping holds a slot < 0 anywhere (what ``has_negative`` would say,
+    known from planning without another pass over the slots)."""
 
     def __init__(self, ranges: Sequence[tuple[int, int]],
-                 parts: list[PlanRun | tuple[int, ChunkPlan]]) -> None:
+                 parts: list[PlanRun | tuple[int, ChunkPlan]], unmapped: bool) -> None:
         self.ranges = ranges
         self.parts = parts
+        self.unmapped = unmapped
         self._chunks: list[ChunkPlan] | None = None
 
     @property  # type: ignore[override]  # the base's field, made lazily here
@@ -227,6 +273,7 @@ class TorchTransfer(KVTransfer):
             bw = s.block_size * self.W
             self.blk_tables = [[_flat_rows(t, bw) for t in tensors] for tensors in self.layers]
         self.plane_views = [self._plane_views(ts) for ts in self.layers] if self.strided else []
+        self._ends = np.zeros(0, dtype=bool)  # block-end marks (``_block_ends``), grown on use
         self.tok_np = ([[int_view(t) for t in tabs] for tabs in self.tok_tables]
                        if self.cpu and not self.strided else None)
         self.blk_np = ([[int_view(t) for t in tabs] for tabs in self.blk_tables]
@@ -285,11 +332,12 @@ class TorchTransfer(KVTransfer):
         equal-size chunks (a prompt's full chunks) get their indices from one reshape (on
         CPU one :class:`PlanRun` each: no object per chunk)."""
         bs, n_all = self.spec.block_size, slots.numel()
-        ranges = ranges if isinstance(ranges, list) else list(ranges)
+        ranges = ranges if isinstance(ranges, (list, ChunkRanges)) else list(ranges)
         if n_all == 0 or not ranges:
             empty = torch.empty(0, dtype=torch.int64, device=self.device)
+            unmapped = bool(n_all) and self.has_negative(slots)
             return TorchPlan(ranges, [(i, ChunkPlan(a, b, "token", empty, None, None))
-                                      for i, (a, b) in enumerate(ranges)])
+                                      for i, (a, b) in enumerate(ranges)], unmapped)
         s = slots.cpu().numpy()
         by_block = (self.block_ok or self.strided and bs > 1) and n_all >= bs
         blocks = self._blocks(s) if by_block else None
@@ -321,7 +369,7 @@ class TorchTransfer(KVTransfer):
             if self.block_ok:
                 blk_rows = self._rows(heads, bs * self.W)
         parts: list[PlanRun | tuple[int, ChunkPlan]] = []
-        for i, j in _runs(ranges):
+        for i, j in equal_runs(ranges):
             s0, e0 = ranges[i]
             n = e0 - s0
             end = ranges[j - 1][1]
@@ -341,7 +389,7 @@ class TorchTransfer(KVTransfer):
                 parts += self._plan_run(blk_rows, s0 // bs, n // bs, ranges, i, j, "block")
             else:
                 parts += self._plan_run(tok_rows(), s0, n, ranges, i, j, "token")
-        return TorchPlan(ranges, parts)
+        return TorchPlan(ranges, parts, neg is not None)
 
     def _blocks(self, s: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray | bool]:
         """The slots cut in blocks: ``(v, heads, ok)``, ``v`` the whole blocks' slots as
@@ -351,12 +399,27 @@ class TorchTransfer(KVTransfer):
         bs = self.spec.block_size
         nb = s.shape[0] // bs
         v = s[: nb * bs].reshape(nb, bs)
-        heads = v[:, 0]
-        ar = np.arange(bs)
-        in_order = v - ar
-        if not (heads % bs).any() and bool((in_order == heads[:, None]).all()):
-            return v, heads, True
+        heads = v[:, 0].copy()  # contiguous: bounds and rows are read from it
+        if not (heads & (bs - 1) if bs & (bs - 1) == 0 else heads % bs).any():
+            # in order within every block: each slot one past the one before, except where
+            # a block starts (contiguous passes: a per-row comparison costs twice as much)
+            m = nb * bs - 1
+            step = np.equal(np.subtract(s[1: m + 1], s[:m]), 1)
+            step |= self._block_ends(m)
+            if step.all():
+                return v, heads, True
+        in_order = v - np.arange(bs)
         return v, heads, ((heads % bs) == 0) & (in_order == heads[:, None]).all(1)
+
+    def _block_ends(self, m: int) -> np.ndarray:
+        """``[m]`` booleans, True at each ``i`` where slot ``i + 1`` starts a block."""
+        ends = self._ends
+        if ends.shape[0] < m:
+            bs = self.spec.block_size
+            ends = np.zeros(max(m, 2 * ends.shape[0]) // bs * bs + bs, dtype=bool)
+            ends[bs - 1:: bs] = True
+            self._ends = ends
+        return ends[:m]
 
     def _plan_run(self, rows: np.ndarray, first: int, per: int,
                   ranges: Sequence[tuple[int, int]], i: int, j: int, mode: str
@@ -657,11 +720,16 @@ class TorchTransfer(KVTransfer):
             view[blk, off] = src[p, pos].reshape(-1, H, D).to(view.device)
 
 
-def _runs(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
+def equal_runs(ranges: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
     """``(i, j)`` for each run of chunks ``ranges[i:j]`` that are consecutive (each starts
     where the previous ends) and of one size. The usual call -- a prompt's full chunks, then
-    maybe a shorter tail -- is recognised by one list comparison, with no loop per chunk."""
+    maybe a shorter tail -- is recognised by one list comparison, with no loop per chunk
+    (a :class:`ChunkRanges` says so itself)."""
+    if isinstance(ranges, ChunkRanges):
+        return ranges.runs()
     count = len(ranges)
+    if not count:
+        return []
     s0, e0 = ranges[0]
     n = e0 - s0
     full = count if ranges[-1][1] - ranges[-1][0] == n else count - 1

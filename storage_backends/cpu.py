@@ -47,6 +47,8 @@ class CPUBackend(StorageBackend):
         must not age out of an LRU while it keeps being asked for)."""
         with self._lock:
             m = self._map
+            if m.keys().isdisjoint(keys):  # a new prompt: no loop per key
+                return [False] * len(keys)
             out = [k in m for k in keys]
             if self.policy == "lru":
                 for k, present in zip(keys, out):
@@ -66,15 +68,20 @@ class CPUBackend(StorageBackend):
     def get(self, keys: Sequence[Key]) -> list[MemoryObj | None]:
         with self._lock:
             m = self._map
-            out: list[MemoryObj | None] = [m.get(k) for k in keys]
-            hits = [o for o in out if o is not None]
+            out: list[MemoryObj | None] = list(map(m.get, keys))
+            every = None not in out
+            hits = out if every else [o for o in out if o is not None]
             if hits:
                 self.pool.acquire_many(hits)  # one pool lock for the batch, not one each
                 if self.policy == "lru":
                     move = m.move_to_end
-                    for k, o in zip(keys, out):
-                        if o is not None:
+                    if every:
+                        for k in keys:
                             move(k)
+                    else:
+                        for k, o in zip(keys, out):
+                            if o is not None:
+                                move(k)
         return out
 
     # ----------------------------------------------------------------- writes
@@ -89,7 +96,15 @@ class CPUBackend(StorageBackend):
             if self._closed:
                 return 0
             m = self._map
-            new: dict[Key, MemoryObj] = {}
+            n = len(objs)
+            if (len(keys) == n and [o.pool for o in objs].count(self.pool) == n
+                    and m.keys().isdisjoint(keys)):  # the usual batch: every key new
+                new = dict(zip(keys, objs))
+                if len(new) == n:  # and none repeated: no loop per key
+                    self.pool.acquire_many(objs)
+                    m.update(new)
+                    return n
+            new = {}
             for k, o in zip(keys, objs, strict=True):
                 if o.pool is not self.pool:
                     raise ValueError(f"put of {o!r} for key {k!r}: it belongs to another "
