@@ -152,6 +152,32 @@ def test_unmapped_slots_are_not_stored():
         assert eng.stats()["skipped_unmapped_slots"] == 1
 
 
+def test_a_chunk_of_the_wrong_shape_ends_the_loaded_prefix_and_leaks_nothing():
+    """A held chunk whose shape or dtype is not this engine's (another engine's spec under
+    the same key) is a miss: the prefix before it loads, it and the rest are released."""
+    n = 56  # three full chunks and a partial one
+    src = make_caches("vllm_flash", blocks=32, block_size=4)
+    dst = make_caches("vllm_flash", blocks=32, block_size=4, zeros=True)
+    spec = spec_for("vllm_flash", src)
+    toks, s1, s2 = _tokens(n), _slots_for(spec, n, 1), _slots_for(spec, n, 2)
+    with _engine(src, "vllm_flash") as eng:
+        assert eng.store(toks, src, s1) == n
+        keys = eng.db.keys(toks)
+        for bad, (shape, dtype) in ((3, (spec.chunk_shape(CHUNK), spec.dtype)),
+                                    (1, (spec.chunk_shape(n - 3 * CHUNK), spec.dtype)),
+                                    (2, (spec.chunk_shape(CHUNK), torch.float16))):
+            eng.storage.l1.delete([keys[bad]])
+            o = eng.pool.allocate(shape, dtype, 8)
+            eng.storage.l1.put([keys[bad]], [o])
+            o.release()
+            assert eng.retrieve(toks, dst, s2) == bad * CHUNK
+            got, want = token_kv(spec, dst, s2), token_kv(spec, src, s1)
+            assert_bits_equal(got[:, :, : bad * CHUNK], want[:, :, : bad * CHUNK])
+            eng.storage.l1.delete([keys[bad]])
+            assert eng.store(toks, src, s1) == (n - 3 * CHUNK if bad == 3 else CHUNK)
+        assert eng.retrieve(toks, dst, s2) == n
+
+
 def test_eviction_respects_pins_and_skips_when_all_pinned():
     src = make_caches("vllm_flash", layers=2, heads=2, dim=64, blocks=64, block_size=4)
     spec = spec_for("vllm_flash", src)

@@ -40,6 +40,32 @@ def test_a_key_repeated_in_one_put_keeps_one_reference_and_leaks_nothing():
     pool.close()
 
 
+def test_batches_all_new_all_hit_and_mixed_follow_the_same_rules():
+    """The batch fast paths (every key new, every key found) and the per-key ones (some
+    held) give the same references, answers and LRU order."""
+    l1, pool = _l1()
+    keys = [bytes([i]) * 16 for i in range(6)]
+    objs = [_obj(pool, i) for i in range(6)]
+    assert l1.touch(keys[:3]) == [False] * 3
+    assert l1.put(keys[:3], objs[:3]) == 3  # all new
+    assert [o.ref_count for o in objs[:3]] == [2, 2, 2]
+    l1.put(keys[1:5], [objs[0]] + objs[2:5])  # keys 1, 2 held: keep their first objects
+    assert [o.ref_count for o in objs[:5]] == [2, 2, 2, 2, 2]
+    assert l1.touch([keys[5], keys[0], keys[3]]) == [False, True, True]
+    assert list(l1._map) == [keys[1], keys[2], keys[4], keys[0], keys[3]]  # touched: newest
+    got = l1.get(keys[:5])  # all found: each acquired once, all refreshed in order
+    assert got == objs[:5] and [o.ref_count for o in objs[:5]] == [3] * 5
+    assert list(l1._map) == keys[:5]
+    Lease(got).release()
+    got = l1.get([keys[5], keys[2]])
+    assert got == [None, objs[2]] and objs[2].ref_count == 3
+    assert list(l1._map)[-1] == keys[2]
+    Lease([objs[2]] + objs).release()
+    l1.close()
+    assert pool.used_bytes == 0
+    pool.close()
+
+
 class _Store(StorageBackend):
     """A lower tier with its own bytes: each get reads into a fresh object of the L1 pool, as
     disk and Redis do."""
