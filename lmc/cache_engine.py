@@ -41,13 +41,29 @@ from lmc.transfer import (
     ChunkRanges,
     KVTransfer,
     TransferPlan,
-    equal_runs,
     make_transfer,
 )
 from lmc.transfer_cache import TransferCache
 
 log = logging.getLogger(__name__)
 Keys = Sequence[ChunkKey] | None  # a prompt's chunk keys computed ahead (RequestKeys), or None
+
+
+def _size_runs(ranges: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
+    """``(i, j)`` per run of chunks of one size, neighbours or not: what a store allocates
+    in one call (``lmc.planner`` replays exactly these calls: keep the two in step)."""
+    if isinstance(ranges, ChunkRanges):
+        return ranges.runs()
+    out = []
+    i = 0
+    while i < len(ranges):
+        size = ranges[i][1] - ranges[i][0]
+        j = i + 1
+        while j < len(ranges) and ranges[j][1] - ranges[j][0] == size:
+            j += 1
+        out.append((i, j))
+        i = j
+    return out
 
 
 class CacheEngine:
@@ -167,7 +183,7 @@ class CacheEngine:
                 ranges = self._ranges(todo, False)
                 plan = tr.plan(slots, ranges)
         objs: list[MemoryObj] = []
-        for i, j in equal_runs(ranges):  # runs of equal-size chunks are allocated together
+        for i, j in _size_runs(ranges):  # runs of equal-size chunks are allocated together
             a, b = ranges[i]
             got = self.storage.allocate_many(self.spec.chunk_shape(b - a), self.spec.dtype,
                                              j - i, b - a)

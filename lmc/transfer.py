@@ -272,6 +272,10 @@ class TorchTransfer(KVTransfer):
         if self.block_ok:
             bw = s.block_size * self.W
             self.blk_tables = [[_flat_rows(t, bw) for t in tensors] for tensors in self.layers]
+            # a block's row of plane p = block id * _blk_mul[p] + _blk_add[p] (whole rows)
+            self._blk_mul = np.array([p.block // bw for p in self.strides], dtype=np.int64)
+            self._blk_add = np.array([p.base // bw for p in self.strides], dtype=np.int64)
+            self._blk_mul_one = bool((self._blk_mul == 1).all())
         self.plane_views = [self._plane_views(ts) for ts in self.layers] if self.strided else []
         self._ends = np.zeros(0, dtype=bool)  # block-end marks (``_block_ends``), grown on use
         self.tok_np = ([[int_view(t) for t in tabs] for tabs in self.tok_tables]
@@ -363,11 +367,9 @@ class TorchTransfer(KVTransfer):
             return tok[0] if tok else None
 
         blk_ok: np.ndarray | bool | None = None
-        blk_rows = heads = None
+        heads = None
         if blocks is not None:
             _, heads, blk_ok = blocks
-            if self.block_ok:
-                blk_rows = self._rows(heads, bs * self.W)
         parts: list[PlanRun | tuple[int, ChunkPlan]] = []
         for i, j in equal_runs(ranges):
             s0, e0 = ranges[i]
@@ -385,8 +387,12 @@ class TorchTransfer(KVTransfer):
                     parts.append((k, ChunkPlan(a, b, "block", None if self.cpu else
                                                self._to_index(ids), ids if self.cpu else None,
                                                None)))
+            elif aligned and self.cpu:
+                parts.append(PlanRun(i, j - i, "block",
+                                     self._block_rows(heads, s0 // bs, n // bs, j - i)))
             elif aligned:
-                parts += self._plan_run(blk_rows, s0 // bs, n // bs, ranges, i, j, "block")
+                parts += self._plan_run(self._rows(heads, bs * self.W), s0 // bs, n // bs,
+                                        ranges, i, j, "block")
             else:
                 parts += self._plan_run(tok_rows(), s0, n, ranges, i, j, "token")
         return TorchPlan(ranges, parts, neg is not None)
@@ -420,6 +426,24 @@ class TorchTransfer(KVTransfer):
             ends[bs - 1:: bs] = True
             self._ends = ends
         return ends[:m]
+
+    def _block_rows(self, heads: np.ndarray, first: int, per: int, count: int
+                    ) -> np.ndarray:
+        """Block rows of ``count`` chunks of ``per`` whole blocks from block ``first`` of
+        ``heads`` (their first slots), laid out as :class:`PlanRun` wants them: made in one
+        broadcast step, straight in that layout (no per-plane rows, no transposing copy)."""
+        bs = self.spec.block_size
+        ids = heads[first: first + count * per]
+        ids = (ids >> (bs.bit_length() - 1) if bs & (bs - 1) == 0 else ids // bs)
+        planes = len(self.strides)
+        out = np.empty((count, planes, per), dtype=np.int64)
+        add = self._blk_add[None, :, None]
+        if self._blk_mul_one:  # a block per row step (every layout so far): one pass
+            np.add(ids.reshape(count, 1, per), add, out=out)
+        else:
+            np.multiply(ids.reshape(count, 1, per), self._blk_mul[None, :, None], out=out)
+            out += add
+        return out.reshape(count, planes * per) if len(self.tok_tables[0]) == 1 else out
 
     def _plan_run(self, rows: np.ndarray, first: int, per: int,
                   ranges: Sequence[tuple[int, int]], i: int, j: int, mode: str
