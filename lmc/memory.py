@@ -56,6 +56,31 @@ class MemoryObj:
         self._array: np.ndarray | None = None
         self._site = site
 
+    @classmethod
+    def batch(cls, pool: MemoryPool, offsets: Iterable[int], nbytes: int,
+              shape: tuple[int, ...], dtype: torch.dtype, num_tokens: int,
+              site: _invariants.Site | None) -> list[MemoryObj]:
+        """``cls(pool, off, ...)`` for each offset, the same slots set, without a Python
+        call per object (a store makes one per chunk: the call costs as much as the rest)."""
+        new = object.__new__
+        out: list[MemoryObj] = []
+        append = out.append
+        for off in offsets:
+            o = new(cls)
+            o.pool = pool
+            o.offset = off
+            o.nbytes = nbytes
+            o.shape = shape
+            o.dtype = dtype
+            o.num_tokens = num_tokens
+            o.meta = None
+            o._refs = 1
+            o._tensor = None
+            o._array = None
+            o._site = site
+            append(o)
+        return out
+
     @property
     def site(self) -> str | None:
         """Where this object was allocated (debug and invariant modes), as a stack excerpt."""
@@ -497,7 +522,7 @@ class MemoryPool:
             if not offs:
                 return []
             site = _invariants.capture_site(1) if self._sites else None
-            objs = [MemoryObj(self, off, n, shape, dtype, num_tokens, site) for off in offs]
+            objs = MemoryObj.batch(self, offs, n, shape, dtype, num_tokens, site)
             if self._sites:
                 for o in objs:
                     self._live.add(o)

@@ -392,3 +392,18 @@ def test_the_harness_fails_the_run_on_a_violation_outside_any_test(pytester):
     assert res.ret == pytest.ExitCode.TESTS_FAILED
     res.stdout.fnmatch_lines(["*1 pool invariant violation(s) outside any test*",
                               "*still referenced*"])
+
+
+def test_batch_made_objects_are_those_init_makes():
+    """``MemoryObj.batch`` (what allocate_many uses) sets every slot as ``__init__`` does."""
+    from lmc.memory import MemoryObj
+
+    pool = MemoryPool(1 << 16, pin_memory=False)
+    made = MemoryObj.batch(pool, [0, 4096], 100, (10, 10), torch.uint8, 7, None)
+    ref = MemoryObj(pool, 4096, 100, (10, 10), torch.uint8, 7, None)
+    slots = [s for s in MemoryObj.__slots__ if s != "__weakref__"]
+    assert [getattr(made[1], s) for s in slots] == [getattr(ref, s) for s in slots]
+    assert made[0].offset == 0 and made[0].ref_count == 1
+    for o in (*made, ref):
+        o._refs = 0  # never allocated from the pool: nothing to free
+    pool.close()
