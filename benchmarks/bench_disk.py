@@ -110,7 +110,10 @@ def engine(d: Path, spec: KVSpec, nbytes: int, fsync: bool) -> CacheEngine:
     """One engine for the whole run, its pool holding everything: pool pages are touched
     once and stay warm, as a long-running engine's are (first-touch page faults on this VM
     cost more than the disk, and they are not lmc's cost)."""
-    room = max(nbytes, 2 * PROMPT_CHUNKS * CHUNK_BYTES)  # write queues: half the pool
+    # Write queues are capped at half the pool, and the whole run's chunks must fit in the
+    # queue: once the gather outran the disk (stores at ~1.0 of a copy), a pool of nbytes
+    # dropped chunks at the queue's bound and the run was refused.
+    room = 2 * max(nbytes, 2 * PROMPT_CHUNKS * CHUNK_BYTES)
     cfg = CacheConfig(chunk_size=CHUNK, local_cpu_size=room + 4 * CHUNK_BYTES,
                       local_disk=str(d), local_disk_size=2 * nbytes, disk_fsync=fsync,
                       write_queue_size=nbytes + CHUNK_BYTES)
