@@ -292,6 +292,8 @@ def main(argv: list[str] | None = None) -> None:
                                    "daemon_cached")):
             extra = f"  cached {r[cached]}" if cached else ""
             print(f"{name:32s} TTFT {r[key]:8.3f} s  {full / r[key]:6.1f}x{extra}")
+        print(f"  async pull: {r['async_wait_s']:.3f} s waiting for publication, "
+              f"{r['async_load_s']:.3f} s fetching and copying, {r['async_loads']} load(s)")
         if a.json:
             Path(a.json).write_text(json.dumps(r, indent=1))
         sys.stdout.flush()
