@@ -28,7 +28,6 @@ from pathlib import Path
 
 from lmc.planner.keys import load_trace
 from lmc.planner.sim import GridPoint, grid, run_grid, simulate
-from lmc.workloads.trace import TraceRequest
 
 
 def chat_lines(n: int, seed: int = 0, open_sessions: int = 400) -> Iterator[str]:
@@ -59,41 +58,12 @@ def chat_lines(n: int, seed: int = 0, open_sessions: int = 400) -> Iterator[str]
             live.pop()
 
 
-def mixed_trace(n: int = 60, seed: int = 7) -> list[TraceRequest]:
-    rng = random.Random(seed)
-
-    def toks(k: int) -> list[int]:
-        return [rng.randrange(2, 2000) for _ in range(k)]
-
-    systems = [toks(300), toks(520)]
-    convs: dict[str, list[int]] = {}
-    out = []
-    for i in range(n):
-        kind = rng.random()
-        if kind < 0.5:
-            sid = f"c{rng.randrange(4)}"
-            hist = convs.get(sid) or systems[int(sid[1:]) % 2][:]
-            prompt = hist + toks(rng.randrange(40, 200))
-            if len(prompt) > 1000:
-                prompt = systems[0] + toks(100)
-            convs[sid] = prompt + toks(30)
-            out.append(TraceRequest(float(i), f"r{i}", sid, None, prompt, None, 1))
-        elif kind < 0.85:
-            g = rng.randrange(2)
-            out.append(TraceRequest(float(i), f"r{i}", None, f"g{g}",
-                                    systems[g] + toks(rng.randrange(10, 300)), None, 1))
-        else:
-            out.append(TraceRequest(float(i), f"r{i}", None, None, toks(rng.randrange(100, 700)),
-                                    None, 1))
-    return out
-
-
 def ttft_check(profile_path: str) -> int:
     """Predicted vs measured hit rate and TTFT (see the module doc)."""
     import torch
     from lmc.storage_backends.disk import DiskBackend
 
-    from lmc.planner.validate import validate, warmup_request
+    from lmc.planner.validate import mixed_trace, validate, warmup_request
     from lmc.reference.tiny import cached_checkpoint
 
     torch.set_num_threads(1)  # two cores shared with others: one thread is far steadier

@@ -16,7 +16,7 @@ from collections.abc import Iterable, Sequence
 import torch
 
 from lmc.allocator import TLSFAllocator
-from lmc.memory import MemoryObj
+from lmc.memory import MemoryObj, MemoryPool
 
 
 class AddressPool:
@@ -61,26 +61,18 @@ class AddressPool:
                 raise RuntimeError("acquire() of a MemoryObj that was already freed")
             o._refs += 1
 
-    def release_many(self, objs: Iterable[MemoryObj]) -> None:
-        """As ``MemoryPool.release_many``: the blocks whose last reference goes are freed in
-        one ``free_many`` (neighbours merged first), which decides the order of the free lists
-        and so which blocks later allocations get: freeing them one by one instead made the
-        planner's L1 evict other chunks than the engine's."""
-        dead: list[MemoryObj] = []
-        for o in objs:
-            if o._refs <= 0:
-                o.release()  # raises: already freed
-            elif o._refs > 1:
-                o._refs -= 1
-            else:
-                o._refs = 0
-                dead.append(o)
-        if dead and not self.closed:
-            self.allocator.free_many([o.offset for o in dead])
+    # MemoryPool's own batch release (one lock, last references freed with one free_many):
+    # the order of the free lists decides which blocks later allocations get, so the planner
+    # must free exactly as the engine does (one by one, its L1 evicted other chunks)
+    release_many = MemoryPool.release_many
 
     def _free_locked(self, obj: MemoryObj) -> None:
         if not self.closed:
             self.allocator.free(obj.offset)
+
+    def _free_many_locked(self, objs: list[MemoryObj]) -> None:
+        if not self.closed:
+            self.allocator.free_many([o.offset for o in objs])
 
     def _leaked(self, obj: MemoryObj) -> None:
         self.leaks.append(repr(obj))

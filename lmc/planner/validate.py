@@ -56,6 +56,38 @@ class Comparison:
                 f"{self.ttft_predicted_s * 1e3:.1f} ms (ratio {self.ttft_ratio:.2f})")
 
 
+def mixed_trace(n: int = 60, seed: int = 7) -> list[TraceRequest]:
+    """Shared system prompts, growing conversations and one-off prompts, interleaved: a
+    trace that exercises L1, eviction and the disk tier at small sizes (the planner's
+    validation test and ``bench_plan.py --ttft`` replay it)."""
+    rng = random.Random(seed)
+
+    def toks(k: int) -> list[int]:
+        return [rng.randrange(2, 2000) for _ in range(k)]
+
+    systems = [toks(300), toks(520)]
+    convs: dict[str, list[int]] = {}
+    out = []
+    for i in range(n):
+        kind = rng.random()
+        if kind < 0.5:
+            sid = f"c{rng.randrange(4)}"
+            hist = convs.get(sid) or systems[int(sid[1:]) % 2][:]
+            prompt = hist + toks(rng.randrange(40, 200))
+            if len(prompt) > 1000:
+                prompt = systems[0] + toks(100)
+            convs[sid] = prompt + toks(30)
+            out.append(TraceRequest(float(i), f"r{i}", sid, None, prompt, None, 1))
+        elif kind < 0.85:
+            g = rng.randrange(2)
+            out.append(TraceRequest(float(i), f"r{i}", None, f"g{g}",
+                                    systems[g] + toks(rng.randrange(10, 300)), None, 1))
+        else:
+            out.append(TraceRequest(float(i), f"r{i}", None, None, toks(rng.randrange(100, 700)),
+                                    None, 1))
+    return out
+
+
 def warmup_request(length: int, vocab: int, seed: int = 99) -> TraceRequest:
     rng = random.Random(seed)
     return TraceRequest(0.0, "warm-up", None, None,

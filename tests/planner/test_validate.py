@@ -20,8 +20,6 @@ three runs against the planner's 0, so that size is not asserted (docs/planner.m
 
 from __future__ import annotations
 
-import random
-
 import pytest
 from lmc.connectors.reference import LMCReferenceConnector
 from lmc.storage_backends.disk import DiskBackend
@@ -29,6 +27,7 @@ from lmc.storage_backends.disk import DiskBackend
 from lmc.config import CacheConfig
 from lmc.planner.keys import key_trace
 from lmc.planner.sim import GridPoint, simulate
+from lmc.planner.validate import mixed_trace
 from lmc.reference import LLM
 from lmc.reference.tiny import cached_checkpoint
 from lmc.workloads.trace import TraceRequest
@@ -44,33 +43,7 @@ def _model():
 
 
 def _trace() -> list[TraceRequest]:
-    """Shared system prompts, growing conversations and one-off prompts, interleaved."""
-    rng = random.Random(SEED)
-
-    def toks(n: int) -> list[int]:
-        return [rng.randrange(2, 2000) for _ in range(n)]
-
-    systems = [toks(300), toks(520)]
-    convs: dict[str, list[int]] = {}
-    out = []
-    for i in range(36):
-        kind = rng.random()
-        if kind < 0.5:
-            sid = f"c{rng.randrange(4)}"
-            hist = convs.get(sid) or systems[int(sid[1:]) % 2][:]
-            prompt = hist + toks(rng.randrange(40, 200))
-            if len(prompt) > 1000:
-                prompt = systems[0] + toks(100)
-            convs[sid] = prompt + toks(30)
-            out.append(TraceRequest(float(i), f"r{i}", sid, None, prompt, None, 1))
-        elif kind < 0.85:
-            g = rng.randrange(2)
-            out.append(TraceRequest(float(i), f"r{i}", None, f"g{g}",
-                                    systems[g] + toks(rng.randrange(10, 300)), None, 1))
-        else:
-            out.append(TraceRequest(float(i), f"r{i}", None, None, toks(rng.randrange(100, 700)),
-                                    None, 1))
-    return out
+    return mixed_trace(36, SEED)
 
 
 def _replay(reqs: list[TraceRequest], l1: int, disk: int, policy: str, tmp) -> list[dict]:
