@@ -601,17 +601,25 @@ class TorchTransfer(KVTransfer):
 
     def _gather_run(self, run: PlanRun, bufs: Sequence[torch.Tensor],
                     arrays: Sequence[np.ndarray] | None, layer_ids: Sequence[int]) -> None:
+        self._copy_run(run, bufs, arrays, layer_ids, self._take, self._index_into)
+
+    def _copy_run(self, run: PlanRun, bufs: Sequence[torch.Tensor],
+                  arrays: Sequence[np.ndarray] | None, layer_ids: Sequence[int],
+                  whole: Callable[..., None], per_chunk: Callable[..., None]) -> None:
+        """One run of a gather (``_take`` / ``_index_into``) or a scatter (``_put`` /
+        ``_index_copy``): the pieces whose pool objects form one strided array move with one
+        call per layer (``whole``), the others chunk by chunk (``per_chunk``)."""
         idx = run.index_np
         if idx.shape[-1] == 0:  # chunks of no tokens
             return
         for k, big in self._run_bufs(run, bufs, arrays):
             if big is not None:
-                self._take(idx[k: k + big.shape[0]], run.mode, big, layer_ids)
+                whole(idx[k: k + big.shape[0]], run.mode, big, layer_ids)
                 continue
             tabs = self.tok_tables if run.mode == "token" else self.blk_tables
             buf, ix = bufs[run.first + k].view(self.int_dtype), torch.from_numpy(idx[k])
             for layer in layer_ids:
-                self._index_into(tabs[layer], ix, buf[layer])
+                per_chunk(tabs[layer], ix, buf[layer])
 
     def _take(self, idx: np.ndarray, mode: str, big: np.ndarray,
               layer_ids: Sequence[int]) -> None:
@@ -687,17 +695,7 @@ class TorchTransfer(KVTransfer):
 
     def _scatter_run(self, run: PlanRun, bufs: Sequence[torch.Tensor],
                      arrays: Sequence[np.ndarray] | None, layer_ids: Sequence[int]) -> None:
-        idx = run.index_np
-        if idx.shape[-1] == 0:  # chunks of no tokens
-            return
-        for k, big in self._run_bufs(run, bufs, arrays):
-            if big is not None:
-                self._put(idx[k: k + big.shape[0]], run.mode, big, layer_ids)
-                continue
-            tabs = self.tok_tables if run.mode == "token" else self.blk_tables
-            buf, ix = bufs[run.first + k].view(self.int_dtype), torch.from_numpy(idx[k])
-            for layer in layer_ids:
-                self._index_copy(tabs[layer], ix, buf[layer])
+        self._copy_run(run, bufs, arrays, layer_ids, self._put, self._index_copy)
 
     def _put(self, idx: np.ndarray, mode: str, big: np.ndarray, layer_ids: Sequence[int]
              ) -> None:
