@@ -101,8 +101,11 @@ class CacheEngine:
             raise
         self.metrics = EngineMetrics()
         self._transfer_pref = transfer
+        # bound to the cache's geometry, not its block count: a re-created cache (vLLM's
+        # allocation after profiling, sleep/wake) of the same model is accepted
+        bound = spec.geometry_only()
         self._transfers = TransferCache(
-            lambda caches: make_transfer(spec, caches, transfer), capacity=4)
+            lambda caches: make_transfer(bound, caches, transfer), capacity=4)
         self._pins = PinTable(config.max_pinned_chunks, config.pin_timeout)
         self._lock = threading.RLock()
         self._worker: ThreadPoolExecutor | None = None

@@ -95,6 +95,14 @@ class KVSpec:
     def element_size(self) -> int:
         return self.dtype.itemsize
 
+    def geometry_only(self) -> KVSpec:
+        """This spec without its capacity (``num_blocks=0``): what an engine binds to. vLLM
+        allocates its cache after profiling and re-creates it on sleep/wake with another number
+        of blocks; a cache of the same layout, layers, heads, head size, block size and dtype
+        is the same model's and is accepted whatever its block count (bounds are then read off
+        each cache's own tensors)."""
+        return self if self.num_blocks == 0 else dataclasses.replace(self, num_blocks=0)
+
     def geometry(self, num_blocks: int | None = None) -> Geometry:
         nb = self.num_blocks if num_blocks is None else num_blocks
         return Geometry(nb, self.block_size, self.num_kv_heads, self.head_size)

@@ -411,3 +411,54 @@ def test_a_dropped_cuda_cache_returns_its_gpu_memory():
         gc.collect()
         torch.cuda.synchronize()
         assert torch.cuda.memory_allocated() <= before, "the engine kept a dropped GPU cache"
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("blocks", [8, 64])
+def test_a_recreated_cache_with_another_block_count_is_accepted(layout, blocks):
+    """vLLM allocates its KV cache after profiling, and sleep/wake re-creates it: the engine
+    is bound to the cache's geometry, not its number of blocks, so KV stored from the first
+    cache loads into a re-created one (fewer or more blocks) and stores from it work."""
+    n = 32
+    src = make_caches(layout, blocks=16, block_size=4)
+    spec = spec_for(layout, src)
+    assert spec.num_blocks > 0  # from_tensors reads the first cache's capacity into the spec
+    toks = _tokens(n)
+    with _engine(src, layout) as eng:
+        eng.store(toks, src, _slots_for(spec, n, 0))
+        again = make_caches(layout, blocks=blocks, block_size=4, zeros=True)
+        aspec = spec_for(layout, again)
+        slots = _slots_for(aspec, n, 1)
+        assert eng.retrieve(toks, again, slots) == n
+        assert_bits_equal(token_kv(aspec, again, slots),
+                          token_kv(spec, src, _slots_for(spec, n, 0)), f"{layout} re-created")
+        more = _tokens(n, seed=9)
+        assert eng.store(more, again, slots) == n  # the new cache stores too
+        assert eng.lookup(more) == n
+
+
+@pytest.mark.parametrize("change", ["heads", "dim", "block_size", "dtype", "layers"])
+def test_a_cache_of_another_geometry_is_still_refused(change):
+    """Binding by geometry is not binding to anything: a cache of another model (heads, head
+    size, block size, dtype, layer count) is refused with an error naming what differs."""
+    src = make_caches("vllm_flash", blocks=16, block_size=4)
+    kw = {"heads": dict(heads=4), "dim": dict(dim=16), "block_size": dict(block_size=8),
+          "dtype": dict(dtype=torch.float16), "layers": dict(layers=2)}[change]
+    other = make_caches("vllm_flash", **{"blocks": 16, "block_size": 4, **kw})
+    with _engine(src, "vllm_flash") as eng:
+        eng.store(_tokens(16), src, torch.arange(16))
+        with pytest.raises((ValueError, TypeError), match="kv cache|kv_caches has"):
+            eng.retrieve(_tokens(16), other, torch.arange(16))
+
+
+def test_a_recreated_cache_slot_past_its_end_is_refused():
+    """The bound is the re-created cache's own: a slot that fitted the first cache but not
+    the smaller one is an error naming the slot, never a write past its end."""
+    src = make_caches("vllm_flash", blocks=16, block_size=4)
+    spec = spec_for("vllm_flash", src)
+    with _engine(src, "vllm_flash") as eng:
+        eng.store(_tokens(16), src, torch.arange(16))
+        small = make_caches("vllm_flash", blocks=2, block_size=4, zeros=True)
+        with pytest.raises(ValueError, match="slot 15.*only 8 slots"):
+            eng.retrieve(_tokens(16), small, torch.arange(16))
+    assert spec.num_blocks == 16
