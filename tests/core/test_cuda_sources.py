@@ -31,6 +31,7 @@ import pytest
 import torch
 
 from lmc import cuda_transfer as ct
+from lmc.completion import Completion
 from lmc.kv_spec import LAYOUTS, KVSpec
 from lmc.transfer import ChunkPlan
 from tests.core import cuda_emulation as emu
@@ -529,3 +530,101 @@ def test_emulated_errors_name_the_problem(emu_lib):
         tr.gather(plan, [torch.empty(spec.chunk_shape(4))], layers=[3])
     with pytest.raises(ValueError, match="must be one of"):
         ct.CudaTransfer(spec, caches, backend=emu.HostBackend(emu_lib), gather_mode="zero-copy")
+
+
+class _DeviceSlotsBackend(emu.HostBackend):
+    """The emulation, with slot tensors treated as device memory: planning must not read them
+    back (as on a GPU), so the device-side check of the real plan runs on the CPU."""
+
+    def is_host(self, slots: torch.Tensor) -> bool:
+        return False
+
+
+def test_emulated_device_slot_past_the_cache_raises_at_the_wait(emu_lib):
+    """Device slots are not read back at plan time (a sync of the engine's stream): a slot
+    past the cache is skipped by the kernel -- nothing written out of bounds, the emulation
+    checks every access -- and the handle's host wait names the problem."""
+    caches = make_caches("vllm_flash")
+    spec = spec_for("vllm_flash", caches)
+    for mode in ct.MODES:
+        tr = ct.CudaTransfer(spec, caches, backend=_DeviceSlotsBackend(emu_lib, caches=list(caches)),
+                             gather_mode=mode, scatter_mode=mode)
+        before = [t.clone() for t in caches]
+        plan = tr.plan(torch.tensor([0, 48]), [(0, 2)])  # planned: no read-back, no error yet
+        h = tr.scatter(plan, [torch.ones(spec.chunk_shape(2))])
+        with pytest.raises(ValueError, match="slot past the end of the KV cache"):
+            h.wait()
+        for t, b in zip(caches, before, strict=True):
+            assert_bits_equal(t[:, 1:], b[:, 1:], f"{mode}: only slot 0's block written")
+        ok = tr.plan(torch.arange(4), [(0, 4)])
+        tr.gather(ok, [torch.empty(spec.chunk_shape(4))]).wait()  # a good plan: no error
+
+
+class _Event:
+    def __init__(self, log: list, name: str) -> None:
+        self.log, self.name, self.fired = log, name, False
+
+    def query(self) -> bool:
+        return self.fired
+
+    def synchronize(self) -> None:
+        self.log.append(("host waits", self.name))
+        self.fired = True
+
+
+class _Stream:
+    def __init__(self, log: list, name: str) -> None:
+        self.log, self.name, self.cuda_stream = log, name, id(self)
+
+    def wait_event(self, ev: _Event) -> None:
+        self.log.append((self.name, "waits", ev.name))
+
+
+class _RecordingBackend(emu.HostBackend):
+    """The emulation with streams and events that record the order of every call: the
+    ordering the completion handles promise, checked on the CPU."""
+
+    def __init__(self, *a, **kw) -> None:
+        super().__init__(*a, **kw)
+        self.log: list = []
+        self.n = 0
+
+    def stream(self, stream):
+        return stream if stream is not None else _Stream(self.log, "current")
+
+    def event(self, stream):
+        self.n += 1
+        ev = _Event(self.log, f"e{self.n}")
+        self.log.append((getattr(stream, "name", "?"), "records", ev.name))
+        return ev
+
+    def launch(self, name, blocks, args, stream):
+        self.log.append((stream.name, "launch", name.split("_")[2]))
+        super().launch(name, blocks, args, stream)
+
+
+def test_emulated_handles_order_the_streams(emu_lib):
+    """A layer-wise copy starts on its stream after its ``after`` handle, returns a handle
+    on an event recorded after its kernel, and ``wait(stream)`` makes that stream wait on
+    the event without blocking the host; ``wait()`` blocks the host; ``done()`` is the
+    event's state."""
+    caches = make_caches("vllm_flash", layers=2)
+    spec = spec_for("vllm_flash", caches)
+    be = _RecordingBackend(emu_lib, caches=list(caches))
+    tr = ct.CudaTransfer(spec, caches, backend=be)
+    side, compute = _Stream(be.log, "side"), _Stream(be.log, "compute")
+    plan = tr.plan(torch.arange(8), [(0, 8)])
+    start = tr.record_event(compute)
+    be.log.clear()
+    h = tr.scatter(plan, [torch.ones(spec.chunk_shape(8))], layers=[1], stream=side,
+                   after=start)
+    assert isinstance(h, Completion) and not h.done()
+    log = be.log[:]
+    assert log.index(("side", "waits", start.event.name)) < log.index(("side", "launch",
+                                                                       "scatter"))
+    assert log[-1] == ("side", "records", h.event.name), "the handle's event is not last"
+    be.log.clear()
+    h.wait(compute)
+    assert be.log == [("compute", "waits", h.event.name)] and not h.done()
+    h.wait()
+    assert be.log[-1] == ("host waits", h.event.name) and h.done()

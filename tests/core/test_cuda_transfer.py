@@ -12,6 +12,7 @@ from collections.abc import Callable
 import pytest
 import torch
 
+from lmc.completion import Completion
 from lmc.cuda_transfer import CudaTransfer, cuda_kernels_available
 from lmc.kv_spec import LAYOUTS, KVSpec
 from lmc.transfer import TorchTransfer, make_transfer
@@ -239,6 +240,9 @@ def test_gpu_random_shapes(seed):
 @gpu
 @needs_kernels
 def test_gpu_layerwise_events_on_a_side_stream():
+    """Layer-wise copies on a side stream return completion handles (lmc.completion): not
+    done while the side stream is held back, done after; ``wait(stream)`` makes the engine's
+    stream wait for the copy without blocking the host, so a read queued after it sees it."""
     caches = make_caches("vllm_flash", layers=4, dtype=torch.bfloat16, device="cuda")
     spec = spec_for("vllm_flash", caches)
     tr = make_transfer(spec, caches)
@@ -249,36 +253,57 @@ def test_gpu_layerwise_events_on_a_side_stream():
             for _ in range(2)]
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())  # the caches were filled on this stream
-    events = [tr.gather(plan, bufs, layers=[i], stream=side) for i in range(spec.num_layers)]
-    assert all(isinstance(e, torch.cuda.Event) for e in events)
-    events[-1].synchronize()
+    handles = [tr.gather(plan, bufs, layers=[i], stream=side) for i in range(spec.num_layers)]
+    assert all(isinstance(h, Completion) for h in handles)
+    handles[-1].wait()
+    assert all(h.done() for h in handles)
     ref = TorchTransfer(spec, caches)
     want = [torch.empty_like(b) for b in bufs]
     ref.gather(ref.plan(slots, [(0, 16), (16, 32)]), want)
     for b, w in zip(bufs, want, strict=True):
         assert_bits_equal(b, w, "layer-wise gather on a side stream")
-    # scatter back layer by layer into zeroed caches; the compute stream waits per layer
+    # scatter back layer by layer into zeroed caches, the side stream held back by a spin
+    # kernel: the handle is not done, and the engine's stream still reads the loaded layer
+    # only because it waited on the handle
     zeros = make_caches("vllm_flash", layers=4, dtype=torch.bfloat16, device="cuda", zeros=True)
     tr2 = CudaTransfer(spec, zeros)
     side.wait_stream(torch.cuda.current_stream())
     plan2 = tr2.plan(slots, [(0, 16), (16, 32)])
+    compute = torch.cuda.current_stream()
     for i in range(spec.num_layers):
-        tr2.scatter(plan2, bufs, layers=[i], stream=side).wait(torch.cuda.current_stream())
-        assert_bits_equal(zeros[i][:, :8], caches[i][:, :8],  # slots 0..31 = blocks 0..7
-                          f"layer {i} after waiting on its event")
+        with torch.cuda.stream(side):
+            torch.cuda._sleep(20_000_000)  # ~10 ms of spinning before the copy
+        h = tr2.scatter(plan2, bufs, layers=[i], stream=side)
+        assert not h.done(), "a handle reported done while its copy was still queued"
+        h.wait(compute)  # no host block: the compute stream waits on the copy's event
+        got = zeros[i][:, :8].clone()  # queued on the compute stream after the wait
+        assert_bits_equal(got, caches[i][:, :8],  # slots 0..31 = blocks 0..7
+                          f"layer {i} read on the engine's stream after waiting on its handle")
     tr2.synchronize()
+    assert all(h.done() for h in handles)
 
 
 @gpu
 @needs_kernels
 def test_gpu_errors_name_the_problem():
+    """Host slots (what the connectors pass) are checked at plan time, before any copy is
+    queued. Device slots are not read back at plan time (that would stall the host on the
+    engine's stream): a slot past the cache is skipped on the device, never written, and
+    raised by the handle's host wait."""
     caches = make_caches("vllm_flash", device="cuda")
     spec = spec_for("vllm_flash", caches)
     tr = CudaTransfer(spec, caches)
     with pytest.raises(ValueError, match="slot 48"):
-        tr.plan(torch.tensor([0, 48], device="cuda"), [(0, 2)])
-    with pytest.raises(ValueError, match="slots are on cpu"):
-        tr.plan(torch.tensor([0, 1]), [(0, 2)])
+        tr.plan(torch.tensor([0, 48]), [(0, 2)])
+    with pytest.raises(ValueError, match=r"range \(1, 3\)"):
+        tr.plan(torch.tensor([0, 1]), [(1, 3)])
+    before = [t.clone() for t in caches]
+    bad = tr.plan(torch.tensor([0, 48], device="cuda"), [(0, 2)])
+    h = tr.scatter(bad, [torch.ones(spec.chunk_shape(2))])
+    with pytest.raises(ValueError, match="slot past the end of the KV cache"):
+        h.wait()
+    for t, b in zip(caches, before, strict=True):  # slot 0 written, nothing past the end
+        assert_bits_equal(t[:, 1:], b[:, 1:], "blocks other than slot 0's")
     plan = tr.plan(torch.arange(4, device="cuda"), [(0, 4)])
     with pytest.raises(TypeError, match="chunk buffer 0 has dtype"):
         tr.gather(plan, [torch.empty(spec.chunk_shape(4), dtype=torch.float16)])
