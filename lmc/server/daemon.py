@@ -40,7 +40,7 @@ from lmc.server.auth import Grant
 from lmc.server.client import UNIX_SNDBUF
 from lmc.server.config import ServerConfig
 from lmc.server.http import MetricsHTTP
-from lmc.server.ratelog import IntervalLog, RateLimitedWarnings
+from lmc.server.ratelog import FirstSeen, IntervalLog, RateLimitedWarnings
 from lmc.server.session import IDLE, Session
 from lmc.server.store import NamespacedStore
 from lmc.storage_manager import StorageManager
@@ -122,7 +122,7 @@ class Daemon:
                 logging.WARNING, f"dropped connections with no progress for "
                 f"{config.frame_timeout:g} s mid-frame"),
         }
-        self._hello_seen: set[tuple[str, str]] = set()
+        self._hello_seen = FirstSeen()
         self._stop: asyncio.Event | None = None
         self._tasks: list[asyncio.Task] = []
         M.bind_storage(lambda: self.pool.used_bytes, lambda: self.pool.size,
@@ -175,14 +175,13 @@ class Daemon:
         self.pending.pop(s, None)
 
     def hello_log(self, s: Session) -> None:
-        """One INFO line per (client name, token) pair, not per connection: engines open
-        several connections and reconnect after failures."""
+        """One INFO line per new (client name, token) pair, not per connection (engines open
+        several connections and reconnect after failures), and a bounded number of those per
+        interval whatever names peers send (:class:`FirstSeen`)."""
         who = (s.client, s.grant.name if s.grant else "-")
-        if who in self._hello_seen:
+        if not self._hello_seen(who):
             log.debug("%s: hello from client %s (%s)", s.peer, *who)
             return
-        if len(self._hello_seen) < 4096:
-            self._hello_seen.add(who)
         log.info("%s: hello from client %s%s", s.peer, s.client,
                  f" (authenticated as {who[1]})" if self.auth.required else "")
 
@@ -355,6 +354,7 @@ class Daemon:
                     self._drop(s)
             for ev in self.events.values():
                 ev.flush()
+            self._hello_seen.flush()
 
     # -------------------------------------------------------- lifecycle
     def request_stop(self) -> None:

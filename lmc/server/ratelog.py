@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections import OrderedDict
+from collections.abc import Callable, Hashable
 from typing import Any
 
 log = logging.getLogger("lmc.server.daemon")
@@ -75,3 +76,46 @@ class IntervalLog:
         log.log(self.level, "%s%s: %d time(s) in the last %.0f s", self.msg, what,
                 self._pending, self.interval)
         self._pending = 0
+
+
+class FirstSeen:
+    """One line the first time a name is seen, never one per connection: names are remembered
+    (the ``remember`` most recent, so a client that reconnects is never new again), and new
+    names get at most ``limit`` lines per ``window`` seconds; past that they are counted and
+    summed up in one :class:`IntervalLog` line per window.
+
+    Why: a client name is whatever the peer sends. Distinct names past any remembered set, or
+    a reconnect storm once that set is full, used to write one line per connection."""
+
+    def __init__(self, remember: int = 4096, limit: int = 20, window: float = 10.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.remember = remember
+        self.limit = limit
+        self.window = window
+        self.clock = clock
+        self._seen: OrderedDict[Hashable, None] = OrderedDict()
+        self._start = float("-inf")
+        self._count = 0
+        self.more = IntervalLog(logging.INFO, f"hello from new clients past {limit} lines "
+                                f"per {window:g} s (not logged one by one)", window, clock)
+
+    def __call__(self, key: Hashable) -> bool:
+        """Whether ``key`` deserves its own line now (new, and within the window's budget);
+        a new key past the budget is counted in the summary line instead."""
+        if key in self._seen:
+            self._seen.move_to_end(key)
+            return False
+        self._seen[key] = None
+        if len(self._seen) > self.remember:
+            self._seen.popitem(last=False)
+        now = self.clock()
+        if now - self._start >= self.window:
+            self._start, self._count = now, 0
+        self._count += 1
+        if self._count > self.limit:
+            self.more()
+            return False
+        return True
+
+    def flush(self) -> None:
+        self.more.flush()

@@ -27,6 +27,7 @@ from lmc.server import protocol as P
 from lmc.server.auth import OPEN, Grant
 from lmc.server.reader import FrameReader, PeerClosed
 from lmc.server.store import Checksum, checksum_of
+from lmc.server.text import safe
 from lmc.server.views import byte_view
 from lmc.server.writer import send_buffers
 
@@ -40,9 +41,8 @@ IDLE, READING, WORKING, SENDING = "idle", "reading", "working", "sending"
 
 
 def _printable(s: Any, limit: int = 64) -> str:
-    """A peer-supplied name made safe for a log line."""
-    s = s if isinstance(s, str) else ""
-    return "".join(c if c.isprintable() else "?" for c in s[:limit]) or "-"
+    """A peer-supplied name made safe for a log line (control characters escaped)."""
+    return safe(s if isinstance(s, str) else "", limit)
 
 
 def _plain(v: Any) -> Any:

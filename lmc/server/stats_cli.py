@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from lmc import units
+from lmc.server.text import safe
 
 
 def fetch(url: str, token: str | None, timeout: float) -> dict[str, Any]:
@@ -69,7 +70,7 @@ _TIER_KEYS = {"capacity", "chunks", "used", "used_bytes", "get_hits", "get_misse
 def _plain_value(key: str, v: Any) -> str:
     """A figure of an unknown group, in human units where its name says what it is."""
     if isinstance(v, bool) or not isinstance(v, (int, float)):
-        return str(v)
+        return safe(v)
     if key.endswith("bytes"):
         return units.size(v)
     if key.endswith(("seconds", "_s")):
@@ -129,27 +130,29 @@ def format_info(stats: dict[str, Any], before: dict[str, Any] | None = None,
                 f"{units.size(t['capacity'])}; " if "capacity" in t else "")
         if name == memory:  # what GETs found without a lower tier
             hits = max(0, req.get("hits", 0) - lower_hits)
-            lines.append(f"{name}: {held}hits {units.ratio(hits, req.get('get_keys', 0))} keys"
+            lines.append(f"{safe(name)}: {held}hits "
+                         f"{units.ratio(hits, req.get('get_keys', 0))} keys"
                          f"; evicted {t.get('evictions', 0):,} "
                          f"({units.size(t.get('evicted_bytes', 0))})")
             continue
         asked = t.get("get_hits", 0) + t.get("get_misses", 0)
-        extra = [f"{k} {int(v):,}" for k, v in sorted(t.items())
+        extra = [f"{safe(k)} {int(v):,}" for k, v in sorted(t.items())
                  if (k.startswith(("errors_", "dropped_")) or k == "checksum_failures") and v]
-        lines.append(f"{name}: {held}hits {units.ratio(t.get('get_hits', 0), asked)} reads; "
+        lines.append(f"{safe(name)}: {held}hits {units.ratio(t.get('get_hits', 0), asked)} reads; "
                      f"read {units.size(t.get('read_bytes', 0))}, written "
                      f"{units.size(t.get('write_bytes', 0))}, queued "
                      f"{units.size(t.get('queue_bytes', 0))}"
                      + ("; " + ", ".join(extra) if extra else ""))
     for name, t in others.items():
-        lines += ["", f"# {name}"] + [f"{k}: {_plain_value(k, v)}" for k, v in sorted(t.items())]
+        lines += ["", f"# {safe(name)}"] + [f"{safe(k)}: {_plain_value(k, v)}"
+                                           for k, v in sorted(t.items())]
     names = stats.get("namespaces", {})
     lines += ["", f"# Namespaces ({len(names)})"]
     for ns, c in sorted(names.items()):
         held = (f"{c['chunks']:,} chunks, {units.size(c.get('bytes', 0))} in memory"
                 + (f" of quota {units.size(c['quota'])}" if c.get("quota") else "") + "; "
                 if "chunks" in c else "")
-        lines.append(f"{ns}: {held}puts {c.get('puts', 0):,}, gets {c.get('gets', 0):,}, "
+        lines.append(f"{safe(ns)}: {held}puts {c.get('puts', 0):,}, gets {c.get('gets', 0):,}, "
                      f"hit rate {units.ratio(c.get('hits', 0), c.get('get_keys', 0))} keys")
     return "\n".join(lines)
 
