@@ -1,4 +1,8 @@
-"""Keyed integrity tags for values in shared stores (Redis, the lmc daemon, peers).
+"""What a value read back from another process must pass: keyed tags and the engine's geometry.
+
+Tiers covered here: Redis and the ``lmc://`` daemon (keyed tags and geometry), the disk tier
+(geometry; its directory is one process's). Peers (``storage_backends/p2p.py``) are covered
+by their own module. Threat model of each tier: ``docs/threats/tiers.md``.
 
 Why: the ``lmc.serde`` checksums catch accidents, not intent. Anyone who can write to a shared
 store can recompute an xxh3, so a value rewritten with a self-consistent header would be
@@ -19,17 +23,38 @@ extensions), BLAKE2b runs at ~0.5 GiB/s and HMAC-SHA256 at ~1.3, below the Redis
 2-3 GiB/s, so the tag would halve the tier; Poly1305 runs at ~5 GiB/s
 (``benchmarks/bench_redis.py`` prints it next to memcpy). A fresh key per value means no
 one-time key is ever used twice, whatever the number of values.
+
+Geometry. The checksums say a value is intact, not that it is this engine's: a writer to the
+store can rewrite a header's shape or dtype (and its checksum) so that the value describes a
+chunk no engine of this key namespace stores. Every read path of a tier given a
+:class:`Geometry` (:func:`expect_geometry`) refuses such a value from its header, before
+allocating for it, exactly like a checksum failure: counted, deleted, served as a miss. So a
+rewritten value can neither sit in the store for ever (readers missing, writers skipping the
+key as present) nor reach L1.
+
+Secrets. ``integrity_secret`` and ``integrity_secret_file`` follow one rule: surrounding
+whitespace is not part of the secret (a file's trailing newline), what is left must be at
+least ``MIN_SECRET_BYTES`` long; every refusal names the setting (and the file). A file that
+group or others may read is used with a warning (once per file and mode); one they may write
+is refused, since whoever rewrites it chooses the secret.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import hmac
+import logging
 import os
-from pathlib import Path
+import stat
+from collections.abc import Iterable, Sequence
 from typing import Any
 
+import torch
+
 from lmc.serde import TAG_SIZE, CorruptValue
+
+log = logging.getLogger(__name__)
 
 NONCE_SIZE = 16
 MIN_SECRET_BYTES = 16
@@ -56,11 +81,8 @@ def _aead() -> Any:
 class Integrity:
     """Seals and checks values with one secret. Thread-safe (no mutable state)."""
 
-    def __init__(self, secret: bytes | str) -> None:
-        raw = secret.encode() if isinstance(secret, str) else bytes(secret)
-        if len(raw) < MIN_SECRET_BYTES:
-            raise ValueError(f"integrity_secret: at least {MIN_SECRET_BYTES} bytes of random "
-                             f"secret are needed, got {len(raw)} ({SECRET_HINT})")
+    def __init__(self, secret: bytes | str, setting: str = "integrity_secret") -> None:
+        raw = _secret_bytes(secret, setting)
         self._aead = _aead()
         self._master = hashlib.blake2b(raw, digest_size=32, person=_MASTER_PERSON).digest()
 
@@ -75,15 +97,8 @@ class Integrity:
         if secret and path:
             raise ValueError("set integrity_secret or integrity_secret_file, not both")
         if path:
-            try:
-                data = Path(path).read_bytes().strip()
-            except OSError as e:
-                raise ValueError(f"integrity_secret_file {path!r}: cannot read it: "
-                                 f"{e.strerror or e}") from None
-            if not data:
-                raise ValueError(f"integrity_secret_file {path!r} is empty ({SECRET_HINT})")
-            return cls(data)
-        return cls(secret) if secret else None
+            return cls(_read_secret_file(str(path)), f"integrity_secret_file {str(path)!r}")
+        return cls(secret) if secret is not None and secret != "" else None
 
     def _tag(self, nonce: bytes, key: bytes, header: bytes, payload: Any) -> bytes:
         one_time = hashlib.blake2b(nonce, key=self._master, digest_size=32,
@@ -106,3 +121,100 @@ class Integrity:
         if not hmac.compare_digest(want, tag[NONCE_SIZE:]):
             raise CorruptValue("integrity tag does not verify (forged or altered value, a "
                                "value copied from another key, or a different secret)")
+
+
+def _secret_bytes(secret: bytes | str, setting: str) -> bytes:
+    """The secret as used: stripped of surrounding whitespace, at least ``MIN_SECRET_BYTES``
+    long (the same rule inline and in a file, each refusal naming ``setting``)."""
+    if not isinstance(secret, (bytes, bytearray, memoryview, str)):
+        raise ValueError(f"{setting}: expected a string, got {type(secret).__name__}")
+    raw = (secret.encode() if isinstance(secret, str) else bytes(secret)).strip()
+    if not raw:
+        raise ValueError(f"{setting} is empty or only whitespace ({SECRET_HINT})")
+    if len(raw) < MIN_SECRET_BYTES:
+        raise ValueError(f"{setting}: at least {MIN_SECRET_BYTES} bytes of random secret are "
+                         f"needed (surrounding whitespace does not count), got {len(raw)} "
+                         f"({SECRET_HINT})")
+    return raw
+
+
+_warned_modes: set[tuple[str, int]] = set()
+
+
+def _read_secret_file(path: str) -> bytes:
+    """The file's bytes, refused when others may rewrite it, warned about when others may
+    read it (``chmod 600``)."""
+    setting = f"integrity_secret_file {path!r}"
+    try:
+        with open(path, "rb") as f:
+            mode = os.fstat(f.fileno()).st_mode
+            if not stat.S_ISREG(mode):
+                raise ValueError(f"{setting}: not a regular file")
+            if mode & (stat.S_IWGRP | stat.S_IWOTH):
+                raise ValueError(f"{setting}: mode {stat.S_IMODE(mode):04o} lets group or others "
+                                 f"rewrite the secret (so choose it); chmod 600 {path}")
+            data = f.read(1 << 16)
+    except OSError as e:
+        raise ValueError(f"{setting}: cannot read it: {e.strerror or e}") from None
+    if mode & (stat.S_IRGRP | stat.S_IROTH) and (path, mode) not in _warned_modes:
+        _warned_modes.add((path, mode))
+        log.warning("%s: mode %04o lets group or others read the secret (anyone who reads it "
+                    "can forge values); chmod 600 %s", setting, stat.S_IMODE(mode), path)
+    return data
+
+
+# --------------------------------------------------------------------------- geometry
+@dataclasses.dataclass(frozen=True)
+class Geometry:
+    """The chunks one engine's keys hold: ``[layers, planes, tokens, width]`` of ``dtype``
+    with ``min_tokens <= tokens <= max_tokens`` (the key namespace fixes all of them but the
+    token count of a prompt's last chunk)."""
+
+    layers: int
+    planes: int
+    width: int
+    dtype: torch.dtype
+    max_tokens: int
+    min_tokens: int = 1
+
+    @classmethod
+    def of(cls, spec: Any, max_tokens: int, min_tokens: int = 1) -> Geometry:
+        """From a :class:`lmc.kv_spec.KVSpec` and the chunk (or page) size."""
+        layers, planes, _, width = spec.chunk_shape(1)
+        return cls(layers, planes, width, spec.dtype, max_tokens, min_tokens)
+
+    @property
+    def max_bytes(self) -> int:
+        """The payload of the largest chunk: no read of this engine allocates more."""
+        return self.layers * self.planes * self.max_tokens * self.width * self.dtype.itemsize
+
+    def check(self, shape: Sequence[int], dtype: torch.dtype) -> None:
+        """Raise :class:`CorruptValue` unless ``shape``/``dtype`` is one of these chunks."""
+        shape = tuple(shape)
+        if (dtype != self.dtype or len(shape) != 4
+                or (shape[0], shape[1], shape[3]) != (self.layers, self.planes, self.width)
+                or not self.min_tokens <= shape[2] <= self.max_tokens):
+            raise CorruptValue(
+                f"value holds {list(shape)} {_dtype_name(dtype)}, this engine's chunks are "
+                f"[{self.layers}, {self.planes}, {self._tokens()}, {self.width}] "
+                f"{_dtype_name(self.dtype)} (header rewritten, or another engine's value)")
+
+    def _tokens(self) -> str:
+        if self.min_tokens == self.max_tokens:
+            return str(self.max_tokens)
+        return f"{self.min_tokens}..{self.max_tokens}"
+
+
+def _dtype_name(dtype: Any) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def expect_geometry(tiers: Iterable[Any], geometry: Geometry | None) -> int:
+    """Give every tier that checks geometry (an ``expected_geometry`` attribute: disk, Redis,
+    ``lmc://``) the engine's; returns how many took it. ``None`` turns the check off."""
+    n = 0
+    for tier in tiers:
+        if hasattr(tier, "expected_geometry"):
+            tier.expected_geometry = geometry
+            n += 1
+    return n

@@ -13,7 +13,9 @@ name is caught.
 Crash consistency. A value is written under a temporary name (``.tmp.<pid>.<hex>``), optionally
 ``fdatasync``-ed (``disk_fsync``; then the directory is fsync-ed once per batch), and renamed
 to its final name: a name ending in ``.kv`` always denotes a complete write. A crash leaves
-only temporary files, which the next start removes (those of dead processes). Without fsync a
+only temporary files, which the next start removes, all of them: it holds the directory's
+lock (below), so no other live writer can own one, whatever PID its name carries (after a
+container restart the dead writer's PID is often the new one's, e.g. 1). Without fsync a
 power loss may leave a renamed file with stale blocks; the payload checksum turns that into a
 miss, never into wrong KV.
 
@@ -76,6 +78,7 @@ from typing import Any
 
 from lmc import units
 from lmc.config import CacheConfig, parse_size
+from lmc.integrity import Geometry
 from lmc.layered_read import LayeredRead
 from lmc.memory import MemoryObj, MemoryPool
 from lmc.metrics import TierMetrics
@@ -97,7 +100,6 @@ MARKER = ".lmc-disk-tier"
 LOCK = ".lmc-disk-tier.lock"
 _NAME = re.compile(r"^([0-9a-f]{32})\.([0-9]+)\.kv$")
 _TMP = re.compile(r"^\.tmp\.([0-9]+)\.[0-9a-f]+$")
-STALE_TMP_SECONDS = 3600.0  # no write takes this long: older temp files are debris
 # a start-up scan of a large directory (millions of files on a cold disk) can take minutes:
 # it logs where it is this often, so the operator sees progress rather than a hang
 SCAN_PROGRESS_SECONDS = 5.0
@@ -107,18 +109,6 @@ _buffered_logged: set[str] = set()
 
 def _round_up(n: int) -> int:
     return -(-n // BLOCK) * BLOCK
-
-
-def _pid_alive(pid: int) -> bool:
-    if pid == os.getpid():
-        return True
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 _ZEROS = memoryview(bytes(BLOCK))
@@ -283,6 +273,9 @@ class DiskBackend(StorageBackend):
         self._coordinators: set[threading.Thread] = set()  # layered reads in progress
         self._closed = False
         self._warned: set[str] = set()
+        # the engine's chunk geometry (lmc.integrity.expect_geometry): a file whose header
+        # describes another chunk is refused from its header, like a checksum failure
+        self.expected_geometry: Geometry | None = None
         os.makedirs(self.path, exist_ok=True)
         self._check_ownership()  # before the lock file: refuse a foreign directory untouched
         self._dir_lock = _DirLock(self.path)  # before anything writes or deletes files
@@ -366,7 +359,6 @@ class DiskBackend(StorageBackend):
         """Rebuild the index from file names; remove debris (stale temp files, foreign or
         truncated files); evict down to capacity."""
         found: list[tuple[int, Key, int]] = []
-        now = time.time()
         t0 = last = time.monotonic()
         bad = foreign = temps = seen = found_bytes = 0
         with os.scandir(self.path) as it:
@@ -393,14 +385,13 @@ class DiskBackend(StorageBackend):
                         found_bytes += size
                         continue
                     bad += 1
+                elif _TMP.match(name):
+                    # the directory's lock is ours, and every writer holds it while it
+                    # writes: whatever PID the name carries (a dead writer's may equal ours,
+                    # e.g. PID 1 in a restarted container), no live writer owns this file
+                    temps += 1
                 else:
-                    t = _TMP.match(name)
-                    if t:
-                        if _pid_alive(int(t[1])) and now - st.st_mtime < STALE_TMP_SECONDS:
-                            continue  # another live writer's file
-                        temps += 1
-                    else:
-                        foreign += 1
+                    foreign += 1
                 with contextlib.suppress(OSError):
                     os.unlink(e.path)
         found.sort()
@@ -499,6 +490,8 @@ class DiskBackend(StorageBackend):
             if _io_all(os.preadv, fd, [hdr], 0) < HEADER_SIZE:
                 raise CorruptValue("file shorter than its header")
             h = decode_header(hdr, expected_key=key)
+            if self.expected_geometry is not None:  # before allocating anything for it
+                self.expected_geometry.check(h.shape, h.dtype)
             padded = _round_up(h.payload_len)
             if entry.size != BLOCK + padded:
                 raise CorruptValue(f"file is {entry.size} bytes, header needs {BLOCK + padded}")

@@ -8,9 +8,10 @@ between the socket and pool memory without intermediate copies (``redis_wire``);
 stream windowed ``GETRANGE`` pieces so that the server never buffers more than a few MiB per
 connection (``redis_fetch``). A put first asks
 which keys the server already has (content addressing: same key, same bytes) and sends only
-the others. Every read checks the header key and both checksums (and, with
-``integrity_secret``, the value's keyed tag: ``lmc.integrity``); a bad value is a miss, is
-deleted and is counted. The modules: ``redis_url`` (URL forms), ``redis_nodes`` (connections,
+the others. Every read (``get``, ``get_layers``) checks the header key and both checksums (and,
+with ``integrity_secret``, the value's keyed tag; given the engine's geometry, the header's
+shape and dtype: ``lmc.integrity``); a bad value is a miss, is deleted and is counted, on
+every read path alike (``docs/threats/tiers.md``). The modules: ``redis_url`` (URL forms), ``redis_nodes`` (connections,
 cluster slots), ``redis_jobs``/``redis_fetch`` (pipelines); the breaker and the batch
 splitter are every remote tier's (``lmc.breaker``, ``lmc.remote_tier``).
 
@@ -37,7 +38,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from lmc.breaker import OPEN, STATE_CODES, CircuitBreaker
 from lmc.config import CacheConfig
-from lmc.integrity import Integrity
+from lmc.integrity import Geometry, Integrity
 from lmc.layered_read import LayeredRead
 from lmc.memory import MemoryObj, MemoryPool
 from lmc.metrics import TierMetrics
@@ -104,6 +105,9 @@ class RedisBackend(StorageBackend):
         self.get_window = get_window  # bytes requested ahead per connection
         self.integrity = Integrity.from_config(config)
         self.head = HEADER_SIZE + (TAG_SIZE if self.integrity else 0)  # bytes before payload
+        # the engine's chunk geometry (lmc.integrity.expect_geometry): a value whose header
+        # describes another chunk is refused from its header, like a checksum failure
+        self.expected_geometry: Geometry | None = None
 
         def make_breaker(label: str) -> CircuitBreaker:
             listener = metrics.breaker_listener(label)
@@ -293,7 +297,8 @@ class RedisBackend(StorageBackend):
         call = Call("get", keys, [self.remote_key(k) for k in keys], results)
         self._dispatch(call, lambda c, idxs: GetJob(c, idxs, self.pool.allocate,
                                                     self.get_piece, self.get_window,
-                                                    self.integrity),
+                                                    self.integrity,
+                                                    self.expected_geometry),
                        Deadline(self.timeout), parallel=True)
         hits = sum(r is not None for r in results)
         self._finish("get", t0, call, hit=hits, miss=len(keys) - hits)

@@ -13,7 +13,9 @@ the rest follows as further pieces, each received straight into its slice of the
 Requests are streamed: a new one goes out as each reply is consumed, so the pipe never drains.
 A value that turns out shorter or longer than its header (the last request asks for one byte
 past the end), whose header is bad, or whose checksum fails is a miss, deleted and counted.
-Keys with no value (an empty reply) are plain misses. With an integrity secret the value's
+Keys with no value (an empty reply) are plain misses. Given the engine's geometry
+(``lmc.integrity.Geometry``), a header describing another chunk is refused the same way,
+before anything is allocated for it. With an integrity secret the value's
 head is the header and its tag (``lmc.integrity``), and a tag that does not verify is a miss,
 deleted and counted like a bad checksum; the payload is checked where it landed, in place.
 """
@@ -24,7 +26,7 @@ import logging
 from collections import deque
 from collections.abc import Sequence
 
-from lmc.integrity import Integrity
+from lmc.integrity import Geometry, Integrity
 from lmc.memory import MemoryObj
 from lmc.remote_tier import Rejects
 from lmc.serde import (
@@ -63,9 +65,11 @@ class GetJob(Job):
 
     def __init__(self, call: Call, idxs: Sequence[int], allocate: Allocate,
                  piece: int = 1 << 20, window: int = 4 << 20,
-                 integrity: Integrity | None = None) -> None:
+                 integrity: Integrity | None = None, geometry: Geometry | None = None
+                 ) -> None:
         super().__init__(call, idxs)
         self.integrity = integrity
+        self.geometry = geometry
         self.hsize = HEADER_SIZE + (TAG_SIZE if integrity else 0)  # bytes before the payload
         if piece <= self.hsize:
             raise ValueError(f"piece size must exceed the {self.hsize}-byte header")
@@ -141,6 +145,8 @@ class GetJob(Job):
         try:
             hdr = decode_header(head, expected_key=self.call.keys[i],
                                 tagged=self.integrity is not None)
+            if self.geometry is not None:  # before allocating anything for it
+                self.geometry.check(hdr.shape, hdr.dtype)
             vlen = self.hsize + hdr.payload_len
             if n != min(self.first, vlen):  # a longer value shows in its last piece
                 raise CorruptValue(f"value is {n} bytes, its header says {vlen}")

@@ -2,7 +2,8 @@
 
 Open: one pipelined round trip per server asks each key's head (``GETRANGE key 0 H-1``: the
 header, and the tag with an integrity secret) and ``STRLEN``; a head that fails its checks,
-or a length that disagrees with it, is a bad value (deleted, counted, a miss); a key with no
+or a length that disagrees with it, or (given the engine's ``Geometry``) a shape or dtype none
+of the engine's chunks has, is a bad value (deleted, counted, a miss, as in ``get``); a key with no
 value is a plain miss; the hits' pool objects are allocated, and the call returns.
 
 Then, on a thread of the call's own, the payloads arrive as ``GETRANGE`` windows in layer
@@ -224,6 +225,8 @@ class RedisLayeredRead:
                 if len(head) != hsize or n != hsize + hdr.payload_len:
                     raise CorruptValue(f"value is {n} bytes, its header says "
                                        f"{hsize + hdr.payload_len}")
+                if tier.expected_geometry is not None:  # as get() does: before allocating
+                    tier.expected_geometry.check(hdr.shape, hdr.dtype)
             except CorruptValue as e:
                 self.rejects.reject(i, e, self.rkeys[i].decode(errors="replace"))
                 continue

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from lmc.breaker import CLOSED, OPEN, CircuitBreaker
 from lmc.config import CacheConfig
-from lmc.integrity import Integrity
+from lmc.integrity import Geometry, Integrity
 from lmc.memory import MemoryObj, MemoryPool
 from lmc.remote_tier import Rejects, split_batch
 from lmc.serde import encodable
@@ -74,6 +74,9 @@ class ServerBackend(StorageBackend):
         self.allocate = allocate or pool.allocate
         integrity = Integrity.from_config(config)
         self.tags = Tags(integrity, self.allocate) if integrity else None
+        # the engine's chunk geometry (lmc.integrity.expect_geometry): a value describing
+        # another chunk is a bad value (refused, counted, deleted), like a checksum failure
+        self.expected_geometry: Geometry | None = None
         self.size = connections
         self.timeout = config.remote_timeout
         self._token = config.remote_token
@@ -89,6 +92,7 @@ class ServerBackend(StorageBackend):
         self._exec: ThreadPoolExecutor | None = None
         self._closed = False
         self._last_warn = 0.0
+        self._last_refusal = -1e9
         self._count_lock = threading.Lock()
         self.counts = {"calls": 0, "failures": 0, "skipped_open": 0, "hits": 0, "misses": 0,
                        "stored": 0, "not_stored": 0, "corrupt": 0, "alloc_failures": 0,
@@ -216,22 +220,28 @@ class ServerBackend(StorageBackend):
         if not keys:
             return []
         rejects: Rejects[Key] = Rejects(f"server tier {self.url}")
+        geometry = self.expected_geometry
+        too_large = [0]
         if self.tags is None:
-            out = self._get_values(keys, rejects)
+            out = self._get_values(keys, rejects, geometry, too_large)
         else:
-            out = self._get_tagged(keys, rejects)
-        self._count(corrupt=rejects.delete_with(self.delete))
+            out = self._get_tagged(keys, rejects, geometry, too_large)
+        if geometry is not None:
+            out = [o if o is None else rejects.verify(k, o, lambda o=o: geometry.check(
+                o.shape, o.dtype)) for k, o in zip(keys, out)]
+        self._count(corrupt=rejects.delete_with(self.delete) + too_large[0])
         hits = sum(o is not None for o in out)
         self._count(hits=hits, misses=len(out) - hits,
                     bytes_in=sum(o.nbytes for o in out if o is not None))
         return out
 
-    def _get_tagged(self, keys: Sequence[Key], rejects: Rejects[Key]
+    def _get_tagged(self, keys: Sequence[Key], rejects: Rejects[Key],
+                    geometry: Geometry | None, too_large: list[int]
                     ) -> list[MemoryObj | None]:
         """Chunks with their tags (one call); only those whose tag verifies are returned."""
         tags = self.tags
         assert tags is not None
-        got = self._get_values(interleave(keys), rejects)
+        got = self._get_values(interleave(keys), rejects, geometry, too_large, tags=True)
         out: list[MemoryObj | None] = []
         for i, key in enumerate(keys):
             tag, obj = got[2 * i], got[2 * i + 1]
@@ -242,20 +252,52 @@ class ServerBackend(StorageBackend):
             out.append(obj)
         return out
 
-    def _get_values(self, keys: Sequence[Key], rejects: Rejects[Key]
-                    ) -> list[MemoryObj | None]:
+    def _get_values(self, keys: Sequence[Key], rejects: Rejects[Key],
+                    geometry: Geometry | None = None, too_large: list[int] | None = None,
+                    tags: bool = False) -> list[MemoryObj | None]:
         # sizes are unknown before the answer: assume equal chunks, split by count
         parts = self._split([SPLIT_BYTES // 4] * len(keys)) if len(keys) >= 8 else [(0, len(keys))]
+        allocate = self._allocate if geometry is None else self._bounded(geometry, too_large,
+                                                                         tags)
 
         def corrupt(key: Key) -> None:
             rejects.reject(key, "payload checksum mismatch", key.hex())
 
         def run(a: int, b: int) -> list[MemoryObj | None]:
-            return self._call("get", lambda c: c.get(self.namespace, keys[a:b], self._allocate,
+            return self._call("get", lambda c: c.get(self.namespace, keys[a:b], allocate,
                                                      on_corrupt=corrupt),
                               [None] * (b - a))
 
         return [o for part in self._parallel(parts, run) for o in part]
+
+    def _bounded(self, geometry: Geometry, too_large: list[int] | None, tags: bool
+                 ) -> Allocate:
+        """``_allocate`` that refuses, before allocating, a value larger than the engine's
+        largest chunk (or, for a tag, than a tag): a forged header cannot make a read evict
+        L1 for it. Such a value is counted as corrupt and is a miss; the daemon's client
+        does not say its key, so it is not deleted (every value within the bound is
+        checked after the read, and deleted when it does not fit)."""
+        limit = max(geometry.max_bytes, 4096 if tags else 0)
+
+        def allocate(shape: Sequence[int], dtype: torch.dtype, num_tokens: int
+                     ) -> MemoryObj | None:
+            n = dtype.itemsize
+            for d in shape:
+                n *= int(d)
+            if n > limit:
+                if too_large is not None:
+                    too_large[0] += 1
+                now = time.monotonic()
+                if now - self._last_refusal > 5.0:  # logs stay bounded under a flood
+                    self._last_refusal = now
+                    log.warning("server tier %s: a value of %d bytes refused before "
+                                "allocating (this engine's chunks hold at most %d): a miss "
+                                "(counted as corrupt; further ones within 5 s only counted)",
+                                self.url, n, geometry.max_bytes)
+                return None
+            return self._allocate(shape, dtype, num_tokens)
+
+        return allocate
 
     def _allocate(self, shape: Sequence[int], dtype: torch.dtype, num_tokens: int
                   ) -> MemoryObj | None:
