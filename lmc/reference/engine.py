@@ -3,7 +3,9 @@ scheduler, block manager and model runner, and runs steps until requests finish.
 
 A step is: schedule -> connector meta -> forward (with per-layer connector hooks) ->
 load-error rollback -> sample -> advance/finish requests. See ``connector_api`` for the
-exact order of the connector calls.
+exact order of the connector calls. A request that cannot be served (its sampling or its
+connector hooks raise) fails alone: it finishes with an error (``pop_error``) and the
+engine goes on with the others.
 """
 
 from __future__ import annotations
@@ -25,12 +27,14 @@ from lmc.reference.model_runner import ModelRunner
 from lmc.reference.outputs import RequestOutput
 from lmc.reference.request import Request, SamplingParams
 from lmc.reference.sampling import sample_tokens
-from lmc.reference.scheduler import Scheduler
+from lmc.reference.scheduler import Scheduler, _what
+from lmc.reference.scheduler_output import SchedulerOutput
 from lmc.reference.tokenizer import Tokenizer, load_eos_token_ids
 
 logger = logging.getLogger(__name__)
 
 Prompt = str | Sequence[int]
+MAX_ERRORS = 4096  # failed requests' errors kept for pop_error
 
 
 class LLM:
@@ -111,6 +115,7 @@ class LLM:
         if kv_connector is not None:
             kv_connector.register_kv_caches(self.runner.named_kv_caches())
         self._ids = itertools.count()
+        self._errors: dict[str, str] = {}  # request id -> why it failed (see pop_error)
 
     @property
     def kv_caches(self) -> list[torch.Tensor]:
@@ -163,8 +168,45 @@ class LLM:
     # ------------------------------------------------------------------- step
 
     def step(self) -> list[RequestOutput]:
-        """Run one engine step; returns the requests that finished in it."""
+        """Run one engine step; returns the requests that finished in it, failed ones
+        included (finish reason ``abort``; :meth:`pop_error` says why).
+
+        A request that fails alone (its sampling, its connector hooks) is finished with its
+        error and the rest of the batch goes on; a failure of the step itself (the forward)
+        fails the requests scheduled in it, never those still waiting, so the engine is
+        left with no request that would fail the next step again."""
         output = self.scheduler.schedule()
+        try:
+            finished = self._run(output)
+        except Exception as e:
+            error = f"engine step failed: {_what(e)}"
+            logger.debug("step %d: %s", output.step_id, error)
+            finished = []
+            if output.is_empty:  # the asynchronous loads' poll failed: fail what waits on it
+                involved = list(self.scheduler.loading)
+            else:
+                involved = [sched.request_id for sched in output.scheduled_requests]
+            for rid in involved:
+                request = self.scheduler.requests.get(rid)
+                if request is not None:
+                    self.scheduler.fail_request(request, error)
+        return finished + self._drain_failed()
+
+    def pop_error(self, request_id: str) -> str | None:
+        """Why a request returned by :meth:`step` as aborted failed (once), or None."""
+        return self._errors.pop(request_id, None)
+
+    def _drain_failed(self) -> list[RequestOutput]:
+        outs = []
+        for request, error in self.scheduler.failed:
+            self._errors[request.request_id] = error
+            outs.append(self._output(request))
+        self.scheduler.failed.clear()
+        while len(self._errors) > MAX_ERRORS:  # kept for callers that never ask
+            self._errors.pop(next(iter(self._errors)))
+        return outs
+
+    def _run(self, output: SchedulerOutput) -> list[RequestOutput]:
         connector = self.kv_connector
         meta = connector.build_connector_meta(output) if connector is not None else None
         if output.is_empty:
@@ -189,18 +231,37 @@ class LLM:
         keep = [i for i, rid in enumerate(sample_ids) if rid not in invalid]
         requests = [self.scheduler.requests[sample_ids[i]] for i in keep]
         logits = logits[keep].cpu()
-        tokens = sample_tokens(
-            logits, [r.sampling_params for r in requests], [r.generator for r in requests]
-        )
+        tokens = self._sample(logits, requests)
         now = time.perf_counter()
         for row, request in enumerate(requests):
             if request.first_token_time is None:
                 request.first_token_time = now
             if request.sampling_params.return_logits:
                 request.logits.append(logits[row].clone())
-        sampled = {r.request_id: t for r, t in zip(requests, tokens, strict=True)}
+        sampled = {r.request_id: t for r, t in zip(requests, tokens, strict=True)
+                   if not isinstance(t, str)}
         finished = self.scheduler.update_after_step(output, sampled, invalid)
+        for r, t in zip(requests, tokens, strict=True):
+            if isinstance(t, str) and not r.is_finished:
+                self.scheduler.fail_request(r, t)
         return [self._output(r) for r in finished]
+
+    def _sample(self, logits: torch.Tensor, requests: list[Request]) -> list[int | str]:
+        """One token per row, in one batch; if that fails, row by row, so that only the
+        rows that fail get an error (a string) instead of a token."""
+        params = [r.sampling_params for r in requests]
+        gens = [r.generator for r in requests]
+        try:
+            return list(sample_tokens(logits, params, gens))
+        except Exception:
+            pass
+        out: list[int | str] = []
+        for i in range(len(requests)):
+            try:
+                out.append(sample_tokens(logits[i:i + 1], params[i:i + 1], gens[i:i + 1])[0])
+            except Exception as e:
+                out.append(f"sampling failed: {_what(e)}")
+        return out
 
     def generate(
         self,
@@ -244,6 +305,9 @@ class LLM:
             for out in self.step():
                 results[out.request_id] = out
                 pending.discard(out.request_id)
+        errors = [(i, e) for i in ids if (e := self.pop_error(i)) is not None]
+        if errors:
+            raise RuntimeError("; ".join(f"request {i}: {e}" for i, e in errors))
         return [results[i] for i in ids]
 
     def close(self) -> None:

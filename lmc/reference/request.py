@@ -8,10 +8,14 @@ The fields a KV connector reads are the stable part of this object (see
 from __future__ import annotations
 
 import enum
+import math
+import operator
 import time
 from dataclasses import dataclass, field
 
 import torch
+
+SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # what torch.Generator.manual_seed accepts
 
 
 @dataclass(frozen=True)
@@ -33,12 +37,25 @@ class SamplingParams:
     return_logits: bool = False
 
     def __post_init__(self) -> None:
-        if self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        # NaN compares false with everything: each check is written so that NaN fails it
+        if not self.max_tokens >= 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens!r}")
+        if not 0 <= self.temperature < math.inf:
+            raise ValueError(f"temperature must be a finite number >= 0, got "
+                             f"{self.temperature!r}")
         if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if self.seed is not None and not SEED_MIN <= _integer(self.seed) <= SEED_MAX:
+            raise ValueError(f"seed must be an integer in [{SEED_MIN}, {SEED_MAX}] "
+                             f"(a torch generator's range), got {self.seed!r}")
+
+
+def _integer(v: object) -> float:
+    """``v`` as an integer, or NaN (fails every range check) when it is not one."""
+    try:
+        return operator.index(v)  # type: ignore[arg-type]
+    except TypeError:
+        return math.nan
 
 
 class RequestStatus(enum.Enum):

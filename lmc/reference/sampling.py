@@ -1,5 +1,8 @@
 """Token selection from fp32 logits: greedy, or temperature + top-p (nucleus).
 
+Temperature scaling is shifted by the row's largest logit, so any finite temperature > 0
+(1e-300 included) gives a distribution, never NaN.
+
 Sampling runs on the CPU with each request's own ``torch.Generator``, so a seeded
 request draws the same tokens whatever it is batched with and whatever device the
 model runs on. A request's generator advances only when it actually samples a token.
@@ -23,13 +26,22 @@ def top_p_filter(probs: torch.Tensor, top_p: float) -> torch.Tensor:
     return torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
 
 
+def scaled(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """``logits / temperature`` shifted so the largest is 0: a tiny temperature sends the
+    others to -inf (softmax: all mass on the top token) instead of inf - inf = NaN."""
+    if not torch.isfinite(logits).all():
+        raise ValueError("logits are not finite (NaN or infinity): cannot sample")
+    shifted = logits.double() - logits.max()  # fp64: 1e-300 is 0 in fp32 (0 / 0 = NaN)
+    return (shifted / temperature).float()
+
+
 def sample_token(
     logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None
 ) -> int:
     """Pick one token from ``logits [vocab]`` (fp32, CPU)."""
     if params.temperature == 0.0:
         return int(torch.argmax(logits))
-    probs = torch.softmax(logits / params.temperature, dim=-1)
+    probs = torch.softmax(scaled(logits, params.temperature), dim=-1)
     probs = top_p_filter(probs, params.top_p)
     return int(torch.multinomial(probs, 1, generator=generator))
 

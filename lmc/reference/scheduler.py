@@ -18,6 +18,10 @@ decode consumer's): the request gets blocks for them and waits in ``loading``, n
 scheduled and not preemptible, until the connector reports it finished
 (:meth:`Scheduler.finish_remote_loads`); it then goes back to the front of the waiting
 queue with those positions computed, less any the connector reported as failed blocks.
+
+A connector hook that raises for one request (its ``kv_transfer_params`` are the client's)
+fails that request alone (:meth:`Scheduler.fail_request`): it is finished, its blocks
+freed, and the engine reports the error; everyone else is scheduled as before.
 """
 
 from __future__ import annotations
@@ -59,6 +63,7 @@ class Scheduler:
         self.num_preemptions = 0
         self._step_id = 0
         self._finished_since_last: list[str] = []
+        self.failed: list[tuple[Request, str]] = []  # failed alone; the engine drains it
 
     # ------------------------------------------------------------------ queue
 
@@ -72,6 +77,14 @@ class Scheduler:
             )
         self.requests[request.request_id] = request
         self.waiting.append(request)
+
+    def fail_request(self, request: Request, error: str) -> None:
+        """Finish ``request`` now (aborted) because something about it failed; the engine
+        reports it with ``error``. The rest of the schedule goes on without it."""
+        logger.debug("request %s failed: %s", request.request_id, error)
+        if not request.is_finished and request.request_id in self.requests:
+            self._finish(request, RequestStatus.FINISHED_ABORTED)
+        self.failed.append((request, error))
 
     def abort_request(self, request_id: str) -> bool:
         """Finish a waiting or running request now; its blocks are freed. Returns
@@ -128,16 +141,24 @@ class Scheduler:
             request = self.waiting[0]
             is_resumed = request.status is RequestStatus.PREEMPTED
             is_new = request.status is RequestStatus.WAITING
-            num_external, is_async = self._num_external_tokens(request)
+            try:
+                num_external, is_async = self._num_external_tokens(request)
+            except Exception as e:  # this request's parameters broke the connector
+                self.fail_request(request, f"KV connector lookup failed: {_what(e)}")
+                continue
             start = request.num_computed_tokens + num_external
             num_new = min(request.num_tokens - start, budget)
             if not self._grow_blocks(request, start if is_async else start + num_new):
                 break
-            self.waiting.popleft()
             if self.connector is not None:
-                # Before num_computed_tokens moves: the load covers
-                # [request.num_computed_tokens, request.num_computed_tokens + num_external).
-                self.connector.update_state_after_alloc(request, list(request.block_ids), num_external)
+                try:  # before num_computed_tokens moves: the load covers
+                    # [request.num_computed_tokens, request.num_computed_tokens + num_external)
+                    self.connector.update_state_after_alloc(request, list(request.block_ids),
+                                                            num_external)
+                except Exception as e:
+                    self.fail_request(request, f"KV connector allocation failed: {_what(e)}")
+                    continue
+            self.waiting.popleft()
             if is_async:  # holds its blocks, unscheduled, until the connector reports it
                 request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
                 request.num_computed_tokens = start
@@ -302,7 +323,11 @@ class Scheduler:
             self.waiting.remove(request)
         request.status = status
         if self.connector is not None:  # blocks still hold its K/V
-            request.kv_transfer_params_out = self.connector.request_finished(request)
+            try:
+                request.kv_transfer_params_out = self.connector.request_finished(request)
+            except Exception as e:  # its blocks are freed all the same
+                logger.debug("request %s: connector request_finished failed: %s",
+                             request.request_id, _what(e))
         if loading:  # a load may still write them: freed when the connector reports it
             self._abandoned[request.request_id] = request.block_ids
         else:
@@ -310,3 +335,8 @@ class Scheduler:
         request.block_ids = []
         del self.requests[request.request_id]
         self._finished_since_last.append(request.request_id)
+
+
+def _what(e: BaseException) -> str:
+    """An exception in one bounded line: its type and the start of its message."""
+    return f"{type(e).__name__}: {str(e)[:300]}"

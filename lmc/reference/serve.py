@@ -14,7 +14,11 @@ way they drive vLLM, not a production server:
 * ``GET /v1/models``, ``GET /health``, ``GET /lmc/stats`` (the connector's counters).
 
 One thread owns the engine and steps it while requests are pending; HTTP threads hand it
-requests and wait for tokens. A process whose lmc config has a P2P tier holds a NIXL
+requests and wait for tokens. Every field the server reads is checked first (a 400 naming
+it); a request that still fails in the engine fails alone (its own 4xx/5xx) and the loop
+goes on serving the rest. Connections, the time to send a request and its size are
+bounded (``--max-connections``, ``--read-timeout``, ``--max-body``: see
+:mod:`lmc.http_json`; threat model: docs/threats/http.md). A process whose lmc config has a P2P tier holds a NIXL
 agent: it is closed on SIGTERM/SIGINT and the process ends with ``os._exit`` (NIXL's
 exit-time crash, see :mod:`lmc.p2p.agent`).
 """
@@ -24,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import os
 import queue
 import signal
@@ -33,17 +38,30 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from http.server import ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
-from lmc.http_json import JsonHandler
+from lmc.http_json import (
+    BoundedHTTPServer,
+    HttpError,
+    HttpLimits,
+    JsonHandler,
+    RateLimitedWarnings,
+    add_limit_args,
+    limits_from_args,
+)
+from lmc.reference.request import SEED_MAX, SEED_MIN, SamplingParams
+from lmc.reference.tokenizer import check_unicode
 
 log = logging.getLogger(__name__)
+_warn = RateLimitedWarnings(limit=10, window=10.0, logger=log)
 
 
 class BadRequest(ValueError):
     """A request the server refuses (HTTP 400), with a message naming the field."""
+
+
+INT64_MAX = 2**63 - 1
 
 
 @dataclass
@@ -52,28 +70,50 @@ class _Job:
     params: Any  # SamplingParams
     kv_transfer_params: dict | None
     on_token: Callable[[int], None] | None
+    admitted: threading.Event = field(default_factory=threading.Event)  # or refused
     done: threading.Event = field(default_factory=threading.Event)
     output: Any = None  # RequestOutput
     error: str | None = None
+    status: int = 500  # of the error
     rid: str = ""
     sent: int = 0
+
+    def fail(self, status: int, error: str) -> None:
+        self.status, self.error = status, error
+        self.admitted.set()
+        self.done.set()
 
 
 class EngineLoop:
     """The engine's one thread: adds submitted requests, steps while any is pending,
-    streams new tokens to their callbacks and completes finished jobs."""
+    streams new tokens to their callbacks and completes finished jobs.
+
+    Nothing one request does can stop it: a request refused at admission gets its own
+    error (400 for a ValueError, else 500); one that fails in a step is finished by the
+    engine with its error (500); and if a step fails in a way the engine could not pin on
+    requests, every request still in the engine is aborted and answered 500 so that the
+    next request starts from a clean engine."""
 
     def __init__(self, llm: Any) -> None:
         self.llm = llm
-        self._inbox: queue.Queue[_Job | None] = queue.Queue()
+        self._inbox: queue.Queue[tuple[str, _Job] | None] = queue.Queue()
         self._jobs: dict[str, _Job] = {}
         self._lock = threading.Lock()
+        self.failures = 0  # engine-wide resets (see class docstring)
         self._thread = threading.Thread(target=self._run, name="lmc-ref-engine", daemon=True)
         self._thread.start()
 
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
     def submit(self, job: _Job) -> _Job:
-        self._inbox.put(job)
+        self._inbox.put(("add", job))
         return job
+
+    def abort(self, job: _Job) -> None:
+        """The client went away: stop generating for it."""
+        self._inbox.put(("abort", job))
 
     def call(self, fn: Callable[[], Any]) -> Any:
         """Run ``fn`` between steps (stats read off the engine's thread)."""
@@ -82,71 +122,134 @@ class EngineLoop:
 
     def _admit(self, job: _Job) -> None:
         try:
-            job.rid = self.llm.add_request(job.prompt, job.params,
-                                           kv_transfer_params=job.kv_transfer_params)
-            self._jobs[job.rid] = job
-        except ValueError as e:
-            job.error = str(e)
-            job.done.set()
+            with self._lock:
+                job.rid = self.llm.add_request(job.prompt, job.params,
+                                               kv_transfer_params=job.kv_transfer_params)
+        except ValueError as e:  # the request's own mistake: too long, ids out of range
+            job.fail(400, str(e))
+            return
+        except Exception as e:
+            job.fail(500, f"request refused by the engine: {_what(e)}")
+            return
+        self._jobs[job.rid] = job
+        job.admitted.set()
+
+    def _abort(self, job: _Job) -> None:
+        if self._jobs.pop(job.rid, None) is not None:
+            with self._lock:
+                self.llm.abort_request(job.rid)
+            job.fail(499, "client went away")
 
     def _run(self) -> None:
         while True:
             try:
-                job = self._inbox.get_nowait() if self._jobs else self._inbox.get()
-            except queue.Empty:
-                job = None
-            else:
-                if job is None:
+                if not self._iterate():
                     return
+            except Exception as e:  # never die: a dead loop hangs every later request
+                self._reset(e)
+
+    def _iterate(self) -> bool:
+        """Take what is queued, else step once. False when closed."""
+        try:
+            item = self._inbox.get_nowait() if self._jobs else self._inbox.get()
+        except queue.Empty:
+            item = None
+        else:
+            if item is None:
+                return False
+            kind, job = item
+            if kind == "add":
                 self._admit(job)
-                continue  # take everything queued before stepping
-            with self._lock:
+            else:
+                self._abort(job)
+            return True  # take everything queued before stepping
+        with self._lock:
+            finished = self.llm.step()
+            self._stream_new_tokens()
+        for out in finished:
+            self._finish(out)
+        return True
+
+    def _stream_new_tokens(self) -> None:
+        for rid, j in self._jobs.items():
+            req = self.llm.scheduler.requests.get(rid)
+            if req is not None and j.on_token is not None:
+                for t in req.output_token_ids[j.sent:]:
+                    j.on_token(t)
+                j.sent = len(req.output_token_ids)
+
+    def _finish(self, out: Any) -> None:
+        j = self._jobs.pop(out.request_id, None)
+        error = self.llm.pop_error(out.request_id)
+        if j is None:
+            return
+        if error is not None:
+            _warn("request %s failed: %s", out.request_id, error)
+            j.fail(500, error)
+            return
+        if j.on_token is not None:
+            for t in out.token_ids[j.sent:]:
+                j.on_token(t)
+        j.output = out
+        j.done.set()
+
+    def _reset(self, e: Exception) -> None:
+        """A failure not pinned on a request: abort everything in the engine, answer 500."""
+        self.failures += 1
+        _warn("engine step failed (%s); aborting %d requests", _what(e), len(self._jobs))
+        with self._lock:
+            for rid in list(self.llm.scheduler.requests):
                 try:
-                    finished = self.llm.step()
-                except Exception as e:  # fail the pending jobs, keep serving
-                    log.exception("engine step failed")
-                    for j in self._jobs.values():
-                        j.error = f"engine step failed: {type(e).__name__}: {e}"
-                        j.done.set()
-                    self._jobs.clear()
-                    continue
-                for rid, j in self._jobs.items():
-                    req = self.llm.scheduler.requests.get(rid)
-                    if req is not None and j.on_token is not None:
-                        for t in req.output_token_ids[j.sent:]:
-                            j.on_token(t)
-                        j.sent = len(req.output_token_ids)
-            for out in finished:
-                j = self._jobs.pop(out.request_id, None)
-                if j is None:
-                    continue
-                if j.on_token is not None:
-                    for t in out.token_ids[j.sent:]:
-                        j.on_token(t)
-                j.output = out
-                j.done.set()
+                    self.llm.abort_request(rid)
+                except Exception:  # noqa: S110 - a half-broken request is gone either way
+                    self.llm.scheduler.requests.pop(rid, None)
+            for j in self._jobs.values():
+                j.fail(500, f"engine step failed: {_what(e)}")
+            self._jobs.clear()
 
     def close(self) -> None:
         self._inbox.put(None)
         self._thread.join(30)
 
 
-def _number(body: dict, key: str, default: Any, kind: type, lo: float | None = None) -> Any:
-    v = body.get(key, default)
+def _what(e: BaseException) -> str:
+    return f"{type(e).__name__}: {str(e)[:300]}"
+
+
+def _finite(body: dict, key: str, default: float) -> float:
+    v = body.get(key)
     if v is None:
         return default
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or (kind is int and v != int(v)):
-        raise BadRequest(f"{key} must be {'an integer' if kind is int else 'a number'}, "
-                         f"got {v!r}")
-    if lo is not None and v < lo:
-        raise BadRequest(f"{key} must be >= {lo}, got {v!r}")
-    return kind(v)
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+        raise BadRequest(f"{key} must be a finite number, got {_show(v)}")
+    return float(v)
 
 
-def parse_completion(body: Any) -> tuple[Any, dict[str, Any], dict | None]:
-    """``(prompt, sampling keywords, kv_transfer_params)`` from a completions body."""
-    if not isinstance(body, dict):
-        raise BadRequest("the body must be a JSON object")
+def _integer(body: dict, key: str, lo: int, hi: int) -> int | None:
+    v = body.get(key)
+    if v is None:
+        return None
+    if isinstance(v, float) and math.isfinite(v) and v.is_integer():
+        v = int(v)  # 16.0 is 16
+    if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
+        raise BadRequest(f"{key} must be an integer in [{lo}, {hi}], got {_show(v)}")
+    return v
+
+
+def _flag(body: dict, key: str) -> bool:
+    v = body.get(key)
+    if v is not None and not isinstance(v, bool):
+        raise BadRequest(f"{key} must be true or false, got {_show(v)}")
+    return bool(v)
+
+
+def _show(v: Any) -> str:
+    """A client's value in an error message, cut short (it may be megabytes)."""
+    r = repr(v)
+    return r if len(r) <= 80 else r[:77] + "..."
+
+
+def _prompt(body: dict) -> str | list[int]:
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]  # a batch of one
@@ -155,31 +258,70 @@ def parse_completion(body: Any) -> tuple[Any, dict[str, Any], dict | None]:
                                  for t in prompt):
             raise BadRequest("prompt must be a string or a non-empty list of token ids "
                              "(one prompt per request)")
-    elif not isinstance(prompt, str) or not prompt:
+        return prompt
+    if not isinstance(prompt, str) or not prompt:
         raise BadRequest("prompt must be a string or a non-empty list of token ids")
-    kw = {"max_tokens": _number(body, "max_tokens", 16, int, 1),
-          "temperature": _number(body, "temperature", 0.0, float, 0),
-          "top_p": _number(body, "top_p", 1.0, float),
-          "seed": body.get("seed") if body.get("seed") is None
-          else _number(body, "seed", 0, int),
-          "ignore_eos": bool(body.get("ignore_eos", False))}
+    try:
+        check_unicode(prompt, "prompt")
+    except ValueError as e:
+        raise BadRequest(str(e)) from None
+    return prompt
+
+
+@dataclass
+class Completion:
+    """A validated ``/v1/completions`` body."""
+
+    prompt: str | list[int]
+    sampling: dict[str, Any]  # SamplingParams keywords
+    kv_transfer_params: dict | None = None
+    stream: bool = False
+    include_usage: bool = False
+    return_token_ids: bool = False
+    model: str | None = None
+
+
+def parse_completion(body: Any) -> Completion:
+    """Check every field the server reads, so a request is refused (400, naming the
+    field) before it reaches the engine or a stream starts."""
+    if not isinstance(body, dict):
+        raise BadRequest("the body must be a JSON object")
+    max_tokens = _integer(body, "max_tokens", 1, INT64_MAX)
+    temperature = _finite(body, "temperature", 0.0)
+    if temperature < 0:
+        raise BadRequest(f"temperature must be >= 0, got {temperature!r}")
+    top_p = _finite(body, "top_p", 1.0)
+    if not 0 < top_p <= 1:
+        raise BadRequest(f"top_p must be in (0, 1], got {top_p!r}")
+    kw = {"max_tokens": 16 if max_tokens is None else max_tokens,
+          "temperature": temperature, "top_p": top_p,
+          "seed": _integer(body, "seed", SEED_MIN, SEED_MAX),
+          "ignore_eos": _flag(body, "ignore_eos")}
     kv = body.get("kv_transfer_params")
     if kv is not None and not isinstance(kv, dict):
-        raise BadRequest(f"kv_transfer_params must be an object, got {kv!r}")
-    return prompt, kw, kv
+        raise BadRequest(f"kv_transfer_params must be an object, got {_show(kv)}")
+    opts = body.get("stream_options")
+    if opts is not None and not isinstance(opts, dict):
+        raise BadRequest(f"stream_options must be an object, got {_show(opts)}")
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise BadRequest(f"model must be a string, got {_show(model)}")
+    return Completion(_prompt(body), kw, kv, _flag(body, "stream"),
+                      _flag(opts or {}, "include_usage"), _flag(body, "return_token_ids"),
+                      model)
 
 
 class Server:
-    """The engine, its loop and the HTTP server (``port`` 0 picks a free one)."""
+    """The engine, its loop and the HTTP server (``port`` 0 picks a free one); ``limits``
+    bound what clients may hold (:class:`lmc.http_json.HttpLimits`)."""
 
     def __init__(self, llm: Any, host: str = "127.0.0.1", port: int = 0,
-                 model_name: str = "") -> None:
+                 model_name: str = "", limits: HttpLimits | None = None) -> None:
         self.llm = llm
         self.model_name = model_name or llm.model_dir.name
         self.loop = EngineLoop(llm)
         handler = type("Handler", (_Handler,), {"app": self})
-        self.httpd = ThreadingHTTPServer((host, port), handler)
-        self.httpd.daemon_threads = True
+        self.httpd = BoundedHTTPServer((host, port), handler, limits or HttpLimits())
         self.port = self.httpd.server_address[1]
         self.url = f"http://{host}:{self.port}"
 
@@ -194,6 +336,7 @@ class Server:
 
     def close(self) -> None:
         self.httpd.shutdown()
+        self.httpd.close_all()
         self.httpd.server_close()
         self.loop.close()
         self.llm.close()
@@ -211,25 +354,34 @@ class _Handler(JsonHandler):
         elif self.path == "/lmc/stats":
             self._json(200, self.app.stats())
         else:
-            self._error(404, f"no such path {self.path}")
+            self._error(404, f"no such path {self.path[:200]}")
 
     def do_POST(self) -> None:
         if self.path != "/v1/completions":
-            self._error(404, f"no such path {self.path} (POST /v1/completions only)")
+            self._error(404, f"no such path {self.path[:200]} (POST /v1/completions only)")
             return
         try:
-            n = int(self.headers.get("Content-Length") or 0)
-            body = json.loads(self.rfile.read(n) or b"null")
-            prompt, kw, kv = parse_completion(body)
-            from lmc.reference.request import SamplingParams
-            params = SamplingParams(**kw)
-        except (BadRequest, ValueError) as e:
+            req = parse_completion(self.read_json())
+            params = SamplingParams(**req.sampling)
+        except HttpError as e:
+            self._error(e.status, str(e))
+            return
+        except ValueError as e:  # BadRequest, or SamplingParams' own checks
             self._error(400, str(e))
             return
-        if body.get("stream"):
-            self._stream(body, prompt, params, kv)
+        job = _Job(req.prompt, params, req.kv_transfer_params, None)
+        if req.stream:
+            self._stream(req, job)
         else:
-            self._complete(body, prompt, params, kv)
+            self._complete(req, job)
+
+    def _wait(self, event: threading.Event) -> bool:
+        """Wait for the engine; False (and a 503 sent) if its thread is gone."""
+        while not event.wait(1.0):
+            if not self.app.loop.alive:
+                self._error(503, "the engine is not running")
+                return False
+        return True
 
     def _text(self, tokens: list[int]) -> str:
         tok = self.app.llm.tokenizer
@@ -240,36 +392,41 @@ class _Handler(JsonHandler):
         return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c,
                 "prompt_tokens_details": {"cached_tokens": out.num_cached_tokens}}
 
-    def _head(self, body: dict) -> dict[str, Any]:
+    def _head(self, req: Completion) -> dict[str, Any]:
         return {"id": f"cmpl-{uuid.uuid4().hex}", "created": int(time.time()),
-                "model": body.get("model") or self.app.model_name}
+                "model": req.model or self.app.model_name}
 
-    def _complete(self, body: dict, prompt: Any, params: Any, kv: dict | None) -> None:
-        job = self.app.loop.submit(_Job(prompt, params, kv, None))
-        job.done.wait()
+    def _complete(self, req: Completion, job: _Job) -> None:
+        self.app.loop.submit(job)
+        if not self._wait(job.done):
+            return
         if job.error is not None:
-            self._error(400 if job.output is None and "step" not in job.error else 500,
-                        job.error)
+            self._error(job.status, job.error)
             return
         out = job.output
         choice: dict[str, Any] = {"index": 0, "text": self._text(out.token_ids),
                                   "logprobs": None, "finish_reason": out.finish_reason}
-        if body.get("return_token_ids"):
+        if req.return_token_ids:
             choice["prompt_token_ids"] = out.prompt_token_ids
             choice["token_ids"] = out.token_ids
-        self._json(200, {**self._head(body), "object": "text_completion", "choices": [choice],
+        self._json(200, {**self._head(req), "object": "text_completion", "choices": [choice],
                          "usage": self._usage(out),
                          "kv_transfer_params": out.kv_transfer_params})
 
-    def _stream(self, body: dict, prompt: Any, params: Any, kv: dict | None) -> None:
-        tokens: queue.Queue[int | None] = queue.Queue()
-        job = self.app.loop.submit(_Job(prompt, params, kv, tokens.put))
+    def _stream(self, req: Completion, job: _Job) -> None:
+        tokens: queue.Queue[int] = queue.Queue()
+        job.on_token = tokens.put
+        self.app.loop.submit(job)
+        if not self._wait(job.admitted):
+            return
+        if job.error is not None:  # refused at admission: a status, not a stream
+            self._error(job.status, job.error)
+            return
         self.send_response(200)
         self.send_header("Content-Type", "text/event-stream")
         self.send_header("Cache-Control", "no-cache")
         self.end_headers()
-        head = {**self._head(body), "object": "text_completion"}
-        with_ids = bool(body.get("return_token_ids"))
+        head = {**self._head(req), "object": "text_completion"}
 
         def send(obj: Any) -> None:
             self.wfile.write(b"data: " + (obj if isinstance(obj, bytes)
@@ -283,21 +440,23 @@ class _Handler(JsonHandler):
                     continue
                 choice = {"index": 0, "text": self._text([t]), "logprobs": None,
                           "finish_reason": None}
-                if with_ids:
+                if req.return_token_ids:
                     choice["token_ids"] = [t]
                 send({**head, "choices": [choice]})
             if job.error is not None:
-                send({"error": {"message": job.error, "code": 500}})
+                send({"error": {"message": job.error, "type": "server_error",
+                                "code": job.status}})
             else:
                 out = job.output
                 send({**head, "choices": [{"index": 0, "text": "", "logprobs": None,
                                            "finish_reason": out.finish_reason}],
                       "kv_transfer_params": out.kv_transfer_params})
-                if (body.get("stream_options") or {}).get("include_usage"):
+                if req.include_usage:
                     send({**head, "choices": [], "usage": self._usage(out)})
             send(b"[DONE]")
-        except (BrokenPipeError, ConnectionResetError):
-            log.info("client went away mid-stream; request %s runs to its end", job.rid)
+        except OSError as e:  # went away, or stopped reading past read_timeout
+            log.debug("client went away mid-stream (%s); aborting request %s", e, job.rid)
+            self.app.loop.abort(job)
 
 
 def build_llm(args: argparse.Namespace) -> Any:
@@ -330,6 +489,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", default="float32")
     p.add_argument("--num-blocks", type=int, default=None)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    add_limit_args(p)
     p.add_argument("--ready-file", metavar="FILE", help="write {url, port, pid} here once "
                    "serving")
     args = p.parse_args(argv)
@@ -337,7 +497,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"lmc.reference.serve: --model {args.model}: not a directory", file=sys.stderr)
         return 2
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    server = Server(build_llm(args), args.host, args.port)
+    try:
+        limits = limits_from_args(args)
+    except ValueError as e:
+        print(f"lmc.reference.serve: {e}", file=sys.stderr)
+        return 2
+    server = Server(build_llm(args), args.host, args.port, limits=limits)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())

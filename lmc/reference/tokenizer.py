@@ -15,6 +15,15 @@ from pathlib import Path
 from lmc.reference.config import ModelConfig
 
 
+def check_unicode(text: str, what: str = "text") -> None:
+    """Raise ``ValueError`` if ``text`` has a lone surrogate (not encodable as UTF-8)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"{what} is not valid Unicode: lone surrogate "
+                         f"U+{ord(text[e.start]):04X} at character {e.start}") from None
+
+
 class Tokenizer:
     """Thin wrapper so the engine depends on two methods, not on a library."""
 
@@ -31,7 +40,10 @@ class Tokenizer:
         return self._tok.get_vocab_size(with_added_tokens=True)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        """Token ids; ``add_special_tokens`` applies the tokenizer's template (e.g. BOS)."""
+        """Token ids; ``add_special_tokens`` applies the tokenizer's template (e.g. BOS).
+        Text that is not valid Unicode (a lone surrogate such as ``"\\ud800"``, which JSON
+        can carry) is a ``ValueError`` naming where, not the library's ``TypeError``."""
+        check_unicode(text)
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:

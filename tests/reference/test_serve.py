@@ -79,8 +79,9 @@ def test_bad_bodies_are_400_naming_the_field(server, body, field):
 def test_parse_and_prefill_body():
     with pytest.raises(BadRequest, match="JSON object"):
         parse_completion([1])
-    prompt, kw, kv = parse_completion({"prompt": [[3, 4]], "kv_transfer_params": {"a": 1}})
-    assert prompt == [3, 4] and kw["max_tokens"] == 16 and kv == {"a": 1}
+    req = parse_completion({"prompt": [[3, 4]], "kv_transfer_params": {"a": 1}})
+    assert req.prompt == [3, 4] and req.sampling["max_tokens"] == 16
+    assert req.kv_transfer_params == {"a": 1} and not req.stream
     pb = prefill_body({"prompt": [1], "max_tokens": 50, "stream": True,
                        "stream_options": {"include_usage": True}})
     assert pb == {"prompt": [1], "max_tokens": 1, "kv_transfer_params": {
