@@ -4,21 +4,29 @@
 daemon at that address keeps the directory of who holds what (:mod:`lmc.p2p.directory`).
 
 Owner side. Chunks reach this tier as every lower tier's do (``put`` from write-behind,
-under write-through on every store): each is *exported*, i.e. the tier takes a reference on
-L1's own object (no copy), gives it a slot in the version table with a fresh version, and
-advertises ``(offset, length, slot, version, shape)`` on its membership connection. Exports
-are bounded in bytes (``export_bytes``, half the pool by default, since exported
-chunks cannot be evicted) and in time (``export_ttl`` seconds after they were exported,
-swept by a timer): the oldest go first. Letting one go clears its slot *before* the
-reference is released.
+under write-through on every store): each is *exported*, i.e. copied into the tier's export
+window (a pool of its own, ``export_bytes`` long, the only memory of this engine a peer can
+READ: :mod:`lmc.p2p.agent`), checksummed (and tagged, with ``integrity_secret``), given a slot
+in the version table with a fresh version, and advertised as ``(offset, length, slot,
+version, shape, checksum, tag)`` on its membership connection, in this tier's namespace. The
+window bounds exports in bytes; ``export_ttl`` bounds them in time (swept by a timer): the
+oldest go first. Letting one go clears its slot *before* its window memory is released. A
+chunk stored again is exported afresh (new copy, new version).
 
-Reader side. ``contains`` asks the directory where each key lies; ``get`` allocates
-destinations from the pool (which may evict L1), READs every chunk of one owner in one NIXL
-transfer, then READs their version slots; a chunk is returned only if its slot still holds
-the advertised version, i.e. the owner had not let the memory go when the payload READ
-finished. A dead owner (its records vanish with its socket; a READ in flight fails), a slow
-one (``remote_timeout`` deadline), an evicted chunk (version cleared) or a stale record:
-misses, never wrong KV.
+Reader side. ``contains`` asks the directory where each key lies (its holders in this
+namespace, newest first) and takes the first record it has no reason to distrust. ``get``
+checks each record against what this engine can use *before* allocating anything (at most
+``chunk_size`` tokens; once the tier knows its engine's chunk geometry, from its own stores
+or :meth:`P2PBackend.expect_chunks`, exactly that geometry; before that, destinations come
+from free pool memory only, never by evicting L1), READs every chunk of one owner in one
+NIXL transfer, READs their version slots, and keeps a chunk only if its slot still holds the
+advertised version *and* its bytes verify like any shared tier's (the checksum always; the
+keyed tag when ``integrity_secret`` is set, so an untagged record is a miss for a keyed
+reader). A record failing either check is a miss, counted (``verify_failures``,
+``refused``), and dropped: that (owner, version) is never read again, so the next lookup
+takes the key's next holder. A dead owner (its records vanish with its socket; a READ in
+flight fails), a slow one (``remote_timeout`` deadline), an evicted chunk (version cleared)
+or a stale record: misses, never wrong KV. Threat model: ``docs/threats/p2p.md``.
 """
 
 from __future__ import annotations
@@ -34,26 +42,45 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from lmc.breaker import CircuitBreaker
 from lmc.config import CacheConfig
+from lmc.integrity import Integrity
 from lmc.memory import MemoryObj, MemoryPool
 from lmc.p2p.agent import PoolAgent, TransferFailed
 from lmc.p2p.directory_client import DirectoryConnection
 from lmc.p2p.wire import BadRecord, PeerInfo, Record
+from lmc.serde import (
+    CorruptValue,
+    decode_header,
+    encodable,
+    encode_header,
+    payload_checksum,
+    verify_payload,
+)
 from lmc.server.client import Address
 from lmc.settings import parse_duration, parse_int, parse_opt_str, parse_size
 from lmc.storage_backend import BackendOption, Key, StorageBackend, register_backend
 
 log = logging.getLogger(__name__)
 LOCATION_TTL = 1.0  # seconds a located record serves a following get without asking again
+MAX_DISTRUSTED = 4096  # (owner, version) records remembered as failing their checks
+MAX_GEOMETRIES = 8  # chunk geometries an engine's stores may teach the tier
+Geometry = tuple[int, int, int, torch.dtype]  # layers, planes, row width, dtype: all but tokens
+
+
+def geometry(shape: Sequence[int], dtype: torch.dtype) -> Geometry:
+    return (shape[0], shape[1], shape[3], dtype)
 
 
 @dataclass
 class _Export:
-    obj: MemoryObj
+    obj: MemoryObj  # the copy in the export window
     slot: int
     version: int
     at: float
+    record: Record
 
 
 def directory_url(spec: str, config: CacheConfig) -> str:
@@ -75,9 +102,10 @@ class P2PBackend(StorageBackend):
         "agent_name": BackendOption(None, parse_opt_str,
                                     "this engine's NIXL agent name (default: host, pid, random)"),
         "export_bytes": BackendOption(None, lambda v, k: None if v is None else parse_size(v, k),
-                                      "bytes of exported chunks at most (default: half the pool)"),
+                                      "bytes of the export window, the only memory peers can "
+                                      "READ (default: half the pool)"),
         "export_ttl": BackendOption(600.0, lambda v, k: parse_duration(v, k, minimum=0.001),
-                                    "seconds a chunk stays exported (pinned in the pool)"),
+                                    "seconds a chunk stays exported"),
         "slots": BackendOption(1 << 16, lambda v, k: parse_int(v, k, minimum=1),
                                "version slots: chunks exported at once at most"),
     }
@@ -89,29 +117,41 @@ class P2PBackend(StorageBackend):
         self.address = Address.parse(url)
         self.namespace = self.address.namespace or config.remote_key_prefix
         self.pool = pool  # allocation (a TierPool evicts L1 to make room)
-        # the one tier that needs the buffer itself: it registers the whole pool with NIXL
+        # the pool itself: registered with NIXL as the destination of this engine's READs
         self.raw: MemoryPool = getattr(pool, "raw", pool)
         self.timeout = config.remote_timeout
         self._token = config.remote_token
+        self.integrity = Integrity.from_config(config)
+        self.chunk_tokens = config.chunk_size
         self.export_bytes = self.raw.size // 2 if export_bytes is None else export_bytes
+        if self.export_bytes < 4096:
+            raise ValueError(f"export_bytes must be at least 4096 B (one page), got "
+                             f"{self.export_bytes}")
         if export_ttl <= 0:
             raise ValueError(f"export_ttl must be > 0 seconds, got {export_ttl}")
         self.export_ttl = export_ttl
         name = agent_name or f"lmc-{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(4)}"
-        self.agent = PoolAgent(name, self.raw, slots)
+        self.window = MemoryPool(self.export_bytes, config.pin_memory, prefault="off")
+        try:
+            self.agent = PoolAgent(name, self.raw, self.window, slots)
+        except BaseException:
+            self.window.close()
+            raise
         self.breaker = CircuitBreaker()
         self._lock = threading.RLock()
         self._exports: OrderedDict[Key, _Export] = OrderedDict()  # oldest first
-        self._exported_bytes = 0
         self._free_slots = list(range(slots - 1, -1, -1))
         self._next_version = 1
         self._member: DirectoryConnection | None = None
         self._query: DirectoryConnection | None = None
         self._query_lock = threading.Lock()
         self._located: dict[Key, tuple[float, str, Record]] = {}
+        self._distrusted: OrderedDict[tuple[str, int], None] = OrderedDict()
+        self._geometries: set[Geometry] = set()  # what this engine's chunks look like
         self.counts = {"exported": 0, "withdrawn": 0, "expired": 0, "advertise_failures": 0,
-                       "hits": 0, "misses": 0, "stale": 0, "transfer_failures": 0,
-                       "bad_records": 0, "alloc_failures": 0, "bytes_in": 0,
+                       "window_full": 0, "skipped": 0, "hits": 0, "misses": 0, "stale": 0,
+                       "transfer_failures": 0, "bad_records": 0, "refused": 0,
+                       "verify_failures": 0, "alloc_failures": 0, "bytes_in": 0,
                        "directory_failures": 0}
         # test seams: called with the owner's agent name before the payload READ and between
         # it and the version check (the tests kill or evict the owner exactly there)
@@ -131,44 +171,80 @@ class P2PBackend(StorageBackend):
                                    f"lmc-p2p:{self.agent.name}")
 
     # ----------------------------------------------------------- owner side
+    def expect_chunks(self, shape: Sequence[int], dtype: torch.dtype) -> None:
+        """Declare this engine's chunk geometry (any token count): records of any other are
+        refused before allocation. The tier also learns it from the engine's own stores."""
+        with self._lock:
+            if len(self._geometries) < MAX_GEOMETRIES:
+                self._geometries.add(geometry(shape, dtype))
+
     def put(self, keys: Sequence[Key], objs: Sequence[MemoryObj]) -> int:
-        """Export L1's objects (a reference each, no copy) and advertise them."""
+        """Export copies of the objects into the window and advertise them (the caller's
+        objects are only read). A key stored again is exported afresh."""
+        if len(keys) != len(objs):
+            raise ValueError(f"put of {len(keys)} keys with {len(objs)} objects")
         if self._closed.is_set():
             return 0
         fresh: list[Record] = []
         gone: list[tuple[Key, _Export]] = []
+        stored = 0
         with self._lock:
-            now = time.monotonic()
-            gone += self._expire(now)
-            for k, o in zip(keys, objs, strict=True):
-                if o.pool is not self.raw:
-                    raise ValueError(f"put of {o!r}: it belongs to another memory pool than "
-                                     "this tier's (only pool memory is registered with NIXL)")
-                held = self._exports.get(k)
-                if held is not None:  # stored again: it stays exported for another ttl
-                    held.at = now
-                    self._exports.move_to_end(k)
+            gone += self._expire(time.monotonic())
+            done: set[Key] = set()
+            for k, o in zip(keys, objs):
+                if not encodable(o):  # no header (hence no tag) describes it: not exported
+                    self.counts["skipped"] += 1
                     continue
-                if not self._free_slots:
-                    gone += self._drop_oldest()
-                if not self._free_slots:
-                    break
-                slot = self._free_slots.pop()
-                version = self._next_version
-                self._next_version += 1
-                self.agent.versions[slot] = version
-                self._exports[k] = _Export(o.acquire(), slot, version, now)
-                self._exported_bytes += o.nbytes
-                fresh.append(Record(k, o.offset, o.nbytes, version, slot, o.dtype,
-                                    tuple(o.shape), o.num_tokens))  # type: ignore[arg-type]
-                while self._exported_bytes > self.export_bytes and self._exports:
-                    gone += self._drop_oldest()
+                stored += 1
+                if k in done:
+                    continue
+                done.add(k)
+                self.expect_chunks(o.shape, o.dtype)
+                rec = self._export(k, o, gone)
+                if rec is not None:
+                    fresh.append(rec)
             self.counts["exported"] += len(fresh)
             fresh = [r for r in fresh if r.key in self._exports]  # not already pushed out
         self._finish_withdraw(gone)
         if fresh:
             self._advertise(fresh)
-        return len(keys)
+        return stored
+
+    def _export(self, k: Key, o: MemoryObj, gone: list[tuple[Key, _Export]]
+                ) -> Record | None:
+        """Copy ``o`` into the window under a fresh version; its record. Under ``_lock``."""
+        old = self._take(k)
+        if old is not None:  # replaced: the new record overrides it in the directory
+            old[1].obj.release()
+        w = self.window.allocate(o.shape, o.dtype, o.num_tokens)
+        while w is None and self._exports:
+            gone += self._drop_oldest()
+            w = self.window.allocate(o.shape, o.dtype, o.num_tokens)
+        if w is None or not self._free_slots and not self._make_slot(gone):
+            if w is not None:
+                w.release()
+            self.counts["window_full"] += 1
+            return None
+        w.tensor.copy_(o.tensor)
+        payload = w.byte_view()
+        csum = payload_checksum(payload)
+        tag = None
+        if self.integrity is not None:
+            header = encode_header(k, o.shape, o.dtype, o.num_tokens, payload, checksum=csum,
+                                   tagged=True)
+            tag = self.integrity.seal(k, header, payload)
+        slot = self._free_slots.pop()
+        version = self._next_version
+        self._next_version += 1
+        self.agent.versions[slot] = version
+        rec = Record(k, w.offset, w.nbytes, version, slot, w.dtype,
+                     tuple(w.shape), w.num_tokens, csum, tag)  # type: ignore[arg-type]
+        self._exports[k] = _Export(w, slot, version, time.monotonic(), rec)
+        return rec
+
+    def _make_slot(self, gone: list[tuple[Key, _Export]]) -> bool:
+        gone += self._drop_oldest()
+        return bool(self._free_slots)
 
     def _advertise(self, records: list[Record]) -> None:
         try:
@@ -191,9 +267,7 @@ class P2PBackend(StorageBackend):
         m = self._conn()
         try:
             m.join(self.agent.info)
-            m.advertise([Record(k, e.obj.offset, e.obj.nbytes, e.version, e.slot, e.obj.dtype,
-                                tuple(e.obj.shape), e.obj.num_tokens)  # type: ignore[arg-type]
-                         for k, e in self._exports.items()])
+            m.advertise([e.record for e in self._exports.values()])
         except BaseException:
             m.close()
             raise
@@ -212,7 +286,6 @@ class P2PBackend(StorageBackend):
             return None
         self.agent.versions[e.slot] = 0
         self._free_slots.append(e.slot)
-        self._exported_bytes -= e.obj.nbytes
         return k, e
 
     def _drop_oldest(self) -> list[tuple[Key, _Export]]:
@@ -286,6 +359,7 @@ class P2PBackend(StorageBackend):
         return out
 
     def _locate(self, keys: Sequence[Key], fresh: bool) -> list[tuple[str, Record] | None]:
+        """Each key's record to read: the newest holder's this tier does not distrust."""
         now = time.monotonic()
         out: list[tuple[str, Record] | None] = [None] * len(keys)
         todo = []
@@ -297,11 +371,13 @@ class P2PBackend(StorageBackend):
                 todo.append(i)
         if todo:
             got = self._ask(lambda c: c.locate([keys[i] for i in todo], self.agent.name),
-                            [None] * len(todo))
+                            [[]] * len(todo))
             with self._query_lock:
                 if len(self._located) > 1 << 16:
                     self._located.clear()
-                for i, g in zip(todo, got):
+                for i, holders in zip(todo, got):
+                    g = next((h for h in holders if (h[0], h[1].version) not in
+                              self._distrusted), None)
                     out[i] = g
                     if g is not None:
                         self._located[keys[i]] = (now, g[0], g[1])
@@ -338,9 +414,59 @@ class P2PBackend(StorageBackend):
         self.counts["misses"] += len(keys) - hits
         return out
 
+    def _distrust(self, agent: str, rec: Record, counter: str, why: object) -> None:
+        """Drop a record that failed a check: never read that (owner, version) again."""
+        log.warning("p2p tier %s: record of %s from %s dropped: %s", self.agent.name,
+                    rec.key.hex()[:12], agent, why)
+        self.counts[counter] += 1
+        with self._query_lock:
+            self._distrusted[(agent, rec.version)] = None
+            while len(self._distrusted) > MAX_DISTRUSTED:
+                self._distrusted.popitem(last=False)
+            got = self._located.get(rec.key)
+            if got is not None and got[1] == agent and got[2].version == rec.version:
+                del self._located[rec.key]
+
+    def _usable(self, agent: str, info: PeerInfo, rec: Record) -> bool:
+        """Whether this engine could use the record's chunk, decided before any memory is
+        allocated for it: inside the owner's window, at most ``chunk_size`` tokens, and this
+        engine's geometry once the tier knows it."""
+        try:
+            info.check(rec)
+            if rec.num_tokens > self.chunk_tokens:
+                raise BadRecord(f"{rec.num_tokens} tokens, more than chunk_size "
+                                f"{self.chunk_tokens}")
+            known = self._geometries
+            if known and geometry(rec.shape, rec.dtype) not in known:
+                raise BadRecord(f"shape {rec.shape} {rec.dtype} is not this engine's chunk")
+        except BadRecord as e:
+            self._distrust(agent, rec, "refused", e)
+            return False
+        return True
+
+    def _allocate(self, rec: Record) -> MemoryObj | None:
+        """A destination; by evicting L1 only for a chunk of this engine's known geometry
+        (free memory only otherwise, so no record can flush L1)."""
+        src: Any = self.pool if self._geometries else self.raw
+        return src.allocate(rec.shape, rec.dtype, rec.num_tokens)
+
+    def _verify(self, rec: Record, obj: MemoryObj) -> None:
+        """The bytes READ are the chunk the record describes, as any shared tier checks a
+        value: the record's header fields, its checksum, and with a secret its tag (an
+        untagged record is a miss for a keyed reader, a tagged one for an unkeyed reader).
+        Raises :class:`CorruptValue`."""
+        payload = obj.byte_view()
+        header = encode_header(rec.key, rec.shape, rec.dtype, rec.num_tokens, payload,
+                               checksum=rec.checksum, tagged=rec.tag is not None)
+        verify_payload(decode_header(header, rec.key, tagged=self.integrity is not None),
+                       payload)
+        if self.integrity is not None:
+            self.integrity.check(rec.key, header, rec.tag or b"", payload)
+
     def _pull(self, agent: str, items: list[tuple[int, Record]],
               out: list[MemoryObj | None]) -> None:
-        """READ one owner's chunks into fresh pool objects; keep those whose version held."""
+        """READ one owner's chunks into fresh pool objects; keep those whose version held
+        and whose bytes verify."""
         info = self._peer(agent)
         if info is None:
             self._forget_located(agent)
@@ -348,13 +474,9 @@ class P2PBackend(StorageBackend):
         dst: list[tuple[int, Record, MemoryObj]] = []
         try:
             for i, rec in items:
-                try:
-                    info.check(rec)
-                except BadRecord as e:
-                    log.warning("p2p tier: bad record from %s: %s", agent, e)
-                    self.counts["bad_records"] += 1
+                if not self._usable(agent, info, rec):
                     continue
-                o = self.pool.allocate(rec.shape, rec.dtype, rec.num_tokens)
+                o = self._allocate(rec)
                 if o is None:
                     self.counts["alloc_failures"] += 1
                     break
@@ -383,18 +505,25 @@ class P2PBackend(StorageBackend):
                 o.release()
             raise
         for (i, rec, o), v in zip(dst, versions):
-            if v == rec.version:
-                out[i] = o
-                self.counts["bytes_in"] += rec.nbytes
-            else:  # the owner let it go before our READ finished: its bytes prove nothing
-                self.counts["stale"] += 1
-                self._located.pop(rec.key, None)
-                o.release()
+            out[i] = self._keep(agent, rec, o, v)
 
-    def _forget_located(self, agent: str) -> None:
-        with self._query_lock:  # engine threads may be filling it meanwhile
-            for k in [k for k, v in self._located.items() if v[1] == agent]:
-                self._located.pop(k, None)
+    def _keep(self, agent: str, rec: Record, o: MemoryObj, version: int) -> MemoryObj | None:
+        """``o`` if the chunk was still exported when READ and its bytes verify, else None
+        (``o`` released)."""
+        if version != rec.version:  # the owner let it go before our READ finished
+            self.counts["stale"] += 1
+            with self._query_lock:
+                self._located.pop(rec.key, None)
+            o.release()
+            return None
+        try:
+            self._verify(rec, o)
+        except CorruptValue as e:
+            self._distrust(agent, rec, "verify_failures", e)
+            o.release()
+            return None
+        self.counts["bytes_in"] += rec.nbytes
+        return o
 
     # ------------------------------------------------------------ lifecycle
     def close(self) -> None:
@@ -414,10 +543,12 @@ class P2PBackend(StorageBackend):
             if self._query is not None:
                 self._query.close()
         self.agent.close()
+        self.window.close()
 
     def stats(self) -> dict[str, Any]:
         with self._lock:
             return {**self.counts, "exports": len(self._exports),
-                    "exported_bytes": self._exported_bytes,
+                    "exported_bytes": self.window.used_bytes,
+                    "distrusted": len(self._distrusted),
                     "quarantined": self.agent.quarantined,
                     **{f"breaker_{k}": v for k, v in self.breaker.stats().items()}}

@@ -1,10 +1,15 @@
-"""One NIXL agent per engine: the memory pool and a version table registered, READs with a
-deadline.
+"""One NIXL agent per engine: its export window and version table published, its pool
+registered for its own READs only, READs with a deadline.
 
-The pool is registered once, whole (it is one buffer for the life of the engine), so no chunk
-is ever registered or copied on the way out: a reader READs straight from the owner's pool
-into its own. The version table is a small int64 array beside it (:mod:`lmc.p2p.wire` says
-what a slot means); a registered scratch array receives the slots a reader checks.
+What a peer can READ is exactly what the agent's metadata describes, and the metadata it
+publishes (:attr:`PoolAgent.info`, handed out by the directory) covers two buffers only: the
+*export window* (a pool of its own, ``export_bytes`` long, holding copies of the chunks this
+engine exports, i.e. KV of its own namespace and nothing else) and the version table, a
+small int64 array beside it (:mod:`lmc.p2p.wire` says what a slot means). The engine's memory
+pool is registered too, as the destination of this engine's own READs, but left out of the
+published metadata, so NIXL refuses a peer's READ of it (``NIXL_ERR_NOT_FOUND``), as it does
+any span outside the window. A registered scratch array receives the slots a reader checks.
+Threat model: ``docs/threats/p2p.md``.
 
 A transfer that misses its deadline is asked to stop; until NIXL confirms it has, the
 destination objects stay referenced (``quarantined``), so a late write can never land in
@@ -41,6 +46,11 @@ def import_nixl() -> Any:
     return _api
 
 
+def _span(t: torch.Tensor) -> tuple[int, int, int, str]:
+    """A registration descriptor for the whole of ``t`` (host memory)."""
+    return (t.data_ptr(), t.numel() * t.element_size(), 0, "")
+
+
 class TransferFailed(Exception):
     """A READ ended in error or missed its deadline: the chunks it was for are misses."""
 
@@ -48,7 +58,7 @@ class TransferFailed(Exception):
 class PoolAgent:
     """Thread-safe (one lock around the agent): owners and readers share it."""
 
-    def __init__(self, name: str, pool: MemoryPool, slots: int = 1 << 16,
+    def __init__(self, name: str, pool: MemoryPool, window: MemoryPool, slots: int = 1 << 16,
                  backends: Sequence[str] = ("UCX",)) -> None:
         api = import_nixl()
         self.name = name
@@ -58,29 +68,46 @@ class PoolAgent:
         # connection set-up until the owner happens to progress its worker. Its cost: it
         # spins about one core even while idle (measured with NIXL 1.5.1 here)
         self.agent = api.nixl_agent(name, api.nixl_agent_config(backends=list(backends)))
+        self.window = window
         self.versions = torch.zeros(slots, dtype=torch.int64)
         self._scratch = torch.zeros(SCRATCH_SLOTS, dtype=torch.int64)
         self._regs = []
-        for t in (pool.buffer, self.versions, self._scratch):
-            descs = self.agent.get_reg_descs([(t.data_ptr(), t.numel() * t.element_size(), 0,
-                                               "")], "DRAM")
-            self._regs.append(self.agent.register_memory(descs))
-        self.info = PeerInfo(name, bytes(self.agent.get_agent_metadata()),
-                             pool.buffer.data_ptr(), pool.size, self.versions.data_ptr(), slots)
+        for t in (pool.buffer, window.buffer, self.versions, self._scratch):
+            self._regs.append(self.agent.register_memory(self._descs(t)))
+        published = self.agent.get_reg_descs([_span(window.buffer), _span(self.versions)],
+                                             "DRAM")
+        metadata = self.agent.get_partial_agent_metadata(published, True, list(backends))
+        self.info = PeerInfo(name, bytes(metadata), window.buffer.data_ptr(), window.size,
+                             self.versions.data_ptr(), slots)
         self._peers: dict[str, PeerInfo] = {}
         self._quarantine: list[tuple[Any, list[MemoryObj]]] = []
         self._stuck = 0  # transfers ever quarantined
         self.closed = False
+
+    def _descs(self, t: torch.Tensor) -> Any:
+        return self.agent.get_reg_descs([_span(t)], "DRAM")
 
     # ------------------------------------------------------------ peers
     def knows(self, agent: str) -> PeerInfo | None:
         return self._peers.get(agent)
 
     def add_peer(self, info: PeerInfo) -> None:
+        """Load a peer's metadata; ``ValueError`` if it describes another agent than the one
+        it was joined as (loading it under that name would redirect our READs of that agent:
+        the name is dropped again, and re-fetched from the directory when next needed)."""
         with self._lock:
-            if info.agent not in self._peers:
-                self.agent.add_remote_agent(info.metadata)
-                self._peers[info.agent] = info
+            if info.agent in self._peers:
+                return
+            name = self.agent.add_remote_agent(info.metadata)
+            name = name.decode(errors="replace") if isinstance(name, bytes) else str(name)
+            if name != info.agent:
+                self._peers.pop(name, None)
+                try:
+                    self.agent.remove_remote_agent(name)
+                except Exception as e:
+                    log.debug("remove_remote_agent(%s): %s", name, e)
+                raise ValueError(f"the metadata of peer {info.agent!r} names agent {name!r}")
+            self._peers[info.agent] = info
 
     def forget_peer(self, agent: str) -> None:
         """Drop a peer that failed a transfer: its next record is looked up afresh."""
@@ -153,9 +180,7 @@ class PoolAgent:
         """Stop using a scratch array a stuck READ may still write (a late version value
         there could pass a later check); the old one stays registered and alive."""
         self._scratch = torch.zeros(SCRATCH_SLOTS, dtype=torch.int64)
-        t = self._scratch
-        self._regs.append(self.agent.register_memory(self.agent.get_reg_descs(
-            [(t.data_ptr(), t.numel() * t.element_size(), 0, "")], "DRAM")))
+        self._regs.append(self.agent.register_memory(self._descs(self._scratch)))
 
     def _release(self, h: Any, hold: Sequence[MemoryObj]) -> None:
         try:

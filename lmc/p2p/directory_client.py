@@ -32,7 +32,7 @@ class DirectoryConnection:
         self.conn.close()
 
     def join(self, info: PeerInfo) -> None:
-        self.conn.call(P.P2P_JOIN, info.as_meta())
+        self.conn.call(P.P2P_JOIN, {"ns": self.ns, **info.as_meta()})
 
     def advertise(self, records: Sequence[Record]) -> int:
         n = 0
@@ -52,9 +52,10 @@ class DirectoryConnection:
             n += int(m.get("withdrawn", 0))
         return n
 
-    def locate(self, keys: Sequence[bytes], me: str) -> list[tuple[str, Record] | None]:
-        """Each key's holder (never ``me``) and its record; a malformed answer raises."""
-        out: list[tuple[str, Record] | None] = []
+    def locate(self, keys: Sequence[bytes], me: str) -> list[list[tuple[str, Record]]]:
+        """Each key's holders (never ``me``), most recent first, with their records; a
+        malformed answer raises."""
+        out: list[list[tuple[str, Record]]] = []
         for i in range(0, len(keys), self.batch):
             part = list(keys[i: i + self.batch])
             _, m = self.conn.call(P.P2P_LOCATE, {"ns": self.ns, "keys": part, "self": me})
@@ -62,17 +63,22 @@ class DirectoryConnection:
             if (not isinstance(agents, list) or not isinstance(records, list)
                     or len(agents) != len(part) or len(records) != len(part)):
                 raise P.ProtocolError(P.BAD_FRAME, "p2p locate answer malformed", fatal=True)
-            for k, a, r in zip(part, agents, records):
-                if a is None or r is None:
-                    out.append(None)
-                    continue
-                rec = unpack_record(r)
-                if not isinstance(a, str) or rec.key != k:
-                    raise P.ProtocolError(P.BAD_FRAME, "p2p locate answer for another key",
-                                          fatal=True)
-                out.append((a, rec))
+            out += [_holders(k, a, r) for k, a, r in zip(part, agents, records)]
         return out
 
     def peer(self, agent: str) -> PeerInfo | None:
-        _, m = self.conn.call(P.P2P_PEER, {"agent": agent})
+        """The agent's metadata, if it joined in this connection's namespace."""
+        _, m = self.conn.call(P.P2P_PEER, {"ns": self.ns, "agent": agent})
         return peer_info(m) if m else None
+
+
+def _holders(key: bytes, agents: object, records: object) -> list[tuple[str, Record]]:
+    """One key's answer: equal-length lists of agent names and records for this key."""
+    if (not isinstance(agents, list) or not isinstance(records, list)
+            or len(agents) != len(records)
+            or not all(isinstance(a, str) for a in agents)):
+        raise P.ProtocolError(P.BAD_FRAME, "p2p locate answer malformed", fatal=True)
+    out = [(a, unpack_record(r)) for a, r in zip(agents, records)]
+    if any(rec.key != key for _, rec in out):
+        raise P.ProtocolError(P.BAD_FRAME, "p2p locate answer for another key", fatal=True)
+    return out

@@ -5,11 +5,18 @@ the memory still held that chunk: ``slot`` indexes the owner's version table (re
 NIXL beside the pool) and ``version`` is the value the slot holds while the chunk is exported.
 The owner clears the slot before it releases the chunk's memory, so a reader that finds the
 slot unchanged *after* its payload READ completed read the chunk, not whatever reused the
-memory. Fixed size, little-endian, so the daemon can bound and check it without knowing
+memory. ``checksum`` (the payload's xxh3, :func:`lmc.serde.payload_checksum`) and, when the
+owner has ``integrity_secret``, ``tag`` (:mod:`lmc.integrity`'s tag over the key, the
+version-2 ``lmc.serde`` header these fields make, and the payload) let the reader verify the
+bytes it READ exactly as a Redis or ``lmc://`` reader does, so a lying peer's record is a
+miss. ``offset`` is relative to the owner's *export window* (:mod:`lmc.p2p.agent`), never to
+its pool. Fixed size, little-endian, so the daemon can bound and check it without knowing
 tensors::
 
-    key 16B | offset u64 | nbytes u64 | version u64 | slot u32 | dtype u8 | pad 3B
-    | shape 4 x u32 | num_tokens u32
+    key 16B | offset u64 | nbytes u64 | version u64 | slot u32 | dtype u8 | flags u8 | pad 2B
+    | shape 4 x u32 | num_tokens u32 | checksum u64 | tag 32B
+
+``flags`` bit 0: the record carries a tag (the owner has a secret); other bits must be 0.
 """
 
 from __future__ import annotations
@@ -19,10 +26,12 @@ import struct
 
 import torch
 
-from lmc.serde import CODE_DTYPES, DTYPE_CODES
+from lmc.serde import CODE_DTYPES, DTYPE_CODES, TAG_SIZE
 
-_RECORD = struct.Struct("<16sQQQIB3x4II")
-RECORD_SIZE = _RECORD.size  # 68
+_RECORD = struct.Struct(f"<16sQQQIBB2x4IIQ{TAG_SIZE}s")
+RECORD_SIZE = _RECORD.size  # 108
+TAGGED = 1  # flags bit: ``tag`` holds an integrity tag
+NO_TAG = bytes(TAG_SIZE)
 MAX_AGENT_NAME = 128
 MAX_METADATA = 4096  # bytes of NIXL agent metadata (UCX's is ~0.5 KiB on loopback)
 
@@ -41,17 +50,22 @@ class Record:
     dtype: torch.dtype
     shape: tuple[int, int, int, int]
     num_tokens: int
+    checksum: int = 0
+    tag: bytes | None = None  # None: the owner has no integrity secret
 
     def pack(self) -> bytes:
         return _RECORD.pack(self.key, self.offset, self.nbytes, self.version, self.slot,
-                            DTYPE_CODES[self.dtype], *self.shape, self.num_tokens)
+                            DTYPE_CODES[self.dtype], TAGGED if self.tag is not None else 0,
+                            *self.shape, self.num_tokens, self.checksum, self.tag or NO_TAG)
 
 
 def unpack_record(raw: bytes) -> Record:
     """Parse and check a record: its size, dtype, and that shape, dtype and length agree."""
     if not isinstance(raw, (bytes, bytearray)) or len(raw) != RECORD_SIZE:
         raise BadRecord(f"a location record is {RECORD_SIZE} bytes of bin")
-    key, off, n, ver, slot, code, s0, s1, s2, s3, ntok = _RECORD.unpack(raw)
+    key, off, n, ver, slot, code, flags, s0, s1, s2, s3, ntok, csum, tag = _RECORD.unpack(raw)
+    if flags & ~TAGGED:
+        raise BadRecord(f"unknown record flags {flags:#x}")
     dtype = CODE_DTYPES.get(code)
     if dtype is None:
         raise BadRecord(f"unknown dtype code {code}")
@@ -62,13 +76,15 @@ def unpack_record(raw: bytes) -> Record:
         raise BadRecord(f"token count {ntok} does not match shape {shape}")
     if ver == 0:
         raise BadRecord("version 0 marks a free slot; an advertised chunk has version >= 1")
-    return Record(key, off, n, ver, slot, dtype, shape, ntok)
+    return Record(key, off, n, ver, slot, dtype, shape, ntok, csum,
+                  tag if flags & TAGGED else None)
 
 
 @dataclasses.dataclass(frozen=True)
 class PeerInfo:
-    """What a reader needs to address an owner: its NIXL metadata and where its pool and
-    version table lie in its address space."""
+    """What a reader needs to address an owner: its NIXL metadata (covering its export window
+    and version table only) and where those lie in its address space. ``pool_base`` and
+    ``pool_size`` are the *window*'s (the names are the wire's)."""
 
     agent: str
     metadata: bytes
@@ -83,10 +99,10 @@ class PeerInfo:
                 "slots": self.slots}
 
     def check(self, rec: Record) -> None:
-        """The record lies inside this peer's pool and version table."""
+        """The record lies inside this peer's export window and version table."""
         if rec.offset + rec.nbytes > self.pool_size:
             raise BadRecord(f"record [{rec.offset}, +{rec.nbytes}) runs past the peer's "
-                            f"{self.pool_size} B pool")
+                            f"{self.pool_size} B export window")
         if rec.slot >= self.slots:
             raise BadRecord(f"slot {rec.slot} past the peer's {self.slots} version slots")
 
