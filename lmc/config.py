@@ -152,10 +152,13 @@ class CacheConfig(Settings):
         secret=True)
     integrity_secret: str | None = setting(
         None, parse_opt_str,
-        "secret (>= 16 bytes) keying a tag on every value of a shared tier (Redis, lmc://); "
-        "values without a valid tag are misses (never logged; docs/integrity.md)", secret=True)
+        "secret (>= 16 bytes, surrounding whitespace not counted) keying a tag on every value "
+        "of a shared tier (Redis, lmc://); values without a valid tag are misses (never "
+        "logged; docs/integrity.md)", secret=True)
     integrity_secret_file: str | None = setting(
-        None, parse_opt_str, "file holding integrity_secret (instead of the value itself)")
+        None, parse_opt_str,
+        "file holding integrity_secret (instead of the value itself; same rule; mode 600: "
+        "readable by others warns, writable by others is refused)")
     remote_timeout: float = setting(
         1.0, lambda v, k: parse_duration(v, k, minimum=0.001),
         "seconds (or '500ms') any remote call may take before it counts as a miss", unit="duration")

@@ -85,3 +85,68 @@ def test_missing_cryptography_names_the_install(monkeypatch):
     monkeypatch.setitem(sys.modules, "cryptography.hazmat.primitives.ciphers.aead", None)
     with pytest.raises(RuntimeError, match=r"lmc-kvcache\[integrity\]"):
         Integrity(SECRET)
+
+
+# --------------------------------------------------- the secret, as a careless operator gives it
+# Threat model: docs/threats/tiers.md (who holds the secret, and who may read its file).
+def _file(tmp_path, content: str, mode: int = 0o600):
+    f = tmp_path / f"secret-{mode:o}-{len(content)}"
+    f.write_text(content)
+    os.chmod(f, mode)
+    return f
+
+
+@pytest.mark.parametrize("content", [" " * 24, "\t\n " * 8, " " * 10 + "short" + " " * 10])
+def test_inline_and_file_secrets_follow_one_rule(tmp_path, content):
+    """24 spaces (or a short secret padded to length) are refused inline exactly as in a
+    file, each error naming its setting: whitespace around a secret is not secret."""
+    with pytest.raises(ValueError, match=r"^integrity_secret[ :]") as inline:
+        Integrity.from_config(CacheConfig(integrity_secret=content))
+    f = _file(tmp_path, content)
+    with pytest.raises(ValueError, match=rf"^integrity_secret_file '{f}'") as in_file:
+        Integrity.from_config(CacheConfig(integrity_secret_file=str(f)))
+    for e in (inline, in_file):
+        assert "16 bytes" in str(e.value) or "whitespace" in str(e.value)
+    with pytest.raises(ValueError, match="integrity_secret"):  # lmc config's preflight too
+        CacheConfig(integrity_secret=content).preflight()
+
+
+def test_a_padded_secret_is_the_same_secret_inline_and_in_a_file(tmp_path):
+    header, payload = _value()
+    inline = Integrity.from_config(CacheConfig(integrity_secret=f"  {SECRET} \n"))
+    in_file = Integrity.from_config(CacheConfig(
+        integrity_secret_file=str(_file(tmp_path, f"{SECRET}\n"))))
+    Integrity(SECRET).check(KEY, header, inline.seal(KEY, header, payload), payload)
+    Integrity(SECRET).check(KEY, header, in_file.seal(KEY, header, payload), payload)
+
+
+@pytest.mark.parametrize("mode", [0o644, 0o640, 0o604])
+def test_a_secret_file_others_may_read_is_used_with_a_warning(tmp_path, caplog, mode):
+    f = _file(tmp_path, SECRET, mode)
+    with caplog.at_level("WARNING", logger="lmc.integrity"):
+        assert Integrity.from_config(CacheConfig(integrity_secret_file=str(f))) is not None
+        Integrity.from_config(CacheConfig(integrity_secret_file=str(f)))
+    warned = [r.getMessage() for r in caplog.records if str(f) in r.getMessage()]
+    assert len(warned) == 1, warned  # once per file and mode: logs stay bounded
+    assert f"{mode:04o}" in warned[0] and "chmod 600" in warned[0]
+    assert SECRET not in caplog.text
+
+
+def test_a_private_secret_file_is_used_quietly(tmp_path, caplog):
+    f = _file(tmp_path, SECRET, 0o600)
+    with caplog.at_level("WARNING", logger="lmc.integrity"):
+        assert Integrity.from_config(CacheConfig(integrity_secret_file=str(f))) is not None
+    assert not caplog.records
+
+
+@pytest.mark.parametrize("mode", [0o666, 0o620, 0o602])
+def test_a_secret_file_others_may_rewrite_is_refused(tmp_path, mode):
+    """Whoever can rewrite the file chooses the secret, and then forges values."""
+    f = _file(tmp_path, SECRET, mode)
+    with pytest.raises(ValueError, match=rf"integrity_secret_file '{f}'.*{mode:04o}.*chmod 600"):
+        Integrity.from_config(CacheConfig(integrity_secret_file=str(f)))
+
+
+def test_a_secret_file_that_is_not_a_file_is_refused_by_name(tmp_path):
+    with pytest.raises(ValueError, match=rf"integrity_secret_file '{tmp_path}'"):
+        Integrity.from_config(CacheConfig(integrity_secret_file=str(tmp_path)))
