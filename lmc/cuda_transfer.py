@@ -175,13 +175,27 @@ class CupyBackend:
         if buf.device.type != "cpu":
             raise ValueError(f"is on {buf.device}: chunk buffers live on the host or on "
                              f"{self.device}")
-        try:
-            attrs = self._rt.pointerGetAttributes(buf.data_ptr())
-        except self._rt.CUDARuntimeError:
+        start = buf.data_ptr()
+        dev = self._mapped(start)
+        if not dev:
             return "host", 0
+        # A pinned pool is registered in steps (lmc.prefault.Pinner): a buffer across two
+        # registrations is reached directly only where its last byte maps right after its
+        # first (one device range); else it is staged (cudaMemcpy takes any host range).
+        last = start + buf.numel() * buf.element_size() - 1
+        if last != start and self._mapped(last) != dev + (last - start):
+            return "host", 0
+        return "mapped", dev
+
+    def _mapped(self, addr: int) -> int:
+        """The device address of page-locked, mapped host memory at ``addr``; 0 if none."""
+        try:
+            attrs = self._rt.pointerGetAttributes(addr)
+        except self._rt.CUDARuntimeError:
+            return 0
         if attrs.type == self._rt.memoryTypeHost and attrs.devicePointer:
-            return "mapped", int(attrs.devicePointer)
-        return "host", 0
+            return int(attrs.devicePointer)
+        return 0
 
     def launch(self, name: str, blocks: int, args: KVCopyArgs, stream: torch.cuda.Stream) -> None:
         func = _kernel_function(self.index, name)

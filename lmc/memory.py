@@ -29,7 +29,20 @@ import torch
 
 from lmc import invariants as _invariants
 from lmc.allocator import CheckedTLSFAllocator, TLSFAllocator
-from lmc.prefault import Prefaulter, advise_hugepages
+from lmc.prefault import (
+    HUGE,
+    PIN_STEP,
+    CudaRegistrar,
+    PinError,
+    Pinner,
+    Prefaulter,
+    advise_hugepages,
+    host_alloc,
+    host_limits,
+    human_bytes,
+    mem_available,
+    round_huge,
+)
 from lmc.transfer import INT_VIEW
 
 log = logging.getLogger(__name__)
@@ -257,7 +270,9 @@ class Lease:
             objs[0].pool.release_many(objs)
 
 
-def _want_pinned(pin: str | bool | None) -> bool:
+def _want_pinned(pin: str | bool | None, registrar: Any = None) -> bool:
+    if registrar is not None:  # a stand-in register call (tests): pinned unless refused
+        return pin not in (False, "false")
     if pin in (None, "auto"):
         return torch.cuda.is_available()
     if pin in (True, "true"):
@@ -272,29 +287,37 @@ class MemoryPool:
 
     def __init__(self, size: int, pin_memory: str | bool | None = "auto", align: int = 4096,
                  debug: bool = False, invariants: bool | None = None,
-                 prefault: str = "background", hugepages: bool = True) -> None:
+                 prefault: str = "background", hugepages: bool = True,
+                 registrar: Any = None, pin_step: int = PIN_STEP) -> None:
         """``invariants``: check views, overlaps and reference balance (see
-        :mod:`lmc.invariants`); ``None`` follows ``LMC_DEBUG_INVARIANTS``. ``prefault``
-        (unpinned pools; pinning faults every page already): ``background`` populates the
-        pages from the front while the caller goes on, ``now`` before returning, ``off``
-        leaves the first write of each page to fault (see :mod:`lmc.prefault`)."""
+        :mod:`lmc.invariants`); ``None`` follows ``LMC_DEBUG_INVARIANTS``. ``prefault``:
+        ``background`` populates (unpinned) or page-locks (pinned) the pages from the front
+        while the caller goes on, ``now`` before returning; ``off`` leaves an unpinned pool's
+        first write of each page to fault (a pinned pool is page-locked now). Pinned pools
+        are mapped here and registered with ``registrar`` (default: cudaHostRegister through
+        torch or CuPy; tests pass a stand-in) in ``pin_step`` steps: the bytes pinned are
+        ``size`` rounded up to 2 MiB (see :mod:`lmc.prefault`)."""
         if size < align:
             raise ValueError(f"pool size {size} B is smaller than its alignment {align} B")
         if prefault not in ("background", "now", "off"):
             raise ValueError(f"prefault must be 'background', 'now' or 'off', got {prefault!r}")
-        self.pinned = _want_pinned(pin_memory)
-        raw = torch.empty(size + align, dtype=torch.uint8, pin_memory=self.pinned)
-        # 2 MiB pages: fewer faults and TLB misses on chunk copies
-        huge = hugepages and not self.pinned and advise_hugepages(raw)
-        skew = (-raw.data_ptr()) % align  # start on an aligned address (O_DIRECT-ready)
-        self.buffer = raw[skew: skew + size]
+        self.pinned = _want_pinned(pin_memory, registrar)
         self._prefault: Prefaulter | None = None
-        if prefault != "off" and not self.pinned:
-            self._prefault = Prefaulter(self.buffer, huge=huge)
-            if prefault == "now":  # nothing handed out yet: zeroing is a safe fallback
-                self._prefault.run(fallback_touch=True)
-            else:
-                self._prefault.start()
+        if self.pinned:
+            self.buffer, self._prefault = self._pinned_buffer(
+                size, align, hugepages, registrar, pin_step, prefault)
+        else:
+            raw = torch.empty(size + align, dtype=torch.uint8)
+            # 2 MiB pages: fewer faults and TLB misses on chunk copies
+            huge = hugepages and advise_hugepages(raw)
+            skew = (-raw.data_ptr()) % align  # start on an aligned address (O_DIRECT-ready)
+            self.buffer = raw[skew: skew + size]
+            if prefault != "off":
+                self._prefault = Prefaulter(self.buffer, huge=huge)
+                if prefault == "now":  # nothing handed out yet: zeroing is a safe fallback
+                    self._prefault.run(fallback_touch=True)
+                else:
+                    self._prefault.start()
         self.invariants = _invariants.enabled_by_env() if invariants is None else invariants
         self.allocator = (CheckedTLSFAllocator if self.invariants else TLSFAllocator)(size, align)
         if self.invariants:
@@ -314,6 +337,31 @@ class MemoryPool:
         # call returns, into this pool even if closed (the buffer lives while they do)
         self._left: weakref.WeakSet[MemoryObj] = weakref.WeakSet()
         self.closed = False
+
+    @staticmethod
+    def _pinned_buffer(size: int, align: int, hugepages: bool, registrar: Any, step: int,
+                       prefault: str) -> tuple[torch.Tensor, Pinner]:
+        """The pool's memory, mapped here and page-locked (in the background or now)."""
+        if align > HUGE or HUGE % align:
+            raise ValueError(f"a pinned pool's alignment must divide 2 MiB, got {align} B")
+        avail = mem_available()
+        if avail is not None and round_huge(size) > avail:
+            raise PinError(f"cannot page-lock a {human_bytes(size)} pool: more than the host "
+                           f"has available ({host_limits()}); lower local_cpu_size or set "
+                           "pin_memory=false")
+        raw, pages = host_alloc(size, huge=hugepages)
+        pinner = Pinner(raw, registrar if registrar is not None else CudaRegistrar(),
+                        step=step, huge=pages != "4k", asked=size)
+        try:
+            if prefault == "background":
+                pinner.start()
+            else:
+                pinner.run()
+                pinner.wait(0)
+        except BaseException:
+            pinner.stop()
+            raise
+        return raw[:size], pinner
 
     # ---------------------------------------------------------------- memory
     def view(self, offset: int, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
@@ -528,8 +576,12 @@ class MemoryPool:
                     self._live.add(o)
         pf = self._prefault
         if pf is not None and pf.front < pf.size and max(offs) + n > pf.front:
-            for off in offs:  # past the pre-fault's front: populate here, not in the copy
-                pf.ensure(off, n)
+            try:
+                for off in offs:  # past the front: populate (or page-lock) here, not later
+                    pf.ensure(off, n)
+            except BaseException:  # a pinned pool whose registration failed: nothing leaks
+                self.release_many(objs)
+                raise
         # No views here: whoever copies makes them in one batch (tensors() / arrays())
         return objs
 
@@ -663,7 +715,7 @@ class MemoryPool:
                 "fragmentation": self.allocator.fragmentation(),
                 "pinned": float(self.pinned),
                 **(self._prefault.stats() if self._prefault is not None
-                   else {"prefaulted": self.size if self.pinned else 0}),
+                   else {"prefaulted": 0}),
             }
 
     def close(self) -> None:

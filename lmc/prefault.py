@@ -146,6 +146,7 @@ class Prefaulter:
         self._cursor = 0  # [0, cursor) handed out to some thread
         self._finished: dict[int, int] = {}  # steps populated beyond the front: start -> n
         self._mu = threading.Lock()
+        self._advanced = threading.Condition(self._mu)  # the front moved
         self._stop = threading.Event()
         self._stop_counted = False
         self._thread: threading.Thread | None = None
@@ -155,6 +156,8 @@ class Prefaulter:
         self._next_log = self.size / 10
 
     # ------------------------------------------------------------------ paths
+    gauge = PREFAULTED
+
     def ensure(self, offset: int, nbytes: int) -> None:
         """Populate ``[offset, offset + nbytes)`` unless the front already covers it.
 
@@ -165,19 +168,36 @@ class Prefaulter:
         end = offset + nbytes
         if end <= self.front or _populate_ok is False:
             return
-        if offset <= self._cursor + 4 * self.step:  # near the front: help advance it
+        self._help(offset, end)
+        if end > self.front:
+            populate(self.addr + offset, nbytes)
+
+    def _help(self, offset: int, end: int) -> None:
+        """Near the front: claim and do the steps up to ``end`` in the calling thread."""
+        if offset <= self._cursor + 4 * self.step:
             while self._cursor < end and not self._stop.is_set():
                 if not self._step(fallback_touch=False):
                     break
-        if end > self.front:
-            populate(self.addr + offset, nbytes)
+
+    def _work(self, start: int, n: int, fallback_touch: bool) -> bool:
+        """Do one claimed step ``[start, start + n)``; False when it could not be done."""
+        if populate(self.addr + start, n):
+            return True
+        if not fallback_touch or _populate_ok is not False:
+            return False
+        self._keep.view(torch.uint8).reshape(-1)[start: start + n].zero_()
+        return True
+
+    def _verb(self) -> str:
+        return "pre-fault"
 
     def run(self, fallback_touch: bool = False) -> float:
         """Populate the whole buffer now (the daemon's start-up); returns seconds taken.
 
         ``fallback_touch``: without ``MADV_POPULATE_WRITE``, zero the pages instead -- only
         for a buffer nothing has been handed out of yet (zeroing overwrites contents)."""
-        log.info("%s: pre-faulting %s%s", self.name, human_bytes(self.size), self._pages())
+        log.info("%s: %sing %s%s", self.name, self._verb(), human_bytes(self.size),
+                 self._pages())
         self._t0 = self._last_log = time.perf_counter()
         while self._step(fallback_touch):
             pass
@@ -188,7 +208,7 @@ class Prefaulter:
         """Populate in a background thread; returns at once."""
         if self._thread is not None:
             raise RuntimeError(f"{self.name}: pre-fault already started")
-        log.info("%s: pre-faulting %s in the background%s", self.name,
+        log.info("%s: %sing %s in the background%s", self.name, self._verb(),
                  human_bytes(self.size), self._pages())
         self._t0 = self._last_log = time.perf_counter()
         self._thread = threading.Thread(target=_background, args=(weakref.ref(self),),
@@ -204,7 +224,7 @@ class Prefaulter:
         with self._mu:  # the gauge counts live pools: this one's pages go with it
             if not self._stop_counted:
                 self._stop_counted = True
-                PREFAULTED.dec(self.front + sum(self._finished.values()))
+                self.gauge.dec(self.front + sum(self._finished.values()))
         self.done.set()
 
     def stats(self) -> dict[str, float]:
@@ -225,18 +245,17 @@ class Prefaulter:
                 return False
             n = min(self.step, self.size - start)
             self._cursor = start + n
-        if not populate(self.addr + start, n):
-            if not fallback_touch or _populate_ok is not False:
-                return False
-            self._keep.view(torch.uint8).reshape(-1)[start: start + n].zero_()
+        if not self._work(start, n, fallback_touch):
+            return False
         with self._mu:
             if not self._stop_counted:
-                PREFAULTED.inc(n)
+                self.gauge.inc(n)
             self._finished[start] = n
             front = self.front
             while front in self._finished:
                 front += self._finished.pop(front)
             self.front = front
+            self._advanced.notify_all()
             now = time.perf_counter()
             self.seconds = now - self._t0
             report = front >= self._next_log and now - self._last_log >= 1.0
@@ -248,11 +267,11 @@ class Prefaulter:
             if not self.done.is_set():
                 self.done.set()
                 rate = self.size / self.seconds if self.seconds > 0 else float("inf")
-                log.info("%s: pre-faulted %s in %s (%s/s)", self.name, human_bytes(self.size),
-                         human_seconds(self.seconds), human_bytes(rate))
+                log.info("%s: %sed %s in %s (%s/s)", self.name, self._verb(),
+                         human_bytes(self.size), human_seconds(self.seconds), human_bytes(rate))
         elif report:
-            log.info("%s: pre-faulted %s of %s (%.0f%%) in %s", self.name, human_bytes(front),
-                     human_bytes(self.size), 100 * front / self.size,
+            log.info("%s: %sed %s of %s (%.0f%%) in %s", self.name, self._verb(),
+                     human_bytes(front), human_bytes(self.size), 100 * front / self.size,
                      human_seconds(self.seconds))
         return True
 
@@ -283,8 +302,274 @@ def _background(ref: weakref.ref[Prefaulter]) -> None:
             if not p._step(fallback_touch=False):
                 p._stopped()
                 return
+        except PinError as e:  # kept on the pinner: the next allocation raises it
+            log.error("%s", e)
+            p.done.set()
+            return
         except Exception:  # never let a pre-fault failure reach the engine: stores fault
             log.exception("%s: background pre-fault failed", p.name)
             p.done.set()
             return
         del p
+
+
+# --------------------------------------------------------------------------- pinned pools
+# A pinned pool's memory is mapped here and page-locked with cudaHostRegister, not taken from
+# torch's pinned host allocator: that one rounds every allocation up to a power of two (a
+# 65 GiB pool pinned 128 GiB). The mapping is the size asked rounded up to 2 MiB, at a
+# 2 MiB-aligned address (huge pages: hugetlbfs where the host reserved them, else THP), and
+# it is registered in steps from the front, in the background as the pre-fault above runs,
+# an allocation past the front registering the steps up to it first (``ensure``). A failed
+# registration is an error naming the size and the host's limits, never pageable memory.
+HUGE = 2 << 20
+PIN_STEP = 512 << 20
+MAP_HUGETLB = getattr(__import__("mmap"), "MAP_HUGETLB", 0x40000)
+CUDA_HOST_REGISTER_PORTABLE, CUDA_HOST_REGISTER_MAPPED = 1, 2
+PINNED = Gauge("lmc_pool_pinned_bytes",
+               "Bytes of open memory pools page-locked for the GPU (all of this process)")
+
+
+class PinError(RuntimeError):
+    """Page-locking a pool's memory failed: the message names the size and the limits."""
+
+
+def host_limits() -> str:
+    """The host's limits on page-locked memory, for an error a person reads."""
+    parts = []
+    try:
+        import resource
+
+        soft, hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+        def fmt(v: int) -> str:
+            return "unlimited" if v == resource.RLIM_INFINITY else human_bytes(v)
+
+        parts.append(f"RLIMIT_MEMLOCK {fmt(soft)} (hard {fmt(hard)})")
+    except (ImportError, OSError, ValueError):
+        parts.append("RLIMIT_MEMLOCK unknown")
+    avail = mem_available()
+    parts.append(f"MemAvailable {human_bytes(avail)}" if avail is not None
+                 else "MemAvailable unknown")
+    return ", ".join(parts)
+
+
+def mem_available() -> int | None:
+    """``MemAvailable`` of /proc/meminfo in bytes (None where there is none)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def round_huge(nbytes: int) -> int:
+    return -(-nbytes // HUGE) * HUGE
+
+
+def host_alloc(nbytes: int, huge: bool = True) -> tuple[torch.Tensor, str]:
+    """``nbytes`` rounded up to 2 MiB of fresh anonymous memory at a 2 MiB-aligned address,
+    as a uint8 tensor that keeps the mapping alive, and the kind of pages: "hugetlb" (the
+    host reserved huge pages), "thp" (transparent huge pages advised) or "4k"."""
+    import mmap
+
+    size = round_huge(max(nbytes, 1))
+    flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
+    if huge:
+        try:  # reserved huge pages: refused at once (ENOMEM) when the host has too few
+            mm = mmap.mmap(-1, size, flags=flags | MAP_HUGETLB)
+            t = torch.frombuffer(mm, dtype=torch.uint8)
+            if t.data_ptr() % HUGE == 0:
+                return t, "hugetlb"
+        except (OSError, ValueError):
+            pass
+    mm = mmap.mmap(-1, size + HUGE, flags=flags)  # + slack to start on a 2 MiB boundary
+    raw = torch.frombuffer(mm, dtype=torch.uint8)
+    skew = (-raw.data_ptr()) % HUGE
+    t = raw[skew: skew + size]
+    return t, "thp" if huge and advise_hugepages(t) else "4k"
+
+
+class CudaRegistrar:
+    """``cudaHostRegister`` / ``cudaHostUnregister`` through torch's CUDA runtime bindings,
+    else CuPy's: what page-locks a pool. Tests pass a stand-in with the same two methods."""
+
+    def __init__(self) -> None:
+        self._torch = None
+        self._cupy = None
+        cudart = getattr(torch.cuda, "cudart", None)
+        try:
+            rt = cudart() if cudart is not None else None
+            if rt is not None and hasattr(rt, "cudaHostRegister"):
+                self._torch = rt
+        except Exception:  # noqa: BLE001 - a torch without CUDA: try CuPy
+            self._torch = None
+        if self._torch is None:
+            import cupy  # raises ImportError naming the package when neither is there
+
+            self._cupy = cupy.cuda.runtime
+        self.name = "torch.cuda.cudart()" if self._torch is not None else "cupy.cuda.runtime"
+
+    def register(self, addr: int, nbytes: int) -> None:
+        flags = CUDA_HOST_REGISTER_PORTABLE | CUDA_HOST_REGISTER_MAPPED
+        if self._torch is not None:
+            err = self._torch.cudaHostRegister(addr, nbytes, flags)
+            code = int(getattr(err, "value", err))
+            if code != 0:
+                raise OSError(f"cudaHostRegister returned {err} ({code})")
+            return
+        self._cupy.hostRegister(addr, nbytes, flags)
+
+    def unregister(self, addr: int) -> None:
+        if self._torch is not None:
+            self._torch.cudaHostUnregister(addr)
+        else:
+            self._cupy.hostUnregister(addr)
+
+
+class _Registered:
+    """What a pinner has registered, and the memory under it (kept mapped until every range
+    is unregistered): shared with the finalizer that unregisters a pool dropped unclosed."""
+
+    def __init__(self, registrar: Any, memory: torch.Tensor) -> None:
+        self.registrar = registrar
+        self.memory: torch.Tensor | None = memory
+        self.ranges: list[tuple[int, int]] = []
+        self.closed = False
+        self.lock = threading.Lock()
+
+    def add(self, addr: int, n: int) -> bool:
+        """Record a registered range; False (and unregistered at once) once closed."""
+        with self.lock:
+            if not self.closed:
+                self.ranges.append((addr, n))
+                return True
+        with contextlib.suppress(Exception):
+            self.registrar.unregister(addr)
+        return False
+
+
+def _unregister_all(state: _Registered) -> None:
+    with state.lock:
+        state.closed = True
+        ranges, state.ranges = state.ranges, []
+    for addr, n in ranges:
+        try:
+            state.registrar.unregister(addr)
+        except Exception as e:  # noqa: BLE001 - interpreter exit, a torn-down driver
+            log.debug("cudaHostUnregister of %s at %#x failed: %s", human_bytes(n), addr, e)
+    state.memory = None  # the mapping may go now
+
+
+class Pinner(Prefaulter):
+    """Page-locks ``buf`` with ``registrar`` in ``step``s from its start: in the background
+    (``start()``, the first step done before it returns so a broken driver fails at once) or
+    now (``run()``). ``front``: bytes ``[0, front)`` are pinned. ``ensure`` (every allocation
+    past the front) registers the steps up to the block's end, or waits for the thread doing
+    them: a block handed out is pinned. A failure stops it; ``error`` keeps the
+    :class:`PinError`, which ``ensure`` and ``wait`` raise. ``stop()`` unregisters all."""
+
+    gauge = PINNED
+
+    def __init__(self, buf: torch.Tensor, registrar: Any, name: str = "memory pool",
+                 step: int = PIN_STEP, huge: bool = False, asked: int | None = None) -> None:
+        if step % HUGE:
+            raise ValueError(f"pinning step must be a multiple of 2 MiB, got {step}")
+        super().__init__(buf, name, step, huge)
+        self.asked = self.size if asked is None else asked
+        self.error: PinError | None = None
+        self._state = _Registered(registrar, buf)
+        self._finalizer = weakref.finalize(self, _unregister_all, self._state)
+
+    def _verb(self) -> str:
+        return "page-lock"
+
+    def _work(self, start: int, n: int, fallback_touch: bool) -> bool:
+        if self.error is not None:
+            return False
+        addr = self.addr + start
+        try:
+            self._state.registrar.register(addr, n)
+        except Exception as e:  # noqa: BLE001 - any driver error: named, never pageable
+            err = PinError(f"{self.name}: page-locking {human_bytes(n)} at offset "
+                           f"{human_bytes(start)} of {human_bytes(self.size)} failed "
+                           f"({human_bytes(self.front)} locked so far; local_cpu_size asked "
+                           f"{human_bytes(self.asked)}): {e}. Host limits: {host_limits()}. "
+                           "Lower local_cpu_size, raise the limit (ulimit -l, systemd "
+                           "LimitMEMLOCK=), or set pin_memory=false for pageable copies")
+            with self._mu:
+                self.error = self.error or err
+                self._advanced.notify_all()
+            self._stop.set()
+            raise self.error from None
+        return self._state.add(addr, n)  # False: closed meanwhile, already unregistered
+
+    def _help(self, offset: int, end: int) -> None:
+        """Claim and register every step up to ``end`` here, however far: a block is
+        handed out pinned (the allocator carves from the front, so this is rare)."""
+        while self._cursor < end and not self._stop.is_set():
+            if not self._step(fallback_touch=False):
+                break
+
+    def start(self) -> None:
+        log.info("%s: page-locking %s (%s asked) in %s steps in the background%s", self.name,
+                 human_bytes(self.size), human_bytes(self.asked), human_bytes(self.step),
+                 self._pages())
+        self._t0 = self._last_log = time.perf_counter()
+        self._step(fallback_touch=False)  # the first step here: a broken driver fails now
+        if self.front < self.size:
+            self._thread = threading.Thread(target=_background, args=(weakref.ref(self),),
+                                            daemon=True, name=f"lmc-pin-{id(self):x}")
+            self._thread.start()
+
+    def ensure(self, offset: int, nbytes: int) -> None:
+        """Return once ``[offset, offset + nbytes)`` is page-locked (raising the pinner's
+        error if it failed): steps near the front are registered by the caller, a step
+        another thread is registering is waited for."""
+        end = min(offset + nbytes, self.size)
+        if end <= self.front:
+            return
+        self._raise()
+        self._help(offset, end)
+        with self._mu:
+            while self.front < end and self.error is None and not self._stop.is_set():
+                if self._cursor < end and not self._thread_alive():
+                    break  # nobody is coming: claim the rest here
+                self._advanced.wait(0.05)
+        self._raise()
+        if self.front < end and not self._stop.is_set():
+            while self._cursor < end and self._step(fallback_touch=False):
+                pass
+            self._raise()
+
+    def wait(self, timeout: float | None = None) -> int:
+        """Block until every step is registered (or it failed: raises); pinned bytes."""
+        self.done.wait(timeout)
+        self._raise()
+        return self.front
+
+    def _thread_alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def _raise(self) -> None:
+        if self.error is not None:
+            raise self.error
+
+    def _stopped(self) -> None:
+        self.done.set()
+
+    def stop(self, wait: float | None = 60.0) -> None:
+        """Stop registering, then unregister everything (the pool is closing)."""
+        super().stop(wait)
+        self._finalizer()
+
+    def stats(self) -> dict[str, float]:
+        return {"prefaulted": self.front, "prefault_seconds": self.seconds,
+                "pinned_bytes": self.front, "pinned_asked": self.asked}
+
+    @property
+    def registered(self) -> list[tuple[int, int]]:
+        """The ranges registered now, ``(address, bytes)``."""
+        with self._state.lock:
+            return list(self._state.ranges)
