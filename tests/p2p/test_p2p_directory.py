@@ -1,5 +1,7 @@
 """The directory of who holds which chunk: the table itself, the record format, and the
-daemon's P2P ops over a real socket (no NIXL needed: the directory never reads metadata)."""
+daemon's P2P ops over a real socket (no NIXL needed: the directory never reads metadata),
+attacked as another tenant would: reading a namespace it is not granted, taking another
+tenant's agent name, filling the peer table. Threat model: ``docs/threats/p2p.md``."""
 
 from __future__ import annotations
 
@@ -22,7 +24,7 @@ def _info(agent: str, pool_size: int = 1 << 20, slots: int = 64) -> PeerInfo:
 
 def _rec(key: bytes, offset: int = 0, version: int = 1, slot: int = 0) -> Record:
     return Record(key, offset, 2 * 2 * 16 * 8 * 2, version, slot, torch.bfloat16,
-                  (2, 2, 16, 8), 16)
+                  (2, 2, 16, 8), 16, checksum=0x1234, tag=b"t" * 32)
 
 
 def _key(i: int) -> bytes:
@@ -43,6 +45,12 @@ def test_record_round_trip_and_checks():
     with pytest.raises(BadRecord, match="token count"):
         unpack_record(Record(r.key, 0, r.nbytes, 1, 0, torch.bfloat16, (2, 2, 16, 8),
                              15).pack())
+    untagged = Record(r.key, 0, r.nbytes, 1, 0, torch.bfloat16, (2, 2, 16, 8), 16, 7)
+    assert unpack_record(untagged.pack()) == untagged and untagged.tag is None
+    flags = bytearray(raw)
+    flags[45] |= 0x80  # an unknown flag bit
+    with pytest.raises(BadRecord, match="flags"):
+        unpack_record(bytes(flags))
     info = _info("a", pool_size=8192, slots=4)
     info.check(_rec(_key(1), offset=8192 - r.nbytes, slot=3))
     with pytest.raises(BadRecord, match="runs past"):
@@ -68,19 +76,20 @@ def test_locate_prefers_the_newest_holder_never_the_asker():
     d.join("c2", _info("b"))
     d.advertise("c1", [b"k1", b"k2"], [b"ra1", b"ra2"])
     d.advertise("c2", [b"k1"], [b"rb1"])
-    assert d.locate([b"k1", b"k2", b"k3"]) == [("b", b"rb1"), ("a", b"ra2"), None]
-    assert d.locate([b"k1", b"k2"], exclude="b") == [("a", b"ra1"), ("a", b"ra2")]
-    assert d.locate([b"k2"], exclude="a") == [None]
+    assert d.locate([b"k1", b"k2", b"k3"]) == [[("b", b"rb1"), ("a", b"ra1")],
+                                               [("a", b"ra2")], []]
+    assert d.locate([b"k1", b"k2"], exclude="b") == [[("a", b"ra1")], [("a", b"ra2")]]
+    assert d.locate([b"k2"], exclude="a") == [[]]
     assert d.withdraw("c2", [b"k1", b"k9"]) == 1
-    assert d.locate([b"k1"]) == [("a", b"ra1")]
+    assert d.locate([b"k1"]) == [[("a", b"ra1")]]
     assert d.leave("c1") == 2
-    assert d.locate([b"k1", b"k2"]) == [None, None]
+    assert d.locate([b"k1", b"k2"]) == [[], []]
     assert d.peer("a") is None and d.peer("b") == _info("b")
     assert d.stats() == {"peers": 1, "keys": 0, "records": 0, "dropped": 0}
 
 
 def test_bounds_peers_entries_and_names():
-    d = PeerDirectory(max_peers=2, max_entries=3)
+    d = PeerDirectory(max_peers=2, max_entries=3, max_holders=2)
     d.join("c1", _info("a"))
     d.join("c2", _info("b"))
     with pytest.raises(DirectoryFull):
@@ -90,11 +99,38 @@ def test_bounds_peers_entries_and_names():
     with pytest.raises(ValueError, match="before join"):
         PeerDirectory().advertise("c9", [b"k"], [b"r"])
     d.advertise("c1", [b"k%d" % i for i in range(5)], [b"r%d" % i for i in range(5)])
-    assert d.locate([b"k%d" % i for i in range(5)]) == [None, None, ("a", b"r2"),
-                                                         ("a", b"r3"), ("a", b"r4")]
+    assert d.locate([b"k%d" % i for i in range(5)]) == [[], [], [("a", b"r2")],
+                                                         [("a", b"r3")], [("a", b"r4")]]
     assert d.stats()["dropped"] == 2 and d.stats()["records"] == 3
     d.join("c1", _info("a"))  # a re-join forgets the old records (the agent restarted)
-    assert d.locate([b"k4"]) == [None]
+    assert d.locate([b"k4"]) == [[]]
+    d.leave("c2")
+    for c in ("h1", "h2", "h3"):  # at most max_holders owners named per key
+        d.join(c, _info(c), owner=c)
+        d.advertise(c, [b"same"], [c.encode()])
+    assert d.locate([b"same"]) == [[("h3", b"h3"), ("h2", b"h2")]]
+
+
+def test_tables_and_names_are_per_namespace_and_bounds_per_token():
+    """One tenant filling its share of the table, or joining first under another tenant's
+    agent name, changes nothing for the other tenant."""
+    d = PeerDirectory(max_peers=3)
+    for i in range(3):
+        d.join(f"b{i}", _info(f"decode-{i}"), "team-b", owner="tok-b")
+    with pytest.raises(DirectoryFull, match="per-token"):
+        d.join("b9", _info("x"), "team-b", owner="tok-b")
+    with pytest.raises(DirectoryFull):  # another namespace of the same token: one share
+        d.join("b9", _info("x"), "team-b2", owner="tok-b")
+    d.join("a0", _info("decode-0", pool_size=1 << 30), "team-a", owner="tok-a")
+    assert d.peer("decode-0", "team-a") == _info("decode-0", pool_size=1 << 30)
+    assert d.peer("decode-0", "team-b") == _info("decode-0")
+    assert d.peer("decode-0", "team-c") is None
+    d.advertise("a0", [b"ka"], [b"ra"])
+    assert d.locate([b"ka"], "team-a", exclude="decode-0") == [[]]  # team-a's own agent
+    assert d.locate([b"ka"], "team-b", exclude="decode-0") == [[("decode-0", b"ra")]]
+    d.leave("b0")
+    d.join("b9", _info("x"), "team-b", owner="tok-b")  # a freed place is usable again
+    assert d.namespace_of("b9") == "team-b" and d.namespace_of("zz") is None
 
 
 # ------------------------------------------------------------------ over the daemon
@@ -116,20 +152,21 @@ def test_daemon_directory_round_trip(daemon):
     recs = [_rec(_key(i), offset=i * 4096, version=i + 1, slot=i) for i in range(5)]
     assert owner.advertise(recs) == 5
     got = reader.locate([r.key for r in recs] + [_key(99)], me="rdr")
-    assert got == [("own-1", r) for r in recs] + [None]
-    assert owner.locate([recs[0].key], me="own-1") == [None]  # never yourself
-    assert other_ns.locate([recs[0].key], me="x") == [None]  # namespaces keep tenants apart
+    assert got == [[("own-1", r)] for r in recs] + [[]]
+    assert owner.locate([recs[0].key], me="own-1") == [[]]  # never yourself
+    assert other_ns.locate([recs[0].key], me="x") == [[]]  # namespaces keep tenants apart
     assert reader.peer("own-1") == _info("own-1") and reader.peer("nobody") is None
+    assert other_ns.peer("own-1") is None  # nor does another namespace learn its owners
     tiers = reader.conn.stats()["tiers"]
     assert tiers["p2p.peers"] >= 1 and tiers["p2p.records"] >= 5, tiers
     assert owner.withdraw([recs[0].key, _key(98)]) == 1
-    assert reader.locate([recs[0].key, recs[1].key], me="r") == [None, ("own-1", recs[1])]
+    assert reader.locate([recs[0].key, recs[1].key], me="r") == [[], [("own-1", recs[1])]]
     owner.close()  # the owner's records go with its connection
     for _ in range(100):
-        if reader.locate([recs[1].key], me="r") == [None]:
+        if reader.locate([recs[1].key], me="r") == [[]]:
             break
         time.sleep(0.02)
-    assert reader.locate([recs[1].key], me="r") == [None]
+    assert reader.locate([recs[1].key], me="r") == [[]]
     assert reader.peer("own-1") is None
     reader.close()
     other_ns.close()
@@ -148,6 +185,10 @@ def test_daemon_refuses_bad_directory_requests(daemon):
             c.advertise([rec])
     with pytest.raises(ServerError, match="differs"):
         c.conn.call(0x21, {"ns": "t", "keys": [_key(2)], "records": [_rec(_key(1)).pack()]})
+    with pytest.raises(ServerError, match="joined in 't'"):  # records only where it joined
+        c.conn.call(0x21, {"ns": "u", "keys": [_key(2)], "records": [_rec(_key(2)).pack()]})
+    with pytest.raises(ServerError, match="joined in 't'"):
+        c.conn.call(0x22, {"ns": "u", "keys": [_key(2)]})
     with pytest.raises(ServerError, match="taken"):
         _conn(daemon).join(_info("own-2"))
     assert c.advertise([_rec(_key(3))]) == 1  # the connection survived every refusal
@@ -172,11 +213,11 @@ def test_daemon_survives_garbage_directory_requests(daemon):
         try:
             c.conn.call(rng.choice(list(P.P2P_OPS)), meta)
         except ServerError as e:
-            assert e.status == P.BAD_REQUEST, (seed, meta, e)
+            assert e.status in (P.BAD_REQUEST, P.FORBIDDEN), (seed, meta, e)
     c.close()
     owner, reader = _conn(daemon), _conn(daemon)
     owner.join(_info("own-after-fuzz"))
     owner.advertise([_rec(_key(5))])
-    assert reader.locate([_key(5)], me="r") == [("own-after-fuzz", _rec(_key(5)))]
+    assert reader.locate([_key(5)], me="r") == [[("own-after-fuzz", _rec(_key(5)))]]
     owner.close()
     reader.close()
