@@ -6,9 +6,11 @@ from __future__ import annotations
 import argparse
 import importlib
 import importlib.util
+import math
 import os
 import re
 import sys
+from collections.abc import Callable
 from typing import Any
 
 import yaml
@@ -58,15 +60,57 @@ def help_text(doc: str | None) -> str:
     return re.sub(r":\w+:`~?([^`]+)`", r"\1", text).strip()
 
 
+MAX_WHOLE = 2**63 - 1  # what a C long holds: larger counts overflow far from the flag
+
+
+def _whole(text: str) -> int | None:
+    try:
+        return int(text)
+    except ValueError:  # also: more than 4300 digits
+        return None
+
+
 def positive_int(text: str) -> int:
     """argparse type for counts: a whole number >= 1, refused with what was given."""
-    try:
-        n = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}") from None
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {n}")
+    n = _whole(text)
+    if n is None:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}")
+    if not 1 <= n <= MAX_WHOLE:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1 and <= {MAX_WHOLE}, "
+                                         f"got {text}")
     return n
+
+
+def int_in(lo: int, hi: int) -> Callable[[str], int]:
+    """argparse type: a whole number in ``[lo, hi]``. Every numeric option takes one (or
+    :func:`positive_int`, :func:`float_in`): a value past what the command can do is refused
+    at the flag, not found later as an overflow, a hang or a silent default."""
+
+    def parse(text: str) -> int:
+        n = _whole(text)
+        if n is None or not lo <= n <= hi:
+            raise argparse.ArgumentTypeError(f"expected a whole number in [{lo}, {hi}], "
+                                             f"got {text!r}")
+        return n
+
+    return parse
+
+
+def float_in(lo: float, hi: float, *, low_open: bool = False) -> Callable[[str], float]:
+    """argparse type: a finite number in ``[lo, hi]`` (``(lo, hi]`` with ``low_open``)."""
+    left = "(" if low_open else "["
+
+    def parse(text: str) -> float:
+        try:
+            x = float(text)
+        except ValueError:
+            x = math.nan
+        if not (lo < x <= hi if low_open else lo <= x <= hi):  # NaN fails both
+            raise argparse.ArgumentTypeError(f"expected a number in {left}{lo:g}, {hi:g}], "
+                                             f"got {text!r}")
+        return x
+
+    return parse
 
 
 def add_command(sub: Any, name: str, summary: str, doc: str | None) -> argparse.ArgumentParser:

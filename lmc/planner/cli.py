@@ -21,9 +21,18 @@ import time
 from pathlib import Path
 from typing import Any
 
+from lmc.cli import int_in, positive_int
 from lmc.settings import parse_size
 
 PLAN_SUMMARY = "size the cache tiers for a trace: hit rate and predicted TTFT per configuration"
+
+# Bounds of the numeric options (docs/threats/cli.md): past them a run would overflow a
+# C integer, allocate without end, or mean nothing.
+MAX_SIZE = 1 << 50  # 1 PiB per tier
+MAX_CHUNK = 1 << 20  # tokens per chunk (and --align, --lengths, --load-tokens)
+MAX_KV_BYTES_PER_TOKEN = 1 << 30
+MAX_JOBS = 1024
+MAX_REPS = 1000
 
 
 def _sizes(text: str, what: str) -> list[int]:
@@ -33,9 +42,12 @@ def _sizes(text: str, what: str) -> list[int]:
         if not part:
             continue
         try:
-            out.append(0 if part == "0" else parse_size(part, what))
+            size = 0 if part == "0" else parse_size(part, what)
         except ValueError as e:
             raise argparse.ArgumentTypeError(str(e)) from None
+        if size > MAX_SIZE:
+            raise argparse.ArgumentTypeError(f"{what} {part!r}: at most 1PiB")
+        out.append(size)
     if not out:
         raise argparse.ArgumentTypeError(f"{what}: give at least one size (e.g. 4GiB)")
     return out
@@ -69,8 +81,9 @@ def _lengths(text: str) -> list[int]:
     except ValueError:
         raise argparse.ArgumentTypeError(f"--lengths {text!r}: token counts such as "
                                          f"256,1024,4096") from None
-    if len(out) < 2 or out[0] < 1:
-        raise argparse.ArgumentTypeError("--lengths: at least two positive token counts")
+    if len(out) < 2 or out[0] < 1 or out[-1] > MAX_CHUNK:
+        raise argparse.ArgumentTypeError(f"--lengths: at least two token counts in "
+                                         f"[1, {MAX_CHUNK}]")
     return out
 
 
@@ -96,28 +109,30 @@ def register_cli(sub: Any) -> None:
                    help="calibration profile (default ~/.cache/lmc/plan-profile.json)")
     p.add_argument("--no-ttft", action="store_true",
                    help="hit rates only: no calibration profile needed")
-    p.add_argument("--kv-bytes-per-token", type=int, metavar="N",
+    p.add_argument("--kv-bytes-per-token", type=int_in(1, MAX_KV_BYTES_PER_TOKEN), metavar="N",
                    help="KV bytes per token (default: the profile's model's)")
-    p.add_argument("--chunk-size", type=int, default=None, metavar="N",
+    p.add_argument("--chunk-size", type=int_in(1, MAX_CHUNK), default=None, metavar="N",
                    help="tokens per chunk (default: the profile's, else 256)")
-    p.add_argument("--align", type=int, default=1, metavar="N",
+    p.add_argument("--align", type=int_in(1, MAX_CHUNK), default=1, metavar="N",
                    help="round hits down to N tokens (an engine loading whole blocks: vLLM's "
                         "block size; the reference engine: 1)")
     p.add_argument("--tokenizer", metavar="PATH",
                    help="tokenizer.json, or a checkpoint directory holding one: turns text "
                         "prompts into ids (the engine's own, so keys match what it caches)")
-    p.add_argument("--limit", type=int, metavar="N", help="plan the first N requests only")
-    p.add_argument("--jobs", type=int, default=0, metavar="N",
-                   help="grid points simulated in parallel (default: one per core)")
+    p.add_argument("--limit", type=positive_int, metavar="N",
+                   help="plan the first N requests only")
+    p.add_argument("--jobs", type=int_in(0, MAX_JOBS), default=0, metavar="N",
+                   help="grid points simulated in parallel (default 0: one per core)")
     g = p.add_argument_group("calibration (lmc plan --calibrate)")
     g.add_argument("--calibrate", action="store_true", help="measure and store the profile")
     g.add_argument("--model", metavar="DIR", help="checkpoint to measure (default: a small "
                    "random-weight Llama made on first use)")
     g.add_argument("--lengths", type=_lengths, default=[256, 1024, 2048, 4096],
                    metavar="N,N,...", help="prefill lengths to measure")
-    g.add_argument("--load-tokens", type=int, default=4096, metavar="N",
+    g.add_argument("--load-tokens", type=int_in(1, MAX_CHUNK), default=4096, metavar="N",
                    help="tokens per tier-load measurement")
-    g.add_argument("--reps", type=int, default=3, metavar="N", help="repetitions per figure")
+    g.add_argument("--reps", type=int_in(1, MAX_REPS), default=3, metavar="N",
+                   help="repetitions per figure")
     g.add_argument("--disk-dir", metavar="DIR", help="where the disk-tier measurement writes")
     g.add_argument("--redis", metavar="URL", help="also measure this remote tier "
                    "(redis://... or lmc://...)")
@@ -133,7 +148,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     try:
         return _plan(args)
-    except (ValueError, FileNotFoundError) as e:
+    except (ValueError, OSError) as e:  # InputError (a ValueError) names file:line
         hint = " (give lmc plan --tokenizer PATH)" if "tokenizer is needed" in str(e) else ""
         print(f"lmc plan: {e}{hint}", file=sys.stderr)
         return 2
@@ -147,7 +162,7 @@ def _calibrate(args: argparse.Namespace) -> int:
         prof = calibrate(args.model, lengths=args.lengths, reps=args.reps,
                          load_tokens=args.load_tokens, chunk_size=args.chunk_size or 256,
                          disk_dir=args.disk_dir, remote_url=args.redis)
-    except (ValueError, FileNotFoundError) as e:
+    except (ValueError, OSError) as e:
         print(f"lmc plan --calibrate: {e}", file=sys.stderr)
         return 2
     path = prof.save(args.profile or default_profile_path())
@@ -166,13 +181,15 @@ def _plan(args: argparse.Namespace) -> int:
     if not bpt:
         raise ValueError("--no-ttft needs --kv-bytes-per-token (KV bytes one token takes: "
                          "layers x 2 x kv_heads x head_size x dtype bytes)")
-    chunk = args.chunk_size or (profile.chunk_size if profile else 256)
+    if args.chunk_size is not None:
+        chunk = args.chunk_size
+    else:
+        chunk = profile.chunk_size if profile else 256
     tok = None
     if args.tokenizer:
-        from lmc.reference.tokenizer import Tokenizer
+        from lmc.workloads.generators import load_tokenizer
 
-        path = Path(args.tokenizer)
-        tok = Tokenizer(path if path.is_file() else path / "tokenizer.json")
+        tok = load_tokenizer(args.tokenizer)
     t0 = time.perf_counter()
     trace = load_trace(args.trace, chunk_size=chunk, tokenizer=tok, limit=args.limit)
     t_keys = time.perf_counter() - t0

@@ -18,6 +18,7 @@ mean TTFT against a replay within 20%.
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
 from dataclasses import asdict, dataclass, field
@@ -25,6 +26,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from lmc.workloads.inputs import InputError, parse_json, read_text
 
 PROFILE_VERSION = 2  # 2: measured with lmc attached (1 measured the engine alone)
 
@@ -123,20 +126,44 @@ class Profile:
                 f"(add --model DIR to measure your checkpoint, --profile PATH to store it "
                 f"elsewhere)")
         try:
-            d = json.loads(path.read_text())
+            d = parse_json(read_text(path, "calibration profile", 1 << 20), str(path),
+                           document=True)
+            if not isinstance(d, dict):
+                raise ValueError(f"expected a JSON object, got {type(d).__name__}")
             if d.get("version") != PROFILE_VERSION:
                 raise ValueError(f"version {d.get('version')!r}, expected {PROFILE_VERSION}")
             tiers = {k: TierCost(float(v["bytes_per_s"]), float(v.get("per_chunk_s", 0.0)))
                      for k, v in d["tiers"].items()}
-            return cls(model=str(d["model"]), kv_bytes_per_token=int(d["kv_bytes_per_token"]),
+            prof = cls(model=str(d["model"]), kv_bytes_per_token=int(d["kv_bytes_per_token"]),
                        chunk_size=int(d["chunk_size"]),
                        prefill_points=[(int(a), float(b)) for a, b in d["prefill_points"]],
                        tiers=tiers, fit=tuple(float(x) for x in d["fit"]),  # type: ignore[arg-type]
                        created=str(d.get("created", "")), host=str(d.get("host", "")),
                        notes=dict(d.get("notes", {})))
-        except (ValueError, KeyError, TypeError) as e:
+            _check_profile(prof)
+            return prof
+        except InputError as e:
+            raise InputError(f"calibration profile {e}; make it again with `lmc plan "
+                             f"--calibrate`") from None
+        except (ValueError, KeyError, TypeError, AttributeError, OverflowError,
+                np.linalg.LinAlgError) as e:
             raise ValueError(f"calibration profile {path} is not readable ({e}); make it "
                              f"again with `lmc plan --calibrate`") from None
+
+
+def _check_profile(prof: Profile) -> None:
+    """Refuse values a hand-edited profile may hold that would predict nonsense (a zero
+    bandwidth divides by zero, a huge chunk size overflows the simulation's arrays)."""
+    if not 1 <= prof.kv_bytes_per_token <= 1 << 30:
+        raise ValueError(f"kv_bytes_per_token: expected [1, 2**30], got {prof.kv_bytes_per_token}")
+    if not 1 <= prof.chunk_size <= 1 << 20:
+        raise ValueError(f"chunk_size: expected [1, 2**20], got {prof.chunk_size}")
+    for name, t in prof.tiers.items():
+        if not (0 < t.bytes_per_s < math.inf and 0 <= t.per_chunk_s < math.inf):
+            raise ValueError(f"tiers.{name}: expected bytes_per_s > 0 and per_chunk_s >= 0, "
+                             f"both finite")
+    if not all(0 <= x < math.inf for x in prof.fit):
+        raise ValueError(f"fit: expected finite coefficients >= 0, got {prof.fit}")
 
 
 def fit_prefill(points: list[tuple[int, float]]) -> tuple[float, float, float]:

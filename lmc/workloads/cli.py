@@ -7,7 +7,7 @@ import inspect
 import sys
 from typing import Any
 
-from lmc.cli import positive_int
+from lmc.cli import int_in, positive_int
 from lmc.workloads.trace import write_trace
 
 WORKLOAD_DOC = """Write a workload trace (JSONL, see docs/workloads.md) for lmc replay and lmc plan.
@@ -23,17 +23,21 @@ bounds with --tokenizer (the trace then holds token ids), estimated from words w
 Arrivals: a Poisson process with --rate, else all at t=0 (replay them with --fast)."""
 
 # --------------------------------------------------------------------------- parsing
-def _int_range(text: str) -> tuple[int, int]:
-    """``12-18`` or ``15`` (both ends >= 1)."""
-    parts = text.split("-")
-    try:
-        lo, hi = (int(parts[0]), int(parts[-1])) if len(parts) <= 2 else (0, -1)
-    except ValueError:
-        lo, hi = 0, -1
-    if lo < 1 or hi < lo:
-        raise argparse.ArgumentTypeError(f"expected N or MIN-MAX with 1 <= MIN <= MAX, "
-                                         f"got {text!r}")
-    return lo, hi
+def _int_range(limit: int) -> Any:
+    """argparse type: ``12-18`` or ``15``, both ends in ``[1, limit]``."""
+
+    def parse(text: str) -> tuple[int, int]:
+        parts = text.split("-")
+        try:
+            lo, hi = (int(parts[0]), int(parts[-1])) if len(parts) <= 2 else (0, -1)
+        except ValueError:
+            lo, hi = 0, -1
+        if lo < 1 or hi < lo or hi > limit:
+            raise argparse.ArgumentTypeError(f"expected N or MIN-MAX with 1 <= MIN <= MAX "
+                                             f"<= {limit}, got {text!r}")
+        return lo, hi
+
+    return parse
 
 
 def _rate(text: str) -> float:
@@ -110,7 +114,8 @@ def _register_workload(sub: Any) -> None:
                              formatter_class=argparse.RawDescriptionHelpFormatter)
         k.add_argument("-o", "--output", required=True, metavar="FILE",
                        help="trace file to write (JSONL)")
-        k.add_argument("--seed", type=int, default=0, help="default %(default)s")
+        k.add_argument("--seed", type=int_in(-2**63, 2**63 - 1), default=0,
+                       help="default %(default)s")
         k.add_argument("--rate", type=_rate, default=None, metavar="R",
                        help="Poisson arrivals, R requests/s (default: all at t=0)")
         k.add_argument("--tokenizer", metavar="PATH",
@@ -119,45 +124,49 @@ def _register_workload(sub: Any) -> None:
         k.set_defaults(func=_workload)
         return k
 
+    count, tokens = int_in(1, g.MAX_COUNT), int_in(1, g.MAX_SEGMENT_TOKENS)
+    output_len = int_in(1, g.MAX_OUTPUT_LEN)
     c = kind("chat", "multi-turn conversations over a shared system prompt", g.chat_drafts.__doc__)
     d = g.ChatSpec()
-    c.add_argument("--conversations", type=positive_int, default=d.conversations, metavar="N",
+    c.add_argument("--conversations", type=count, default=d.conversations, metavar="N",
                    help="default %(default)s")
-    c.add_argument("--turns", type=_int_range, default=d.turns, metavar="MIN-MAX",
+    c.add_argument("--turns", type=_int_range(g.MAX_COUNT), default=d.turns, metavar="MIN-MAX",
                    help="turns per conversation (default 12-18)")
-    c.add_argument("--system-tokens", type=positive_int, default=d.system_tokens, metavar="N",
+    c.add_argument("--system-tokens", type=tokens, default=d.system_tokens, metavar="N",
                    help="default %(default)s")
-    c.add_argument("--user-tokens", type=_int_range, default=d.user_tokens, metavar="MIN-MAX",
+    c.add_argument("--user-tokens", type=_int_range(g.MAX_SEGMENT_TOKENS),
+                   default=d.user_tokens, metavar="MIN-MAX",
                    help="tokens per question (default 30-120)")
-    c.add_argument("--output-len", type=positive_int, default=d.output_len,
+    c.add_argument("--output-len", type=output_len, default=d.output_len,
                    help="tokens per answer (also the synthetic answer kept in the history)")
-    c.add_argument("--active", type=positive_int, default=d.active,
+    c.add_argument("--active", type=count, default=d.active,
                    help="conversations open at once, turns interleaved (default %(default)s)")
 
     pr = kind("prefix", "N groups x M prompts over long system prompts", g.prefix_drafts.__doc__)
     dp = g.PrefixSpec()
-    pr.add_argument("--groups", type=positive_int, default=dp.groups, metavar="N",
+    pr.add_argument("--groups", type=count, default=dp.groups, metavar="N",
                    help="default %(default)s")
-    pr.add_argument("--prompts-per-group", type=positive_int, default=dp.prompts_per_group, metavar="N",
+    pr.add_argument("--prompts-per-group", type=count, default=dp.prompts_per_group,
+                    metavar="N",
                    help="default %(default)s")
-    pr.add_argument("--system-tokens", type=positive_int, default=dp.system_tokens, metavar="N",
+    pr.add_argument("--system-tokens", type=tokens, default=dp.system_tokens, metavar="N",
                    help="default %(default)s")
-    pr.add_argument("--question-tokens", type=positive_int, default=dp.question_tokens, metavar="N",
+    pr.add_argument("--question-tokens", type=tokens, default=dp.question_tokens, metavar="N",
                    help="default %(default)s")
-    pr.add_argument("--output-len", type=positive_int, default=dp.output_len, metavar="N",
+    pr.add_argument("--output-len", type=output_len, default=dp.output_len, metavar="N",
                    help="default %(default)s")
 
     dq = kind("docqa", "long documents re-asked in rounds", g.docqa_drafts.__doc__)
     dd = g.DocQASpec()
-    dq.add_argument("--documents", type=positive_int, default=dd.documents, metavar="N",
+    dq.add_argument("--documents", type=count, default=dd.documents, metavar="N",
                    help="default %(default)s")
-    dq.add_argument("--doc-tokens", type=positive_int, default=dd.doc_tokens, metavar="N",
+    dq.add_argument("--doc-tokens", type=tokens, default=dd.doc_tokens, metavar="N",
                    help="default %(default)s")
-    dq.add_argument("--rounds", type=positive_int, default=dd.rounds, metavar="N",
+    dq.add_argument("--rounds", type=count, default=dd.rounds, metavar="N",
                    help="default %(default)s")
-    dq.add_argument("--question-tokens", type=positive_int, default=dd.question_tokens, metavar="N",
+    dq.add_argument("--question-tokens", type=tokens, default=dd.question_tokens, metavar="N",
                    help="default %(default)s")
-    dq.add_argument("--output-len", type=positive_int, default=dd.output_len, metavar="N",
+    dq.add_argument("--output-len", type=output_len, default=dd.output_len, metavar="N",
                    help="default %(default)s")
     dq.add_argument("--order", choices=("tile", "random"), default=dd.order,
                     help="document order each round (default %(default)s)")
@@ -165,8 +174,8 @@ def _register_workload(sub: Any) -> None:
     sg = kind("sharegpt", "conversations from a ShareGPT-style JSON file", g.sharegpt_drafts.__doc__)
     sg.add_argument("file", metavar="FILE", help="ShareGPT-style JSON")
     sg.add_argument("--max-conversations", type=positive_int, default=None)
-    sg.add_argument("--max-output-len", type=positive_int, default=1024)
-    sg.add_argument("--active", type=positive_int, default=4,
+    sg.add_argument("--max-output-len", type=output_len, default=1024)
+    sg.add_argument("--active", type=count, default=4,
                     help="conversations open at once, turns interleaved (default %(default)s)")
 
 

@@ -26,7 +26,6 @@ for a turn's answer before sending the next turn of the same session.
 
 from __future__ import annotations
 
-import json
 import math
 import random
 from collections.abc import Iterator, Sequence
@@ -34,10 +33,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
+from lmc.workloads.inputs import InputError, has_surrogate, open_input, parse_json, read_text
 from lmc.workloads.text import TextGen
-from lmc.workloads.trace import TraceError, TraceRequest
+from lmc.workloads.trace import MAX_OUTPUT_LEN, TraceError, TraceRequest
 
 WORDS_PER_TOKEN = 0.75  # English BPE rule of thumb, used only when no tokenizer is given
+
+# Bounds of a generated workload (docs/threats/cli.md): a spec past them would run for hours
+# or exhaust memory instead of failing at once.
+MAX_COUNT = 100_000  # conversations, groups, prompts per group, documents, rounds, turns
+MAX_SEGMENT_TOKENS = 1 << 20  # a system prompt, a document, a question
+MAX_TRACE_TOKENS = 1 << 30  # prompt tokens of the whole trace, estimated before generating
 
 
 class SegmentTokenizer(Protocol):
@@ -65,9 +71,21 @@ def load_tokenizer(path: str | Path) -> SegmentTokenizer:
     p = Path(path).expanduser()
     if p.is_dir():
         p = p / "tokenizer.json"
-    if not p.is_file():
-        raise FileNotFoundError(f"--tokenizer {path}: no tokenizer.json there")
-    return Tokenizer(p)
+        if not p.exists():
+            raise InputError(f"--tokenizer {path}: no tokenizer.json in that directory")
+    open_input(p, "--tokenizer").close()  # missing, unreadable, a directory: named here
+    try:
+        return Tokenizer(p)
+    except ImportError:
+        raise
+    except Exception as e:  # the tokenizers library raises plain Exception on a bad file
+        raise InputError(f"--tokenizer {p}: not a tokenizer.json the tokenizers library "
+                         f"reads ({_one_line(e)})") from None
+
+
+def _one_line(e: BaseException) -> str:
+    text = " ".join(str(e).split())
+    return text if len(text) <= 200 else text[:200] + "..."
 
 
 class _Sizer:
@@ -168,6 +186,23 @@ def _positive(**values: int) -> None:
             raise ValueError(f"{name} must be >= 1, got {v}")
 
 
+def _at_most(limit: int, **values: int) -> None:
+    for name, v in values.items():
+        if v > limit:
+            raise ValueError(f"{name} must be <= {limit:,}, got {v:,}")
+
+
+def _bounded(counts: dict[str, int], tokens: dict[str, int], output_len: int,
+             estimate: float) -> None:
+    """Refuse a spec whose options or estimated total would not finish (see MAX_*)."""
+    _at_most(MAX_COUNT, **counts)
+    _at_most(MAX_SEGMENT_TOKENS, **tokens)
+    _at_most(MAX_OUTPUT_LEN, output_len=output_len)
+    if estimate > MAX_TRACE_TOKENS:
+        raise ValueError(f"the trace would hold about {estimate:,.0f} prompt tokens; at most "
+                         f"{MAX_TRACE_TOKENS:,} (fewer requests or shorter prompts)")
+
+
 # -------------------------------------------------------------------------------- chat
 @dataclass(frozen=True)
 class ChatSpec:
@@ -188,6 +223,11 @@ def chat_drafts(spec: ChatSpec, tokenizer: SegmentTokenizer | None = None) -> li
               system_tokens=spec.system_tokens)
     _check_range("turns", *spec.turns)
     _check_range("user_tokens", *spec.user_tokens)
+    turns, per_turn = spec.turns[1], spec.user_tokens[1] + spec.output_len
+    _bounded({"conversations": spec.conversations, "turns": turns, "active": spec.active},
+             {"system_tokens": spec.system_tokens, "user_tokens": spec.user_tokens[1]},
+             spec.output_len,
+             spec.conversations * turns * (spec.system_tokens + per_turn * (turns + 1) / 2))
     rng = random.Random(spec.seed)
     size = _Sizer(tokenizer)
     system = f"System: {size.text(TextGen(spec.seed * 1_000_003 + 1), spec.system_tokens)}\n"
@@ -223,6 +263,10 @@ def prefix_drafts(spec: PrefixSpec, tokenizer: SegmentTokenizer | None = None) -
     _positive(groups=spec.groups, prompts_per_group=spec.prompts_per_group,
               system_tokens=spec.system_tokens, question_tokens=spec.question_tokens,
               output_len=spec.output_len)
+    _bounded({"groups": spec.groups, "prompts_per_group": spec.prompts_per_group},
+             {"system_tokens": spec.system_tokens, "question_tokens": spec.question_tokens},
+             spec.output_len,
+             spec.groups * spec.prompts_per_group * (spec.system_tokens + spec.question_tokens))
     size = _Sizer(tokenizer)
     drafts: list[Draft] = []
     for g in range(spec.groups):
@@ -255,6 +299,10 @@ def docqa_drafts(spec: DocQASpec, tokenizer: SegmentTokenizer | None = None) -> 
               question_tokens=spec.question_tokens, output_len=spec.output_len)
     if spec.order not in ("tile", "random"):
         raise ValueError(f"order must be 'tile' or 'random', got {spec.order!r}")
+    _bounded({"documents": spec.documents, "rounds": spec.rounds},
+             {"doc_tokens": spec.doc_tokens, "question_tokens": spec.question_tokens},
+             spec.output_len,
+             spec.documents * spec.rounds * (spec.doc_tokens + spec.question_tokens))
     rng = random.Random(spec.seed)
     size = _Sizer(tokenizer)
     gens = [TextGen(spec.seed * 1_000_003 + 500 + d) for d in range(spec.documents)]
@@ -293,9 +341,11 @@ def sharegpt_drafts(spec: ShareGPTSpec, tokenizer: SegmentTokenizer | None = Non
     tokens (estimated from words without a tokenizer), capped at ``max_output_len``."""
     path = Path(spec.path)
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as e:
-        raise TraceError(f"{path}:{e.lineno}: malformed JSON: {e.msg}") from None
+        data = parse_json(read_text(path, "ShareGPT file"), str(path), document=True)
+    except TraceError:
+        raise
+    except InputError as e:
+        raise TraceError(str(e)) from None
     if not isinstance(data, list):
         raise TraceError(f"{path}: expected a JSON list of conversations, got "
                          f"{type(data).__name__}")
@@ -305,7 +355,7 @@ def sharegpt_drafts(spec: ShareGPTSpec, tokenizer: SegmentTokenizer | None = Non
         if spec.max_conversations is not None and len(sessions) >= spec.max_conversations:
             break
         turns = _conversation(path, i, entry)
-        cid = str(entry.get("id", i))
+        cid = _conversation_id(path, i, entry)
         history: list[str] = []
         drafts: list[Draft] = []
         for k, (role, text) in enumerate(turns):
@@ -329,6 +379,16 @@ def sharegpt_drafts(spec: ShareGPTSpec, tokenizer: SegmentTokenizer | None = Non
     return interleave(sessions, spec.active, random.Random(spec.seed)), skipped
 
 
+def _conversation_id(path: Path, i: int, entry: dict[str, Any]) -> str:
+    """The entry's ``id`` (a short string or a number) or its index."""
+    cid = entry.get("id", i)
+    if isinstance(cid, bool) or not isinstance(cid, (str, int)) or len(str(cid)) > 256 \
+            or (isinstance(cid, str) and (has_surrogate(cid) or not cid.isprintable())):
+        raise TraceError(f"{path}: conversation {i}: id: expected a printable string or a "
+                         f"number of at most 256 characters")
+    return str(cid)
+
+
 def _conversation(path: Path, i: int, entry: Any) -> list[tuple[str, str]]:
     """One entry's turns as (system|user|assistant, text); errors name the entry."""
     where = f"{path}: conversation {i}"
@@ -338,7 +398,11 @@ def _conversation(path: Path, i: int, entry: Any) -> list[tuple[str, str]]:
     for j, turn in enumerate(entry["conversations"]):
         if not isinstance(turn, dict) or not isinstance(turn.get("value"), str):
             raise TraceError(f"{where}, turn {j}: expected {{'from': ..., 'value': text}}")
-        who = str(turn.get("from", "")).lower()
+        if has_surrogate(turn["value"]):
+            raise TraceError(f"{where}, turn {j}: value: holds a lone UTF-16 surrogate "
+                             f"(not Unicode text)")
+        who = turn.get("from", "")
+        who = who.lower() if isinstance(who, str) else ""
         if who in USER_ROLES:
             out.append(("user", turn["value"]))
         elif who in ASSISTANT_ROLES:
@@ -346,6 +410,6 @@ def _conversation(path: Path, i: int, entry: Any) -> list[tuple[str, str]]:
         elif who == "system":
             out.append(("system", turn["value"]))
         else:
-            raise TraceError(f"{where}, turn {j}: unknown role {turn.get('from')!r} (expected "
-                             f"human/user, gpt/assistant or system)")
+            raise TraceError(f"{where}, turn {j}: unknown role {str(turn.get('from'))[:40]!r} "
+                             f"(expected human/user, gpt/assistant or system)")
     return [(r, t) for r, t in out if t.strip()]

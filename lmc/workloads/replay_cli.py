@@ -11,8 +11,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from lmc.cli import positive_int
+from lmc.cli import float_in, int_in, positive_int
 from lmc.workloads.trace import TraceError, TraceRequest, read_trace
+
+MAX_CONCURRENCY = 1 << 16  # requests in flight (the dispatcher keeps a slot per request)
+MAX_THREADS = 4096
+MAX_TIMEOUT_S = 86400.0
 
 REPLAY_DOC = """Replay a trace on a real engine and report TTFT, throughput and lmc hits per tier.
 
@@ -153,7 +157,7 @@ def _register_replay(sub: Any) -> None:
                    help="reference[:MODEL_DIR] or http://host:port")
     p.add_argument("--fast", action="store_true",
                    help="ignore arrival times: send each request as soon as it may go")
-    p.add_argument("--concurrency", type=positive_int, default=None, metavar="N",
+    p.add_argument("--concurrency", type=int_in(1, MAX_CONCURRENCY), default=None, metavar="N",
                    help="at most N requests in flight (default: no limit)")
     p.add_argument("--limit", type=positive_int, default=None, metavar="N",
                    help="replay only the first N requests")
@@ -165,9 +169,9 @@ def _register_replay(sub: Any) -> None:
     ref = p.add_argument_group("reference target")
     ref.add_argument("--config", metavar="FILE", help="lmc YAML config (default: lmc demo's)")
     ref.add_argument("--no-lmc", action="store_true", help="the engine alone (a baseline)")
-    ref.add_argument("--threads", type=positive_int, default=None, metavar="N",
+    ref.add_argument("--threads", type=int_in(1, MAX_THREADS), default=None, metavar="N",
                      help="torch threads (default: half the cores)")
-    ref.add_argument("--max-num-seqs", type=positive_int, default=None, metavar="N",
+    ref.add_argument("--max-num-seqs", type=int_in(1, MAX_CONCURRENCY), default=None, metavar="N",
                      help="engine batch size (default: lmc demo's)")
     http = p.add_argument_group("HTTP target")
     http.add_argument("--model", metavar="NAME",
@@ -175,7 +179,8 @@ def _register_replay(sub: Any) -> None:
     http.add_argument("--openai-strict", action="store_true",
                       help="send only standard OpenAI fields (no ignore_eos / "
                            "return_token_ids): answers may then stop early")
-    http.add_argument("--timeout", type=float, default=600.0, metavar="S",
+    http.add_argument("--timeout", type=float_in(0, MAX_TIMEOUT_S, low_open=True),
+                      default=600.0, metavar="S",
                       help="per-request timeout in seconds (default %(default)s)")
     p.set_defaults(func=_replay)
 

@@ -3,7 +3,10 @@
 One format serves every consumer (replay, the capacity planner, generators, loaders), so
 a trace generated once can be replayed on a real engine and sized by the planner and the
 two answers compared request for request. Bad input fails with ``file:line`` and the
-field, because traces are often hand-edited or produced by other tools.
+field, because traces are often hand-edited or produced by other tools: lines are read by
+:mod:`lmc.workloads.inputs` (bounded line length and nesting, no key given twice, UTF-8),
+and every field is typed and range-checked (bounds below). Threat model:
+``docs/threats/cli.md``.
 """
 
 from __future__ import annotations
@@ -13,17 +16,23 @@ import math
 import os
 from array import array
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
+
+from lmc.workloads.inputs import InputError, has_surrogate, iter_lines, parse_json
 
 KEYS = ("arrival_s", "request_id", "session_id", "prefix_group", "prompt_tokens", "prompt", "output_len")
 
 
 _U32_OK = array("I").itemsize == 4  # 'I' holds exactly [0, 2**32) here
 
+MAX_OUTPUT_LEN = 1 << 20  # tokens one request may generate (longer than any model's context)
+MAX_ARRIVAL_S = 1e10  # seconds; room for Unix timestamps, none for 1e308
+MAX_ID_CHARS = 1024  # request_id, session_id, prefix_group
 
-class TraceError(ValueError):
+
+class TraceError(InputError):
     """A trace line that cannot be read; the message names ``file:line`` and the field."""
 
 
@@ -49,6 +58,8 @@ class TraceRequest:
     prompt_tokens: list[int] | None
     prompt_text: str | None
     output_len: int
+    # ``file:line`` it was read from, for errors found later (tokenizing); not compared
+    source: str = field(default="", compare=False, repr=False)
 
     def __post_init__(self) -> None:
         problem = _check(self)
@@ -67,7 +78,12 @@ class TraceRequest:
                 f"request {self.request_id!r} has a text prompt; a tokenizer is needed to get token ids"
             )
         assert self.prompt_text is not None
-        return list(tokenizer.encode(self.prompt_text))
+        try:
+            return list(tokenizer.encode(self.prompt_text))
+        except Exception as e:  # the tokenizers library raises plain Exception and TypeError
+            where = self.source or f"request {self.request_id!r}"
+            raise TraceError(f"{where}: prompt: the tokenizer cannot encode it "
+                             f"({type(e).__name__}: {e})") from None
 
     def to_json(self) -> dict[str, Any]:
         """The JSON object of one trace line (``prompt_tokens`` or ``prompt``, never both)."""
@@ -105,12 +121,16 @@ def _check(req: TraceRequest, bools_possible: bool = True) -> str | None:
         return f"arrival_s: expected a number of seconds, got {req.arrival_s!r}"
     if not math.isfinite(req.arrival_s) or req.arrival_s < 0:
         return f"arrival_s: must be finite and >= 0, got {req.arrival_s!r}"
+    if req.arrival_s > MAX_ARRIVAL_S:
+        return f"arrival_s: must be <= {MAX_ARRIVAL_S:g} seconds, got {req.arrival_s!r}"
     if not isinstance(req.request_id, str) or not req.request_id:
-        return f"request_id: expected a non-empty string, got {req.request_id!r}"
-    for name in ("session_id", "prefix_group"):
+        return f"request_id: expected a non-empty string, got {_short(req.request_id)}"
+    for name in ("request_id", "session_id", "prefix_group"):
         value = getattr(req, name)
         if value is not None and not isinstance(value, str):
-            return f"{name}: expected a string or null, got {value!r}"
+            return f"{name}: expected a string or null, got {_short(value)}"
+        if value is not None and (problem := _text_problem(value, MAX_ID_CHARS)):
+            return f"{name}: {problem}"
     if (req.prompt_tokens is None) == (req.prompt_text is None):
         return "prompt_tokens/prompt: exactly one of them must be given"
     if req.prompt_tokens is not None:
@@ -122,10 +142,30 @@ def _check(req: TraceRequest, bools_possible: bool = True) -> str | None:
                 if type(tok) is not int or not 0 <= tok < 2**32:
                     return f"prompt_tokens[{i}]: expected a token id in [0, 2**32), got {tok!r}"
     elif not isinstance(req.prompt_text, str) or not req.prompt_text:
-        return f"prompt: expected non-empty text, got {req.prompt_text!r}"
-    if isinstance(req.output_len, bool) or not isinstance(req.output_len, int) or req.output_len < 1:
-        return f"output_len: expected an integer >= 1, got {req.output_len!r}"
+        return f"prompt: expected non-empty text, got {_short(req.prompt_text)}"
+    elif has_surrogate(req.prompt_text):
+        return "prompt: " + _text_problem(req.prompt_text, None)
+    n = req.output_len
+    if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_OUTPUT_LEN:
+        return f"output_len: expected an integer in [1, {MAX_OUTPUT_LEN}], got {_short(n)}"
     return None
+
+
+def _short(value: Any) -> str:
+    """``repr`` of a bad value, cut short: a 60 MB string is named, not printed."""
+    text = repr(value)
+    return text if len(text) <= 80 else f"{text[:60]}... ({len(text):,} characters)"
+
+
+def _text_problem(text: str, max_chars: int | None) -> str:
+    """Why a string field cannot be used, or "" when it can."""
+    if max_chars is not None and len(text) > max_chars:
+        return f"longer than {max_chars} characters ({len(text):,})"
+    if has_surrogate(text):
+        bad = next(i for i, c in enumerate(text) if 0xD800 <= ord(c) <= 0xDFFF)
+        return (f"a lone UTF-16 surrogate \\u{ord(text[bad]):04x} at character {bad} "
+                "(not Unicode text)")
+    return ""
 
 
 def _from_json(obj: Any, line: str = "") -> TraceRequest:
@@ -133,7 +173,9 @@ def _from_json(obj: Any, line: str = "") -> TraceRequest:
         raise TraceError(f"expected a JSON object, got {type(obj).__name__}")
     unknown = sorted(set(obj) - set(KEYS))
     if unknown:
-        raise TraceError(f"{unknown[0]}: unknown key (known: {', '.join(KEYS)})")
+        key = unknown[0] if unknown[0].isidentifier() and len(unknown[0]) <= 40 \
+            else _short(unknown[0])  # raw text would reach the terminal: escapes and all
+        raise TraceError(f"{key}: unknown key (known: {', '.join(KEYS)})")
     for key in ("arrival_s", "request_id", "output_len"):
         if key not in obj:
             raise TraceError(f"{key}: missing")
@@ -153,6 +195,7 @@ def _from_json(obj: Any, line: str = "") -> TraceRequest:
     }
     for name, value in fields.items():
         object.__setattr__(req, name, value)
+    object.__setattr__(req, "source", "")
     problem = _check(req, bools_possible=not line or "true" in line or "false" in line)
     if problem is not None:
         raise TraceError(problem)
@@ -167,22 +210,18 @@ def read_trace(path: str | os.PathLike[str]) -> Iterator[TraceRequest]:
     Blank lines are skipped. Arrival times must not decrease, since replay and the planner
     walk the trace in order; a request id may not repeat. Errors read ``file:line: field: problem``.
     """
-    path = Path(path)
     seen: set[str] = set()
     last = 0.0
-    with path.open(encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
+    try:
+        for where, line in iter_lines(path, "trace"):
             if not line.strip():
                 continue
-            where = f"{path}:{lineno}"
             try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise TraceError(f"{where}: malformed JSON: {e.msg} (column {e.colno})") from None
-            try:
-                req = _from_json(obj, line)
-            except TraceError as e:
-                raise TraceError(f"{where}: {e}") from None
+                req = _from_json(parse_json(line, where), line)
+            except InputError as e:
+                msg = str(e)
+                raise TraceError(msg if msg.startswith(f"{where}:") else f"{where}: {msg}") from None
+            object.__setattr__(req, "source", where)
             if req.arrival_s < last:
                 raise TraceError(
                     f"{where}: arrival_s: {req.arrival_s} is earlier than the previous line's {last}"
@@ -193,6 +232,10 @@ def read_trace(path: str | os.PathLike[str]) -> Iterator[TraceRequest]:
             seen.add(req.request_id)
             last = req.arrival_s
             yield req
+    except TraceError:
+        raise
+    except InputError as e:  # the file itself: missing, a directory, not UTF-8...
+        raise TraceError(str(e)) from None
 
 
 def write_trace(path: str | os.PathLike[str], requests: Iterable[TraceRequest]) -> int:

@@ -81,8 +81,8 @@ def test_blank_lines_are_skipped(tmp_path):
     (_line(prompt_tokens=[1.0]), 1, "prompt_tokens[0]: expected a token id"),
     (_line(prompt_tokens=[0, True]), 1, "prompt_tokens[1]: expected a token id"),
     (_line(prompt_tokens=_DROP, prompt=""), 1, "prompt: expected non-empty text"),
-    (_line(output_len=0), 1, "output_len: expected an integer >= 1"),
-    (_line(output_len=2.5), 1, "output_len: expected an integer >= 1"),
+    (_line(output_len=0), 1, "output_len: expected an integer in [1, 1048576]"),
+    (_line(output_len=2.5), 1, "output_len: expected an integer in [1, 1048576]"),
     (_line(output_len=_DROP), 1, "output_len: missing"),
     (_line(max_tokens=3), 1, "max_tokens: unknown key"),
 ])
