@@ -5,7 +5,9 @@ directory (the kernel drops its flock)."""
 from __future__ import annotations
 
 import gc
+import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -14,6 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 from lmc.storage_backends.disk import LOCK, MARKER, DirectoryInUse, DiskBackend
 
 from lmc.config import CacheConfig
@@ -133,3 +136,119 @@ def test_a_forked_child_does_not_keep_the_directory_locked(tmp_path):
     finally:
         child.kill()
         child.join(10)
+
+
+# ------------------------------------------------------------ crashes in a PID namespace
+# Threat model: docs/threats/tiers.md (the disk tier: processes that share a directory over
+# time, killed at any point).
+_NS_WRITER = textwrap.dedent("""
+    import os, sys, torch
+    from lmc import CacheConfig
+    from lmc.memory import MemoryPool
+    from lmc.storage_backends.disk import DiskBackend
+    d, first = sys.argv[1], int(sys.argv[2])
+    pool = MemoryPool(8 << 20, pin_memory=False)
+    tier = DiskBackend(config=CacheConfig(local_disk=d, local_disk_size="8MiB"), pool=pool,
+                       io_threads=2)
+    # a write in flight when the process dies: a temporary file named with our PID
+    with open(tier._tmp_path(), "wb") as f:
+        f.write(b"\\0" * (2 << 20))
+    for i in range(first, first + 4):
+        o = pool.allocate((2, 2, 64, 1024), torch.float32, 64)
+        o.tensor.fill_(i)
+        assert tier.put([i.to_bytes(16, "little")], [o]) == 1
+        o.release()
+    with open(tier._tmp_path(), "wb") as f:
+        f.write(b"\\0" * (2 << 20))
+    print("pid", os.getpid(), flush=True)
+    sys.stdin.readline()  # killed here
+""")
+
+_NS_READER = textwrap.dedent("""
+    import json, os, sys, torch
+    from lmc import CacheConfig
+    from lmc.memory import MemoryPool
+    from lmc.storage_backends.disk import DiskBackend
+    d, upto = sys.argv[1], int(sys.argv[2])
+    pool = MemoryPool(8 << 20, pin_memory=False)
+    tier = DiskBackend(config=CacheConfig(local_disk=d, local_disk_size="8MiB"), pool=pool,
+                       io_threads=2)
+    temps = [n for n in os.listdir(d) if n.startswith(".tmp.")]
+    keys = [i.to_bytes(16, "little") for i in range(upto)]
+    exact = wrong = 0
+    for i, o in enumerate(tier.get(keys)):
+        if o is not None:
+            ok = bool((o.tensor == i).all())
+            exact, wrong = exact + ok, wrong + (not ok)
+            o.release()
+    tier.close()
+    print(json.dumps({"pid": os.getpid(), "temps": temps, "exact": exact, "wrong": wrong,
+                      "stale": tier.metrics.get("errors_scan_stale_temp")}), flush=True)
+""")
+
+
+def _unshare() -> list[str]:
+    """``unshare --pid --fork`` when this process may make PID namespaces (root), else skip."""
+    probe = subprocess.run(["unshare", "--pid", "--fork", "--kill-child", "true"],
+                           capture_output=True, timeout=30) if shutil.which("unshare") else None
+    if probe is None or probe.returncode:
+        pytest.skip("cannot make a PID namespace here (unshare --pid needs root)")
+    return ["unshare", "--pid", "--fork", "--kill-child"]
+
+
+@pytest.mark.integration
+def test_a_writer_killed_in_a_pid_namespace_leaves_no_debris_the_next_one_keeps(tmp_path):
+    """A container restart: a writer running as PID 1 of its PID namespace is SIGKILLed with
+    writes in flight, and the next one, PID 1 too, opens the directory. Its start-up must
+    remove the dead writer's ``.tmp.1.*`` files (it holds the directory's lock, so no live
+    writer owns them; before, ``_pid_alive(1)`` was true for itself and they stayed, so the
+    directory exceeded ``local_disk_size``), and every value it serves is bit-exact. Three
+    SIGKILL rounds."""
+    ns = _unshare()
+    d = tmp_path / "disk"
+    for rnd in range(3):
+        w = subprocess.Popen([*ns, sys.executable, "-c", _NS_WRITER, str(d), str(4 * rnd)],
+                             cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        try:
+            assert w.stdout.readline() == "pid 1\n", "the writer is not PID 1 of its namespace"
+            assert any(p.name.startswith(".tmp.1.") for p in d.iterdir())
+            w.send_signal(signal.SIGKILL)  # --kill-child: the namespace's PID 1 dies with it
+            w.wait(30)
+        finally:
+            if w.poll() is None:
+                w.kill()
+                w.wait()
+            w.stdin.close()
+            w.stdout.close()
+        r = subprocess.run([*ns, sys.executable, "-c", _NS_READER, str(d), str(4 * rnd + 4)],
+                           cwd=REPO, capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0, r.stderr[-3000:]
+        out = json.loads(r.stdout.strip().splitlines()[-1])
+        assert out["pid"] == 1
+        assert out["temps"] == [], f"round {rnd}: the dead writer's temp files were kept"
+        assert out["stale"] == 2 and out["wrong"] == 0 and out["exact"] >= 4, out
+        assert _disk_bytes(d) <= CAPACITY
+
+
+def test_temp_files_named_with_our_own_pid_are_debris_once_we_hold_the_lock(tmp_path):
+    """The same without namespaces: a previous writer whose PID equals ours (what a container
+    restart gives) left 3 MiB of temporary files; a tier opened on the directory removes
+    them, counts them, and filling it keeps the directory within the limit."""
+    tier = _tier(tmp_path)
+    tier.close()
+    for i in range(3):
+        (tmp_path / f".tmp.{os.getpid()}.dead{i:x}").write_bytes(b"\0" * (1 << 20))
+    tier = _tier(tmp_path)
+    try:
+        assert not [p for p in tmp_path.iterdir() if p.name.startswith(".tmp.")]
+        assert tier.metrics.get("errors_scan_stale_temp") == 3
+        for i in range(12):  # 12 MiB of 1 MiB values through the 8 MiB limit
+            o = tier.pool.allocate((2, 2, 64, 1024), torch.float32, 64)
+            o.tensor.fill_(i)
+            assert tier.put([i.to_bytes(16, "little")], [o]) == 1
+            o.release()
+        assert _disk_bytes(tmp_path) <= CAPACITY
+        assert tier.used_bytes == _disk_bytes(tmp_path)
+    finally:
+        tier.close()
+        tier.pool.close()
