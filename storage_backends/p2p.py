@@ -81,6 +81,7 @@ class _Export:
     version: int
     at: float
     record: Record
+    released: bool = False  # its window memory already given back (only the withdraw left)
 
 
 def directory_url(spec: str, config: CacheConfig) -> str:
@@ -216,9 +217,13 @@ class P2PBackend(StorageBackend):
         old = self._take(k)
         if old is not None:  # replaced: the new record overrides it in the directory
             old[1].obj.release()
+            self.counts["withdrawn"] += 1
         w = self.window.allocate(o.shape, o.dtype, o.num_tokens)
         while w is None and self._exports:
-            gone += self._drop_oldest()
+            for taken in self._drop_oldest():  # its slot is cleared: the room is free now
+                taken[1].obj.release()
+                taken[1].released = True
+                gone.append(taken)
             w = self.window.allocate(o.shape, o.dtype, o.num_tokens)
         if w is None or not self._free_slots and not self._make_slot(gone):
             if w is not None:
@@ -308,7 +313,8 @@ class P2PBackend(StorageBackend):
         if not gone:
             return
         for _, e in gone:
-            e.obj.release()
+            if not e.released:
+                e.obj.release()
         self.counts["withdrawn"] += len(gone)
         try:
             with self._lock:

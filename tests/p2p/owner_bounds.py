@@ -1,5 +1,5 @@
 """Child process for ``test_p2p_exports``: one P2P tier over a bare pool, its exports pushed
-past their byte bound and left to expire; prints one JSON line of what it saw, then ends with
+past their window and left to expire; prints one JSON line of what it saw, then ends with
 ``os._exit`` (a NIXL agent crashes its process at interpreter exit).
 
 ``python -m tests.p2p.owner_bounds DIRECTORY_URL``"""
@@ -34,13 +34,14 @@ def main(url: str) -> dict:
     objs = pool.allocate_many(SHAPE, torch.bfloat16, 6, 16)
     slots_before = tier.agent.versions.clone()
     tier.put(keys, objs)
-    out["refs"] = [o.ref_count for o in objs]  # ours + the tier's on the 4 newest
+    out["refs"] = [o.ref_count for o in objs]  # ours only: the tier exports copies
+    out["window_used"] = tier.window.used_bytes
     out["exported"] = tier.exported(keys)
-    out["located"] = [g is not None for g in probe.locate(keys, "probe")]
+    out["located"] = [bool(g) for g in probe.locate(keys, "probe")]
     out["live_slots"] = int((tier.agent.versions != 0).sum())
     out["slots_were_clear"] = bool((slots_before == 0).all())
     time.sleep(TTL * 0.6)
-    tier.put(keys[5:], objs[5:])  # stored again: its clock restarts
+    tier.put(keys[5:], objs[5:])  # stored again: exported afresh, its clock restarts
     refreshed = time.monotonic()
     # the others expire (swept by the timer, every TTL/4: no call on the tier) well before
     # the refreshed one does
@@ -53,8 +54,9 @@ def main(url: str) -> dict:
     out["swept_after"] = time.monotonic() - refreshed
     out["refs_after"] = [o.ref_count for o in objs]
     out["live_slots_after"] = int((tier.agent.versions != 0).sum())
+    out["window_used_after"] = tier.window.used_bytes
     for _ in range(50):
-        out["located_after"] = [g is not None for g in probe.locate(keys, "probe")]
+        out["located_after"] = [bool(g) for g in probe.locate(keys, "probe")]
         if not any(out["located_after"]):
             break
         time.sleep(0.02)
