@@ -13,6 +13,13 @@ the reference engine's server (``python -m lmc.reference.serve --kv-role ...``),
 API either way. Several ``--prefill``/``--decode`` URLs are used in turn (round robin).
 This is the flow, enough to run and test disaggregated serving; not a router (no load
 awareness, retries or health checks).
+
+Client connections, request time and size are bounded as in :mod:`lmc.http_json`
+(``--max-connections``, ``--read-timeout``, ``--max-body``); an instance's answer is read
+within ``--upstream-timeout`` per read and at most ``--max-body`` bytes (the producer's;
+the consumer's is streamed through). A producer that answers garbage (not JSON, not an
+object, ``kv_transfer_params`` not an object) or nothing is a 502 naming it. Threat model:
+docs/threats/http.md.
 """
 
 from __future__ import annotations
@@ -26,39 +33,64 @@ import signal
 import sys
 import threading
 import urllib.parse
-from http.server import ThreadingHTTPServer
 from typing import Any
 
-from lmc.http_json import JsonHandler
+from lmc.http_json import (
+    BoundedHTTPServer,
+    HttpError,
+    HttpLimits,
+    JsonHandler,
+    RateLimitedWarnings,
+    add_limit_args,
+    limits_from_args,
+)
 
 log = logging.getLogger(__name__)
-TIMEOUT = 600.0
+_warn = RateLimitedWarnings(logger=log)
+TIMEOUT = 600.0  # default --upstream-timeout: seconds an instance may take per read
+UPSTREAM_ERRORS = (OSError, http.client.HTTPException)  # refused, reset, timed out, garbled
 
 
 class Upstream:
     """One instance: ``http://host:port``."""
 
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, timeout: float = TIMEOUT) -> None:
         u = urllib.parse.urlsplit(url)
         if u.scheme != "http" or not u.hostname or not u.port:
             raise ValueError(f"{url!r}: expected http://host:port")
         self.url, self.host, self.port = url.rstrip("/"), u.hostname, u.port
+        self.timeout = timeout
 
-    def post(self, path: str, body: dict[str, Any]) -> http.client.HTTPResponse:
-        conn = http.client.HTTPConnection(self.host, self.port, timeout=TIMEOUT)
-        data = json.dumps(body).encode()
-        conn.request("POST", path, data, {"Content-Type": "application/json",
-                                          "Content-Length": str(len(data))})
-        return conn.getresponse()
+    def post(self, path: str, data: bytes) -> tuple[http.client.HTTPConnection,
+                                                    http.client.HTTPResponse]:
+        """Send a JSON body; the caller closes the connection."""
+        conn = http.client.HTTPConnection(self.host, self.port, timeout=self.timeout)
+        try:
+            conn.request("POST", path, data, {"Content-Type": "application/json",
+                                              "Content-Length": str(len(data))})
+            return conn, conn.getresponse()
+        except BaseException:
+            conn.close()
+            raise
 
-    def get(self, path: str) -> tuple[int, bytes]:
+    def get(self, path: str, limit: int) -> tuple[int, bytes]:
         conn = http.client.HTTPConnection(self.host, self.port, timeout=30)
         try:
             conn.request("GET", path)
             r = conn.getresponse()
-            return r.status, r.read()
+            return r.status, read_bounded(r, limit, self.url)
         finally:
             conn.close()
+
+
+def read_bounded(r: http.client.HTTPResponse, limit: int, url: str) -> bytes:
+    """An upstream answer's body, refused (502) past ``limit`` bytes."""
+    data = r.read(limit + 1)
+    if len(data) > limit:
+        raise HttpError(502, f"{url} answered more than {limit} bytes")
+    if r.length:  # its Content-Length promised more than came before it hung up
+        raise HttpError(502, f"{url} answer cut short: {len(data)} bytes, {r.length} missing")
+    return data
 
 
 def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
@@ -71,20 +103,50 @@ def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def producer_params(status: int, data: bytes, url: str) -> dict[str, Any] | None:
+    """The ``kv_transfer_params`` in a prefill instance's 200 answer (None: it is no
+    producer). Anything else than a JSON object whose ``kv_transfer_params`` is an object
+    or null is the instance's fault: a 502 naming it."""
+    try:
+        answer = json.loads(data)
+    except (ValueError, RecursionError):
+        raise HttpError(502, f"prefill instance {url} answered {status} with a body that is "
+                        f"not JSON ({len(data)} bytes)") from None
+    if not isinstance(answer, dict):
+        raise HttpError(502, f"prefill instance {url} answered {status} with a JSON "
+                        f"{type(answer).__name__}, not an object")
+    params = answer.get("kv_transfer_params")
+    if params is not None and not isinstance(params, dict):
+        raise HttpError(502, f"prefill instance {url} answered kv_transfer_params of type "
+                        f"{type(params).__name__}, not an object")
+    return params
+
+
+def encode(body: dict[str, Any]) -> bytes:
+    try:
+        return json.dumps(body).encode()
+    except RecursionError:
+        raise HttpError(400, "request body nested too deeply") from None
+
+
 class Proxy:
     def __init__(self, prefill: list[str], decode: list[str], host: str = "127.0.0.1",
-                 port: int = 0) -> None:
+                 port: int = 0, limits: HttpLimits | None = None,
+                 upstream_timeout: float = TIMEOUT) -> None:
         if not prefill or not decode:
             raise ValueError("pd-proxy needs at least one --prefill and one --decode URL")
-        self.prefill = [Upstream(u) for u in prefill]
-        self.decode = [Upstream(u) for u in decode]
+        if not upstream_timeout > 0:
+            raise ValueError(f"upstream timeout must be > 0, got {upstream_timeout}")
+        self.prefill = [Upstream(u, upstream_timeout) for u in prefill]
+        self.decode = [Upstream(u, upstream_timeout) for u in decode]
         self._next_p = itertools.cycle(self.prefill)
         self._next_d = itertools.cycle(self.decode)
         self._lock = threading.Lock()
         self.counts = {"requests": 0, "prefill_failures": 0, "decode_failures": 0}
         handler = type("Handler", (_Handler,), {"proxy": self})
-        self.httpd = ThreadingHTTPServer((host, port), handler)
-        self.httpd.daemon_threads = True
+        # each client connection opens one upstream connection at a time
+        self.httpd = BoundedHTTPServer((host, port), handler, limits or HttpLimits(),
+                                       fds_per_connection=2)
         self.port = self.httpd.server_address[1]
         self.url = f"http://{host}:{self.port}"
 
@@ -102,6 +164,7 @@ class Proxy:
 
     def close(self) -> None:
         self.httpd.shutdown()
+        self.httpd.close_all()
         self.httpd.server_close()
 
 
@@ -116,79 +179,108 @@ class _Handler(JsonHandler):
                              "prefill": [u.url for u in self.proxy.prefill],
                              "decode": [u.url for u in self.proxy.decode]})
         elif self.path == "/v1/models":
+            up = self.proxy.decode[0]
             try:
-                status, data = self.proxy.decode[0].get(self.path)
-            except OSError as e:
-                self._error(502, f"decode instance: {e}")
+                status, data = up.get(self.path, self.server.limits.max_body)
+            except HttpError as e:
+                self._error(e.status, f"decode instance: {e}")
                 return
-            self.send_response(status)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
+            except UPSTREAM_ERRORS as e:
+                self._error(502, f"decode instance {up.url}: {_what(e)}")
+                return
+            self._relay_bytes(status if 100 <= status < 600 else 502, None, data)
         else:
-            self._error(404, f"no such path {self.path}")
+            self._error(404, f"no such path {self.path[:200]}")
 
     def do_POST(self) -> None:
         if self.path not in ("/v1/completions", "/v1/chat/completions"):
-            self._error(404, f"no such path {self.path}")
+            self._error(404, f"no such path {self.path[:200]}")
             return
         try:
-            body = json.loads(self.rfile.read(int(self.headers.get("Content-Length") or 0)))
+            body = self.read_json()
             if not isinstance(body, dict):
-                raise ValueError("the body must be a JSON object")
-        except ValueError as e:
-            self._error(400, f"bad request body: {e}")
+                raise HttpError(400, "bad request body: the body must be a JSON object")
+            p_data = encode(prefill_body(body))
+        except HttpError as e:
+            self._error(e.status, str(e))
             return
         prefill, decode = self.proxy.pick()
         try:
-            r = prefill.post(self.path, prefill_body(body))
-            answer = r.read()
-        except OSError as e:
+            params = self._prefill(prefill, p_data)
+        except HttpError as e:
             self.proxy.count("prefill_failures")
-            self._error(502, f"prefill instance {prefill.url}: {e}")
+            self._error(e.status, str(e))
             return
-        if r.status != 200:  # the client sees the producer's refusal (a bad prompt, ...)
-            self.proxy.count("prefill_failures")
-            self._relay_bytes(r.status, r.getheader("Content-Type"), answer)
+        if params is _RELAYED:
             return
-        try:
-            params = json.loads(answer).get("kv_transfer_params")
-        except ValueError:
-            params = None
         if not params:
-            log.warning("prefill instance %s answered no kv_transfer_params (not a "
-                        "kv_producer?): the decode instance prefills itself", prefill.url)
-        d_body = dict(body)
-        d_body["kv_transfer_params"] = params
+            _warn("prefill instance %s answered no kv_transfer_params (not a kv_producer?): "
+                  "the decode instance prefills itself", prefill.url)
+        self._decode(decode, encode({**body, "kv_transfer_params": params}))
+
+    def _prefill(self, up: Upstream, data: bytes) -> Any:
+        """The producer's parameters, or ``_RELAYED`` once its refusal went to the client."""
+        limit = self.server.limits.max_body
         try:
-            r = decode.post(self.path, d_body)
-        except OSError as e:
+            conn, r = up.post(self.path, data)
+        except UPSTREAM_ERRORS as e:
+            raise HttpError(502, f"prefill instance {up.url}: {_what(e)}") from None
+        try:
+            answer = read_bounded(r, limit, f"prefill instance {up.url}")
+            if r.status != 200:  # the client sees the producer's refusal (a bad prompt, ...)
+                if not 400 <= r.status < 600:
+                    raise HttpError(502, f"prefill instance {up.url} answered status "
+                                    f"{r.status}")
+                self.proxy.count("prefill_failures")
+                self._relay_bytes(r.status, r.getheader("Content-Type"), answer)
+                return _RELAYED
+            return producer_params(r.status, answer, up.url)
+        except UPSTREAM_ERRORS as e:
+            raise HttpError(502, f"prefill instance {up.url}: {_what(e)}") from None
+        finally:
+            conn.close()
+
+    def _decode(self, up: Upstream, data: bytes) -> None:
+        """Relay the consumer's answer as it comes (streamed or not)."""
+        try:
+            conn, r = up.post(self.path, data)
+        except UPSTREAM_ERRORS as e:
             self.proxy.count("decode_failures")
-            self._error(502, f"decode instance {decode.url}: {e}")
+            self._error(502, f"decode instance {up.url}: {_what(e)}")
             return
-        self.send_response(r.status)
-        for h in ("Content-Type", "Cache-Control"):
-            if r.getheader(h):
-                self.send_header(h, r.getheader(h))
-        if r.getheader("Content-Length"):
-            self.send_header("Content-Length", r.getheader("Content-Length"))
-        self.end_headers()
         try:
+            if not 100 <= r.status < 600:
+                self.proxy.count("decode_failures")
+                self._error(502, f"decode instance {up.url} answered status {r.status}")
+                return
+            self.send_response(r.status)
+            for h in ("Content-Type", "Cache-Control", "Content-Length"):
+                v = r.getheader(h)
+                if v and v.isprintable():
+                    self.send_header(h, v)
+            self.end_headers()
             while chunk := r.read1(65536):
                 self.wfile.write(chunk)
                 self.wfile.flush()
-        except (BrokenPipeError, ConnectionResetError):
-            log.info("client went away mid-response")
+        except UPSTREAM_ERRORS as e:  # either side went away mid-answer: nothing to add
+            log.debug("decode answer from %s cut short: %s", up.url, _what(e))
         finally:
-            r.close()
+            conn.close()
 
     def _relay_bytes(self, status: int, ctype: str | None, data: bytes) -> None:
         self.send_response(status)
-        self.send_header("Content-Type", ctype or "application/json")
+        self.send_header("Content-Type", ctype if ctype and ctype.isprintable()
+                         else "application/json")
         self.send_header("Content-Length", str(len(data)))
         self.end_headers()
         self.wfile.write(data)
+
+
+_RELAYED = object()
+
+
+def _what(e: BaseException) -> str:
+    return f"{type(e).__name__}: {str(e)[:200]}"
 
 
 def register_cli(sub: Any) -> None:
@@ -201,12 +293,16 @@ def register_cli(sub: Any) -> None:
                    help="a kv_consumer instance (http://host:port); repeat for several")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8100, help="0: pick a free port")
+    p.add_argument("--upstream-timeout", type=float, default=TIMEOUT, metavar="SECONDS",
+                   help="how long an instance may take to answer (per read)")
+    add_limit_args(p)
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     try:
-        proxy = Proxy(args.prefill, args.decode, args.host, args.port)
+        proxy = Proxy(args.prefill, args.decode, args.host, args.port,
+                      limits_from_args(args), args.upstream_timeout)
     except (ValueError, OSError) as e:
         print(f"lmc pd-proxy: {e}", file=sys.stderr)
         return 2
