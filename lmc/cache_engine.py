@@ -423,6 +423,11 @@ class CacheEngine:
                 out[f"{tier.name}.{k}"] = v
         out.update(self.storage.stats())
         out.update(self._pins.stats())
+        for tr in self._transfers.transfers():  # CUDA: the copy path per call shape
+            paths = getattr(tr, "path_stats", None)
+            if paths is not None:
+                for k, v in paths().items():
+                    out[k] = out.get(k, 0) + v if isinstance(v, int) else v
         return out
 
     def flush(self, timeout: float | None = None) -> bool:

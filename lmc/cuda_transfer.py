@@ -12,8 +12,11 @@ How a call runs (all on one CUDA stream, the caller's or the current one):
    device, and a slot past the cache is skipped there and raised by the handle's host wait.
 2. ``gather``/``scatter`` upload a small int64 table (per-plane strides, per-(layer, plane)
    cache addresses, per-(chunk, layer, plane) buffer addresses) and launch one kernel.
-3. Host chunk buffers are reached one of two ways, chosen per direction (``gather_mode``,
-   ``scatter_mode``, or ``LMC_CUDA_GATHER_MODE`` / ``LMC_CUDA_SCATTER_MODE``):
+3. Host chunk buffers are reached one of two ways, chosen per direction and call shape
+   (one layer per call, as layer-wise saves and loads go, or several layers at once): by a
+   short calibration per device (:func:`device_paths`; first use, cached per device name in
+   ``~/.cache/lmc/copy_paths.json``), unless ``gather_mode`` / ``scatter_mode`` or
+   ``LMC_CUDA_GATHER_MODE`` / ``LMC_CUDA_SCATTER_MODE`` force one:
 
    * ``"direct"``: the kernel reads/writes the pinned buffer itself through its mapped device
      address (zero-copy over PCIe). No staging memory, no extra pass over HBM.
@@ -21,11 +24,17 @@ How a call runs (all on one CUDA stream, the caller's or the current one):
      stream-ordered) and one ``cudaMemcpyAsync`` per contiguous run of bytes moves it to or
      from the host; adjacent chunks of a pinned pool coalesce into one copy.
 
-   Expected winners, to be confirmed with ``benchmarks/bench_gpu_transfer.py``: **gather =
+   Winners measured on an H200 (the defaults where no calibration ran): **gather =
    direct** (GPU writes to host are posted; 16-byte stores from a warp form full 128-byte PCIe
    writes, so the kernel runs at link rate and skips the HBM round trip); **scatter = staged**
    (GPU reads from host are non-posted round trips that need many requests in flight; the copy
-   engine sustains link rate, and the on-device scatter afterwards costs ~2-3% at HBM speed).
+   engine sustains link rate, and the on-device scatter afterwards costs ~2-3% at HBM speed)
+   for all-layer calls, but **direct** for one layer per call (0.90 of memcpy against 0.82:
+   a small call pays the staging copy's fixed costs). Other GPUs differ, hence the
+   calibration, which also measures how much each path slows a concurrent matmul-heavy
+   forward (the kernel paths take SMs, copy engines do not) and prefers the gentler path
+   when the two are within 5% in speed (:func:`choose_paths`). The choice and the calls per
+   path show in ``CacheEngine.stats()`` (``copy_path.*``, ``copy_calls.*``).
    Pageable host buffers always take the staged path; device buffers always the direct one.
 
 Waiting: ``gather``/``scatter`` return an :class:`~lmc.completion.EventCompletion` on an event
@@ -41,10 +50,15 @@ import contextlib
 import ctypes
 import dataclasses
 import functools
+import hashlib
+import json
+import logging
 import operator
 import os
+import tempfile
 import threading
-from collections.abc import Iterable, Sequence
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -65,9 +79,18 @@ THREADS = 256  # = LMC_THREADS in the .cu (__launch_bounds__)
 GEOM = 6       # = LMC_GEOM: int64 values per plane at the head of the call table
 BLOCKS_PER_SM = 4  # default grid cap; enough bytes in flight, leaves SMs for the model
 
+log = logging.getLogger(__name__)
+
 MODES = ("direct", "staged")
-DEFAULT_GATHER_MODE = "direct"   # flip here (or via env / constructor) after measuring
+DIRECTIONS = ("gather", "scatter")
+SHAPES = ("per_layer", "all_layers")  # one layer of several per call, or more at once
+DEFAULT_GATHER_MODE = "direct"   # all-layer calls where no calibration ran (H200 figures)
 DEFAULT_SCATTER_MODE = "staged"
+DEFAULT_PATHS: dict[tuple[str, str], str] = {
+    ("gather", "per_layer"): "direct", ("gather", "all_layers"): DEFAULT_GATHER_MODE,
+    ("scatter", "per_layer"): "direct", ("scatter", "all_layers"): DEFAULT_SCATTER_MODE,
+}
+CLOSE = 0.05  # paths within 5% in speed: the one that slows a concurrent forward less wins
 
 
 class KVCopyArgs(ctypes.Structure):
@@ -260,11 +283,248 @@ def coalesce(copies: list[tuple[int, int, int]]) -> list[tuple[int, int, int]]:
     return out
 
 
-def _mode(direction: str, given: str | None, default: str) -> str:
+def _mode(direction: str, given: str | None, default: str | None) -> str | None:
+    """The mode forced by the constructor or the environment (``None``: not forced)."""
     mode = given or os.environ.get(f"LMC_CUDA_{direction.upper()}_MODE") or default
-    if mode not in MODES:
+    if mode is not None and mode not in MODES:
         raise ValueError(f"{direction}_mode must be one of {MODES}, got {mode!r}")
     return mode
+
+
+def resolve_paths(paths: Mapping[tuple[str, str], str], forced: Mapping[str, str | None]
+                  ) -> dict[tuple[str, str], str]:
+    """Per (direction, shape): the forced mode of that direction, else ``paths``' choice,
+    else the default; every value checked."""
+    out = {}
+    for key, default in DEFAULT_PATHS.items():
+        mode = forced.get(key[0]) or paths.get(key, default)
+        if mode not in MODES:
+            raise ValueError(f"copy path for {key[0]} {key[1]} must be one of {MODES}, "
+                             f"got {mode!r}")
+        out[key] = mode
+    return out
+
+
+def call_shape(n_call_layers: int, n_layers: int) -> str:
+    """``per_layer``: one layer of several per call (layer-wise pipelines); else
+    ``all_layers`` (a whole-model save or load, or several layers at once)."""
+    return "per_layer" if n_call_layers == 1 and n_layers > 1 else "all_layers"
+
+
+# ------------------------------------------------------------------------ path calibration
+@dataclasses.dataclass(frozen=True)
+class PathTiming:
+    """One path measured: ``seconds`` per call alone, and ``slowdown``, how much longer a
+    concurrent matmul-heavy forward took while the path copied (0.1 = 10% slower; None:
+    not measured)."""
+
+    seconds: float
+    slowdown: float | None = None
+
+
+def choose_paths(timings: Mapping[tuple[str, str, str], PathTiming]
+                 ) -> dict[tuple[str, str], str]:
+    """Per (direction, shape), the faster mode; where the other is within ``CLOSE`` of it
+    in speed and both slowdowns were measured, the one that slows the forward less. A
+    (direction, shape) measured for neither mode keeps its default; a non-positive or
+    non-finite time is not a measurement."""
+    out = dict(DEFAULT_PATHS)
+    for key in DEFAULT_PATHS:
+        got = {m: t for m in MODES
+               if (t := timings.get((*key, m))) is not None and 0 < t.seconds < float("inf")}
+        if not got:
+            continue
+        fastest = min(got, key=lambda m: got[m].seconds)
+        near = [m for m in got if got[m].seconds <= got[fastest].seconds * (1 + CLOSE)]
+        if len(near) > 1 and all(got[m].slowdown is not None for m in near):
+            out[key] = min(near, key=lambda m: (got[m].slowdown, got[m].seconds))
+        else:
+            out[key] = fastest
+    return out
+
+
+def paths_cache_file() -> Path:
+    """Where calibrations are kept: the user's cache dir (``$XDG_CACHE_HOME`` or
+    ``~/.cache``), ``lmc/copy_paths.json``."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "lmc" / "copy_paths.json"
+
+
+@functools.cache
+def kernel_digest() -> str:
+    """Calibrations are valid for these kernels only: a changed .cu recalibrates."""
+    return hashlib.sha256(KERNEL_SOURCE.read_bytes()).hexdigest()[:16]
+
+
+def _key(s: str) -> tuple[str, str]:
+    d, _, shape = s.partition("/")
+    return d, shape
+
+
+def load_paths(device_name: str, path: Path | None = None) -> dict[tuple[str, str], str] | None:
+    """The cached choice for ``device_name`` (None: none, another kernel, or an unreadable
+    or malformed file, which is logged and then overwritten by the next calibration)."""
+    path = path or paths_cache_file()
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as e:
+        log.warning("copy path cache %s is unreadable (%s): recalibrating", path, e)
+        return None
+    entry = data.get(device_name) if isinstance(data, dict) else None
+    if not isinstance(entry, dict) or entry.get("kernel") != kernel_digest():
+        return None
+    choice = entry.get("choice")
+    if not isinstance(choice, dict):
+        return None
+    out = {_key(k): v for k, v in choice.items() if isinstance(k, str)}
+    if set(out) != set(DEFAULT_PATHS) or any(v not in MODES for v in out.values()):
+        log.warning("copy path cache %s: entry for %s is malformed: recalibrating", path,
+                    device_name)
+        return None
+    return out
+
+
+def save_paths(device_name: str, choice: Mapping[tuple[str, str], str],
+               timings: Mapping[tuple[str, str, str], PathTiming], path: Path | None = None
+               ) -> None:
+    """Record a calibration (atomically: a crash never leaves half a file)."""
+    path = path or paths_cache_file()
+    try:
+        data = json.loads(path.read_text())
+        if not isinstance(data, dict):
+            data = {}
+    except (OSError, ValueError):
+        data = {}
+    data[device_name] = {
+        "kernel": kernel_digest(), "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "choice": {f"{d}/{s}": m for (d, s), m in choice.items()},
+        "measured": {f"{d}/{s}/{m}": dataclasses.asdict(t) for (d, s, m), t in timings.items()},
+    }
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".copy_paths.")
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(data, f, indent=1, sort_keys=True)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+_CALIBRATED: dict[int, dict[tuple[str, str], str]] = {}
+_CALIBRATE_LOCK = threading.Lock()
+
+
+def device_paths(index: int, *, measure: Callable[[int], Mapping] | None = None,
+                 name: str | None = None, force: bool = False,
+                 path: Path | None = None) -> dict[tuple[str, str], str]:
+    """The copy path per (direction, shape) for CUDA device ``index``: from this process's
+    memo, else the cache file, else calibrated now (about a second) and cached. A
+    calibration that fails (no memory left on the device, ...) falls back to the defaults,
+    logged, and is retried by the next process."""
+    with _CALIBRATE_LOCK:
+        if not force and index in _CALIBRATED:
+            return _CALIBRATED[index]
+        name = name or torch.cuda.get_device_name(index)
+        got = None if force else load_paths(name, path)
+        if got is None:
+            try:
+                timings = (measure or measure_paths)(index)
+                got = choose_paths(timings)
+                save_paths(name, got, timings, path)
+                log.info("copy paths calibrated on %s: %s", name, describe_paths(got))
+            except Exception as e:  # noqa: BLE001 - a calibration is never worth a failure
+                log.warning("copy path calibration on %s failed (%s): using the defaults",
+                            name, e)
+                return dict(DEFAULT_PATHS)
+        _CALIBRATED[index] = got
+        return got
+
+
+def describe_paths(paths: Mapping[tuple[str, str], str]) -> str:
+    return ", ".join(f"{d} {s.replace('_', ' ')}: {m}" for (d, s), m in sorted(paths.items()))
+
+
+def time_on_stream(fn: Callable[[], object], iters: int, stream: Any = None) -> float:
+    """Seconds per ``fn()``: CUDA events around ``iters`` calls queued on ``stream``."""
+    stream = stream or torch.cuda.current_stream()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    with torch.cuda.stream(stream):
+        start.record()
+        for _ in range(iters):
+            fn()
+        end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / 1e3 / iters
+
+
+def forward_slowdown(copy: Callable[[], object], copy_seconds: float, device: int,
+                     forward: Callable[[], object] | None = None, iters: int = 3) -> float:
+    """How much longer ``forward`` (default: a chain of bf16 matmuls, a prefill's shape of
+    work) runs on the current stream while ``copy`` repeats on a side stream, as a fraction
+    (0.1 = 10% slower). The copies are queued to cover the forward's whole run."""
+    if forward is None:
+        a = torch.randn(4096, 4096, device=device, dtype=torch.bfloat16)
+
+        def forward() -> None:
+            x = a
+            for _ in range(16):
+                x = torch.mm(x, a)
+    forward()
+    torch.cuda.synchronize(device)
+    alone = min(time_on_stream(forward, 1) for _ in range(iters))
+    side = torch.cuda.Stream(device=device)
+    reps = max(1, int(alone / max(copy_seconds, 1e-6)) + 2)
+    worst = []
+    for _ in range(iters):
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(reps):
+                copy()
+        worst.append(time_on_stream(forward, 1))
+        torch.cuda.synchronize(device)
+    return max(0.0, min(worst) / alone - 1)
+
+
+def measure_paths(index: int, *, tokens: int = 2048, layers: int = 8, heads: int = 8,
+                  head_size: int = 128, iters: int = 5, interference: bool = True
+                  ) -> dict[tuple[str, str, str], PathTiming]:
+    """Time every (direction, shape, mode) on device ``index`` over a scratch bf16 cache
+    (vLLM's flash layout, shuffled whole blocks, 256-token chunks of one pinned buffer);
+    with ``interference``, also each path's slowdown of a concurrent forward."""
+    dev = torch.device("cuda", index)
+    bs, chunk = 16, 256
+    nb = 2 * tokens // bs + 8
+    spec = KVSpec(num_layers=layers, num_kv_heads=heads, head_size=head_size,
+                  dtype=torch.bfloat16, block_size=bs, layout="vllm_flash", num_blocks=nb)
+    with torch.cuda.device(index):
+        caches = [torch.randn(spec.layer_shape(), device=dev, dtype=spec.dtype)
+                  for _ in range(layers)]
+        blocks = torch.randperm(nb, device="cpu")[: tokens // bs]
+        slots = (blocks[:, None] * bs + torch.arange(bs)).flatten()
+        ranges = [(s, s + chunk) for s in range(0, tokens, chunk)]
+        host = torch.empty(spec.chunk_nbytes(tokens), dtype=torch.uint8, pin_memory=True)
+        per = spec.chunk_nbytes(chunk)
+        bufs = [host[i * per: (i + 1) * per].view(spec.dtype).view(spec.chunk_shape(chunk))
+                for i in range(len(ranges))]
+        out: dict[tuple[str, str, str], PathTiming] = {}
+        for mode in MODES:
+            tr = CudaTransfer(spec, caches, gather_mode=mode, scatter_mode=mode)
+            plan = tr.plan(slots, ranges)
+            for direction in DIRECTIONS:
+                run = tr.scatter if direction == "scatter" else tr.gather
+                calls = {"per_layer": lambda run=run, plan=plan: run(plan, bufs, [0]),
+                         "all_layers": lambda run=run, plan=plan: run(plan, bufs)}
+                for shape, fn in calls.items():
+                    fn()
+                    secs = min(time_on_stream(fn, iters) for _ in range(2))
+                    slow = forward_slowdown(fn, secs, index) if interference else None
+                    out[(direction, shape, mode)] = PathTiming(secs, slow)
+        torch.cuda.synchronize(dev)
+    return out
 
 
 def num_slots(spec: KVSpec, layer0: torch.Tensor) -> int:
@@ -304,16 +564,25 @@ class CudaTransfer(KVTransfer):
 
     def __init__(self, spec: KVSpec, kv_caches: KVCaches, *, gather_mode: str | None = None,
                  scatter_mode: str | None = None, max_blocks: int | None = None,
-                 backend: Any = None) -> None:
+                 backend: Any = None, paths: Mapping[tuple[str, str], str] | None = None
+                 ) -> None:
         super().__init__(spec, kv_caches)
+        calibrate = backend is None
         if backend is None:
             if self.device.type != "cuda":
                 raise ValueError(f"CudaTransfer needs the KV cache on a CUDA device, it is on "
                                  f"{self.device}; use TorchTransfer")
             backend = CupyBackend(self.device)
         self.backend = backend
-        self.gather_mode = _mode("gather", gather_mode, DEFAULT_GATHER_MODE)
-        self.scatter_mode = _mode("scatter", scatter_mode, DEFAULT_SCATTER_MODE)
+        forced = {"gather": _mode("gather", gather_mode, None),
+                  "scatter": _mode("scatter", scatter_mode, None)}
+        if paths is None:  # calibrated per device (real GPUs only), else the defaults
+            paths = (device_paths(backend.index) if calibrate and None in forced.values()
+                     else DEFAULT_PATHS)
+        self.paths = resolve_paths(paths, forced)
+        self.path_calls: dict[tuple[str, str, str], int] = {}
+        self.gather_mode = self.paths[("gather", "all_layers")]
+        self.scatter_mode = self.paths[("scatter", "all_layers")]
         self.max_blocks = max_blocks or BLOCKS_PER_SM * backend.sm_count
         if self.max_blocks < 1:
             raise ValueError(f"max_blocks must be >= 1, got {self.max_blocks}")
@@ -427,6 +696,14 @@ class CudaTransfer(KVTransfer):
         with self.backend.context(stream):
             return EventCompletion(self.backend.event(stream))
 
+    def path_stats(self) -> dict[str, Any]:
+        """The copy path per (direction, shape) and the calls made on each, for stats."""
+        out: dict[str, Any] = {f"copy_path.{d}.{s}": m for (d, s), m in self.paths.items()}
+        with self._lock:
+            out.update({f"copy_calls.{d}.{s}.{m}": n
+                        for (d, s, m), n in self.path_calls.items()})
+        return out
+
     def synchronize(self) -> None:
         """Wait for the last call issued on every stream this object has used."""
         with self._lock:
@@ -480,7 +757,11 @@ class CudaTransfer(KVTransfer):
             raise ValueError(f"{len(bufs)} chunk buffers for {len(plan.counts)} planned chunks")
         lids = self._layer_ids(layers)
         stream = self.backend.stream(stream)
-        mode = self.scatter_mode if to_cache else self.gather_mode
+        key = ("scatter" if to_cache else "gather", call_shape(len(lids), self.spec.num_layers))
+        mode = self.paths[key]
+        with self._lock:
+            calls = (*key, mode)
+            self.path_calls[calls] = self.path_calls.get(calls, 0) + 1
         with self.backend.context(stream):
             places = [self._place(plan, i, b) for i, b in enumerate(bufs)]
             if after is not None:

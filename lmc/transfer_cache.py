@@ -134,6 +134,11 @@ class TransferCache:
         while self._dead:
             self._unbind_locked(*self._dead.pop())
 
+    def transfers(self) -> list[KVTransfer]:
+        """The transfers bound now, least recently used first (for stats)."""
+        with self._lock:
+            return [e.transfer for e in self._map.values()]
+
     def clear(self) -> None:
         with self._lock:
             self._map.clear()

@@ -628,3 +628,66 @@ def test_emulated_handles_order_the_streams(emu_lib):
     assert be.log == [("compute", "waits", h.event.name)] and not h.done()
     h.wait()
     assert be.log[-1] == ("host waits", h.event.name) and h.done()
+
+
+def test_emulated_paths_follow_the_call_shape_and_show_in_stats(emu_lib, monkeypatch):
+    """A per-layer call takes the per-layer path and an all-layer call the all-layer one
+    (here per-layer scatter direct, all-layer scatter staged: the staged one copies through
+    cudaMemcpy, the direct one never does); the calls per path show in the engine's stats.
+    Both paths give the torch path's bytes."""
+    from lmc import CacheConfig, CacheEngine
+
+    for var in ("LMC_CUDA_GATHER_MODE", "LMC_CUDA_SCATTER_MODE"):
+        monkeypatch.delenv(var, raising=False)
+    paths = {("gather", "per_layer"): "staged", ("gather", "all_layers"): "direct",
+             ("scatter", "per_layer"): "direct", ("scatter", "all_layers"): "staged"}
+    made: list = []
+
+    def factory(spec, caches):
+        be = emu.HostBackend(emu_lib, caches=[t for _, ts in spec.split_layers(caches)
+                                              for t in ts])
+        made.append(be)
+        return ct.CudaTransfer(spec, caches, backend=be, paths=paths)
+
+    src = make_caches("vllm_flash", layers=3, blocks=16, block_size=4)
+    dst = make_caches("vllm_flash", layers=3, blocks=16, block_size=4, zeros=True)
+    spec = spec_for("vllm_flash", src)
+    tr = factory(spec, dst)
+    plan = tr.plan(torch.arange(16), [(0, 16)])
+    buf = [torch.randn(spec.chunk_shape(16))]
+    tr.scatter(plan, buf, layers=[1]).wait()
+    assert made[-1].copies == 0, "a per-layer scatter took the staged path"
+    tr.scatter(plan, buf).wait()
+    assert made[-1].copies > 0, "an all-layer scatter took the direct path"
+    st = tr.path_stats()
+    assert st["copy_path.scatter.per_layer"] == "direct"
+    assert st["copy_path.scatter.all_layers"] == "staged"
+    assert st["copy_calls.scatter.per_layer.direct"] == 1
+    assert st["copy_calls.scatter.all_layers.staged"] == 1
+    with CacheEngine(CacheConfig(chunk_size=16, local_cpu_size="4MiB"), spec, "m",
+                     transfer=factory) as eng:
+        toks = list(range(32))
+        eng.store(toks, src, torch.arange(32))
+        assert eng.retrieve(toks, dst, torch.arange(32)) == 32
+        s = eng.stats()
+    assert s["copy_path.gather.per_layer"] == "staged"
+    assert s["copy_calls.gather.all_layers.direct"] >= 1
+    assert s["copy_calls.scatter.all_layers.staged"] >= 1
+    assert_bits_equal(token_kv(spec, dst, torch.arange(32)),
+                      token_kv(spec, src, torch.arange(32)), "engine through both paths")
+
+
+def test_emulated_forced_modes_override_the_calibration(emu_lib, monkeypatch):
+    caches = make_caches("vllm_flash")
+    spec = spec_for("vllm_flash", caches)
+    be = emu.HostBackend(emu_lib, caches=list(caches))
+    tr = ct.CudaTransfer(spec, caches, backend=be, scatter_mode="staged",
+                         paths={k: "direct" for k in ct.DEFAULT_PATHS})
+    assert tr.paths[("scatter", "per_layer")] == "staged"
+    assert tr.paths[("gather", "per_layer")] == "direct"
+    monkeypatch.setenv("LMC_CUDA_GATHER_MODE", "staged")
+    tr = ct.CudaTransfer(spec, caches, backend=be, paths={k: "direct" for k in ct.DEFAULT_PATHS})
+    assert tr.paths[("gather", "per_layer")] == "staged" == tr.gather_mode
+    monkeypatch.setenv("LMC_CUDA_GATHER_MODE", "fast")
+    with pytest.raises(ValueError, match="gather_mode must be one of"):
+        ct.CudaTransfer(spec, caches, backend=be)
