@@ -174,6 +174,10 @@ class LMCCacheLinker(UnifiedCacheLinker):
             log.error("lmc linker load %s: %s slots for %d pages of %d", rid,
                       None if slots is None else slots.numel(), len(keys), self.page_size)
             return False
+        if bool((slots < 0).any()):  # a page loads whole or not at all: recomputed
+            self._count("load_refused_unmapped")
+            log.error("lmc linker load %s: unmapped (negative) device slots: recomputed", rid)
+            return False
         try:
             objs = self.pages.fetch(keys)
         except Exception as e:

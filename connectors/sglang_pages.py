@@ -34,6 +34,7 @@ import xxhash
 
 from lmc.cache_engine import CacheEngine
 from lmc.config import CacheConfig
+from lmc.integrity import Geometry, expect_geometry
 from lmc.kv_spec import KVSpec
 from lmc.layerwise import CopyLease
 from lmc.memory import Lease, MemoryObj
@@ -219,7 +220,15 @@ class PageStore:
 
     Pages are lmc chunks of ``page_size`` tokens; page ``i`` of a call covers
     ``slots[i*page_size:(i+1)*page_size]``. Built on the engine's public parts: its cached
-    transfer for the pool's tensors, its storage tiers and pool, its metrics."""
+    transfer for the pool's tensors, its storage tiers and pool, its metrics.
+
+    What another process may have written is checked before it is used: the lower tiers
+    refuse (count, delete, miss) a value whose header is not a page of this pool's geometry
+    (:func:`lmc.integrity.expect_geometry`), and a page of another shape or dtype met anyway
+    is deleted and ends the prefix. What SGLang hands in is checked before it is stored: a
+    page with an unmapped (negative) slot is refused, as ``CacheEngine.store`` refuses such a
+    chunk (its KV would be partly missing), and a page tensor of another dtype than the
+    pool's is refused by name, never converted."""
 
     def __init__(self, engine: CacheEngine, namespace: bytes, page_size: int,
                  kv_caches: Any) -> None:
@@ -229,6 +238,8 @@ class PageStore:
         self.kv_caches = kv_caches  # held: the engine's transfer cache keeps weak references
         self.spec = engine.spec
         self.shape = self.spec.chunk_shape(page_size)
+        # every value under these keys is exactly one page of this pool
+        expect_geometry(engine.storage.lower, Geometry.of(self.spec, page_size, page_size))
 
     def transfer(self) -> KVTransfer:
         return self.engine.transfer_for(self.kv_caches)
@@ -256,19 +267,28 @@ class PageStore:
             raise ValueError(f"{slots.numel()} slots for {n} pages of {self.page_size}")
         return tr.check_slots(slots[: n * self.page_size], n * self.page_size)
 
+    def _unmapped(self, slots: torch.Tensor, n: int) -> list[bool]:
+        """Per page, whether one of its slots is unmapped (negative)."""
+        neg = (slots[: n * self.page_size] < 0).view(n, self.page_size).any(dim=1)
+        return neg.tolist()
+
     def store(self, hashes: Sequence[str], slots: torch.Tensor) -> list[bool]:
         """Copy the pages at ``slots`` into L1 (and, by write-behind, the lower tiers) under
         ``hashes``: one planned gather for all of them. Pages already in L1 are not copied.
-        Per page, whether it is stored (False: the pool was full of referenced chunks)."""
+        Per page, whether it is stored (False: the pool was full of referenced chunks, or a
+        slot of the page is unmapped: a page is stored whole or not at all)."""
         if not hashes:
             return []
         t0 = time.perf_counter()
         eng, tr = self.engine, self.transfer()
         slots = self._slots(tr, slots, len(hashes))
         keys = self.keys(hashes)
+        unmapped = self._unmapped(slots, len(hashes))
+        if True in unmapped:
+            eng.metrics.skipped("unmapped_slots", sum(unmapped))
         present = eng.storage.l1_touch(keys)
-        todo = [i for i, p in enumerate(present) if not p]
-        out = list(present)
+        todo = [i for i, p in enumerate(present) if not p and not unmapped[i]]
+        out = [p and not u for p, u in zip(present, unmapped)]
         if not todo:
             return out
         objs = eng.storage.allocate_many(self.shape, self.spec.dtype, len(todo), self.page_size)
@@ -289,12 +309,15 @@ class PageStore:
     def fetch(self, hashes: Sequence[str]) -> list[MemoryObj]:
         """The longest stored prefix of ``hashes`` as acquired chunks (release them); a chunk
         of another shape or dtype ends the prefix (never loaded as if it fitted)."""
-        objs = self.engine.storage.get_prefix(self.keys(hashes)) if hashes else []
+        keys = self.keys(hashes)
+        objs = self.engine.storage.get_prefix(keys) if hashes else []
         for i, o in enumerate(objs):
             if tuple(o.shape) != self.shape or o.dtype != self.spec.dtype:
-                log.error("page %d holds %s %s, expected %s %s: treated as a miss", i,
+                log.error("page %d holds %s %s, expected %s %s: deleted, treated as a miss", i,
                           tuple(o.shape), o.dtype, self.shape, self.spec.dtype)
                 Lease(objs[i:]).release()
+                self.engine.storage.delete(keys[i:i + 1])
+                self.engine.metrics.skipped("bad_page", 1)
                 return objs[:i]
         return objs
 
@@ -306,7 +329,10 @@ class PageStore:
         t0 = time.perf_counter()
         tr = self.transfer()
         slots = self._slots(tr, slots, len(hashes))
-        objs = self.fetch(hashes)
+        unmapped = self._unmapped(slots, len(hashes))
+        if True in unmapped:  # a page loads whole or not at all: the prefix ends before it
+            hashes = hashes[: unmapped.index(True)]
+        objs = self.fetch(hashes) if hashes else []
         if objs:
             with CopyLease(objs) as lease:
                 arrays = [o.array for o in objs] if tr.device.type == "cpu" else None
@@ -314,12 +340,25 @@ class PageStore:
                 lease.attach(tr.scatter(plan, [o.tensor for o in objs], arrays=arrays)).wait()
             self.engine.metrics.transfer("retrieve", len(objs) * self.page_size,
                                          sum(o.nbytes for o in objs), time.perf_counter() - t0)
-        return [True] * len(objs) + [False] * (len(hashes) - len(objs))
+        return [True] * len(objs) + [False] * (len(unmapped) - len(objs))
+
+    def _check_page(self, i: int, t: torch.Tensor, what: str) -> None:
+        """A page tensor SGLang handed in: this pool's dtype and chunk shape, or refused."""
+        if t.dtype != self.spec.dtype:
+            raise TypeError(f"{what} {i} is {str(t.dtype).removeprefix('torch.')}, the host "
+                            f"pool's KV is {str(self.spec.dtype).removeprefix('torch.')}: "
+                            "refused (never converted)")
+        if tuple(t.shape) != self.shape:
+            raise ValueError(f"{what} {i} has shape {tuple(t.shape)}, expected {self.shape}")
 
     # ---------------------------------------------------- generic (flat page) path
     def put_chunks(self, hashes: Sequence[str], chunks: Sequence[torch.Tensor]) -> list[bool]:
         """Store pages given as chunk-shaped tensors (any strides): the generic path."""
         eng = self.engine
+        if len(chunks) < len(hashes):
+            raise ValueError(f"{len(chunks)} pages for {len(hashes)} keys")
+        for i in range(len(hashes)):  # all refused before any is stored
+            self._check_page(i, chunks[i], "page")
         keys = self.keys(hashes)
         present = eng.storage.l1_touch(keys)
         out = list(present)
@@ -329,9 +368,6 @@ class PageStore:
         todo = todo[: len(objs)]
         with Lease(objs):
             for i, o in zip(todo, objs):
-                if tuple(chunks[i].shape) != self.shape:
-                    raise ValueError(f"page {i} has shape {tuple(chunks[i].shape)}, expected "
-                                     f"{self.shape}")
                 o.tensor.copy_(chunks[i])
             if todo:
                 eng.storage.put([keys[i] for i in todo], objs)
@@ -341,6 +377,8 @@ class PageStore:
 
     def get_chunks(self, hashes: Sequence[str], outs: Sequence[torch.Tensor]) -> int:
         """Copy the longest stored prefix into ``outs`` (chunk-shaped views); pages copied."""
+        for i, dst in enumerate(outs[: len(hashes)]):
+            self._check_page(i, dst, "target page")
         objs = self.fetch(hashes)
         with Lease(objs):
             for o, dst in zip(objs, outs):

@@ -31,3 +31,14 @@ def test_hicache_storage_through_sglang_controller():
         assert lines and all("24 tokens loaded" in x for x in lines), lines  # all from disk
     # close() drained pages that were still queued for the disk when SGLang detached
     assert "close(): 0 of 6 pages were on disk at detach, 6 after" in out, out[-4000:]
+
+
+def test_hicache_storage_refuses_what_an_attacker_hands_it():
+    """Unmapped slots, a foreign dtype and a rewritten stored page, against SGLang's real host
+    pools (``sglang_scripts/sglang_hicache_attacks.py``; threat model:
+    ``docs/threats/tiers.md``)."""
+    out = run_script("sglang_hicache_attacks.py").stdout
+    for check in ("unmapped slot:", "foreign dtype:", "rewritten page (shape):",
+                  "rewritten page (dtype):"):
+        assert any(line.startswith(f"PASS {check}") for line in out.splitlines()), \
+            f"{check} did not pass:\n{out[-4000:]}"
