@@ -4,7 +4,9 @@ bit-exact on every layer; layer_first and page_first; zero-copy v1 and generic p
 random storage faults and a dead Redis or lmc-daemon tier give fewer hits, never a crash,
 hang, leaked lock or wrong KV; pages still queued for the disk when SGLang detaches the backend
 are written by ``close()`` (a restarted engine finds them). Runs
-``sglang_scripts/sglang_hicache_flow.py --all`` in the SGLang venv."""
+``sglang_scripts/sglang_hicache_flow.py --all`` in the SGLang venv.
+
+Threat model: ``docs/threats/tiers.md``."""
 
 from __future__ import annotations
 

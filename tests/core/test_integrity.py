@@ -1,5 +1,7 @@
 """Keyed integrity tags (lmc.integrity): what verifies, what is refused, and the secret's
-configuration (never shown)."""
+configuration (never shown).
+
+Threat model: ``docs/threats/tiers.md``."""
 
 from __future__ import annotations
 

@@ -1,6 +1,8 @@
 """Disk tier on real directories: bit-exact round trips through the engine, restart, capacity and
 LRU, and the faults of issue 3 -- truncated, bit-flipped, renamed and foreign files, a full
-disk, a writer killed mid-write -- each ending in correct KV or a miss, never wrong KV."""
+disk, a writer killed mid-write -- each ending in correct KV or a miss, never wrong KV.
+
+Threat model: ``docs/threats/tiers.md``."""
 
 from __future__ import annotations
 

@@ -1,6 +1,8 @@
 """One disk directory, several tiers: the second (same process or another) is refused with the
 holder's PID and the fix, the size limit holds, and a holder killed with SIGKILL frees the
-directory (the kernel drops its flock)."""
+directory (the kernel drops its flock).
+
+Threat model: ``docs/threats/tiers.md``."""
 
 from __future__ import annotations
 

@@ -1,6 +1,8 @@
 """Keyed integrity on the shared tiers, against a real redis-server and a real lmc daemon: what
 a writer to the store without the secret can do to an engine without ``integrity_secret``
-(forge values, which are served: the documented limitation) and cannot do to one with it."""
+(forge values, which are served: the documented limitation) and cannot do to one with it.
+
+Threat model: ``docs/threats/tiers.md``."""
 
 from __future__ import annotations
 

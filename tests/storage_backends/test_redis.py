@@ -1,6 +1,8 @@
 """Redis tier against real servers: round trips, batching, TTL, prefixes, cluster, TLS,
 corrupt values, and servers that die or hang. Every fault must end in the right bytes or a
-miss, never in wrong bytes, an exception or a wait past the timeout."""
+miss, never in wrong bytes, an exception or a wait past the timeout.
+
+Threat model: ``docs/threats/tiers.md``."""
 
 from __future__ import annotations
 
