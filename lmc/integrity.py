@@ -1,8 +1,9 @@
 """What a value read back from another process must pass: keyed tags and the engine's geometry.
 
-Tiers covered here: Redis and the ``lmc://`` daemon (keyed tags and geometry), the disk tier
-(geometry; its directory is one process's). Peers (``storage_backends/p2p.py``) are covered
-by their own module. Threat model of each tier: ``docs/threats/tiers.md``.
+Tiers using it: Redis and the ``lmc://`` daemon (keyed tags and geometry), the disk tier
+(geometry only: its directory is one process's), the SGLang page store (geometry of a page).
+Peers: ``storage_backends/p2p.py`` and ``docs/threats/p2p.md`` say what they verify. Threat
+model of the others: ``docs/threats/tiers.md``.
 
 Why: the ``lmc.serde`` checksums catch accidents, not intent. Anyone who can write to a shared
 store can recompute an xxh3, so a value rewritten with a self-consistent header would be
