@@ -16,9 +16,9 @@ chunk stored again is exported afresh (new copy, new version).
 Reader side. ``contains`` asks the directory where each key lies (its holders in this
 namespace, newest first) and takes the first record it has no reason to distrust. ``get``
 checks each record against what this engine can use *before* allocating anything (at most
-``chunk_size`` tokens; once the tier knows its engine's chunk geometry, from its own stores
-or :meth:`P2PBackend.expect_chunks`, exactly that geometry; before that, destinations come
-from free pool memory only, never by evicting L1), READs every chunk of one owner in one
+``chunk_size`` tokens; once the tier knows its engine's chunk geometry, given by
+:func:`lmc.integrity.expect_geometry` or learned from the engine's own stores, exactly that
+geometry; before that, destinations come from free pool memory only, never by evicting L1), READs every chunk of one owner in one
 NIXL transfer, READs their version slots, and keeps a chunk only if its slot still holds the
 advertised version *and* its bytes verify like any shared tier's (the checksum always; the
 keyed tag when ``integrity_secret`` is set, so an untagged record is a miss for a keyed
@@ -46,7 +46,7 @@ import torch
 
 from lmc.breaker import CircuitBreaker
 from lmc.config import CacheConfig
-from lmc.integrity import Integrity
+from lmc.integrity import Geometry, Integrity
 from lmc.memory import MemoryObj, MemoryPool
 from lmc.p2p.agent import PoolAgent, TransferFailed
 from lmc.p2p.directory_client import DirectoryConnection
@@ -66,11 +66,11 @@ from lmc.storage_backend import BackendOption, Key, StorageBackend, register_bac
 log = logging.getLogger(__name__)
 LOCATION_TTL = 1.0  # seconds a located record serves a following get without asking again
 MAX_DISTRUSTED = 4096  # (owner, version) records remembered as failing their checks
-MAX_GEOMETRIES = 8  # chunk geometries an engine's stores may teach the tier
-Geometry = tuple[int, int, int, torch.dtype]  # layers, planes, row width, dtype: all but tokens
+MAX_LEARNED = 8  # chunk geometries an engine's stores may teach the tier
+Shape = tuple[int, int, int, torch.dtype]  # layers, planes, row width, dtype: all but tokens
 
 
-def geometry(shape: Sequence[int], dtype: torch.dtype) -> Geometry:
+def shape_class(shape: Sequence[int], dtype: torch.dtype) -> Shape:
     return (shape[0], shape[1], shape[3], dtype)
 
 
@@ -148,7 +148,10 @@ class P2PBackend(StorageBackend):
         self._query_lock = threading.Lock()
         self._located: dict[Key, tuple[float, str, Record]] = {}
         self._distrusted: OrderedDict[tuple[str, int], None] = OrderedDict()
-        self._geometries: set[Geometry] = set()  # what this engine's chunks look like
+        # what this engine's chunks look like: given (lmc.integrity.expect_geometry), else
+        # learned from its own stores (bounded)
+        self.expected_geometry: Geometry | None = None
+        self._learned: set[Shape] = set()
         self.counts = {"exported": 0, "withdrawn": 0, "expired": 0, "advertise_failures": 0,
                        "window_full": 0, "skipped": 0, "hits": 0, "misses": 0, "stale": 0,
                        "transfer_failures": 0, "bad_records": 0, "refused": 0,
@@ -172,12 +175,11 @@ class P2PBackend(StorageBackend):
                                    f"lmc-p2p:{self.agent.name}")
 
     # ----------------------------------------------------------- owner side
-    def expect_chunks(self, shape: Sequence[int], dtype: torch.dtype) -> None:
-        """Declare this engine's chunk geometry (any token count): records of any other are
-        refused before allocation. The tier also learns it from the engine's own stores."""
-        with self._lock:
-            if len(self._geometries) < MAX_GEOMETRIES:
-                self._geometries.add(geometry(shape, dtype))
+    def _learn(self, o: MemoryObj) -> None:
+        """What the engine stores is what it can use: a record of another geometry is then
+        refused (until :attr:`expected_geometry` is given, which supersedes this)."""
+        if len(self._learned) < MAX_LEARNED:
+            self._learned.add(shape_class(o.shape, o.dtype))
 
     def put(self, keys: Sequence[Key], objs: Sequence[MemoryObj]) -> int:
         """Export copies of the objects into the window and advertise them (the caller's
@@ -200,7 +202,7 @@ class P2PBackend(StorageBackend):
                 if k in done:
                     continue
                 done.add(k)
-                self.expect_chunks(o.shape, o.dtype)
+                self._learn(o)
                 rec = self._export(k, o, gone)
                 if rec is not None:
                     fresh.append(rec)
@@ -439,13 +441,14 @@ class P2PBackend(StorageBackend):
         engine's geometry once the tier knows it."""
         try:
             info.check(rec)
-            if rec.num_tokens > self.chunk_tokens:
+            if self.expected_geometry is not None:
+                self.expected_geometry.check(rec.shape, rec.dtype)
+            elif rec.num_tokens > self.chunk_tokens:
                 raise BadRecord(f"{rec.num_tokens} tokens, more than chunk_size "
                                 f"{self.chunk_tokens}")
-            known = self._geometries
-            if known and geometry(rec.shape, rec.dtype) not in known:
+            elif self._learned and shape_class(rec.shape, rec.dtype) not in self._learned:
                 raise BadRecord(f"shape {rec.shape} {rec.dtype} is not this engine's chunk")
-        except BadRecord as e:
+        except (BadRecord, CorruptValue) as e:
             self._distrust(agent, rec, "refused", e)
             return False
         return True
@@ -453,7 +456,8 @@ class P2PBackend(StorageBackend):
     def _allocate(self, rec: Record) -> MemoryObj | None:
         """A destination; by evicting L1 only for a chunk of this engine's known geometry
         (free memory only otherwise, so no record can flush L1)."""
-        src: Any = self.pool if self._geometries else self.raw
+        known = self.expected_geometry is not None or self._learned
+        src: Any = self.pool if known else self.raw
         return src.allocate(rec.shape, rec.dtype, rec.num_tokens)
 
     def _verify(self, rec: Record, obj: MemoryObj) -> None:

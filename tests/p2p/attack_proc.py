@@ -19,6 +19,7 @@ import torch
 from lmc.storage_backends.p2p import P2PBackend, directory_url
 
 from lmc.config import CacheConfig
+from lmc.integrity import Geometry, expect_geometry
 from lmc.memory import MemoryPool
 from lmc.p2p.agent import PoolAgent, TransferFailed
 from lmc.p2p.directory_client import DirectoryConnection
@@ -118,7 +119,8 @@ def window(url: str, _: str) -> dict:
 def lying_size(url: str, workdir: str) -> dict:
     """A reader engine caches 120 prompts in L1 (27 of its 32 MiB); a peer joins claiming a
     1 TiB window and advertises, for two chunk keys the reader will look up, a ~30 MiB chunk of another
-    geometry and a chunk of 61,440 tokens. The reader looks both prompts up."""
+    geometry and a chunk of 61,440 tokens, then (the reader told its geometry) one of another
+    dtype. The reader looks the prompts up."""
     from tests.p2p.engine_proc import Engine, _tokens
     eng = Engine(url, workdir)
     n = 100
@@ -144,6 +146,13 @@ def lying_size(url: str, workdir: str) -> dict:
                     Record(victims[1], 0, 4 * 2 * 61440 * 128 * 2, 2, 1, torch.bfloat16,
                            (4, 2, 61440, 128), 61440)])
     loads = [eng.load(s, n)["retrieved"] for s in (900, 901)]
+    # told the engine's geometry (as lmc.integrity.expect_geometry tells every tier), a
+    # chunk of the right shape in another dtype is refused as well
+    assert expect_geometry([eng.p2p], Geometry.of(eng.spec, 16)) == 1
+    victim = next(iter(eng.eng.db.process_tokens(_tokens(902, n))))[2]
+    conn.advertise([Record(victim, 0, 4 * 2 * 16 * 128 * 2, 3, 2, torch.float16,
+                           (4, 2, 16, 128), 16)])
+    loads.append(eng.load(902, n)["retrieved"])
     out = {"before": before, "after": cached(), "loads": loads,
            "refused": eng.p2p.stats()["refused"]}
     conn.close()

@@ -65,7 +65,7 @@ def test_a_lying_record_size_evicts_nothing(tmp_path):
     the ~30 MiB allocation evicted every one L1 could let go, and still failed)."""
     r = _attack(tmp_path, "lying_size")
     assert r["before"] == 120 and r["after"] == 120, r
-    assert r["loads"] == [0, 0] and r["refused"] == 2, r
+    assert r["loads"] == [0, 0, 0] and r["refused"] == 3, r
 
 
 def test_metadata_naming_another_agent_is_refused(tmp_path):
