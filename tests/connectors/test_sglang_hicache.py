@@ -40,7 +40,7 @@ def test_hicache_storage_refuses_what_an_attacker_hands_it():
     pools (``sglang_scripts/sglang_hicache_attacks.py``; threat model:
     ``docs/threats/tiers.md``)."""
     out = run_script("sglang_hicache_attacks.py").stdout
-    for check in ("unmapped slot:", "foreign dtype:", "rewritten page (shape):",
+    for check in ("unmapped slot:", "linker: pages with an unmapped", "foreign dtype:", "rewritten page (shape):",
                   "rewritten page (dtype):"):
         assert any(line.startswith(f"PASS {check}") for line in out.splitlines()), \
             f"{check} did not pass:\n{out[-4000:]}"

@@ -3,7 +3,8 @@ threat model: ``docs/threats/tiers.md``, the SGLang page store).
 
 * A page whose host indices hold an unmapped slot (``idx[1] = -1``) is refused, stored as
   nothing (``batch_set_v1`` answers False for it): it used to be stored with that token's
-  KV never copied, and loaded later as wrong KV. A load into such indices is refused too.
+  KV never copied, and loaded later as wrong KV. A load into such indices is refused too,
+  and the same holds for the linker's device slots.
 * A flat page of another dtype than the pool's (``torch.randn`` float32 into a bf16 pool)
   is refused with an error naming both dtypes: it used to be converted and stored.
 * A page whose stored header was rewritten on the disk tier (shape or dtype, checksums
@@ -29,9 +30,12 @@ from sglang.srt.mem_cache.utils import get_hash_str  # noqa: E402
 from sglang_contract import (  # noqa: E402
     DTYPE,
     PS,
+    PoolName,
+    PoolTransfer,
     backend,
     fill_random,
     host_pool,
+    make_linker,
     mha_pool,
     page_bytes,
     passed,
@@ -83,6 +87,30 @@ def check_unmapped_slot_refused() -> None:
         b.close()
     passed("unmapped slot: batch_set_v1 with idx[1] = -1 answers [False] and stores "
            "nothing; a load into indices with an unmapped slot stops before that page")
+
+
+def check_linker_refuses_unmapped_slots() -> None:
+    """The linker's store (offload) and load refuse pages with an unmapped device slot."""
+    dev = mha_pool()
+    linker = make_linker(dev)
+    try:
+        keys = get_hash_str(list(range(7500, 7500 + 2 * PS)), None, page_size=PS)
+        slots = torch.arange(PS, 3 * PS)
+        bad = slots.clone()
+        bad[1] = -1
+        assert linker.pages.store(keys, bad) == [False, True]
+        assert linker.pages.prefix_hits(keys) == 0, "a page with an unmapped slot was stored"
+        assert linker.pages.store(keys, slots) == [True, True]
+        bad = slots.clone()
+        bad[PS + 3] = -1
+        ok = linker.load("r", [PoolTransfer(name=PoolName.KV, keys=keys, device_indices=bad)])
+        assert ok is False, "a load into an unmapped slot was queued"
+        assert linker.counts.get("load_refused_unmapped") == 1, linker.counts
+        assert linker.start_layer_wise_loading() == -1  # nothing queued
+    finally:
+        linker.close()
+    passed("linker: pages with an unmapped device slot are neither stored nor loaded "
+           "(load answers False: SGLang recomputes)")
 
 
 def check_foreign_dtype_refused() -> None:
@@ -170,6 +198,7 @@ def check_rewritten_page_on_disk(how: str) -> None:
 
 def main() -> None:
     check_unmapped_slot_refused()
+    check_linker_refuses_unmapped_slots()
     check_foreign_dtype_refused()
     for how in ("shape", "dtype"):
         check_rewritten_page_on_disk(how)
