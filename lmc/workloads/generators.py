@@ -33,7 +33,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from lmc.workloads.inputs import InputError, has_surrogate, open_input, parse_json, read_text
+from lmc.workloads.inputs import (
+    InputError,
+    has_surrogate,
+    open_input,
+    parse_json,
+    printable,
+    read_text,
+)
 from lmc.workloads.text import TextGen
 from lmc.workloads.trace import MAX_OUTPUT_LEN, TraceError, TraceRequest
 
@@ -80,12 +87,9 @@ def load_tokenizer(path: str | Path) -> SegmentTokenizer:
         raise
     except Exception as e:  # the tokenizers library raises plain Exception on a bad file
         raise InputError(f"--tokenizer {p}: not a tokenizer.json the tokenizers library "
-                         f"reads ({_one_line(e)})") from None
+                         f"reads ({printable(str(e))})") from None
 
 
-def _one_line(e: BaseException) -> str:
-    text = " ".join(str(e).split())
-    return text if len(text) <= 200 else text[:200] + "..."
 
 
 class _Sizer:

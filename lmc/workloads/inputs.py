@@ -110,6 +110,22 @@ def read_text(path: str | os.PathLike[str], what: str = "",
     return _decode(raw, f"{path}:").removeprefix("\ufeff")
 
 
+def printable(text: str, limit: int = 200) -> str:
+    """``text`` (an error another library raised, which may quote the file) on one line, its
+    control characters escaped and its length cut to ``limit``."""
+    out = "".join(c if c.isprintable() else repr(c)[1:-1] for c in " ".join(text.split()))
+    return out if len(out) <= limit else out[:limit] + "..."
+
+
+def shown(name: str, limit: int = 40) -> str:
+    """A name read from a file, fit for an error message: plain as written when it is a short
+    identifier, else ``repr``-escaped and cut (raw text could carry terminal escapes)."""
+    if name.isidentifier() and name.isascii() and len(name) <= limit:
+        return name
+    text = repr(name)
+    return text if len(text) <= limit + 2 else f"{text[:limit]}...' ({len(name):,} characters)"
+
+
 # -------------------------------------------------------------------------- JSON
 class _DuplicateKey(ValueError):
     def __init__(self, key: str) -> None:
@@ -189,7 +205,7 @@ def parse_json(text: str, where: str, *, document: bool = False,
         place = f"{where}:{e.lineno}" if document else where
         raise InputError(f"{place}: malformed JSON: {e.msg} (column {e.colno})") from None
     except _DuplicateKey as e:
-        raise InputError(f"{where}: {e.key}: key given twice in one object") from None
+        raise InputError(f"{where}: {shown(e.key)}: key given twice in one object") from None
     except ValueError as e:  # e.g. an integer of more than 4300 digits
         raise InputError(f"{where}: malformed JSON: {e}") from None
     if text.count("[") + text.count("{") > max_depth and _max_depth(text) > max_depth:

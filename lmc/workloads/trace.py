@@ -20,7 +20,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-from lmc.workloads.inputs import InputError, has_surrogate, iter_lines, parse_json
+from lmc.workloads.inputs import (
+    InputError,
+    has_surrogate,
+    iter_lines,
+    parse_json,
+    printable,
+    shown,
+)
 
 KEYS = ("arrival_s", "request_id", "session_id", "prefix_group", "prompt_tokens", "prompt", "output_len")
 
@@ -83,7 +90,7 @@ class TraceRequest:
         except Exception as e:  # the tokenizers library raises plain Exception and TypeError
             where = self.source or f"request {self.request_id!r}"
             raise TraceError(f"{where}: prompt: the tokenizer cannot encode it "
-                             f"({type(e).__name__}: {e})") from None
+                             f"({type(e).__name__}: {printable(str(e))})") from None
 
     def to_json(self) -> dict[str, Any]:
         """The JSON object of one trace line (``prompt_tokens`` or ``prompt``, never both)."""
@@ -173,9 +180,7 @@ def _from_json(obj: Any, line: str = "") -> TraceRequest:
         raise TraceError(f"expected a JSON object, got {type(obj).__name__}")
     unknown = sorted(set(obj) - set(KEYS))
     if unknown:
-        key = unknown[0] if unknown[0].isidentifier() and len(unknown[0]) <= 40 \
-            else _short(unknown[0])  # raw text would reach the terminal: escapes and all
-        raise TraceError(f"{key}: unknown key (known: {', '.join(KEYS)})")
+        raise TraceError(f"{shown(unknown[0])}: unknown key (known: {', '.join(KEYS)})")
     for key in ("arrival_s", "request_id", "output_len"):
         if key not in obj:
             raise TraceError(f"{key}: missing")
