@@ -121,6 +121,14 @@ class StorageManager:
         if self.queues and write_policy == "write_on_evict":
             l1.on_evict = self._on_evict
 
+    def retry_failed_writes(self, seconds: float) -> None:
+        """Keep a chunk whose lower-tier write failed queued (referenced, so L1 cannot evict
+        it) and write it again with a doubling backoff for up to ``seconds``
+        (:mod:`lmc.write_behind`). Off by default: an engine recomputes a lost chunk, while
+        the daemon holds the only copy of what its clients stored."""
+        for q in self.queues:
+            q.retry_for = max(0.0, float(seconds))
+
     def allocate(self, shape: Sequence[int], dtype: torch.dtype, num_tokens: int
                  ) -> MemoryObj | None:
         return self.l1.allocate(shape, dtype, num_tokens)

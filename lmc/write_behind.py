@@ -14,11 +14,18 @@ memory the writer is still reading. Chunks waiting here can be served to readers
 The writer first asks ``tier.contains(keys)`` once per batch and skips what the tier already
 holds, then hands the rest to ``tier.put(keys, objs)`` synchronously, from its thread: the
 tier may take as long as it needs (and time out as it sees fit); the references are released
-when ``put`` returns. ``put`` returns how many keys it stored; the rest count as dropped.
+when ``put`` returns. ``put`` returns how many keys it stored; the rest count as dropped,
+unless failed writes are retried (``retry_for`` seconds, off by default; the daemon turns it
+on): then a chunk whose write failed (the tier says which by ``contains``) keeps its place,
+its reference and its bytes in the queue and is written again after a doubling backoff, so a
+transient failure (EMFILE while a connection flood holds the fds, a tier restarting) does not
+lose a value the memory tier held, and the byte bound still caps what waits. Only when the
+window has passed is it dropped and counted.
 """
 
 from __future__ import annotations
 
+import heapq
 import logging
 import threading
 import time
@@ -51,6 +58,11 @@ class WriteBehind:
         self._closed = False
         self._thread: threading.Thread | None = None
         self._warned: set[str] = set()
+        self.retry_for = 0.0  # seconds a failed write is retried; 0: dropped at once
+        self._retry: list[tuple[float, int, Key, MemoryObj]] = []  # heap by due time
+        self._failing_since: dict[Key, tuple[float, float]] = {}  # first failure, next delay
+        self._seq = 0
+        self.retried = 0
 
     # ----------------------------------------------------------------- producer side
     def offer(self, keys: Sequence[Key], objs: Sequence[MemoryObj]) -> int:
@@ -111,6 +123,17 @@ class WriteBehind:
                     else:
                         keep.append((k, o))
                 self._q = keep
+                kept = [r for r in self._retry if r[2] not in drop]
+                for _, _, k, o in self._retry:
+                    if k in drop:
+                        del self._pending[k]
+                        self._bytes -= o.nbytes
+                        gone.append(o)
+                if len(kept) < len(self._retry):
+                    self._retry = kept
+                    heapq.heapify(self._retry)
+                for k in drop:
+                    self._failing_since.pop(k, None)
                 self._cv.notify_all()
         for o in gone:
             o.release()
@@ -139,7 +162,11 @@ class WriteBehind:
         while True:
             with self._cv:
                 while not self._q and not self._closed:
-                    self._cv.wait()
+                    if self._retry:
+                        self._cv.wait(max(0.0, self._retry[0][0] - time.monotonic()))
+                        self._due_locked()
+                    else:
+                        self._cv.wait()
                 if not self._q:
                     return
                 batch = self._next_batch_locked()
@@ -157,18 +184,55 @@ class WriteBehind:
         self.metrics.skipped_present(len(batch) - len(todo))
         return todo
 
+    def _due_locked(self) -> None:
+        """Move retries whose backoff has passed back into the queue."""
+        now = time.monotonic()
+        while self._retry and self._retry[0][0] <= now:
+            _, _, k, o = heapq.heappop(self._retry)
+            self._q.append((k, o))
+
+    def _failed(self, todo: list[tuple[Key, MemoryObj]], stored: int | None
+                ) -> list[tuple[Key, MemoryObj]]:
+        """Which of ``todo`` the tier does not hold after a ``put`` that stored ``stored`` of
+        them (``None``: it raised). Asked only when retrying is on: the count alone does not
+        say which."""
+        if stored is not None and stored >= len(todo):
+            return []
+        try:
+            held = self.tier.contains([k for k, _ in todo])
+        except Exception:
+            return todo
+        return [kv for kv, h in zip(todo, held) if not h]
+
+    def _retry_or_drop(self, failed: list[tuple[Key, MemoryObj]]) -> int:
+        """Under the lock: schedule the failed chunks still inside their retry window (they
+        keep their reference, bytes and place in ``_pending``); returns how many were kept."""
+        if self.retry_for <= 0 or self._closed:
+            return 0
+        now, kept = time.monotonic(), 0
+        for k, o in failed:
+            first, delay = self._failing_since.get(k, (now, 0.25))
+            if now + delay - first > self.retry_for or k not in self._pending:
+                self._failing_since.pop(k, None)
+                continue
+            self._failing_since[k] = (first, delay * 2)
+            self._seq += 1
+            heapq.heappush(self._retry, (now + delay, self._seq, k, o))
+            kept += 1
+        self.retried += kept
+        return kept
+
     def _write(self, batch: list[tuple[Key, MemoryObj]]) -> None:
         keys = [k for k, _ in batch]
-        objs = [o for _, o in batch]
-        nbytes = sum(o.nbytes for o in objs)
         t0 = time.perf_counter()
+        todo: list[tuple[Key, MemoryObj]] = batch
+        stored: int | None = None
         try:
             todo = self._absent(batch)
             if todo:
                 stored = int(self.tier.put([k for k, _ in todo], [o for _, o in todo]))
                 self.metrics.write(stored, sum(o.nbytes for _, o in todo[:stored]),
                                    time.perf_counter() - t0)
-                self.metrics.dropped("rejected", len(todo) - stored)
         except Exception as e:  # a failing tier loses these writes, never the writer thread
             reason = type(e).__name__
             if reason not in self._warned:
@@ -176,19 +240,30 @@ class WriteBehind:
                 log.warning("tier %s failed put() of %d chunks: %s (further %s errors are "
                             "only counted)", self.tier.name, len(keys), e, reason)
             self.metrics.error("put", reason)
-            self.metrics.dropped("error", len(keys))
         finally:
-            with self._cv:
-                for k in keys:
-                    self._pending.pop(k, None)
-                self._bytes -= nbytes
-                self._inflight -= len(batch)
-                self._writing = []
-                depth = (self._bytes, len(self._pending))
-                self._cv.notify_all()
-            for o in objs:
-                o.release()
-            self.metrics.queue(*depth)
+            failed = (self._failed(todo, stored) if self.retry_for > 0 else
+                      (todo[stored:] if stored is not None else todo))
+            self._settle(batch, failed, stored is None)
+
+    def _settle(self, batch: list[tuple[Key, MemoryObj]], failed: list[tuple[Key, MemoryObj]],
+                raised: bool) -> None:
+        """Release what was written (or given up on), keep what will be retried."""
+        with self._cv:
+            retrying = self._retry_or_drop(failed)
+            keep = {k for _, _, k, _ in self._retry} if retrying else set()
+            done = [(k, o) for k, o in batch if k not in keep]
+            for k, o in done:
+                if self._pending.pop(k, None) is not None:
+                    self._bytes -= o.nbytes
+                self._failing_since.pop(k, None)
+            self._inflight -= len(batch)
+            self._writing = []
+            depth = (self._bytes, len(self._pending))
+            self._cv.notify_all()
+        self.metrics.dropped("error" if raised else "rejected", len(failed) - retrying)
+        for _, o in done:
+            o.release()
+        self.metrics.queue(*depth)
 
     # ------------------------------------------------------------------- lifecycle
     @property
@@ -209,7 +284,9 @@ class WriteBehind:
         drop the rest (counted as ``closed``) and stop the writer thread."""
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cv:
-            self._closed = True
+            self._closed = True  # retries waiting get one last try now (drained like the rest)
+            self._q.extend((k, o) for _, _, k, o in sorted(self._retry))
+            self._retry = []
             self._cv.notify_all()
         if drain and not self.flush(timeout):
             log.warning("tier %s: write-behind queue not drained within %.1f s; dropping %d "
@@ -237,5 +314,8 @@ class WriteBehind:
         self.metrics.queue(self._bytes, len(self._pending))
 
     def stats(self) -> dict[str, float]:
-        return {"queue_bytes": self._bytes, "queue_chunks": len(self._pending),
-                "queue_limit_bytes": self.max_bytes}
+        out = {"queue_bytes": self._bytes, "queue_chunks": len(self._pending),
+               "queue_limit_bytes": self.max_bytes}
+        if self.retry_for > 0:
+            out.update(write_retries=self.retried, retry_chunks=len(self._retry))
+        return out

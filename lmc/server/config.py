@@ -156,6 +156,10 @@ class ServerConfig(Settings):
                                 "URL of a shared tier behind disk: redis://, rediss://, "
                                 "redis+cluster://, lmc://, or any scheme a registered "
                                 "backend claims (as an engine's remote_url)")
+    write_retry: float = setting(10.0, _seconds(0),
+                                 "seconds a failed write to a lower tier is retried (doubling "
+                                 "backoff from 0.25 s) while memory keeps the value; 0 = drop "
+                                 "it at once", unit="duration")
     cache: dict[str, Any] = setting(None, _cache,
                                     "extra CacheConfig keys for the storage (write_policy, ...)")
     # ---- tenants
@@ -178,6 +182,10 @@ class ServerConfig(Settings):
         None, lambda v, k: None if v is None or v == "" else _pos(v, k),
         "connections still before their HELLO (null = a quarter of max_connections); the "
         "rest of max_connections is kept for authenticated clients")
+    fd_reserve: int = setting(64, lambda v, k: parse_int(v, k, minimum=0),
+                              "file descriptors kept below RLIMIT_NOFILE for the tiers (disk "
+                              "files, Redis connections) and the /metrics listener (32): "
+                              "max_connections is lowered so that accepting never takes them")
     frame_timeout: float = setting(30.0, _seconds(0.01),
                                    "seconds a half-received frame may stall before the "
                                    "connection is dropped", unit="duration")

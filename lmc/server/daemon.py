@@ -6,9 +6,11 @@ reach the disk or Redis tiers go to a small thread pool so one slow read never s
 other clients. SIGTERM (or SIGINT): stop accepting, let in-flight requests finish (up to
 ``drain_timeout``), flush and close the storage (the disk tier's pending writes land), exit.
 
-Bounds on what peers can hold: connections before HELLO are capped below
-``max_connections`` (a newcomer displaces the oldest of them) and closed after
-``hello_timeout``; a watchdog drops any connection stalled mid-frame for ``frame_timeout``;
+Bounds on what peers can hold: connections are capped at ``max_connections``, lowered to
+what ``RLIMIT_NOFILE`` leaves after ``fd_reserve`` descriptors kept for the tiers
+(:mod:`lmc.server.fdcap`; accepting pauses while displaced sockets are still closing);
+connections before HELLO are capped below that (a newcomer displaces the oldest of them) and
+closed after ``hello_timeout``; a watchdog drops any connection stalled mid-frame for ``frame_timeout``;
 repeating events are logged once per interval with a count (``ratelog``).
 """
 
@@ -34,6 +36,7 @@ from typing import Any
 
 from lmc import invariants, tier_build, units
 from lmc.memory import MemoryPool
+from lmc.server import fdcap
 from lmc.server import metrics as M
 from lmc.server.activity import Activity
 from lmc.server.auth import Grant
@@ -91,6 +94,7 @@ class Daemon:
                      if config.prefault else "")
             t0 = time.perf_counter()
             self.pool, self.storage = build_storage(config)
+            self.storage.retry_failed_writes(config.write_retry)
         except BaseException:
             self.close_listeners()
             raise
@@ -104,6 +108,9 @@ class Daemon:
         self.io = ThreadPoolExecutor(config.io_threads, thread_name_prefix="lmc-server-io")
         self.commit_bytes = max(1 << 20, min(64 << 20, self.pool.size // 8))
         self.sessions: set[Session] = set()
+        self.conn_cap = config.max_connections  # lowered by serve() to what fds allow
+        self._closing = 0  # sockets dropped whose fd is not closed yet
+        self._fd_freed: asyncio.Event | None = None
         self.pending: OrderedDict[Session, None] = OrderedDict()  # before HELLO, oldest first
         self.draining = False
         self.started = time.time()
@@ -116,8 +123,8 @@ class Daemon:
                 logging.INFO, f"closed connections that sent no HELLO within "
                 f"{config.hello_timeout:g} s"),
             "displaced": IntervalLog(
-                logging.WARNING, f"closed the oldest unauthenticated connection to admit a new "
-                f"one (at most {config.unauthenticated_limit} before HELLO)"),
+                logging.WARNING, "closed the oldest unauthenticated connection to admit a new "
+                "one (the cap on connections before HELLO was reached)"),
             "stalled": IntervalLog(
                 logging.WARNING, f"dropped connections with no progress for "
                 f"{config.frame_timeout:g} s mid-frame"),
@@ -139,7 +146,7 @@ class Daemon:
         """Everything for an admin (or an open daemon); a tenant sees its namespaces only."""
         allowed = None if grant is None or grant.admin else grant.namespaces
         return {"server": {"version": 1, "uptime_s": time.time() - self.started,
-                           "connections": len(self.sessions),
+                           "connections": len(self.sessions), "max_connections": self.conn_cap,
                            "unauthenticated": len(self.pending), "draining": self.draining},
                 "pool": {**self.pool.stats(), "leaks": len(self.pool.leaks),
                          "violations": self.invariant_violations()},
@@ -259,6 +266,7 @@ class Daemon:
         loop = asyncio.get_running_loop()
         failing = 0
         while not self.draining:
+            await self._fd_room()
             try:
                 conn, addr = await loop.sock_accept(lsock)
             except OSError as e:
@@ -276,8 +284,7 @@ class Daemon:
             if not self._make_room():
                 M.REFUSED.inc()
                 self.events["refused"]("shutting down" if self.draining else
-                                       f"{self.config.max_connections} authenticated "
-                                       "connections open")
+                                       f"{self.conn_cap} authenticated connections open")
                 conn.close()
                 continue
             conn.setblocking(False)
@@ -296,8 +303,8 @@ class Daemon:
         connections filling every slot refuse a newcomer."""
         if self.draining:
             return False
-        full = len(self.sessions) >= self.config.max_connections
-        if not full and len(self.pending) < self.config.unauthenticated_limit:
+        full = len(self.sessions) >= self.conn_cap
+        if not full and len(self.pending) < self.unauthenticated_limit:
             return True
         if not self.pending:
             return False
@@ -307,10 +314,28 @@ class Daemon:
         self._drop(victim)
         return True
 
+    @property
+    def unauthenticated_limit(self) -> int:
+        """Connections allowed before HELLO: the configured cap, kept below ``conn_cap``."""
+        cfg = self.config
+        below = self.conn_cap // 4 if cfg.max_unauthenticated is None else self.conn_cap - 1
+        return max(1, min(cfg.unauthenticated_limit, below))
+
+    async def _fd_room(self) -> None:
+        """Wait while open sockets (sessions and dropped ones not yet closed) are at the cap:
+        a burst of newcomers displacing each other must not outrun the closes."""
+        assert self._fd_freed is not None
+        while len(self.sessions) + self._closing > self.conn_cap:
+            self._fd_freed.clear()
+            await self._fd_freed.wait()
+
     def _drop(self, s: Session) -> None:
-        """Close ``s`` now: its socket is shut at once (its slot and fd freed before the
-        next accept), its task cancelled."""
-        self.sessions.discard(s)
+        """Close ``s`` now: its socket is shut at once, its task cancelled; its fd is closed
+        when the task ends, and until then it counts against the cap (``_fd_room``)."""
+        if s in self.sessions:
+            self.sessions.discard(s)
+            self._closing += 1
+            s.dropped = True
         self.pending.pop(s, None)
         with contextlib.suppress(OSError):
             s.sock.shutdown(socket.SHUT_RDWR)
@@ -328,6 +353,10 @@ class Daemon:
             s.sock.close()  # a task cancelled before its first step never ran its finally
             self.sessions.discard(s)
             self.pending.pop(s, None)
+            if s.dropped:
+                self._closing -= 1
+            if self._fd_freed is not None:
+                self._fd_freed.set()
             M.CONNECTIONS.dec()
 
         s.task.add_done_callback(done)
@@ -355,6 +384,17 @@ class Daemon:
             for ev in self.events.values():
                 ev.flush()
             self._hello_seen.flush()
+
+    def _loop_exception(self, loop: asyncio.AbstractEventLoop, ctx: dict[str, Any]) -> None:
+        """asyncio's own accept loop (the /metrics listener) logs a traceback for every
+        EMFILE; those go to the rate-limited accept line like the data listeners' own."""
+        exc = ctx.get("exception")
+        if isinstance(exc, OSError) and exc.errno in (errno.EMFILE, errno.ENFILE,
+                                                      errno.ENOBUFS, errno.ENOMEM):
+            M.ACCEPT_ERRORS.inc()
+            self.events["accept"](f"metrics: {exc.strerror or exc}")
+            return
+        loop.default_exception_handler(ctx)
 
     # -------------------------------------------------------- lifecycle
     def request_stop(self) -> None:
@@ -384,6 +424,15 @@ class Daemon:
             if self.http is not None:
                 await self.http.start()
         except BaseException:
+            self.close_listeners()
+            await loop.run_in_executor(None, self._flush_and_close)
+            raise
+        loop.set_exception_handler(self._loop_exception)
+        self._fd_freed = asyncio.Event()
+        try:  # after the loop's own descriptors exist: they count as in use
+            self.conn_cap = fdcap.connection_cap(self.config.max_connections,
+                                                 self.config.fd_reserve)
+        except ValueError:
             self.close_listeners()
             await loop.run_in_executor(None, self._flush_and_close)
             raise
@@ -481,5 +530,8 @@ def run(config: ServerConfig) -> int:
         asyncio.run(daemon.serve())
     except OSError as e:
         log.error("cannot listen: %s", e)
+        return 2
+    except ValueError as e:
+        log.error("cannot start: %s", e)
         return 2
     return 0

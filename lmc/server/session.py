@@ -74,6 +74,7 @@ class Session:
         self.state = IDLE
         self.accepted_at = self.sent_at = time.monotonic()
         self._sending = False
+        self.dropped = False  # closed by the daemon (displaced, timed out): counted till closed
         self.task: asyncio.Task | None = None
 
     # --------------------------------------------------------------- loop

@@ -117,17 +117,38 @@ def test_a_reader_that_stops_reading_loses_its_pins(start_daemon):
     c.close()
 
 
-def test_out_of_fds_logs_once_per_interval(start_daemon):
-    """With RLIMIT_NOFILE 48, 80 connections exhaust the daemon's fds: accept() fails for
-    seconds, the log gets a line or two (not 20 a second), and once fds are free again a
-    client gets in."""
+def test_a_low_fd_limit_caps_connections_instead_of_running_out(start_daemon):
+    """With RLIMIT_NOFILE 48, 80 connections never exhaust the daemon's fds: accepting stops
+    at the cap fd_reserve leaves (a quarter of the limit here), idle ones are displaced,
+    accept() never fails, and a client still gets in."""
     d = start_daemon("--size", "16MiB", "--hello-timeout", "60", nofile=48)
-    socks = []
+    socks = [socket.create_connection(("127.0.0.1", d.port), timeout=10) for _ in range(80)]
+    time.sleep(1)
+    assert W.fd_count(d.pid) < 48
+    c = d.connect()
+    assert c.ping() < 1.0
+    log = d.log()
+    assert "accept failed" not in log and "Too many open files" not in log, log[-3000:]
+    assert "lowered to" in log
+    for s in socks:
+        s.close()
+    c.close()
+
+
+def test_out_of_fds_logs_once_per_interval(start_daemon):
+    """fd_reserve 0 leaves the /metrics listener's connections uncovered: with RLIMIT_NOFILE
+    48, 80 data and 40 /metrics connections exhaust the fds, accept() fails for seconds on
+    both listeners, the log gets a line or two (not a traceback per retry), and once fds
+    are free again a client gets in."""
+    d = start_daemon("--size", "16MiB", "--hello-timeout", "60", "--fd-reserve", "0",
+                     "--max-unauthenticated", "1000", nofile=48)
+    socks = [socket.create_connection(("127.0.0.1", d.info["metrics_port"]), timeout=10)
+             for _ in range(40)]
     for _ in range(80):
         socks.append(socket.create_connection(("127.0.0.1", d.port), timeout=10))
     time.sleep(3)
     log = d.log()
-    assert log.count("accept failed") <= 2, log[-3000:]
+    assert log.count("accept failed") <= 2 and "Traceback" not in log, log[-3000:]
     assert "Too many open files" in log
     for s in socks:
         s.close()

@@ -5,6 +5,7 @@ docs/threats/daemon.md."""
 
 from __future__ import annotations
 
+import json
 import socket
 import subprocess
 import sys
@@ -14,6 +15,7 @@ import pytest
 
 from lmc.server import protocol as P
 from tests.server import wire as W
+from tests.server.daemon_proc import ROOT
 
 pytestmark = pytest.mark.integration
 
@@ -78,3 +80,89 @@ def test_logs_escape_client_names(start_daemon):
     log = d.log()
     assert "\x1b" not in log and "\x07" not in log and "\nFAKE ERROR" not in log
     assert "evil\\x1b[2J" in log
+
+
+# ------------------------------------------------------------ connection flood vs the tiers
+MiB_VALUE = {"tokens": 512, "width": 512}  # 1 MiB of payload: a 4 MiB pool spills to disk
+
+
+def _stats(c: W.RawClient) -> dict:
+    st, meta, _ = c.call(W.frame(P.STATS, {}))
+    assert st == P.OK
+    return meta
+
+
+def _put_paced(c: W.RawClient, ns: str, keys: list[bytes]) -> None:
+    """PUT one value at a time and wait until the disk queue is empty, so that a value can
+    only be lost by a failed write (the 2 MiB queue of a 4 MiB pool would drop a burst)."""
+    for k in keys:
+        st, meta, _ = c.call(W.put(ns, [W.value_bytes(ns, k, **MiB_VALUE)]))
+        assert st == P.OK and meta["results"] == b"\0", meta
+        deadline = time.monotonic() + 5
+        while _stats(c)["tiers"].get("disk.queue_chunks") and time.monotonic() < deadline:
+            time.sleep(0.01)
+
+
+def _found(c: W.RawClient, ns: str, keys: list[bytes]) -> int:
+    n = 0
+    for k in keys:
+        st, meta, payload = c.call(W.frame(P.GET, {"ns": ns, "keys": [k]}))
+        assert st == P.OK
+        n += meta["items"][0] is not None and payload == W.value_bytes(ns, k, **MiB_VALUE)[1]
+    return n
+
+
+def _flood(port: int, n: int) -> list[socket.socket]:
+    """``n`` idle sockets that never say HELLO (the kernel's backlog takes what the daemon
+    does not accept)."""
+    out = []
+    for _ in range(n):
+        s = socket.socket()
+        s.setblocking(False)
+        s.connect_ex(("127.0.0.1", port))
+        out.append(s)
+    return out
+
+
+def test_a_connection_flood_never_takes_the_tiers_descriptors(start_daemon, tmp_path):
+    """nofile 128, a 4 MiB memory tier and a disk tier: a client stores 8 x 1 MiB (spilling
+    to disk); 300 idle unauthenticated sockets and 40 idle /metrics connections arrive; it
+    stores 8 more and reads all 16 while they are still there. Accepting stops at the cap
+    fd_reserve leaves, so no disk write or read meets EMFILE. (The daemon used to accept
+    until EMFILE: writes during the flood failed and reads failed after evicting memory,
+    0 of 16 in the issue.)"""
+    d = start_daemon("--size", "4MiB", "--disk", str(tmp_path / "disk"), "--max-payload",
+                     "4MiB", "--hello-timeout", "30", nofile=128)
+    c = W.RawClient(d.port)
+    assert c.call(W.hello(client="writer"))[0] == P.OK
+    keys = [bytes([7, i]) * 8 for i in range(16)]
+    _put_paced(c, "ns", keys[:8])
+    idle = _flood(d.port, 300) + _flood(d.info["metrics_port"], 40)
+    try:
+        time.sleep(0.5)
+        _put_paced(c, "ns", keys[8:])
+        tiers = _stats(c)["tiers"]
+        assert _found(c, "ns", keys) == 16, tiers
+        assert W.fd_count(d.pid) < 128
+        assert not [k for k in _stats(c)["tiers"] if k.startswith("disk.errors_")]
+        assert _stats(c)["server"]["unauthenticated"] <= 128 // 4
+    finally:
+        for s in idle:
+            s.close()
+    c.close()
+    assert "Too many open files" not in d.log()
+
+
+def test_a_disk_write_failing_with_emfile_keeps_the_value(tmp_path):
+    """The daemon's tier stack (memory + disk, write retries as ``lmc server`` sets them)
+    stores 6 values while every descriptor of the process is taken (each write fails with
+    EMFILE), then 24 MiB more go through its 16 MiB pool. The 6 values stay referenced in
+    memory, are written once descriptors are free, and read back bit-exact. (Each failed
+    write used to release its value at once, and memory pressure evicted it: lost.)"""
+    out = subprocess.run([sys.executable, "-m", "tests.server.emfile_writes",
+                          str(tmp_path / "disk"), "10"], capture_output=True, text=True,
+                         timeout=120, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-3000:]
+    got = json.loads(out.stdout.splitlines()[-1])
+    assert got["emfile_failures"] >= 6, got  # the writes did meet EMFILE
+    assert got["on_disk_exact"] == [True] * 6, got
