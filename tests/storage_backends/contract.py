@@ -23,7 +23,11 @@ pool of its own, and held to ``StorageBackend``'s contract (``lmc/storage_backen
 * threads may call a tier at once, ``close()`` included: every call returns, none raises;
   calls after ``close()`` are misses and 0;
 * a value failing a check is a miss and is deleted; a dead or hung backend answers misses
-  within a deadline, never a hang or an exception.
+  within a deadline, never a hang or an exception;
+* integrity: with ``integrity_secret`` set, a value written without it (or damaged so that
+  only the tag can tell) is a miss;
+* isolation: another tenant over the same backend (another namespace or key prefix, another
+  token) neither sees a tier's values nor changes them.
 
 What a spec cannot offer (an in-process tier has no stored copy to damage, no process to kill)
 skips the tests that need it, saying so. Randomised tests print their seed; set
@@ -81,7 +85,11 @@ class TierSpec:
       ``unhang(tier)`` lets it go on;
     * ``reopen(tier)`` gives the settings of a second tier over the same stored values
       (the same directory after a restart, the same server and key prefix from another
-      engine).
+      engine);
+    * ``unkeyed_writer(tier)`` gives the settings of a tier writing where a keyed ``tier``
+      reads, without the secret (default: ``reopen``'s, the secret removed);
+    * ``other_tenants(tier)`` gives the settings of tiers of other tenants over the same
+      backend (another namespace, another token): none may see or change ``tier``'s values.
 
     ``skip`` maps a test's name to the reason this spec leaves it out (say where it is
     covered instead). ``deadline`` bounds any one call on a dead or hung backend, in seconds.
@@ -99,11 +107,23 @@ class TierSpec:
     hang: Callable[[StorageBackend], None] | None = None
     unhang: Callable[[StorageBackend], None] | None = None
     reopen: Callable[[StorageBackend], dict[str, Any]] | None = None
+    unkeyed_writer: Callable[[StorageBackend], dict[str, Any]] | None = None
+    other_tenants: Callable[[StorageBackend], list[dict[str, Any]]] | None = None
     skip: dict[str, str] = field(default_factory=dict)
     deadline: float = 2.0 + SLACK
 
     def settings(self) -> dict[str, Any]:
         return dict(self.config() if callable(self.config) else self.config)
+
+    def writer_without_secret(self, tier: StorageBackend) -> dict[str, Any] | None:
+        """Settings of a tier writing where keyed ``tier`` reads, without the secret."""
+        if self.unkeyed_writer is not None:
+            settings = self.unkeyed_writer(tier)
+        elif self.reopen is not None:
+            settings = self.reopen(tier)
+        else:
+            return None
+        return {**settings, "integrity_secret": None, "integrity_secret_file": None}
 
 
 # --------------------------------------------------------------------------- chunk data
@@ -756,6 +776,73 @@ class TierContract:
         got = tier.get([bad])
         try:
             check_hit(got[0], bad)
+        finally:
+            release(got)
+
+    def test_a_value_written_without_the_secret_is_a_miss(self, make_tier, tier_spec):
+        """A keyed tier reads values a writer without the secret stored where it reads (an
+        engine misconfigured, or anyone able to write there): misses, deleted or dropped so
+        that a lookup no longer counts them; its own keyed stores are served as before."""
+        if not tier_spec.settings().get("integrity_secret"):
+            pytest.skip(f"{tier_spec.spec}: the spec sets no integrity_secret")
+        keyed = make_tier()
+        settings = tier_spec.writer_without_secret(keyed)
+        if settings is None:
+            pytest.skip(f"{tier_spec.spec}: no second writer over the same store")
+        writer = make_tier(fresh_pool=True, **settings)
+        keys = [key_of(f"unkeyed{i}") for i in range(3)]
+        self.store(writer, tier_spec, keys)
+        for _ in range(2):
+            got = keyed.get(keys)
+            try:
+                assert got == [None] * 3, "a value written without the secret was served"
+            finally:
+                release(got)
+        assert keyed.contains(keys) == [False] * 3, "the unkeyed values are still counted"
+        self.store(keyed, tier_spec, keys[:1])
+        got = keyed.get(keys[:1])
+        try:
+            check_hit(got[0], keys[0])
+        finally:
+            release(got)
+
+    def test_another_tenant_never_sees_or_changes_the_values(self, make_tier, tier_spec):
+        """Tiers of other tenants over the same backend: each misses every value of this
+        tier (get, contains, prefix_hits), deletes none, and what it stores under the same
+        keys (other bytes) is never what this tier reads back."""
+        if tier_spec.other_tenants is None:
+            pytest.skip(f"{tier_spec.spec}: the spec names no other tenant")
+        mine = make_tier()
+        keys = [key_of(f"tenant{i}") for i in range(4)]
+        self.store(mine, tier_spec, keys[:3])
+        for n, settings in enumerate(tier_spec.other_tenants(mine)):
+            theirs = make_tier(fresh_pool=True, **settings)
+            assert theirs.contains(keys) == [False] * 4, f"tenant {n} sees the values"
+            assert theirs.prefix_hits(keys) == 0, f"tenant {n} counts the values"
+            got = theirs.get(keys)
+            try:
+                assert got == [None] * 4, f"tenant {n} read the values"
+            finally:
+                release(got)
+            assert theirs.delete(keys) == 0, f"tenant {n} deleted the values"
+            other = key_of(f"tenant-bytes{n}")
+            objs = [fill(o, other) for o in theirs.pool.allocate_many(  # type: ignore[attr-defined]
+                SHAPE, torch.float16, 1, SHAPE[2])]
+            try:
+                theirs.put(keys[:1], objs)
+            finally:
+                release(objs)
+            got = theirs.get(keys[:1])
+            try:  # their own value, or a miss (a token granting nothing): never ours
+                if got[0] is not None:
+                    check_hit(got[0], other)
+            finally:
+                release(got)
+        got = mine.get(keys)
+        try:
+            for k, o in zip(keys[:3], got):
+                check_hit(o, k)
+            assert got[3] is None
         finally:
             release(got)
 
