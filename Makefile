@@ -1,7 +1,7 @@
 # The README's two commands are `make demo` and `make test`; both install what they need.
 PY ?= python3
 
-.PHONY: install demo test bench lint
+.PHONY: install demo test bench lint gpu-check
 
 install:
 	@$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install torch==2.13.0
@@ -18,3 +18,8 @@ bench: install
 
 lint:
 	$(PY) -m ruff check lmc connectors storage_backends tests benchmarks
+
+# on a lent GPU (offline): install, GPU tests, transfer + TTFT benchmarks, one table appended to
+# benchmarks/RESULTS.md; `bash benchmarks/gpu_check.sh --dry-run` checks every step on any machine
+gpu-check:
+	PY=$(PY) bash benchmarks/gpu_check.sh

@@ -10,12 +10,20 @@ each with both strategies of ``CudaTransfer`` ("direct": the kernel reads/writes
 memory; "staged": kernel into a device buffer + cudaMemcpyAsync), printed next to a plain
 pinned ``cudaMemcpyAsync`` of the same bytes in the same direction, measured in the same run
 (torch ``copy_(non_blocking=True)`` between a contiguous device tensor and a pinned host
-tensor), as a ratio. Target: ratio >= 0.90. The last lines say which strategy won per
-direction and whether ``lmc.cuda_transfer``'s defaults agree.
+tensor), as a ratio. Target: ratio >= 0.90. The chunk buffers are objects of lmc's own
+pinned pool (mapped by lmc, page-locked with cudaHostRegister: ``lmc.prefault.Pinner``).
+
+**Copy under compute** (``--under-compute``): how much longer a matmul-heavy forward (a chain
+of bf16 4096x4096 matmuls, a prefill's kind of work) takes while each path copies on a side
+stream, next to a plain memcpy's (copy engines only) -- the kernel paths take SMs from the
+model. The last lines say which path wins per (direction, call shape) by
+``lmc.cuda_transfer.choose_paths`` (faster; within 5%, the gentler) and whether this
+device's calibration (``device_paths``) agrees; ``--calibrate`` records these figures as the
+device's calibration (``~/.cache/lmc/copy_paths.json``).
 
     python benchmarks/bench_gpu_transfer.py                  # 4096 tokens
     python benchmarks/bench_gpu_transfer.py --tokens 8192 --max-blocks 264
-    python benchmarks/bench_gpu_transfer.py --json out.json
+    python benchmarks/bench_gpu_transfer.py --under-compute --calibrate --json out.json
 
 Without a CUDA device (or without CuPy) it prints why it skipped and exits 0.
 """
@@ -63,13 +71,14 @@ def build(args):
     slots = (blocks[:, None] * bs + torch.arange(bs, device="cuda")).flatten()[: args.tokens]
     ranges = [(s, min(s + args.chunk, args.tokens)) for s in range(0, args.tokens, args.chunk)]
     total = sum(spec.chunk_nbytes(e - s) for s, e in ranges)
-    pool = torch.empty(total, dtype=torch.uint8, pin_memory=True)
-    bufs, off = [], 0
-    for s, e in ranges:
-        n = spec.chunk_nbytes(e - s)
-        bufs.append(pool[off: off + n].view(spec.dtype).view(spec.chunk_shape(e - s)))
-        off += n
-    return spec, caches, slots, ranges, pool, bufs
+    from lmc.memory import MemoryPool
+
+    pool = MemoryPool(total + (4 << 20), "true", prefault="now")  # lmc's pinned pool
+    objs = [pool.allocate(spec.chunk_shape(e - s), spec.dtype) for s, e in ranges]
+    if any(o is None for o in objs):
+        raise SystemExit("the chunk buffers did not fit the pool")
+    bufs = [o.tensor for o in objs]
+    return spec, caches, slots, ranges, (pool, objs, total), bufs
 
 
 def check(spec, caches, slots, ranges, bufs, tr_factory) -> None:
@@ -97,30 +106,35 @@ def check(spec, caches, slots, ranges, bufs, tr_factory) -> None:
             raise SystemExit(f"scatter mismatch in chunk {i}: the benchmark numbers are void")
 
 
-def bench_memcpy(pool: torch.Tensor, iters: int, warmup: int) -> dict[str, float]:
-    """The peer: one pinned cudaMemcpyAsync of all the bytes, each way (GiB/s)."""
-    dev = torch.empty_like(pool, device="cuda")
-    dev.copy_(pool)
-    gib = pool.numel() / GiB
-    return {
-        "gather": gib / time_per_call(lambda: pool.copy_(dev, non_blocking=True), iters, warmup),
-        "scatter": gib / time_per_call(lambda: dev.copy_(pool, non_blocking=True), iters, warmup),
-    }
+def memcpy_calls(host: torch.Tensor) -> dict[str, Callable[[], object]]:
+    """The peer: one pinned cudaMemcpyAsync of all the bytes, each way."""
+    dev = torch.empty_like(host, device="cuda")
+    dev.copy_(host)
+    return {"gather": lambda: host.copy_(dev, non_blocking=True),
+            "scatter": lambda: dev.copy_(host, non_blocking=True)}
 
 
-def bench_strategy(tr, slots, ranges, bufs, args) -> list[tuple[str, str, float]]:
-    """(direction, calls, GiB/s) for all-layer and per-layer calls of one transfer object."""
+def bench_memcpy(host: torch.Tensor, iters: int, warmup: int) -> dict[str, float]:
+    """GiB/s of :func:`memcpy_calls`, each way."""
+    gib = host.numel() / GiB
+    return {d: gib / time_per_call(fn, iters, warmup) for d, fn in memcpy_calls(host).items()}
+
+
+SHAPE_NAMES = {"all_layers": "all layers", "per_layer": "per layer"}
+
+
+def strategy_calls(tr, slots, ranges, bufs) -> dict[tuple[str, str], Callable[[], object]]:
+    """(direction, shape) -> one pass over every layer: one all-layer call, or one call per
+    layer (as the layer-wise save and load paths do)."""
     plan = tr.plan(slots, ranges)
-    gib = sum(b.numel() * b.element_size() for b in bufs) / GiB
     n_layers = tr.spec.num_layers
-    cases = {
-        ("gather", "all layers"): lambda: tr.gather(plan, bufs),
-        ("gather", "per layer"): lambda: [tr.gather(plan, bufs, [i]) for i in range(n_layers)],
-        ("scatter", "all layers"): lambda: tr.scatter(plan, bufs),
-        ("scatter", "per layer"): lambda: [tr.scatter(plan, bufs, [i]) for i in range(n_layers)],
+    return {
+        ("gather", "all_layers"): lambda: tr.gather(plan, bufs),
+        ("gather", "per_layer"): lambda: [tr.gather(plan, bufs, [i]) for i in range(n_layers)],
+        ("scatter", "all_layers"): lambda: tr.scatter(plan, bufs),
+        ("scatter", "per_layer"): lambda: [tr.scatter(plan, bufs, [i])
+                                           for i in range(n_layers)],
     }
-    return [(d, c, gib / time_per_call(fn, args.iters, args.warmup))
-            for (d, c), fn in cases.items()]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -135,56 +149,90 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--max-blocks", type=int, default=None,
                     help="grid cap for the kernels (default: 4 per SM)")
+    ap.add_argument("--under-compute", action="store_true",
+                    help="also measure each path's slowdown of a concurrent forward")
+    ap.add_argument("--calibrate", action="store_true",
+                    help="record the figures as this device's copy path calibration")
     ap.add_argument("--json", default=None, help="also write the rows to this file")
     args = ap.parse_args(argv)
 
     if not torch.cuda.is_available():
-        print("no CUDA device: skipped")
+        print("bench_gpu_transfer: no CUDA device on this machine: skipped")
         return 0
     from lmc import cuda_transfer as ct
 
     if not ct.cuda_kernels_available():
-        print("CuPy is not importable (pip install lmc-kvcache[gpu]): skipped")
+        print("bench_gpu_transfer: CuPy is not importable (pip install lmc-kvcache[gpu]): "
+              "skipped")
         return 0
 
-    spec, caches, slots, ranges, pool, bufs = build(args)
-    nbytes = pool.numel()
+    spec, caches, slots, ranges, (pool, objs, nbytes), bufs = build(args)
     props = torch.cuda.get_device_properties(0)
+    pst = pool.stats()
     print(f"{props.name}, {props.multi_processor_count} SMs; {args.tokens} tokens x "
           f"{spec.num_layers} layers x {spec.num_planes} planes x {spec.row_width} bf16 = "
-          f"{nbytes / GiB:.3f} GiB in {len(ranges)} chunks of {args.chunk}")
+          f"{nbytes / GiB:.3f} GiB in {len(ranges)} chunks of {args.chunk}; lmc pinned pool "
+          f"{pst['pinned_bytes'] / 2**20:.0f} MiB page-locked for {pst['pinned_asked'] / 2**20:.0f}"
+          " MiB asked")
 
-    memcpy = bench_memcpy(pool, args.iters, args.warmup)
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    memcpy = bench_memcpy(host, args.iters, args.warmup)
     print(f"plain pinned cudaMemcpyAsync: D2H {memcpy['gather']:.2f} GiB/s, "
           f"H2D {memcpy['scatter']:.2f} GiB/s\n")
+    mem_slow = {}
+    if args.under_compute:
+        for d, fn in memcpy_calls(host).items():
+            secs = nbytes / GiB / memcpy[d]
+            mem_slow[d] = ct.forward_slowdown(fn, secs, 0)
+        print("forward slowed by a concurrent plain memcpy: "
+              + ", ".join(f"{d} {v * 100:+.1f}%" for d, v in mem_slow.items()) + "\n")
     print(f"  {'direction':9s} {'strategy':8s} {'calls':12s} {'GiB/s':>8s} "
-          f"{'memcpy':>8s} {'ratio':>6s}")
+          f"{'memcpy':>8s} {'ratio':>6s}{'  forward slowed' if args.under_compute else ''}")
 
-    rows = []
+    rows, timings = [], {}
+    gib = nbytes / GiB
     for mode in ct.MODES:
         def factory(c, mode=mode):
             return ct.CudaTransfer(spec, c, gather_mode=mode, scatter_mode=mode,
                                    max_blocks=args.max_blocks)
         check(spec, caches, slots, ranges, bufs, factory)
-        for direction, calls, gibs in bench_strategy(factory(caches), slots, ranges, bufs, args):
+        for (direction, shape), fn in strategy_calls(factory(caches), slots, ranges,
+                                                     bufs).items():
+            secs = time_per_call(fn, args.iters, args.warmup)
+            slow = ct.forward_slowdown(fn, secs, 0) if args.under_compute else None
+            timings[(direction, shape, mode)] = ct.PathTiming(secs, slow)
+            gibs = gib / secs
             ratio = gibs / memcpy[direction]
-            print(f"  {direction:9s} {mode:8s} {calls:12s} {gibs:8.2f} "
-                  f"{memcpy[direction]:8.2f} {ratio:6.2f}{'' if ratio >= 0.9 else '  < 0.90'}")
-            rows.append({"direction": direction, "strategy": mode, "calls": calls,
-                         "gib_s": gibs, "memcpy_gib_s": memcpy[direction], "ratio": ratio})
+            extra = "" if slow is None else f"  {slow * 100:+14.1f}%"
+            print(f"  {direction:9s} {mode:8s} {SHAPE_NAMES[shape]:12s} {gibs:8.2f} "
+                  f"{memcpy[direction]:8.2f} {ratio:6.2f}{extra}"
+                  f"{'' if ratio >= 0.9 else '  < 0.90'}")
+            rows.append({"direction": direction, "strategy": mode, "calls": SHAPE_NAMES[shape],
+                         "shape": shape, "gib_s": gibs, "memcpy_gib_s": memcpy[direction],
+                         "ratio": ratio, "forward_slowdown": slow})
     print()
-    defaults = {"gather": ct.DEFAULT_GATHER_MODE, "scatter": ct.DEFAULT_SCATTER_MODE}
-    for direction in ("gather", "scatter"):
-        mine = [r for r in rows if r["direction"] == direction and r["calls"] == "all layers"]
-        best = max(mine, key=lambda r: r["gib_s"])
-        note = ("matches the default" if best["strategy"] == defaults[direction] else
-                f"DIFFERS from DEFAULT_{direction.upper()}_MODE = {defaults[direction]!r}: "
-                "flip it in lmc/cuda_transfer.py")
-        print(f"fastest {direction}: {best['strategy']} ({best['ratio']:.2f} of memcpy), {note}")
+    choice = ct.choose_paths(timings)
+    cached = ct.load_paths(props.name)
+    for (direction, shape), mode in sorted(choice.items()):
+        r = next(x for x in rows if (x["direction"], x["shape"], x["strategy"])
+                 == (direction, shape, mode))
+        was = (cached or ct.DEFAULT_PATHS)[(direction, shape)]
+        note = "agrees" if was == mode else f"DIFFERS ({was!r})"
+        print(f"best {direction} {SHAPE_NAMES[shape]}: {mode} ({r['ratio']:.2f} of memcpy); "
+              f"{'calibration' if cached else 'default'} {note}")
+    if args.calibrate:
+        ct.save_paths(props.name, choice, timings)
+        print(f"recorded as the calibration of {props.name} in {ct.paths_cache_file()}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": props.name, "bytes": nbytes, "rows": rows,
-                       "memcpy_gib_s": memcpy}, f, indent=2)
+                       "memcpy_gib_s": memcpy, "memcpy_forward_slowdown": mem_slow,
+                       "choice": {f"{d}/{s}": m for (d, s), m in choice.items()},
+                       "pool_pinned_bytes": pst["pinned_bytes"],
+                       "pool_asked_bytes": pst["pinned_asked"]}, f, indent=2)
+    for o in objs:
+        o.release()
+    pool.close()
     return 0
 
 

@@ -21,13 +21,25 @@ Figures (all one request at a time, ``max_tokens=1``, so TTFT is the request's o
   the connector's ``start_load`` (where a fetch that reads whole chunks before any layer
   loads spends its time); the forward's own steps are timed around the connector's calls.
 
+* **link-bound ideal** (always printed): what an L1 hit cannot beat -- the prompt's KV
+  bytes over the host->device copy bandwidth measured in the same run (pinned
+  ``cudaMemcpyAsync`` on CUDA, a host memcpy on the CPU), plus the measured one-token step
+  (the engine alone decoding one token over the whole prompt) -- and the L1 hit's ratio to
+  it (target on a GPU: >= 0.9).
+
 The model is a random-weight Llama made with ``make_tiny_checkpoint`` (default hidden 1024,
 8 layers, 16 heads, 8 KV heads: 32 KiB of fp32 KV per token, so an 8k prompt is 256 MiB of
-KV), cached under the user's cache directory.
+KV), cached under the user's cache directory. ``--model`` picks a shape instead:
+``1b`` (Llama-3.2-1B: hidden 2048, 16 layers, 32 heads, 8 KV heads, head 64), ``8b``
+(Llama-3.1-8B: hidden 4096, 32 layers, 32 heads, 8 KV heads, head 128, MLP 14336; a
+16 GB checkpoint made on first use, minutes), ``8b-kv`` (Llama-8B's KV -- 32 layers, 8 KV
+heads of 128, 128 KiB of bf16 KV per token -- on a small body: hidden 1024, MLP 2816; the
+same bytes per hit at a fraction of the checkpoint).
 
     python benchmarks/bench_ttft.py                 # 8k tokens, the recorded figures
     python benchmarks/bench_ttft.py --quick         # hidden 512, 4 layers, 4k tokens
     python benchmarks/bench_ttft.py --lower         # per-layer waits on disk and Redis hits
+    python benchmarks/bench_ttft.py --device cuda --model 8b-kv --tokens 16384
 """
 
 from __future__ import annotations
@@ -51,12 +63,64 @@ from lmc.reference import LLM
 from lmc.reference.tiny import cached_checkpoint
 
 BLOCK, BUDGET = 16, 2048
+GiB = 2**30
+# name -> (hidden, layers, heads, KV heads, MLP width or None for the tiny default)
+MODELS: dict[str, tuple[int, int, int, int, int | None]] = {
+    "1b": (2048, 16, 32, 8, 8192),
+    "8b": (4096, 32, 32, 8, 14336),
+    "8b-kv": (1024, 32, 8, 8, 2816),
+}
 
 
-def model_dir(hidden: int, layers: int, kv_heads: int, max_len: int) -> Path:
-    return cached_checkpoint(f"bench-llama-h{hidden}-l{layers}-kv{kv_heads}-p{max_len}",
-                             hidden=hidden, layers=layers, heads=hidden // 64,
-                             kv_heads=kv_heads, max_position_embeddings=max_len)
+def model_dir(hidden: int, layers: int, kv_heads: int, max_len: int, heads: int | None = None,
+              intermediate: int | None = None, dtype: str = "float32") -> Path:
+    heads = heads or hidden // 64
+    name = f"bench-llama-h{hidden}-l{layers}-kv{kv_heads}-p{max_len}"
+    if heads != hidden // 64 or intermediate or dtype != "float32":  # the old names stay
+        name += f"-q{heads}-i{intermediate or 0}-{dtype}"
+    return cached_checkpoint(name, progress=log, hidden=hidden, layers=layers, heads=heads,
+                             kv_heads=kv_heads, intermediate=intermediate,
+                             max_position_embeddings=max_len, dtype=dtype)
+
+
+def copy_bandwidth(device: str, nbytes: int, reps: int = 3) -> float:
+    """Host -> ``device`` bytes per second, best of ``reps``: a pinned cudaMemcpyAsync on
+    CUDA (the link), a plain memcpy on the CPU (the memory), of up to 1 GiB."""
+    n = max(1 << 20, min(nbytes, GiB))
+    if device == "cuda":
+        src = torch.empty(n, dtype=torch.uint8, pin_memory=True)
+        dst = torch.empty(n, dtype=torch.uint8, device="cuda")
+    else:  # numpy: one thread's memcpy (torch's parallel copy stalls on a busy machine)
+        src, dst = torch.ones(n, dtype=torch.uint8).numpy(), torch.ones(n, dtype=torch.uint8)
+    best = float("inf")
+    for _ in range(reps + 1):
+        sync(device)
+        t0 = time.perf_counter()
+        if device == "cuda":
+            dst.copy_(src, non_blocking=True)
+        else:
+            dst.numpy()[:] = src
+        sync(device)
+        best = min(best, time.perf_counter() - t0)
+    return n / best
+
+
+def sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def one_token_step(llm: LLM, prompt: list[int], reps: int = 3) -> float:
+    """The engine's step for one token over the whole prompt (a decode step; the last step
+    of an L1 hit does the same work): a two-token request's time after its first token."""
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        out = llm.generate([prompt], max_tokens=2, ignore_eos=True)[0]
+        total = time.perf_counter() - t0
+        if len(out.token_ids) == 2 and out.ttft_s is not None:
+            best = min(best, total - out.ttft_s)
+    return best
 
 
 def log(msg: str) -> None:
@@ -68,10 +132,14 @@ def tokens(seed: int, n: int) -> list[int]:
     return [rng.randrange(2, 2048) for _ in range(n)]
 
 
+DEVICE: dict[str, str] = {"device": "cpu", "dtype": "float32"}  # set by main()
+
+
 def engine(path: Path, n: int, conn: LMCReferenceConnector | None = None) -> LLM:
     """One request of up to ``n`` tokens at a time (the cache is sized for exactly that)."""
     return LLM(path, block_size=BLOCK, max_num_batched_tokens=BUDGET, max_num_seqs=1,
-               max_model_len=n + 64, kv_cache_memory=4 << 30, kv_connector=conn)
+               max_model_len=n + 64, kv_cache_memory=8 << 30, kv_connector=conn,
+               device=DEVICE["device"], dtype=DEVICE["dtype"])
 
 
 def ttft(llm: LLM, prompt: list[int]) -> tuple[float, int]:
@@ -108,20 +176,44 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", help="also write the figures to this file")
     ap.add_argument("--lower", action="store_true",
                     help="only the per-layer model wait on disk and Redis hits")
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                    help="where the engine runs (cuda: exits 0 saying so where there is none)")
+    ap.add_argument("--dtype", default=None,
+                    help="model and KV dtype (default: float32 on cpu, bfloat16 on cuda)")
+    ap.add_argument("--model", choices=sorted(MODELS), default=None,
+                    help="a model shape instead of --hidden/--layers/--kv-heads")
+    ap.add_argument("--heads", type=int, default=None, help="query heads (default hidden/64)")
     args = ap.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("bench_ttft --device cuda: no CUDA device on this machine: skipped")
+        return 0
     if args.quick:
         args.tokens, args.hidden, args.layers, args.kv_heads = 4096, 512, 4, 4
+    intermediate = None
+    if args.model:
+        args.hidden, args.layers, args.heads, args.kv_heads, intermediate = MODELS[args.model]
+    args.heads = args.heads or args.hidden // 64
+    args.dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
+    DEVICE.update(device=args.device, dtype=args.dtype)
     if args.threads:
         torch.set_num_threads(args.threads)
     n = args.tokens
-    path = model_dir(args.hidden, args.layers, args.kv_heads, max(8192, n + 64))
+    path = model_dir(args.hidden, args.layers, args.kv_heads, max(8192, n + 64), args.heads,
+                     intermediate, args.dtype)
     prompt = [0] + tokens(1, n - 1)
-    kv_bytes = n * args.layers * 2 * args.kv_heads * 64 * 4
+    itemsize = getattr(torch, args.dtype).itemsize
+    head_dim = args.hidden // args.heads
+    kv_bytes = n * args.layers * 2 * args.kv_heads * head_dim * itemsize
     res: dict[str, Any] = {"tokens": n, "hidden": args.hidden, "layers": args.layers,
-                           "kv_heads": args.kv_heads, "kv_mib": kv_bytes / 2**20,
+                           "kv_heads": args.kv_heads, "heads": args.heads,
+                           "head_dim": head_dim, "dtype": args.dtype, "device": args.device,
+                           "device_name": (torch.cuda.get_device_name() if args.device == "cuda"
+                                           else "CPU"),
+                           "model": args.model or "custom", "kv_bytes": kv_bytes,
+                           "kv_mib": kv_bytes / 2**20,
                            "threads": torch.get_num_threads(), "chunk_size": args.chunk_size}
     log(f"model {path.name}: {n} tokens, {kv_bytes / 2**20:.0f} MiB of KV, "
-        f"{torch.get_num_threads()} torch threads")
+        f"{args.dtype} on {res['device_name']}, {torch.get_num_threads()} torch threads")
 
     if args.lower:
         res.update(lower_waits(path, n, prompt, kv_bytes, args))
@@ -138,7 +230,12 @@ def main(argv: list[str] | None = None) -> int:
         ttft(llm, [0] + tokens(2, n - 1))
         log("full prefill, engine alone ...")
         res["prefill_s"], _ = ttft(llm, prompt)
+        log("one-token step over the prompt, engine alone ...")
+        res["step_s"] = one_token_step(llm, prompt)
         del llm
+        sync(args.device)
+    log("host -> device copy bandwidth ...")
+    res["copy_gib_s"] = copy_bandwidth(args.device, kv_bytes) / GiB
 
     disk = tempfile.mkdtemp(prefix="lmc-bench-disk-")
     try:
@@ -146,6 +243,10 @@ def main(argv: list[str] | None = None) -> int:
                           local_disk=disk, local_disk_size=4 * kv_bytes)
         conn = LMCReferenceConnector(cfg, model_dir=path)
         llm = engine(path, n, conn)
+        pool = conn.engine.pool
+        pool.wait_ready(600)  # a real engine pins while it loads its model: not timed here
+        res["pool_pinned_bytes"] = int(pool.stats().get("pinned_bytes", 0))
+        res["pool_asked_bytes"] = int(cfg.local_cpu_size)
         ttft(llm, prompt[:64])
         log("lmc cold (prefill + saves) ...")
         res["lmc_cold_s"], _ = ttft(llm, prompt)
@@ -156,6 +257,11 @@ def main(argv: list[str] | None = None) -> int:
         assert all(c == n - 1 for _, c in l1), l1
         res["l1_hit_s"] = statistics.median(t for t, _ in l1)
         res["l1_hit_reps"] = [t for t, _ in l1]
+        if "step_s" in res:
+            res["ideal_s"] = kv_bytes / (res["copy_gib_s"] * GiB) + res["step_s"]
+            res["l1_vs_ideal"] = res["ideal_s"] / res["l1_hit_s"]
+        res["copy_stats"] = {k: v for k, v in conn.engine.stats().items()
+                             if k.startswith(("copy_path.", "copy_calls."))}
 
         log("disk hits ...")
         disk_t = []
@@ -175,7 +281,7 @@ def main(argv: list[str] | None = None) -> int:
                                           layerwise=False)
         sync_llm = engine(path, n, sync_conn)
         res["overlap"] = []
-        for k, suffix in enumerate(int(s) for s in args.suffixes.split(",")):
+        for k, suffix in enumerate(int(s) for s in args.suffixes.split(",") if s.strip()):
             log(f"overlap, {suffix}-token suffix ...")
             row: dict[str, Any] = {"suffix": suffix}
             modes = {"sync": (sync_llm, sync_conn), "layerwise": (llm, conn)}
@@ -307,17 +413,30 @@ def report_lower(r: dict[str, Any]) -> None:
 
 def report(r: dict[str, Any]) -> None:
     base = r.get("prefill_s") or r["lmc_cold_s"]
-    print(f"\nTTFT, {r['tokens']}-token prompt, reference engine on CPU "
-          f"(hidden {r['hidden']}, {r['layers']} layers, {r['kv_heads']} KV heads, fp32; "
-          f"{r['kv_mib']:.0f} MiB of KV; chunk {r['chunk_size']}; {r['threads']} threads)\n")
+    where = "CPU" if r["device"] == "cpu" else r["device_name"]
+    print(f"\nTTFT, {r['tokens']}-token prompt, reference engine on {where} "
+          f"(hidden {r['hidden']}, {r['layers']} layers, {r['heads']} heads, {r['kv_heads']} KV "
+          f"heads of {r['head_dim']}, {r['dtype']}; {r['kv_mib']:.0f} MiB of KV; chunk "
+          f"{r['chunk_size']}; {r['threads']} threads)\n")
     print("| case | TTFT | vs full prefill |\n|---|---:|---:|")
     rows = [("full prefill (engine alone)", r.get("prefill_s")),
             ("lmc cold (prefill + save)", r["lmc_cold_s"]),
             ("lmc hit in L1 (CPU)", r["l1_hit_s"]),
-            ("lmc hit on disk (L1 empty)", r["disk_hit_s"])]
+            ("lmc hit on disk (L1 empty)", r["disk_hit_s"]),
+            ("link-bound ideal for the hit", r.get("ideal_s"))]
     for name, t in rows:
         if t is not None:
             print(f"| {name} | {t * 1e3:,.1f} ms | {base / t:,.1f}x |")
+    if r.get("ideal_s"):
+        print(f"\nlink-bound ideal = {r['kv_mib']:.0f} MiB / {r['copy_gib_s']:.1f} GiB/s "
+              f"(host->device copy, this run) + {r['step_s'] * 1e3:.1f} ms one-token step = "
+              f"{r['ideal_s'] * 1e3:.1f} ms; L1 hit at {r['l1_vs_ideal']:.2f} of it"
+              f"{'' if r['device'] == 'cpu' or r['l1_vs_ideal'] >= 0.9 else '  (< 0.90)'}")
+    if r.get("pool_pinned_bytes"):
+        print(f"pinned pool: {r['pool_pinned_bytes'] / GiB:.3f} GiB page-locked for "
+              f"{r['pool_asked_bytes'] / GiB:.3f} GiB asked")
+    if not r["overlap"]:
+        return
     print("\nLayer-wise overlap (medians; load and compute measured apart with loads done "
           "before the forward):\n")
     print("| uncached suffix | load | compute | load + compute | layer-wise TTFT | ideal | "

@@ -467,7 +467,7 @@ def forward_slowdown(copy: Callable[[], object], copy_seconds: float, device: in
     work) runs on the current stream while ``copy`` repeats on a side stream, as a fraction
     (0.1 = 10% slower). The copies are queued to cover the forward's whole run."""
     if forward is None:
-        a = torch.randn(4096, 4096, device=device, dtype=torch.bfloat16)
+        a = torch.randn(4096, 4096, device=device, dtype=torch.bfloat16) / 64  # stays finite
 
         def forward() -> None:
             x = a

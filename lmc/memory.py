@@ -718,6 +718,16 @@ class MemoryPool:
                    else {"prefaulted": 0}),
             }
 
+    def wait_ready(self, timeout: float | None = None) -> bool:
+        """Block until the whole pool is pre-faulted (unpinned) or page-locked (pinned), at
+        most ``timeout`` seconds; whether it is. A failed page-lock raises its PinError."""
+        pf = self._prefault
+        if pf is None:
+            return True
+        if isinstance(pf, Pinner):
+            return pf.wait(timeout) >= pf.size
+        return pf.done.wait(timeout) and pf.front >= pf.size
+
     def close(self) -> None:
         """Refuse further allocations. Objects still referenced are reported (``leaks``;
         a violation in invariant mode): every reference must be released before this."""

@@ -1,0 +1,186 @@
+#!/usr/bin/env bash
+# One command for a lent GPU (`make gpu-check`): install the checkout offline, run the GPU
+# tests, the transfer benchmark with its copy-under-compute figure and the device's copy path
+# calibration, the TTFT benchmark on CUDA, the pinned pool's bytes against the size asked;
+# print one table and append it, dated, with the device's name, to benchmarks/RESULTS.md.
+#
+#   bash benchmarks/gpu_check.sh            # on the device: < 5 min on an H100
+#   bash benchmarks/gpu_check.sh --dry-run  # any machine: every step runs, CUDA parts skip
+#                                           # (saying so); nothing is appended to RESULTS.md
+#
+# What the device image holds (no network): python3.12, torch (CUDA), cupy-cuda13x, numpy,
+# xxhash, pyyaml, prometheus-client, msgpack, safetensors, tokenizers, pytest, hypothesis; no
+# redis, no cryptography: the tests that need those skip, naming them. Every figure also
+# lands in $OUT (the device tool's result folder, when set) as JSON plus the section appended
+# to RESULTS.md (gpu_check_section.md), so a session can commit it from its own checkout.
+# Each step has its own time limit; a step that fails is reported in the table and the
+# script goes on, exiting non-zero at the end.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+PY=${PY:-python3}
+DRY=0
+for arg in "$@"; do
+    case "$arg" in
+        --dry-run) DRY=1 ;;
+        -h|--help) sed -n '2,19p' "$0"; exit 0 ;;
+        *) echo "gpu_check: unknown argument $arg (see --help)" >&2; exit 2 ;;
+    esac
+done
+RES=${OUT:-$(mktemp -d -t lmc-gpu-check.XXXXXX)}
+mkdir -p "$RES"
+export PYTHONUNBUFFERED=1 PIP_DISABLE_PIP_VERSION_CHECK=1
+T0=$(date +%s)
+step() { echo; echo "== gpu_check [$(( $(date +%s) - T0 )) s] $*"; }
+fails=()
+
+HAS_CUDA=$($PY -c "import torch; print(int(torch.cuda.is_available()))" 2>/dev/null || echo 0)
+if [ "$HAS_CUDA" != 1 ]; then
+    echo "gpu_check: no CUDA device on this machine: the CUDA parts are skipped (they say so)"
+fi
+
+step "install the checkout offline"
+if [ "$DRY" = 1 ]; then
+    echo "dry run: would run $PY -m pip install --no-deps --no-build-isolation --no-index -e ."
+elif ! timeout 180 $PY -m pip install -q --no-deps --no-build-isolation --no-index -e .; then
+    echo "gpu_check: the offline install failed; lmc is used from the checkout (PYTHONPATH)"
+    export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+    fails+=("install")
+fi
+$PY -c "import lmc, sys; print('lmc from', lmc.__file__, 'python', sys.version.split()[0])" \
+    || { echo "gpu_check: lmc does not import" >&2; exit 1; }
+
+step "GPU tests: pytest -m gpu"
+timeout 240 $PY -m pytest -q -m gpu -p no:cacheprovider --junitxml="$RES/gpu_tests.xml" \
+    tests/core tests/reference tests/connectors/test_vllm_gpu_layouts.py 2>&1 | tail -25
+[ "${PIPESTATUS[0]}" = 0 ] || fails+=("gpu tests")
+
+step "transfer bandwidth, copy under compute, copy path calibration"
+timeout 120 $PY benchmarks/bench_gpu_transfer.py --under-compute --calibrate \
+    --json "$RES/transfer.json" || fails+=("bench_gpu_transfer")
+
+step "TTFT on CUDA: Llama-8B KV shape (32 layers, 8 KV heads of 128, bf16), 16k tokens"
+timeout 200 $PY benchmarks/bench_ttft.py --device cuda --model 8b-kv --tokens 16384 --reps 3 \
+    --suffixes "" --json "$RES/ttft.json" || fails+=("bench_ttft")
+if [ "$DRY" = 1 ] && [ "$HAS_CUDA" != 1 ]; then
+    echo "dry run: the same figures on the CPU, a tiny model (checks the report, not the GPU)"
+    timeout 200 $PY benchmarks/bench_ttft.py --device cpu --tokens 512 --hidden 256 --layers 2 \
+        --kv-heads 2 --heads 2 --reps 1 --suffixes "" --json "$RES/ttft.json" \
+        || fails+=("bench_ttft (cpu)")
+fi
+
+step "pinned pool: bytes page-locked for the size asked"
+timeout 120 $PY - "$RES/pool.json" "$DRY" <<'EOF' || fails+=("pinned pool")
+import json, sys, time
+import torch
+from lmc.memory import MemoryPool
+
+out, dry = sys.argv[1], sys.argv[2] == "1"
+asked = (5 << 30) + (1 << 20)  # torch's pinned allocator would page-lock 8 GiB for this
+registrar = None
+if not torch.cuda.is_available():
+    asked = (64 << 20) + (1 << 20)
+
+    class Counting:  # no CUDA: the pool's own code with a register call that only counts
+        def register(self, addr, n): pass
+        def unregister(self, addr): pass
+
+    registrar = Counting()
+    print("pinned pool: no CUDA device: cudaHostRegister skipped, a counting stand-in used")
+t0 = time.perf_counter()
+pool = MemoryPool(asked, "true", prefault="now", registrar=registrar)
+secs = time.perf_counter() - t0
+st = pool.stats()
+pool.close()
+pow2 = 1 << (asked - 1).bit_length()
+res = {"asked": asked, "pinned": st["pinned_bytes"], "seconds": secs, "torch_would_pin": pow2,
+       "real": registrar is None}
+print(f"pinned pool: {st['pinned_bytes'] / 2**20:.0f} MiB page-locked for {asked / 2**20:.0f} "
+      f"MiB asked in {secs:.2f} s (torch's allocator: {pow2 / 2**20:.0f} MiB)")
+json.dump(res, open(out, "w"))
+sys.exit(0 if st["pinned_bytes"] - asked < 2 << 20 else 1)
+EOF
+
+step "summary"
+FAILS="${fails[*]:-}" $PY - "$RES" "$DRY" <<'EOF'
+import datetime, json, os, sys, xml.etree.ElementTree as ET
+from pathlib import Path
+
+res, dry = Path(sys.argv[1]), sys.argv[2] == "1"
+def load(name):
+    p = res / name
+    try:
+        return json.loads(p.read_text())
+    except (OSError, ValueError):
+        return None
+
+rows = []
+try:
+    suite = ET.parse(res / "gpu_tests.xml").getroot()
+    suite = suite if suite.tag == "testsuite" else suite.find("testsuite")
+    n, f, e, s = (int(suite.get(k, 0)) for k in ("tests", "failures", "errors", "skipped"))
+    ok = "yes" if f + e == 0 and n - s > 0 else ("no CUDA: all skipped" if n == s else "NO")
+    rows.append(("pytest -m gpu", f"{n - f - e - s} passed, {f + e} failed, {s} skipped", ok))
+except (OSError, ET.ParseError, AttributeError):
+    rows.append(("pytest -m gpu", "no report", "NO"))
+device = "no CUDA device"
+tr = load("transfer.json")
+if tr:
+    device = tr["device"]
+    m = tr["memcpy_gib_s"]
+    rows.append(("pinned memcpy D2H / H2D", f"{m['gather']:.1f} / {m['scatter']:.1f} GiB/s", ""))
+    for r in tr["rows"]:
+        slow = r.get("forward_slowdown")
+        chosen = tr["choice"].get(f"{r['direction']}/{r['shape']}") == r["strategy"]
+        rows.append((f"{r['direction']} {r['calls']} {r['strategy']}"
+                     f"{' (chosen)' if chosen else ''}",
+                     f"{r['ratio']:.2f} of memcpy"
+                     + ("" if slow is None else f", forward {slow * 100:+.1f}%"),
+                     ("yes" if r["ratio"] >= 0.9 else "NO") if chosen else ""))
+    for d, v in tr.get("memcpy_forward_slowdown", {}).items():
+        rows.append((f"plain memcpy {d} under compute", f"forward {v * 100:+.1f}%", ""))
+else:
+    rows.append(("transfer / copy under compute", "skipped (no CUDA device or CuPy)", ""))
+tt = load("ttft.json")
+if tt:
+    if tt.get("device") == "cuda":
+        device = tt.get("device_name", device)
+    where = "" if tt.get("device") == "cuda" else " [CPU stand-in]"
+    shape = (f"{tt['tokens']} tokens, {tt['layers']} layers, {tt['kv_heads']} KV heads of "
+             f"{tt['head_dim']}, {tt['dtype']}, {tt['kv_mib']:.0f} MiB KV")
+    rows.append((f"TTFT model{where}", shape, ""))
+    for k, name in (("prefill_s", "full prefill"), ("lmc_cold_s", "lmc cold"),
+                    ("l1_hit_s", "L1 hit"), ("disk_hit_s", "disk hit"),
+                    ("ideal_s", "link-bound ideal (copy + one-token step)")):
+        if tt.get(k) is not None:
+            rows.append((f"TTFT {name}{where}", f"{tt[k] * 1e3:.1f} ms", ""))
+    if tt.get("l1_vs_ideal"):
+        rows.append((f"L1 hit / ideal{where}", f"{tt['l1_vs_ideal']:.2f}",
+                     ("yes" if tt["l1_vs_ideal"] >= 0.9 else "NO") if not where else ""))
+else:
+    rows.append(("TTFT on CUDA", "skipped (no CUDA device)", ""))
+pool = load("pool.json")
+if pool:
+    tag = "" if pool["real"] else " [stand-in register]"
+    rows.append((f"pinned pool{tag}", f"{pool['pinned'] / 2**20:.0f} MiB pinned for "
+                 f"{pool['asked'] / 2**20:.0f} MiB asked in {pool['seconds']:.2f} s (torch: "
+                 f"{pool['torch_would_pin'] / 2**20:.0f} MiB)",
+                 "yes" if pool["pinned"] - pool["asked"] < 2 << 20 else "NO"))
+fails = os.environ.get("FAILS", "").strip()
+when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+lines = [f"## GPU check — `make gpu-check`, {device}, {when}", "",
+         "| check | figure | target met |", "|---|---|---|"]
+lines += [f"| {a} | {b} | {c} |" for a, b, c in rows]
+lines += ["", f"Steps that failed: {fails}." if fails else "Every step ran.", ""]
+text = "\n".join(lines)
+print(text)
+(res / "gpu_check_section.md").write_text(text + "\n")
+if dry or device == "no CUDA device":
+    print("(not appended to benchmarks/RESULTS.md: "
+          + ("dry run)" if dry else "no CUDA device)"))
+else:
+    with open("benchmarks/RESULTS.md", "a") as f:
+        f.write("\n" + text)
+    print("appended to benchmarks/RESULTS.md")
+EOF
+echo "gpu_check: results in $RES ($(( $(date +%s) - T0 )) s)"
+[ ${#fails[@]} = 0 ] || { echo "gpu_check: failed steps: ${fails[*]}" >&2; exit 1; }
