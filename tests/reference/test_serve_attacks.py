@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import resource
 import socket
@@ -192,24 +193,73 @@ class HostileConnector(InMemoryConnector):
         return super().build_connector_meta(scheduler_output)
 
 
+class Innocent:
+    """Another client's streamed request, running while an attack happens."""
+
+    def __init__(self, port: int, max_tokens: int = 40) -> None:
+        self.sock = socket.create_connection(("127.0.0.1", port), timeout=30)
+        body = json.dumps({**NORMAL, "max_tokens": max_tokens, "stream": True}).encode()
+        self.sock.sendall(b"POST /v1/completions HTTP/1.0\r\nContent-Length: %d\r\n\r\n%s"
+                          % (len(body), body))
+        self.buf = b""
+        while b"data: {" not in self.buf:  # its first token is out: it is in the engine
+            self.buf += self.sock.recv(65536)
+
+    def tokens(self) -> list[int]:
+        """The rest of its stream; its token ids (asserts it ended cleanly)."""
+        with self.sock:
+            while chunk := self.sock.recv(65536):
+                self.buf += chunk
+        body = self.buf.partition(b"\r\n\r\n")[2]
+        assert body.endswith(b"data: [DONE]\n\n") and b'"error"' not in body, body[-300:]
+        return [t for e in body.split(b"\n\n") if e.startswith(b"data: {")
+                for c in json.loads(e[6:])["choices"] for t in c.get("token_ids", [])]
+
+
 def test_connector_failures_fail_only_their_request(ckpt, want):
-    """Each per-request hook that raises fails that request alone (500 naming the hook); a
-    failing step fails the requests scheduled in it; later requests are served, and no
-    request or block is left behind."""
+    """Each per-request hook that raises fails that request alone (500 naming the hook)
+    while another client's request runs on unharmed; a failing step fails the requests
+    scheduled in it; later requests are served, and no request or block is left behind."""
     llm = LLM(ckpt, num_blocks=32, kv_connector=HostileConnector(16))
+    with LLM(ckpt, num_blocks=32) as ref:
+        long_want = ref.generate([PROMPT], max_tokens=40, ignore_eos=True)[0].token_ids
     srv = Server(llm, limits=LIMITS)
     threading.Thread(target=srv.serve_forever, daemon=True).start()
     try:
-        for attack, expect in (("lookup", "KeyError"), ("alloc", "TypeError"),
-                               ("step", "the step broke")):
+        for attack, expect in (("lookup", "KeyError"), ("alloc", "TypeError")):
+            other = Innocent(srv.port)
             status, raw = post(srv.port, {**NORMAL, "kv_transfer_params": {"attack": attack}})
             assert status == 500 and expect in message(raw), (attack, raw)
+            assert other.tokens() == long_want
             assert_served(srv, want)
+        status, raw = post(srv.port, {**NORMAL, "kv_transfer_params": {"attack": "step"}})
+        assert status == 500 and "the step broke" in message(raw), raw
+        assert_served(srv, want)
         status, raw = post(srv.port, {**NORMAL, "kv_transfer_params": {"attack": "finish"}})
         assert status == 200 and json.loads(raw)["choices"][0]["token_ids"] == want, raw
         assert llm.scheduler.requests == {} and llm.block_manager.num_free_blocks == 32
+        assert srv.loop.failures == 0  # each failure was pinned on its request
     finally:
         srv.close()
+
+
+def test_a_request_the_sampler_cannot_serve_fails_alone_in_its_batch(ckpt):
+    """Below the server: a request whose sampling raises (NaN temperature forced past the
+    checks, as a sampler bug would) is finished with its error; the request batched with
+    it gets the tokens it gets alone."""
+    from lmc.reference.request import SamplingParams
+    with LLM(ckpt, num_blocks=32) as llm:
+        want = llm.generate([PROMPT], max_tokens=6, ignore_eos=True)[0].token_ids
+        bad = SamplingParams(max_tokens=6, temperature=1.0)
+        object.__setattr__(bad, "temperature", math.nan)
+        bad_id = llm.add_request(PROMPT[:5], bad)
+        good_id = llm.add_request(PROMPT, SamplingParams(max_tokens=6, ignore_eos=True))
+        outs = {}
+        while llm.has_unfinished_requests():
+            outs.update((o.request_id, o) for o in llm.step())
+        assert outs[bad_id].finish_reason == "abort" and "sampling" in llm.pop_error(bad_id)
+        assert outs[good_id].token_ids == want and llm.pop_error(good_id) is None
+        assert llm.scheduler.requests == {} and llm.block_manager.num_free_blocks == 32
 
 
 # ----------------------------------------------------------------- the socket layer
