@@ -1,5 +1,5 @@
 """The trace format: what is written reads back equal, and every bad line is refused with
-``file:line``, the field and what was wrong."""
+``file:line``, the field and what was wrong. Threat model: docs/threats/cli.md."""
 
 from __future__ import annotations
 
