@@ -411,16 +411,29 @@ class P2PBackend(StorageBackend):
         out: list[MemoryObj | None] = [None] * len(keys)
         if self._closed.is_set() or not keys:
             return out
-        by_agent: dict[str, list[tuple[int, Record]]] = {}
-        for i, g in enumerate(self._locate(keys, fresh=False)):
-            if g is not None:
-                by_agent.setdefault(g[0], []).append((i, g[1]))
-        for agent, items in by_agent.items():
-            self._pull(agent, items, out)
+        first = self._locate(keys, fresh=False)
+        stale = self._pull_all(list(enumerate(first)), out)
+        if stale:  # a record located earlier went stale: the owner may have exported anew
+            again = self._locate([keys[i] for i in stale], fresh=True)
+            self._pull_all([(i, g) for i, g in zip(stale, again)
+                            if g is not None and g != first[i]], out)
         hits = sum(o is not None for o in out)
         self.counts["hits"] += hits
         self.counts["misses"] += len(keys) - hits
         return out
+
+    def _pull_all(self, located: list[tuple[int, tuple[str, Record] | None]],
+                  out: list[MemoryObj | None]) -> list[int]:
+        """Pull each located record into ``out``, one transfer per owner; the indices whose
+        version had changed (stale)."""
+        by_agent: dict[str, list[tuple[int, Record]]] = {}
+        for i, g in located:
+            if g is not None:
+                by_agent.setdefault(g[0], []).append((i, g[1]))
+        stale: list[int] = []
+        for agent, items in by_agent.items():
+            self._pull(agent, items, out, stale)
+        return stale
 
     def _distrust(self, agent: str, rec: Record, counter: str, why: object) -> None:
         """Drop a record that failed a check: never read that (owner, version) again."""
@@ -474,7 +487,7 @@ class P2PBackend(StorageBackend):
             self.integrity.check(rec.key, header, rec.tag or b"", payload)
 
     def _pull(self, agent: str, items: list[tuple[int, Record]],
-              out: list[MemoryObj | None]) -> None:
+              out: list[MemoryObj | None], stale: list[int]) -> None:
         """READ one owner's chunks into fresh pool objects; keep those whose version held
         and whose bytes verify."""
         info = self._peer(agent)
@@ -516,6 +529,8 @@ class P2PBackend(StorageBackend):
             raise
         for (i, rec, o), v in zip(dst, versions):
             out[i] = self._keep(agent, rec, o, v)
+            if v != rec.version:
+                stale.append(i)
 
     def _keep(self, agent: str, rec: Record, o: MemoryObj, version: int) -> MemoryObj | None:
         """``o`` if the chunk was still exported when READ and its bytes verify, else None
@@ -534,6 +549,11 @@ class P2PBackend(StorageBackend):
             return None
         self.counts["bytes_in"] += rec.nbytes
         return o
+
+    def _forget_located(self, agent: str) -> None:
+        with self._query_lock:  # engine threads may be filling it meanwhile
+            for k in [k for k, v in self._located.items() if v[1] == agent]:
+                self._located.pop(k, None)
 
     # ------------------------------------------------------------ lifecycle
     def close(self) -> None:

@@ -96,6 +96,8 @@ class PoolAgent:
         it was joined as (loading it under that name would redirect our READs of that agent:
         the name is dropped again, and re-fetched from the directory when next needed)."""
         with self._lock:
+            if self.closed:
+                raise ValueError("the agent is closed")
             if info.agent in self._peers:
                 return
             name = self.agent.add_remote_agent(info.metadata)
@@ -112,7 +114,7 @@ class PoolAgent:
     def forget_peer(self, agent: str) -> None:
         """Drop a peer that failed a transfer: its next record is looked up afresh."""
         with self._lock:
-            if self._peers.pop(agent, None) is not None:
+            if self._peers.pop(agent, None) is not None and not self.closed:
                 try:
                     self.agent.remove_remote_agent(agent)
                 except Exception as e:  # already gone on NIXL's side
@@ -125,6 +127,8 @@ class PoolAgent:
         (``time.monotonic``); raises :class:`TransferFailed`. ``hold``: the destination
         objects, kept referenced if the transfer cannot be stopped after a timeout."""
         with self._lock:
+            if self.closed:
+                raise TransferFailed("the agent is closed")
             self._drain_quarantine()
             a = self.agent
             local = a.get_xfer_descs([(la, n, 0) for la, _, n in pairs], "DRAM")
@@ -213,7 +217,8 @@ class PoolAgent:
         return sum(len(o) for _, o in self._quarantine)
 
     def close(self) -> None:
-        """Deregister everything. The process should then end with ``os._exit``."""
+        """Deregister everything and let the NIXL agent go (unless a transfer is still
+        quarantined). The process should then end with ``os._exit``."""
         with self._lock:
             if self.closed:
                 return
@@ -228,3 +233,6 @@ class PoolAgent:
                 except Exception as e:
                     log.debug("deregister_memory: %s", e)
             self._regs = []
+            self._peers.clear()
+            if not self._quarantine:  # its progress thread spins ~half a core until freed
+                self.agent = None
