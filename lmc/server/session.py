@@ -305,6 +305,9 @@ class Session:
         prefix = P.get_flag(meta, "prefix")
         ikeys = self.store.internal_keys(ns, keys)
         objs = await self.daemon.run_storage(self.store.get, ns, ikeys, prefix)
+        # while this reply is unsent its objects stay charged to ns (a slow reader must not
+        # make the pool take room from other tenants)
+        held = self.store.hold(ns, ikeys, objs)
         try:
             items: list[bytes | None] = []
             bufs: list[memoryview] = []
@@ -329,6 +332,8 @@ class Session:
             # cut short by max_payload: the rest is asked again, not missed
             self.daemon.activity.get(ns, len(items) if more else len(keys), len(bufs), total)
         finally:
+            if held:
+                self.store.unhold(ns, objs)
             live = [o for o in objs if o is not None]
             if live:
                 live[0].pool.release_many(live)

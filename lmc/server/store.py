@@ -58,27 +58,112 @@ class _Full(Exception):
     """Every ledger that could be reclaimed has writes in flight."""
 
 
-class _Ledger:
-    """One namespace's chunks in memory, oldest first, and their bytes."""
+class _Held:
+    """One pool object referenced by this namespace's replies being sent."""
 
-    __slots__ = ("keys", "bytes", "pending")
+    __slots__ = ("key", "nbytes", "count", "orphan")
+
+    def __init__(self, key: bytes, nbytes: int, orphan: bool) -> None:
+        self.key, self.nbytes, self.count, self.orphan = key, nbytes, 1, orphan
+
+
+class _Ledger:
+    """One namespace's chunks in memory, oldest first, and their bytes; and the objects its
+    replies being sent hold (``held``). A held object whose key left the ledger (evicted for
+    the quota, deleted) is an orphan: still allocated, in no ledger, so its bytes are
+    charged here (``orphan``) until the reply is sent. Keys a reply holds are never evicted
+    for the quota (``pinned`` of their bytes): that would free nothing."""
+
+    __slots__ = ("keys", "bytes", "pending", "held", "held_keys", "orphan", "pinned")
 
     def __init__(self) -> None:
         self.keys: OrderedDict[bytes, int] = OrderedDict()
         self.bytes = 0
         self.pending = 0  # admitted, still arriving: counted so concurrent PUTs cannot overshoot
+        self.held: dict[int, _Held] = {}  # id(obj) -> what a reply holds
+        self.held_keys: dict[bytes, set[int]] = {}  # ledger key -> held objects of it
+        self.orphan = 0
+        self.pinned = 0
+
+    @property
+    def charge(self) -> int:
+        """Memory this namespace holds or is about to: what its quota bounds."""
+        return self.bytes + self.pending + self.orphan
+
+    @property
+    def busy(self) -> bool:
+        """Writes arriving or replies being sent: the ledger cannot be forgotten now."""
+        return bool(self.pending or self.held)
 
     def add(self, key: bytes, nbytes: int) -> None:
         old = self.keys.pop(key, None)
         if old is not None:
             self.bytes -= old
+            if key in self.held_keys:
+                self.pinned += nbytes - old
         self.keys[key] = nbytes
         self.bytes += nbytes
 
     def drop(self, key: bytes) -> None:
         n = self.keys.pop(key, None)
-        if n is not None:
-            self.bytes -= n
+        if n is None:
+            return
+        self.bytes -= n
+        ids = self.held_keys.pop(key, None)
+        if ids:  # still being sent: its memory stays, charged as an orphan
+            self.pinned -= n
+            for i in ids:
+                h = self.held[i]
+                h.orphan = True
+                self.orphan += h.nbytes
+
+    def evictable(self, need: int, quota: int, skip: set[bytes] | frozenset = frozenset()
+                  ) -> list[bytes]:
+        """Oldest keys whose eviction brings the charge plus ``need`` within ``quota``,
+        never one a reply holds (or in ``skip``)."""
+        over = self.charge + need - quota
+        out: list[bytes] = []
+        for k, n in self.keys.items():
+            if over <= 0:
+                break
+            if k in self.held_keys or k in skip:
+                continue
+            out.append(k)
+            over -= n
+        return out
+
+    def hold(self, key: bytes, obj: MemoryObj) -> None:
+        h = self.held.get(id(obj))
+        if h is not None:
+            h.count += 1
+            return
+        owned = key in self.keys
+        self.held[id(obj)] = _Held(key, obj.nbytes, orphan=not owned)
+        if not owned:
+            self.orphan += obj.nbytes
+            return
+        ids = self.held_keys.setdefault(key, set())
+        if not ids:
+            self.pinned += self.keys[key]
+        ids.add(id(obj))
+
+    def unhold(self, obj: MemoryObj) -> None:
+        h = self.held.get(id(obj))
+        if h is None:
+            return
+        h.count -= 1
+        if h.count:
+            return
+        del self.held[id(obj)]
+        if h.orphan:
+            self.orphan -= h.nbytes
+            return
+        ids = self.held_keys.get(h.key)
+        if ids is not None:
+            ids.discard(id(obj))
+            if not ids:
+                del self.held_keys[h.key]
+                self.pinned -= self.keys.get(h.key, 0)
 
 
 class NamespacedStore:
@@ -133,13 +218,12 @@ class NamespacedStore:
             except _Full:  # every tracked namespace has a write in flight right now
                 return [False] * len(sizes), 0
             need = min(sum(sizes), quota)
-            if ledger.bytes + ledger.pending + need > quota:
+            if ledger.charge + need > quota:
                 self._prune(ledger)
-            while ledger.bytes + ledger.pending + need > quota and ledger.keys:
-                k = next(iter(ledger.keys))
+            for k in ledger.evictable(need, quota):
                 ledger.drop(k)
                 victims.append(k)
-            out, room = [], quota - ledger.bytes - ledger.pending
+            out, room = [], quota - ledger.charge
             for s in sizes:
                 ok = s <= room
                 room -= s if ok else 0
@@ -178,7 +262,7 @@ class NamespacedStore:
         chunks are returned for deletion from memory (a namespace nobody tracks must not
         keep memory its quota no longer bounds)."""
         for name, ledger in self._ledgers.items():
-            if name not in self.configured and not ledger.pending:
+            if name not in self.configured and not ledger.busy:
                 del self._ledgers[name]
                 self._dynamic -= 1
                 self.reclaimed += 1
@@ -219,19 +303,15 @@ class NamespacedStore:
             else:
                 for k, n in zip(ikeys, sizes):
                     ledger.add(k, n)
-                if enforce and ledger.bytes + ledger.pending > quota:
+                if enforce and ledger.charge > quota:
                     self._prune(ledger)
-                    fresh = set(ikeys)
-                    for k in list(ledger.keys):
-                        if ledger.bytes + ledger.pending <= quota:
-                            break
-                        if k not in fresh:
-                            ledger.drop(k)
-                            victims.append(k)
-                    while ledger.bytes + ledger.pending > quota and ledger.keys:
-                        k = next(iter(ledger.keys))  # still over: the new ones go too
+                    old = ledger.evictable(0, quota, skip=set(ikeys))
+                    for k in old:
                         ledger.drop(k)
-                        victims.append(k)
+                    new = ledger.evictable(0, quota)  # still over: the new ones go too
+                    for k in new:
+                        ledger.drop(k)
+                    victims += old + new
         if victims:
             self.l1.delete(victims)
 
@@ -281,6 +361,11 @@ class NamespacedStore:
             return self._spread(ikeys, uniq, self.get(ns, uniq, prefix), prefix)
         if len(self.storage.tiers) == 1:
             return self._get(ikeys, prefix)
+        quota = self.quota(ns)
+        if quota is not None and self.unfreeable(ns) >= quota:
+            # replies being sent already hold the whole quota: reading from a lower tier
+            # would allocate past it (at other tenants' expense), so only memory answers
+            return self._from_memory(ikeys, prefix)
         before = self.l1.contains(ikeys)
         found = self._get(ikeys, prefix)
         if self.quota(ns) is not None:
@@ -313,6 +398,16 @@ class NamespacedStore:
                 o.release()
         return out + [None] * (len(ikeys) - len(out))
 
+    def _from_memory(self, ikeys: Sequence[bytes], prefix: bool) -> list[MemoryObj | None]:
+        found: list[MemoryObj | None] = list(self.l1.get(ikeys))
+        if prefix and None in found:
+            cut = found.index(None)
+            for o in found[cut:]:
+                if o is not None:
+                    o.release()
+            found = found[:cut] + [None] * (len(found) - cut)
+        return found
+
     def _get(self, ikeys: Sequence[bytes], prefix: bool) -> list[MemoryObj | None]:
         n = len(ikeys)
         if prefix:
@@ -341,6 +436,42 @@ class NamespacedStore:
                     if k in ledger.keys:
                         ledger.keys.move_to_end(k)
 
+    def hold(self, ns: str, ikeys: Sequence[bytes], objs: Sequence[MemoryObj | None]) -> bool:
+        """A reply of ``ns`` is about to send ``objs`` (its references are the caller's until
+        :meth:`unhold`): while it does, whatever of them leaves the namespace's ledger stays
+        charged to the namespace, and none of them is evicted for its quota. Returns whether
+        anything was recorded (namespaces without a quota are not tracked)."""
+        if self.quota(ns) is None or not any(o is not None for o in objs):
+            return False
+        victims: list[bytes] = []
+        with self._lock:
+            try:
+                ledger = self._ledger(ns, victims)
+            except _Full:  # every ledger is busy: charge nothing rather than fail the read
+                return False
+            for k, o in zip(ikeys, objs):
+                if o is not None:
+                    ledger.hold(k, o)
+        if victims:
+            self.l1.delete(victims)
+        return True
+
+    def unhold(self, ns: str, objs: Sequence[MemoryObj | None]) -> None:
+        """The reply that :meth:`hold` recorded has been sent (or dropped)."""
+        with self._lock:
+            ledger = self._ledgers.get(ns)
+            if ledger is not None:
+                for o in objs:
+                    if o is not None:
+                        ledger.unhold(o)
+
+    def unfreeable(self, ns: str) -> int:
+        """Bytes of ``ns``'s charge that evicting its chunks cannot free now (replies being
+        sent, writes arriving); 0 for a namespace without a quota."""
+        with self._lock:
+            ledger = self._ledgers.get(ns)
+            return 0 if ledger is None else ledger.orphan + ledger.pinned + ledger.pending
+
     # ----------------------------------------------------------------- misc
     def _prune(self, ledger: _Ledger) -> None:
         keys = list(ledger.keys)
@@ -353,7 +484,7 @@ class NamespacedStore:
         for ns in list(self._ledgers):
             ledger = self._ledgers[ns]
             self._prune(ledger)
-            if not ledger.keys and not ledger.pending:
+            if not ledger.keys and not ledger.busy:
                 del self._ledgers[ns]
                 if ns not in self.configured:
                     self._dynamic -= 1
@@ -364,8 +495,8 @@ class NamespacedStore:
         (a tenant sees its own namespaces, not who else uses the daemon)."""
         with self._lock:
             return {ns: {"chunks": len(ld.keys), "bytes": ld.bytes,
-                         "quota": self.quota(ns) or 0} for ns, ld in self._ledgers.items()
-                    if allowed is None or ns in allowed}
+                         "quota": self.quota(ns) or 0, "unsent_bytes": ld.orphan}
+                    for ns, ld in self._ledgers.items() if allowed is None or ns in allowed}
 
     def stats(self) -> dict[str, Any]:
         out: dict[str, Any] = {}

@@ -166,3 +166,51 @@ def test_a_disk_write_failing_with_emfile_keeps_the_value(tmp_path):
     got = json.loads(out.stdout.splitlines()[-1])
     assert got["emfile_failures"] >= 6, got  # the writes did meet EMFILE
     assert got["on_disk_exact"] == [True] * 6, got
+
+
+# ------------------------------------------------------------------- slow reader vs quotas
+
+
+def _slow_reader(port: int) -> socket.socket:
+    """A connection whose receive buffer is tiny and which the test never reads: the
+    daemon's answers to it stay unsent (the issue's reader took 27 KiB/s)."""
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    s.connect(("127.0.0.1", port))
+    s.settimeout(10)
+    return s
+
+
+def test_a_slow_reader_cannot_evict_another_tenants_data(start_daemon):
+    """The issue's case: a 32 MiB pool, 8 MiB quota per namespace; tenant B stores 8 MiB;
+    tenant A four times stores 8 MiB and GETs it on a socket it does not read (an answer
+    larger than the 4 MiB a kernel send buffer takes, so the daemon holds the rest). A's unsent replies are charged to A (its own PUTs are refused over quota
+    while they hold its memory), so B's 8 values all stay readable. (Chunks evicted from
+    A's quota stayed allocated while unsent and the pool took the room from B: 0/8.)"""
+    d = start_daemon("--size", "32MiB", "--quota-default", "8MiB")
+    c = W.RawClient(d.port)
+    b_keys = [bytes([0xB, i]) * 8 for i in range(8)]
+    b_vals = [W.value_bytes("tenant-b", k, **MiB_VALUE) for k in b_keys]
+    assert c.call(W.put("tenant-b", b_vals))[1]["results"] == b"\0" * 8
+    readers = []
+    try:
+        for r in range(4):
+            keys = [bytes([0xA, r, i]) * 5 + b"A" for i in range(8)]
+            vals = [W.value_bytes("tenant-a", k, **MiB_VALUE) for k in keys]
+            st, meta, _ = c.call(W.put("tenant-a", vals))
+            assert st == P.OK
+            s = _slow_reader(d.port)
+            s.sendall(W.hello(client=f"slow-{r}") + W.frame(P.GET, {"ns": "tenant-a",
+                                                                     "keys": keys}, req_id=2))
+            readers.append(s)
+            time.sleep(0.3)  # the GET is answered and its send stalls
+        st, meta, payload = c.call(W.frame(P.GET, {"ns": "tenant-b", "keys": b_keys}))
+        assert st == P.OK
+        got = sum(it is not None for it in meta["items"])
+        assert got == 8 and payload == b"".join(p for _, p in b_vals), f"B kept {got}/8"
+        ns = _stats(c)["namespaces"]["tenant-a"]
+        assert ns["bytes"] + ns["unsent_bytes"] <= 8 << 20, ns
+    finally:
+        for s in readers:
+            s.close()
+    c.close()
