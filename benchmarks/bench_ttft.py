@@ -253,10 +253,17 @@ def main(argv: list[str] | None = None) -> int:
         conn.engine.storage.flush(timeout=120)
 
         log("L1 hits ...")
-        l1 = [ttft(llm, prompt) for _ in range(args.reps)]
+        l1, l1_wait, l1_load = [], [], []
+        for _ in range(args.reps):  # where a hit's time goes: the forward's waits on loads
+            w0, l0 = worker_stat(conn, "load_wait_seconds"), worker_stat(conn, "load_seconds")
+            l1.append(ttft(llm, prompt))
+            l1_wait.append(worker_stat(conn, "load_wait_seconds") - w0)
+            l1_load.append(worker_stat(conn, "load_seconds") - l0)
         assert all(c == n - 1 for _, c in l1), l1
         res["l1_hit_s"] = statistics.median(t for t, _ in l1)
         res["l1_hit_reps"] = [t for t, _ in l1]
+        res["l1_wait_s"] = statistics.median(l1_wait)  # the forward blocked on loads
+        res["l1_load_s"] = statistics.median(l1_load)  # lmc's I/O thread on the loads
         if "step_s" in res:
             res["ideal_s"] = kv_bytes / (res["copy_gib_s"] * GiB) + res["step_s"]
             res["l1_vs_ideal"] = res["ideal_s"] / res["l1_hit_s"]
@@ -432,6 +439,12 @@ def report(r: dict[str, Any]) -> None:
               f"(host->device copy, this run) + {r['step_s'] * 1e3:.1f} ms one-token step = "
               f"{r['ideal_s'] * 1e3:.1f} ms; L1 hit at {r['l1_vs_ideal']:.2f} of it"
               f"{'' if r['device'] == 'cpu' or r['l1_vs_ideal'] >= 0.9 else '  (< 0.90)'}")
+    if r.get("l1_load_s") is not None:
+        print(f"L1 hit: lmc's I/O thread {r['l1_load_s'] * 1e3:.1f} ms on the loads, the forward "
+              f"waited {r['l1_wait_s'] * 1e3:.1f} ms for them; copy paths: "
+              + ", ".join(f"{k.removeprefix('copy_path.')}={v}"
+                          for k, v in sorted(r.get("copy_stats", {}).items())
+                          if k.startswith("copy_path.")))
     if r.get("pool_pinned_bytes"):
         print(f"pinned pool: {r['pool_pinned_bytes'] / GiB:.3f} GiB page-locked for "
               f"{r['pool_asked_bytes'] / GiB:.3f} GiB asked")

@@ -153,6 +153,15 @@ if tt:
                     ("ideal_s", "link-bound ideal (copy + one-token step)")):
         if tt.get(k) is not None:
             rows.append((f"TTFT {name}{where}", f"{tt[k] * 1e3:.1f} ms", ""))
+    if tt.get("l1_load_s") is not None:
+        rows.append((f"L1 hit: I/O thread on loads / forward waited{where}",
+                     f"{tt['l1_load_s'] * 1e3:.1f} / {tt['l1_wait_s'] * 1e3:.1f} ms", ""))
+    paths = {k.removeprefix("copy_path."): v for k, v in tt.get("copy_stats", {}).items()
+             if k.startswith("copy_path.")}
+    if paths:
+        rows.append(("copy paths in the TTFT run", ", ".join(f"{k} {v}"
+                                                             for k, v in sorted(paths.items())),
+                     ""))
     if tt.get("l1_vs_ideal"):
         rows.append((f"L1 hit / ideal{where}", f"{tt['l1_vs_ideal']:.2f}",
                      ("yes" if tt["l1_vs_ideal"] >= 0.9 else "NO") if not where else ""))
