@@ -3,7 +3,8 @@ the chunks from the first's pool, bit-exact; an owner killed around a transfer, 
 evicted mid-read and a stale directory entry are misses, never wrong KV.
 
 The processes are shared by the module's tests (each takes seconds to start); every test
-uses its own prompt (seed), so none sees another's chunks."""
+uses its own prompt (seed), so none sees another's chunks. Threat model:
+``docs/threats/p2p.md``."""
 
 from __future__ import annotations
 

@@ -1,7 +1,8 @@
 """The owner side's bounds: exported chunks (copies in the export window, the only memory
 peers can READ) are capped by the window's bytes, oldest first, and expire after
 ``export_ttl`` even with no call on the tier; each one leaves the version table and the
-directory, and its window memory is given back. The caller's objects are never held."""
+directory, and its window memory is given back. The caller's objects are never held.
+Threat model: ``docs/threats/p2p.md``."""
 
 from __future__ import annotations
 
