@@ -11,6 +11,11 @@ Per-tier hit tokens come from the server's own lmc counters: vLLM with lmc expor
 on ``/lmc/stats``. They are server-wide counters, read before and after the
 replay (and about once a second for the timeline); a server without them gets "unknown",
 never an estimate.
+
+The server is not trusted to answer well: pages and stream lines are read up to a bound,
+parsed by :func:`lmc.workloads.inputs.parse_json` (depth-bounded) and type-checked, and a
+request whose answer is malformed is recorded as failed while the replay goes on (threat
+model: ``docs/threats/cli.md``).
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import http.client
 import json
+import math
 import queue
 import re
 import socket
@@ -29,10 +35,14 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from lmc.workloads.dispatch import Dispatcher
+from lmc.workloads.inputs import InputError, parse_json, printable
 from lmc.workloads.replay import Progress, ReplayResult, RequestRecord
 from lmc.workloads.trace import TraceRequest
 
 METRIC = "lmc:connector_total"
+MAX_PAGE_BYTES = 16 << 20  # /v1/models, /metrics, /lmc/stats
+MAX_EVENT_BYTES = 1 << 20  # one line of a completion stream
+MAX_STREAM_TOKENS = 1 << 21  # token ids one answer may stream (twice the longest output_len)
 _SAMPLE = re.compile(r'^([A-Za-z_:][\w:]*)(\{[^}]*\})?\s+(\S+)')
 _STAT = re.compile(r'stat="([^"]*)"')
 
@@ -58,19 +68,28 @@ class Endpoint:
         try:
             conn.request("GET", self.prefix + path)
             resp = conn.getresponse()
-            return resp.status, resp.read()
+            body = resp.read(MAX_PAGE_BYTES + 1)
+            if len(body) > MAX_PAGE_BYTES:
+                raise OSError(f"{self.url}{path} answered more than {MAX_PAGE_BYTES >> 20} MiB")
+            return resp.status, body
         finally:
             conn.close()
 
     def model(self) -> str:
         """The first model the server lists (``GET /v1/models``)."""
+        where = f"{self.url}/v1/models"
         status, body = self.get("/v1/models")
         if status != 200:
-            raise OSError(f"{self.url}/v1/models answered HTTP {status}; pass --model")
-        data = json.loads(body).get("data") or []
+            raise OSError(f"{where} answered HTTP {status}; pass --model")
+        page = parse_json(body.decode("utf-8", "replace"), where)
+        data = page.get("data") if isinstance(page, dict) else None
         if not data:
-            raise OSError(f"{self.url}/v1/models lists no model; pass --model")
-        return str(data[0]["id"])
+            raise OSError(f"{where} lists no model; pass --model")
+        first = data[0] if isinstance(data, list) else None
+        if not isinstance(first, dict) or not isinstance(first.get("id"), str) \
+                or not first["id"].isprintable():
+            raise OSError(f"{where} is not an OpenAI model list; pass --model")
+        return first["id"]
 
 
 def parse_tier_metrics(text: str) -> tuple[dict[str, float], float | None] | None:
@@ -89,7 +108,9 @@ def parse_tier_metrics(text: str) -> tuple[dict[str, float], float | None] | Non
         stat = _STAT.search(m.group(2) or "")
         if stat is None:
             continue
-        value = float(m.group(3))
+        value = _finite(m.group(3))
+        if value is None:
+            continue
         name = stat.group(1)
         if name.startswith("tokens_from_"):
             tier = name.removeprefix("tokens_from_")
@@ -104,10 +125,20 @@ def parse_lmc_stats(stats: Any) -> tuple[dict[str, float], float | None] | None:
     its connector's flat counters, ``worker.tokens_from_<tier>``); None if not such a page."""
     if not isinstance(stats, dict):
         return None
-    tiers = {k.removeprefix("worker.tokens_from_"): float(v) for k, v in stats.items()
-             if k.startswith("worker.tokens_from_") and isinstance(v, (int, float))}
-    failures = stats.get("worker.load_failures")
-    return tiers, float(failures) if isinstance(failures, (int, float)) else None
+    tiers = {k.removeprefix("worker.tokens_from_"): v for k, raw in stats.items()
+             if k.startswith("worker.tokens_from_") and (v := _finite(raw)) is not None}
+    return tiers, _finite(stats.get("worker.load_failures"))
+
+
+def _finite(value: Any) -> float | None:
+    """A counter's value as a finite float, or None (a string, a bool, 1e999, 10**400)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        return None
+    try:
+        x = float(value)
+    except (ValueError, OverflowError):
+        return None
+    return x if math.isfinite(x) else None
 
 
 class _Scraper:
@@ -144,8 +175,8 @@ class _Scraper:
                     continue
             else:
                 try:
-                    page = json.loads(text)
-                except json.JSONDecodeError:
+                    page = parse_json(text, path)
+                except InputError:
                     page = None
                 got = parse_lmc_stats(page) if page else None
                 if got is None:
@@ -205,6 +236,53 @@ class _Open:
                 sock.shutdown(socket.SHUT_RDWR)  # wakes a thread blocked on the stream
 
 
+def _events(resp: http.client.HTTPResponse, deadline: float) -> Any:
+    """The JSON objects of a server-sent event stream up to ``[DONE]``; a line past
+    MAX_EVENT_BYTES, a stream past the deadline or an event that is not an object is a
+    ValueError (the request fails, the replay goes on)."""
+    while True:
+        raw = resp.readline(MAX_EVENT_BYTES + 1)
+        if not raw:
+            return
+        if len(raw) > MAX_EVENT_BYTES:
+            raise ValueError(f"a stream line longer than {MAX_EVENT_BYTES >> 20} MiB")
+        if time.perf_counter() > deadline:
+            raise ValueError("the stream went on past --timeout")
+        line = raw.strip()
+        if not line.startswith(b"data:"):
+            continue
+        data = line[5:].strip()
+        if data == b"[DONE]":
+            return
+        event = parse_json(data.decode("utf-8", "replace"), "stream event")
+        if not isinstance(event, dict):
+            raise ValueError(f"stream event: expected a JSON object, got {type(event).__name__}")
+        yield event
+
+
+def _list(obj: dict[str, Any], key: str) -> list[Any]:
+    """``obj[key]`` as a list (absent or null: empty); ``choices`` hold objects,
+    ``token_ids`` whole numbers >= 0."""
+    value = obj.get(key) or []
+    if not isinstance(value, list):
+        raise ValueError(f"{key}: expected a list")
+    want = dict if key == "choices" else int
+    if not all(isinstance(v, want) and not isinstance(v, bool) for v in value) \
+            or (want is int and any(v < 0 for v in value)):
+        raise ValueError(f"{key}: expected a list of {'objects' if want is dict else 'ids'}")
+    return value
+
+
+def _count(obj: dict[str, Any], key: str) -> int | None:
+    """A token count the server reported: a whole number >= 0 below 2**63, or absent."""
+    value = obj.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 2**63:
+        raise ValueError(f"usage.{key}: expected a token count, got {printable(repr(value), 40)}")
+    return value
+
+
 def send(ep: Endpoint, req: TraceRequest, model: str, vllm_extras: bool, rec: RequestRecord,
          t_due: float, open_: _Open | None = None) -> None:
     """One streaming completion; fills ``rec`` (times from ``t_due``, a perf_counter)."""
@@ -225,33 +303,32 @@ def send(ep: Endpoint, req: TraceRequest, model: str, vllm_extras: bool, rec: Re
             return
         ids: list[int] = []
         chunks = 0
-        for raw in resp:
-            line = raw.strip()
-            if not line.startswith(b"data:"):
-                continue
-            data = line[5:].strip()
-            if data == b"[DONE]":
-                break
-            event = json.loads(data)
+        for event in _events(resp, time.perf_counter() + ep.timeout):
             if "error" in event:
-                rec.error = f"server error: {str(event['error'])[:300]}"
+                rec.error = f"server error: {printable(str(event['error']), 300)}"
                 return
-            for choice in event.get("choices") or []:
-                got = choice.get("token_ids") or []
+            for choice in _list(event, "choices"):
+                got = _list(choice, "token_ids")
                 # a chunk with nothing in it (some servers open with one) is not a token
                 if not (got or choice.get("text") or choice.get("finish_reason")):
                     continue
                 if rec.ttft_s is None:
                     rec.ttft_s = time.perf_counter() - t_due
                 chunks += 1
+                if len(ids) + len(got) > MAX_STREAM_TOKENS:
+                    raise ValueError(f"the stream sent more than {MAX_STREAM_TOKENS} tokens")
                 ids.extend(got)
             usage = event.get("usage")
             if usage:
-                rec.prompt_tokens = usage.get("prompt_tokens")
-                rec.output_tokens = int(usage.get("completion_tokens") or 0)
+                if not isinstance(usage, dict):
+                    raise ValueError("usage: expected an object")
+                rec.prompt_tokens = _count(usage, "prompt_tokens")
+                rec.output_tokens = _count(usage, "completion_tokens") or 0
                 details = usage.get("prompt_tokens_details") or {}
+                if not isinstance(details, dict):
+                    raise ValueError("usage.prompt_tokens_details: expected an object")
                 if details.get("cached_tokens") is not None:
-                    rec.cached_tokens = int(details["cached_tokens"])
+                    rec.cached_tokens = _count(details, "cached_tokens")
         rec.latency_s = time.perf_counter() - t_due
         if rec.ttft_s is None:
             rec.error = "the stream ended without a token"
@@ -261,8 +338,8 @@ def send(ep: Endpoint, req: TraceRequest, model: str, vllm_extras: bool, rec: Re
             rec.output_ids = ids
         if rec.prompt_tokens is None and req.prompt_tokens is not None:
             rec.prompt_tokens = len(req.prompt_tokens)
-    except (OSError, http.client.HTTPException, json.JSONDecodeError, ValueError) as e:
-        rec.error = f"{type(e).__name__}: {e}"
+    except (OSError, http.client.HTTPException, ValueError) as e:
+        rec.error = f"{type(e).__name__}: {printable(str(e), 300)}"
     finally:
         if open_ is not None and sock is not None:
             open_.discard(sock)
@@ -294,8 +371,12 @@ def replay_http(requests: Sequence[TraceRequest], url: str, *, model: str | None
     open_ = _Open()
 
     def run(req: TraceRequest, rec: RequestRecord) -> None:
-        send(ep, req, model, vllm_extras, rec, start + rec.due_s, open_)
-        done_q.put(rec)
+        try:
+            send(ep, req, model, vllm_extras, rec, start + rec.due_s, open_)
+        except Exception as e:  # a bug or an answer no check foresaw: this request fails,
+            rec.error = f"{type(e).__name__}: {printable(str(e), 300)}"  # the replay goes on
+        finally:
+            done_q.put(rec)  # always: the dispatcher waits for every request
 
     pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="lmc-replay")
     try:
