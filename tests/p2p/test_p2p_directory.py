@@ -6,10 +6,13 @@ tenant's agent name, filling the peer table. Threat model: ``docs/threats/p2p.md
 from __future__ import annotations
 
 import random
+import struct
 import time
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from lmc.p2p.directory import DirectoryFull, PeerDirectory
 from lmc.p2p.directory_client import DirectoryConnection
@@ -221,3 +224,93 @@ def test_daemon_survives_garbage_directory_requests(daemon):
     assert reader.locate([_key(5)], me="r") == [[("own-after-fuzz", _rec(_key(5)))]]
     owner.close()
     reader.close()
+
+
+# ------------------------------------------------------------------ properties
+_FIELDS = st.tuples(
+    st.binary(min_size=16, max_size=16), st.integers(0, 2**64 - 1), st.integers(0, 2**64 - 1),
+    st.integers(0, 2**32 - 1), st.integers(0, 9),
+    st.one_of(st.sampled_from([0, 1]), st.integers(0, 255)),
+    st.tuples(*[st.integers(0, 70)] * 4), st.integers(0, 70), st.integers(0, 2**64 - 1),
+    st.binary(min_size=32, max_size=32), st.booleans(), st.integers(0, 2**64 - 1))
+
+
+@settings(max_examples=300, deadline=None)
+@given(_FIELDS)
+def test_any_record_a_peer_sends_is_consistent_or_refused(fields):
+    """Whatever field values a peer packs into a record (a length that agrees with its shape
+    or not, any dtype code, flag bits, version): refused with BadRecord, or a record whose
+    fields agree (length = shape x dtype > 0, tokens = shape[2], version >= 1, the tag only
+    when flagged) and that packs back to the same bytes."""
+    key, off, ver, slot, code, flags, shape, ntok, csum, tag, consistent, n = fields
+    if consistent:  # mostly a length that matches, so the other checks are reached
+        n = shape[0] * shape[1] * shape[2] * shape[3] * {3: 2, 2: 2, 1: 4}.get(code, 1)
+        ntok = shape[2]
+    raw = struct.pack("<16sQQQIBB2x4IIQ32s", key, off, n, ver, slot, code, flags, *shape,
+                      ntok, csum, tag)
+    try:
+        rec = unpack_record(raw)
+    except BadRecord:
+        return
+    s0, s1, s2, s3 = rec.shape
+    assert rec.nbytes == s0 * s1 * s2 * s3 * rec.dtype.itemsize > 0
+    assert rec.num_tokens == s2 and rec.version >= 1 and flags in (0, 1)
+    assert (rec.tag is not None) == (flags == 1)
+    assert rec.pack() == (raw if flags else raw[:-32] + bytes(32))
+    accepted.append(1)
+
+
+accepted: list[int] = []
+
+
+def test_the_record_property_reached_accepted_records():
+    """The property above is not vacuous: some generated records were accepted."""
+    if not accepted:
+        test_any_record_a_peer_sends_is_consistent_or_refused()
+    assert accepted
+
+
+_OPS = st.lists(st.tuples(st.sampled_from(["join", "advertise", "withdraw", "leave"]),
+                          st.integers(0, 7), st.integers(0, 2), st.integers(0, 3),
+                          st.integers(0, 5)), max_size=60)
+
+
+@settings(max_examples=150, deadline=None)
+@given(_OPS)
+def test_namespaces_never_leak_and_bounds_hold(ops):
+    """Random joins, advertisements, withdrawals and leaves by 8 connections of 3 tokens
+    across 2 namespaces (a token's namespace fixed by the token, as the daemon grants):
+    a locate or peer lookup in one namespace names only agents joined in it, every record
+    found is one its holder advertised, and no token ever holds more than its bound."""
+    d = PeerDirectory(max_peers=2, max_entries=3, max_holders=2)
+    model: dict[int, tuple[str, str, dict[bytes, bytes]]] = {}  # conn -> ns, agent, records
+    for op, conn, token, name, key in ops:
+        ns = f"ns{token % 2}"
+        k = b"k%d" % key
+        if op == "join":
+            agent = f"agent-{name}"
+            try:
+                d.join(conn, _info(agent), ns, owner=f"tok{token}")
+            except (ValueError, DirectoryFull):
+                continue
+            model[conn] = (ns, agent, {})
+        elif op == "advertise" and conn in model:
+            rec = b"r-%d-%d" % (conn, key)
+            d.advertise(conn, [(model[conn][0] + ":").encode() + k], [rec])
+            model[conn][2][k] = rec
+        elif op == "withdraw" and conn in model:
+            d.withdraw(conn, [(model[conn][0] + ":").encode() + k])
+            model[conn][2].pop(k, None)
+        elif op == "leave":
+            d.leave(conn)
+            model.pop(conn, None)
+    for ns in ("ns0", "ns1"):
+        members = {agent: c for c, (n, agent, _) in model.items() if n == ns}
+        for name in range(4):
+            got = d.peer(f"agent-{name}", ns)
+            assert (got is not None) == (f"agent-{name}" in members)
+        for key in range(6):
+            for agent, rec in d.locate([f"{ns}:".encode() + b"k%d" % key], ns)[0]:
+                assert agent in members, (ns, agent)
+                assert model[members[agent]][2].get(b"k%d" % key) == rec
+    assert d.stats()["peers"] == len(model)
