@@ -264,3 +264,18 @@ def test_every_numeric_option_has_a_range_checked_type():
         parser = build_parser(only=command)
         sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
         assert walk(sub.choices[command], command) == []
+
+
+def test_a_config_nested_deep_is_named(tmp_path):
+    deep = tmp_path / "deep.yaml"
+    deep.write_text("[" * 100_000)
+    path = trace(tmp_path, json.dumps(GOOD))
+    refused(lmc("replay", path, "--target", "reference", "--config", deep, cwd=tmp_path),
+            f"--config {deep}: YAML nested too deeply")
+    refused(lmc("config", "--config", deep, cwd=tmp_path), f"{deep}: YAML nested too deeply")
+
+
+def test_records_into_a_directory_is_refused_before_the_run(tmp_path):
+    path = trace(tmp_path, json.dumps(GOOD))
+    refused(lmc("replay", path, "--target", "http://127.0.0.1:9", "--records", tmp_path,
+                cwd=tmp_path), f"--records {tmp_path}: is a directory")

@@ -67,7 +67,7 @@ def _reference_llm(spec: str, args: argparse.Namespace, cleanup: list[Callable[[
     from lmc.connectors.reference import LMCReferenceConnector
 
     if args.config:
-        cfg = CacheConfig.load(args.config)
+        cfg = load_config(args.config)
     else:
         disk = tempfile.mkdtemp(prefix="lmc-replay-disk-")
         cleanup.append(lambda: shutil.rmtree(disk, ignore_errors=True))
@@ -80,6 +80,17 @@ def _reference_llm(spec: str, args: argparse.Namespace, cleanup: list[Callable[[
         raise
     tiers = ", ".join(t.name for t in conn.engine.storage.tiers)
     return llm, f"reference engine ({model_dir.name}) with lmc ({tiers})"
+
+
+def load_config(path: str) -> Any:
+    """``--config``: lmc's YAML loader, with YAML nested past Python's recursion limit named
+    (the loader itself does not bound depth yet: docs/threats/cli.md)."""
+    from lmc.config import CacheConfig
+
+    try:
+        return CacheConfig.load(path)
+    except RecursionError:
+        raise ValueError(f"--config {path}: YAML nested too deeply") from None
 
 
 def _only_for(which: str, **given: Any) -> None:
@@ -100,6 +111,8 @@ def _replay(args: argparse.Namespace) -> int:
         for flag, out in (("--plot", args.plot), ("--records", args.records)):
             if out and not Path(out).resolve().parent.is_dir():  # found now, not after the run
                 raise ValueError(f"{flag} {out}: no directory {Path(out).resolve().parent}")
+            if out and Path(out).is_dir():
+                raise ValueError(f"{flag} {out}: is a directory, expected a file to write")
         requests: list[TraceRequest] = list(read_trace(args.trace))
         if args.limit:
             requests = requests[:args.limit]
@@ -137,9 +150,13 @@ def _replay(args: argparse.Namespace) -> int:
             fn()
     print(report.format_report(res, args.trace))
     if args.records:
-        with open(args.records, "w", encoding="utf-8") as f:
-            for r in res.records:
-                f.write(json.dumps(vars(r), separators=(",", ":")) + "\n")
+        try:
+            with open(args.records, "w", encoding="utf-8") as f:
+                for r in res.records:
+                    f.write(json.dumps(vars(r), separators=(",", ":")) + "\n")
+        except OSError as e:  # the run's report is printed already; say what was not saved
+            print(f"lmc replay: --records {args.records}: {e.strerror or e}", file=sys.stderr)
+            return 2
         print(f"\nper-request records: {args.records}")
     if args.plot:
         report.plot(res, args.plot, title=f"{Path(args.trace).name} on {res.target}")
