@@ -245,9 +245,7 @@ def test_a_workload_too_large_to_finish_is_refused_before_it_starts(tmp_path, ar
     assert not (tmp_path / "o.jsonl").exists()
 
 
-def test_every_numeric_option_has_a_range_checked_type():
-    """The class, not the instances: no option of these commands takes a bare int or float
-    (which would take 0, -1, 10**30 or nan and let the command find out later)."""
+def _bare_numeric_options(command: str) -> list[str]:
     from lmc.cli import build_parser
 
     def walk(p: argparse.ArgumentParser, name: str) -> list[str]:
@@ -260,10 +258,20 @@ def test_every_numeric_option_has_a_range_checked_type():
                 bare.append(f"{name} {'/'.join(action.option_strings)}")
         return bare
 
-    for command in ("plan", "replay", "workload"):
-        parser = build_parser(only=command)
-        sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
-        assert walk(sub.choices[command], command) == []
+    parser = build_parser(only=command)
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return walk(sub.choices[command], command)
+
+
+@pytest.mark.parametrize("command", [
+    "plan", "replay", "workload", "demo", "server", "stats", "bench",
+    pytest.param("pd-proxy", marks=pytest.mark.xfail(
+        strict=True, reason="lmc/pd_proxy.py (another owner) still takes bare int/float")),
+])
+def test_every_numeric_option_has_a_range_checked_type(command):
+    """The class, not the instances: no option takes a bare int or float (which would take
+    0, -1, 10**30 or nan and let the command find out later, or never)."""
+    assert _bare_numeric_options(command) == []
 
 
 def test_a_config_nested_deep_is_named(tmp_path):
