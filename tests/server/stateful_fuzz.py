@@ -67,7 +67,8 @@ class Violation(AssertionError):
 
 
 class Actor:
-    """One connection's life: closed -> fresh -> ready (-> half | silent) -> closed."""
+    """One connection's life: closed -> fresh -> ready (-> half | silent) -> closed; beside
+    it, slow readers (``slow``): connections whose answers it never reads."""
 
     def __init__(self, driver: Driver, tenant: Tenant, idx: int) -> None:
         self.d = driver
@@ -78,6 +79,7 @@ class Actor:
         self.since = 0.0
         self.rest = b""           # the unsent part of a half frame
         self.expect: Any = None   # how to check the answer of that frame
+        self.slow: list[tuple[socket.socket, float]] = []  # slow readers, hang-up time
         self.rid = 0
 
     def fail(self, msg: str) -> None:
@@ -94,6 +96,7 @@ class Actor:
         if self.c is not None:
             self.c.close()
         self.c, self.state, self.rest = None, "closed", b""
+        self.hang_up_slow(0.0, every=True)
 
     def call(self, data: bytes) -> tuple[int, dict, bytes] | None:
         assert self.c is not None
@@ -288,6 +291,7 @@ class Actor:
             self.rest, self.state = b"", "ready"
             self.check(self.expect, got)
             return "finish_half"
+        self.hang_up_slow(now)
         # ready
         r = rng.random()
         if r < 0.03:
@@ -317,9 +321,40 @@ class Actor:
                     self.fail("connection closed during pipelined requests")
                 self.check(expect, got)
             return "pipeline"
+        if r < 0.25 and len(self.slow) < 2 and self.tenant.secret is not None:
+            return self.start_slow_reader(rng, now)
         data, expect = self.build(rng)
         self.check(expect, self.must(data))
         return expect[0]
+
+    def start_slow_reader(self, rng: random.Random, now: float) -> str:
+        """A second connection of this tenant, with a tiny receive window, that pipelines
+        HELLO and several large GETs and never reads: the daemon's replies stall in its
+        socket and hold pool memory (charged to the namespace) until the daemon drops it
+        (no progress for frame_timeout) or the actor hangs up."""
+        s = socket.socket()
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        s.settimeout(15)
+        s.connect(("127.0.0.1", self.d.port))
+        ns = rng.choice(self.d.all_ns if self.tenant.admin else self.tenant.namespaces)
+        frames = [W.hello(self.tenant.secret, f"slow-{self.idx}")]
+        for _ in range(rng.randint(3, 8)):
+            keys = [key_of(i) for i in rng.sample(range(KEYSPACE), 16)]
+            frames.append(W.frame(P.GET, {"ns": ns, "keys": keys}, req_id=self.next_id()))
+        with contextlib.suppress(OSError):  # the daemon may stop reading us: that is the point
+            s.setblocking(False)
+            s.send(b"".join(frames))
+        self.slow.append((s, now + rng.uniform(0, 2 * self.d.frame_timeout)))
+        return "slow_reader"
+
+    def hang_up_slow(self, now: float, every: bool = False) -> None:
+        keep = []
+        for s, until in self.slow:
+            if every or now >= until:
+                s.close()
+            else:
+                keep.append((s, until))
+        self.slow = keep
 
 
 class Driver:

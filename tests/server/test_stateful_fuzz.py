@@ -126,6 +126,9 @@ def _run(d: DaemonProc, secrets: dict[str, str], seed: int, seconds: float) -> N
     assert st["pool"]["objects"] == st["tiers"]["cpu.chunks"], \
         f"seed {seed}: pool objects not held by the memory tier (pins or leaks): {st['pool']}"
     assert st["pool"]["leaks"] == 0
+    for ns, held in st["namespaces"].items():  # no reply left charged, no quota overrun
+        assert not held.get("unsent_bytes"), f"seed {seed}: {ns!r} still charged {held}"
+        assert not held.get("quota") or held.get("bytes", 0) <= held["quota"], (ns, held)
     assert st["tiers"]["namespaces.tracked"] <= 4 + 3, st["tiers"]  # cap + configured ones
     assert _until(lambda: W.fd_count(d.pid) <= fds0, 5), \
         f"seed {seed}: fds {W.fd_count(d.pid)} > baseline {fds0}"
