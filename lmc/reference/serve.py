@@ -369,6 +369,11 @@ class _Handler(JsonHandler):
         except ValueError as e:  # BadRequest, or SamplingParams' own checks
             self._error(400, str(e))
             return
+        limit = self.app.llm.max_model_len
+        if isinstance(req.prompt, list) and len(req.prompt) > limit:  # before any copy of it
+            self._error(400, f"prompt of {len(req.prompt)} tokens exceeds max_model_len="
+                        f"{limit}")
+            return
         job = _Job(req.prompt, params, req.kv_transfer_params, None)
         if req.stream:
             self._stream(req, job)
