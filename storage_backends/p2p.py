@@ -219,7 +219,7 @@ class P2PBackend(StorageBackend):
         old = self._take(k)
         if old is not None:  # replaced: the new record overrides it in the directory
             old[1].obj.release()
-            self.counts["withdrawn"] += 1
+            old[1].released = True
         w = self.window.allocate(o.shape, o.dtype, o.num_tokens)
         while w is None and self._exports:
             for taken in self._drop_oldest():  # its slot is cleared: the room is free now
@@ -230,8 +230,12 @@ class P2PBackend(StorageBackend):
         if w is None or not self._free_slots and not self._make_slot(gone):
             if w is not None:
                 w.release()
+            if old is not None:  # no new record overrides the old one: withdraw it
+                gone.append(old)
             self.counts["window_full"] += 1
             return None
+        if old is not None:
+            self.counts["withdrawn"] += 1
         w.tensor.copy_(o.tensor)
         payload = w.byte_view()
         csum = payload_checksum(payload)
