@@ -19,11 +19,10 @@ Threat model: ``docs/threats/cli.md``.
 from __future__ import annotations
 
 import json
-import operator
 import os
 import re
 from collections.abc import Iterator
-from itertools import accumulate, count
+from itertools import count
 from pathlib import Path
 from typing import IO, Any
 
@@ -144,17 +143,26 @@ def _unique(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return obj
 
 
-_STRING = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"', re.S)
-_OPEN, _CLOSE = "[{", "]}"
-_STEP = str.maketrans({"[": "\x02", "{": "\x02", "]": "\x00", "}": "\x00"})
+_OPEN, _CONTAINERS = "[{", frozenset({list, dict})
 
 
-def _max_depth(valid_json: str) -> int:
-    """Deepest nesting of text already parsed as JSON (so its strings are well formed), in
-    C-speed passes: strings dropped, brackets kept, a running sum."""
-    brackets = "".join(re.findall(r"[\[\]{}]", _STRING.sub("", valid_json)))
-    steps = brackets.translate(_STEP).encode("latin-1")  # open: 2, close: 0
-    return max(map(operator.sub, accumulate(steps), count(1)), default=0)  # sum(step - 1)
+def _deeper_than(obj: Any, limit: int) -> bool:
+    """True when parsed JSON nests containers more than ``limit`` deep; level by level, no
+    recursion, each container's members typed in one C-speed pass (a trace line's list of
+    10,000 token ids costs one ``set(map(type, ...))``)."""
+    level = [obj] if type(obj) in _CONTAINERS else []
+    depth = 0
+    while level:
+        depth += 1
+        if depth > limit:
+            return True
+        deeper: list[Any] = []
+        for c in level:
+            members = c.values() if type(c) is dict else c
+            if _CONTAINERS & set(map(type, members)):
+                deeper.extend(m for m in members if type(m) in _CONTAINERS)
+        level = deeper
+    return False
 
 
 def _too_deep_at(text: str, limit: int) -> int:
@@ -208,7 +216,7 @@ def parse_json(text: str, where: str, *, document: bool = False,
         raise InputError(f"{where}: {shown(e.key)}: key given twice in one object") from None
     except ValueError as e:  # e.g. an integer of more than 4300 digits
         raise InputError(f"{where}: malformed JSON: {e}") from None
-    if text.count("[") + text.count("{") > max_depth and _max_depth(text) > max_depth:
+    if text.count("[") + text.count("{") > max_depth and _deeper_than(obj, max_depth):
         raise too_deep()
     return obj
 
