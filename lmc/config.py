@@ -95,6 +95,21 @@ def _warn_deprecated(key: str, value: Any) -> None:
                 "?%s=%s in remote_url)", key, option, value, option, value, option, value)
 
 
+
+def _parse_secret(value: Any, key: str) -> str | None:
+    """``integrity_secret`` checked when loaded, by the rule the tiers use
+    (:func:`lmc.integrity.check_secret`), so a bad one is refused naming where it came
+    from (``c.yaml:3``, ``environment variable LMC_INTEGRITY_SECRET``)."""
+    text = parse_opt_str(value, key)
+    if text is not None:
+        from lmc.integrity import check_secret  # torch-free at import time: only when set
+
+        try:
+            check_secret(text, key)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+    return text
+
 @dataclasses.dataclass(frozen=True)
 class CacheConfig(Settings):
     """Every lmc setting. Construct directly, or with :meth:`load` / :meth:`from_yaml`."""
@@ -151,7 +166,7 @@ class CacheConfig(Settings):
         None, parse_opt_str, "shared token sent to an lmc:// cache server (never logged)",
         secret=True)
     integrity_secret: str | None = setting(
-        None, parse_opt_str,
+        None, _parse_secret,
         "secret (>= 16 bytes, surrounding whitespace not counted) keying a tag on every value "
         "of a shared tier (Redis, lmc://); values without a valid tag are misses (never "
         "logged; docs/integrity.md)", secret=True)

@@ -83,7 +83,7 @@ class Integrity:
     """Seals and checks values with one secret. Thread-safe (no mutable state)."""
 
     def __init__(self, secret: bytes | str, setting: str = "integrity_secret") -> None:
-        raw = _secret_bytes(secret, setting)
+        raw = check_secret(secret, setting)
         self._aead = _aead()
         self._master = hashlib.blake2b(raw, digest_size=32, person=_MASTER_PERSON).digest()
 
@@ -124,7 +124,7 @@ class Integrity:
                                "value copied from another key, or a different secret)")
 
 
-def _secret_bytes(secret: bytes | str, setting: str) -> bytes:
+def check_secret(secret: bytes | str, setting: str = "integrity_secret") -> bytes:
     """The secret as used: stripped of surrounding whitespace, at least ``MIN_SECRET_BYTES``
     long (the same rule inline and in a file, each refusal naming ``setting``)."""
     if not isinstance(secret, (bytes, bytearray, memoryview, str)):

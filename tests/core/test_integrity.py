@@ -152,3 +152,18 @@ def test_a_secret_file_others_may_rewrite_is_refused(tmp_path, mode):
 def test_a_secret_file_that_is_not_a_file_is_refused_by_name(tmp_path):
     with pytest.raises(ValueError, match=rf"integrity_secret_file '{tmp_path}'"):
         Integrity.from_config(CacheConfig(integrity_secret_file=str(tmp_path)))
+
+
+def test_a_bad_inline_secret_is_refused_where_it_was_given(tmp_path):
+    """Refused when the config loads, naming the variable or the file's line."""
+    from lmc.settings import ConfigError
+
+    with pytest.raises(ConfigError, match="environment variable LMC_INTEGRITY_SECRET"):
+        CacheConfig.load(environ={"LMC_INTEGRITY_SECRET": " " * 24})
+    y = tmp_path / "c.yaml"
+    y.write_text("chunk_size: 16\nintegrity_secret: '                        '\n")
+    with pytest.raises(ConfigError, match=rf"only whitespace.*{y}:2"):
+        CacheConfig.load(y, environ={})
+    with pytest.raises(ConfigError, match="integrity_secret: at least 16 bytes"):
+        CacheConfig(integrity_secret="    0123456789    ")
+    assert CacheConfig.load(environ={"LMC_INTEGRITY_SECRET": SECRET}).integrity_secret == SECRET
