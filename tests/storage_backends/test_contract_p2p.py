@@ -31,7 +31,8 @@ import pytest
 
 from tests.server.daemon_proc import ROOT
 
-CHILD = os.environ.get("LMC_P2P_CONTRACT") == "child"
+# the child run is the one with the exit plugin loaded (-p loads it before collection)
+CHILD = "tests.p2p.exit_plugin" in sys.modules
 pytestmark = pytest.mark.integration
 
 if not CHILD:
@@ -42,8 +43,7 @@ if not CHILD:
             [sys.executable, "-m", "pytest", "-q", "-p", "tests.p2p.exit_plugin", "-p",
              "no:cacheprovider", "--basetemp", str(tmp_path / "t"), __file__],
             cwd=ROOT, capture_output=True, text=True, timeout=840,
-            env={**os.environ, "LMC_P2P_CONTRACT": "child", "PYTHONPATH": str(ROOT),
-                 "NIXL_LOG_LEVEL": "ERROR"})
+            env={**os.environ, "PYTHONPATH": str(ROOT), "NIXL_LOG_LEVEL": "ERROR"})
         print(proc.stdout[-6000:])
         assert proc.returncode == 0, proc.stdout[-12000:] + proc.stderr[-3000:]
         assert " passed" in proc.stdout and "failed" not in proc.stdout
