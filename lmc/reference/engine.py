@@ -27,7 +27,7 @@ from lmc.reference.model_runner import ModelRunner
 from lmc.reference.outputs import RequestOutput
 from lmc.reference.request import Request, SamplingParams
 from lmc.reference.sampling import sample_tokens
-from lmc.reference.scheduler import Scheduler, _what
+from lmc.reference.scheduler import Scheduler, one_line
 from lmc.reference.scheduler_output import SchedulerOutput
 from lmc.reference.tokenizer import Tokenizer, load_eos_token_ids
 
@@ -179,7 +179,7 @@ class LLM:
         try:
             finished = self._run(output)
         except Exception as e:
-            error = f"engine step failed: {_what(e)}"
+            error = f"engine step failed: {one_line(e)}"
             logger.debug("step %d: %s", output.step_id, error)
             finished = []
             if output.is_empty:  # the asynchronous loads' poll failed: fail what waits on it
@@ -260,7 +260,7 @@ class LLM:
             try:
                 out.append(sample_tokens(logits[i:i + 1], params[i:i + 1], gens[i:i + 1])[0])
             except Exception as e:
-                out.append(f"sampling failed: {_what(e)}")
+                out.append(f"sampling failed: {one_line(e)}")
         return out
 
     def generate(

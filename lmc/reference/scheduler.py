@@ -144,7 +144,7 @@ class Scheduler:
             try:
                 num_external, is_async = self._num_external_tokens(request)
             except Exception as e:  # this request's parameters broke the connector
-                self.fail_request(request, f"KV connector lookup failed: {_what(e)}")
+                self.fail_request(request, f"KV connector lookup failed: {one_line(e)}")
                 continue
             start = request.num_computed_tokens + num_external
             num_new = min(request.num_tokens - start, budget)
@@ -156,7 +156,7 @@ class Scheduler:
                     self.connector.update_state_after_alloc(request, list(request.block_ids),
                                                             num_external)
                 except Exception as e:
-                    self.fail_request(request, f"KV connector allocation failed: {_what(e)}")
+                    self.fail_request(request, f"KV connector allocation failed: {one_line(e)}")
                     continue
             self.waiting.popleft()
             if is_async:  # holds its blocks, unscheduled, until the connector reports it
@@ -327,7 +327,7 @@ class Scheduler:
                 request.kv_transfer_params_out = self.connector.request_finished(request)
             except Exception as e:  # its blocks are freed all the same
                 logger.debug("request %s: connector request_finished failed: %s",
-                             request.request_id, _what(e))
+                             request.request_id, one_line(e))
         if loading:  # a load may still write them: freed when the connector reports it
             self._abandoned[request.request_id] = request.block_ids
         else:
@@ -337,6 +337,6 @@ class Scheduler:
         self._finished_since_last.append(request.request_id)
 
 
-def _what(e: BaseException) -> str:
+def one_line(e: BaseException) -> str:
     """An exception in one bounded line: its type and the start of its message."""
     return f"{type(e).__name__}: {str(e)[:300]}"
