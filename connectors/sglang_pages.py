@@ -269,7 +269,7 @@ class PageStore:
 
     def _unmapped(self, slots: torch.Tensor, n: int) -> list[bool]:
         """Per page, whether one of its slots is unmapped (negative)."""
-        neg = (slots[: n * self.page_size] < 0).view(n, self.page_size).any(dim=1)
+        neg = (slots[: n * self.page_size] < 0).reshape(n, self.page_size).any(dim=1)
         return neg.tolist()
 
     def store(self, hashes: Sequence[str], slots: torch.Tensor) -> list[bool]:
