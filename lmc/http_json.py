@@ -27,6 +27,7 @@ import logging
 import os
 import resource
 import socket
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -220,7 +221,6 @@ class BoundedHTTPServer(ThreadingHTTPServer):
 
     def handle_error(self, request: Any, client_address: Any) -> None:
         """One bounded line, not the standard library's traceback on stderr."""
-        import sys
         e = sys.exc_info()[1]
         _warn("http: request from %s failed: %s: %s", client_address[0],
               type(e).__name__, str(e)[:200])

@@ -262,6 +262,37 @@ def test_half_sent_and_trickled_requests_are_dropped_at_the_read_timeout(proxy, 
     assert_served(proxy.port, want)
 
 
+def test_past_the_cap_with_every_request_in_flight_a_newcomer_gets_503_at_once(
+        honest, liar, want):
+    """Two connections whose requests are read and wait on a prefill instance that never
+    answers fill a cap of 2: nothing can be displaced, so a third is answered 503 at
+    once; once the instance times out (502 each), the next request is served."""
+    liar.answer = "hang"
+    p = start(Proxy([liar.url], [honest.url], upstream_timeout=2.0,
+                    limits=HttpLimits(max_connections=2, read_timeout=1.0)))
+    try:
+        answers: list[tuple[int, bytes]] = []
+        waiting = [threading.Thread(target=lambda: answers.append(post(p.port, NORMAL)))
+                   for _ in range(2)]
+        for t in waiting:
+            t.start()
+        end = time.monotonic() + 5
+        while sum(not c.reading for c in p.httpd.conns.values()) < 2:
+            assert time.monotonic() < end
+            time.sleep(0.01)
+        t0 = time.monotonic()
+        status, raw = post(p.port, NORMAL, timeout=5)
+        assert status == 503 and "too many connections" in message(raw), raw
+        assert time.monotonic() - t0 < 0.5 and p.httpd.refused == 1
+        for t in waiting:
+            t.join(10)
+        assert [a[0] for a in answers] == [502, 502], answers
+        liar.answer = http200(b'{"kv_transfer_params": null}')  # answers, not a producer
+        assert_served(p.port, want)
+    finally:
+        p.close()
+
+
 def test_a_flood_at_nofile_128_leaves_the_proxy_serving_everyone(honest, want, tmp_path):
     def low_nofile() -> None:
         resource.setrlimit(resource.RLIMIT_NOFILE, (128, 128))
