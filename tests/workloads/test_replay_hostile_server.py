@@ -149,12 +149,14 @@ def test_a_lying_model_list_is_named(tmp_path, server, models, named):
     assert out.returncode == 2 and named in out.stderr, (out.returncode, out.stderr)
 
 
-@pytest.mark.parametrize("page", [
-    DEEP, '{"worker.tokens_from_cpu": ' + "9" * 400 + "}", '{"worker.load_failures": "x"}',
-], ids=["deep", "huge", "string"])
-def test_a_lying_counter_page_means_unknown_hits_not_a_crash(tmp_path, server, page):
-    url = server(v1__completions=GOOD_STREAM, lmc__stats=_page(page),
-                 metrics=_page("lmc:connector_total{stat=\"tokens_from_cpu\"} NaNx\n"))
+@pytest.mark.parametrize("route, page", [
+    ("lmc__stats", DEEP), ("lmc__stats", '{"worker.tokens_from_cpu": ' + "9" * 400 + "}"),
+    ("lmc__stats", '{"worker.load_failures": "x", "worker.tokens_from_cpu": [1]}'),
+    ("metrics", 'lmc:connector_total{stat="tokens_from_cpu"} NaNx\n'),
+], ids=["stats-deep", "stats-huge", "stats-strings", "metrics-not-a-number"])
+def test_a_lying_counter_page_means_unknown_hits_not_a_crash(tmp_path, server, route, page):
+    url = server(v1__completions=GOOD_STREAM, **{route: _page(page)})
     out = _replay(tmp_path, url, "--model", "m")
     assert "Traceback" not in out.stderr, out.stderr
     assert out.returncode == 0, (out.returncode, out.stderr)
+    assert _errors(tmp_path) == [None, None, None]
