@@ -229,6 +229,11 @@ class CupyBackend:
     def memcpy(self, dst: int, src: int, nbytes: int, stream: torch.cuda.Stream) -> None:
         self._rt.memcpyAsync(dst, src, nbytes, self._rt.memcpyDefault, stream.cuda_stream)
 
+    def memcpy2d(self, dst: int, dpitch: int, src: int, spitch: int, width: int, height: int,
+                 stream: torch.cuda.Stream) -> None:
+        self._rt.memcpy2DAsync(dst, dpitch, src, spitch, width, height,
+                               self._rt.memcpyDefault, stream.cuda_stream)
+
 
 # ------------------------------------------------------------------------------- the plan
 @dataclasses.dataclass
@@ -280,6 +285,35 @@ def coalesce(copies: list[tuple[int, int, int]]) -> list[tuple[int, int, int]]:
             out[-1] = (out[-1][0], out[-1][1], out[-1][2] + n)
         elif n:
             out.append((dst, src, n))
+    return out
+
+
+MAX_PITCH = (1 << 31) - 1  # cudaMemcpy2D refuses larger pitches (cudaDevAttrMaxPitch)
+
+
+def strided(copies: list[tuple[int, int, int]]) -> list[tuple[int, int, int, int, int, int]]:
+    """Consecutive ``(dst, src, nbytes)`` copies of one size whose addresses advance by one
+    step each side (a layer of evenly spaced chunks) as one 2D copy ``(dst, dpitch, src,
+    spitch, width, height)``; the rest as ``height == 1``. Why: one copy-engine job per
+    layer instead of one per chunk -- a per-layer staged call of small pieces paid each
+    copy's fixed cost (0.82 of memcpy against 0.94 for one large copy, H200)."""
+    out: list[tuple[int, int, int, int, int, int]] = []
+    i, n_all = 0, len(copies)
+    while i < n_all:
+        d, s, n = copies[i]
+        j = i + 1
+        if j < n_all and copies[j][2] == n:
+            dp, sp = copies[j][0] - d, copies[j][1] - s
+            if n <= dp <= MAX_PITCH and n <= sp <= MAX_PITCH:
+                while (j < n_all and copies[j][2] == n and copies[j][0] - copies[j - 1][0] == dp
+                       and copies[j][1] - copies[j - 1][1] == sp):
+                    j += 1
+        if j - i > 1:
+            out.append((d, dp, s, sp, n, j - i))
+        else:
+            out.append((d, n, s, n, n, 1))
+            j = i + 1
+        i = j
     return out
 
 
@@ -782,6 +816,19 @@ class CudaTransfer(KVTransfer):
             self._pending[getattr(stream, "cuda_stream", 0)] = ev
         return EventCompletion(ev, plan.bad_slots)
 
+    def _memcpy(self, copy: tuple[int, int, int, int, int, int], stream: Any) -> None:
+        """One (2D where ``height > 1``) copy: ``(dst, dpitch, src, spitch, width, height)``."""
+        dst, dpitch, src, spitch, width, height = copy
+        if height == 1:
+            self.backend.memcpy(dst, src, width, stream)
+            return
+        two_d = getattr(self.backend, "memcpy2d", None)
+        if two_d is not None:
+            two_d(dst, dpitch, src, spitch, width, height, stream)
+            return
+        for r in range(height):  # a backend without 2D copies: row by row
+            self.backend.memcpy(dst + r * dpitch, src + r * spitch, width, stream)
+
     def _launch(self, plan: CudaPlan, bufs: list[torch.Tensor], lids: list[int],
                 places: list[tuple[str, int]], staged_list: list[bool], stream: Any,
                 to_cache: bool) -> None:
@@ -803,15 +850,19 @@ class CudaTransfer(KVTransfer):
         vec = vector_bytes(self._static_align | _or_reduce(dst))
         lanes = lanes_for(rb, vec)
         # (host, staging, nbytes) per staged chunk and run of consecutive layers
+        # (chunk, host, staging, nbytes) per layer run and staged chunk, run-major: a run's
+        # pieces of evenly spaced chunks (a pool's batch) then move in one 2D copy
         spans = []
         if staging is not None:
-            for c in np.flatnonzero(staged & (counts > 0)).tolist():
-                host, stage, per = bufs[c].data_ptr(), int(base[c]), int(layer_bytes[c])
-                spans += [(c, host + lids[first] * per, stage + first * per, length * per)
-                          for first, length in layer_runs(lids)]
-        to_stage = coalesce([(s, h, n) for c, h, s, n in spans
-                             if to_cache or plan.holes[c]])
-        from_stage = [] if to_cache else coalesce([(h, s, n) for _, h, s, n in spans])
+            chunks = np.flatnonzero(staged & (counts > 0)).tolist()
+            for first, length in layer_runs(lids):
+                for c in chunks:
+                    host, stage, per = bufs[c].data_ptr(), int(base[c]), int(layer_bytes[c])
+                    spans.append((c, host + lids[first] * per, stage + first * per,
+                                  length * per))
+        to_stage = strided(coalesce([(s, h, n) for c, h, s, n in spans
+                                     if to_cache or plan.holes[c]]))
+        from_stage = [] if to_cache else strided(coalesce([(h, s, n) for _, h, s, n in spans]))
 
         dev_table = self.backend.upload(table)
         args = KVCopyArgs(tokens=plan.tokens.data_ptr(), table=dev_table.data_ptr(),
@@ -823,9 +874,9 @@ class CudaTransfer(KVTransfer):
         name = f"lmc_kv_{'scatter' if to_cache else 'gather'}_v{vec}"
         # Scatter fills the staging area first. Gather copies it back whole, so a chunk with
         # skipped rows (slot < 0) is first loaded too: those rows must come back unchanged.
-        for d, s, n in to_stage:
-            self.backend.memcpy(d, s, n, stream)
+        for copy in to_stage:
+            self._memcpy(copy, stream)
         self.backend.launch(name, blocks, args, stream)
-        for d, s, n in from_stage:
-            self.backend.memcpy(d, s, n, stream)
+        for copy in from_stage:
+            self._memcpy(copy, stream)
         # staging / dev_table were allocated on `stream`: freeing them here is stream-ordered.

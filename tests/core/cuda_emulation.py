@@ -282,3 +282,12 @@ class HostBackend(HostStreams):
     def memcpy(self, dst, src, nbytes, stream):
         self.copies += 1
         ctypes.memmove(dst, src, nbytes)
+
+    def memcpy2d(self, dst, dpitch, src, spitch, width, height, stream):
+        """cudaMemcpy2DAsync's contract: rows of ``width`` bytes at each pitch, the pitches
+        at least the width (the driver refuses less)."""
+        if not (width <= dpitch and width <= spitch and height >= 1):
+            raise AssertionError(f"2D copy with width {width} over pitches {dpitch}/{spitch}")
+        self.copies += 1
+        for r in range(height):
+            ctypes.memmove(dst + r * dpitch, src + r * spitch, width)

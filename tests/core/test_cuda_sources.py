@@ -33,7 +33,7 @@ import torch
 from lmc import cuda_transfer as ct
 from lmc.completion import Completion
 from lmc.kv_spec import LAYOUTS, KVSpec
-from lmc.transfer import ChunkPlan
+from lmc.transfer import ChunkPlan, TorchTransfer
 from tests.core import cuda_emulation as emu
 from tests.core.test_cuda_transfer import check_against_torch, random_case
 from tests.kvutil import (
@@ -500,7 +500,59 @@ def test_emulated_staging_coalesces_adjacent_chunks(emu_lib):
     assert backend.copies == 1, "adjacent chunks of one pool must move in one memcpy"
     backend.copies = 0
     tr.gather(plan, list(pool), layers=[2, 0])
-    assert backend.copies == 6, "non-adjacent layers: one copy per (chunk, layer run)"
+    assert backend.copies == 2, "non-adjacent layers: one 2D copy per layer run"
+
+
+def test_emulated_per_layer_staging_is_one_2d_copy_per_layer(emu_lib):
+    """A per-layer staged call over evenly spaced chunks moves in one 2D copy, not one copy
+    per chunk (what made per-layer staged scatter slow); chunks not evenly spaced fall back
+    to a copy each; the bytes match the torch path either way."""
+    caches = make_caches("vllm_flash", layers=4, blocks=16, block_size=4)
+    spec = spec_for("vllm_flash", caches)
+    backend = emu.HostBackend(emu_lib, caches=list(caches))
+    tr = ct.CudaTransfer(spec, caches, backend=backend, gather_mode="staged",
+                         scatter_mode="staged")
+    ref = TorchTransfer(spec, caches)
+    plan = tr.plan(torch.arange(48), [(0, 16), (16, 32), (32, 48)])
+    spaced = torch.empty((3, 2, *spec.chunk_shape(16)))  # chunk i at pool[i, 0]: a gap each
+    bufs = [spaced[i, 0] for i in range(3)]
+    want = [torch.empty(spec.chunk_shape(16)) for _ in range(3)]
+    ref.gather(ref.plan(torch.arange(48), [(0, 16), (16, 32), (32, 48)]), want)
+    for layer in range(4):
+        backend.copies = 0
+        tr.gather(plan, bufs, layers=[layer])
+        assert backend.copies == 1, f"layer {layer}: {backend.copies} copies for 3 chunks"
+        for b, w in zip(bufs, want, strict=True):
+            assert_bits_equal(b[layer], w[layer], f"layer {layer} gathered")
+    uneven = [spaced[0, 0], spaced[1, 1], spaced[2, 0]]
+    backend.copies = 0
+    tr.gather(plan, uneven, layers=[1])
+    assert backend.copies == 2, "chunks 0-1 are one step apart (one 2D copy), chunk 2 is not"
+    for b, w in zip(uneven, want, strict=True):
+        assert_bits_equal(b[1], w[1], "uneven chunks gathered")
+    zeros = make_caches("vllm_flash", layers=4, blocks=16, block_size=4, zeros=True)
+    back = ct.CudaTransfer(spec, zeros, backend=emu.HostBackend(emu_lib, caches=list(zeros)),
+                           scatter_mode="staged")
+    p2 = back.plan(torch.arange(48), [(0, 16), (16, 32), (32, 48)])
+    for layer in range(4):
+        back.scatter(p2, bufs, layers=[layer])
+        assert back.backend.copies == layer + 1
+    assert_bits_equal(token_kv(spec, zeros, torch.arange(48)),
+                      token_kv(spec, caches, torch.arange(48)), "per-layer staged scatter")
+
+
+def test_strided_groups_only_what_one_2d_copy_can_move():
+    assert ct.strided([]) == []
+    assert ct.strided([(0, 100, 8)]) == [(0, 8, 100, 8, 8, 1)]
+    assert ct.strided([(0, 100, 8), (8, 116, 8), (16, 132, 8)]) == [(0, 8, 100, 16, 8, 3)]
+    # a pitch under the width (overlapping rows) or a size change breaks the group
+    assert ct.strided([(0, 100, 8), (4, 104, 8)]) == [(0, 8, 100, 8, 8, 1), (4, 8, 104, 8, 8, 1)]
+    assert ct.strided([(0, 0, 8), (8, 8, 4)])[0][5] == 1
+    assert ct.strided([(0, 0, 8), (16, 16, 8), (40, 32, 8)]) == [
+        (0, 16, 0, 16, 8, 2), (40, 8, 32, 8, 8, 1)]
+    big = ct.MAX_PITCH + 1
+    assert all(c[5] == 1 for c in ct.strided([(0, 0, 8), (big, 8, 8)]))
+    assert all(c[5] == 1 for c in ct.strided([(100, 100, 8), (0, 200, 8)]))  # backwards
 
 
 def test_helpers():
