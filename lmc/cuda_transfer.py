@@ -22,7 +22,8 @@ How a call runs (all on one CUDA stream, the caller's or the current one):
      address (zero-copy over PCIe). No staging memory, no extra pass over HBM.
    * ``"staged"``: the kernel works on a device staging buffer (from torch's caching allocator,
      stream-ordered) and one ``cudaMemcpyAsync`` per contiguous run of bytes moves it to or
-     from the host; adjacent chunks of a pinned pool coalesce into one copy.
+     from the host; adjacent chunks of a pinned pool coalesce into one copy, and one layer of
+     evenly spaced chunks (a per-layer call) is one ``cudaMemcpy2DAsync``.
 
    Winners measured on an H200 (the defaults where no calibration ran): **gather =
    direct** (GPU writes to host are posted; 16-byte stores from a warp form full 128-byte PCIe
