@@ -26,6 +26,7 @@ freed, and the engine reports the error; everyone else is scheduled as before.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections import deque
 
@@ -85,6 +86,28 @@ class Scheduler:
         if not request.is_finished and request.request_id in self.requests:
             self._finish(request, RequestStatus.FINISHED_ABORTED)
         self.failed.append((request, error))
+
+    def abort_all(self) -> int:
+        """Abort every unfinished request (the engine's last resort after a failure it could
+        not pin on one); a request whose abort fails is dropped from every queue and its
+        blocks freed. Never raises. Returns how many there were."""
+        requests = list(self.requests.values())
+        for request in requests:
+            try:
+                self._finish(request, RequestStatus.FINISHED_ABORTED)
+            except Exception:
+                self._drop(request)
+        return len(requests)
+
+    def _drop(self, request: Request) -> None:
+        for queue in (self.waiting, self.running):
+            if request in queue:
+                queue.remove(request)
+        self.loading.pop(request.request_id, None)
+        self.requests.pop(request.request_id, None)
+        with contextlib.suppress(Exception):
+            self.block_manager.free(request.block_ids)
+        request.block_ids = []
 
     def abort_request(self, request_id: str) -> bool:
         """Finish a waiting or running request now; its blocks are freed. Returns

@@ -198,11 +198,7 @@ class EngineLoop:
         self.failures += 1
         _warn("engine step failed (%s); aborting %d requests", _what(e), len(self._jobs))
         with self._lock:
-            for rid in list(self.llm.scheduler.requests):
-                try:
-                    self.llm.abort_request(rid)
-                except Exception:  # noqa: S110 - a half-broken request is gone either way
-                    self.llm.scheduler.requests.pop(rid, None)
+            self.llm.scheduler.abort_all()
             for j in self._jobs.values():
                 j.fail(500, f"engine step failed: {_what(e)}")
             self._jobs.clear()

@@ -245,6 +245,33 @@ def test_connector_failures_fail_only_their_request(ckpt, want):
         srv.close()
 
 
+def test_a_failure_pinned_on_no_request_resets_the_engine_and_it_serves_on(ckpt, want):
+    """The last resort: the scheduler itself raises (as a bug would) while a stream runs.
+    Every request in the engine gets a 500, the engine is emptied (no request or block
+    left), the loop thread lives, and the next request is served."""
+    llm = LLM(ckpt, num_blocks=32)
+    srv = Server(llm, limits=LIMITS)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    schedule, calls = llm.scheduler.schedule, []
+
+    def broken():  # the 5th step's schedule raises, once: the stream is mid-way then
+        calls.append(1)
+        if len(calls) == 5:
+            raise AssertionError("scheduler invariant broken")
+        return schedule()
+    llm.scheduler.schedule = broken
+    try:
+        other = Innocent(srv.port)
+        with pytest.raises(AssertionError, match="error"):
+            other.tokens()
+        assert b"scheduler invariant broken" in other.buf
+        assert srv.loop.failures == 1 and srv.loop.alive
+        assert llm.scheduler.requests == {} and llm.block_manager.num_free_blocks == 32
+        assert_served(srv, want)
+    finally:
+        srv.close()
+
+
 def test_a_request_the_sampler_cannot_serve_fails_alone_in_its_batch(ckpt):
     """Below the server: a request whose sampling raises (NaN temperature forced past the
     checks, as a sampler bug would) is finished with its error; the request batched with
