@@ -258,7 +258,13 @@ class P2PBackend(StorageBackend):
         return bool(self._free_slots)
 
     def _advertise(self, records: list[Record]) -> None:
+        """Advertise on the membership connection; while the directory keeps failing (the
+        breaker the reader side shares), give the exports back at once instead of making
+        every store wait ``remote_timeout``."""
+        rejected = not self.breaker.allow()
         try:
+            if rejected:
+                raise ConnectionError("the directory is failing (circuit breaker open)")
             with self._lock:
                 if self._member is None or self._member.closed:
                     self._rejoin()
@@ -268,8 +274,12 @@ class P2PBackend(StorageBackend):
             log.warning("p2p tier %s: advertising %d chunks failed: %s", self.agent.name,
                         len(records), e)
             self.counts["advertise_failures"] += 1
+            if not rejected:
+                self.breaker.failure()
             self._close_member()
             self.delete([r.key for r in records])
+            return
+        self.breaker.success()
 
     def _rejoin(self) -> None:
         """A new membership connection: join, then advertise every live export (the old

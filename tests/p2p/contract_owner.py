@@ -33,7 +33,7 @@ class Owners:
         self.tiers: dict[str, P2PBackend] = {}
 
     def open(self, id: str, url: str, token: str | None, secret: str | None) -> dict:
-        cfg = CacheConfig(remote_timeout=2.0, pin_memory="false", remote_token=token,
+        cfg = CacheConfig(remote_timeout=1.0, pin_memory="false", remote_token=token,
                           integrity_secret=secret)
         pool = MemoryPool(POOL_BYTES, pin_memory="false", prefault="off")
         self.tiers[id] = P2PBackend(url, config=cfg, pool=pool, agent_name=f"owner-{id}")
