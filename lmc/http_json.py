@@ -90,8 +90,9 @@ class HttpLimits:
     def __post_init__(self) -> None:
         if self.max_connections < 1:
             raise ValueError(f"max_connections must be >= 1, got {self.max_connections}")
-        if not self.read_timeout > 0:
-            raise ValueError(f"read_timeout must be > 0, got {self.read_timeout}")
+        if not 0 < self.read_timeout <= 86400:
+            raise ValueError(f"read_timeout must be in (0, 86400] seconds, got "
+                             f"{self.read_timeout}")
         if self.max_body < 1:
             raise ValueError(f"max_body must be >= 1, got {self.max_body}")
 

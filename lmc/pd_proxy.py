@@ -135,8 +135,9 @@ class Proxy:
                  upstream_timeout: float = TIMEOUT) -> None:
         if not prefill or not decode:
             raise ValueError("pd-proxy needs at least one --prefill and one --decode URL")
-        if not upstream_timeout > 0:
-            raise ValueError(f"upstream timeout must be > 0, got {upstream_timeout}")
+        if not 0 < upstream_timeout <= 86400:
+            raise ValueError(f"upstream timeout must be in (0, 86400] seconds, got "
+                             f"{upstream_timeout}")
         self.prefill = [Upstream(u, upstream_timeout) for u in prefill]
         self.decode = [Upstream(u, upstream_timeout) for u in decode]
         self._next_p = itertools.cycle(self.prefill)
