@@ -18,6 +18,8 @@ import sys
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 ROOT = Path(__file__).resolve().parents[1]
 GOOD = {"arrival_s": 0, "request_id": "r1", "prompt_tokens": [1, 2, 3], "output_len": 4}
@@ -287,3 +289,31 @@ def test_records_into_a_directory_is_refused_before_the_run(tmp_path):
     path = trace(tmp_path, json.dumps(GOOD))
     refused(lmc("replay", path, "--target", "http://127.0.0.1:9", "--records", tmp_path,
                 cwd=tmp_path), f"--records {tmp_path}: is a directory")
+
+
+def test_a_workload_written_over_a_directory_is_refused_by_name(tmp_path):
+    (tmp_path / "out").mkdir()
+    err = refused(lmc("workload", "prefix", "-o", tmp_path / "out", cwd=tmp_path),
+                  f"{tmp_path / 'out'}: is a directory")
+    assert ".tmp" not in err, err
+
+
+@settings(max_examples=300, deadline=None, derandomize=True)
+@given(st.text(max_size=40) | st.integers(-2**70, 2**70).map(str)
+       | st.floats(allow_nan=True, allow_infinity=True).map(repr),
+       st.integers(-2**64, 2**64), st.integers(0, 2**64))
+def test_range_types_take_only_what_is_in_range(text, lo, width):
+    """Any text either parses into the range or is an ArgumentTypeError naming what was
+    given (argparse turns that into exit 2); never another exception, never out of range."""
+    from lmc.cli import float_in, int_in, positive_int
+
+    hi = lo + width
+    for parse, ok in ((int_in(lo, hi), lambda v: type(v) is int and lo <= v <= hi),
+                      (positive_int, lambda v: type(v) is int and 1 <= v < 2**63),
+                      (float_in(lo, hi, low_open=True), lambda v: lo < v <= hi)):
+        try:
+            value = parse(text)
+        except argparse.ArgumentTypeError as e:
+            assert "expected" in str(e)
+            continue
+        assert ok(value), (text, value)

@@ -248,6 +248,8 @@ def write_trace(path: str | os.PathLike[str], requests: Iterable[TraceRequest]) 
     path = Path(path)
     if not path.parent.is_dir():  # else the error would name the temporary file
         raise FileNotFoundError(f"{path}: no directory {path.parent}")
+    if path.is_dir():  # found before the work, not at the final rename
+        raise IsADirectoryError(f"{path}: is a directory, expected a file to write")
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
     count = 0
     try:
