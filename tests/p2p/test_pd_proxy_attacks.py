@@ -33,6 +33,7 @@ from lmc.reference import LLM, make_tiny_checkpoint
 from lmc.reference.serve import Server
 from tests.reference.test_serve_attacks import (
     BODIES,
+    FIELD_ERRORS,
     NORMAL,
     PROMPT,
     message,
@@ -314,8 +315,11 @@ def test_a_flood_at_nofile_128_leaves_the_proxy_serving_everyone(honest, want, t
         for _ in range(3):
             status, raw = post(port, NORMAL, timeout=10)
             assert status == 200 and json.loads(raw)["choices"][0]["token_ids"] == want, raw
+        for body, _ in FIELD_ERRORS:  # relayed refusals and its own: no traceback
+            assert post(port, body, timeout=10)[0] == 400
         assert proc.poll() is None
-        assert "Too many open files" not in (tmp_path / "proxy.log").read_text()
+        text = (tmp_path / "proxy.log").read_text()
+        assert "Too many open files" not in text and "Traceback" not in text, text[-3000:]
     finally:
         for s in socks:
             s.close()

@@ -413,14 +413,26 @@ def test_a_flood_at_nofile_128_leaves_the_server_serving_everyone(ckpt, want, tm
         for _ in range(3):
             status, raw = post(port, NORMAL, timeout=10)
             assert status == 200 and json.loads(raw)["choices"][0]["token_ids"] == want, raw
+        for body, _ in FIELD_ERRORS:  # ordinary mistakes: answered, and no traceback
+            assert post(port, body, timeout=10)[0] == 400
         assert proc.poll() is None
-        assert "Too many open files" not in (tmp_path / "serve.log").read_text()
+        text = (tmp_path / "serve.log").read_text()
+        assert "Too many open files" not in text and "Traceback" not in text, text[-3000:]
     finally:
         for s in socks:
             s.close()
         proc.kill()
         proc.wait(30)
         log.close()
+
+
+@pytest.mark.parametrize("kw,words", [
+    ({"max_connections": 0}, "max_connections"), ({"read_timeout": 0}, "read_timeout"),
+    ({"read_timeout": math.inf}, "read_timeout"), ({"read_timeout": math.nan}, "read_timeout"),
+    ({"max_body": 0}, "max_body")])
+def test_limits_out_of_range_are_refused_by_name(kw, words):
+    with pytest.raises(ValueError, match=words):
+        HttpLimits(**kw)
 
 
 # ------------------------------------------------------------------ fuzzing
