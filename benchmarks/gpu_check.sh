@@ -63,7 +63,7 @@ $PY -c "import lmc, sys; print('lmc from', lmc.__file__, 'python', sys.version.s
     || { echo "gpu_check: lmc does not import" >&2; exit 1; }
 
 step "GPU tests: pytest -m gpu"
-timeout 240 $PY -m pytest -q -m gpu -p no:cacheprovider --junitxml="$RES/gpu_tests.xml" \
+timeout 200 $PY -m pytest -q -m gpu -p no:cacheprovider --junitxml="$RES/gpu_tests.xml" \
     tests/core tests/reference tests/connectors/test_vllm_gpu_layouts.py 2>&1 \
     | tee "$RES/gpu_tests.log" | tail -25
 [ "${PIPESTATUS[0]}" = 0 ] || fails+=("gpu tests")
@@ -73,7 +73,7 @@ timeout 120 $PY benchmarks/bench_gpu_transfer.py --under-compute --calibrate \
     --json "$RES/transfer.json" || fails+=("bench_gpu_transfer")
 
 step "TTFT on CUDA: Llama-8B KV shape (32 layers, 8 KV heads of 128, bf16), 16k tokens"
-timeout 200 $PY benchmarks/bench_ttft.py --device cuda --model 8b-kv --tokens 16384 --reps 3 \
+timeout 180 $PY benchmarks/bench_ttft.py --device cuda --model 8b-kv --tokens 16384 --reps 3 \
     --suffixes "" --json "$RES/ttft.json" || fails+=("bench_ttft")
 if [ "$DRY" = 1 ] && [ "$HAS_CUDA" != 1 ]; then
     echo "dry run: the same figures on the CPU, a tiny model (checks the report, not the GPU)"
