@@ -66,6 +66,9 @@ from lmc.storage_backend import BackendOption, Key, StorageBackend, register_bac
 log = logging.getLogger(__name__)
 LOCATION_TTL = 1.0  # seconds a located record serves a following get without asking again
 MAX_DISTRUSTED = 4096  # (owner, version) records remembered as failing their checks
+AGENT_STRIKES = 3  # records of one owner failing verification before all its records are
+AGENT_DISTRUST_S = 60.0  # ... skipped for this long (a liar re-advertising cannot shadow
+MAX_DISTRUSTED_AGENTS = 1024  # the honest holders of a key)
 MAX_LEARNED = 8  # chunk geometries an engine's stores may teach the tier
 Shape = tuple[int, int, int, torch.dtype]  # layers, planes, row width, dtype: all but tokens
 
@@ -93,6 +96,30 @@ def directory_url(spec: str, config: CacheConfig) -> str:
         return config.remote_url
     raise ValueError(f"the p2p tier needs a directory: p2p+lmc://host:port or "
                      f"p2p+unix:///path (got {spec!r}, remote_url={config.remote_url!r})")
+
+
+class _Warnings:
+    """At most ``limit`` warnings per ``window`` seconds (the number suppressed is told with
+    the next one): lying peers decide how often a reader has something to warn about."""
+
+    def __init__(self, limit: int = 20, window: float = 10.0) -> None:
+        self.limit, self.window = limit, window
+        self._start, self._count, self._suppressed = float("-inf"), 0, 0
+        self._lock = threading.Lock()
+
+    def __call__(self, msg: str, *args: Any) -> None:
+        with self._lock:
+            now = time.monotonic()
+            if now - self._start >= self.window:
+                self._start, self._count = now, 0
+            self._count += 1
+            if self._count > self.limit:
+                self._suppressed += 1
+                return
+            suppressed, self._suppressed = self._suppressed, 0
+        if suppressed:
+            log.warning("p2p tier: %d similar warnings suppressed", suppressed)
+        log.warning(msg, *args)
 
 
 @register_backend("p2p", schemes=("p2p+lmc", "p2p+unix"))
@@ -148,10 +175,13 @@ class P2PBackend(StorageBackend):
         self._query_lock = threading.Lock()
         self._located: dict[Key, tuple[float, str, Record]] = {}
         self._distrusted: OrderedDict[tuple[str, int], None] = OrderedDict()
+        self._strikes: OrderedDict[str, tuple[int, float]] = OrderedDict()  # agent -> n, at
+        self._warn = _Warnings()
         # what this engine's chunks look like: given (lmc.integrity.expect_geometry), else
         # learned from its own stores (bounded)
         self.expected_geometry: Geometry | None = None
         self._learned: set[Shape] = set()
+        self._vouched: set[Shape] = set()  # shapes of tag-verified pulls: may evict L1 too
         self.counts = {"exported": 0, "withdrawn": 0, "expired": 0, "advertise_failures": 0,
                        "window_full": 0, "skipped": 0, "hits": 0, "misses": 0, "stale": 0,
                        "transfer_failures": 0, "bad_records": 0, "refused": 0,
@@ -398,8 +428,7 @@ class P2PBackend(StorageBackend):
                 if len(self._located) > 1 << 16:
                     self._located.clear()
                 for i, holders in zip(todo, got):
-                    g = next((h for h in holders if (h[0], h[1].version) not in
-                              self._distrusted), None)
+                    g = next((h for h in holders if self._trusted(h[0], h[1], now)), None)
                     out[i] = g
                     if g is not None:
                         self._located[keys[i]] = (now, g[0], g[1])
@@ -417,7 +446,7 @@ class P2PBackend(StorageBackend):
             try:
                 self.agent.add_peer(info)
             except Exception as e:
-                log.warning("p2p tier %s: peer %s not added: %s", self.agent.name, agent, e)
+                self._warn("p2p tier %s: peer %s not added: %s", self.agent.name, agent, e)
                 return None
         return info
 
@@ -449,15 +478,30 @@ class P2PBackend(StorageBackend):
             self._pull(agent, items, out, stale)
         return stale
 
+    def _trusted(self, agent: str, rec: Record, now: float) -> bool:
+        """Neither this record nor, lately, its owner failed a check. Under ``_query_lock``."""
+        if (agent, rec.version) in self._distrusted:
+            return False
+        strikes = self._strikes.get(agent)
+        return (strikes is None or strikes[0] < AGENT_STRIKES
+                or now - strikes[1] >= AGENT_DISTRUST_S)
+
     def _distrust(self, agent: str, rec: Record, counter: str, why: object) -> None:
-        """Drop a record that failed a check: never read that (owner, version) again."""
-        log.warning("p2p tier %s: record of %s from %s dropped: %s", self.agent.name,
-                    rec.key.hex()[:12], agent, why)
+        """Drop a record that failed a check: never read that (owner, version) again; an
+        owner whose records fail verification ``AGENT_STRIKES`` times is skipped for
+        ``AGENT_DISTRUST_S`` seconds."""
+        self._warn("p2p tier %s: record of %s from %s dropped: %s", self.agent.name,
+                   rec.key.hex()[:12], agent, why)
         self.counts[counter] += 1
         with self._query_lock:
             self._distrusted[(agent, rec.version)] = None
             while len(self._distrusted) > MAX_DISTRUSTED:
                 self._distrusted.popitem(last=False)
+            if counter == "verify_failures":
+                n = self._strikes.pop(agent, (0, 0.0))[0] + 1
+                self._strikes[agent] = (n, time.monotonic())
+                while len(self._strikes) > MAX_DISTRUSTED_AGENTS:
+                    self._strikes.popitem(last=False)
             got = self._located.get(rec.key)
             if got is not None and got[1] == agent and got[2].version == rec.version:
                 del self._located[rec.key]
@@ -481,9 +525,12 @@ class P2PBackend(StorageBackend):
         return True
 
     def _allocate(self, rec: Record) -> MemoryObj | None:
-        """A destination; by evicting L1 only for a chunk of this engine's known geometry
-        (free memory only otherwise, so no record can flush L1)."""
-        known = self.expected_geometry is not None or self._learned
+        """A destination; by evicting L1 only for a chunk of a known geometry (given, the
+        engine's own stores', or one a verified tag vouched for), from free memory only
+        otherwise, so no record can flush L1."""
+        shape = shape_class(rec.shape, rec.dtype)
+        known = (self.expected_geometry is not None or shape in self._learned
+                 or shape in self._vouched)
         src: Any = self.pool if known else self.raw
         return src.allocate(rec.shape, rec.dtype, rec.num_tokens)
 
@@ -561,6 +608,8 @@ class P2PBackend(StorageBackend):
             self._distrust(agent, rec, "verify_failures", e)
             o.release()
             return None
+        if self.integrity is not None and len(self._vouched) < MAX_LEARNED:
+            self._vouched.add(shape_class(o.shape, o.dtype))  # a secret-holder made it
         self.counts["bytes_in"] += rec.nbytes
         return o
 
@@ -594,5 +643,8 @@ class P2PBackend(StorageBackend):
             return {**self.counts, "exports": len(self._exports),
                     "exported_bytes": self.window.used_bytes,
                     "distrusted": len(self._distrusted),
+                    "distrusted_agents": sum(n >= AGENT_STRIKES for n, _ in
+                                             self._strikes.values()),
+                    "geometry_known": self.expected_geometry is not None or bool(self._learned),
                     "quarantined": self.agent.quarantined,
                     **{f"breaker_{k}": v for k, v in self.breaker.stats().items()}}

@@ -65,7 +65,8 @@ def forged(url: str, _: str) -> dict:
     """A keyed owner holds K1..K3; a peer without the secret stores K1 ordinarily (other
     bytes, untagged), re-advertises K2 with the owner's tag copied onto its own bytes, and
     K3 pointing at its bytes with the owner's checksum and tag; it alone stores K4. Each is
-    the newest holder. A keyed reader reads each twice."""
+    the newest holder. A keyed reader reads each twice; then a key the liar advertises newest
+    after its failures."""
     owner, liar = _tier(url, "owner", SECRET), _tier(url, "liar")
     reader = _tier(url, "reader", SECRET)
     plain = _tier(url, "plain-reader")
@@ -81,10 +82,17 @@ def forged(url: str, _: str) -> dict:
         out["first"].append(_read(reader, k, f"honest{i}"))
     out["second"] = [_read(reader, k, f"honest{i}") for i, k in enumerate(keys[:4])]
     out["contains_after"] = reader.contains(keys[:4])
+    # the liar failed four times: a key it advertises newest now goes to the honest owner
+    # at the first read
+    late = key_of("forged-late")
+    _store(owner, late, b"honest-late")
+    _store(liar, late, b"lie-late")
+    out["liar_skipped"] = _read(reader, late, "honest-late")
     # a reader without the secret refuses a tagged record as a keyed one refuses an untagged
     _store(owner, keys[4], b"honest4")
     out["plain_reads_tagged"] = _read(plain, keys[4], "honest4")
-    out["stats"] = {k: reader.stats()[k] for k in ("verify_failures", "hits", "distrusted")}
+    out["stats"] = {k: reader.stats()[k] for k in ("verify_failures", "hits", "distrusted",
+                                                   "distrusted_agents")}
     for t in (reader, plain, liar, owner):
         t.close()
     return out

@@ -39,13 +39,16 @@ def _attack(tmp_path, scenario: str) -> dict:
 def test_forged_and_unkeyed_records_are_never_served(tmp_path):
     """Against a keyed reader, every lie is a counted miss the first time and dropped: the
     next read is served by the honest owner (or is a miss where only the liar holds the
-    key); an unkeyed reader refuses a tagged record the same way."""
+    key), and after three failures the liar is skipped altogether; an unkeyed reader refuses
+    a tagged record the same way."""
     r = _attack(tmp_path, "forged")
     assert r["first"] == ["miss"] * 4, r
     assert r["second"] == ["exact", "exact", "exact", "miss"], r
     assert r["contains_after"] == [True, True, True, False], r
     assert r["plain_reads_tagged"] == "miss", r
-    assert r["stats"]["verify_failures"] == 4 and r["stats"]["distrusted"] == 4, r
+    # the fourth lie is not even read: three failures made the liar skipped
+    assert r["stats"]["verify_failures"] == 3 and r["stats"]["distrusted"] == 3, r
+    assert r["liar_skipped"] == "exact" and r["stats"]["distrusted_agents"] == 1, r
 
 
 def test_reads_outside_the_export_window_are_refused(tmp_path):
