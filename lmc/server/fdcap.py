@@ -6,8 +6,8 @@ write or read a value, every Redis connection and every /metrics connection. A d
 accepts until ``accept()`` fails with EMFILE has, at that moment, left nothing for the tiers:
 a disk write fails and a read fails after its destination was allocated (issue 20 lost every
 value that way). So the connection cap is what ``RLIMIT_NOFILE`` leaves once the descriptors
-open at start-up and a reserve (``fd_reserve``, at most a quarter of the limit) are set aside, and the soft limit is first
-raised toward the hard one when ``max_connections`` asks for more.
+open at start-up and a reserve (``fd_reserve``, at most half the limit) are set aside, and
+the soft limit is first raised toward the hard one when ``max_connections`` asks for more.
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ def connection_cap(max_connections: int, reserve: int) -> int:
     soft = raise_soft_limit(max_connections + in_use + reserve + 1)
     if soft == resource.RLIM_INFINITY:
         return max_connections
-    reserve = min(reserve, soft // 4)  # a low limit still leaves most of it to clients
+    reserve = min(reserve, soft // 2)  # a low limit still leaves half of it to clients
     # one more for the socket a displacement accepts before the displaced one is closed
     room = soft - in_use - reserve - 1
     if room < 2:

@@ -362,12 +362,12 @@ class NamespacedStore:
         if len(self.storage.tiers) == 1:
             return self._get(ikeys, prefix)
         quota = self.quota(ns)
-        if quota is not None and self.unfreeable(ns) >= quota:
-            # replies being sent already hold the whole quota: reading from a lower tier
-            # would allocate past it (at other tenants' expense), so only memory answers
-            return self._from_memory(ikeys, prefix)
+        # what lower-tier reads may allocate for ns: its quota less what replies being sent
+        # and writes arriving hold (evicting ns's other chunks cannot free that)
+        budget = None if quota is None else quota - self.unfreeable(ns)
+        hint = self._chunk_size(ns)
         before = self.l1.contains(ikeys)
-        found = self._get(ikeys, prefix)
+        found = self._get(ikeys, prefix, budget, hint)
         if self.quota(ns) is not None:
             up = [(k, o.nbytes) for k, o, b in zip(ikeys, found, before)
                   if o is not None and not b]
@@ -398,33 +398,66 @@ class NamespacedStore:
                 o.release()
         return out + [None] * (len(ikeys) - len(out))
 
-    def _from_memory(self, ikeys: Sequence[bytes], prefix: bool) -> list[MemoryObj | None]:
-        found: list[MemoryObj | None] = list(self.l1.get(ikeys))
-        if prefix and None in found:
-            cut = found.index(None)
-            for o in found[cut:]:
-                if o is not None:
-                    o.release()
-            found = found[:cut] + [None] * (len(found) - cut)
-        return found
-
-    def _get(self, ikeys: Sequence[bytes], prefix: bool) -> list[MemoryObj | None]:
+    def _get(self, ikeys: Sequence[bytes], prefix: bool, budget: int | None = None,
+             size_hint: int = 0) -> list[MemoryObj | None]:
+        """Memory first, then the lower tiers (promoting). With a ``budget`` (bytes), lower-tier
+        reads stop before they would allocate past it, the memory hits of this very request
+        counted in (its reply will hold them): the rest are misses."""
         n = len(ikeys)
-        if prefix:
+        if prefix and budget is None:
             objs: list[MemoryObj | None] = list(self.storage.get_prefix(ikeys))
             return objs + [None] * (n - len(objs))
         found: list[MemoryObj | None] = list(self.l1.get(ikeys))
         if len(self.storage.tiers) == 1 or all(o is not None for o in found):
             return found
+        hint = max((o.nbytes for o in found if o is not None), default=0)
+        if budget is not None:
+            budget -= sum(o.nbytes for o in found if o is not None)
+        if prefix:
+            cut = found.index(None)
+            for o in found[cut:]:  # asked again below, in order, with the lower tiers
+                if o is not None:
+                    o.release()
+            rest = self._read_lower(list(ikeys[cut:]), budget, True, hint or size_hint)
+            found[cut:] = rest
+            if None in found:  # a prefix ends at its first miss
+                end = found.index(None)
+                for o in found[end:]:
+                    if o is not None:
+                        o.release()
+                found[end:] = [None] * (n - end)
+            return found
         missing = [i for i, o in enumerate(found) if o is None]
         present = self.contains([ikeys[i] for i in missing])
         todo = [i for i, p in zip(missing, present) if p]
-        while todo:  # all present: one call fetches them, unless one vanished meanwhile
-            got = self.storage.get_prefix([ikeys[i] for i in todo])
-            for i, o in zip(todo, got):
-                found[i] = o
-            todo = todo[len(got) + 1:]
+        for i, o in zip(todo, self._read_lower([ikeys[i] for i in todo], budget, False,
+                                               hint or size_hint)):
+            found[i] = o
         return found
+
+    def _read_lower(self, keys: list[bytes], budget: int | None, stop_at_miss: bool = False,
+                    size_hint: int = 0) -> list[MemoryObj | None]:
+        """``keys`` through the manager's ``get_prefix`` (queues, then tiers, promoting), in
+        one call without a budget; with one, as many keys as the budget holds at the size of
+        the namespace's chunks (``size_hint``, else of the first one read), so no read
+        allocates past it (chunks of one model are of one size)."""
+        out: list[MemoryObj | None] = [None] * len(keys)
+        i, step = 0, len(keys)
+        if budget is not None:
+            step = 0 if budget <= 0 else budget // size_hint if size_hint else 1
+        while i < len(keys) and step > 0:
+            part = keys[i:i + step]
+            got = self.storage.get_prefix(part)
+            out[i:i + len(got)] = got
+            i += len(got)
+            if budget is not None:
+                budget -= sum(o.nbytes for o in got)
+                step = budget // got[-1].nbytes if got else 1
+            if len(got) < len(part):  # missing (or vanished meanwhile)
+                if stop_at_miss:
+                    break
+                i += 1
+        return out
 
     def touch(self, ns: str, ikeys: Sequence[bytes]) -> None:
         """Reads keep a namespace's chunks young in its quota ledger too."""
@@ -464,6 +497,15 @@ class NamespacedStore:
                 for o in objs:
                     if o is not None:
                         ledger.unhold(o)
+
+    def _chunk_size(self, ns: str) -> int:
+        """The size of ``ns``'s newest chunk in memory (0 if none): what its next read is
+        likely to allocate per key."""
+        with self._lock:
+            ledger = self._ledgers.get(ns)
+            if ledger is None or not ledger.keys:
+                return 0
+            return next(reversed(ledger.keys.values()))
 
     def unfreeable(self, ns: str) -> int:
         """Bytes of ``ns``'s charge that evicting its chunks cannot free now (replies being

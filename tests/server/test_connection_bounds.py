@@ -119,7 +119,7 @@ def test_a_reader_that_stops_reading_loses_its_pins(start_daemon):
 
 def test_a_low_fd_limit_caps_connections_instead_of_running_out(start_daemon):
     """With RLIMIT_NOFILE 48, 80 connections never exhaust the daemon's fds: accepting stops
-    at the cap fd_reserve leaves (a quarter of the limit here), idle ones are displaced,
+    at the cap fd_reserve leaves (half the limit here), idle ones are displaced,
     accept() never fails, and a client still gets in."""
     d = start_daemon("--size", "16MiB", "--hello-timeout", "60", nofile=48)
     socks = [socket.create_connection(("127.0.0.1", d.port), timeout=10) for _ in range(80)]

@@ -2,10 +2,13 @@
 reader): tenants store, read and hold replies unsent, release them and delete in any order;
 the memory each namespace makes the pool hold (its chunks in memory plus the objects its
 unsent replies reference) never exceeds its quota, so with quotas that sum to less than the
-pool no tenant is ever evicted by another. Runs the real store over a real memory tier.
-Threat model: docs/threats/daemon.md."""
+pool no tenant is ever evicted by another. Runs the real store over a real memory tier, and
+again with a real disk tier behind it (reads that promote from disk are bounded by what the
+namespace's quota has left). Threat model: docs/threats/daemon.md."""
 
 from __future__ import annotations
+
+import tempfile
 
 import torch
 from hypothesis import settings
@@ -30,13 +33,18 @@ ns_st = st.sampled_from(NAMESPACES)
 
 
 class SlowReplies(RuleBasedStateMachine):
+    POOL = POOL
+
     def __init__(self) -> None:
         super().__init__()
-        cfg = CacheConfig(local_cpu_size=POOL, pin_memory="false")
+        cfg = CacheConfig(local_cpu_size=self.POOL, pin_memory="false")
         self.pool = MemoryPool(cfg.local_cpu_size, pin_memory="false")
         self.l1 = create_backend("cpu", cfg, self.pool)
-        self.store = NamespacedStore(StorageManager([self.l1]), quota_default=QUOTA)
+        self.store = NamespacedStore(StorageManager(self.tiers(cfg)), quota_default=QUOTA)
         self.open: list[tuple[str, list]] = []  # replies being "sent": (ns, objects held)
+
+    def tiers(self, cfg: CacheConfig) -> list:
+        return [self.l1]
 
     @rule(ns=ns_st, keys=keys_st)
     def put(self, ns: str, keys: list[bytes]) -> None:
@@ -56,6 +64,7 @@ class SlowReplies(RuleBasedStateMachine):
             for _, o in good:
                 o.release()
             self.store.settle(ns, reserved)
+        assert self.store.storage.flush(10)  # lower tiers written now: runs replay exactly
 
     @rule(ns=ns_st, keys=keys_st)
     def get_and_stall(self, ns: str, keys: list[bytes]) -> None:
@@ -117,6 +126,29 @@ class SlowReplies(RuleBasedStateMachine):
         self.pool.close()
 
 
+class SlowRepliesOverDisk(SlowReplies):
+    """The same with a disk tier: chunks a quota evicted come back from disk (promoted and
+    charged), and while replies hold the quota those reads are misses. A promotion
+    allocates before the namespace's older chunks leave, hence a larger pool."""
+
+    POOL = 6 * QUOTA
+
+    def tiers(self, cfg: CacheConfig) -> list:
+        self.dir = tempfile.TemporaryDirectory(prefix="lmc-quota-prop-")
+        disk = create_backend("disk", cfg.replace(local_disk=self.dir.name,
+                                                  local_disk_size="16MiB"), self.pool)
+        return [self.l1, disk]
+
+    def teardown(self) -> None:
+        try:
+            super().teardown()
+        finally:
+            self.dir.cleanup()
+
+
 SlowReplies.TestCase.settings = settings(max_examples=60, stateful_step_count=40,
                                          deadline=None)
 TestSlowReplies = SlowReplies.TestCase
+SlowRepliesOverDisk.TestCase.settings = settings(max_examples=30, stateful_step_count=30,
+                                                 deadline=None)
+TestSlowRepliesOverDisk = SlowRepliesOverDisk.TestCase
