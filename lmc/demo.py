@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from lmc.cli import positive_int
+from lmc.cli import int_in, positive_int
 
 DEMO_MODEL: dict[str, Any] = {"hidden": 256, "layers": 4, "heads": 4, "kv_heads": 2,
                               "vocab": 2048, "max_position_embeddings": 8192, "seed": 0}
@@ -438,7 +438,7 @@ def register_cli(sub: Any) -> None:
     p.add_argument("--quick", action="store_true", help="a smaller workload (seconds)")
     p.add_argument("--no-baseline", action="store_true",
                    help="skip the engine-alone pass (and so the speed-up)")
-    p.add_argument("--threads", type=positive_int, default=None, metavar="N",
+    p.add_argument("--threads", type=int_in(1, 4096), default=None, metavar="N",
                    help=f"torch threads for both engines (default: half the cores, here "
                         f"{default_threads()}), the same in every pass")
     p.add_argument("--rounds", type=_count, default=3, metavar="N",

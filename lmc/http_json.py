@@ -99,13 +99,14 @@ class HttpLimits:
 
 def add_limit_args(p: Any) -> None:
     """The :class:`HttpLimits` flags, shared by both servers' command lines."""
+    from lmc.cli import float_in, int_in
     d = HttpLimits()
-    p.add_argument("--max-connections", type=int, default=d.max_connections, metavar="N",
+    p.add_argument("--max-connections", type=int_in(1, 1 << 20), default=d.max_connections, metavar="N",
                    help="open client connections (lowered to fit RLIMIT_NOFILE); at the cap "
                    "the oldest still sending its request is dropped, else 503")
-    p.add_argument("--read-timeout", type=float, default=d.read_timeout, metavar="SECONDS",
+    p.add_argument("--read-timeout", type=float_in(0, 86400, low_open=True), default=d.read_timeout, metavar="SECONDS",
                    help="to receive a whole request (line, headers, body), and per write")
-    p.add_argument("--max-body", type=int, default=d.max_body, metavar="BYTES",
+    p.add_argument("--max-body", type=int_in(1, 1 << 40), default=d.max_body, metavar="BYTES",
                    help="largest request body (413 beyond)")
 
 

@@ -285,7 +285,7 @@ def _what(e: BaseException) -> str:
 
 
 def register_cli(sub: Any) -> None:
-    from lmc.cli import add_command
+    from lmc.cli import add_command, float_in, int_in
     p = add_command(sub, "pd-proxy", "prefill on a kv_producer, decode on a kv_consumer, "
                     "behind one /v1/completions", __doc__)
     p.add_argument("--prefill", action="append", required=True, metavar="URL",
@@ -293,8 +293,8 @@ def register_cli(sub: Any) -> None:
     p.add_argument("--decode", action="append", required=True, metavar="URL",
                    help="a kv_consumer instance (http://host:port); repeat for several")
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8100, help="0: pick a free port")
-    p.add_argument("--upstream-timeout", type=float, default=TIMEOUT, metavar="SECONDS",
+    p.add_argument("--port", type=int_in(0, 65535), default=8100, help="0: pick a free port")
+    p.add_argument("--upstream-timeout", type=float_in(0, 86400, low_open=True), default=TIMEOUT, metavar="SECONDS",
                    help="how long an instance may take to answer (per read)")
     add_limit_args(p)
     p.set_defaults(func=run)

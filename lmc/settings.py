@@ -164,6 +164,9 @@ def parse_mapping(value: Any, key: str) -> dict[str, Any]:
         except yaml.YAMLError as e:
             raise ConfigError(f"{key}: expected a mapping such as '{{a: 1}}', "
                               f"cannot parse {value!r}: {_yaml_problem(e)}") from None
+        except RecursionError:
+            raise ConfigError(f"{key}: expected a mapping such as '{{a: 1}}', got YAML "
+                              f"nested too deeply") from None
         if value is None:
             return {}
     if not isinstance(value, Mapping):
@@ -270,6 +273,8 @@ def read_yaml(path: str | os.PathLike, what: str = "config") -> YamlFile:
         if mark is not None and mark.line < len(text.splitlines()):
             shown = f"\n    {text.splitlines()[mark.line]}\n    {' ' * mark.column}^"
         raise ConfigError(f"{at}: malformed YAML: {_yaml_problem(e)}{shown}") from None
+    except RecursionError:  # PyYAML composes nested collections recursively
+        raise ConfigError(f"{name}: YAML nested too deeply to be a {what} file") from None
     finally:
         loader.dispose()
     if data is None:
