@@ -17,6 +17,8 @@ import time
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from lmc import prefault as pf
 from lmc.memory import MemoryPool
@@ -246,3 +248,54 @@ def test_gpu_pool_is_page_locked_through_the_cuda_runtime():
         assert torch.equal(dev.cpu(), o.tensor)
     pool.close()
     assert not pool.buffer.is_pinned(), "close() left the pool page-locked"
+
+
+@settings(max_examples=25)
+@given(size_mib=st.integers(1, 40), extra=st.integers(0, 4095),
+       step_mib=st.sampled_from([2, 4, 6, 8]), fail_at=st.one_of(st.none(), st.integers(1, 12)),
+       mode=st.sampled_from(["now", "background"]),
+       allocs=st.lists(st.integers(1, 6 * MiB), max_size=6))
+def test_property_pinning_never_overpins_leaks_or_hands_out_unpinned(size_mib, extra, step_mib,
+                                                                      fail_at, mode, allocs):
+    """Any size, step, failure point and allocation sequence: registered ranges are disjoint
+    steps, never past the size rounded up to 2 MiB, covering the pinned front; every block
+    handed out lies inside that front (else the allocation raised PinError and
+    kept nothing); close (or a failed constructor) leaves nothing registered."""
+    size = size_mib * MiB + extra
+    reg = StandIn(fail_at=fail_at)
+    try:
+        pool = _pool(size, reg, prefault=mode, pin_step=step_mib * MiB)
+    except pf.PinError:
+        assert not reg.live and not reg.errors, (reg.live, reg.errors)
+        return
+    held = []
+    try:
+        for n in allocs:
+            try:
+                o = pool.allocate((n,), torch.uint8)
+            except pf.PinError:
+                continue
+            if o is None:
+                continue
+            held.append(o)
+            assert o.offset + o.nbytes <= pool._prefault.front, "handed out unpinned"
+        # steps are claimed in order but two threads may finish them out of order (and one
+        # may fail while a later one succeeds): the ranges are disjoint steps inside the
+        # rounded size, and the front -- what blocks are handed out from -- is all covered
+        ranges = sorted(reg.live.items())
+        base, top = pool.buffer.data_ptr(), -(-size // pf.HUGE) * pf.HUGE
+        for (a, n), (b, _) in zip(ranges, ranges[1:]):
+            assert a + n <= b
+        assert all(base <= a and a + n <= base + top for a, n in ranges)
+        covered, end = 0, base
+        for a, n in ranges:
+            if a != end:
+                break
+            covered, end = covered + n, a + n
+        assert covered >= pool._prefault.front
+    finally:
+        for o in held:
+            o.release()
+        assert pool.used_bytes == 0, "a refused allocation kept its block"
+        pool.close()
+    assert not reg.live and not reg.errors, (reg.live, reg.errors)
