@@ -2,7 +2,8 @@
 retries on as ``lmc server`` sets them) storing values while every file descriptor of the
 process is taken, so each disk write fails with EMFILE; then memory pressure; then the
 descriptors come back. Prints JSON: which values the disk tier ends up holding, bit-exact.
-A subprocess because it lowers RLIMIT_NOFILE and fills the fd table."""
+A subprocess because it lowers RLIMIT_NOFILE and fills the fd table.
+Threat model: docs/threats/daemon.md."""
 
 from __future__ import annotations
 

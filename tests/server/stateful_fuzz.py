@@ -12,7 +12,7 @@ namespace's bytes is caught.
 
 One seed determines every actor's choices (``random.Random(seed)`` per driver thread); the
 interleaving of several driver threads is left to the scheduler on purpose.
-"""
+Threat model: docs/threats/daemon.md."""
 
 from __future__ import annotations
 

@@ -1,7 +1,8 @@
 """What a client can make the daemon hold is bounded: connections that never authenticate
 are timed out and capped below max_connections (authenticated clients keep a reserve),
 every half-received or half-sent frame is timed out whatever state the request was in,
-and running out of file descriptors costs one log line per interval, not one per retry."""
+and running out of file descriptors costs one log line per interval, not one per retry.
+Threat model: docs/threats/daemon.md."""
 
 from __future__ import annotations
 

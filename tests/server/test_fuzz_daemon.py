@@ -1,5 +1,6 @@
 """10,000+ malformed frames thrown at a live daemon: it answers an error or closes the
-connection, never hangs or dies, and its memory (pool occupancy, RSS) does not grow."""
+connection, never hangs or dies, and its memory (pool occupancy, RSS) does not grow.
+Threat model: docs/threats/daemon.md."""
 
 from __future__ import annotations
 

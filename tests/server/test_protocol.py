@@ -1,5 +1,6 @@
 """The frame parser in-process: round trips, every bound enforced before allocation, and
-arbitrary bytes never raising anything but ``ProtocolError``."""
+arbitrary bytes never raising anything but ``ProtocolError``.
+Threat model: docs/threats/daemon.md."""
 
 from __future__ import annotations
 

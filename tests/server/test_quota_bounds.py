@@ -1,6 +1,7 @@
 """Memory and namespace state stay bounded: a key sent twice in one PUT is stored once (no
 leaked pool object), reads that promote from disk are charged to the namespace's quota, and
-junk namespaces cannot exhaust max_namespaces and lock new tenants out of an empty pool."""
+junk namespaces cannot exhaust max_namespaces and lock new tenants out of an empty pool.
+Threat model: docs/threats/daemon.md."""
 
 from __future__ import annotations
 

@@ -7,7 +7,7 @@ and every GET hit along the way returned exactly the bytes PUT for that namespac
 
 The seed is random per run and printed (``LMC_FUZZ_SEED=<n>`` replays one driver sequence);
 ``LMC_FUZZ_SECONDS`` sets the length (default 12 s of driving, the whole test < 60 s).
-"""
+Threat model: docs/threats/daemon.md."""
 
 from __future__ import annotations
 

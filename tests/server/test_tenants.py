@@ -1,6 +1,6 @@
 """Namespaces as an access boundary: a tenant token grants its own namespaces only (reads,
 writes, probes, deletes and STATS), an admin token sees everything, and a daemon never
-starts with an empty token."""
+starts with an empty token. Threat model: docs/threats/daemon.md."""
 
 from __future__ import annotations
 
