@@ -6,6 +6,7 @@ docs/threats/daemon.md."""
 from __future__ import annotations
 
 import json
+import logging
 import socket
 import subprocess
 import sys
@@ -214,3 +215,32 @@ def test_a_slow_reader_cannot_evict_another_tenants_data(start_daemon):
         for s in readers:
             s.close()
     c.close()
+
+
+def test_first_seen_bounds_lines_past_its_memory_and_per_window(caplog):
+    """The issue's pattern in-process with a fake clock: 4,200 distinct names (past the
+    4,096 remembered), then 300 reconnects of one name, then the oldest names again: at
+    most 20 individual lines per 10 s window and one summary line per window, however the
+    names are chosen; a name seen recently is never new again."""
+    from lmc.server.ratelog import FirstSeen
+
+    now = [0.0]
+    seen = FirstSeen(clock=lambda: now[0])
+    lines = 0
+    with caplog.at_level(logging.INFO, logger="lmc.server.daemon"):
+        for i in range(4200):
+            lines += seen(("engine", i))
+            now[0] += 0.001
+        for _ in range(300):
+            lines += seen(("reconnector", 0))
+            now[0] += 0.001
+        for i in range(200):  # forgotten (least recently seen first): new, still bounded
+            lines += seen(("engine", i))
+        summaries = [r.getMessage() for r in caplog.records]
+        assert lines <= 20 and len(summaries) == 1, (lines, summaries)
+        now[0] += 10.0
+        assert seen(("reconnector", 0)) is False  # remembered: never a new line again
+        assert seen(("fresh", 1)) is True  # a new window has a new budget
+        seen.flush()
+    summaries = [r.getMessage() for r in caplog.records]
+    assert len(summaries) == 2 and "4380 time(s)" in summaries[1], summaries
