@@ -4,7 +4,7 @@ JSON line of what the reader got, then ends with ``os._exit`` (NIXL's exit-time 
 :mod:`lmc.p2p.agent`). Threat model: ``docs/threats/p2p.md``.
 
 ``python -m tests.p2p.attack_proc SCENARIO DIRECTORY_URL WORKDIR``; scenarios: ``forged``,
-``window``, ``lying_size``, ``renamed``.
+``window``, ``lying_size``, ``overwrite``, ``renamed``.
 """
 
 from __future__ import annotations
@@ -166,6 +166,33 @@ def lying_size(url: str, workdir: str) -> dict:
     conn.close()
     liar_agent.close()
     eng.eng.close()
+    return out
+
+
+def overwrite(url: str, _: str) -> dict:
+    """A peer of the namespace uses the owner's metadata to WRITE junk over the owner's
+    exported copy (NIXL allows WRITEs wherever it allows READs). A reader without a secret
+    reads the key: the record the owner advertised still holds the checksum of the honest
+    bytes."""
+    owner, vandal, reader = (_tier(url, n) for n in ("ow-owner", "ow-vandal", "ow-reader"))
+    rec = _store(owner, key_of("overwritten"), b"overwritten")
+    info = vandal._peer("ow-owner")
+    junk = vandal.pool.allocate(SHAPE, torch.float16, SHAPE[2])
+    junk.tensor.fill_(3.0)
+    a = vandal.agent.agent
+    h = a.initialize_xfer("WRITE", a.get_xfer_descs([(vandal.raw.buffer.data_ptr()
+                                                      + junk.offset, rec.nbytes, 0)], "DRAM"),
+                          a.get_xfer_descs([(info.pool_base + rec.offset, rec.nbytes, 0)],
+                                           "DRAM"), "ow-owner")
+    state = a.transfer(h)
+    while state not in ("DONE", "ERR"):
+        state = a.check_xfer_state(h)
+    a.release_xfer_handle(h)
+    junk.release()
+    out = {"write": state, "read": _read(reader, key_of("overwritten"), "overwritten"),
+           "verify_failures": reader.stats()["verify_failures"]}
+    for t in (reader, vandal, owner):
+        t.close()
     return out
 
 

@@ -1,6 +1,7 @@
 """The P2P tier attacked by a peer of the reader's own namespace (another tenant cannot even
 reach it: ``test_p2p_tenants.py``): forged and unkeyed advertisements, READs outside the
-export window, records lying about their size, metadata naming another agent. Each runs in
+export window, records lying about their size, bytes overwritten in an owner's window,
+metadata naming another agent. Each runs in
 a child process (``attack_proc.py``: NIXL never runs in pytest's process).
 Threat model: ``docs/threats/p2p.md``."""
 
@@ -69,6 +70,13 @@ def test_a_lying_record_size_evicts_nothing(tmp_path):
     r = _attack(tmp_path, "lying_size")
     assert r["before"] == 120 and r["after"] == 120, r
     assert r["loads"] == [0, 0, 0] and r["refused"] == 3, r
+
+
+def test_bytes_overwritten_in_an_owners_window_are_never_served(tmp_path):
+    """A peer WRITEs junk over an owner's exported chunk: even a reader without a secret
+    misses it (the checksum it checks is the owner's, kept by the directory), never WRONG."""
+    r = _attack(tmp_path, "overwrite")
+    assert r == {"write": "DONE", "read": "miss", "verify_failures": 1}, r
 
 
 def test_metadata_naming_another_agent_is_refused(tmp_path):
