@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from lmc.config import CacheConfig
+from lmc.integrity import Geometry, expect_geometry
 from lmc.kv_spec import KVCaches, KVSpec
 from lmc.layered_read import READY, LayerGate
 from lmc.layerwise import CopyLease, LayerwiseRetrieve, LayerwiseStore
@@ -96,6 +97,9 @@ class CacheEngine:
                                debug=config.debug_leaks, prefault=config.local_cpu_prefault)
         try:  # the tier stack the daemon builds too (lmc.tier_build)
             self.storage: StorageManager = build_storage(config, self.pool, tiers or ())
+            # shared tiers check a value's header against this before allocating for it:
+            # a rewritten shape or dtype is counted, deleted and a miss (docs/threats/tiers.md)
+            expect_geometry(self.storage.lower, Geometry.of(spec, config.chunk_size))
         except BaseException:
             self.pool.close()
             raise
@@ -333,8 +337,10 @@ class CacheEngine:
                 if shape is None:
                     shape = want[e - s] = self.spec.chunk_shape(e - s)
                 if o.shape != shape or o.dtype != self.spec.dtype:
-                    log.error("chunk %d holds %s %s, expected %s %s: treated as a miss", i,
-                              o.shape, o.dtype, self.spec.chunk_shape(e - s), self.spec.dtype)
+                    log.error("chunk %d holds %s %s, expected %s %s: deleted, treated as a "
+                              "miss", i, o.shape, o.dtype, self.spec.chunk_shape(e - s),
+                              self.spec.dtype)
+                    self.storage.delete([chunks[i][2]])  # never served again, re-stored
                     for bad in objs[i:]:
                         bad.release()
                     objs = objs[:i]

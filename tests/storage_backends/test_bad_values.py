@@ -300,9 +300,6 @@ def test_a_daemon_value_larger_than_any_chunk_is_refused_before_allocating(store
         assert eng.contains_chunks(other).sum() == held, "L1 was evicted for a forged value"
 
 
-@pytest.mark.xfail(strict=True, reason="pending: CacheEngine.__init__ is to call "
-                   "expect_geometry(self.storage.lower, Geometry.of(spec, config.chunk_size)) "
-                   "(lmc/cache_engine.py, outside this change); remove this mark then")
 @pytest.mark.parametrize("store", ["disk"], indirect=True)
 def test_the_engine_gives_its_tiers_its_geometry(store):
     cfg = CacheConfig(chunk_size=CHUNK, local_cpu_size="4MiB", **store.lower())
