@@ -134,8 +134,9 @@ class CacheConfig(Settings):
         "page-lock the pool: auto = when CUDA is available")
     local_cpu_prefault: str = setting(
         "background", lambda v, k: parse_choice(str(v).lower(), k, ("background", "off")),
-        "populate the unpinned pool's pages from start-up in a background thread, so stores "
-        "do not pay first-touch faults (off: pages fault on first write)")
+        "prepare the pool from start-up in a background thread: an unpinned pool's pages are "
+        "populated so stores do not pay first-touch faults (off: pages fault on first write); "
+        "a pinned pool is page-locked in steps ahead of allocation (off: all of it at start)")
     debug_leaks: bool = setting(
         False, parse_bool, "record allocation sites of memory objects and report leaks")
     max_pinned_chunks: int = setting(
