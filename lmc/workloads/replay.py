@@ -169,7 +169,10 @@ def replay_reference(requests: Sequence[TraceRequest], llm: Any, *, fast: bool =
                 rec.cached_tokens = out.num_cached_tokens
                 if keep_outputs:
                     rec.output_ids = list(out.token_ids)
-                if out.ttft_s is None:
+                failed = llm.pop_error(out.request_id) if out.finish_reason == "abort" else None
+                if failed is not None:  # the engine failed this request alone: say why
+                    rec.error = f"the engine failed this request: {failed}"
+                elif out.ttft_s is None:
                     rec.error = f"no token generated (finish reason {out.finish_reason})"
                 else:
                     first = sent_at[out.request_id] + out.ttft_s
