@@ -35,6 +35,18 @@ def pytest_configure(config):
         "markers", "leaks_expected: the test leaks pool references on purpose (not a failure)")
 
 
+def pytest_collection_finish(session):
+    """Freeze what exists once the tests are collected (torch, hypothesis, the test modules:
+    ~1M objects) into the collector's permanent generation, once per process: the full
+    ``gc.collect()`` after each pool-making test then walks only what the tests made since,
+    which halves the unit files' wall time. Frozen objects are still freed by reference
+    counting; only cycles among them are never collected (none of them holds a pool: no test
+    has run yet)."""
+    if gc.get_freeze_count() == 0:
+        gc.collect()
+        gc.freeze()
+
+
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return

@@ -407,3 +407,36 @@ def test_batch_made_objects_are_those_init_makes():
     for o in (*made, ref):
         o._refs = 0  # never allocated from the pool: nothing to free
     pool.close()
+
+
+def test_the_harness_still_catches_a_leak_only_the_collector_finds(pytester):
+    """tests/conftest.py freezes the objects that exist after collection (gc.freeze) and
+    collects after each pool-making test: an object dropped while referenced inside a
+    reference cycle made by the test (freed only by the collector, never by refcounting) must
+    still fail that test. A fresh process, so that the freeze happens as in a real run."""
+    from pathlib import Path
+
+    pytester.makeconftest((Path(__file__).parents[1] / "conftest.py").read_text())
+    pytester.makepyfile(test_cycle_leak="""
+        import gc, torch
+        from lmc.memory import MemoryPool
+
+        KEPT = []
+
+        def test_session_objects_are_frozen():
+            assert gc.get_freeze_count() > 100_000
+
+        def test_dropped_in_a_cycle_while_referenced():
+            KEPT.append(MemoryPool(1 << 16, pin_memory=False))  # the pool lives on
+            box = [KEPT[0].allocate((10,), torch.uint8)]
+            box.append(box)  # a cycle: only gc.collect() frees the object
+
+        def test_a_clean_test_after_it():
+            pool = MemoryPool(1 << 16, pin_memory=False)
+            pool.allocate((10,), torch.uint8).release()
+            pool.close()
+    """)
+    res = pytester.runpytest_subprocess("-q", "-p", "no:cacheprovider", timeout=120)
+    res.assert_outcomes(passed=3, errors=1)
+    res.stdout.fnmatch_lines(["*ERROR at teardown of test_dropped_in_a_cycle_while_referenced*",
+                              "*pool invariant violation*"])
