@@ -643,8 +643,9 @@ class P2PBackend(StorageBackend):
             return {**self.counts, "exports": len(self._exports),
                     "exported_bytes": self.window.used_bytes,
                     "distrusted": len(self._distrusted),
+                    # tuple() copies in one step under the GIL: readers may be adding
                     "distrusted_agents": sum(n >= AGENT_STRIKES for n, _ in
-                                             self._strikes.values()),
+                                             tuple(self._strikes.values())),
                     "geometry_known": self.expected_geometry is not None or bool(self._learned),
                     "quarantined": self.agent.quarantined,
                     **{f"breaker_{k}": v for k, v in self.breaker.stats().items()}}
