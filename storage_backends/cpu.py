@@ -8,13 +8,13 @@ passed over by eviction, so it is never freed or reused under a reader.
 from __future__ import annotations
 
 import threading
-from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
 from lmc.config import CacheConfig
+from lmc.eviction import EvictionPolicy, make_policy
 from lmc.memory import MemoryObj, MemoryPool
 from lmc.metrics import EVICTIONS
 from lmc.storage_backend import Key, StorageBackend, register_backend
@@ -24,13 +24,15 @@ EvictListener = Callable[[list[tuple[Key, MemoryObj]]], None]
 
 @register_backend("cpu")
 class CPUBackend(StorageBackend):
-    """LRU (or FIFO) map from key to pool object."""
+    """Map from key to pool object, evicted in the order of its policy object
+    (``eviction_policy``: :mod:`lmc.eviction`)."""
 
     def __init__(self, spec: str = "cpu", *, config: CacheConfig, pool: MemoryPool,
                  **_: Any) -> None:
         self.pool = pool
         self.policy = config.eviction_policy
-        self._map: OrderedDict[Key, MemoryObj] = OrderedDict()
+        self._policy: EvictionPolicy[Key, MemoryObj] = make_policy(self.policy)
+        self._map = self._policy.entries  # lookups that are not a use (never reassigned)
         self._lock = threading.RLock()
         self.on_evict: EvictListener | None = None  # lower tiers hook write-on-evict here
         self.evictions = 0
@@ -50,10 +52,7 @@ class CPUBackend(StorageBackend):
             if m.keys().isdisjoint(keys):  # a new prompt: no loop per key
                 return [False] * len(keys)
             out = [k in m for k in keys]
-            if self.policy == "lru":
-                for k, present in zip(keys, out):
-                    if present:
-                        m.move_to_end(k)
+            self._policy.touch_many(keys)
         return out
 
     def prefix_hits(self, keys: Sequence[Key]) -> int:
@@ -73,15 +72,7 @@ class CPUBackend(StorageBackend):
             hits = out if every else [o for o in out if o is not None]
             if hits:
                 self.pool.acquire_many(hits)  # one pool lock for the batch, not one each
-                if self.policy == "lru":
-                    move = m.move_to_end
-                    if every:
-                        for k in keys:
-                            move(k)
-                    else:
-                        for k, o in zip(keys, out):
-                            if o is not None:
-                                move(k)
+                self._policy.touch_many(keys)  # misses are skipped
         return out
 
     # ----------------------------------------------------------------- writes
@@ -102,7 +93,7 @@ class CPUBackend(StorageBackend):
                 new = dict(zip(keys, objs))
                 if len(new) == n:  # and none repeated: no loop per key
                     self.pool.acquire_many(objs)
-                    m.update(new)
+                    self._policy.insert_many(new)
                     return n
             new = {}
             for k, o in zip(keys, objs, strict=True):
@@ -112,14 +103,14 @@ class CPUBackend(StorageBackend):
                 if k not in m and k not in new:
                     new[k] = o
             self.pool.acquire_many(new.values())
-            m.update(new)
+            self._policy.insert_many(new)
         return len(keys)
 
     def delete(self, keys: Sequence[Key]) -> int:
         n = 0
         with self._lock:
             for k in keys:
-                obj = self._map.pop(k, None)
+                obj = self._policy.remove(k)
                 if obj is not None:
                     obj.release()
                     n += 1
@@ -149,10 +140,11 @@ class CPUBackend(StorageBackend):
         return objs
 
     def _evict(self, need: int) -> int:
-        """Evict unreferenced chunks, oldest first, until about ``need`` bytes are freed."""
+        """Evict unreferenced chunks in the policy's order until about ``need`` bytes are
+        freed."""
         victims: list[tuple[Key, MemoryObj]] = []
         freed = 0
-        for k, obj in self._map.items():
+        for k, obj in self._policy.victims():
             if obj.ref_count == 1:  # only this tier holds it
                 victims.append((k, obj))
                 freed += obj.nbytes
@@ -162,8 +154,9 @@ class CPUBackend(StorageBackend):
             return 0
         if self.on_evict is not None:
             self.on_evict(victims)
+        evict = self._policy.evict
         for k, _ in victims:
-            del self._map[k]
+            evict(k)
         self.pool.release_many([obj for _, obj in victims])  # neighbours freed as one block
         self.evictions += len(victims)
         self.evicted_bytes += freed
@@ -173,7 +166,7 @@ class CPUBackend(StorageBackend):
     def clear(self) -> None:
         with self._lock:
             objs = list(self._map.values())
-            self._map.clear()
+            self._policy.clear()
         self.pool.release_many(objs)
 
     def close(self) -> None:

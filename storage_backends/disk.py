@@ -21,12 +21,12 @@ miss, never into wrong KV.
 
 Start-up. The index is rebuilt from one ``scandir`` of the directory: names carry the key and
 the file size, so a truncated file is found by its size alone; headers and checksums are
-verified lazily, on read. LRU order survives a restart approximately (by mtime, i.e. write
-order). The directory belongs to lmc: a marker file is written on first use, files lmc does
-not recognise there are deleted (counted), and a non-empty directory without the marker is
-refused rather than cleaned.
+verified lazily, on read. The eviction order survives a restart approximately (files are
+re-inserted by mtime, i.e. write order). The directory belongs to lmc: a marker file is
+written on first use, files lmc does not recognise there are deleted (counted), and a
+non-empty directory without the marker is refused rather than cleaned.
 
-One tier per directory. The index, the LRU order and the size accounting live in the
+One tier per directory. The index, the eviction order and the size accounting live in the
 process, so two processes (two vLLM instances given one ``local_disk``) would each keep the
 limit and together exceed it, and evict each other's files under their readers. The tier
 therefore holds an exclusive ``flock`` on ``<dir>/.lmc-disk-tier.lock`` for its lifetime: a
@@ -71,13 +71,13 @@ import stat
 import threading
 import time
 import weakref
-from collections import OrderedDict
 from collections.abc import Sequence
 from concurrent.futures import CancelledError, ThreadPoolExecutor
 from typing import Any
 
 from lmc import units
 from lmc.config import CacheConfig, parse_size
+from lmc.eviction import EvictionPolicy, make_policy
 from lmc.integrity import Geometry
 from lmc.layered_read import LayeredRead
 from lmc.memory import MemoryObj, MemoryPool
@@ -247,11 +247,14 @@ class _Value:
 @register_backend("disk")
 class DiskBackend(StorageBackend):
     """Chunks as files under ``path`` (default ``config.local_disk``), at most ``capacity``
-    bytes (``local_disk_size``), least recently used evicted first."""
+    bytes (``local_disk_size``), evicted in the order of ``eviction_policy`` (a
+    :mod:`lmc.eviction` name; least recently used first by default: the L1 key
+    ``eviction_policy`` is the memory tier's)."""
 
     def __init__(self, spec: str = "disk", *, config: CacheConfig, pool: MemoryPool,
                  path: str | os.PathLike | None = None, capacity: int | str | None = None,
-                 fsync: bool | None = None, io_threads: int = 4, **_: Any) -> None:
+                 fsync: bool | None = None, io_threads: int = 4,
+                 eviction_policy: str = "lru", **_: Any) -> None:
         path = path if path is not None else config.local_disk
         if not path:
             raise ValueError("the disk tier needs a directory: set local_disk")
@@ -262,7 +265,8 @@ class DiskBackend(StorageBackend):
         self.pool = pool
         self.metrics = TierMetrics(self.name)
         self._lock = threading.Lock()
-        self._index: OrderedDict[Key, _Entry] = OrderedDict()
+        self._policy: EvictionPolicy[Key, _Entry] = make_policy(eviction_policy)
+        self._index = self._policy.entries  # lookups that are not a use (never reassigned)
         self._writing: set[Key] = set()
         self._used = 0  # bytes of indexed files
         self._reserved = 0  # bytes of temporary files being written
@@ -396,12 +400,12 @@ class DiskBackend(StorageBackend):
                     os.unlink(e.path)
         found.sort()
         for _, key, size in found:
-            old = self._index.pop(key, None)
+            old = self._policy.remove(key)
             if old is not None:  # two sizes for one key: keep the newer file
                 self._used -= old.size
                 with contextlib.suppress(OSError):
                     os.unlink(self._path(key, old.size))
-            self._index[key] = _Entry(size)
+            self._policy.insert(key, _Entry(size))
             self._used += size
         self.metrics.checksum_failure(bad)
         self.metrics.error("scan", "foreign", foreign)
@@ -426,7 +430,7 @@ class DiskBackend(StorageBackend):
 
     def _reserve_reads(self, keys: Sequence[Key]) -> list[tuple[int, Key, _Entry]] | None:
         """``(position, key, entry)`` of each hit, each entry counted as read (so it is not
-        recycled until :meth:`_reader_done`) and refreshed in the LRU; ``None`` once closed."""
+        recycled until :meth:`_reader_done`) and accessed in the eviction policy; ``None`` once closed."""
         jobs: list[tuple[int, Key, _Entry]] = []
         with self._lock:
             if self._closed:
@@ -435,7 +439,7 @@ class DiskBackend(StorageBackend):
                 e = self._index.get(k)
                 if e is not None:
                     e.readers += 1  # not recycled while we read it
-                    self._index.move_to_end(k)
+                    self._policy.access(k)
                     jobs.append((i, k, e))
         return jobs
 
@@ -568,7 +572,7 @@ class DiskBackend(StorageBackend):
     def _forget(self, key: Key, entry: _Entry) -> None:
         with self._lock:
             if self._index.get(key) is entry:
-                del self._index[key]
+                self._policy.remove(key)
                 self._used -= entry.size
 
     def _discard(self, key: Key, entry: _Entry) -> None:
@@ -577,7 +581,7 @@ class DiskBackend(StorageBackend):
         with self._lock:
             if self._index.get(key) is not entry:
                 return
-            del self._index[key]
+            self._policy.remove(key)
             self._used -= entry.size
             tmp = self._retire_locked(key, entry.size)
             if tmp:
@@ -634,7 +638,7 @@ class DiskBackend(StorageBackend):
             return False
         with self._lock:
             if key in self._index:
-                self._index.move_to_end(key)
+                self._policy.access(key)
                 return True
             if key in self._writing:
                 return True
@@ -663,7 +667,7 @@ class DiskBackend(StorageBackend):
                 return False
             with self._lock:
                 self._reserved -= size
-                self._index[key] = _Entry(size)
+                self._policy.insert(key, _Entry(size))
                 self._used += size
             return True
         finally:
@@ -714,7 +718,7 @@ class DiskBackend(StorageBackend):
         return self._used + self._reserved + self._dying
 
     def _reserve(self, size: int) -> tuple[bool, str | None]:
-        """Reserve ``size`` bytes, evicting LRU values first; returns (ok, a temporary file of
+        """Reserve ``size`` bytes, evicting values in the policy's order; returns (ok, a temporary file of
         exactly ``size`` bytes to overwrite when a victim could be recycled). The directory
         never holds more than ``capacity``: a new file's bytes are reserved only once its
         victims are unlinked."""
@@ -734,14 +738,14 @@ class DiskBackend(StorageBackend):
 
     def _evict_locked(self, need: int, size: int, recycle: bool = True
                       ) -> tuple[list[str], str | None, int]:
-        """Evict LRU values until ``need`` bytes will be free, or until one of exactly ``size``
+        """Evict values in the policy's order until ``need`` bytes will be free, or until one of exactly ``size``
         bytes that no one is reading can be recycled (its bytes become the new reservation).
         Returns (temporary files to unlink, the recycled file, bytes the unlinks free)."""
         victims: list[str] = []
         recycled: str | None = None
         freed = dying = 0
         while self._index and freed < need:
-            key, e = self._index.popitem(last=False)
+            key, e = self._policy.pop_victim()
             self._used -= e.size
             tmp = self._retire_locked(key, e.size)
             if tmp is None:  # the file was already gone
@@ -772,7 +776,7 @@ class DiskBackend(StorageBackend):
             if self._closed:  # the directory is no longer ours: a closed tier deletes nothing
                 return 0
             for k in keys:
-                e = self._index.pop(k, None)
+                e = self._policy.remove(k)
                 if e is None:
                     continue
                 n += 1

@@ -3,17 +3,19 @@
 What is lmc's own code here and what mirrors it:
 
 * **L1** is :class:`storage_backends.cpu.CPUBackend` itself over an :class:`AddressPool`
-  (lmc's TLSF allocator and ``MemoryObj`` reference counts, no buffer): its LRU/FIFO order,
-  its allocate-evict-retry loop and its rule that a referenced chunk is never evicted run
-  unchanged.
+  (lmc's TLSF allocator and ``MemoryObj`` reference counts, no buffer): its eviction policy
+  object (:mod:`lmc.eviction`), its allocate-evict-retry loop and its rule that a
+  referenced chunk is never evicted run unchanged.
 * **remote** is an lmc daemon (``lmc://``): its memory tier is the same ``CPUBackend`` over a
   pool of the remote's size, so it is that class again. A Redis remote with an LRU
   ``maxmemory-policy`` evicts by sampled LRU, which this approximates.
-* **disk** is :class:`DiskIndex`: ``storage_backends/disk.py`` keeps its LRU index inside the
-  file I/O, so the index rules are mirrored here (file size = a 4 KiB header block plus the
-  payload rounded up to 4 KiB, with the disk tier's own ``BLOCK``/``_round_up``; ``contains``
-  does not refresh recency, ``get`` does; eviction pops the least recently used entries until
-  the new file fits, stopping early at a same-size victim, which the tier recycles).
+* **disk** is :class:`DiskIndex`: ``storage_backends/disk.py`` keeps its index inside the
+  file I/O, so its capacity rules are mirrored here, over the tier's own eviction policy
+  objects (:func:`lmc.eviction.make_policy`, LRU by default as in the tier): file size = a
+  4 KiB header block plus the payload rounded up to 4 KiB, with the disk tier's own
+  ``BLOCK``/``_round_up``; ``contains`` is not an access, ``get`` and a re-put are;
+  eviction pops the policy's first victims until the new file fits, stopping early at a
+  same-size victim, which the tier recycles.
   ``tests/planner/test_disk_index.py`` drives the real ``DiskBackend`` and this index with
   the same operations and checks they hold the same keys in the same order.
 
@@ -31,13 +33,13 @@ docs/planner.md for what the drain point changes and by how much.
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 
 from lmc.config import CacheConfig
+from lmc.eviction import EvictionPolicy, make_policy
 from lmc.memory import MemoryObj
 from lmc.planner.addrpool import AddressPool
 from lmc.storage_backends.cpu import CPUBackend
@@ -59,9 +61,10 @@ class DiskIndex:
 
     name = "disk"
 
-    def __init__(self, capacity: int) -> None:
+    def __init__(self, capacity: int, eviction_policy: str = "lru") -> None:
         self.capacity = int(capacity)
-        self._index: OrderedDict[Key, int] = OrderedDict()  # key -> file bytes, LRU first
+        self._policy: EvictionPolicy[Key, int] = make_policy(eviction_policy)
+        self._index = self._policy.entries  # key -> file bytes
         self.used = 0
         self.evictions = 0
         self.rejected = 0
@@ -77,43 +80,40 @@ class DiskIndex:
     def touch_present(self, keys: Sequence[Key]) -> list[bool]:
         """``get``'s first half: present keys become most recently used (before any read)."""
         idx = self._index
-        out = []
-        for k in keys:
-            if k in idx:
-                idx.move_to_end(k)
-                out.append(True)
-            else:
-                out.append(False)
+        out = [k in idx for k in keys]
+        self._policy.touch_many(keys)
         return out
 
     def put(self, keys: Sequence[Key], nbytes: Sequence[int]) -> int:
         stored = 0
         idx = self._index
+        policy = self._policy
         for k, n in zip(keys, nbytes):
             size = BLOCK + _round_up(n)
             if size > self.capacity:
                 self.rejected += 1
                 continue
             if k in idx:
-                idx.move_to_end(k)
+                policy.access(k)
                 stored += 1
                 continue
             over = self.used + size - self.capacity
             freed = 0
             while over > 0 and idx and freed < over:
-                _, vsize = idx.popitem(last=False)
+                _, vsize = policy.pop_victim()
                 self.used -= vsize
                 self.evictions += 1
                 if vsize == size:  # recycled: its file becomes the new value's
                     break
                 freed += vsize
-            idx[k] = size
+            policy.insert(k, size)
             self.used += size
             stored += 1
         return stored
 
     def keys_in_order(self) -> list[Key]:
-        return list(self._index)
+        """Held keys, first to evict first."""
+        return self._policy.keys_in_order()
 
     def __len__(self) -> int:
         return len(self._index)

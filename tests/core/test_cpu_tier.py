@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import threading
 
+import pytest
 import torch
 
 from lmc import CacheConfig
@@ -207,3 +208,41 @@ def test_a_failed_promotion_returns_every_reference_it_took(monkeypatch):
     sm.close()
     assert pool.used_bytes == 0
     pool.close()
+
+
+@pytest.mark.parametrize("policy", ["lru", "fifo"])
+def test_the_configured_policy_object_orders_eviction(policy):
+    """``eviction_policy`` picks the tier's policy object: after a touch and a get of the
+    oldest chunk, LRU evicts the next oldest, FIFO the first stored all the same."""
+    pool = MemoryPool(4 * UNIT, pin_memory=False, invariants=True)
+    l1 = create_backend("cpu", CacheConfig(local_cpu_size=4 * UNIT, eviction_policy=policy),
+                        pool)
+    keys = [bytes([i]) * 16 for i in range(5)]
+    objs = [_obj(pool, i) for i in range(4)]
+    assert l1.put(keys[:4], objs) == 4
+    Lease(objs).release()
+    assert l1.touch([keys[0]]) == [True]
+    Lease(l1.get([keys[1], keys[0]])).release()
+    new = l1.allocate((UNIT,), torch.uint8, 1)  # the pool is full: one chunk goes
+    assert new is not None and l1.evictions == 1
+    gone = keys[2] if policy == "lru" else keys[0]
+    assert l1.contains(keys[:4]) == [k != gone for k in keys[:4]]
+    order = l1._policy.keys_in_order()
+    assert order == ([keys[3], keys[1], keys[0]] if policy == "lru" else keys[1:4])
+    new.release()
+    l1.close()
+    assert pool.used_bytes == 0
+    pool.close()
+
+
+def test_an_unknown_policy_is_refused_naming_the_choices(tmp_path):
+    from lmc.storage_backends.disk import DiskBackend
+    pool = MemoryPool(4 * UNIT, pin_memory=False)
+    try:
+        with pytest.raises(ValueError, match="choose one of lru, fifo"):
+            DiskBackend(config=CacheConfig(local_disk=str(tmp_path)), pool=pool,
+                        eviction_policy="mru")
+        with pytest.raises(ValueError, match="eviction_policy.*choose one of lru, fifo"):
+            CacheConfig(eviction_policy="arc")
+    finally:
+        pool.close()

@@ -3,8 +3,9 @@
 ``lmc/planner/tiers.py`` mirrors ``storage_backends/disk.py``'s index rules (the real tier
 keeps them inside its file I/O); this drives the real ``DiskBackend`` (real files, O_DIRECT
 where the filesystem allows) and the index with the same random puts, gets and lookups of
-chunks of mixed sizes, and after every operation compares the keys and their LRU order. A
-change to the disk tier's eviction that the planner does not follow fails here.
+chunks of mixed sizes, and after every operation compares the keys and their eviction order
+(under each eviction policy). A change to the disk tier's eviction that the planner does not
+follow fails here.
 """
 
 from __future__ import annotations
@@ -30,15 +31,16 @@ def _obj(pool: MemoryPool, i: int, t: int):
     return o
 
 
+@pytest.mark.parametrize("policy", ["lru", "fifo"])
 @pytest.mark.parametrize("capacity_files", [3, 7])
-def test_same_keys_same_order_as_the_real_disk_tier(tmp_path, capacity_files):
+def test_same_keys_same_order_as_the_real_disk_tier(tmp_path, capacity_files, policy):
     print(f"seed {SEED}")
     rng = random.Random(SEED + capacity_files)
     capacity = capacity_files * (4096 + 8192)
     cfg = CacheConfig(local_disk=str(tmp_path), local_disk_size=capacity)
     pool = MemoryPool(4 << 20, pin_memory=False, prefault="off")
-    disk = DiskBackend(config=cfg, pool=pool, io_threads=1)
-    index = DiskIndex(capacity)
+    disk = DiskBackend(config=cfg, pool=pool, io_threads=1, eviction_policy=policy)
+    index = DiskIndex(capacity, policy)
     size_of = {}
     try:
         for step in range(160):
@@ -66,7 +68,8 @@ def test_same_keys_same_order_as_the_real_disk_tier(tmp_path, capacity_files):
             else:
                 keys = [rng.randrange(20).to_bytes(16, "little") for _ in range(4)]
                 assert disk.contains(keys) == index.contains(keys)
-            assert list(disk._index) == index.keys_in_order(), f"step {step} (seed {SEED})"
+            order = disk._policy.keys_in_order()
+            assert order == index.keys_in_order(), f"step {step} (seed {SEED})"
             assert disk.used_bytes == index.used
     finally:
         disk.close()
