@@ -20,6 +20,7 @@ from lmc.memory import Lease
 from tests.core import cuda_emulation as emu
 from tests.kvutil import assert_bits_equal, make_caches, spec_for, token_kv
 from tests.late_transfer import LateCompletion, LateTransfer, late_copies, late_factory, new_seed
+from tests.requirements import missing
 
 SLOTS = torch.arange(48)
 
@@ -208,7 +209,7 @@ class _LockedHostBackend(emu.HostBackend):
 @pytest.fixture(scope="module")
 def emu_lib(tmp_path_factory):
     if emu.compiler() is None:
-        pytest.skip("no C++ compiler: the kernel code cannot run on the host")
+        missing("no C++ compiler (g++ or clang++): the kernel code cannot run on the host")
     return emu.build(tmp_path_factory.mktemp("emu"))
 
 

@@ -12,6 +12,7 @@ import torch
 import xxhash
 
 from lmc.token_database import ChunkedTokenDatabase, namespace_digest
+from tests.requirements import missing, under_ci
 
 NS = namespace_digest("llama", {"layers": 2}, 0, 1, 4)
 
@@ -90,7 +91,7 @@ def test_keys_equal_across_processes_with_different_hash_seeds():
 def test_list_packing_native_and_fallback_agree():
     from lmc import token_database as tdb
 
-    if os.environ.get("CI") == "true":  # CI builds the C helper: its absence is a build bug
+    if under_ci():  # CI builds the C helper: its absence is a build bug
         assert tdb._native_u32le is not None, "lmc._tokens was not built by pip install -e ."
     rng = np.random.default_rng(3)
     toks = [int(x) for x in rng.integers(0, 2**32, 1000, dtype=np.uint64)] + [0, 2**32 - 1]
@@ -108,7 +109,7 @@ def test_native_chain_equals_python_chain(monkeypatch):
     from lmc import token_database as tdb
 
     if tdb._native_chain is None:
-        pytest.skip("lmc._tokens not built (CI requires it: see the test above)")
+        missing("lmc._tokens (the C helper) is not built: pip install -e . builds it")
     rng = np.random.default_rng(5)
     toks = rng.integers(0, 150_000, 1000)
     for unfull in (True, False):

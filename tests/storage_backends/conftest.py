@@ -24,6 +24,7 @@ import pytest
 from lmc.config import CacheConfig
 from lmc.memory import MemoryPool
 from lmc.storage_backend import create_backend
+from tests.requirements import missing
 
 REDIS_SERVER = shutil.which("redis-server")
 REDIS_CLI = shutil.which("redis-cli")
@@ -54,20 +55,13 @@ def free_cluster_port() -> int:
     raise RuntimeError("no free port pair for a cluster node")
 
 
-def _missing(msg: str) -> None:
-    """Skip naming what is missing, except under CI=true, where it fails the test."""
-    if os.environ.get("CI", "").lower() == "true":
-        pytest.fail(msg)
-    pytest.skip(msg)
-
-
 def redis_module() -> Any:
     """The ``redis`` client package, imported where used: a bare GPU box (whose image has no
     redis) still collects the tests that import these fixtures."""
     try:
         import redis
     except ImportError as e:
-        _missing(f"the redis Python package is not installed ({e}; pip install redis, "
+        missing(f"the redis Python package is not installed ({e}; pip install redis, "
                  "or lmc's [redis] extra)")
     return redis
 
@@ -75,7 +69,7 @@ def redis_module() -> Any:
 def require_redis() -> None:
     redis_module()
     if REDIS_SERVER is None or REDIS_CLI is None:
-        _missing("redis-server/redis-cli not installed (.ci/run installs Debian's redis-server)")
+        missing("redis-server/redis-cli not installed (.ci/run installs Debian's redis-server)")
 
 
 class RedisServer:
