@@ -274,9 +274,17 @@ def test_gpu_backends_map_to_vllm_gpu_in_every_layout(backend, order):
         ("vllm_gpu", 2, 16, 64)
 
 
-def test_legacy_layout_names_are_aliases():
-    resolve_gpu(_vllm_views("LBNHC"), "FLASH_ATTN", False, kv_cache_layout="NHD")
-    resolve_gpu(_vllm_views("LBHNC"), "FLASH_ATTN", False, kv_cache_layout="HND")
+@pytest.mark.parametrize(("legacy", "name", "other"), [("NHD", "LBNHC", "LBHNC"),
+                                                         ("HND", "LBHNC", "LBNHC")])
+def test_legacy_layout_names_are_aliases(legacy, name, other):
+    """vLLM still accepts NHD/HND: each means exactly one modern name, so the same cache
+    resolves to the same spec under either, and a cache laid out the other way is refused."""
+    kv = _vllm_views(name)
+    old = resolve_gpu(kv, "FLASH_ATTN", False, kv_cache_layout=legacy)
+    new = resolve_gpu(kv, "FLASH_ATTN", False, kv_cache_layout=name)
+    assert (old.layout, old.spec()) == (new.layout, new.spec())
+    with pytest.raises(UnsupportedLayout, match=f"resolved KV cache layout {legacy} "):
+        resolve_gpu(_vllm_views(other), "FLASH_ATTN", False, kv_cache_layout=legacy)
 
 
 def test_layout_name_disagreeing_with_strides_is_refused():

@@ -91,14 +91,28 @@ def test_negative_slots_are_skipped(layout, dtype):
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_empty_chunks_are_no_ops(layout):
+    """A zero-token chunk (an empty request; a range starting where the previous one ended)
+    moves nothing: its neighbours in the plan move exactly their own tokens, and scattering a
+    plan of empty chunks leaves every cache bit unchanged whatever its buffers hold."""
     caches = make_caches(layout)
     spec = spec_for(layout, caches)
     tr = make_transfer(spec, caches)
-    for slots, ranges in [(torch.arange(0), [(0, 0)]), (torch.arange(8), [(0, 8), (8, 8)])]:
-        bufs = [torch.zeros(spec.chunk_shape(e - s)) for s, e in ranges]
+    every_slot = torch.arange(48)  # make_caches: 12 blocks of 4
+    before = token_kv(spec, caches, every_slot)
+    cases = [(torch.arange(0), [(0, 0)]), (torch.arange(8), [(0, 8), (8, 8)]),
+             (torch.arange(8), [(0, 0), (0, 4), (4, 4), (4, 8)])]
+    for slots, ranges in cases:
+        bufs = [torch.full(spec.chunk_shape(e - s), 3.0, dtype=spec.dtype) for s, e in ranges]
         plan = tr.plan(slots, ranges)
+        assert [(c.start, c.end) for c in plan.chunks] == ranges
         tr.gather(plan, bufs)
-        tr.scatter(plan, bufs)
+        for (s, e), buf in zip(ranges, bufs):
+            assert_bits_equal(buf, token_kv(spec, caches, slots[s:e]), f"chunk {s}:{e}")
+        tr.scatter(plan, bufs)  # what was just read: a no-op unless a chunk writes elsewhere
+        empty = [(s, e) for s, e in ranges if s == e]
+        junk = [torch.full(spec.chunk_shape(0), 5.0, dtype=spec.dtype) for _ in empty]
+        tr.scatter(tr.plan(slots, empty), junk)
+        assert_bits_equal(token_kv(spec, caches, every_slot), before, f"{ranges}: the caches")
 
 
 def test_slot_past_the_cache_is_an_error():
