@@ -11,6 +11,11 @@ DTYPES = [torch.float32, torch.float16, torch.bfloat16] + (
     [torch.float8_e4m3fn] if hasattr(torch, "float8_e4m3fn") else [])
 
 
+def random_tokens(n: int, seed: int = 0) -> list[int]:
+    """``n`` token ids below 30000, the same for the same seed (prompts for the tier tests)."""
+    return torch.randint(0, 30000, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
 def random_bits(shape, dtype, gen: torch.Generator, device="cpu") -> torch.Tensor:
     """Arbitrary bit patterns (NaNs and infs included): a round trip must keep every bit."""
     nbytes = torch.empty((), dtype=dtype).element_size()

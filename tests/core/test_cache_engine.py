@@ -10,7 +10,7 @@ import torch
 
 from lmc import CacheConfig, CacheEngine, KVSpec
 from lmc.kv_spec import LAYOUTS
-from tests.kvutil import DTYPES, assert_bits_equal, make_caches, spec_for, token_kv
+from tests.kvutil import DTYPES, assert_bits_equal, make_caches, random_tokens, spec_for, token_kv
 
 CHUNK = 16
 
@@ -31,11 +31,6 @@ def _engine(caches, layout, **cfg) -> CacheEngine:
     return CacheEngine(_cfg(**cfg), spec_for(layout, caches), model_id="test-model")
 
 
-def _tokens(n: int, seed: int = 0) -> list[int]:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(0, 30000, (n,), generator=g).tolist()
-
-
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_store_retrieve_bit_exact_under_new_slot_mapping(layout, dtype):
@@ -43,7 +38,7 @@ def test_store_retrieve_bit_exact_under_new_slot_mapping(layout, dtype):
     src = make_caches(layout, dtype=dtype, blocks=16, block_size=4)
     dst = make_caches(layout, dtype=dtype, blocks=16, block_size=4, zeros=True)
     spec = spec_for(layout, src)
-    toks = _tokens(n)
+    toks = random_tokens(n)
     s1, s2 = _slots_for(spec, n, 1), _slots_for(spec, n, 2)
     with _engine(src, layout) as eng:
         assert eng.store(toks, src, s1) == n
@@ -60,7 +55,7 @@ def test_cross_layout_load_is_bit_exact(dst_layout):
     dst = make_caches(dst_layout, dtype=torch.bfloat16, blocks=16, block_size=4, zeros=True)
     sspec, dspec = spec_for("vllm_flash", src), spec_for(dst_layout, dst)
     assert sspec.namespace_fields() == dspec.namespace_fields()
-    toks = _tokens(n)
+    toks = random_tokens(n)
     s1, s2 = _slots_for(sspec, n, 3), _slots_for(dspec, n, 4)
     with CacheEngine(_cfg(), sspec, "m") as a:
         a.store(toks, src, s1)
@@ -83,7 +78,7 @@ def test_cross_layout_load_is_bit_exact(dst_layout):
 def test_prefix_hits_and_divergence():
     src = make_caches("vllm_flash", blocks=32, block_size=4)
     spec = spec_for("vllm_flash", src)
-    base = _tokens(64)
+    base = random_tokens(64)
     with _engine(src, "vllm_flash") as eng:
         eng.store(base, src, _slots_for(spec, 64, 0))
         assert eng.lookup(base) == 64
@@ -98,7 +93,7 @@ def test_prefix_hits_and_divergence():
 def test_partial_chunk_saved_only_when_configured():
     src = make_caches("vllm_flash", blocks=32, block_size=4)
     spec = spec_for("vllm_flash", src)
-    toks = _tokens(40)
+    toks = random_tokens(40)
     for save_unfull, expect in [(True, 40), (False, 32)]:
         with _engine(src, "vllm_flash", save_unfull_chunk=save_unfull) as eng:
             assert eng.store(toks, src, _slots_for(spec, 40, 0)) == expect
@@ -109,7 +104,7 @@ def test_mask_skips_a_chunk_aligned_prefix():
     src = make_caches("vllm_flash", blocks=32, block_size=4)
     dst = make_caches("vllm_flash", blocks=32, block_size=4, zeros=True)
     spec = spec_for("vllm_flash", src)
-    toks, slots = _tokens(48), _slots_for(spec, 48, 0)
+    toks, slots = random_tokens(48), _slots_for(spec, 48, 0)
     mask = torch.ones(48, dtype=torch.bool)
     mask[:16] = False
     with _engine(src, "vllm_flash") as eng:
@@ -131,7 +126,7 @@ def test_mask_skips_a_chunk_aligned_prefix():
 def test_dedup_skips_present_chunks_without_copying():
     src = make_caches("vllm_flash", blocks=32, block_size=4)
     spec = spec_for("vllm_flash", src)
-    toks, slots = _tokens(64), _slots_for(spec, 64, 0)
+    toks, slots = random_tokens(64), _slots_for(spec, 64, 0)
     with _engine(src, "vllm_flash") as eng:
         assert eng.store(toks[:32], src, slots[:32]) == 32
         used = eng.pool.used_bytes
@@ -144,7 +139,7 @@ def test_dedup_skips_present_chunks_without_copying():
 def test_unmapped_slots_are_not_stored():
     src = make_caches("vllm_flash", blocks=32, block_size=4)
     spec = spec_for("vllm_flash", src)
-    toks, slots = _tokens(48), _slots_for(spec, 48, 0).clone()
+    toks, slots = random_tokens(48), _slots_for(spec, 48, 0).clone()
     slots[20] = -1
     with _engine(src, "vllm_flash") as eng:
         assert eng.store(toks, src, slots) == 16 + 16    # chunk 1 skipped, chunks 0 and 2 kept
@@ -159,7 +154,7 @@ def test_a_chunk_of_the_wrong_shape_ends_the_loaded_prefix_and_leaks_nothing():
     src = make_caches("vllm_flash", blocks=32, block_size=4)
     dst = make_caches("vllm_flash", blocks=32, block_size=4, zeros=True)
     spec = spec_for("vllm_flash", src)
-    toks, s1, s2 = _tokens(n), _slots_for(spec, n, 1), _slots_for(spec, n, 2)
+    toks, s1, s2 = random_tokens(n), _slots_for(spec, n, 1), _slots_for(spec, n, 2)
     with _engine(src, "vllm_flash") as eng:
         assert eng.store(toks, src, s1) == n
         keys = eng.db.keys(toks)
@@ -183,12 +178,12 @@ def test_eviction_respects_pins_and_skips_when_all_pinned():
     spec = spec_for("vllm_flash", src)
     chunk_bytes = spec.chunk_nbytes(CHUNK)  # 16 KiB
     with _engine(src, "vllm_flash", local_cpu_size=4 * chunk_bytes) as eng:
-        a, b = _tokens(32, 1), _tokens(32, 2)
+        a, b = random_tokens(32, 1), random_tokens(32, 2)
         assert eng.store(a, src, _slots_for(spec, 32, 1)) == 32
         assert eng.lookup(a, pin=True) == 32
         # a is pinned: storing b fills the pool, then c cannot evict a -> skipped, counted
         assert eng.store(b, src, _slots_for(spec, 32, 2)) == 32
-        c = _tokens(32, 3)
+        c = random_tokens(32, 3)
         eng.lookup(b, pin=True)
         assert eng.store(c, src, _slots_for(spec, 32, 3)) == 0
         assert eng.stats()["skipped_pool_full"] == 2
@@ -202,7 +197,7 @@ def test_retrieve_releases_lookup_pins():
     src = make_caches("vllm_flash", blocks=32, block_size=4)
     dst = make_caches("vllm_flash", blocks=32, block_size=4, zeros=True)
     spec = spec_for("vllm_flash", src)
-    toks, slots = _tokens(32), _slots_for(spec, 32, 0)
+    toks, slots = random_tokens(32), _slots_for(spec, 32, 0)
     with _engine(src, "vllm_flash") as eng:
         eng.store(toks, src, slots)
         eng.lookup(toks, pin=True)
@@ -224,7 +219,7 @@ def test_eight_threads_store_and_retrieve_without_corruption():
                                   zeros=True)
                 for r in range(12):
                     n = 16 * (1 + (i + r) % 4) + (r % 3)
-                    toks = _tokens(n, seed=(i * 7 + r) % 10)  # overlapping prompts
+                    toks = random_tokens(n, seed=(i * 7 + r) % 10)  # overlapping prompts
                     s_in = _slots_for(spec, n, seed=(i * 7 + r) % 10)
                     eng.store(toks, src, s_in)
                     s_out = _slots_for(spec, n, seed=100 + i)
@@ -247,7 +242,7 @@ def test_eight_threads_store_and_retrieve_without_corruption():
 
 def test_bad_input_is_named():
     src = make_caches("vllm_flash", blocks=32, block_size=4)
-    toks = _tokens(32)
+    toks = random_tokens(32)
     with _engine(src, "vllm_flash") as eng:
         with pytest.raises(ValueError, match="31 entries for 32 tokens"):
             eng.store(toks, src, torch.arange(31))
@@ -269,7 +264,7 @@ def test_bad_input_is_named():
 def test_failed_gather_leaves_nothing_visible(monkeypatch):
     src = make_caches("vllm_flash", blocks=32, block_size=4)
     spec = spec_for("vllm_flash", src)
-    toks, slots = _tokens(32), _slots_for(spec, 32, 0)
+    toks, slots = random_tokens(32), _slots_for(spec, 32, 0)
     with _engine(src, "vllm_flash") as eng:
         tr = eng.transfer_for(src)
 
@@ -288,7 +283,7 @@ def test_restoring_a_present_prefix_refreshes_its_lru_position():
     spec = spec_for("vllm_flash", src)
     chunk_bytes = spec.chunk_nbytes(CHUNK)
     with _engine(src, "vllm_flash", local_cpu_size=4 * chunk_bytes) as eng:
-        hot, b, c = _tokens(32, 1), _tokens(32, 2), _tokens(32, 3)
+        hot, b, c = random_tokens(32, 1), random_tokens(32, 2), random_tokens(32, 3)
         eng.store(hot, src, _slots_for(spec, 32, 1))
         eng.store(b, src, _slots_for(spec, 32, 2))
         assert eng.store(hot, src, _slots_for(spec, 32, 1)) == 0  # present: skipped, touched
@@ -303,7 +298,7 @@ def _dropped_cache_is_freed(layout: str, wrap) -> None:
 
     src = make_caches(layout, blocks=32, block_size=4)
     spec = spec_for(layout, src)
-    toks, slots = _tokens(32), _slots_for(spec, 32, 0)
+    toks, slots = random_tokens(32), _slots_for(spec, 32, 0)
     with _engine(src, layout) as eng:
         eng.store(toks, wrap(src), slots)
         dst = make_caches(layout, blocks=32, block_size=4, zeros=True)
@@ -342,7 +337,7 @@ def test_a_new_cache_at_a_freed_cache_address_gets_its_own_transfer():
 
     src = make_caches("vllm_flash", blocks=32, block_size=4)
     spec = spec_for("vllm_flash", src)
-    toks, slots = _tokens(32), _slots_for(spec, 32, 0)
+    toks, slots = random_tokens(32), _slots_for(spec, 32, 0)
     with _engine(src, "vllm_flash") as eng:
         eng.store(toks, src, slots)
         for _ in range(3):
@@ -357,7 +352,7 @@ def test_a_new_cache_at_a_freed_cache_address_gets_its_own_transfer():
 def test_at_most_four_caches_are_bound():
     src = make_caches("vllm_flash", blocks=32, block_size=4)
     spec = spec_for("vllm_flash", src)
-    toks, slots = _tokens(32), _slots_for(spec, 32, 0)
+    toks, slots = random_tokens(32), _slots_for(spec, 32, 0)
     with _engine(src, "vllm_flash") as eng:
         eng.store(toks, src, slots)
         held = [make_caches("vllm_flash", blocks=32, block_size=4, zeros=True) for _ in range(6)]
@@ -374,7 +369,7 @@ def test_fresh_views_of_one_cache_reuse_its_transfer_and_free_it_when_dropped():
 
     src = make_caches("vllm_flash", blocks=32, block_size=4)
     spec = spec_for("vllm_flash", src)
-    toks, slots = _tokens(32), _slots_for(spec, 32, 0)
+    toks, slots = random_tokens(32), _slots_for(spec, 32, 0)
     with _engine(src, "vllm_flash") as eng:
         eng.store(toks, src, slots)
         base = make_caches("vllm_flash", blocks=32, block_size=4, zeros=True)
@@ -399,7 +394,7 @@ def test_a_dropped_cuda_cache_returns_its_gpu_memory():
 
     src = make_caches("vllm_flash", blocks=32, block_size=4, device="cuda")
     spec = spec_for("vllm_flash", src)
-    toks, slots = _tokens(32), _slots_for(spec, 32, 0).cuda()
+    toks, slots = random_tokens(32), _slots_for(spec, 32, 0).cuda()
     with _engine(src, "vllm_flash") as eng:
         eng.store(toks, src, slots)
         torch.cuda.synchronize()
@@ -423,7 +418,7 @@ def test_a_recreated_cache_with_another_block_count_is_accepted(layout, blocks):
     src = make_caches(layout, blocks=16, block_size=4)
     spec = spec_for(layout, src)
     assert spec.num_blocks > 0  # from_tensors reads the first cache's capacity into the spec
-    toks = _tokens(n)
+    toks = random_tokens(n)
     with _engine(src, layout) as eng:
         eng.store(toks, src, _slots_for(spec, n, 0))
         again = make_caches(layout, blocks=blocks, block_size=4, zeros=True)
@@ -432,7 +427,7 @@ def test_a_recreated_cache_with_another_block_count_is_accepted(layout, blocks):
         assert eng.retrieve(toks, again, slots) == n
         assert_bits_equal(token_kv(aspec, again, slots),
                           token_kv(spec, src, _slots_for(spec, n, 0)), f"{layout} re-created")
-        more = _tokens(n, seed=9)
+        more = random_tokens(n, seed=9)
         assert eng.store(more, again, slots) == n  # the new cache stores too
         assert eng.lookup(more) == n
 
@@ -446,9 +441,9 @@ def test_a_cache_of_another_geometry_is_still_refused(change):
           "dtype": dict(dtype=torch.float16), "layers": dict(layers=2)}[change]
     other = make_caches("vllm_flash", **{"blocks": 16, "block_size": 4, **kw})
     with _engine(src, "vllm_flash") as eng:
-        eng.store(_tokens(16), src, torch.arange(16))
+        eng.store(random_tokens(16), src, torch.arange(16))
         with pytest.raises((ValueError, TypeError), match="kv cache|kv_caches has"):
-            eng.retrieve(_tokens(16), other, torch.arange(16))
+            eng.retrieve(random_tokens(16), other, torch.arange(16))
 
 
 def test_a_recreated_cache_slot_past_its_end_is_refused():
@@ -457,10 +452,10 @@ def test_a_recreated_cache_slot_past_its_end_is_refused():
     src = make_caches("vllm_flash", blocks=16, block_size=4)
     spec = spec_for("vllm_flash", src)
     with _engine(src, "vllm_flash") as eng:
-        eng.store(_tokens(16), src, torch.arange(16))
+        eng.store(random_tokens(16), src, torch.arange(16))
         small = make_caches("vllm_flash", blocks=2, block_size=4, zeros=True)
         with pytest.raises(ValueError, match="slot 15.*only 8 slots"):
-            eng.retrieve(_tokens(16), small, torch.arange(16))
+            eng.retrieve(random_tokens(16), small, torch.arange(16))
     assert spec.num_blocks == 16
 
 
@@ -480,7 +475,7 @@ def test_gpu_layerwise_round_trip_into_a_recreated_cache(mode, monkeypatch):
                       device="cuda")
     spec = spec_for("vllm_flash", src)
     n = 64
-    toks, slots = _tokens(n, seed=3), _slots_for(spec, n, 5)
+    toks, slots = random_tokens(n, seed=3), _slots_for(spec, n, 5)
     with _engine(src, "vllm_flash", local_cpu_size="16MiB") as eng:
         assert eng.pool.stats()["pinned"] == 1
         st = eng.store_layer(toks, src, slots)

@@ -10,7 +10,15 @@ import torch
 from lmc import CacheConfig, CacheEngine, KVSpec
 from lmc.kv_layouts import DESCRIPTORS, PlaneStrides, contiguous_strides
 from lmc.kv_spec import LAYOUTS
-from tests.kvutil import assert_bits_equal, bits, make_caches, random_bits, spec_for, token_kv
+from tests.kvutil import (
+    assert_bits_equal,
+    bits,
+    make_caches,
+    random_bits,
+    random_tokens,
+    spec_for,
+    token_kv,
+)
 
 CHUNK = 16
 # vLLM 0.32's KVCacheLayout names (vllm/v1/kv_cache_layout.py): physical order of the logical
@@ -43,10 +51,6 @@ def _slots(spec: KVSpec, n: int, seed: int) -> torch.Tensor:
     bs = spec.block_size
     blocks = torch.randperm(spec.num_blocks, generator=g)[: -(-n // bs)]
     return (blocks[:, None] * bs + torch.arange(bs)).flatten()[:n]
-
-
-def _tokens(n: int) -> list[int]:
-    return torch.randint(0, 30000, (n,), generator=torch.Generator().manual_seed(5)).tolist()
 
 
 def _check_strides_address_the_definition(spec: KVSpec, caches) -> None:
@@ -126,7 +130,7 @@ def test_hand_built_vllm_flash_spec_without_num_blocks_round_trips_v():
                   block_size=4, layout="vllm_flash")
     full = spec_for("vllm_flash", src)
     s1, s2 = _slots(full, n, 1), _slots(full, n, 2)
-    toks = _tokens(n)
+    toks = random_tokens(n, seed=5)
     with CacheEngine(_cfg(), spec, "m") as eng:
         assert eng.store(toks, src, s1) == n
         assert eng.retrieve(toks, dst, s2) == n
@@ -172,7 +176,7 @@ def test_vllm_gpu_round_trips_bit_exact(order, dtype):
         dst = vllm_gpu_caches(order, dtype=dtype, blocks=16, zeros=True)
     spec = KVSpec.from_tensors(src, layout="vllm_gpu", block_size=4)
     s1, s2 = _slots(spec, n, 1), _slots(spec, n, 2)
-    toks = _tokens(n)
+    toks = random_tokens(n, seed=5)
     with CacheEngine(_cfg(), spec, "m") as eng:
         assert eng.store(toks, src, s1) == n
         assert eng.retrieve(toks, dst, s2) == n
@@ -181,7 +185,7 @@ def test_vllm_gpu_round_trips_bit_exact(order, dtype):
 
 def _move(src_spec, src, dst_spec, dst, n) -> None:
     """Store from one engine, hand the chunks to another (as a shared tier would), load."""
-    toks = _tokens(n)
+    toks = random_tokens(n, seed=5)
     s1, s2 = _slots(src_spec, n, 3), _slots(dst_spec, n, 4)
     assert src_spec.namespace_fields() == dst_spec.namespace_fields()
     with CacheEngine(_cfg(), src_spec, "m") as a:

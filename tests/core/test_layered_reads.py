@@ -24,7 +24,7 @@ from lmc.storage_backends import disk_layers
 from lmc import CacheConfig, CacheEngine
 from lmc.layerwise import LoadError
 from lmc.serde import HEADER_SIZE, decode_header
-from tests.kvutil import assert_bits_equal, make_caches, spec_for, token_kv
+from tests.kvutil import assert_bits_equal, make_caches, random_tokens, spec_for, token_kv
 from tests.storage_backends.conftest import redis_server  # noqa: F401 - real redis-server
 
 CHUNK = 16
@@ -43,11 +43,6 @@ def _caches(zeros=False):
 def _odd_caches(zeros=False):
     return make_caches("vllm_flash", layers=LAYERS, heads=3, dim=8, blocks=64, block_size=4,
                        seed=9, zeros=zeros)
-
-
-def _tokens(seed=0) -> list[int]:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(0, 30000, (N,), generator=g).tolist()
 
 
 def _engine(lower: dict, **kw) -> CacheEngine:
@@ -97,7 +92,7 @@ def kind(request):
 def test_a_lower_hit_loads_layer_by_layer_bit_exact(kind, caches_fn, tmp_path,
                                                     redis_server):  # noqa: F811
     lower = _lower(kind, tmp_path, redis_server)
-    src, toks = caches_fn(), _tokens()
+    src, toks = caches_fn(), random_tokens(N)
     spec = spec_for("vllm_flash", src)
     _store_below(lower, src, toks, caches_fn)
     cfg = CacheConfig(chunk_size=CHUNK, local_cpu_size="4MiB", debug_leaks=True,
@@ -120,7 +115,7 @@ def test_a_lower_hit_loads_layer_by_layer_bit_exact(kind, caches_fn, tmp_path,
 
 def test_layer_zero_is_handed_over_before_later_layers_land(tmp_path, monkeypatch):
     """The disk read of layer 1 and later is held back: layer 0 must load meanwhile."""
-    src, toks = _caches(), _tokens()
+    src, toks = _caches(), random_tokens(N)
     spec = spec_for("vllm_flash", src)
     lower = {"local_disk": str(tmp_path / "disk")}
     _store_below(lower, src, toks)
@@ -180,7 +175,7 @@ def test_a_bit_flip_in_the_last_layer_is_never_loaded(kind, secret, tmp_path,
         pytest.skip("the disk tier carries no keyed tag (integrity_secret is for shared tiers)")
     lower = _lower(kind, tmp_path, redis_server)
     extra = {"integrity_secret": secret} if secret else {}
-    src, toks = _caches(), _tokens()
+    src, toks = _caches(), random_tokens(N)
     _store_below(lower, src, toks, **extra)
     if kind == "disk":
         _flip_disk(lower)
@@ -202,7 +197,7 @@ def test_a_bit_flip_in_the_last_layer_is_never_loaded(kind, secret, tmp_path,
 def test_a_whole_retrieve_still_reads_whole_chunks(tmp_path):
     """``retrieve`` (not layer-wise) keeps the whole-chunk path: a corrupt value is a miss
     before anything is written."""
-    src, toks = _caches(), _tokens()
+    src, toks = _caches(), random_tokens(N)
     lower = {"local_disk": str(tmp_path / "disk")}
     _store_below(lower, src, toks)
     _flip_disk(lower)

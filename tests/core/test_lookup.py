@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from lmc import CacheConfig, CacheEngine
 from lmc.lookup import LookupResult, minimum
-from tests.kvutil import make_caches, spec_for
+from tests.kvutil import make_caches, random_tokens, spec_for
 
 CHUNK = 16
 N = 5 * CHUNK
@@ -70,11 +70,6 @@ def test_minimum_is_what_every_rank_can_load_from_its_slowest_tier():
         minimum([])
 
 
-def _tokens(seed=0) -> list[int]:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(0, 30000, (N,), generator=g).tolist()
-
-
 def _count_calls(monkeypatch, tier) -> dict[str, list[int]]:
     calls: dict[str, list[int]] = {"contains": [], "get": []}
     for name in calls:
@@ -94,7 +89,7 @@ def split_engine(tmp_path):
     src = make_caches("vllm_flash", blocks=64, block_size=4, seed=5)
     spec = spec_for("vllm_flash", src)
     cfg = CacheConfig(chunk_size=CHUNK, local_cpu_size="2MiB", local_disk=str(tmp_path))
-    toks = _tokens()
+    toks = random_tokens(N)
     with CacheEngine(cfg, spec, "m") as eng:
         eng.store(toks, src, SLOTS)
         assert eng.flush(10)

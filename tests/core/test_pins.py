@@ -12,7 +12,7 @@ import torch
 
 from lmc import CacheConfig, CacheEngine
 from lmc.pins import PinTable
-from tests.kvutil import assert_bits_equal, make_caches, spec_for, token_kv
+from tests.kvutil import assert_bits_equal, make_caches, random_tokens, spec_for, token_kv
 
 CHUNK = 16
 LAYOUT = "vllm_flash"
@@ -24,11 +24,6 @@ def _setup(**cfg):
     spec = spec_for(LAYOUT, src)
     config = CacheConfig(**{"chunk_size": CHUNK, "local_cpu_size": "8MiB", **cfg})
     return src, dst, spec, CacheEngine(config, spec, model_id="pins")
-
-
-def _tokens(n: int, seed: int) -> list[int]:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(0, 30000, (n,), generator=g).tolist()
 
 
 def _slots(n: int, first_block: int = 0) -> torch.Tensor:
@@ -48,7 +43,7 @@ def _refs(eng: CacheEngine) -> list[int]:
 def test_masked_retrieve_releases_the_pins_of_every_chunk():
     src, dst, spec, eng = _setup()
     with eng:
-        toks = _tokens(64, 1)
+        toks = random_tokens(64, 1)
         assert eng.store(toks, src, _slots(64)) == 64
         assert eng.lookup(toks, pin=True) == 64
         assert eng.stats()["pinned_chunks"] == 4
@@ -63,7 +58,7 @@ def test_masked_retrieve_releases_the_pins_of_every_chunk():
 def test_masked_layerwise_retrieve_releases_every_pin_and_only_its_own():
     src, dst, spec, eng = _setup()
     with eng:
-        toks = _tokens(64, 2)
+        toks = random_tokens(64, 2)
         eng.store(toks, src, _slots(64))
         eng.lookup(toks, pin=True, request_id="r1")
         eng.lookup(toks, pin=True, request_id="r2")  # a second request for the same prompt
@@ -86,8 +81,8 @@ def test_a_retrieve_never_releases_another_prompts_pins_on_a_shared_prefix():
     request's lookup and its load."""
     src, dst, _, eng = _setup()
     with eng:
-        a = _tokens(64, 20)
-        b = a[:32] + _tokens(32, 21)  # shares a's first two chunks
+        a = random_tokens(64, 20)
+        b = a[:32] + random_tokens(32, 21)  # shares a's first two chunks
         eng.store(a, src, _slots(64))
         eng.store(b, src, _slots(64, 16))
         eng.lookup(a, pin=True)
@@ -106,7 +101,7 @@ def test_a_repeated_lookup_by_one_owner_replaces_its_pins():
     (one retrieve would then leave all but one set pinned until the timeout)."""
     src, dst, _, eng = _setup()
     with eng:
-        toks = _tokens(64, 22)
+        toks = random_tokens(64, 22)
         eng.store(toks, src, _slots(64))
         for _ in range(10):
             assert eng.lookup(toks, pin=True) == 64
@@ -120,7 +115,7 @@ def test_a_repeated_lookup_by_one_owner_replaces_its_pins():
         assert eng.retrieve(toks[:48], dst, _slots(48, 16), request_id=7) == 48
         assert eng.stats()["pinned_chunks"] == 0 and set(_refs(eng)) == {1}
         eng.lookup(toks, pin=True, request_id=7)
-        eng.lookup(_tokens(64, 23), pin=True, request_id=7)  # no hit: its old pins go too
+        eng.lookup(random_tokens(64, 23), pin=True, request_id=7)  # no hit: its old pins go too
         assert eng.stats()["pinned_chunks"] == 0
         with pytest.raises(ValueError, match="tokens or its request_id"):
             eng.unpin()
@@ -129,7 +124,7 @@ def test_a_repeated_lookup_by_one_owner_replaces_its_pins():
 def test_retrieve_with_no_hit_still_releases_the_pins():
     src, dst, spec, eng = _setup()
     with eng:
-        toks = _tokens(32, 3)
+        toks = random_tokens(32, 3)
         eng.store(toks, src, _slots(32))
         eng.lookup(toks, pin=True)
         assert eng.retrieve(toks, dst, _slots(32), mask=_mask(32, 32)) == 0  # all masked
@@ -139,7 +134,7 @@ def test_retrieve_with_no_hit_still_releases_the_pins():
 def test_pins_past_the_bound_are_refused_and_the_lookup_still_answers():
     src, _, _, eng = _setup(max_pinned_chunks=3)
     with eng:
-        a, b, c = _tokens(32, 4), _tokens(32, 5), _tokens(32, 6)
+        a, b, c = random_tokens(32, 4), random_tokens(32, 5), random_tokens(32, 6)
         eng.store(a, src, _slots(32))
         eng.store(b, src, _slots(32, 8))
         eng.store(c, src, _slots(32, 16))
@@ -162,7 +157,7 @@ def test_pins_expire_after_the_timeout_and_then_can_be_evicted():
                                    LAYOUT, layers=2, heads=2, dim=64, blocks=64,
                                    block_size=4)).chunk_nbytes(CHUNK))
     with eng:
-        a, b = _tokens(64, 6), _tokens(64, 7)
+        a, b = random_tokens(64, 6), random_tokens(64, 7)
         assert eng.store(a, src, _slots(64)) == 64  # fills the pool
         eng.lookup(a, pin=True)                      # ...and pins all of it, never retrieved
         assert eng.store(b, src, _slots(64, 16)) == 0
@@ -181,7 +176,7 @@ def test_lookup_pin_and_masked_retrieve_in_a_loop_never_starve_stores():
     src, dst, spec, eng = _setup(local_cpu_size=6 * spec_for(LAYOUT, probe).chunk_nbytes(CHUNK))
     with eng:
         for i in range(60):
-            toks = _tokens(64, 100 + i)
+            toks = random_tokens(64, 100 + i)
             assert eng.store(toks, src, _slots(64)) == 64, f"store {i} skipped"
             assert eng.lookup(toks, pin=True) == 64
             assert eng.retrieve(toks, dst, _slots(64, 16), mask=_mask(64, 16 * (i % 4))) \
@@ -241,7 +236,7 @@ def test_pins_under_threads_with_expiry_and_bound_balance_to_zero():
     src, _, _, eng = _setup(max_pinned_chunks=6, pin_timeout=0.05)
     errors: list[BaseException] = []
     with eng:
-        prompts = [_tokens(64, 200 + i) for i in range(4)]
+        prompts = [random_tokens(64, 200 + i) for i in range(4)]
         for p in prompts:
             eng.store(p, src, _slots(64))
 
@@ -277,7 +272,7 @@ def test_a_pinned_lookup_never_promises_a_chunk_evicted_before_it_was_pinned(mon
     here by an eviction of everything unreferenced right after the counting step."""
     src, dst, spec, eng = _setup()
     with eng:
-        toks = _tokens(64, 30)
+        toks = random_tokens(64, 30)
         eng.store(toks, src, _slots(64))
         count = eng.storage.prefix_sources
         counted = []

@@ -13,7 +13,7 @@ from prometheus_client import REGISTRY
 
 from lmc import CacheConfig, CacheEngine
 from tests.core.slow_tier import SlowDisk
-from tests.kvutil import assert_bits_equal, make_caches, spec_for, token_kv
+from tests.kvutil import assert_bits_equal, make_caches, random_tokens, spec_for, token_kv
 
 CHUNK = 16
 N = 5 * CHUNK  # five chunks per prompt
@@ -44,18 +44,13 @@ def _cfg(d=None, **kw) -> CacheConfig:
                           "local_disk": str(d) if d else None, **kw})
 
 
-def _tokens(n=N, seed=0) -> list[int]:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(0, 30000, (n,), generator=g).tolist()
-
-
 SLOTS = torch.arange(N) + 8
 
 
 def _stored_on_disk(d, src, spec, toks=None) -> None:
     """Store a prompt and let it reach the disk; the engine is closed after."""
     with CacheEngine(_cfg(d), spec, "m") as eng:
-        eng.store(toks or _tokens(), src, SLOTS)
+        eng.store(toks or random_tokens(N), src, SLOTS)
         assert eng.flush(10)
 
 
@@ -63,7 +58,7 @@ def test_a_disk_hit_is_promoted_into_l1(tmp_path):
     src = _caches()
     spec = spec_for("vllm_flash", src)
     _stored_on_disk(tmp_path, src, spec)
-    toks = _tokens()
+    toks = random_tokens(N)
     with CacheEngine(_cfg(tmp_path), spec, "m") as eng:
         assert not eng.contains_chunks(toks).any()
         dst = _caches(zeros=True)
@@ -83,7 +78,7 @@ def test_prefetch_pulls_a_prompt_into_l1_in_the_background(tmp_path):
     src = _caches()
     spec = spec_for("vllm_flash", src)
     _stored_on_disk(tmp_path, src, spec)
-    toks = _tokens()
+    toks = random_tokens(N)
     with CacheEngine(_cfg(tmp_path), spec, "m") as eng:
         assert eng.prefetch(toks + [1, 2, 3]).result(timeout=10) == N
         assert eng.contains_chunks(toks).all()
@@ -99,7 +94,7 @@ def test_longest_prefix_across_tiers_one_batched_call_per_tier(tmp_path):
     retrieve give four chunks, asking the disk once per prompt."""
     src = _caches()
     spec = spec_for("vllm_flash", src)
-    toks = _tokens()
+    toks = random_tokens(N)
     eng = CacheEngine(_cfg(), spec, "m",
                       tiers=[lambda c, pool: CountingDisk(config=c, pool=pool, path=tmp_path)])
     with eng:
@@ -135,7 +130,7 @@ def test_a_slow_lower_tier_does_not_slow_l1_hits_or_stores(tmp_path):
     below one injected delay, so any wait on the tier fails the test)."""
     src = _caches()
     spec = spec_for("vllm_flash", src)
-    prompts = [_tokens(seed=s) for s in range(12)]
+    prompts = [random_tokens(N, seed=s) for s in range(12)]
     dst = _caches(zeros=True)
 
     def measure(eng):
@@ -167,7 +162,7 @@ def test_a_vanished_disk_degrades_to_misses(tmp_path):
     spec = spec_for("vllm_flash", src)
     d = tmp_path / "d"
     _stored_on_disk(d, src, spec)
-    toks = _tokens()
+    toks = random_tokens(N)
     with CacheEngine(_cfg(d), spec, "m") as eng:
         shutil.rmtree(d)  # the index still lists the chunks; every read now fails
         assert eng.lookup(toks) == N
@@ -186,7 +181,7 @@ def test_tier_metrics_are_exported(tmp_path):
 
     before = sample("lmc_tier_hits_total", tier="disk", op="get")
     with CacheEngine(_cfg(tmp_path), spec, "m") as eng:
-        eng.retrieve(_tokens(), _caches(zeros=True), SLOTS)
+        eng.retrieve(random_tokens(N), _caches(zeros=True), SLOTS)
     assert sample("lmc_tier_hits_total", tier="disk", op="get") == before + 5
     assert sample("lmc_tier_seconds_count", tier="disk", op="get") >= 1
     assert sample("lmc_tier_bytes_total", tier="disk", direction="write") > 0

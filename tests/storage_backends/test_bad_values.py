@@ -31,7 +31,7 @@ from lmc import CacheConfig, CacheEngine
 from lmc.integrity import Geometry, expect_geometry
 from lmc.layerwise import LoadError
 from lmc.serde import DTYPE_CODES, HEADER_SIZE, CorruptValue, decode_header
-from tests.kvutil import assert_bits_equal, make_caches, spec_for, token_kv
+from tests.kvutil import assert_bits_equal, make_caches, random_tokens, spec_for, token_kv
 from tests.server.daemon_proc import DaemonProc
 
 from .conftest import redis_server  # noqa: F401 - a real redis-server
@@ -51,11 +51,6 @@ def _caches(zeros: bool = False):
 
 
 SPEC = spec_for("vllm_flash", _caches())
-
-
-def _tokens() -> list[int]:
-    g = torch.Generator().manual_seed(0)
-    return torch.randint(0, 30000, (N,), generator=g).tolist()
 
 
 # ------------------------------------------------------------------------ rewriting
@@ -249,7 +244,7 @@ def _eventually(cond, what: str, timeout: float = 10.0) -> None:
                                         ("disk", "whole"), ("disk", "layered"),
                                         ("server", "whole")], indirect=["store"])
 def test_a_rewritten_header_is_counted_deleted_and_missed_on_every_read_path(store, path, how):
-    src, toks = _caches(), _tokens()
+    src, toks = _caches(), random_tokens(N)
     with _engine(store) as eng:
         assert eng.store(toks, src, SLOTS) == N and eng.flush(10)
         key = eng.db.keys(toks)[0]
@@ -278,7 +273,7 @@ def test_a_daemon_value_larger_than_any_chunk_is_refused_before_allocating(store
     """A forged 5 MiB "chunk" under a key of a 16 KiB-chunk engine with a 4 MiB pool would
     evict all of L1 to make room for it (and still not fit): refused from its header,
     counted, a miss; L1 keeps every chunk it had."""
-    src, toks = _caches(), _tokens()
+    src, toks = _caches(), random_tokens(N)
     with _engine(store) as eng:
         assert eng.store(toks, src, SLOTS) == N and eng.flush(10)
         key = eng.db.keys(toks)[0]
@@ -406,7 +401,7 @@ def test_any_consistent_header_rewrite_is_served_exactly_or_refused_and_deleted(
     or only ``flags``, which nothing reads) or miss, and then the value is counted and gone.
     Never other KV, never a miss that stays."""
     store = _fuzz_store(kind, redis_server, tmp_path)
-    src, toks = _caches(), _tokens()
+    src, toks = _caches(), random_tokens(N)
     with _engine(store) as eng:
         assert eng.store(toks[:CHUNK], src, SLOTS[:CHUNK]) == CHUNK and eng.flush(10)
         key = eng.db.keys(toks[:CHUNK])[0]

@@ -24,7 +24,7 @@ from lmc.storage_backends.disk import BLOCK, LOCK, MARKER, DiskBackend
 
 from lmc import CacheConfig, CacheEngine
 from lmc.memory import MemoryPool
-from tests.kvutil import assert_bits_equal, make_caches, spec_for, token_kv
+from tests.kvutil import assert_bits_equal, make_caches, random_tokens, spec_for, token_kv
 
 CHUNK = 16
 REPO = Path(__file__).resolve().parents[2]
@@ -34,11 +34,6 @@ REPO = Path(__file__).resolve().parents[2]
 def _cfg(d, **kw) -> CacheConfig:
     return CacheConfig(**{"chunk_size": CHUNK, "local_cpu_size": "4MiB", "local_disk": str(d),
                           "local_disk_size": "16MiB", **kw})
-
-
-def _tokens(n: int, seed: int = 0) -> list[int]:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(0, 30000, (n,), generator=g).tolist()
 
 
 def _tier(d, capacity="16MiB", pool_size=8 << 20, **kw) -> tuple[DiskBackend, MemoryPool]:
@@ -109,7 +104,7 @@ def test_round_trip_through_engine_and_restart_is_bit_exact(tmp_path, dtype):
     src = make_caches("vllm_flash", dtype=dtype, blocks=32, block_size=4, seed=1)
     dst = make_caches("vllm_flash", dtype=dtype, blocks=32, block_size=4, zeros=True)
     spec = spec_for("vllm_flash", src)
-    toks = _tokens(n)
+    toks = random_tokens(n)
     s1, s2 = torch.randperm(128)[:n], torch.randperm(128)[:n]
     with CacheEngine(_cfg(tmp_path), spec, "m") as eng:
         assert eng.store(toks, src, s1) == n
