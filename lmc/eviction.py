@@ -19,7 +19,8 @@ Primitives (what a tier may call; a policy is not thread-safe, the tier's lock c
   that keeps a held key's first value checks ``entries`` first).
 * ``access(key)`` / ``touch_many(keys)`` - on access: a held key was used (read,
   re-stored, asked for by a lookup that refreshes); ``touch_many`` skips absent keys and
-  applies the accesses in the order given.
+  applies the accesses in the order given. ``touch_held(keys)`` is the same for keys the
+  caller just found held (every one of a batch hit): no membership test per key.
 * ``remove(key)`` - on remove: the key leaves because the tier deleted it (a delete, a bad
   value); returns its value, or ``None`` when it was not held.
 * ``evict(key)`` - the key leaves because it was chosen as a victim. The same as
@@ -73,6 +74,10 @@ class EvictionPolicy(ABC, Generic[K, V]):
     @abstractmethod
     def touch_many(self, keys: Iterable[K]) -> None:
         """On access for each held key of ``keys``, in order; absent keys are skipped."""
+
+    def touch_held(self, keys: Iterable[K]) -> None:
+        """On access for each of ``keys``, all held (the caller just found each)."""
+        self.touch_many(keys)
 
     @abstractmethod
     def remove(self, key: K) -> V | None:
@@ -164,6 +169,9 @@ class LRUPolicy(_OrderedPolicy[K, V]):
         od = self._od
         _consume(map(od.move_to_end, filter(od.__contains__, keys)))
 
+    def touch_held(self, keys: Iterable[K]) -> None:
+        _consume(map(self._od.move_to_end, keys))
+
 
 class FIFOPolicy(_OrderedPolicy[K, V]):
     """First stored, first evicted: accesses change nothing."""
@@ -175,6 +183,9 @@ class FIFOPolicy(_OrderedPolicy[K, V]):
             raise KeyError(key)
 
     def touch_many(self, keys: Iterable[K]) -> None:
+        pass
+
+    def touch_held(self, keys: Iterable[K]) -> None:
         pass
 
 

@@ -72,7 +72,10 @@ class CPUBackend(StorageBackend):
             hits = out if every else [o for o in out if o is not None]
             if hits:
                 self.pool.acquire_many(hits)  # one pool lock for the batch, not one each
-                self._policy.touch_many(keys)  # misses are skipped
+                if every:
+                    self._policy.touch_held(keys)
+                else:
+                    self._policy.touch_many(keys)  # misses are skipped
         return out
 
     # ----------------------------------------------------------------- writes

@@ -100,6 +100,14 @@ def _machine(name: str) -> type[RuleBasedStateMachine]:
                 if k in self.model.values:
                     self.model.access(k)
 
+        @precondition(lambda self: self.model.order)
+        @rule(data=st.data())
+        def touch_held(self, data: st.DataObject) -> None:
+            keys = data.draw(st.lists(st.sampled_from(self.model.order), max_size=8))
+            self.policy.touch_held(keys)
+            for k in keys:
+                self.model.access(k)
+
         @rule(key=KEYS)
         def remove(self, key: int) -> None:
             assert self.policy.remove(key) == self.model.remove(key)
