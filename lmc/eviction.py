@@ -33,6 +33,10 @@ Primitives (what a tier may call; a policy is not thread-safe, the tier's lock c
   give up any entry).
 * ``clear()`` - forget every entry (and any history).
 
+``victims()`` takes no argument: a tier evicts while it allocates, before it knows which key
+the room is for, so a policy that adapts to the incoming key (ARC's target on a ghost hit)
+adapts in ``insert``, one eviction late.
+
 Policies are made by name with :func:`make_policy` (``eviction_policy: lru|fifo`` in the
 configs); :func:`register_policy` adds one (ARC, LFU) under a new name.
 """
