@@ -10,7 +10,12 @@ without telling us, so when a namespace looks over its quota the ledger is first
 keys the tier no longer has, and only then are the namespace's own oldest chunks deleted.
 Every way a chunk enters memory is charged: a PUT (admitted before its payload is read) and a
 read that promotes a chunk from the disk or Redis tier (charged after the read, evicting the
-namespace's own oldest chunks if that takes it over its quota).
+namespace's own oldest chunks if that takes it over its quota). So is memory a reply still
+holds while it is being sent (issue 20: a slow reader's chunks, evicted from its ledger, stayed
+allocated and the pool took the room from other tenants): a held chunk that leaves the ledger
+stays charged as an orphan until the reply is sent, held chunks are never evicted for the
+quota (that frees nothing), and a read promotes from lower tiers only what the quota has left
+once held memory and the read's own memory hits are counted (the rest are misses).
 
 Ledgers are bounded too. Namespaces named in the config (``quotas``, or granted by a tenant
 token) always have room; other namespaces (clients with an admin token, or no token) share
@@ -289,9 +294,11 @@ class NamespacedStore:
         return n
 
     def _charge(self, ns: str, ikeys: Sequence[bytes], sizes: Sequence[int],
-                enforce: bool = True) -> None:
+                enforce: bool = True, keep: Sequence[bytes] = ()) -> None:
         """Record chunks now in memory for ``ns``; with ``enforce`` (chunks that arrived
-        without an admission: promotions), its oldest others leave while it is over quota."""
+        without an admission: promotions by a read), its oldest others leave while it is
+        over quota, except those in ``keep`` (the rest of that read: its reply will hold
+        them, so evicting them would free nothing). The read was budgeted to fit."""
         quota = self.quota(ns)
         assert quota is not None
         victims: list[bytes] = []
@@ -305,13 +312,10 @@ class NamespacedStore:
                     ledger.add(k, n)
                 if enforce and ledger.charge > quota:
                     self._prune(ledger)
-                    old = ledger.evictable(0, quota, skip=set(ikeys))
+                    old = ledger.evictable(0, quota, skip={*ikeys, *keep})
                     for k in old:
                         ledger.drop(k)
-                    new = ledger.evictable(0, quota)  # still over: the new ones go too
-                    for k in new:
-                        ledger.drop(k)
-                    victims += old + new
+                    victims += old
         if victims:
             self.l1.delete(victims)
 
@@ -372,7 +376,7 @@ class NamespacedStore:
             up = [(k, o.nbytes) for k, o, b in zip(ikeys, found, before)
                   if o is not None and not b]
             if up:
-                self._charge(ns, [k for k, _ in up], [n for _, n in up])
+                self._charge(ns, [k for k, _ in up], [n for _, n in up], keep=ikeys)
         return found
 
     @staticmethod

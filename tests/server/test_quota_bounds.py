@@ -58,10 +58,13 @@ def test_promotions_from_disk_are_charged_to_the_quota(start_daemon, tmp_path):
     for i in range(0, 40, 4):
         status, meta, _ = c.call(W.put("q", [vals[k] for k in keys[i:i + 4]]))
         assert status == P.OK and meta["results"] == bytes(4), meta
-    deadline = time.monotonic() + 30
-    while d.stats()["tiers"].get("disk.queue_chunks", 0):
-        assert time.monotonic() < deadline, "write-behind to disk never drained"
-        time.sleep(0.05)
+        # paced: a write-behind queue that falls 32 MiB behind (a loaded CI disk) drops
+        # values by design, and this test is about promotions, not the queue's bound
+        deadline = time.monotonic() + 30
+        while d.stats()["tiers"].get("disk.queue_chunks", 0):
+            assert time.monotonic() < deadline, "write-behind to disk never drained"
+            time.sleep(0.05)
+    assert not d.stats()["tiers"].get("disk.dropped_queue_full")
     for i in range(0, 40, 4):
         status, meta, got = c.call(W.frame(P.GET, {"ns": "q", "keys": keys[i:i + 4]}))
         assert status == P.OK and got == b"".join(vals[k][1] for k in keys[i:i + 4])

@@ -149,6 +149,6 @@ class SlowRepliesOverDisk(SlowReplies):
 SlowReplies.TestCase.settings = settings(max_examples=60, stateful_step_count=40,
                                          deadline=None)
 TestSlowReplies = SlowReplies.TestCase
-SlowRepliesOverDisk.TestCase.settings = settings(max_examples=30, stateful_step_count=30,
+SlowRepliesOverDisk.TestCase.settings = settings(max_examples=40, stateful_step_count=30,
                                                  deadline=None)
 TestSlowRepliesOverDisk = SlowRepliesOverDisk.TestCase
