@@ -10,8 +10,8 @@ Bounds on what peers can hold: connections are capped at ``max_connections``, lo
 what ``RLIMIT_NOFILE`` leaves after ``fd_reserve`` descriptors kept for the tiers
 (:mod:`lmc.server.fdcap`; accepting pauses while displaced sockets are still closing);
 connections before HELLO are capped below that (a newcomer displaces the oldest of them) and
-closed after ``hello_timeout``; a watchdog drops any connection stalled mid-frame for ``frame_timeout``;
-repeating events are logged once per interval with a count (``ratelog``).
+closed after ``hello_timeout``; a watchdog drops any connection stalled mid-frame for
+``frame_timeout``; repeating events are logged once per interval with a count (``ratelog``).
 """
 
 from __future__ import annotations
@@ -432,7 +432,7 @@ class Daemon:
         try:  # after the loop's own descriptors exist: they count as in use
             self.conn_cap = fdcap.connection_cap(self.config.max_connections,
                                                  self.config.fd_reserve)
-        except ValueError:
+        except fdcap.FdLimitError:
             self.close_listeners()
             await loop.run_in_executor(None, self._flush_and_close)
             raise
@@ -531,7 +531,7 @@ def run(config: ServerConfig) -> int:
     except OSError as e:
         log.error("cannot listen: %s", e)
         return 2
-    except ValueError as e:
+    except fdcap.FdLimitError as e:
         log.error("cannot start: %s", e)
         return 2
     return 0

@@ -19,6 +19,10 @@ import resource
 log = logging.getLogger("lmc.server.daemon")
 
 
+class FdLimitError(ValueError):
+    """The fd limit leaves no room for client connections (start-up fails, naming it)."""
+
+
 def open_fds() -> int:
     """Descriptors this process has open now (0 where /proc is not there)."""
     try:
@@ -43,8 +47,8 @@ def raise_soft_limit(want: int) -> int:
 
 def connection_cap(max_connections: int, reserve: int) -> int:
     """Connections the daemon may hold: ``max_connections``, lowered to what the fd limit
-    leaves after the descriptors open now and ``reserve``. Raises ``ValueError`` (naming the
-    limit, the count and the key) when that leaves fewer than 2."""
+    leaves after the descriptors open now and ``reserve``. Raises :class:`FdLimitError`
+    (naming the limit, the count and the key) when that leaves fewer than 2."""
     in_use = open_fds()
     soft = raise_soft_limit(max_connections + in_use + reserve + 1)
     if soft == resource.RLIM_INFINITY:
@@ -53,7 +57,7 @@ def connection_cap(max_connections: int, reserve: int) -> int:
     # one more for the socket a displacement accepts before the displaced one is closed
     room = soft - in_use - reserve - 1
     if room < 2:
-        raise ValueError(
+        raise FdLimitError(
             f"fd_reserve: RLIMIT_NOFILE {soft} leaves room for {max(room, 0)} connection(s) "
             f"({in_use} descriptors open at start-up, fd_reserve {reserve}); raise the limit "
             "(ulimit -n) or lower fd_reserve")

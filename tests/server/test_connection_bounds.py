@@ -174,3 +174,16 @@ def test_metrics_listener_is_bounded_too(start_daemon):
         s.close()
     assert urllib.request.urlopen(f"http://127.0.0.1:{url_port}/healthz", timeout=5).read() \
         == b"ok\n"
+
+
+def test_an_fd_limit_with_no_room_for_connections_is_a_clear_error(tmp_path):
+    """RLIMIT_NOFILE 20: after the descriptors open at start-up and the reserve, nothing is
+    left for clients: the daemon refuses to start, naming the limit and fd_reserve."""
+    from tests.server.daemon_proc import DaemonProc
+
+    d = DaemonProc(tmp_path / "d", ["--size", "16MiB"], nofile=20)
+    with pytest.raises(RuntimeError, match="exited with 2"):
+        d.start(timeout=60)
+    log = d.log()
+    assert "RLIMIT_NOFILE 20" in log and "fd_reserve" in log, log[-2000:]
+    assert "Traceback" not in log
