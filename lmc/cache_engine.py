@@ -41,6 +41,7 @@ from lmc.token_database import (
 from lmc.transfer import (
     ChunkRanges,
     KVTransfer,
+    TransferFactory,
     TransferPlan,
     make_transfer,
 )
@@ -82,7 +83,7 @@ class CacheEngine:
 
     def __init__(self, config: CacheConfig, spec: KVSpec, model_id: str, tp_rank: int = 0,
                  tp_size: int = 1, *, tiers: Sequence[TierSpec] | None = None,
-                 transfer: str = "auto") -> None:
+                 transfer: str | TransferFactory = "auto") -> None:
         if not isinstance(config, CacheConfig):
             raise TypeError(f"config must be a CacheConfig, got {type(config).__name__}")
         if not isinstance(spec, KVSpec):
@@ -159,7 +160,7 @@ class CacheEngine:
     def _num_tokens(chunks: list[Chunk], ranges: Any) -> int:
         """Tokens in ``chunks``, whose token ranges are ``ranges`` (or unknown: ``None``)."""
         if isinstance(ranges, ChunkRanges):
-            return ranges.end - ranges.start if ranges.count else 0
+            return ranges.end - ranges.start if ranges.n else 0
         return sum(e - s for s, e, _ in chunks)
 
     def _plan_store(self, tokens: Tokens, tr: KVTransfer, slots: torch.Tensor,
@@ -177,7 +178,7 @@ class CacheEngine:
             return [], [], None
         # nothing left out: the prompt's own consecutive chunks
         ranges = self._ranges(todo, len(todo) == len(chunks))
-        plan = tr.plan(slots, ranges)
+        plan: TransferPlan | None = tr.plan(slots, ranges)
         unmapped = getattr(plan, "unmapped", None)  # known from planning, or asked
         if tr.has_negative(slots) if unmapped is None else unmapped:
             neg = (slots < 0).cpu().numpy()
@@ -217,6 +218,7 @@ class CacheEngine:
         chunks, objs, plan = self._plan_store(tokens, tr, slots, mask, keys)
         if not chunks:
             return 0
+        assert plan is not None  # chunks to store come with their plan
         with CopyLease(objs) as lease:  # the gather owns objs until its handle is done
             # CPU: numpy views only (a tensor per chunk costs more than all else it needs),
             # a run of neighbouring objects as one view
@@ -270,7 +272,7 @@ class CacheEngine:
         hit_tokens = min(len(sources) * self.config.chunk_size, n)
         self.metrics.lookup(n, hit_tokens, time.perf_counter() - t0)
         return LookupResult(hit_tokens, self.config.chunk_size, self.tier_names,
-                            sources if hit_tokens else b"")
+                            bytes(sources) if hit_tokens else b"")
 
     @property
     def tier_names(self) -> tuple[str, ...]:
@@ -324,6 +326,8 @@ class CacheEngine:
         chunks' token ranges (for ``tr.plan``)."""
         chunks = self.db.process_tokens(tokens, mask, keys)
         gate = READY
+        objs: list[MemoryObj]
+        where: list[int]
         if not chunks:
             objs, where = [], []
         elif layered:

@@ -136,9 +136,11 @@ def _bench_runner() -> Any:
     if not path.is_file():
         return None
     spec = importlib.util.spec_from_file_location("lmc_bench_run_all", path)
-    mod = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
-    sys.modules[spec.name] = mod  # type: ignore[union-attr]  (dataclasses look it up)
-    spec.loader.exec_module(mod)  # type: ignore[union-attr]
+    if spec is None or spec.loader is None:
+        return None
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # dataclasses look it up
+    spec.loader.exec_module(mod)
     return mod
 
 

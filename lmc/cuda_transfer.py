@@ -180,6 +180,7 @@ class CupyBackend:
         """Order ``stream`` after the plan's upload, and keep its memory alive for ``stream``."""
         if plan.stream is not None and plan.stream.cuda_stream != stream.cuda_stream:
             stream.wait_event(plan.ready)
+            assert plan.tokens is not None  # uploaded with the stream it ran on
             plan.tokens.record_stream(stream)
 
     def upload(self, arr: np.ndarray) -> torch.Tensor:
@@ -866,6 +867,7 @@ class CudaTransfer(KVTransfer):
         from_stage = [] if to_cache else strided(coalesce([(h, s, n) for _, h, s, n in spans]))
 
         dev_table = self.backend.upload(table)
+        assert plan.tokens is not None  # planned calls always carry their tokens
         args = KVCopyArgs(tokens=plan.tokens.data_ptr(), table=dev_table.data_ptr(),
                           n_tokens=plan.n_tokens, block_size=self.spec.block_size,
                           n_layers=n_layers, n_planes=P, head_size=self.spec.head_size,

@@ -27,6 +27,7 @@ import os
 import sys
 import threading
 import weakref
+from types import FrameType
 from typing import Any
 
 ENV = "LMC_DEBUG_INVARIANTS"
@@ -88,8 +89,8 @@ Site = tuple[tuple[str, int, str], ...]
 def capture_site(skip: int = 1, depth: int = 8) -> Site:
     """The caller's stack (innermost last) as (file, line, function): cheap enough to take on
     every allocation; formatted only when reported."""
-    f = sys._getframe(skip + 1)
-    out = []
+    f: FrameType | None = sys._getframe(skip + 1)
+    out: list[tuple[str, int, str]] = []
     while f is not None and len(out) < depth:
         out.append((f.f_code.co_filename, f.f_lineno, f.f_code.co_name))
         f = f.f_back

@@ -117,6 +117,12 @@ class _Layerwise:
         self._done = False
         self._t0 = time.perf_counter()
 
+    def _plan(self) -> TransferPlan:
+        """The copy's plan: there is one whenever there are chunks to copy."""
+        if self.plan is None:
+            raise RuntimeError("a layer copy without a plan (no chunks to copy)")
+        return self.plan
+
     def _check_layer(self, layer: int) -> None:
         if not 0 <= layer < self.num_layers:
             raise ValueError(f"layer {layer} out of range [0, {self.num_layers})")
@@ -153,11 +159,11 @@ class LayerwiseStore(_Layerwise):
             return
         after = self.tr.record_event() if after is None else after
         if sync:
-            h = self.tr.gather(self.plan, self.bufs, [layer], after=after, stream=self.stream,
+            h = self.tr.gather(self._plan(), self.bufs, [layer], after=after, stream=self.stream,
                                arrays=self.arrays)
             self._record(layer, h).wait()
         else:
-            fut = self.host.executor().submit(self.tr.gather, self.plan, self.bufs, [layer],
+            fut = self.host.executor().submit(self.tr.gather, self._plan(), self.bufs, [layer],
                                                 after=after, stream=self.stream,
                                                 arrays=self.arrays)
             self._record(layer, FutureCompletion(fut))
@@ -247,7 +253,7 @@ class LayerwiseRetrieve(_Layerwise):
             self.gate.wait_layer(layer)
             if layer == self.num_layers - 1:
                 self.gate.wait_verified()
-        return self.tr.scatter(self.plan, self.bufs, [layer], arrays=self.arrays,
+        return self.tr.scatter(self._plan(), self.bufs, [layer], arrays=self.arrays,
                                after=self.after, stream=self.stream)
 
     def issue(self, layer: int) -> Completion:

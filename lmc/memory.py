@@ -213,7 +213,7 @@ class LazyTensors(Sequence[torch.Tensor]):
     def __len__(self) -> int:
         return len(self._objs)
 
-    def __getitem__(self, i):  # type: ignore[override]  # int or slice, as a list's
+    def __getitem__(self, i):  # int or slice, as a list's
         return self._made()[i]
 
     def __iter__(self) -> Iterator[torch.Tensor]:
@@ -245,7 +245,7 @@ class PoolArrays(Sequence[np.ndarray]):
     def __len__(self) -> int:
         return len(self._objs)
 
-    def __getitem__(self, i):  # type: ignore[override]  # int or slice, as a list's
+    def __getitem__(self, i):  # int or slice, as a list's
         a = self._arrays
         if a is None:
             a = self._arrays = self._objs[0].pool.arrays(self._objs) if self._objs else []
@@ -438,17 +438,22 @@ class MemoryPool:
                         break
                     prev = nxt.offset
                     j += 1
-            made = (self._run_tensors(o.offset, j - i, step, o.shape, o.dtype) if tensor
-                    else self._run_arrays(o.offset, j - i, step, o.shape, o.dtype))
-            views[i:j] = made
-            if self.invariants:
+            if tensor:
+                ts = self._run_tensors(o.offset, j - i, step, o.shape, o.dtype)
+                views[i:j] = ts
+                if self.invariants:
+                    for k in range(i, j):
+                        self.check_view(objs[k], ts[k - i])
                 for k in range(i, j):
-                    (self.check_view if tensor else self.check_array)(objs[k], made[k - i])
-            for k in range(i, j):
-                if tensor:
-                    objs[k]._tensor = made[k - i]
-                else:
-                    objs[k]._array = made[k - i]
+                    objs[k]._tensor = ts[k - i]
+            else:
+                arrs = self._run_arrays(o.offset, j - i, step, o.shape, o.dtype)
+                views[i:j] = arrs
+                if self.invariants:
+                    for k in range(i, j):
+                        self.check_array(objs[k], arrs[k - i])
+                for k in range(i, j):
+                    objs[k]._array = arrs[k - i]
             i = j
         return views
 
@@ -544,7 +549,7 @@ class MemoryPool:
         """The whole buffer as one writable byte memoryview (CPU memory, pinned or not)."""
         mv = self._bytes
         if mv is None:
-            mv = self._bytes = memoryview(self.buffer.numpy()).cast("B")
+            mv = self._bytes = self.buffer.numpy().data.cast("B")
         return mv
 
     def allocate(self, shape: Sequence[int], dtype: torch.dtype, num_tokens: int = 0

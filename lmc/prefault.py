@@ -419,12 +419,14 @@ class CudaRegistrar:
             if code != 0:
                 raise OSError(f"cudaHostRegister returned {err} ({code})")
             return
+        assert self._cupy is not None  # __init__ took CuPy's where torch's is missing
         self._cupy.hostRegister(addr, nbytes, flags)
 
     def unregister(self, addr: int) -> None:
         if self._torch is not None:
             self._torch.cudaHostUnregister(addr)
         else:
+            assert self._cupy is not None
             self._cupy.hostUnregister(addr)
 
 

@@ -139,4 +139,4 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
     """A zero-copy byte view of a contiguous CPU tensor (a pool object's payload)."""
     if not t.is_contiguous() or t.device.type != "cpu":
         raise ValueError("payload tensor must be a contiguous CPU tensor")
-    return memoryview(t.view(torch.uint8).reshape(-1).numpy())
+    return t.view(torch.uint8).reshape(-1).numpy().data

@@ -438,7 +438,8 @@ class Settings:
                 fields[key].metadata["parse"](value, layer.label(key))
             except ValueError as e:
                 nested = getattr(e, "key", None)
-                at = layer.where(nested if nested in layer.lines else key)
+                at = layer.where(nested if isinstance(nested, str) and nested in layer.lines
+                                 else key)
                 raise ConfigError(f"{e} (in {at})", nested or key) from None
         return cls(**merged)
 

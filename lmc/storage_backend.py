@@ -73,7 +73,7 @@ import logging
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from importlib import metadata
-from typing import TYPE_CHECKING, Any, ClassVar, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol, TypeVar, runtime_checkable
 from urllib.parse import unquote_plus
 
 from lmc.settings import ConfigError
@@ -229,10 +229,13 @@ def register_backend_module(name: str, module: str) -> None:
         _loaded = False  # a URL lookup must import the new module as well
 
 
-def register_backend(name: str, schemes: Sequence[str] = ()) -> Callable[[type], type]:
+_Cls = TypeVar("_Cls", bound="type[StorageBackend]")
+
+
+def register_backend(name: str, schemes: Sequence[str] = ()) -> Callable[[_Cls], _Cls]:
     """Class decorator: make a backend creatable by ``name`` and by URL ``schemes``."""
 
-    def deco(cls: type) -> type:
+    def deco(cls: _Cls) -> _Cls:
         _by_name[name] = cls
         for s in schemes:
             _by_scheme[s] = cls
@@ -275,7 +278,7 @@ def _load_plugins(name: str | None = None) -> None:
         if name is None:
             for module in BUILTIN_BACKENDS.values():
                 _import_builtin(module)
-        eps = metadata.entry_points(group="lmc.storage_backends")
+        eps = list(metadata.entry_points(group="lmc.storage_backends"))
         if name is not None:
             eps = [ep for ep in eps if ep.name == name]
         for ep in eps:

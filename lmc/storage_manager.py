@@ -31,6 +31,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
+from typing import cast
 
 import torch
 
@@ -204,8 +205,8 @@ class StorageManager:
                         o.release()
                 raise
         if None not in found:  # every chunk found: no loop per chunk
-            return found, where
-        out = found[: found.index(None)]
+            return cast(list[MemoryObj], found), where
+        out = cast(list[MemoryObj], found[: found.index(None)])  # the prefix before a miss
         for o in found[len(out):]:
             if o is not None:
                 o.release()

@@ -25,7 +25,7 @@ import abc
 import contextlib
 import dataclasses
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import Any
+from typing import Any, Literal, overload
 
 import numpy as np
 import torch
@@ -73,8 +73,18 @@ class ChunkPlan:
             t = self._index = torch.from_numpy(self.index_np)
         return t
 
+    def rows(self) -> torch.Tensor:
+        """``index`` where the mode has one (every mode but "empty")."""
+        t = self.index
+        if t is None:
+            raise ValueError(f"{self!r} has no row index")
+        return t
+
     def __repr__(self) -> str:
         return f"ChunkPlan({self.start}, {self.end}, {self.mode!r})"
+
+
+_NO_HEADS = np.empty(0, dtype=np.int64)
 
 
 @dataclasses.dataclass
@@ -88,25 +98,31 @@ class ChunkRanges(Sequence[tuple[int, int]]):
     plans nearly always, and as a list it costs a tuple per chunk to build and a comparison
     per chunk to recognise; planning reads its runs from it directly."""
 
-    __slots__ = ("start", "size", "count", "end")
+    __slots__ = ("start", "size", "n", "end")
 
     def __init__(self, start: int, size: int, count: int, end: int) -> None:
         if size <= 0 or count < 0 or count and not (
                 start + (count - 1) * size < end <= start + count * size):
             raise ValueError(f"ChunkRanges(start={start}, size={size}, count={count}, "
                              f"end={end}): the last range must end inside the last chunk")
-        self.start, self.size, self.count, self.end = start, size, count, end
+        self.start, self.size, self.n, self.end = start, size, count, end
 
     def __len__(self) -> int:
-        return self.count
+        return self.n
 
-    def __getitem__(self, i):  # type: ignore[override]  # int or slice, as a list's
+    @overload
+    def __getitem__(self, i: int) -> tuple[int, int]: ...
+
+    @overload
+    def __getitem__(self, i: slice) -> list[tuple[int, int]]: ...
+
+    def __getitem__(self, i: int | slice) -> tuple[int, int] | list[tuple[int, int]]:
         if isinstance(i, slice):
-            return [self[k] for k in range(*i.indices(self.count))]
+            return [self[k] for k in range(*i.indices(self.n))]
         if i < 0:
-            i += self.count
-        if not 0 <= i < self.count:
-            raise IndexError(f"range {i} of {self.count}")
+            i += self.n
+        if not 0 <= i < self.n:
+            raise IndexError(f"range {i} of {self.n}")
         a = self.start + i * self.size
         return (a, min(a + self.size, self.end))
 
@@ -115,14 +131,14 @@ class ChunkRanges(Sequence[tuple[int, int]]):
 
     def runs(self) -> list[tuple[int, int]]:
         """``(i, j)`` per run of equal ranges: the full ones, then a shorter tail."""
-        c = self.count
+        c = self.n
         if not c:
             return []
         full = c if self.end - self.start == c * self.size else c - 1
         return [(0, c)] if full == c else [(0, full), (full, c)] if full else [(0, c)]
 
     def __repr__(self) -> str:
-        return f"ChunkRanges({self.start}, {self.size}, {self.count}, {self.end})"
+        return f"ChunkRanges({self.start}, {self.size}, {self.n}, {self.end})"
 
 
 class PlanRun:
@@ -157,8 +173,8 @@ class TorchPlan(TransferPlan):
         self.unmapped = unmapped
         self._chunks: list[ChunkPlan] | None = None
 
-    @property  # type: ignore[override]  # the base's field, made lazily here
-    def chunks(self) -> list[ChunkPlan]:
+    @property
+    def chunks(self) -> list[ChunkPlan]:  # the base's field, made lazily here
         out = self._chunks
         if out is None:
             out = []
@@ -172,6 +188,10 @@ class TorchPlan(TransferPlan):
                     out.append(part[1])
             self._chunks = out
         return out
+
+    @chunks.setter
+    def chunks(self, value: list[ChunkPlan]) -> None:  # writable, as the base's field
+        self._chunks = value
 
 
 class KVTransfer(abc.ABC):
@@ -295,8 +315,9 @@ class TorchTransfer(KVTransfer):
             view = torch.as_strided(t, (nb, s.block_size, s.num_kv_heads, s.head_size),
                                     (ps.block, ps.token, ps.head, ps.dim),
                                     t.storage_offset() + ps.base)
-            order = tuple(sorted((1, 2, 3), key=lambda a: -view.stride(a)))
-            out.append((view, order))
+            st = view.stride()
+            a, b, c = sorted((1, 2, 3), key=lambda ax: -st[ax])
+            out.append((view, (a, b, c)))
         return out
 
     # ------------------------------------------------------------------ plan
@@ -366,8 +387,8 @@ class TorchTransfer(KVTransfer):
                 tok.append(self._rows(s, self.W))
             return tok[0] if tok else None
 
-        blk_ok: np.ndarray | bool | None = None
-        heads = None
+        blk_ok: np.ndarray | Literal[True] | None = None
+        heads = _NO_HEADS  # read only where blk_ok says the blocks are aligned
         if blocks is not None:
             _, heads, blk_ok = blocks
         parts: list[PlanRun | tuple[int, ChunkPlan]] = []
@@ -394,10 +415,13 @@ class TorchTransfer(KVTransfer):
                 parts += self._plan_run(self._rows(heads, bs * self.W), s0 // bs, n // bs,
                                         ranges, i, j, "block")
             else:
-                parts += self._plan_run(tok_rows(), s0, n, ranges, i, j, "token")
+                rows = tok_rows()
+                assert rows is not None  # a dense layout: per-token rows exist
+                parts += self._plan_run(rows, s0, n, ranges, i, j, "token")
         return TorchPlan(ranges, parts, neg is not None)
 
-    def _blocks(self, s: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray | bool]:
+    def _blocks(self, s: np.ndarray
+                ) -> tuple[np.ndarray, np.ndarray, np.ndarray | Literal[True]]:
         """The slots cut in blocks: ``(v, heads, ok)``, ``v`` the whole blocks' slots as
         ``[blocks, block_size]``, ``heads`` their first slots, ``ok`` per block whether it
         is one aligned engine block in order (``True``: every one is, the usual case, found
@@ -471,11 +495,15 @@ class TorchTransfer(KVTransfer):
             if not keep.size:  # every slot unmapped: the chunk moves nothing
                 return ChunkPlan(start, end, "empty", None, None, None)
             valid = self._to_index(keep)
-            idx = (slots[start:end][valid] if self.strided
-                   else self._to_index(self._flat(tok_rows[:, start:end][:, keep])))
+            if self.strided:
+                idx = slots[start:end][valid]
+            else:
+                assert tok_rows is not None  # dense layouts plan per-token rows
+                idx = self._to_index(self._flat(tok_rows[:, start:end][:, keep]))
             return ChunkPlan(start, end, "masked", idx, None, valid)
         if self.strided:
             return ChunkPlan(start, end, "token", slots[start:end], None, None)
+        assert tok_rows is not None  # dense layouts plan per-token rows
         arr = self._flat(tok_rows[:, start:end])
         if self.cpu:  # the tensor index only if a torch path asks for it
             return ChunkPlan(start, end, "token", None, arr, None)
@@ -583,7 +611,7 @@ class TorchTransfer(KVTransfer):
             if cp.start == cp.end or cp.mode == "empty":
                 continue
             arr = self._np_buf(cp, i, bufs, arrays)
-            if arr is not None:
+            if arr is not None and cp.index_np is not None:  # _np_buf: only where it is set
                 self._take(cp.index_np[None], cp.mode, arr[None], layer_ids)
                 continue
             buf = bufs[i].view(self.int_dtype)
@@ -593,11 +621,10 @@ class TorchTransfer(KVTransfer):
                     self._strided_gather(layer, cp, dst)
                 elif cp.mode == "masked":
                     tabs = self.tok_tables[layer]
-                    src = self._index(tabs, cp.index).to(dst.device, non_blocking=False)
-                    dst[:, cp.valid.to(dst.device)] = src.view(dst.shape[0], -1, self.W)
+                    src = self._index(tabs, cp.rows()).to(dst.device, non_blocking=False)
+                    dst[:, self._valid(cp).to(dst.device)] = src.view(dst.shape[0], -1, self.W)
                 else:
-                    tabs = self.tok_tables[layer] if cp.mode == "token" else self.blk_tables[layer]
-                    self._index_into(tabs, cp.index, dst)
+                    self._index_into(self._tables(cp.mode)[layer], cp.rows(), dst)
 
     def _gather_run(self, run: PlanRun, bufs: Sequence[torch.Tensor],
                     arrays: Sequence[np.ndarray] | None, layer_ids: Sequence[int]) -> None:
@@ -616,7 +643,7 @@ class TorchTransfer(KVTransfer):
             if big is not None:
                 whole(idx[k: k + big.shape[0]], run.mode, big, layer_ids)
                 continue
-            tabs = self.tok_tables if run.mode == "token" else self.blk_tables
+            tabs = self._tables(run.mode)
             buf, ix = bufs[run.first + k].view(self.int_dtype), torch.from_numpy(idx[k])
             for layer in layer_ids:
                 per_chunk(tabs[layer], ix, buf[layer])
@@ -627,7 +654,7 @@ class TorchTransfer(KVTransfer):
         ``big`` (``[m, *chunk shape]``, each chunk C-contiguous): one ``take`` per layer
         (and plane) where the destination is one contiguous array, else one per chunk."""
         m, rows = big.shape[0], idx.shape[-1]
-        np_tabs = self.tok_np if mode == "token" else self.blk_np
+        np_tabs = self._np_tables(mode)
         two = idx.ndim == 3
         for layer in layer_ids:
             for p, t in enumerate(np_tabs[layer]):
@@ -639,6 +666,28 @@ class TorchTransfer(KVTransfer):
                 else:  # a strided destination would be buffered: chunk by chunk
                     for q in range(m):
                         t.take(ix[q], 0, dst[q], "clip")
+
+    def _tables(self, mode: str) -> list[list[torch.Tensor]]:
+        """Per layer, the row tables of ``mode``: "token" rows, else whole-block rows (which
+        exist wherever the planner made a "block" chunk: ``block_ok``)."""
+        if mode == "token":
+            return self.tok_tables
+        if self.blk_tables is None:
+            raise ValueError(f"a {mode!r} chunk for a cache without block rows")
+        return self.blk_tables
+
+    def _np_tables(self, mode: str) -> list[list[np.ndarray]]:
+        """:meth:`_tables` as numpy arrays (CPU caches of a dense layout)."""
+        tabs = self.tok_np if mode == "token" else self.blk_np
+        if tabs is None:
+            raise ValueError(f"no numpy row tables for {mode!r} chunks of this cache")
+        return tabs
+
+    @staticmethod
+    def _valid(cp: ChunkPlan) -> torch.Tensor:
+        if cp.valid is None:
+            raise ValueError(f"{cp!r} has no valid positions")
+        return cp.valid
 
     def _index(self, tabs: list[torch.Tensor], idx: torch.Tensor) -> torch.Tensor:
         if len(tabs) == 1:
@@ -667,7 +716,7 @@ class TorchTransfer(KVTransfer):
             if cp.start == cp.end or cp.mode == "empty":
                 continue
             src_np = self._np_buf(cp, i, bufs, arrays)
-            if src_np is not None:
+            if src_np is not None and cp.index_np is not None:  # _np_buf: only where it is set
                 self._put(cp.index_np[None], cp.mode, src_np[None], layer_ids)
                 continue
             buf = bufs[i].view(self.int_dtype)
@@ -677,11 +726,11 @@ class TorchTransfer(KVTransfer):
                     self._strided_scatter(layer, cp, src)
                     continue
                 if cp.mode == "masked":
-                    src = src[:, cp.valid.to(src.device)]
+                    src = src[:, self._valid(cp).to(src.device)]
                     tabs = self.tok_tables[layer]
                 else:
-                    tabs = self.tok_tables[layer] if cp.mode == "token" else self.blk_tables[layer]
-                self._index_copy(tabs, cp.index, src)
+                    tabs = self._tables(cp.mode)[layer]
+                self._index_copy(tabs, cp.rows(), src)
 
     def _index_copy(self, tabs: list[torch.Tensor], idx: torch.Tensor, src: torch.Tensor
                     ) -> None:
@@ -703,7 +752,7 @@ class TorchTransfer(KVTransfer):
         assignment per layer (and plane) for all ``m`` chunks, their source strided or not
         (each chunk's rows of a layer are contiguous, so the reshape is a view)."""
         m, rows = big.shape[0], idx.shape[-1]
-        np_tabs = self.tok_np if mode == "token" else self.blk_np
+        np_tabs = self._np_tables(mode)
         two = idx.ndim == 3
         for layer in layer_ids:
             for p, t in enumerate(np_tabs[layer]):
@@ -713,30 +762,32 @@ class TorchTransfer(KVTransfer):
     # Strided layouts: advanced indexing on the per-plane views.
     def _strided_gather(self, layer: int, cp: ChunkPlan, dst: torch.Tensor) -> None:
         bs, H, D = self.spec.block_size, self.spec.num_kv_heads, self.spec.head_size
+        idx = cp.rows()
         if cp.mode == "block":  # whole blocks: one gather in memory order, one permuting copy
-            m = cp.index.numel()
+            m = idx.numel()
             for p, (view, order) in enumerate(self.plane_views[layer]):
                 dst[p].view(m, bs, H, D).permute(0, *order).copy_(
-                    view.permute(0, *order).index_select(0, cp.index))
+                    view.permute(0, *order).index_select(0, idx))
             return
-        blk, off = torch.div(cp.index, bs, rounding_mode="floor"), cp.index % bs
+        blk, off = torch.div(idx, bs, rounding_mode="floor"), idx % bs
         pos = slice(None) if cp.valid is None else cp.valid
         for p, (view, _) in enumerate(self.plane_views[layer]):
             dst[p, pos] = view[blk, off].reshape(-1, H * D).to(dst.device)
 
     def _strided_scatter(self, layer: int, cp: ChunkPlan, src: torch.Tensor) -> None:
         bs, H, D = self.spec.block_size, self.spec.num_kv_heads, self.spec.head_size
+        idx = cp.rows()
         if cp.mode == "block":
-            m = cp.index.numel()
+            m = idx.numel()
             for p, (view, order) in enumerate(self.plane_views[layer]):
                 rows = src[p].reshape(m, bs, H, D).permute(0, *order)
                 phys = view.permute(0, *order)
                 if self.cpu:  # numpy: a GIL-free permuting copy straight into the blocks
                     phys.numpy()[cp.index_np] = rows.numpy()
                 else:
-                    phys.index_copy_(0, cp.index, rows.to(phys.device))
+                    phys.index_copy_(0, idx, rows.to(phys.device))
             return
-        blk, off = torch.div(cp.index, bs, rounding_mode="floor"), cp.index % bs
+        blk, off = torch.div(idx, bs, rounding_mode="floor"), idx % bs
         pos = slice(None) if cp.valid is None else cp.valid
         for p, (view, _) in enumerate(self.plane_views[layer]):
             view[blk, off] = src[p, pos].reshape(-1, H, D).to(view.device)
@@ -808,9 +859,10 @@ def make_transfer(spec: KVSpec, kv_caches: KVCaches, prefer: str | TransferFacto
         try:
             from lmc.cuda_transfer import CudaTransfer, cuda_kernels_available
         except ImportError:
-            CudaTransfer = None  # noqa: N806
-        if CudaTransfer is not None and cuda_kernels_available():
-            return CudaTransfer(spec, kv_caches)
+            pass
+        else:
+            if cuda_kernels_available():
+                return CudaTransfer(spec, kv_caches)
         if prefer == "cuda":
             raise RuntimeError("prefer='cuda' but CuPy (pip install lmc-kvcache[gpu]) is missing")
     elif prefer == "cuda":

@@ -15,6 +15,7 @@ dropped first).
 
 from __future__ import annotations
 
+import functools
 import threading
 import weakref
 from collections import OrderedDict
@@ -106,8 +107,8 @@ class TransferCache:
         with self._lock:
             self._serial += 1
             entry = _Entry(tr, self._serial)
-            entry.watch = [weakref.ref(t, lambda _, s=sig, n=entry.serial: _dropped(me, s, n))
-                           for t in _roots(owners)]
+            on_drop = functools.partial(_dropped, me, sig, entry.serial)
+            entry.watch = [weakref.ref(t, on_drop) for t in _roots(owners)]
             self._map[sig] = entry
             while len(self._map) > self.capacity:
                 self._map.popitem(last=False)
@@ -147,8 +148,9 @@ class TransferCache:
         return len(self._map)
 
 
-def _dropped(cache_ref: weakref.ref, sig: tuple, serial: int) -> None:
-    """A caller's tensor was collected: unbind its cache (weakly: the cache may be gone)."""
+def _dropped(cache_ref: weakref.ref, sig: tuple, serial: int, _dead: weakref.ref) -> None:
+    """A caller's tensor was collected (``_dead``: its weak reference, whose callback this
+    is): unbind its cache (weakly: the cache may be gone)."""
     cache = cache_ref()
     if cache is not None:
         cache._drop(sig, serial)

@@ -314,7 +314,7 @@ class WriteBehind:
         self.metrics.queue(self._bytes, len(self._pending))
 
     def stats(self) -> dict[str, float]:
-        out = {"queue_bytes": self._bytes, "queue_chunks": len(self._pending),
+        out: dict[str, float] = {"queue_bytes": self._bytes, "queue_chunks": len(self._pending),
                "queue_limit_bytes": self.max_bytes}
         if self.retry_for > 0:
             out.update(write_retries=self.retried, retry_chunks=len(self._retry))

@@ -29,7 +29,8 @@ def main(argv: list[str] | None = None) -> None:
     )
     for out in outputs:
         print(f"{out.prompt!r} -> {out.text!r}")
-        print(f"    {len(out.token_ids)} tokens, finish={out.finish_reason}, ttft={out.ttft_s * 1e3:.1f} ms")
+        ttft = "-" if out.ttft_s is None else f"{out.ttft_s * 1e3:.1f} ms"
+        print(f"    {len(out.token_ids)} tokens, finish={out.finish_reason}, ttft={ttft}")
 
 
 if __name__ == "__main__":

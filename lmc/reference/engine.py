@@ -15,7 +15,7 @@ import logging
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -284,21 +284,23 @@ class LLM:
         if isinstance(prompts, str) or (
             isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)
         ):
-            prompts = [prompts]  # a single prompt
+            batch: list[Prompt] = [cast(Prompt, prompts)]  # a single prompt
+        else:
+            batch = list(cast(Sequence[Prompt], prompts))
         params = SamplingParams(
             max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed,
             ignore_eos=ignore_eos, stop_token_ids=tuple(stop_token_ids),
             return_logits=return_logits,
         )
         if kv_transfer_params is None or isinstance(kv_transfer_params, dict):
-            kv_params = [kv_transfer_params] * len(prompts)
+            kv_params = [kv_transfer_params] * len(batch)
         else:
             kv_params = list(kv_transfer_params)
-            if len(kv_params) != len(prompts):
-                raise ValueError(f"{len(kv_params)} kv_transfer_params for {len(prompts)} "
+            if len(kv_params) != len(batch):
+                raise ValueError(f"{len(kv_params)} kv_transfer_params for {len(batch)} "
                                  "prompts")
         ids = [self.add_request(p, params, kv_transfer_params=kp)
-               for p, kp in zip(prompts, kv_params)]
+               for p, kp in zip(batch, kv_params)]
         pending = set(ids)
         results: dict[str, RequestOutput] = {}
         while pending and self.has_unfinished_requests():

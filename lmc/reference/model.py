@@ -65,8 +65,8 @@ class SelfAttention(nn.Module):
         q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
         k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        q = RotaryEmbedding.apply(q, cos, sin)
-        k = RotaryEmbedding.apply(k, cos, sin)
+        q = RotaryEmbedding.rotate(q, cos, sin)
+        k = RotaryEmbedding.rotate(k, cos, sin)
 
         if hooks is not None:
             hooks.before_attention(self.layer_idx)  # external KV must be in place now

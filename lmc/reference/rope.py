@@ -75,6 +75,6 @@ class RotaryEmbedding(nn.Module):
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
     @staticmethod
-    def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """Rotate ``x [T, heads, head_dim]`` by per-token ``cos/sin [T, head_dim]``."""
         return x * cos[:, None, :] + rotate_half(x) * sin[:, None, :]

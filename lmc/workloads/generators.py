@@ -227,11 +227,12 @@ def chat_drafts(spec: ChatSpec, tokenizer: SegmentTokenizer | None = None) -> li
               system_tokens=spec.system_tokens)
     _check_range("turns", *spec.turns)
     _check_range("user_tokens", *spec.user_tokens)
-    turns, per_turn = spec.turns[1], spec.user_tokens[1] + spec.output_len
-    _bounded({"conversations": spec.conversations, "turns": turns, "active": spec.active},
+    max_turns, per_turn = spec.turns[1], spec.user_tokens[1] + spec.output_len
+    _bounded({"conversations": spec.conversations, "turns": max_turns, "active": spec.active},
              {"system_tokens": spec.system_tokens, "user_tokens": spec.user_tokens[1]},
              spec.output_len,
-             spec.conversations * turns * (spec.system_tokens + per_turn * (turns + 1) / 2))
+             spec.conversations * max_turns
+             * (spec.system_tokens + per_turn * (max_turns + 1) / 2))
     rng = random.Random(spec.seed)
     size = _Sizer(tokenizer)
     system = f"System: {size.text(TextGen(spec.seed * 1_000_003 + 1), spec.system_tokens)}\n"

@@ -71,8 +71,8 @@ class ReplayResult:
 
     @property
     def prompt_tokens(self) -> int | None:
-        counts = [r.prompt_tokens for r in self.ok]
-        return None if any(c is None for c in counts) else sum(counts)  # type: ignore[misc]
+        known = [r.prompt_tokens for r in self.ok if r.prompt_tokens is not None]
+        return sum(known) if len(known) == len(self.ok) else None
 
     @property
     def output_tokens(self) -> int:
