@@ -192,3 +192,25 @@ def test_plan_chunks_are_made_on_demand_and_unmapped_is_known(layout):
     assert neg.unmapped is True and tr.has_negative(slots)
     modes = [c.mode for c in neg.chunks]
     assert modes[0] == "masked" and "masked" not in modes[1:], modes
+
+
+def test_chunk_ranges_is_a_full_sequence():
+    """``ChunkRanges`` is a ``Sequence``: the mixin methods work (its ``count`` attribute once
+    shadowed ``Sequence.count``, so ``r.count(x)`` raised; found by mypy)."""
+    r = ChunkRanges(0, 4, 3, 10)
+    assert len(r) == 3 and list(r) == [(0, 4), (4, 8), (8, 10)]
+    assert r.count((4, 8)) == 1 and r.count((0, 8)) == 0
+    assert r.index((8, 10)) == 2 and (4, 8) in r
+    assert r[-1] == (8, 10) and r[1:] == [(4, 8), (8, 10)]
+
+
+def test_a_torch_plans_chunks_can_be_set_as_the_base_plans():
+    """``TransferPlan.chunks`` is a plain field; ``TorchPlan`` makes it lazily but keeps it
+    writable (a read-only property broke code that sets it on any plan)."""
+    caches = make_caches("vllm_flash")
+    tr = make_transfer(spec_for("vllm_flash", caches), caches, "torch")
+    plan = tr.plan(torch.arange(8), ChunkRanges(0, 4, 2, 8))
+    assert isinstance(plan, TorchPlan) and [(c.start, c.end) for c in plan.chunks] == [
+        (0, 4), (4, 8)]
+    plan.chunks = plan.chunks[:1]
+    assert [(c.start, c.end) for c in plan.chunks] == [(0, 4)]

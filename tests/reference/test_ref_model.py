@@ -101,3 +101,20 @@ def test_half_precision_close_to_fp32(tiny_dir: Path, dtype: torch.dtype) -> Non
 def test_metadata_rejects_missing_blocks() -> None:
     with pytest.raises(ValueError, match="needs 2 blocks"):
         build_attention_metadata([SequenceChunk(10, 10, [3])], BLOCK, "cpu")
+
+
+def test_rotary_embedding_keeps_module_apply():
+    """``nn.Module.apply(fn)`` (how weights are initialised over a model tree) must reach the
+    rotary module too: a static ``apply(x, cos, sin)`` there once shadowed it (mypy found it),
+    so ``model.apply(init)`` raised a TypeError at that module."""
+    from lmc.reference.config import RopeConfig
+    from lmc.reference.rope import RotaryEmbedding
+
+    rope = RotaryEmbedding(8, RopeConfig())
+    seen: list[str] = []
+    assert rope.apply(lambda m: seen.append(type(m).__name__)) is rope
+    assert seen == ["RotaryEmbedding"]
+    cos, sin = rope.cos_sin(torch.arange(3), torch.float32)
+    x = torch.randn(3, 2, 8)
+    assert torch.equal(RotaryEmbedding.rotate(x, torch.ones_like(cos), torch.zeros_like(sin)), x)
+    assert not torch.equal(RotaryEmbedding.rotate(x, cos, sin), x)  # position 1, 2 turn
