@@ -93,9 +93,12 @@ class LMCReferenceConnector(KVConnector):
         load, save = KV_ROLES[kv_role]
         self.cache_config = load_cache_config(config)
         if model_id is None:
-            if model_dir is None and cache_engine is None:
+            if model_dir is not None:
+                model_id = model_identity(model_dir)
+            elif cache_engine is not None:
+                model_id = cache_engine.model_id
+            else:
                 raise ValueError("LMCReferenceConnector needs model_dir or model_id")
-            model_id = cache_engine.model_id if model_dir is None else model_identity(model_dir)
         self.model_id = model_id
         self.connector_config = ConnectorConfig.from_cache_config(
             self.cache_config, save_decode=save_decode, layerwise=layerwise, load=load,
@@ -139,8 +142,9 @@ class LMCReferenceConnector(KVConnector):
     def update_state_after_alloc(self, request: ConnectorRequest, block_ids: list[int],
                                  num_external_tokens: int) -> None:
         params = getattr(request, "kv_transfer_params", None)
-        if num_external_tokens > 0 and remote_prefill_tokens(request) is not None:
-            params["do_remote_prefill"] = False  # one transfer per request  # type: ignore
+        if (num_external_tokens > 0 and params is not None
+                and remote_prefill_tokens(request) is not None):
+            params["do_remote_prefill"] = False  # one transfer per request
         self.scheduler.update_state_after_alloc(request.request_id, request.all_token_ids,
                                                 request.num_computed_tokens, num_external_tokens,
                                                 block_ids)

@@ -130,7 +130,7 @@ def _ordered(kv_caches: Mapping[str, torch.Tensor]) -> tuple[list[str], list[tor
     tensors = [kv_caches[n] for n in names]
     seen: dict[tuple[int, int], str] = {}
     for n, t in zip(names, tensors):
-        sig = (t.data_ptr(), t.storage_offset())
+        sig = (t.data_ptr(), int(t.storage_offset()))
         if sig in seen:
             raise UnsupportedLayout(f"layers {seen[sig]} and {n} share one KV cache (cross-layer "
                                     "KV sharing); lmc's chunk format has one entry per layer")

@@ -70,7 +70,7 @@ class RequestTracker:
             out.append(self._step(new.req_id, t, new.num_computed_tokens,
                                   so.num_scheduled_tokens.get(new.req_id, 0)))
         cached = so.scheduled_cached_reqs
-        resumed = getattr(cached, "resumed_req_ids", set()) or set()
+        resumed: set[str] = getattr(cached, "resumed_req_ids", set()) or set()
         for i, rid in enumerate(cached.req_ids):
             t = self._reqs.get(rid)
             if t is None:

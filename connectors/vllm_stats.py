@@ -34,7 +34,7 @@ class LMCConnectorStats(KVConnectorStats):
     """Counter deltas keyed by name; aggregation is a sum."""
 
     def reset(self) -> None:
-        self.data = {}
+        self.data: dict[str, int | float] = {}
 
     def aggregate(self, other: KVConnectorStats) -> LMCConnectorStats:
         for k, v in (other.data or {}).items():

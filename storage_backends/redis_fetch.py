@@ -22,6 +22,7 @@ deleted and counted like a bad checksum; the payload is checked where it landed,
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections import deque
 from collections.abc import Sequence
@@ -122,9 +123,9 @@ class GetJob(Job):
         while self._pending:
             i, off = self._pending.popleft()
             if off == 0:
-                r = wc.read_value(dl, self.hsize, lambda head, n, i=i: self._first(i, head, n))
+                r = wc.read_value(dl, self.hsize, functools.partial(self._first, i))
             else:
-                r = wc.read_value(dl, 0, lambda _h, n, i=i, off=off: self._next_piece(i, off, n))
+                r = wc.read_value(dl, 0, functools.partial(self._piece_sink, i, off))
             if isinstance(r, ReplyError):
                 self.call.reply_errors.append(r)
             st = self._open.get(i)
@@ -163,6 +164,10 @@ class GetJob(Job):
             self._more.append((i, off))
             st.pieces_left += 1
         return st.view[: n - self.hsize]
+
+    def _piece_sink(self, i: int, off: int, _head: bytes, n: int) -> memoryview | None:
+        """:meth:`_next_piece` as a ``read_value`` sink (a later piece has no head)."""
+        return self._next_piece(i, off, n)
 
     def _next_piece(self, i: int, off: int, n: int) -> memoryview | None:
         st = self._open.get(i)

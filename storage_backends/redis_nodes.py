@@ -54,7 +54,10 @@ class NodePool:
 
     def connect(self, dl: Deadline) -> WireConn:
         conn = self._redis_conn(dl)
-        sock: socket.socket = conn._sock  # redis-py has no public accessor for the socket
+        sock: socket.socket | None = conn._sock  # redis-py has no public accessor for it
+        if sock is None:
+            raise ConnectionError(f"redis-py connected to {self.host}:{self.port} but holds "
+                                  "no socket")
         return WireConn(sock, conn)
 
     def take(self, dl: Deadline) -> tuple[WireConn, bool]:

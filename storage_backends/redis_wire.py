@@ -279,11 +279,14 @@ class WireConn:
         k = min(self.hi - self.lo, n)
         self.lo += k
         n -= k
-        if n and self._scratch is None:
-            self._scratch = memoryview(bytearray(1 << 20))
+        if not n:
+            return
+        scratch = self._scratch
+        if scratch is None:
+            scratch = self._scratch = memoryview(bytearray(1 << 20))
         while n:
             self._arm(dl)
-            got = self.sock.recv_into(self._scratch, min(n, self._scratch.nbytes))
+            got = self.sock.recv_into(scratch, min(n, scratch.nbytes))
             if got == 0:
                 raise ConnectionError("server closed the connection mid-value")
             n -= got

@@ -18,6 +18,7 @@ With ``integrity_secret`` each chunk travels with a keyed tag stored as a compan
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -193,7 +194,7 @@ class ServerBackend(StorageBackend):
             try:
                 rest.append(self._exec.submit(run, a, b).result)
             except RuntimeError:  # close() shut the executor down: the part runs here (a miss)
-                rest.append(lambda a=a, b=b: run(a, b))
+                rest.append(functools.partial(run, a, b))
         first = run(*parts[0])  # the caller's thread does a share too
         return [first, *(r() for r in rest)]
 
@@ -227,8 +228,9 @@ class ServerBackend(StorageBackend):
         else:
             out = self._get_tagged(keys, rejects, geometry, too_large)
         if geometry is not None:
-            out = [o if o is None else rejects.verify(k, o, lambda o=o: geometry.check(
-                o.shape, o.dtype)) for k, o in zip(keys, out)]
+            out = [o if o is None else rejects.verify(
+                k, o, functools.partial(geometry.check, o.shape, o.dtype))
+                for k, o in zip(keys, out)]
         self._count(corrupt=rejects.delete_with(self.delete) + too_large[0])
         hits = sum(o is not None for o in out)
         self._count(hits=hits, misses=len(out) - hits,
@@ -246,7 +248,7 @@ class ServerBackend(StorageBackend):
         for i, key in enumerate(keys):
             tag, obj = got[2 * i], got[2 * i + 1]
             if obj is not None:
-                obj = rejects.verify(key, obj, lambda k=key, o=obj, t=tag: tags.check(k, o, t))
+                obj = rejects.verify(key, obj, functools.partial(tags.check, key, obj, tag))
             if tag is not None:
                 tag.release()
             out.append(obj)
@@ -324,11 +326,11 @@ class ServerBackend(StorageBackend):
         else:
             pairs_keys, pairs, tags = self.tags.seal(keys, objs)
             try:
-                ok = self._put_values(pairs_keys, pairs)
+                done = self._put_values(pairs_keys, pairs)
             finally:
                 for t in tags:
                     t.release()
-            stored = sum(ok[i] and ok[i + 1] for i in range(0, len(ok), 2))
+            stored = sum(done[i] and done[i + 1] for i in range(0, len(done), 2))
         self._count(stored=stored, not_stored=len(keys) - stored, bytes_out=bytes_out)
         return stored
 

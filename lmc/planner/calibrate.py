@@ -84,6 +84,8 @@ class LMCEngine:
         queues are drained after it (not counted)."""
         before = self.conn.stats()
         ttft = self.llm.generate([prompt], max_tokens=1)[0].ttft_s
+        if ttft is None:
+            raise RuntimeError("calibration: the request finished without a first token")
         if not self.conn.engine.storage.flush(timeout=120):
             raise RuntimeError("calibration: lmc's tier writes did not finish in 120 s")
         after = self.conn.stats()
@@ -128,7 +130,7 @@ class Calibrator:
         self.hits: dict[str, list[float]] = {}
         longest = max(max(lengths), load_tokens + 1)
         # L1 holds the two longest prompts (a hit's chunks stay until it is sent again)
-        l1 = {"chunk_size": chunk_size, "local_cpu_prefault": "off",
+        l1: dict[str, Any] = {"chunk_size": chunk_size, "local_cpu_prefault": "off",
               "local_cpu_size": max(64 << 20, 4 * self.bpt * longest)}
         self._tmp = tempfile.mkdtemp(prefix="lmc-plan-disk-", dir=disk_dir)
         configs = {"L1": CacheConfig(**l1),

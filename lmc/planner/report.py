@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -75,8 +76,8 @@ def _secs(x: float | None) -> str:
     return "-" if x is None else units.seconds(x)
 
 
-def format_table(table: Sequence[Row], base: float | None, knees: set[GridPoint] = frozenset()
-                 ) -> str:
+def format_table(table: Sequence[Row], base: float | None,
+                 knees: AbstractSet[GridPoint] = frozenset()) -> str:
     tiers = [t for t in TIERS if any(t in r.hit for r in table)]
     head = ["policy", "L1", "disk", "remote", *[f"hit {t}" for t in tiers], "hit total",
             "TTFT mean", "TTFT p95", "saved"]

@@ -122,7 +122,13 @@ def replay_pass(model: Path, reqs: Sequence[TraceRequest], point: GridPoint, *,
         try:
             for r in reqs:
                 before = conn.stats()
-                ttfts.append(llm.generate([r.prompt_tokens], max_tokens=1)[0].ttft_s)
+                if r.prompt_tokens is None:
+                    raise ValueError(f"replay: request {r.request_id} has text, not token ids "
+                                     "(tokenize the trace first)")
+                ttft = llm.generate([r.prompt_tokens], max_tokens=1)[0].ttft_s
+                if ttft is None:
+                    raise RuntimeError(f"replay: request {r.request_id} gave no first token")
+                ttfts.append(ttft)
                 if not conn.engine.storage.flush(timeout=60):
                     raise RuntimeError("replay: lmc's tier writes did not finish in 60 s")
                 after = conn.stats()
