@@ -130,6 +130,14 @@ class StorageManager:
         for q in self.queues:
             q.retry_for = max(0.0, float(seconds))
 
+    def queues_have_room(self, nbytes: int) -> bool:
+        """Whether a store of ``nbytes`` now would be queued whole for every lower tier
+        (write-through; under write-on-evict stores queue nothing). Lets a caller that may
+        wait (the daemon's PUT) wait for room instead of having the writes dropped."""
+        if self.write_policy != "write_through":
+            return True
+        return all(q.has_room(nbytes) for q in self.queues)
+
     def allocate(self, shape: Sequence[int], dtype: torch.dtype, num_tokens: int
                  ) -> MemoryObj | None:
         return self.l1.allocate(shape, dtype, num_tokens)

@@ -265,6 +265,11 @@ class WriteBehind:
             o.release()
         self.metrics.queue(*depth)
 
+    def has_room(self, nbytes: int) -> bool:
+        """Whether an offer of ``nbytes`` would be taken whole now (an empty queue takes
+        anything its bound allows: a batch larger than the bound never waits for room)."""
+        return self._closed or self._bytes + min(nbytes, self.max_bytes) <= self.max_bytes
+
     # ------------------------------------------------------------------- lifecycle
     @property
     def queued_bytes(self) -> int:

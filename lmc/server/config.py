@@ -160,6 +160,11 @@ class ServerConfig(Settings):
                                  "seconds a failed write to a lower tier is retried (doubling "
                                  "backoff from 0.25 s) while memory keeps the value; 0 = drop "
                                  "it at once", unit="duration")
+    write_wait: float = setting(0.5, _seconds(0),
+                                "seconds a PUT waits for room in a full write-behind queue "
+                                "(a lower tier slower than the writers) before it is answered "
+                                "and the tier misses those values (dropped, counted)",
+                                unit="duration")
     cache: dict[str, Any] = setting(None, _cache,
                                     "extra CacheConfig keys for the storage (write_policy, ...)")
     # ---- tenants

@@ -125,6 +125,9 @@ class Daemon:
             "displaced": IntervalLog(
                 logging.WARNING, "closed the oldest unauthenticated connection to admit a new "
                 "one (the cap on connections before HELLO was reached)"),
+            "write_wait": IntervalLog(
+                logging.WARNING, f"a lower tier's write-behind queue stayed full for "
+                f"{config.write_wait:g} s: PUTs answered, the tier misses their values"),
             "stalled": IntervalLog(
                 logging.WARNING, f"dropped connections with no progress for "
                 f"{config.frame_timeout:g} s mid-frame"),
@@ -141,6 +144,21 @@ class Daemon:
         if not self.offload:
             return fn(*args)
         return await asyncio.get_running_loop().run_in_executor(self.io, fn, *args)
+
+    async def queue_room(self, nbytes: int) -> None:
+        """Before a PUT's values are stored: wait (up to ``write_wait``) until every lower
+        tier's write-behind queue can take them, so a burst of PUTs faster than the disk
+        slows the writers down instead of dropping the disk copies of acknowledged values
+        (which memory then evicts: lost)."""
+        if not self.offload or self.storage.queues_have_room(nbytes):
+            return
+        deadline = time.monotonic() + self.config.write_wait
+        while time.monotonic() < deadline:
+            await asyncio.sleep(0.002)
+            if self.storage.queues_have_room(nbytes):
+                return
+        M.WRITE_WAIT_EXPIRED.inc()
+        self.events["write_wait"]()
 
     def stats(self, grant: Grant | None = None) -> dict[str, Any]:
         """Everything for an admin (or an open daemon); a tenant sees its namespaces only."""

@@ -30,6 +30,9 @@ REQUEST_SECONDS = Histogram("lmc_server_request_seconds", "Time to answer a requ
 BYTES = Counter("lmc_server_bytes", "Value bytes moved", ["direction"])
 VALUES = Counter("lmc_server_values", "Values by outcome", ["outcome"])
 PROTOCOL_ERRORS = Counter("lmc_server_protocol_errors", "Malformed frames", ["status"])
+WRITE_WAIT_EXPIRED = Counter("lmc_server_write_wait_expired",
+                             "PUTs answered after write_wait with a write-behind queue still "
+                             "full (a lower tier misses their values)")
 STALLED = Counter("lmc_server_stalled_connections", "Connections dropped mid-frame for stalling")
 POOL_USED = Gauge("lmc_server_pool_used_bytes", "Bytes in use in the daemon's memory pool")
 POOL_CAPACITY = Gauge("lmc_server_pool_capacity_bytes", "Size of the daemon's memory pool")

@@ -285,6 +285,7 @@ class Session:
                 obj.meta = Checksum(items[k].checksum)
                 good.append((ikeys[k], obj))
             if good:
+                await self.daemon.queue_room(sum(o.nbytes for _, o in good))
                 self.store.commit(ns, [k for k, _ in good], [o for _, o in good])
         finally:
             if objs:

@@ -154,6 +154,35 @@ def test_a_connection_flood_never_takes_the_tiers_descriptors(start_daemon, tmp_
     assert "Too many open files" not in d.log()
 
 
+def test_the_issue_flood_replayed_puts_back_to_back(start_daemon, tmp_path):
+    """The issue's sequence at nofile 256: a client PUTs 16 x 1 MiB back to back into a
+    4 MiB memory tier over a disk tier and disconnects, 300 idle unauthenticated sockets
+    arrive, then a new client GETs all 16 while they are still there. A PUT waits (up to
+    write_wait) for room in the 2 MiB write-behind queue instead of the disk copy being
+    dropped, and the flood cannot take the tiers' descriptors. (0 of 16 in the issue; 6-9 of
+    16 here even without the flood, from the dropped disk copies.)"""
+    d = start_daemon("--size", "4MiB", "--disk", str(tmp_path / "disk"), "--max-payload",
+                     "4MiB", "--hello-timeout", "30", nofile=256)
+    keys = [bytes([8, i]) * 8 for i in range(16)]
+    c = W.RawClient(d.port)
+    for k in keys:
+        st, meta, _ = c.call(W.put("ns", [W.value_bytes("ns", k, **MiB_VALUE)]))
+        assert st == P.OK and meta["results"] == b"\0", meta
+    c.close()
+    idle = _flood(d.port, 300)
+    try:
+        time.sleep(0.5)
+        c = W.RawClient(d.port)
+        assert c.call(W.hello(client="reader"))[0] == P.OK
+        tiers = _stats(c)["tiers"]
+        assert _found(c, "ns", keys) == 16, tiers
+        assert not tiers.get("disk.dropped_queue_full"), tiers
+        c.close()
+    finally:
+        for s in idle:
+            s.close()
+
+
 def test_a_disk_write_failing_with_emfile_keeps_the_value(tmp_path):
     """The daemon's tier stack (memory + disk, write retries as ``lmc server`` sets them)
     stores 6 values while every descriptor of the process is taken (each write fails with
