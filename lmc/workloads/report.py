@@ -77,9 +77,9 @@ def format_report(res: ReplayResult, trace: str = "") -> str:
     rows.append(("throughput", thr))
     rows.append(("prompt tokens", f"{prompt:,}" if prompt is not None else
                  "unknown (the server reported no usage)"))
-    cached = [r.cached_tokens for r in ok]
-    if ok and all(c is not None for c in cached) and prompt:
-        rows.append(("not computed", units.ratio(sum(cached), prompt)  # type: ignore[arg-type]
+    cached = [r.cached_tokens for r in ok if r.cached_tokens is not None]
+    if ok and len(cached) == len(ok) and prompt:
+        rows.append(("not computed", units.ratio(sum(cached), prompt)
                      + "  (reported per request by the target)"))
     width = max(len(k) for k, _ in rows) + 2
     lines += [f"{k:<{width}}{v}" for k, v in rows]
