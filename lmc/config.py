@@ -21,6 +21,7 @@ import os
 from collections.abc import Mapping
 from typing import Any, TypeVar
 
+from lmc.eviction import policy_names
 from lmc.settings import (
     ConfigError,
     Layer,
@@ -127,8 +128,8 @@ class CacheConfig(Settings):
     tenant: str | None = setting(
         None, parse_opt_str, "salt mixed into every key: tenants never share KV")
     eviction_policy: str = setting(
-        "lru", lambda v, k: parse_choice(v, k, ("lru", "fifo")),
-        "which unreferenced chunk the L1 tier evicts first")
+        "lru", lambda v, k: parse_choice(v, k, policy_names()),
+        "which unreferenced chunk the L1 tier evicts first (lmc.eviction's registered policies)")
     pin_memory: str = setting(
         "auto", lambda v, k: parse_choice(str(v).lower(), k, ("auto", "true", "false")),
         "page-lock the pool: auto = when CUDA is available")
