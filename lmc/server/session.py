@@ -75,6 +75,7 @@ class Session:
         self.accepted_at = self.sent_at = time.monotonic()
         self._sending = False
         self.dropped = False  # closed by the daemon (displaced, timed out): counted till closed
+        self._own_wait = False  # waiting on the daemon itself (queue room), not on the peer
         self.task: asyncio.Task | None = None
 
     # --------------------------------------------------------------- loop
@@ -86,7 +87,7 @@ class Session:
     def waiting_on_peer(self) -> bool:
         """Mid-frame on either side: a request half-received (or its refused payload being
         discarded) or an answer the peer is not reading. The watchdog times these out."""
-        return self.reader.mid_frame or self._sending
+        return (self.reader.mid_frame or self._sending) and not self._own_wait
 
     async def run(self) -> None:
         log.debug("%s: connected via %s", self.peer, self.via)
@@ -285,11 +286,21 @@ class Session:
                 obj.meta = Checksum(items[k].checksum)
                 good.append((ikeys[k], obj))
             if good:
-                await self.daemon.queue_room(sum(o.nbytes for _, o in good))
+                await self._queue_room(sum(o.nbytes for _, o in good))
                 self.store.commit(ns, [k for k, _ in good], [o for _, o in good])
         finally:
             if objs:
                 objs[0].pool.release_many(objs)
+
+    async def _queue_room(self, nbytes: int) -> None:
+        """The daemon's wait for write-behind room; not the peer's stall (the watchdog's
+        clock restarts after it)."""
+        self._own_wait = True
+        try:
+            await self.daemon.queue_room(nbytes)
+        finally:
+            self._own_wait = False
+            self.sent_at = time.monotonic()
 
     @staticmethod
     def _count_put(results: bytearray, nbytes: int) -> None:
