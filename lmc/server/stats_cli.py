@@ -157,6 +157,19 @@ def format_info(stats: dict[str, Any], before: dict[str, Any] | None = None,
     return "\n".join(lines)
 
 
+def render(stats: Any, before: dict[str, Any] | None = None,
+           interval: float | None = None) -> str:
+    """:func:`format_info`, with an answer of the wrong shape (a lying or foreign server: a
+    string where a count belongs) a :class:`StatsError` naming what failed, not a
+    traceback."""
+    try:
+        if not isinstance(stats, dict):
+            raise TypeError(f"the answer is a {type(stats).__name__}, not a map")
+        return format_info(stats, before, interval)
+    except (TypeError, ValueError, KeyError, AttributeError, IndexError) as e:
+        raise StatsError(f"malformed STATS answer: {safe(e, 200)}") from None
+
+
 def _main(args: argparse.Namespace) -> int:
     token = os.environ.get("LMC_REMOTE_TOKEN")
     if args.token_file:
@@ -180,7 +193,12 @@ def _main(args: argparse.Namespace) -> int:
                 print("\x1b[H\x1b[2J", end="")  # clear the screen: one screenful per sample
             if args.watch:
                 print(f"# {args.url} at {time.strftime('%H:%M:%S')}")
-            print(format_info(stats, before, args.watch), flush=True)
+            try:
+                text = render(stats, before, args.watch)
+            except StatsError as e:
+                print(f"lmc stats: {args.url}: {e}", file=sys.stderr)
+                return 2
+            print(text, flush=True)
         if not args.watch:
             return 0
         before = stats

@@ -273,3 +273,16 @@ def test_first_seen_bounds_lines_past_its_memory_and_per_window(caplog):
         seen.flush()
     summaries = [r.getMessage() for r in caplog.records]
     assert len(summaries) == 2 and "4380 time(s)" in summaries[1], summaries
+
+
+def test_stats_of_a_lying_server_is_an_error_not_a_traceback():
+    """``lmc stats`` renders whatever answered STATS: counts that are strings, sections of
+    the wrong type and escapes in names are a named error or escaped, never a traceback."""
+    from lmc.server.stats_cli import StatsError, render
+
+    for bad in ({"namespaces": {"x": {"chunks": "lots"}}}, {"server": []}, [1, 2],
+                {"tiers": {"cpu.capacity": "\x1b[2J"}}):
+        with pytest.raises(StatsError, match="malformed STATS answer"):
+            render(bad)
+    text = render({"tiers": {"p2p\x1b]0;x\x07.peers": "\x1b[31mred"}})
+    assert "\x1b" not in text and "\x07" not in text
