@@ -150,7 +150,9 @@ def format_info(stats: dict[str, Any], before: dict[str, Any] | None = None,
     lines += ["", f"# Namespaces ({len(names)})"]
     for ns, c in sorted(names.items()):
         held = (f"{c['chunks']:,} chunks, {units.size(c.get('bytes', 0))} in memory"
-                + (f" of quota {units.size(c['quota'])}" if c.get("quota") else "") + "; "
+                + (f" of quota {units.size(c['quota'])}" if c.get("quota") else "")
+                + (f" (+{units.size(c['unsent_bytes'])} held by unsent replies)"
+                   if c.get("unsent_bytes") else "") + "; "
                 if "chunks" in c else "")
         lines.append(f"{safe(ns)}: {held}puts {c.get('puts', 0):,}, gets {c.get('gets', 0):,}, "
                      f"hit rate {units.ratio(c.get('hits', 0), c.get('get_keys', 0))} keys")
