@@ -29,7 +29,8 @@ class RateLimitedWarnings:
         self._count = 0
         self._suppressed = 0
 
-    def __call__(self, msg: str, *args: Any) -> None:
+    def __call__(self, msg: str, *args: Any, level: int = logging.WARNING,
+                 exc_info: bool = False) -> None:
         now = time.monotonic()
         if now - self._start >= self.window:
             self._start, self._count = now, 0
@@ -40,7 +41,7 @@ class RateLimitedWarnings:
         if self._suppressed:
             log.warning("(%d similar warnings suppressed)", self._suppressed)
             self._suppressed = 0
-        log.warning(msg, *args)
+        log.log(level, msg, *args, exc_info=exc_info)
 
 
 class IntervalLog:

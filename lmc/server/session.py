@@ -112,7 +112,9 @@ class Session:
         except OSError as e:
             self.daemon.warn("%s: connection error: %s", self.peer, e)
         except Exception:
-            log.exception("%s: internal error; closing the connection", self.peer)
+            # a daemon bug a peer can trigger at will must not write a traceback per try
+            self.daemon.warn("%s: internal error; closing the connection", self.peer,
+                             level=logging.ERROR, exc_info=True)
         finally:
             self.store.p2p.leave(self)  # a closed owner's locations go with it
             self.sock.close()
