@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -69,7 +69,7 @@ class CPUBackend(StorageBackend):
             m = self._map
             out: list[MemoryObj | None] = list(map(m.get, keys))
             every = None not in out
-            hits = out if every else [o for o in out if o is not None]
+            hits = cast("list[MemoryObj]", out) if every else [o for o in out if o is not None]
             if hits:
                 self.pool.acquire_many(hits)  # one pool lock for the batch, not one each
                 if every:

@@ -231,8 +231,8 @@ class _Value:
 
     def __init__(self, key: Key, entry: _Entry, fd: int, obj: MemoryObj, hdr: Header,
                  spans: tuple[memoryview, memoryview] | None) -> None:
-        self.key, self.entry, self.fd, self.obj, self.hdr, self.spans = (
-            key, entry, fd, obj, hdr, spans)
+        self.key, self.entry, self.fd, self.hdr, self.spans = key, entry, fd, hdr, spans
+        self.obj: MemoryObj | None = obj  # None once handed to the caller
 
     def close(self) -> None:
         """Close the file and drop the object unless someone took it (``obj = None``)."""
@@ -544,6 +544,7 @@ class DiskBackend(StorageBackend):
         try:
             v = self._open_value(key, entry)
             padded = _round_up(v.hdr.payload_len)
+            assert v.obj is not None  # a value just opened holds its object
             view = v.obj.byte_view()
             if v.spans is None:
                 bufs, want = [view], view.nbytes

@@ -151,7 +151,9 @@ class DiskLayeredRead:
                     raise LayerReadError(next(iter(bad.values())))
                 read.landed(layer)
                 for j, (i, _, _, lb) in enumerate(plans):
-                    hashers[j].update(read.objs[i].byte_view()[layer * lb:(layer + 1) * lb])
+                    obj = read.objs[i]
+                    assert obj is not None  # a planned read's object is held until it ends
+                    hashers[j].update(obj.byte_view()[layer * lb:(layer + 1) * lb])
         except BaseException as e:  # noqa: BLE001 - reported through the read, never lost
             failed = e
             every = [f for row in futures for _, f in row]

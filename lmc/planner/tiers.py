@@ -53,7 +53,7 @@ _BYTE = torch.uint8
 def memory_tier(capacity: int, eviction_policy: str = "lru") -> CPUBackend:
     """lmc's L1 tier class over ``capacity`` bytes of address space."""
     cfg = CacheConfig(eviction_policy=eviction_policy, local_cpu_size=max(capacity, 4096))
-    return CPUBackend(config=cfg, pool=AddressPool(capacity))  # type: ignore[arg-type]
+    return CPUBackend(config=cfg, pool=AddressPool(capacity))
 
 
 class DiskIndex:
