@@ -5,7 +5,7 @@ up to ``window`` requests are on the wire before the first answer is read. Value
 from pool memory with ``sendmsg`` (no joined copy) and received with ``recv_into`` straight
 into freshly allocated pool objects, whose checksum is verified before they are returned.
 Any socket or protocol failure raises; the connection is then unusable and the caller
-(``storage_backends/server.py``) closes it and turns the failure into misses.
+(``lmc/storage_backends/server.py``) closes it and turns the failure into misses.
 """
 
 from __future__ import annotations
@@ -281,7 +281,7 @@ class ClientConnection:
         the server held some back for size, so another round is needed)."""
         step = self.limits.max_batch
         frames = list(_batches(len(keys) - start, step))
-        state = {"resume": len(keys), "more": False, "stop": False}
+        state: dict[str, Any] = {"resume": len(keys), "more": False, "stop": False}
 
         def requests():
             for a, b in frames:
@@ -318,7 +318,7 @@ class ClientConnection:
 
         self._pipeline(P.GET, requests(), on_reply,
                        max_payload=self.limits.max_payload)
-        return state["resume"], state["more"]
+        return int(state["resume"]), bool(state["more"])
 
     def contains(self, ns: str, keys: Sequence[bytes]) -> list[bool]:
         out: list[bool] = []

@@ -136,8 +136,7 @@ class Daemon:
         self._stop: asyncio.Event | None = None
         self._tasks: list[asyncio.Task] = []
         M.bind_storage(lambda: self.pool.used_bytes, lambda: self.pool.size,
-                       lambda: len(self.storage.l1) if hasattr(self.storage.l1, "__len__")
-                       else 0)
+                       lambda: getattr(self.storage.l1, "__len__", lambda: 0)())
 
     # ---------------------------------------------------------- storage
     async def run_storage(self, fn: Callable[..., Any], *args: Any) -> Any:
@@ -213,6 +212,7 @@ class Daemon:
     # -------------------------------------------------------- listening
     def _listen_tcp(self) -> socket.socket:
         cfg = self.config
+        assert cfg.port is not None  # only called when a port is configured
         sock = bind_tcp(cfg.host, cfg.port, "port")
         if not cfg.is_loopback():
             log.warning("listening on %s, not loopback: only the tokens stand between this "
@@ -220,6 +220,7 @@ class Daemon:
         return sock
 
     def _listen_unix(self) -> socket.socket:
+        assert self.config.unix_socket  # only called when a socket path is configured
         path = Path(self.config.unix_socket)
         if path.exists():
             if not stat.S_ISSOCK(path.stat().st_mode):
@@ -259,7 +260,7 @@ class Daemon:
             sock.close()
             if via == "unix":
                 with contextlib.suppress(OSError):
-                    os.unlink(self.config.unix_socket)
+                    os.unlink(self.config.unix_socket or "")
         self.listeners = []
         if self.http is not None and self.http.sock is not None:
             self.http.sock.close()
@@ -477,7 +478,7 @@ class Daemon:
             sock.close()
             if via == "unix":
                 with contextlib.suppress(OSError):
-                    os.unlink(self.config.unix_socket)
+                    os.unlink(self.config.unix_socket or "")
         for s in list(self.sessions):  # idle ones go now; busy ones finish their request
             if s.state == IDLE and not s.reader.buffered and s.task is not None:
                 s.task.cancel()

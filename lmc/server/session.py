@@ -18,6 +18,7 @@ import asyncio
 import logging
 import socket
 import time
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from lmc.p2p import daemon_ops as p2p_ops
@@ -161,7 +162,7 @@ class Session:
         self.daemon.established(self)
 
     # ------------------------------------------------------------ replies
-    async def _send(self, op: int, req_id: int, meta: dict[str, Any], bufs: list = (),
+    async def _send(self, op: int, req_id: int, meta: dict[str, Any], bufs: Sequence[Any] = (),
                     payload_len: int = 0, status: int = P.OK) -> None:
         m = P.pack_meta(meta)
         self.state = SENDING

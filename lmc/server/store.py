@@ -299,8 +299,10 @@ class NamespacedStore:
         takes one reference per key, so a second object under the same key would leak."""
         if not ikeys:
             return 0
-        seen: set[bytes] = set()
-        keep = [(k, o) for k, o in zip(ikeys, objs) if not (k in seen or seen.add(k))]
+        first: dict[bytes, MemoryObj] = {}
+        for k, o in zip(ikeys, objs):
+            first.setdefault(k, o)
+        keep = list(first.items())
         if len(keep) < len(ikeys):
             ikeys, objs = [k for k, _ in keep], [o for _, o in keep]
         n = self.storage.put(ikeys, objs)

@@ -25,7 +25,11 @@ def _advance(bufs: list[memoryview], sent: int) -> list[memoryview]:
 
 async def _writable(loop: asyncio.AbstractEventLoop, fd: int) -> None:
     fut = loop.create_future()
-    loop.add_writer(fd, lambda: fut.done() or fut.set_result(None))
+    def ready() -> None:
+        if not fut.done():
+            fut.set_result(None)
+
+    loop.add_writer(fd, ready)
     try:
         await fut
     finally:
