@@ -17,8 +17,8 @@ bench: install
 	$(PY) benchmarks/bench_core.py
 
 lint:
-	$(PY) -m ruff check lmc connectors storage_backends tests benchmarks
-	$(PY) -m mypy lmc connectors storage_backends
+	$(PY) -m ruff check lmc tests benchmarks
+	$(PY) -m mypy lmc
 
 # on a lent GPU (offline): install, GPU tests, transfer + TTFT benchmarks, one table appended to
 # benchmarks/RESULTS.md; `bash benchmarks/gpu_check.sh --dry-run` checks every step on any machine

@@ -366,7 +366,7 @@ def run_demo(model_dir: Path | None = None, config_path: str | None = None,
         llm = LLM(model_dir, kv_connector=conn, **engine_args)
         closing.append(llm)
         warm_up(llm, w)
-        tiers = [t.name for t in conn.engine.storage.tiers]
+        tiers = [t.name for t in conn.cache.storage.tiers]
         lmc_pass(llm, "lmc, cold cache")
         lmc_pass(llm, "lmc, warm (L1)")
         if baseline and rounds > 0:

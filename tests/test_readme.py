@@ -130,9 +130,9 @@ def test_json_arguments_name_real_modules_and_files():
                 flat.get("linker_module_path")
             cls = flat.get("kv_connector") or flat.get("class_name") or flat.get("linker")
             assert module and cls, raw
-            if module.startswith("lmc.connectors.") and (ROOT / "connectors" /
+            if module.startswith("lmc.connectors.") and (ROOT / "lmc" / "connectors" /
                                                           f"{module.split('.')[-1]}.py").exists():
-                src = (ROOT / "connectors" / f"{module.split('.')[-1]}.py").read_text()
+                src = (ROOT / "lmc" / "connectors" / f"{module.split('.')[-1]}.py").read_text()
                 # defined there, or imported into it (a module that re-exports its adapters)
                 assert re.search(rf"^(class {cls}\b|from \S+ import .*\b{cls}\b)", src, re.M), \
                     (module, cls)

@@ -1,6 +1,6 @@
 """A memory pool of addresses only: lmc's TLSF allocator and ``MemoryObj`` references, no buffer.
 
-Why: the planner must run lmc's real L1 tier (``storage_backends/cpu.py``: its LRU order, its
+Why: the planner must run lmc's real L1 tier (``lmc/storage_backends/cpu.py``: its LRU order, its
 "only evict what nobody else references" rule, its allocate-evict-retry loop) for pools of
 many GiB, thousands of times faster than moving KV. Everything that decides *which* chunk is
 evicted lives in the tier and in the allocator, and neither touches bytes; only the buffer

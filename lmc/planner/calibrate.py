@@ -86,7 +86,7 @@ class LMCEngine:
         ttft = self.llm.generate([prompt], max_tokens=1)[0].ttft_s
         if ttft is None:
             raise RuntimeError("calibration: the request finished without a first token")
-        if not self.conn.engine.storage.flush(timeout=120):
+        if not self.conn.cache.storage.flush(timeout=120):
             raise RuntimeError("calibration: lmc's tier writes did not finish in 120 s")
         after = self.conn.stats()
         loaded = {k[len("worker.tokens_from_"):]: after[k] - before.get(k, 0) for k in after
@@ -164,7 +164,7 @@ class Calibrator:
             prompt = self._prompt(eng, self.load_tokens + 1)  # the last token is computed
             eng.request(prompt)
             if name != "L1":
-                eng.conn.engine.storage.l1.clear()
+                eng.conn.cache.storage.l1.clear()  # type: ignore[attr-defined]  # the CPU tier has clear(); MemoryTier does not list it
             t, loaded = eng.request(prompt)
             if loaded != {SOURCE[name]: self.load_tokens}:
                 raise RuntimeError(f"calibration: the {name} tier's hit loaded {loaded}, "

@@ -9,7 +9,7 @@ What is lmc's own code here and what mirrors it:
 * **remote** is an lmc daemon (``lmc://``): its memory tier is the same ``CPUBackend`` over a
   pool of the remote's size, so it is that class again. A Redis remote with an LRU
   ``maxmemory-policy`` evicts by sampled LRU, which this approximates.
-* **disk** is :class:`DiskIndex`: ``storage_backends/disk.py`` keeps its index inside the
+* **disk** is :class:`DiskIndex`: ``lmc/storage_backends/disk.py`` keeps its index inside the
   file I/O, so its capacity rules are mirrored here, over the tier's own eviction policy
   objects (:func:`lmc.eviction.make_policy`, LRU by default as in the tier): file size = a
   4 KiB header block plus the payload rounded up to 4 KiB, with the disk tier's own
@@ -53,7 +53,8 @@ _BYTE = torch.uint8
 def memory_tier(capacity: int, eviction_policy: str = "lru") -> CPUBackend:
     """lmc's L1 tier class over ``capacity`` bytes of address space."""
     cfg = CacheConfig(eviction_policy=eviction_policy, local_cpu_size=max(capacity, 4096))
-    return CPUBackend(config=cfg, pool=AddressPool(capacity))
+    # AddressPool has the MemoryPool calls the CPU tier makes, with no buffer behind them
+    return CPUBackend(config=cfg, pool=AddressPool(capacity))  # type: ignore[arg-type]
 
 
 class DiskIndex:

@@ -78,7 +78,7 @@ def _reference_llm(spec: str, args: argparse.Namespace, cleanup: list[Callable[[
     except BaseException:
         conn.shutdown()
         raise
-    tiers = ", ".join(t.name for t in conn.engine.storage.tiers)
+    tiers = ", ".join(t.name for t in conn.cache.storage.tiers)
     return llm, f"reference engine ({model_dir.name}) with lmc ({tiers})"
 
 

@@ -13,8 +13,7 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-PACKAGES = {"lmc": ROOT / "lmc", "lmc.connectors": ROOT / "connectors",
-            "lmc.storage_backends": ROOT / "storage_backends"}
+PACKAGES = {"lmc": ROOT / "lmc"}
 
 
 def _modules() -> dict[str, Path]:

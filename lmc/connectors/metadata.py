@@ -90,12 +90,24 @@ class ScheduledView(Protocol):
     reference engine's ``ScheduledRequest`` has them; an adapter may build a
     :class:`StepRequest`)."""
 
-    request_id: str
-    token_ids: Sequence[int]
-    num_prompt_tokens: int
-    block_ids: Sequence[int]
-    num_computed_tokens: int
-    num_scheduled_tokens: int
+    # read-only: a frozen dataclass (the reference engine's) satisfies it
+    @property
+    def request_id(self) -> str: ...
+
+    @property
+    def token_ids(self) -> Sequence[int]: ...
+
+    @property
+    def num_prompt_tokens(self) -> int: ...
+
+    @property
+    def block_ids(self) -> Sequence[int]: ...
+
+    @property
+    def num_computed_tokens(self) -> int: ...
+
+    @property
+    def num_scheduled_tokens(self) -> int: ...
 
 
 @dataclass(frozen=True)

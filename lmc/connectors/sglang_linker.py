@@ -42,14 +42,6 @@ from queue import Queue
 from typing import Any
 
 import torch
-from lmc.connectors.sglang_pages import (
-    PageStore,
-    UnsupportedPool,
-    device_pool_spec_and_caches,
-    load_settings,
-    page_namespace,
-    per_rank_config,
-)
 from sglang.srt.mem_cache.hicache_storage import PoolName, PoolTransfer
 from sglang.srt.mem_cache.unified_cache.components.base import ComponentType
 from sglang.srt.mem_cache.unified_cache.unified_cache_linker import (
@@ -58,6 +50,14 @@ from sglang.srt.mem_cache.unified_cache.unified_cache_linker import (
 )
 
 from lmc.cache_engine import CacheEngine
+from lmc.connectors.sglang_pages import (
+    PageStore,
+    UnsupportedPool,
+    device_pool_spec_and_caches,
+    load_settings,
+    page_namespace,
+    per_rank_config,
+)
 from lmc.layerwise import LayerwiseRetrieve
 from lmc.memory import Lease, MemoryObj
 

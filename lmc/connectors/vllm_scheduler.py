@@ -18,7 +18,6 @@ from lmc.connectors.core import ConnectorConfig, SchedulerConnector
 from lmc.connectors.metadata import ConnectorMetadata
 from lmc.connectors.pd_params import producer_params, remote_prefill_tokens
 from lmc.connectors.vllm_requests import RequestTracker, cacheable
-
 from lmc.lookup import LookupResult
 from lmc.lookup_service import LookupClient
 
@@ -53,9 +52,9 @@ class SchedulerSide:
             if n:
                 self._async.add(rid)
                 return n, True
-        n = self.core.get_num_new_matched_tokens(rid, list(request.all_token_ids),
-                                                 num_computed_tokens)
-        return n, False  # loads from lmc's own tiers are synchronous (layer-wise, in-step)
+        hit = self.core.get_num_new_matched_tokens(rid, list(request.all_token_ids),
+                                                   num_computed_tokens)
+        return hit, False  # loads from lmc's own tiers are synchronous (layer-wise, in-step)
 
     def update_state_after_alloc(self, request: Any, num_external_tokens: int,
                                  blocks: Any = None) -> None:

@@ -51,6 +51,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from lmc.config import CacheConfig
 from lmc.connectors.metadata import (
     ConnectorMetadata,
     LoadSpec,
@@ -59,8 +60,6 @@ from lmc.connectors.metadata import (
     StepRequest,
 )
 from lmc.connectors.worker import WorkerConnector
-
-from lmc.config import CacheConfig
 from lmc.lookup import LookupResult
 
 log = logging.getLogger(__name__)

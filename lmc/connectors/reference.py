@@ -24,19 +24,19 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
+
+from lmc.cache_engine import CacheEngine
+from lmc.config import CacheConfig
 from lmc.connectors.core import ConnectorConfig, SchedulerConnector
 from lmc.connectors.metadata import ConnectorMetadata
 from lmc.connectors.model_id import model_identity
 from lmc.connectors.pd_params import producer_params, remote_prefill_tokens, wants_remote_decode
 from lmc.connectors.worker import WorkerConnector
-
-from lmc.cache_engine import CacheEngine
-from lmc.config import CacheConfig
 from lmc.kv_spec import KVSpec
 from lmc.lookup import LookupResult
 from lmc.reference.connector_api import ConnectorRequest, KVConnector
 from lmc.reference.scheduler_output import SchedulerOutput
-from lmc.storage_backend import StorageBackend
+from lmc.tier_build import TierSpec
 from lmc.transfer import TransferFactory
 
 ConfigLike = CacheConfig | str | os.PathLike | Mapping[str, Any] | None
@@ -80,7 +80,7 @@ class LMCReferenceConnector(KVConnector):
 
     def __init__(self, config: ConfigLike = None, *, model_dir: str | os.PathLike | None = None,
                  model_id: str | None = None, layerwise: bool = True, save_decode: bool = False,
-                 tiers: Sequence[StorageBackend] | None = None,
+                 tiers: Sequence[TierSpec] | None = None,
                  cache_engine: CacheEngine | None = None,
                  transfer: str | TransferFactory = "auto", kv_role: str = "kv_both",
                  remote_prefill_wait: float = 30.0, engine_id: str = "") -> None:
@@ -126,6 +126,15 @@ class LMCReferenceConnector(KVConnector):
         own lookup; ``{}`` when nothing is loaded (see ``SchedulerConnector.load_sources``)."""
         return self.scheduler.load_sources(request.request_id)
 
+    @property
+    def cache(self) -> CacheEngine:
+        """The cache engine, for tools that read its tiers; an error before the engine has
+        registered its KV caches (``LLM`` does so when it starts)."""
+        if self.engine is None:
+            raise RuntimeError("lmc has no cache engine yet: the engine has not registered "
+                               "its KV caches")
+        return self.engine
+
     # ------------------------------------------------------------ scheduler side
     def get_num_new_matched_tokens(self, request: ConnectorRequest, num_computed_tokens: int
                                    ) -> int | tuple[int, bool]:
@@ -135,9 +144,9 @@ class LMCReferenceConnector(KVConnector):
                                             num_computed_tokens, remote)
             if n:
                 return n, True
-        n = self.scheduler.get_num_new_matched_tokens(
+        hit = self.scheduler.get_num_new_matched_tokens(
             request.request_id, request.all_token_ids, num_computed_tokens)
-        return n or 0
+        return hit or 0
 
     def update_state_after_alloc(self, request: ConnectorRequest, block_ids: list[int],
                                  num_external_tokens: int) -> None:

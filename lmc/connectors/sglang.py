@@ -27,6 +27,15 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
+from sglang.srt.mem_cache.hicache_storage import (
+    HiCacheStorage,
+    HiCacheStorageConfig,
+    PoolName,
+    PoolTransfer,
+    PoolTransferResult,
+)
+
+from lmc.cache_engine import CacheEngine
 from lmc.connectors.sglang_linker import LMCCacheLinker
 from lmc.connectors.sglang_pages import (
     PageStore,
@@ -37,15 +46,6 @@ from lmc.connectors.sglang_pages import (
     page_namespace,
     per_rank_config,
 )
-from sglang.srt.mem_cache.hicache_storage import (
-    HiCacheStorage,
-    HiCacheStorageConfig,
-    PoolName,
-    PoolTransfer,
-    PoolTransferResult,
-)
-
-from lmc.cache_engine import CacheEngine
 
 log = logging.getLogger(__name__)
 

@@ -43,6 +43,17 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import vllm
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+    KVConnectorPromMetrics,
+    KVConnectorStats,
+)
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
 from lmc.connectors.core import ConnectorConfig
 from lmc.connectors.metadata import ConnectorMetadata
 from lmc.connectors.model_id import model_identity
@@ -58,17 +69,6 @@ from lmc.connectors.vllm_lookup import socket_paths
 from lmc.connectors.vllm_scheduler import SchedulerSide
 from lmc.connectors.vllm_stats import LMCConnectorStats, LMCPromMetrics
 from lmc.connectors.vllm_worker import WorkerSide, tensors_by_name
-from vllm.distributed.kv_transfer.kv_connector.v1.base import (
-    KVConnectorBase_V1,
-    KVConnectorMetadata,
-    KVConnectorRole,
-)
-from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
-    KVConnectorPromMetrics,
-    KVConnectorStats,
-)
-from vllm.v1.metrics.cache_hit_source import CacheHitSource
-
 from lmc.lookup_service import LookupClient
 
 if TYPE_CHECKING:

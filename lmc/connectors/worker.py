@@ -65,10 +65,10 @@ from typing import Any
 
 import numpy as np
 import torch
-from lmc.connectors.metadata import ConnectorMetadata, LoadSpec, SaveSpec
 
 from lmc.cache_engine import CacheEngine
 from lmc.completion import current_stream
+from lmc.connectors.metadata import ConnectorMetadata, LoadSpec, SaveSpec
 from lmc.kv_spec import KVCaches
 from lmc.layerwise import LayerwiseRetrieve, LayerwiseStore, LoadError
 from lmc.token_database import ChunkKey, RequestKeys

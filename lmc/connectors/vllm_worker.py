@@ -21,12 +21,12 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
-from lmc.connectors.metadata import ConnectorMetadata
-from lmc.connectors.vllm_layout import LayoutChoice
-from lmc.connectors.worker import WorkerConnector
 
 from lmc.cache_engine import CacheEngine
 from lmc.config import CacheConfig
+from lmc.connectors.metadata import ConnectorMetadata
+from lmc.connectors.vllm_layout import LayoutChoice
+from lmc.connectors.worker import WorkerConnector
 from lmc.lookup_service import LookupServer, engine_lookup
 
 log = logging.getLogger(__name__)
