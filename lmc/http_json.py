@@ -34,6 +34,8 @@ from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
+from lmc.ratelog import RateLimitedWarnings  # also imported from here by both servers
+
 log = logging.getLogger("lmc.http")
 FD_RESERVE = 64  # descriptors kept free of client connections for files and upstreams
 _BUSY = (b"HTTP/1.0 503 Service Unavailable\r\nContent-Type: application/json\r\n"
@@ -42,33 +44,7 @@ _BUSY = (b"HTTP/1.0 503 Service Unavailable\r\nContent-Type: application/json\r\
          b'"type": "server_error", "code": 503}}')
 
 
-class RateLimitedWarnings:
-    """At most ``limit`` warnings per ``window`` seconds on ``logger`` (the suppressed count
-    goes out with the next one): every warning here is something a client can repeat."""
-
-    def __init__(self, limit: int = 10, window: float = 10.0,
-                 logger: logging.Logger = log) -> None:
-        self.limit, self.window, self.logger = limit, window, logger
-        self._start = float("-inf")
-        self._count = self._suppressed = 0
-        self._lock = threading.Lock()
-
-    def __call__(self, msg: str, *args: Any) -> None:
-        with self._lock:
-            now = time.monotonic()
-            if now - self._start >= self.window:
-                self._start, self._count = now, 0
-            self._count += 1
-            if self._count > self.limit:
-                self._suppressed += 1
-                return
-            suppressed, self._suppressed = self._suppressed, 0
-        if suppressed:
-            self.logger.warning("(%d similar warnings suppressed)", suppressed)
-        self.logger.warning(msg, *args)
-
-
-_warn = RateLimitedWarnings()
+_warn = RateLimitedWarnings(limit=10, window=10.0, logger=log)
 
 
 class HttpError(Exception):

@@ -46,7 +46,7 @@ from lmc.http_json import (
 )
 
 log = logging.getLogger(__name__)
-_warn = RateLimitedWarnings(logger=log)
+_warn = RateLimitedWarnings(limit=10, window=10.0, logger=log)
 TIMEOUT = 600.0  # default --upstream-timeout: seconds an instance may take per read
 UPSTREAM_ERRORS = (OSError, http.client.HTTPException)  # refused, reset, timed out, garbled
 

@@ -115,7 +115,7 @@ class Daemon:
         self.draining = False
         self.started = time.time()
         self._violations = 0
-        self.warn = RateLimitedWarnings()
+        self.warn = RateLimitedWarnings(logger=logging.getLogger("lmc.server.daemon"))
         self.events = {
             "accept": IntervalLog(logging.WARNING, "accept failed"),
             "refused": IntervalLog(logging.WARNING, "connections refused"),

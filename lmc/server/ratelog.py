@@ -11,37 +11,11 @@ import logging
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Hashable
-from typing import Any
+
+from lmc.ratelog import RateLimitedWarnings
 
 log = logging.getLogger("lmc.server.daemon")
-
-
-class RateLimitedWarnings:
-    """At most ``limit`` warnings per ``window`` seconds: a peer spraying bad frames cannot
-    flood the log (the suppressed count is reported with the next warning that gets
-    through). Individual lines, unlike :class:`IntervalLog`, because the first few bad frames
-    of an incident are what an operator needs to see verbatim."""
-
-    def __init__(self, limit: int = 20, window: float = 10.0) -> None:
-        self.limit = limit
-        self.window = window
-        self._start = float("-inf")
-        self._count = 0
-        self._suppressed = 0
-
-    def __call__(self, msg: str, *args: Any, level: int = logging.WARNING,
-                 exc_info: bool = False) -> None:
-        now = time.monotonic()
-        if now - self._start >= self.window:
-            self._start, self._count = now, 0
-        self._count += 1
-        if self._count > self.limit:
-            self._suppressed += 1
-            return
-        if self._suppressed:
-            log.warning("(%d similar warnings suppressed)", self._suppressed)
-            self._suppressed = 0
-        log.log(level, msg, *args, exc_info=exc_info)
+__all__ = ["FirstSeen", "IntervalLog", "RateLimitedWarnings"]
 
 
 class IntervalLog:
