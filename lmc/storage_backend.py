@@ -60,6 +60,11 @@ The contract (``tests/storage_backends/contract.py`` checks it on every tier):
 
 The first tier (L1) is different: it keeps the caller's objects themselves and owns
 allocation, so it also implements :class:`MemoryTier`.
+
+**Declared, not guessed.** Each tier class declares its ``medium`` (:class:`Medium`: memory,
+local storage, remote, peer) and its ``capabilities`` (:class:`TierCapabilities`). Whatever
+must know where a hit came from (vLLM's cache-hit sources, stats, tier events) reads these
+declarations (:func:`tier_medium`), never the config keys that happened to build the tier.
 """
 
 from __future__ import annotations
@@ -67,6 +72,7 @@ from __future__ import annotations
 import abc
 import dataclasses
 import difflib
+import enum
 import importlib
 import inspect
 import logging
@@ -101,6 +107,32 @@ class BackendOption:
     doc: str
 
 
+class Medium(str, enum.Enum):
+    """Where a tier keeps its values: what a hit from it costs and who else can see it."""
+
+    MEMORY = "memory"
+    """This process's memory (L1)."""
+    LOCAL_STORAGE = "local_storage"
+    """A file system of this host (the disk tier)."""
+    REMOTE = "remote"
+    """A shared store reached over the network (Redis, an ``lmc://`` daemon); also what a
+    tier declaring nothing is taken for."""
+    PEER = "peer"
+    """Another engine's memory, read directly (P2P)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class TierCapabilities:
+    """What a tier can do beyond the contract's minimum; the defaults promise nothing."""
+
+    layered_reads: bool = False
+    """``get_layers`` may answer (it can still answer ``None`` on any call)."""
+    existence_without_reading: bool = False
+    """``contains`` answers from an index or a length, without moving the values."""
+    durable: bool = False
+    """What it holds outlives the process that stored it (a file, another server)."""
+
+
 class StorageBackend(abc.ABC):
     """A tier. Keys are 16-byte content addresses; values are ``MemoryObj`` chunks.
 
@@ -110,6 +142,10 @@ class StorageBackend(abc.ABC):
     """
 
     name: str = "?"
+    medium: ClassVar[Medium] = Medium.REMOTE
+    """Declared by each tier class: where its values live (:class:`Medium`)."""
+    capabilities: ClassVar[TierCapabilities] = TierCapabilities()
+    """Declared by each tier class: what it can do (:class:`TierCapabilities`)."""
     OPTIONS: ClassVar[Mapping[str, BackendOption]] = {}
     """The options config may give this backend (``remote_options:`` or the URL's query);
     each is also a keyword parameter of the constructor, with the same default."""
@@ -154,6 +190,22 @@ class StorageBackend(abc.ABC):
 
     def stats(self) -> dict[str, Any]:
         return {}
+
+
+def tier_medium(tier: object) -> Medium:
+    """A tier's (or a tier class's) declared medium; :data:`Medium.REMOTE` for an object
+    declaring none (a duck-typed tier), the one answer that claims nothing about locality."""
+    m = getattr(tier, "medium", None)
+    try:
+        return Medium(m)
+    except ValueError:
+        return Medium.REMOTE
+
+
+def tier_capabilities(tier: object) -> TierCapabilities:
+    """A tier's (or tier class's) declared capabilities; none for an object declaring none."""
+    c = getattr(tier, "capabilities", None)
+    return c if isinstance(c, TierCapabilities) else TierCapabilities()
 
 
 EvictListener = Callable[[list[tuple[Key, "MemoryObj"]]], None]

@@ -17,7 +17,14 @@ from collections.abc import Callable, Sequence
 
 from lmc.config import CacheConfig
 from lmc.memory import MemoryPool
-from lmc.storage_backend import MemoryTier, StorageBackend, create_backend
+from lmc.storage_backend import (
+    Medium,
+    MemoryTier,
+    StorageBackend,
+    backend_factory,
+    create_backend,
+    tier_medium,
+)
 from lmc.storage_manager import StorageManager, TierPool
 
 TierFactory = Callable[[CacheConfig, TierPool], StorageBackend]
@@ -33,6 +40,21 @@ def lower_tier_specs(config: CacheConfig) -> list[str]:
     if config.remote_url:
         specs.append(config.remote_url)
     return specs
+
+
+def chain_media(config: CacheConfig) -> dict[str, Medium]:
+    """Tier name -> declared medium for the chain ``config`` builds, L1 first, read from the
+    backend classes without building anything (a scheduler process that holds no tier still
+    knows where its hits lie). A backend that cannot be imported here counts as remote."""
+    out: dict[str, Medium] = {}
+    for spec in ["cpu", *lower_tier_specs(config)]:
+        try:
+            factory = backend_factory(spec)
+        except ValueError:
+            out.setdefault(spec.split("://", 1)[0], Medium.REMOTE)
+            continue
+        out.setdefault(str(getattr(factory, "name", spec)), tier_medium(factory))
+    return out
 
 
 def build_lower_tiers(config: CacheConfig, l1: MemoryTier,

@@ -70,6 +70,8 @@ from lmc.connectors.vllm_scheduler import SchedulerSide
 from lmc.connectors.vllm_stats import LMCConnectorStats, LMCPromMetrics
 from lmc.connectors.vllm_worker import WorkerSide, tensors_by_name
 from lmc.lookup_service import LookupClient
+from lmc.storage_backend import Medium
+from lmc.tier_build import chain_media
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -133,6 +135,12 @@ def _tp_rank() -> int:
         return 0
 
 
+_HIT_SOURCE: dict[Medium | None, CacheHitSource] = {
+    Medium.MEMORY: CacheHitSource.HOST, Medium.LOCAL_STORAGE: CacheHitSource.DISK,
+    Medium.PEER: CacheHitSource.P2P, Medium.REMOTE: CacheHitSource.EXTERNAL_UNSPECIFIED}
+"""vLLM's cache-hit source for each declared tier medium (unknown: external, unspecified)."""
+
+
 class LMCConnector(KVConnectorBase_V1):
     """lmc's vLLM connector; see the module docstring."""
 
@@ -168,6 +176,7 @@ class LMCConnector(KVConnectorBase_V1):
         tp_size = vllm_config.parallel_config.tensor_parallel_size
         paths = socket_paths(opts.lookup_dir, str(ktc.engine_id), dp_rank, tp_size)
         self._scheduler: SchedulerSide | None = None
+        self._media: dict[str, Medium] | None = None  # tier name -> medium, read when needed
         self._worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
             if opts.recompute_on_load_error and ktc.kv_load_failure_policy == "fail":
@@ -319,12 +328,14 @@ class LMCConnector(KVConnectorBase_V1):
                                        ) -> dict[CacheHitSource, int]:
         if num_external_tokens <= 0 or self._scheduler is None:
             return {}
-        host, lower = self._scheduler.hit_sources(request, num_external_tokens)
-        cache = self.settings.cache
-        lower_src = (CacheHitSource.DISK if cache.local_disk and not cache.remote_url
-                     else CacheHitSource.EXTERNAL_UNSPECIFIED)
-        out = {CacheHitSource.HOST: host, lower_src: lower}
-        return {k: v for k, v in out.items() if v}
+        if self._media is None:
+            self._media = chain_media(self.settings.cache)
+        out: dict[CacheHitSource, int] = {}
+        for medium, n in self._scheduler.hit_media(request, num_external_tokens,
+                                                   self._media).items():
+            src = _HIT_SOURCE.get(medium, CacheHitSource.EXTERNAL_UNSPECIFIED)
+            out[src] = out.get(src, 0) + n
+        return out
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         return LMCConnectorMetadata(self._require_scheduler().build_meta(scheduler_output))

@@ -11,7 +11,7 @@ import), so it is tested without vLLM.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from lmc.connectors.core import ConnectorConfig, SchedulerConnector
@@ -20,6 +20,7 @@ from lmc.connectors.pd_params import producer_params, remote_prefill_tokens
 from lmc.connectors.vllm_requests import RequestTracker, cacheable
 from lmc.lookup import LookupResult
 from lmc.lookup_service import LookupClient
+from lmc.storage_backend import Medium
 
 log = logging.getLogger(__name__)
 
@@ -81,6 +82,24 @@ class SchedulerSide:
         if not by_tier or sum(by_tier) != num_external_tokens:
             return 0, num_external_tokens
         return by_tier[0], num_external_tokens - by_tier[0]
+
+    def hit_media(self, request: Any, num_external_tokens: int,
+                  media: Mapping[str, Medium]) -> dict[Medium | None, int]:
+        """Tokens of the load just admitted by the medium its tier declares (``media``: tier
+        name -> medium, :func:`lmc.tier_build.chain_media`); ``None`` counts tokens whose
+        medium is unknown (an unattributed load over lower tiers of several media, a tier
+        not in ``media``). Zero counts are left out."""
+        by_tier = self.core.load_sources(request.request_id)
+        if not by_tier or sum(by_tier.values()) != num_external_tokens:
+            lower = set(list(media.values())[1:])  # all lower, as hit_sources says
+            where = lower.pop() if len(lower) == 1 else None
+            return {where: num_external_tokens} if num_external_tokens > 0 else {}
+        out: dict[Medium | None, int] = {}
+        for name, n in by_tier.items():
+            if n:
+                m = media.get(name)
+                out[m] = out.get(m, 0) + n
+        return out
 
     def build_meta(self, so: Any) -> ConnectorMetadata:
         finished = set(getattr(so, "finished_req_ids", ()) or ())

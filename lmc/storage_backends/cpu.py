@@ -17,7 +17,7 @@ from lmc.config import CacheConfig
 from lmc.eviction import EvictionPolicy, make_policy
 from lmc.memory import MemoryObj, MemoryPool
 from lmc.metrics import EVICTIONS
-from lmc.storage_backend import Key, StorageBackend, register_backend
+from lmc.storage_backend import Key, Medium, StorageBackend, TierCapabilities, register_backend
 
 EvictListener = Callable[[list[tuple[Key, MemoryObj]]], None]
 
@@ -26,6 +26,9 @@ EvictListener = Callable[[list[tuple[Key, MemoryObj]]], None]
 class CPUBackend(StorageBackend):
     """Map from key to pool object, evicted in the order of its policy object
     (``eviction_policy``: :mod:`lmc.eviction`)."""
+
+    medium = Medium.MEMORY
+    capabilities = TierCapabilities(existence_without_reading=True)
 
     def __init__(self, spec: str = "cpu", *, config: CacheConfig, pool: MemoryPool,
                  **_: Any) -> None:

@@ -91,7 +91,7 @@ from lmc.serde import (
     encode_header,
 )
 from lmc.serde import payload_checksum as checksum
-from lmc.storage_backend import Key, StorageBackend, register_backend
+from lmc.storage_backend import Key, Medium, StorageBackend, TierCapabilities, register_backend
 
 log = logging.getLogger(__name__)
 
@@ -250,6 +250,10 @@ class DiskBackend(StorageBackend):
     bytes (``local_disk_size``), evicted in the order of ``eviction_policy`` (a
     :mod:`lmc.eviction` name; least recently used first by default: the L1 key
     ``eviction_policy`` is the memory tier's)."""
+
+    medium = Medium.LOCAL_STORAGE
+    capabilities = TierCapabilities(layered_reads=True, existence_without_reading=True,
+                                    durable=True)
 
     def __init__(self, spec: str = "disk", *, config: CacheConfig, pool: MemoryPool,
                  path: str | os.PathLike | None = None, capacity: int | str | None = None,

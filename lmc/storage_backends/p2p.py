@@ -51,6 +51,7 @@ from lmc.memory import MemoryObj, MemoryPool
 from lmc.p2p.agent import PoolAgent, TransferFailed
 from lmc.p2p.directory_client import DirectoryConnection
 from lmc.p2p.wire import BadRecord, PeerInfo, Record
+from lmc.ratelog import RateLimitedWarnings
 from lmc.serde import (
     CorruptValue,
     decode_header,
@@ -61,7 +62,14 @@ from lmc.serde import (
 )
 from lmc.server.client import Address
 from lmc.settings import parse_duration, parse_int, parse_opt_str, parse_size
-from lmc.storage_backend import BackendOption, Key, StorageBackend, register_backend
+from lmc.storage_backend import (
+    BackendOption,
+    Key,
+    Medium,
+    StorageBackend,
+    TierCapabilities,
+    register_backend,
+)
 
 log = logging.getLogger(__name__)
 LOCATION_TTL = 1.0  # seconds a located record serves a following get without asking again
@@ -98,33 +106,12 @@ def directory_url(spec: str, config: CacheConfig) -> str:
                      f"p2p+unix:///path (got {spec!r}, remote_url={config.remote_url!r})")
 
 
-class _Warnings:
-    """At most ``limit`` warnings per ``window`` seconds (the number suppressed is told with
-    the next one): lying peers decide how often a reader has something to warn about."""
-
-    def __init__(self, limit: int = 20, window: float = 10.0) -> None:
-        self.limit, self.window = limit, window
-        self._start, self._count, self._suppressed = float("-inf"), 0, 0
-        self._lock = threading.Lock()
-
-    def __call__(self, msg: str, *args: Any) -> None:
-        with self._lock:
-            now = time.monotonic()
-            if now - self._start >= self.window:
-                self._start, self._count = now, 0
-            self._count += 1
-            if self._count > self.limit:
-                self._suppressed += 1
-                return
-            suppressed, self._suppressed = self._suppressed, 0
-        if suppressed:
-            log.warning("p2p tier: %d similar warnings suppressed", suppressed)
-        log.warning(msg, *args)
-
-
 @register_backend("p2p", schemes=("p2p+lmc", "p2p+unix"))
 class P2PBackend(StorageBackend):
     """Exports this engine's chunks and pulls other engines' over NIXL."""
+
+    medium = Medium.PEER
+    capabilities = TierCapabilities(existence_without_reading=True)
 
     OPTIONS = {  # remote_options / ?name=value in the URL; defaults as in __init__
         "agent_name": BackendOption(None, parse_opt_str,
@@ -176,7 +163,7 @@ class P2PBackend(StorageBackend):
         self._located: dict[Key, tuple[float, str, Record]] = {}
         self._distrusted: OrderedDict[tuple[str, int], None] = OrderedDict()
         self._strikes: OrderedDict[str, tuple[int, float]] = OrderedDict()  # agent -> n, at
-        self._warn = _Warnings()
+        self._warn = RateLimitedWarnings(limit=20, window=10.0, logger=log)
         # what this engine's chunks look like: given (lmc.integrity.expect_geometry), else
         # learned from its own stores (bounded)
         self.expected_geometry: Geometry | None = None

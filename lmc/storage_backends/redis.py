@@ -45,7 +45,14 @@ from lmc.metrics import TierMetrics
 from lmc.remote_tier import split_batch
 from lmc.serde import HEADER_SIZE, TAG_SIZE, encodable
 from lmc.settings import parse_duration, parse_int, parse_positive_size
-from lmc.storage_backend import BackendOption, Key, StorageBackend, register_backend
+from lmc.storage_backend import (
+    BackendOption,
+    Key,
+    Medium,
+    StorageBackend,
+    TierCapabilities,
+    register_backend,
+)
 
 from . import redis_metrics as metrics
 from .redis_fetch import GetJob
@@ -70,6 +77,10 @@ def _error_kind(e: BaseException) -> str:
 @register_backend("redis", schemes=tuple(SCHEMES))
 class RedisBackend(StorageBackend):
     """Remote tier over redis-py connections (hiredis) with a zero-copy value path."""
+
+    medium = Medium.REMOTE
+    capabilities = TierCapabilities(layered_reads=True, existence_without_reading=True,
+                                    durable=True)
 
     OPTIONS = {  # remote_options / ?name=value in the URL; defaults as in __init__
         "connections": BackendOption(4, lambda v, k: parse_int(v, k, minimum=1),

@@ -36,7 +36,14 @@ from lmc.server import protocol as P
 from lmc.server.client import Address, Allocate, ClientConnection
 from lmc.server.probe import ProbePolicy
 from lmc.settings import parse_int, parse_opt_str
-from lmc.storage_backend import BackendOption, Key, StorageBackend, register_backend
+from lmc.storage_backend import (
+    BackendOption,
+    Key,
+    Medium,
+    StorageBackend,
+    TierCapabilities,
+    register_backend,
+)
 
 from .server_tags import Tags, interleave, tag_key
 
@@ -51,6 +58,9 @@ SPLIT_BYTES = 8 << 20  # batches larger than this go over several connections in
 @register_backend("server", schemes=("lmc", "lmc+unix"))
 class ServerBackend(StorageBackend):
     """A connection pool to one daemon, behind a circuit breaker."""
+
+    medium = Medium.REMOTE
+    capabilities = TierCapabilities(existence_without_reading=True, durable=True)
 
     OPTIONS = {  # remote_options / ?name=value in the URL; defaults as in __init__
         "connections": BackendOption(4, lambda v, k: parse_int(v, k, minimum=1),
