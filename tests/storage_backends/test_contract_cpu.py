@@ -1,8 +1,16 @@
-"""The tier contract (``contract.py``) against the L1 memory tier."""
+"""The tier contract (:mod:`lmc.testing`) against the L1 memory tier: every class whose promises
+an in-process tier can keep (nothing outside process memory to damage, share, kill or hang; no
+``get_layers``)."""
 
 import pytest
 
-from .contract import TierContract, TierSpec
+from lmc.testing import (
+    BasicContract,
+    BatchContract,
+    ConcurrencyContract,
+    ReferenceContract,
+    TierSpec,
+)
 
 
 @pytest.fixture
@@ -10,5 +18,5 @@ def tier_spec():
     return TierSpec("cpu")
 
 
-class TestCPUContract(TierContract):
-    """Every contract test; the fault tests skip (nothing outside process memory)."""
+class TestCPUContract(BasicContract, BatchContract, ReferenceContract, ConcurrencyContract):
+    """Round trips, batches, references under eviction, threads."""

@@ -1,4 +1,4 @@
-"""The tier contract (``contract.py``) against the ``lmc://`` tier on a real ``lmc server``
+"""The tier contract (:mod:`lmc.testing`, every class) against the ``lmc://`` tier on a real ``lmc server``
 process, with and without ``integrity_secret``. The daemon refuses values failing their
 checksums at PUT, so only a keyed tier can detect a rewrite: the keyed run's damage is a
 self-consistent value put by a writer without the secret."""
@@ -12,9 +12,8 @@ import torch
 
 from lmc.config import CacheConfig
 from lmc.storage_backend import create_backend
+from lmc.testing import SHAPE, TierContract, TierSpec, fill, key_of
 from tests.server.daemon_proc import DaemonProc
-
-from .contract import SHAPE, TierContract, TierSpec, fill, key_of
 
 pytestmark = pytest.mark.integration
 SECRET = "contract-suite-secret-0123456789"
@@ -56,6 +55,9 @@ def tier_spec(request, contract_daemon):
         hang=lambda tier: _signal(contract_daemon, signal.SIGSTOP),
         unhang=lambda tier: _signal(contract_daemon, signal.SIGCONT),
         reopen=lambda tier: {"remote_key_prefix": tier.namespace},  # the namespace
+        # another namespace on the same daemon (tokens' tenants: test_contract_p2p.py and
+        # tests/server's attack tests)
+        other_tenants=lambda tier: [{"remote_key_prefix": f"o{uuid.uuid4().hex[:10]}"}],
         # a killed daemon answers the tags' reads as it does the chunks': the plain run's
         # kill covers it, and each kill costs a daemon restart (seconds of imports)
         skip={"test_dead_backend_answers_misses_within_a_deadline":

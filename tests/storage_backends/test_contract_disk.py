@@ -1,4 +1,5 @@
-"""The tier contract (``contract.py``) against the disk tier, on real files."""
+"""The tier contract (:mod:`lmc.testing`) against the disk tier, on real files: every class but
+the tenants' (one directory, one tenant)."""
 
 import itertools
 import os
@@ -6,7 +7,17 @@ import shutil
 
 import pytest
 
-from .contract import TierContract, TierSpec
+from lmc.testing import (
+    BasicContract,
+    BatchContract,
+    ConcurrencyContract,
+    FailureContract,
+    IntegrityContract,
+    LayeredReadContract,
+    ReferenceContract,
+    SharedStoreContract,
+    TierSpec,
+)
 
 
 def _flip_payload_byte(tier, key) -> None:
@@ -30,5 +41,7 @@ def tier_spec(tmp_path):
                     reopen=lambda tier: {"local_disk": tier.path})  # a restart
 
 
-class TestDiskContract(TierContract):
+class TestDiskContract(BasicContract, BatchContract, ReferenceContract, ConcurrencyContract,
+                       SharedStoreContract, IntegrityContract, LayeredReadContract,
+                       FailureContract):
     """Every contract test; 512 KiB of disk, so floods evict and recycle files."""

@@ -1,4 +1,4 @@
-"""The tier contract (``contract.py``) against the P2P tier, with and without
+"""The tier contract (:mod:`lmc.testing`, every class) against the P2P tier, with and without
 ``integrity_secret``, its integrity and isolation cases included: it serves only verified
 bytes of the reader's namespace. Threat model: ``docs/threats/p2p.md``.
 
@@ -49,14 +49,12 @@ if not CHILD:
         assert " passed" in proc.stdout and "failed" not in proc.stdout
 
 else:
-    from lmc.storage_backends.p2p import P2PBackend
-
     from lmc.config import CacheConfig
     from lmc.memory import MemoryObj, MemoryPool
     from lmc.storage_backend import Key, StorageBackend, register_backend
+    from lmc.storage_backends.p2p import P2PBackend
+    from lmc.testing import TierContract, TierSpec
     from tests.server.daemon_proc import DaemonProc
-
-    from .contract import TierContract, TierSpec
 
     SECRET = "contract-suite-secret-0123456789"
     ADMIN, TENANT = "p2p-contract-admin-token", "p2p-contract-tenant-token"

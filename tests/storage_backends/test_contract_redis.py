@@ -1,4 +1,4 @@
-"""The tier contract (``contract.py``) against a real redis-server, with and without
+"""The tier contract (:mod:`lmc.testing`, every class) against a real redis-server, with and without
 ``integrity_secret`` (keyed tags: a damaged value passing every checksum is still refused)."""
 
 import uuid
@@ -6,9 +6,9 @@ import uuid
 import pytest
 
 from lmc.serde import HEADER_SIZE, TAG_SIZE, decode_header, encode_header
+from lmc.testing import TierContract, TierSpec
 
 from .conftest import RedisServer, require_redis
-from .contract import TierContract, TierSpec
 
 pytestmark = pytest.mark.integration
 SECRET = "contract-suite-secret-0123456789"
@@ -51,7 +51,9 @@ def tier_spec(request, contract_redis):
         corrupt=_damage(contract_redis, keyed),
         kill=lambda tier: contract_redis.kill(), revive=lambda tier: contract_redis.start(),
         hang=lambda tier: contract_redis.pause(), unhang=lambda tier: contract_redis.resume(),
-        reopen=lambda tier: {"remote_key_prefix": tier.prefix.decode().rstrip(":")})
+        reopen=lambda tier: {"remote_key_prefix": tier.prefix.decode().rstrip(":")},
+        # another engine's key prefix on the same server (Redis has no tokens)
+        other_tenants=lambda tier: [{"remote_key_prefix": f"o{uuid.uuid4().hex[:10]}"}])
 
 
 class TestRedisContract(TierContract):

@@ -1,5 +1,5 @@
 """Adding a tier, shown on a toy: a dict of bytes, registered in this module, runs the whole
-contract suite (``contract.py``) with one fixture and one line. docs/design.md ("Adding a
+contract classes it should pass (:mod:`lmc.testing`) with one fixture and one line. docs/design.md ("Adding a
 tier") walks through it."""
 
 from __future__ import annotations
@@ -21,8 +21,14 @@ from lmc.serde import (
     verify_payload,
 )
 from lmc.storage_backend import Key, StorageBackend, register_backend
-
-from .contract import TierContract, TierSpec
+from lmc.testing import (
+    BasicContract,
+    BatchContract,
+    ConcurrencyContract,
+    IntegrityContract,
+    ReferenceContract,
+    TierSpec,
+)
 
 
 @register_backend("contract-toy")
@@ -96,5 +102,6 @@ def tier_spec():
     return TierSpec("contract-toy", corrupt=_flip_a_payload_bit)
 
 
-class TestDictTierContract(TierContract):
-    """The whole contract; the dead and hung backend tests skip (no backend process)."""
+class TestDictTierContract(BasicContract, BatchContract, ReferenceContract, ConcurrencyContract,
+                           IntegrityContract):
+    """What an in-process store of bytes can keep: no backend to share, kill or hang."""

@@ -1,0 +1,125 @@
+"""Round trips: what a tier stores it gives back bit for bit, for every dtype a ``lmc.serde``
+header describes (``ROUND_TRIPS``: float16, bfloat16, float32, uint8, the float8 kinds torch
+has) and a partial chunk; its I/O stays inside each object; a caller's bug (keys and objects
+of different lengths) is a clear error, and a chunk the tier cannot represent is skipped."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lmc.testing.harness import (
+    ROUND_TRIPS,
+    SHAPE,
+    TierHarness,
+    check_hit,
+    expected_bytes,
+    key_of,
+    raw,
+    release,
+)
+
+
+class BasicContract(TierHarness):
+    """The basic promises of ``StorageBackend``: every tier passes these."""
+
+    def test_round_trip_is_bit_exact(self, tier, tier_spec):
+        """Every dtype and a partial chunk come back with their shape, dtype, token count
+        and every bit, as often as asked."""
+        for shape, dtype in ROUND_TRIPS:
+            case = f"{tuple(shape)} {dtype}"
+            keys = [key_of(f"rt{i}{case}") for i in range(3)]
+            self.store(tier, tier_spec, keys, shape, dtype)
+            assert tier.contains(keys) == [True] * 3, case
+            assert tier.prefix_hits(keys) == 3, case
+            for _ in range(2):
+                got = tier.get(keys)
+                try:
+                    for k, o in zip(keys, got):
+                        check_hit(o, k, shape, dtype)
+                finally:
+                    release(got)
+
+    def test_stored_values_outlive_the_callers_objects(self, tier, tier_spec):
+        """After ``put`` the caller releases its objects and the pool reuses that memory for
+        other data: the values stored are unchanged."""
+        keys = [key_of(f"outlive{i}") for i in range(4)]
+        self.store(tier, tier_spec, keys)
+        others = self.chunks(tier, tier_spec, [key_of(f"other{i}") for i in range(8)])
+        try:
+            got = tier.get(keys)
+            try:
+                for k, o in zip(keys, got):
+                    check_hit(o, k)
+            finally:
+                release(got)
+        finally:
+            release(others)
+
+    def test_put_with_mismatched_lengths_is_refused(self, tier, tier_spec):
+        """A caller's bug is a clear error before anything is stored, not a half-stored batch."""
+        keys = [key_of("len0"), key_of("len1")]
+        objs = self.chunks(tier, tier_spec, keys[:1])
+        try:
+            with pytest.raises(ValueError):
+                tier.put(keys, objs)
+        finally:
+            release(objs)
+        assert tier.contains(keys) == [False, False]
+
+    def test_io_stays_inside_each_object(self, tier, tier_spec):
+        """Writing a value out and reading it back into pool memory touches only that
+        object's bytes: its neighbours in the pool (other chunks, other requests' data)
+        keep theirs. Partial chunks (2560 B in 4 KiB blocks) are where padding could spill."""
+        shape, dtype = (2, 2, 5, 64), torch.bfloat16
+        key = key_of("inside")
+        objs = self.chunks(tier, tier_spec, [key_of("left"), key, key_of("right")], shape, dtype)
+        assert len(objs) == 3
+        left, mid, right = objs
+        try:
+            assert tier.put([key], [mid]) == 1
+            mid.release()
+            got = tier.get([key])  # lands in the freed block where the pool reuses it
+            try:
+                check_hit(got[0], key, shape, dtype)
+            finally:
+                release(got)
+            check_hit(left, key_of("left"), shape, dtype)
+            check_hit(right, key_of("right"), shape, dtype)
+        finally:
+            release([left, right])
+
+    def test_a_chunk_the_tier_cannot_represent_is_skipped(self, tier, tier_spec):
+        """The one rule for shapes and dtypes (``lmc.storage_backend``: a chunk a tier cannot
+        represent is skipped): a batch mixing chunks no ``lmc.serde`` header describes (3-D,
+        float64) with good ones raises nothing and stores the good ones; each odd one is
+        either kept whole (L1 keeps any object) or a miss, and ``put`` counts only what it
+        stored."""
+        good = [key_of("odd-good0"), key_of("odd-good1")]
+        odd = [(key_of("odd-3d"), (4, 16, 64), torch.float16),
+               (key_of("odd-f64"), SHAPE, torch.float64)]
+        objs = self.chunks(tier, tier_spec, good[:1])
+        for k, shape, dtype in odd:
+            objs += self.chunks(tier, tier_spec, [k], shape, dtype)
+        objs += self.chunks(tier, tier_spec, good[1:])
+        keys = [good[0], *(k for k, _, _ in odd), good[1]]
+        assert len(objs) == len(keys), "the pool is too small for the test's chunks"
+        try:
+            stored = tier.put(keys, objs)
+        finally:
+            release(objs)
+        present = tier.contains(keys)
+        assert present[0] and present[-1], "a good chunk beside odd ones was not stored"
+        assert stored == sum(present), f"put() said {stored}, {sum(present)} are present"
+        got = tier.get(keys)
+        try:
+            check_hit(got[0], good[0])
+            check_hit(got[-1], good[1])
+            for (k, shape, dtype), o, here in zip(odd, got[1:-1], present[1:-1]):
+                if not here:
+                    assert o is None, f"{tuple(shape)} {dtype}: a miss in contains, a hit in get"
+                    continue
+                assert o is not None and (tuple(o.shape), o.dtype) == (shape, dtype)
+                assert torch.equal(raw(o), expected_bytes(k, o.nbytes)), f"{shape} {dtype}"
+        finally:
+            release(got)

@@ -1,0 +1,90 @@
+"""Reads layer by layer (``get_layers``), for tiers that offer them: every layer lands in
+order, each hit is one reference, a damaged value never verifies, a read outlives its
+callers and the tier's ``close()``. A tier answering ``get_layers`` with ``None`` reads whole
+chunks only: these tests skip, saying so."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Sequence
+
+import pytest
+
+from lmc.layered_read import LayerReadError
+from lmc.serde import CorruptValue
+from lmc.storage_backend import Key, StorageBackend
+from lmc.testing.harness import (
+    ROUND_TRIPS,
+    TierHarness,
+    check_hit,
+    key_of,
+    release,
+)
+
+
+class LayeredReadContract(TierHarness):
+    """``get_layers``: tiers that read layer by layer."""
+
+    @staticmethod
+    def layered(tier: StorageBackend, keys: Sequence[Key]):
+        """``tier.get_layers(keys)``, skipping the test for tiers that read whole chunks."""
+        read = tier.get_layers(keys)
+        if read is None:
+            pytest.skip(f"{tier.name}: no get_layers (whole chunks only)")
+        assert len(read.objs) == len(keys), "one slot per key"
+        return read
+
+    def test_layered_read_is_bit_exact_and_one_reference_per_hit(self, tier, tier_spec):
+        """Every layer lands in order, each hit holds one reference for the caller, a miss
+        is ``None``; once verified the bytes are the stored ones (every round-trip shape)."""
+        for shape, dtype in ROUND_TRIPS:
+            case = f"{tuple(shape)} {dtype}"
+            keys = [key_of(f"lay{i}{case}") for i in range(3)]
+            self.store(tier, tier_spec, keys, shape, dtype)
+            asked = [keys[0], key_of(f"lay-missing{case}"), keys[1], keys[2]]
+            read = self.layered(tier, asked)
+            try:
+                assert read.objs[1] is None, case
+                for layer in range(shape[0]):
+                    read.wait_layer(layer, timeout=tier_spec.deadline + 10)
+                read.wait_verified(timeout=tier_spec.deadline + 10)
+                assert read.ok == [True, False, True, True], case
+                for k, o in zip(asked[::2] + asked[3:], read.objs[::2] + read.objs[3:]):
+                    check_hit(o, k, shape, dtype)
+                    assert o.ref_count == 1, f"{case}: a hit holds {o.ref_count} references"
+            finally:
+                release(read.objs)
+        assert self.used(tier) == 0, "the read kept pool memory after it ended"
+
+    def test_layered_read_of_a_corrupted_value_never_verifies(self, tier, tier_spec):
+        """A damaged value is a miss when opened or a read that does not verify; either way
+        it is deleted, and the other values of the call verify."""
+        if tier_spec.corrupt is None:
+            pytest.skip(f"{tier_spec.spec}: the spec has no way to damage a stored value")
+        bad, good = key_of("lay-corrupt-bad"), key_of("lay-corrupt-good")
+        self.store(tier, tier_spec, [bad, good])
+        tier_spec.corrupt(tier, bad)
+        read = self.layered(tier, [bad, good])
+        try:
+            read.wait_verified([1], timeout=tier_spec.deadline + 10)
+            check_hit(read.objs[1], good)
+            if read.objs[0] is not None:
+                with pytest.raises(CorruptValue):
+                    read.wait_verified([0])
+            assert read.ok is not None and not read.ok[0], "a damaged value verified"
+        finally:
+            release(read.objs)
+        assert tier.contains([bad, good]) == [False, True], "the damaged value was not deleted"
+
+    def test_layered_read_outlives_its_callers_and_a_close(self, make_tier, tier_spec):
+        """The caller drops its objects at once and the tier closes while the read may still
+        be filling them: nothing leaks (make_tier checks the pool after close), no error."""
+        tier = make_tier()
+        keys = [key_of(f"lay-close{i}") for i in range(16)]
+        self.store(tier, tier_spec, keys)
+        read = self.layered(tier, keys)
+        release(read.objs)
+        tier.close()
+        with contextlib.suppress(LayerReadError, CorruptValue):
+            read.wait_verified(timeout=tier_spec.deadline + 10)
+        assert read.done, "a read still running after close()"
