@@ -64,7 +64,6 @@ class FailureContract(TierHarness):
             assert time.monotonic() < deadline, f"the tier did not come back in {within} s"
             time.sleep(0.1)
 
-    @pytest.mark.integration
     def test_dead_backend_answers_misses_within_a_deadline(self, tier, tier_spec):
         if tier_spec.kill is None:
             pytest.skip(f"{tier_spec.spec}: the spec has no way to kill its backend")
@@ -79,7 +78,6 @@ class FailureContract(TierHarness):
         if tier_spec.revive is not None:
             self._serves_again(tier, tier_spec)
 
-    @pytest.mark.integration
     def test_hung_backend_answers_misses_within_a_deadline(self, tier, tier_spec):
         if tier_spec.hang is None:
             pytest.skip(f"{tier_spec.spec}: the spec has no way to make its backend stop answering")
@@ -93,7 +91,6 @@ class FailureContract(TierHarness):
                 tier_spec.unhang(tier)
         self._serves_again(tier, tier_spec)
 
-    @pytest.mark.integration
     def test_close_while_the_backend_hangs(self, tier, tier_spec):
         """``close()`` with a read stuck on a backend that stopped answering: both return
         within the deadline (the read with misses), neither waits for the backend."""
