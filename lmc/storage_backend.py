@@ -191,6 +191,58 @@ class StorageBackend(abc.ABC):
     def stats(self) -> dict[str, Any]:
         return {}
 
+    on_evicted: Callable[[list[Key]], None] | None = None
+    """Set by the storage manager while someone listens (:class:`TierListener`): a tier that
+    drops values on its own (the disk tier's capacity eviction) calls it with their keys once
+    they are gone, outside its locks where it can. A store that evicts out of lmc's sight
+    (Redis ``maxmemory``, a daemon's own tiers) cannot, and does not."""
+
+
+# ---------------------------------------------------------------------------- listeners
+STORED, PROMOTED, EVICTED, DELETED = "stored", "promoted", "evicted", "deleted"
+"""Event reasons: a chunk stored by a caller (or written down by write-behind), copied up
+from a lower tier, dropped to make room, removed by a caller."""
+
+
+@dataclasses.dataclass(frozen=True)
+class TierInfo:
+    """Which tier an event is about: its name, declared medium and place in the chain."""
+
+    name: str
+    medium: Medium
+    level: int
+    """Index in the chain: 0 is L1."""
+
+
+class TierListener:
+    """Observes the chain's stores, promotions, evictions, deletes and clears, tier by tier
+    (:meth:`lmc.storage_manager.StorageManager.add_listener`). Override what you need; the
+    rest are no-ops.
+
+    Events are reported after the fact: a store once the chunk is readable from that tier
+    (L1: after ``put``; a lower tier: after write-behind's ``put`` returned it stored), a
+    removal once the key is gone. They arrive on the thread that caused them -- an engine's
+    store, a write-behind writer, an eviction inside an allocation (under L1's lock) -- so a
+    listener only records or queues, never blocks or calls back into the storage. An
+    exception from a listener is logged and dropped, never the caller's.
+    """
+
+    observes_stores: ClassVar[bool] = True
+    """False for a listener that only needs removals (write-on-evict): stores and
+    promotions are then not looked at for it, which costs a presence check per store."""
+
+    def on_stored(self, keys: Sequence[Key], tier: TierInfo, reason: str) -> None:
+        """``keys`` became readable from ``tier`` (``reason``: ``stored`` or ``promoted``)."""
+
+    def on_removed(self, keys: Sequence[Key], tier: TierInfo, reason: str,
+                   objs: Sequence[MemoryObj] | None = None) -> None:
+        """``keys`` are no longer in ``tier`` (``reason``: ``evicted`` or ``deleted``). For
+        an L1 eviction ``objs`` are the victims, still valid during the call (a listener that
+        keeps one acquires it: write-on-evict does); otherwise ``None``."""
+
+    def on_cleared(self, tier: TierInfo) -> None:
+        """Everything ``tier`` held is gone at once."""
+
 
 def tier_medium(tier: object) -> Medium:
     """A tier's (or a tier class's) declared medium; :data:`Medium.REMOTE` for an object

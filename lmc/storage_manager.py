@@ -8,7 +8,7 @@ Lower tiers are fed by write-behind (:mod:`lmc.write_behind`), one byte-bounded 
 writer thread per tier, so the engine's store never waits on them. ``write_policy``:
 
 * ``write_through``: every chunk stored in L1 is queued for every lower tier at once;
-* ``write_on_evict``: L1 queues a chunk when it evicts it (``CPUBackend.on_evict``). Chunks
+* ``write_on_evict``: L1 queues a chunk when it evicts it (:class:`WriteOnEvict`, a listener). Chunks
   still in L1 at ``close()`` are not written down. An evicted chunk keeps its pool memory
   until written, so a store under memory pressure evicts further LRU chunks into the queue
   until the queue is full and only then frees memory by dropping a victim (as L1 alone would
@@ -24,6 +24,11 @@ A lower-tier hit is promoted: the object the tier read (allocated from the share
 :class:`TierPool`, which may evict L1) is put into L1, and under write-through it is also
 queued for the lower tiers above the one that had it. Chunks waiting in a queue are served
 from there. Every lower-tier call is timed and counted in that tier's :class:`TierMetrics`.
+
+Listeners (:class:`lmc.storage_backend.TierListener`, :meth:`StorageManager.add_listener`)
+observe every tier's stores, promotions, evictions, deletes and clears, each event naming the
+tier (name, declared medium, level). Write-on-evict is one of them. With no listener the
+tiers' hooks are unset and each store pays one truthiness check.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
+from functools import partial
 from typing import cast
 
 import torch
@@ -38,7 +44,18 @@ import torch
 from lmc.layered_read import LayeredRead, LayerGate
 from lmc.memory import MemoryObj, MemoryPool
 from lmc.metrics import TierMetrics
-from lmc.storage_backend import Key, MemoryTier, StorageBackend
+from lmc.storage_backend import (
+    DELETED,
+    EVICTED,
+    PROMOTED,
+    STORED,
+    Key,
+    MemoryTier,
+    StorageBackend,
+    TierInfo,
+    TierListener,
+    tier_medium,
+)
 from lmc.write_behind import WriteBehind
 
 log = logging.getLogger(__name__)
@@ -92,6 +109,23 @@ def tier_metrics(tier: StorageBackend) -> TierMetrics:
     return m if isinstance(m, TierMetrics) else TierMetrics(tier.name)
 
 
+class WriteOnEvict(TierListener):
+    """Write-on-evict as a listener: L1's victims are queued for every lower tier. Runs
+    under L1's lock, before the victims' memory is released, so it only queues (each queue
+    takes its own reference)."""
+
+    observes_stores = False
+
+    def __init__(self, queues: Sequence[WriteBehind]) -> None:
+        self.queues = list(queues)
+
+    def on_removed(self, keys: Sequence[Key], tier: TierInfo, reason: str,
+                   objs: Sequence[MemoryObj] | None = None) -> None:
+        if tier.level == 0 and reason == EVICTED and objs:
+            for q in self.queues:
+                q.offer(keys, objs)
+
+
 class StorageManager:
     """``tiers[0]`` is L1, a :class:`lmc.storage_backend.MemoryTier` over the pool."""
 
@@ -119,8 +153,67 @@ class StorageManager:
         share = 4 if write_policy == "write_on_evict" else 2
         queue_bytes = min(queue_bytes, self._l1_pool.size // share)
         self.queues = [WriteBehind(t, queue_bytes, m) for t, m in zip(self.lower, self.metrics)]
+        self.infos = [TierInfo(t.name, tier_medium(t), i) for i, t in enumerate(self.tiers)]
+        """What listeners are told of each tier (name, declared medium, level)."""
+        self._listeners: tuple[TierListener, ...] = ()
+        self._store_listeners: tuple[TierListener, ...] = ()  # those that observe stores
         if self.queues and write_policy == "write_on_evict":
-            l1.on_evict = self._on_evict
+            self.add_listener(WriteOnEvict(self.queues))
+
+    # -------------------------------------------------------------- listeners
+    @property
+    def listeners(self) -> tuple[TierListener, ...]:
+        return self._listeners
+
+    def add_listener(self, listener: TierListener) -> None:
+        """Observe every tier from now on (:class:`lmc.storage_backend.TierListener`)."""
+        self._listeners = (*self._listeners, listener)
+        self._wire()
+
+    def remove_listener(self, listener: TierListener) -> None:
+        self._listeners = tuple(x for x in self._listeners if x is not listener)
+        self._wire()
+
+    def _wire(self) -> None:
+        """Set the tiers' and queues' hooks while someone listens, unset them otherwise (a
+        store then pays nothing for the feature). The tuple is replaced, never mutated, so
+        an event in flight on another thread iterates a consistent set."""
+        on = bool(self._listeners)
+        self._store_listeners = tuple(x for x in self._listeners
+                                      if getattr(x, "observes_stores", True))
+        stores = bool(self._store_listeners)
+        self.l1.on_evict = self._l1_evicted if on else None
+        for level, (tier, q) in enumerate(zip(self.lower, self.queues), 1):
+            q.on_written = partial(self._emit_stored, level, reason=STORED) if stores else None
+            try:
+                tier.on_evicted = partial(self._lower_evicted, level) if on else None
+            except AttributeError:  # a tier refusing attributes: its evictions go unseen
+                log.debug("tier %s takes no on_evicted hook", tier.name)
+
+    def _emit_stored(self, level: int, keys: Sequence[Key], reason: str = STORED) -> None:
+        for x in self._store_listeners:
+            try:
+                x.on_stored(keys, self.infos[level], reason)
+            except Exception as e:  # an observer's bug is never the caller's error
+                log.warning("listener %r failed on_stored: %s", x, e)
+
+    def _emit_removed(self, level: int, keys: Sequence[Key], reason: str = DELETED,
+                      objs: Sequence[MemoryObj] | None = None) -> None:
+        for x in self._listeners:
+            try:
+                x.on_removed(keys, self.infos[level], reason, objs)
+            except Exception as e:
+                log.warning("listener %r failed on_removed: %s", x, e)
+
+    def _lower_evicted(self, level: int, keys: list[Key]) -> None:
+        """A lower tier's own eviction (its ``on_evicted`` hook)."""
+        self.queues[level - 1].note_evicted(keys)
+        self._emit_removed(level, keys, EVICTED)
+
+    def _l1_evicted(self, victims: list[tuple[Key, MemoryObj]]) -> None:
+        """L1's eviction hook: runs under L1's lock with the victims gone from its map and
+        their memory not yet released."""
+        self._emit_removed(0, [k for k, _ in victims], EVICTED, [o for _, o in victims])
 
     def retry_failed_writes(self, seconds: float) -> None:
         """Keep a chunk whose lower-tier write failed queued (referenced, so L1 cannot evict
@@ -343,10 +436,28 @@ class StorageManager:
         return read
 
     def _l1_put(self, keys: list[Key], objs: list[MemoryObj]) -> int:
+        """Put copies read from below (or waiting in a queue) into L1: a promotion."""
         mine = [(k, o) for k, o in zip(keys, objs) if o.pool is self._l1_pool]
         if not mine:
             return 0
-        return self.l1.put([k for k, _ in mine], [o for _, o in mine])
+        ks = [k for k, _ in mine]
+        if not self._store_listeners:
+            return self.l1.put(ks, [o for _, o in mine])
+        fresh = self._absent_from_l1(ks)
+        n = self.l1.put(ks, [o for _, o in mine])
+        if n and fresh:
+            self._emit_stored(0, fresh, PROMOTED)
+        return n
+
+    def _absent_from_l1(self, keys: Sequence[Key]) -> list[Key]:
+        """Keys L1 does not hold, each once: what a put will newly make readable."""
+        seen: set[Key] = set()
+        out = []
+        for k, present in zip(keys, self.l1.contains(keys)):
+            if not present and k not in seen:
+                seen.add(k)
+                out.append(k)
+        return out
 
     def _promote(self, level: int, keys: list[Key], objs: list[MemoryObj]) -> None:
         if not keys:
@@ -360,29 +471,51 @@ class StorageManager:
     def put(self, keys: Sequence[Key], objs: Sequence[MemoryObj]) -> int:
         """Store fully written chunks in L1; under write-through also queue them for every
         lower tier (never waits on them)."""
-        n = self.l1.put(keys, objs)
+        if self._store_listeners:
+            fresh = self._absent_from_l1(keys)
+            n = self.l1.put(keys, objs)
+            if n and fresh:
+                self._emit_stored(0, fresh, STORED)
+        else:
+            n = self.l1.put(keys, objs)
         if self.write_policy == "write_through":
             for q in self.queues:
                 q.offer(keys, objs)
         return n
 
-    def _on_evict(self, victims: list[tuple[Key, MemoryObj]]) -> None:
-        """L1's eviction hook (write-on-evict); runs under L1's lock, so it only queues."""
-        keys = [k for k, _ in victims]
-        objs = [o for _, o in victims]
-        for q in self.queues:
-            q.offer(keys, objs)
-
     def delete(self, keys: Sequence[Key]) -> int:
+        """Remove ``keys`` from every tier and queue. With listeners, each tier is asked
+        first which it holds (a delete is rare; the event names only keys that were there)."""
         for q in self.queues:
             q.discard(keys)
         n = 0
-        for tier in self.tiers:
+        for level, tier in enumerate(self.tiers):
             try:
+                held = self._held(tier, keys) if self._listeners else []
                 n += tier.delete(keys)
             except Exception as e:
                 log.warning("tier %s failed delete(): %s", tier.name, e)
+                continue
+            if held:
+                self._emit_removed(level, held, DELETED)
         return n
+
+    @staticmethod
+    def _held(tier: StorageBackend, keys: Sequence[Key]) -> list[Key]:
+        return list(dict.fromkeys(k for k, p in zip(keys, tier.contains(keys)) if p))
+
+    def clear_l1(self) -> None:
+        """Drop everything L1 holds (a tier with ``clear()``; otherwise a delete of what its
+        ``stats`` cannot list is impossible, so it is refused) and tell the listeners."""
+        clear = getattr(self.l1, "clear", None)
+        if clear is None:
+            raise TypeError(f"memory tier {type(self.l1).__name__} has no clear()")
+        clear()
+        for x in self._listeners:
+            try:
+                x.on_cleared(self.infos[0])
+            except Exception as e:
+                log.warning("listener %r failed on_cleared: %s", x, e)
 
     # -------------------------------------------------------------- lifecycle
     def flush(self, timeout: float | None = None) -> bool:

@@ -30,7 +30,7 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from lmc.memory import MemoryObj
 from lmc.metrics import TierMetrics
@@ -63,6 +63,11 @@ class WriteBehind:
         self._failing_since: dict[Key, tuple[float, float]] = {}  # first failure, next delay
         self._seq = 0
         self.retried = 0
+        self.on_written: Callable[[list[Key]], None] | None = None
+        """Called from the writer thread with the keys a ``put`` stored, once it returned
+        (they are readable from the tier): the storage manager's listeners hook in here."""
+        self._put_thread: int | None = None  # the writer's ident while inside tier.put()
+        self._evicted_in_put: set[Key] = set()  # touched by the writer thread only
 
     # ----------------------------------------------------------------- producer side
     def offer(self, keys: Sequence[Key], objs: Sequence[MemoryObj]) -> int:
@@ -230,7 +235,11 @@ class WriteBehind:
         try:
             todo = self._absent(batch)
             if todo:
-                stored = int(self.tier.put([k for k, _ in todo], [o for _, o in todo]))
+                self._put_thread = threading.get_ident()
+                try:
+                    stored = int(self.tier.put([k for k, _ in todo], [o for _, o in todo]))
+                finally:
+                    self._put_thread = None
                 self.metrics.write(stored, sum(o.nbytes for _, o in todo[:stored]),
                                    time.perf_counter() - t0)
         except Exception as e:  # a failing tier loses these writes, never the writer thread
@@ -241,9 +250,31 @@ class WriteBehind:
                             "only counted)", self.tier.name, len(keys), e, reason)
             self.metrics.error("put", reason)
         finally:
-            failed = (self._failed(todo, stored) if self.retry_for > 0 else
+            exact = self.retry_for > 0 or (self.on_written is not None and bool(stored))
+            failed = (self._failed(todo, stored) if exact else  # which, asked when it matters
                       (todo[stored:] if stored is not None else todo))
+            if self._evicted_in_put or (self.on_written is not None and stored):
+                self._report_written(todo, failed)  # before a flush() can return
             self._settle(batch, failed, stored is None)
+
+    def note_evicted(self, keys: Sequence[Key]) -> None:
+        """The tier dropped ``keys`` on its own. When that happened inside the ``put`` this
+        writer is making (the disk tier evicts to make room, possibly a chunk of the same
+        batch), those keys are not reported written: they are not readable."""
+        if self.on_written is not None and self._put_thread == threading.get_ident():
+            self._evicted_in_put.update(keys)
+
+    def _report_written(self, todo: list[tuple[Key, MemoryObj]],
+                        failed: list[tuple[Key, MemoryObj]]) -> None:
+        lost = {k for k, _ in failed} | self._evicted_in_put
+        self._evicted_in_put = set()
+        written = [k for k, _ in todo if k not in lost] if todo is not failed else []
+        hook = self.on_written
+        if written and hook is not None:
+            try:
+                hook(written)
+            except Exception as e:  # an observer's bug never stops the writer
+                log.warning("write-behind listener failed: %s", e)
 
     def _settle(self, batch: list[tuple[Key, MemoryObj]], failed: list[tuple[Key, MemoryObj]],
                 raised: bool) -> None:

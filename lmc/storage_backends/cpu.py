@@ -37,7 +37,7 @@ class CPUBackend(StorageBackend):
         self._policy: EvictionPolicy[Key, MemoryObj] = make_policy(self.policy)
         self._map = self._policy.entries  # lookups that are not a use (never reassigned)
         self._lock = threading.RLock()
-        self.on_evict: EvictListener | None = None  # lower tiers hook write-on-evict here
+        self.on_evict: EvictListener | None = None  # the storage manager's listeners hook in here
         self.evictions = 0
         self.evicted_bytes = 0
         self._closed = False
@@ -158,11 +158,11 @@ class CPUBackend(StorageBackend):
                     break
         if not victims:
             return 0
-        if self.on_evict is not None:
-            self.on_evict(victims)
         evict = self._policy.evict
         for k, _ in victims:
             evict(k)
+        if self.on_evict is not None:  # gone from the map, memory not yet released
+            self.on_evict(victims)
         self.pool.release_many([obj for _, obj in victims])  # neighbours freed as one block
         self.evictions += len(victims)
         self.evicted_bytes += freed

@@ -275,6 +275,7 @@ class DiskBackend(StorageBackend):
         self._used = 0  # bytes of indexed files
         self._reserved = 0  # bytes of temporary files being written
         self._dying = 0  # bytes of evicted files not yet unlinked
+        self._gone: list[Key] = []  # keys evicted under the lock, for on_evicted
         self._seq = itertools.count()
         self._tag = secrets.token_hex(4)  # two instances in one process never share a name
         self._tls = threading.local()
@@ -734,7 +735,10 @@ class DiskBackend(StorageBackend):
                     self._reserved += size
                     return True, None
                 victims, recycled, dying = self._evict_locked(over, size)
+                gone, self._gone = self._gone, []
             self._unlink(victims, dying)
+            if gone and self.on_evicted is not None:
+                self.on_evicted(gone)
             if recycled is not None:
                 return True, recycled
             if not victims:
@@ -751,6 +755,8 @@ class DiskBackend(StorageBackend):
         freed = dying = 0
         while self._index and freed < need:
             key, e = self._policy.pop_victim()
+            if self.on_evicted is not None:
+                self._gone.append(key)  # reported once the lock is released
             self._used -= e.size
             tmp = self._retire_locked(key, e.size)
             if tmp is None:  # the file was already gone
