@@ -1,13 +1,15 @@
 """Round trips: what a tier stores it gives back bit for bit, for every dtype a ``lmc.serde``
 header describes (``ROUND_TRIPS``: float16, bfloat16, float32, uint8, the float8 kinds torch
 has) and a partial chunk; its I/O stays inside each object; a caller's bug (keys and objects
-of different lengths) is a clear error, and a chunk the tier cannot represent is skipped."""
+of different lengths) is a clear error, and a chunk the tier cannot represent is skipped; what
+the tier declares (medium, capabilities) is what it is."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from lmc.storage_backend import Medium, MemoryTier, TierCapabilities, tier_medium
 from lmc.testing.harness import (
     ROUND_TRIPS,
     SHAPE,
@@ -123,3 +125,25 @@ class BasicContract(TierHarness):
                 assert torch.equal(raw(o), expected_bytes(k, o.nbytes)), f"{shape} {dtype}"
         finally:
             release(got)
+
+    def test_declarations_match_the_tier(self, tier, tier_spec):
+        """What a tier class declares (``lmc.storage_backend``) is well formed and true: a
+        ``Medium`` and ``TierCapabilities``; memory is declared by the L1 tier alone (it keeps
+        the caller's objects), and a tier declaring no layered reads never answers
+        ``get_layers`` (callers trust the declaration to choose how to read)."""
+        declared = getattr(tier, "medium", None)
+        assert declared in set(Medium), f"{tier.name}: medium {declared!r} is not a Medium"
+        caps = getattr(tier, "capabilities", None)
+        assert isinstance(caps, TierCapabilities), \
+            f"{tier.name}: capabilities {caps!r} is not a TierCapabilities"
+        assert (tier_medium(tier) is Medium.MEMORY) == isinstance(tier, MemoryTier), \
+            f"{tier.name}: declares {tier_medium(tier).value}, MemoryTier: " \
+            f"{isinstance(tier, MemoryTier)}"
+        if caps.layered_reads:
+            return  # LayeredReadContract reads them
+        key = key_of("declared")
+        self.store(tier, tier_spec, [key])
+        read = tier.get_layers([key])
+        if read is not None:
+            release(read.objs)
+        assert read is None, f"{tier.name} declares no layered_reads, yet get_layers answered"

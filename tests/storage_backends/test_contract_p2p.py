@@ -96,6 +96,7 @@ else:
         """Reads from this process's P2P tier; stores and deletes through its owner."""
 
         name = "p2p"
+        medium, capabilities = P2PBackend.medium, P2PBackend.capabilities  # what it is
 
         def __init__(self, spec: str = "p2p-contract-pair", *, config: CacheConfig,
                      pool: MemoryPool, owners: OwnerProc, **_: Any) -> None:

@@ -26,12 +26,21 @@ from lmc.serde import (
     encode_header,
     verify_payload,
 )
-from lmc.storage_backend import Key, StorageBackend, register_backend
+from lmc.storage_backend import (
+    Key,
+    Medium,
+    StorageBackend,
+    TierCapabilities,
+    register_backend,
+)
 
 
 @register_backend("toyfiles", schemes=("toyfiles",))
 class FileTier(StorageBackend):
     """Values as files named by their key; no index, no capacity (a toy)."""
+
+    medium = Medium.LOCAL_STORAGE
+    capabilities = TierCapabilities(existence_without_reading=True, durable=True)
 
     def __init__(self, spec: str, *, config: CacheConfig, pool: Any) -> None:
         """``spec``: the URL, or the name ``toyfiles`` with the URL in ``remote_url``."""
