@@ -150,19 +150,28 @@ else:
 
     @pytest.fixture(scope="module")
     def contract_directory(tmp_path_factory):
+        """The directory daemon, with an admin token and a tenant token granting team-b."""
         wd = tmp_path_factory.mktemp("contract-p2p")
         (wd / "admin").write_text(ADMIN)
         (wd / "tenant").write_text(TENANT)
         d = DaemonProc(wd / "d", ["--size", "8MiB", "--tokens", f"{wd / 'admin'}:admin",
                                   "--tokens", f"{wd / 'tenant'}:team-b"]).start()
-        owners = OwnerProc()
-        yield d, owners
-        owners.stop()
+        yield d
         d.kill()
 
+    @pytest.fixture(scope="module")
+    def p2p_owners(contract_directory):
+        """The owner process (``tests/p2p/contract_owner.py``): one P2P tier per contract
+        tier, exporting what the suite stores; stopped (and checked to exit) after the
+        module, before the directory goes."""
+        owners = OwnerProc()
+        yield owners
+        owners.stop()
+        assert owners.proc.returncode == 0, f"the owner process exited {owners.proc.returncode}"
+
     @pytest.fixture(params=["plain", "keyed"])
-    def tier_spec(request, contract_directory):
-        d, owners = contract_directory
+    def tier_spec(request, contract_directory, p2p_owners):
+        d, owners = contract_directory, p2p_owners
         keyed = request.param == "keyed"
         url = f"p2p+lmc://127.0.0.1:{d.info['port']}"
         return TierSpec(
