@@ -16,7 +16,8 @@ backend), and one class composing what the tier should pass::
 
 The classes (each in its own module): :class:`BasicContract` (bit-exact round trips of
 every dtype, I/O inside each object, odd chunks skipped), :class:`BatchContract` (each key in
-its place), :class:`ReferenceContract` (references and leaks), :class:`ConcurrencyContract`
+its place), :class:`ModelContract` (random call sequences, drawn and shrunk by hypothesis,
+against a model of what may be present), :class:`ReferenceContract` (references and leaks), :class:`ConcurrencyContract`
 (threads, ``close()`` racing calls), :class:`SharedStoreContract` (a second tier over the same
 store), :class:`IsolationContract` (other tenants), :class:`IntegrityContract` (damaged values,
 a writer without the secret), :class:`FailureContract` (dead and hung backends) and
@@ -24,19 +25,21 @@ a writer without the secret), :class:`FailureContract` (dead and hung backends) 
 whose hook the spec lacks skips, saying so; ``TierSpec.skip`` leaves out named tests.
 
 Every test also checks, after it, that each tier it built gave all its pool memory back at
-``close()`` and that no pool invariant broke (:mod:`lmc.invariants`). Needs pytest (lmc's
-``testing`` extra); assertions here are rewritten by pytest for readable failures.
+``close()`` and that no pool invariant broke (:mod:`lmc.invariants`). Needs pytest and
+hypothesis (lmc's ``testing`` extra); pytest rewrites the assertions here for readable
+failures.
 """
 
 from __future__ import annotations
 
 try:
+    import hypothesis  # noqa: F401  (ModelContract)
     import pytest
 except ImportError as e:  # a plain install: the suite is an extra
-    raise ImportError(f"lmc.testing runs under pytest, which is not installed ({e}); "
+    raise ImportError(f"lmc.testing needs pytest and hypothesis ({e}); "
                       "pip install 'lmc-kvcache[testing]'") from e
 
-_MODULES = ("harness", "basics", "batches", "references", "concurrency", "sharing",
+_MODULES = ("harness", "basics", "batches", "references", "concurrency", "model", "sharing",
             "isolation", "integrity", "layered", "failures")
 pytest.register_assert_rewrite(*(f"lmc.testing.{m}" for m in _MODULES))
 
@@ -60,12 +63,13 @@ from lmc.testing.harness import (  # noqa: E402
 from lmc.testing.integrity import IntegrityContract  # noqa: E402
 from lmc.testing.isolation import IsolationContract  # noqa: E402
 from lmc.testing.layered import LayeredReadContract  # noqa: E402
+from lmc.testing.model import ModelContract  # noqa: E402
 from lmc.testing.references import ReferenceContract  # noqa: E402
 from lmc.testing.sharing import SharedStoreContract  # noqa: E402
 
 
-class TierContract(BasicContract, BatchContract, ReferenceContract, ConcurrencyContract,
-                   SharedStoreContract, IsolationContract, IntegrityContract,
+class TierContract(BasicContract, BatchContract, ModelContract, ReferenceContract,
+                   ConcurrencyContract, SharedStoreContract, IsolationContract, IntegrityContract,
                    LayeredReadContract, FailureContract):
     """Every contract class: the tests whose hooks a spec lacks skip, saying so."""
 
@@ -73,7 +77,8 @@ class TierContract(BasicContract, BatchContract, ReferenceContract, ConcurrencyC
 __all__ = [
     "CHUNK_BYTES", "POOL_BYTES", "ROUND_TRIPS", "SHAPE",
     "BasicContract", "BatchContract", "ConcurrencyContract", "FailureContract",
-    "IntegrityContract", "IsolationContract", "LayeredReadContract", "ReferenceContract",
+    "IntegrityContract", "IsolationContract", "LayeredReadContract", "ModelContract",
+    "ReferenceContract",
     "SharedStoreContract", "TierContract", "TierHarness", "TierSpec",
     "check_hit", "expected_bytes", "fill", "key_of", "release",
 ]

@@ -8,6 +8,7 @@ from lmc.testing import (
     BasicContract,
     BatchContract,
     ConcurrencyContract,
+    ModelContract,
     ReferenceContract,
     TierSpec,
 )
@@ -18,5 +19,6 @@ def tier_spec():
     return TierSpec("cpu")
 
 
-class TestCPUContract(BasicContract, BatchContract, ReferenceContract, ConcurrencyContract):
-    """Round trips, batches, references under eviction, threads."""
+class TestCPUContract(BasicContract, BatchContract, ModelContract, ReferenceContract,
+                      ConcurrencyContract):
+    """Round trips, batches, call sequences, references under eviction, threads."""

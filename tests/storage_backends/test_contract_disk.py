@@ -14,6 +14,7 @@ from lmc.testing import (
     FailureContract,
     IntegrityContract,
     LayeredReadContract,
+    ModelContract,
     ReferenceContract,
     SharedStoreContract,
     TierSpec,
@@ -41,7 +42,7 @@ def tier_spec(tmp_path):
                     reopen=lambda tier: {"local_disk": tier.path})  # a restart
 
 
-class TestDiskContract(BasicContract, BatchContract, ReferenceContract, ConcurrencyContract,
-                       SharedStoreContract, IntegrityContract, LayeredReadContract,
-                       FailureContract):
-    """Every contract test; 512 KiB of disk, so floods evict and recycle files."""
+class TestDiskContract(BasicContract, BatchContract, ModelContract, ReferenceContract,
+                       ConcurrencyContract, SharedStoreContract, IntegrityContract,
+                       LayeredReadContract, FailureContract):
+    """Every class but the tenants'; 512 KiB of disk, so floods evict and recycle files."""

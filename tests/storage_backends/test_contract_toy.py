@@ -26,6 +26,7 @@ from lmc.testing import (
     BatchContract,
     ConcurrencyContract,
     IntegrityContract,
+    ModelContract,
     ReferenceContract,
     TierSpec,
 )
@@ -102,6 +103,6 @@ def tier_spec():
     return TierSpec("contract-toy", corrupt=_flip_a_payload_bit)
 
 
-class TestDictTierContract(BasicContract, BatchContract, ReferenceContract, ConcurrencyContract,
-                           IntegrityContract):
+class TestDictTierContract(BasicContract, BatchContract, ModelContract, ReferenceContract,
+                           ConcurrencyContract, IntegrityContract):
     """What an in-process store of bytes can keep: no backend to share, kill or hang."""

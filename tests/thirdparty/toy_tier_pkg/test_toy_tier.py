@@ -18,6 +18,7 @@ from lmc.testing import (
     ConcurrencyContract,
     FailureContract,
     IntegrityContract,
+    ModelContract,
     ReferenceContract,
     SharedStoreContract,
     TierSpec,
@@ -43,6 +44,6 @@ def tier_spec(tmp_path):
                     revive=lambda tier: os.makedirs(tier.path))   # and back, empty
 
 
-class TestToyFileTier(BasicContract, BatchContract, ReferenceContract, ConcurrencyContract,
-                      SharedStoreContract, IntegrityContract, FailureContract):
+class TestToyFileTier(BasicContract, BatchContract, ModelContract, ReferenceContract,
+                      ConcurrencyContract, SharedStoreContract, IntegrityContract, FailureContract):
     """Every class whose promises a directory of files can keep."""
