@@ -21,6 +21,8 @@ import os
 from collections.abc import Mapping
 from typing import Any, TypeVar
 
+import yaml
+
 from lmc.eviction import policy_names
 from lmc.settings import (
     ConfigError,
@@ -40,8 +42,8 @@ from lmc.settings import (
     setting,
 )
 
-__all__ = ["DEPRECATED_KEYS", "CacheConfig", "ConfigError", "check_known_keys",
-           "load_connector_settings", "parse_remote_url", "parse_size"]
+__all__ = ["DEPRECATED_KEYS", "CacheConfig", "ConfigError", "TierEntry", "check_known_keys",
+           "load_connector_settings", "parse_remote_url", "parse_size", "parse_tiers"]
 log = logging.getLogger(__name__)
 Opts = TypeVar("Opts", bound=Settings)
 EXTRA_PREFIX = "lmc."
@@ -110,6 +112,126 @@ def _parse_secret(value: Any, key: str) -> str | None:
         except ValueError as e:
             raise ConfigError(str(e)) from None
     return text
+
+# ------------------------------------------------------------------------ the tier chain
+MEMORY_NAMES = ("memory", "cpu")
+"""What the first entry of ``tiers`` may be called (the L1 backend is registered as ``cpu``)."""
+TIER_CONFIG_KEYS = ("remote_timeout", "remote_key_prefix", "remote_token", "integrity_secret",
+                    "integrity_secret_file")
+"""Core keys an entry of ``tiers`` may set for its own tier only (two remote tiers with two
+deadlines, tokens or secrets); every other name in an entry is an option of its backend."""
+
+
+@dataclasses.dataclass(frozen=True)
+class TierEntry:
+    """One tier of the chain: a backend (a name such as ``disk`` or a URL), its own options
+    (checked and parsed by the backend's ``OPTIONS`` when built), core keys set for this tier
+    only, and -- for a wrapper tier (``wrap:``) -- the tier it wraps."""
+
+    backend: str
+    options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    config: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    inner: TierEntry | None = None
+    where: str = dataclasses.field(default="tiers", compare=False)
+    """Where config gave it (``tiers[2]``): named in every error about it."""
+    shorthand: bool = dataclasses.field(default=False, compare=False)
+    """Translated from ``remote_url``: its options also come from the URL's query and the
+    deprecated keys, as they always did."""
+
+
+    def __repr__(self) -> str:  # a config is logged: a token set for one tier stays hidden
+        return f"TierEntry({self.as_config(public=True)!r})"
+
+    def as_config(self, *, public: bool = False) -> str | dict[str, Any]:
+        """The entry as ``tiers:`` takes it (what ``lmc config`` prints and reads back);
+        ``public``: secrets this entry sets shown as ``***``."""
+        conf = {k: ("***" if public and v is not None and k in _SECRET_TIER_KEYS else v)
+                for k, v in self.config.items()}
+        if self.inner is not None:
+            return {"wrap": self.backend, "tier": self.inner.as_config(public=public),
+                    **self.options, **conf}
+        if not self.options and not conf:
+            return "memory" if self.backend == "cpu" else self.backend
+        return {"backend": self.backend, **self.options, **conf}
+
+
+_SECRET_TIER_KEYS = ("remote_token", "integrity_secret")
+
+
+def _tier_entry(value: Any, where: str) -> TierEntry:
+    """An entry: a name or URL, ``{backend: ..., <option>: ...}`` or ``{wrap: <wrapper>,
+    tier: <entry>, <option>: ...}``."""
+    if isinstance(value, TierEntry):
+        return value
+    if isinstance(value, str):
+        value = {"backend": value}
+    if not isinstance(value, Mapping):
+        raise ConfigError(f"{where}: expected a backend name or URL, or a mapping with "
+                          f"'backend:' (or 'wrap:' and 'tier:'), got {value!r}")
+    rest = dict(value)
+    for k in rest:
+        if not isinstance(k, str) or not k.isidentifier():
+            raise ConfigError(f"{where}: option name {k!r} is not a valid keyword name")
+    inner = None
+    if "wrap" in rest:
+        backend = rest.pop("wrap")
+        if "tier" not in rest:
+            raise ConfigError(f"{where}: 'wrap: {backend}' needs 'tier:', the tier it wraps")
+        inner = _tier_entry(rest.pop("tier"), f"{where}.tier")
+    elif "backend" in rest:
+        backend = rest.pop("backend")
+    else:
+        raise ConfigError(f"{where}: a tier needs 'backend:' (a name such as disk, or a URL) "
+                          f"or 'wrap:' (got keys {', '.join(map(str, rest)) or 'none'})")
+    if not isinstance(backend, str) or not backend:
+        raise ConfigError(f"{where}: the backend must be a name or URL, got {backend!r}")
+    conf = {k: rest.pop(k) for k in TIER_CONFIG_KEYS if k in rest}
+    return TierEntry(backend, rest, conf, inner, where)
+
+
+def _is_memory(e: TierEntry) -> bool:
+    return e.inner is None and e.backend in MEMORY_NAMES
+
+
+def parse_tiers(value: Any, key: str) -> tuple[TierEntry, ...] | None:
+    """The ``tiers`` list (or, from an environment variable, its YAML text): memory first,
+    then any tiers in any order and number. Backend names and URL schemes are checked now;
+    each backend's options when the chain is built (or by ``lmc config``)."""
+    if value is None or value == "":
+        return None
+    if isinstance(value, str):
+        try:
+            value = yaml.safe_load(value)
+        except yaml.YAMLError as err:
+            raise ConfigError(f"{key}: expected a list such as '[memory, disk]', cannot parse "
+                              f"{value!r}: {err}") from None
+    if isinstance(value, (str, bytes, Mapping)) or not isinstance(value, (list, tuple)):
+        raise ConfigError(f"{key}: expected a list of tiers, memory first, got {value!r}")
+    entries = [_tier_entry(v, f"{key}[{i}]") for i, v in enumerate(value)]
+    if not entries or not _is_memory(entries[0]):
+        raise ConfigError(f"{key}: the first tier must be memory (the pool, sized by "
+                          f"local_cpu_size), e.g. [memory, disk, 'redis://host:6379']")
+    if entries[0].options or entries[0].config:
+        raise ConfigError(f"{key}[0]: the memory tier takes no options here (its size is "
+                          f"local_cpu_size, its policy eviction_policy)")
+    for e in entries[1:]:
+        if _is_memory(e):
+            raise ConfigError(f"{e.where}: only the first tier is memory")
+        _check_backend(e)
+    return (TierEntry("cpu", where=f"{key}[0]"), *entries[1:])
+
+
+def _check_backend(e: TierEntry) -> None:
+    """The entry's backend (and each wrapped one) exists: a typo fails at start-up."""
+    from lmc.storage_backend import backend_factory
+
+    try:
+        backend_factory(e.backend)
+    except ValueError as err:
+        raise ConfigError(f"{e.where}: {err}") from None
+    if e.inner is not None:
+        _check_backend(e.inner)
+
 
 @dataclasses.dataclass(frozen=True)
 class CacheConfig(Settings):
@@ -189,6 +311,13 @@ class CacheConfig(Settings):
     remote_connections: int | None = setting(
         None, _deprecated(lambda v, k: parse_int(v, k, minimum=1)),
         "deprecated: remote_options: {connections: ...} (Redis, lmc://)")
+    tiers: tuple[TierEntry, ...] | None = setting(
+        None, parse_tiers,
+        "the tier chain as a list, memory first, then any backends in any order: a name or "
+        "URL, or {backend: <name or URL>, <option>: <value>} (its own options, and "
+        "remote_timeout/remote_key_prefix/remote_token/integrity_secret for that tier only), or "
+        "{wrap: <wrapper>, tier: <entry>}; unset = built from local_disk and remote_url",
+        hashed=False)
     write_policy: str = setting(
         "write_through", lambda v, k: parse_choice(v, k, ("write_through", "write_on_evict")),
         "when L1 chunks flow to lower tiers: on every store, or when evicted from L1")
@@ -199,12 +328,47 @@ class CacheConfig(Settings):
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        if self.tiers is not None:
+            given = [k for k in ("local_disk", "remote_url", "remote_options")
+                     if getattr(self, k)]
+            if given:
+                raise ConfigError(f"tiers: given together with {', '.join(given)}; write the "
+                                  f"whole chain in tiers (e.g. {{backend: disk, path: ...}}) "
+                                  f"or use the shorthand keys alone")
         if self.remote_options and not self.remote_url:
             raise ConfigError("remote_options: given, but there is no remote_url whose backend "
                               "would take them")
         for key in DEPRECATED_KEYS:
             if getattr(self, key) is not None:
                 _warn_deprecated(key, getattr(self, key))
+
+    def to_dict(self) -> dict[str, Any]:
+        out = super().to_dict()
+        if self.tiers is not None:
+            out["tiers"] = [e.as_config() for e in self.tiers]
+        return out
+
+    def public_dict(self) -> dict[str, Any]:
+        out = super().public_dict()
+        if self.tiers is not None:  # a token or secret set for one tier is still a secret
+            out["tiers"] = [e.as_config(public=True) for e in self.tiers]
+        return out
+
+    def tier_chain(self) -> tuple[TierEntry, ...]:
+        """The chain this config builds: ``tiers`` as given, or the shorthand keys translated
+        (memory; the disk tier at ``local_disk``; the backend of ``remote_url`` with
+        ``remote_options``) -- the chain they have always built."""
+        if self.tiers is not None:
+            return self.tiers
+        chain = [TierEntry("cpu", where="local_cpu_size")]
+        if self.local_disk:
+            chain.append(TierEntry("disk", {"path": self.local_disk,
+                                            "capacity": self.local_disk_size,
+                                            "fsync": self.disk_fsync}, where="local_disk"))
+        if self.remote_url:
+            chain.append(TierEntry(self.remote_url, dict(self.remote_options or {}),
+                                   where="remote_url", shorthand=True))
+        return tuple(chain)
 
     def legacy_options(self) -> dict[str, tuple[str, Any]]:
         """``{option: (deprecated key, value)}`` for each deprecated key that is set."""

@@ -1,9 +1,12 @@
-"""The tier stack from a ``CacheConfig``: built here once, for the engine and the daemon alike.
+"""The tier chain from a ``CacheConfig``: built here once, for the engine and the daemon alike.
 
-Order: L1 (the ``cpu`` memory tier over the pool), then the disk tier when ``local_disk`` is
-set, then the backend claiming ``remote_url``'s scheme (any registered backend: Redis, an
-``lmc://`` daemon, a third-party tier), then extra tiers the caller hands in. Lower tiers get
-a :class:`lmc.storage_manager.TierPool`, so their reads may evict L1 exactly as a store does.
+The chain is data (:meth:`lmc.config.CacheConfig.tier_chain`): the ``tiers`` list -- memory
+first, then any backends in any order and number, each with its own options, wrappers
+around any of them -- or, without it, the shorthand keys translated into the chain they have
+always meant: L1 (the ``cpu`` memory tier over the pool), the disk tier when ``local_disk`` is
+set, then the backend claiming ``remote_url``'s scheme. Extra tiers the caller hands in come
+last. Lower tiers get a :class:`lmc.storage_manager.TierPool`, so their reads may evict L1
+exactly as a store does.
 
 Per-backend options live under the backend's own key, not as core settings: the remote
 backend gets ``remote_options`` (and its URL's query) as the keyword options it declares,
@@ -15,13 +18,17 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from lmc.config import CacheConfig
+from lmc.config import CacheConfig, TierEntry
 from lmc.memory import MemoryPool
+from lmc.settings import ConfigError
 from lmc.storage_backend import (
+    BackendFactory,
     Medium,
     MemoryTier,
     StorageBackend,
     backend_factory,
+    backend_options,
+    configured_options,
     create_backend,
     tier_medium,
 )
@@ -33,21 +40,25 @@ TierSpec = StorageBackend | TierFactory
 
 
 def lower_tier_specs(config: CacheConfig) -> list[str]:
-    """The configured lower tiers, top down, as backend specs."""
-    specs = []
-    if config.local_disk:
-        specs.append("disk")
-    if config.remote_url:
-        specs.append(config.remote_url)
-    return specs
+    """The configured lower tiers, top down, as backend specs (a wrapper by its name)."""
+    return [e.backend for e in config.tier_chain()[1:]]
+
+
+def _leaf(entry: TierEntry) -> TierEntry:
+    """The tier a chain of wrappers finally wraps."""
+    while entry.inner is not None:
+        entry = entry.inner
+    return entry
 
 
 def chain_media(config: CacheConfig) -> dict[str, Medium]:
     """Tier name -> declared medium for the chain ``config`` builds, L1 first, read from the
     backend classes without building anything (a scheduler process that holds no tier still
-    knows where its hits lie). A backend that cannot be imported here counts as remote."""
+    knows where its hits lie). A wrapper is its wrapped tier (same name, same medium); a
+    backend that cannot be imported here counts as remote."""
     out: dict[str, Medium] = {}
-    for spec in ["cpu", *lower_tier_specs(config)]:
+    for entry in config.tier_chain():
+        spec = _leaf(entry).backend
         try:
             factory = backend_factory(spec)
         except ValueError:
@@ -57,15 +68,49 @@ def chain_media(config: CacheConfig) -> dict[str, Medium]:
     return out
 
 
+def _entry_config(entry: TierEntry, config: CacheConfig) -> CacheConfig:
+    """``config`` with the core keys this entry sets for its own tier."""
+    if not entry.config:
+        return config
+    try:
+        return config.replace(**entry.config)
+    except ConfigError as e:
+        raise ConfigError(f"{entry.where}: {e}") from None
+
+
+def _options(factory: BackendFactory, entry: TierEntry, config: CacheConfig
+             ) -> tuple[str, dict]:
+    if entry.shorthand:  # remote_url: remote_options, the URL's query, the deprecated keys
+        return configured_options(factory, entry.backend, config)
+    return backend_options(factory, entry.backend, entry.options, where=entry.where)
+
+
+def create_tier(entry: TierEntry, config: CacheConfig, pool: TierPool) -> StorageBackend:
+    """One lower tier of the chain (a wrapper: its wrapped tier first, handed in as
+    ``inner``). Its options are checked against what its backend declares, naming
+    ``entry.where`` (``tiers[2]``) in any error."""
+    factory = backend_factory(entry.backend)
+    tier_config = _entry_config(entry, config)
+    spec, options = _options(factory, entry, config)
+    if entry.inner is None:
+        return factory(spec, config=tier_config, pool=pool, **options)
+    inner = create_tier(entry.inner, config, pool)
+    try:
+        return factory(spec, config=tier_config, pool=pool, inner=inner, **options)
+    except BaseException:
+        inner.close()
+        raise
+
+
 def build_lower_tiers(config: CacheConfig, l1: MemoryTier,
                       extra: Sequence[TierSpec] = ()) -> list[StorageBackend]:
-    """Disk, remote, then ``extra``, all allocating through ``TierPool(l1)``. On failure every
-    tier already made is closed before the error propagates."""
+    """The chain's lower tiers, then ``extra``, all allocating through ``TierPool(l1)``. On
+    failure every tier already made is closed before the error propagates."""
     pool = TierPool(l1)
     out: list[StorageBackend] = []
     try:
-        for spec in lower_tier_specs(config):
-            out.append(create_backend(spec, config, pool))
+        for entry in config.tier_chain()[1:]:
+            out.append(create_tier(entry, config, pool))
         for t in extra:
             out.append(t if isinstance(t, StorageBackend) else t(config, pool))
     except BaseException:

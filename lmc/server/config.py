@@ -259,6 +259,10 @@ class ServerConfig(Settings):
         base = {"local_cpu_size": self.size, "pin_memory": "false",
                 "eviction_policy": self.eviction_policy, "local_disk": self.disk,
                 "local_disk_size": self.disk_size, "remote_url": self.redis}
+        if self.cache.get("tiers") is not None and (self.disk or self.redis):
+            both = " and ".join(k for k in ("disk", "redis") if getattr(self, k))
+            raise ConfigError(f"cache.tiers: given together with {both}; write the whole "
+                              f"chain in cache.tiers or use {both} alone", "cache.tiers")
         return CacheConfig(**{**base, **self.cache})
 
     def is_loopback(self) -> bool:

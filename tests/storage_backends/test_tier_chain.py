@@ -1,0 +1,64 @@
+"""The issue's done-when: a ``tiers:`` chain memory -> ``lmc://`` daemon -> Redis stores and
+loads bit-exact through the chain, in that order (docs/design.md, "The tier kit"). A real
+daemon (``lmc server``, tests/server's fixture) and a real redis-server."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lmc.config import CacheConfig
+from lmc.memory import MemoryPool
+from lmc.tier_build import build_storage
+from tests.kvutil import assert_bits_equal, random_bits
+from tests.server.conftest import start_daemon as start_daemon  # noqa: F401 - a fixture
+
+pytestmark = pytest.mark.integration
+SHAPE = (2, 2, 16, 64)
+
+
+def test_memory_daemon_redis_chain_stores_and_loads_bit_exact_in_order(start_daemon,  # noqa: F811
+                                                                        redis_server):
+    d = start_daemon("--size", "16MiB")
+    prefix = "chain-test"
+    cfg = CacheConfig(local_cpu_size="1MiB", tiers=[
+        "memory", {"backend": d.url, "remote_timeout": 5},
+        {"backend": redis_server.url, "remote_key_prefix": prefix, "remote_timeout": 5}])
+    sm = build_storage(cfg, MemoryPool(1 << 20, pin_memory=False))
+    assert [t.name for t in sm.tiers] == ["cpu", "server", "redis"]
+    keys = [bytes([42, i]) * 8 for i in range(4)]
+    gen = torch.Generator().manual_seed(11)
+    try:
+        objs = sm.allocate_many(SHAPE, torch.bfloat16, len(keys), 16)
+        want = []
+        for o in objs:
+            o.tensor.copy_(random_bits(SHAPE, torch.bfloat16, gen))
+            want.append(o.tensor.clone())
+        assert sm.put(keys, objs) == len(keys)
+        for o in objs:
+            o.release()
+        assert sm.flush(20)
+        daemon, redis = sm.tiers[1], sm.tiers[2]
+        assert daemon.contains(keys) == [True] * 4 and redis.contains(keys) == [True] * 4
+
+        def load(expect_from: list[int], what: str) -> None:
+            got, where = sm.fetch_prefix(keys)
+            assert where == expect_from, what
+            for g, w in zip(got, want):
+                assert_bits_equal(g.tensor, w, what)
+                g.release()
+
+        load([0] * 4, "from memory")
+        sm.clear_l1()
+        load([1] * 4, "from the daemon")  # the first lower tier answers first
+        sm.clear_l1()
+        assert daemon.delete(keys[2:]) == 2
+        load([1, 1, 2, 2], "from the daemon, then Redis for what it lost")
+        assert sm.flush(20)
+        assert daemon.contains(keys) == [True] * 4  # Redis's hits written back up
+        sm.clear_l1()
+        assert daemon.delete(keys) == 4
+        load([2] * 4, "from Redis alone")
+    finally:
+        sm.delete(keys)
+        sm.close()
