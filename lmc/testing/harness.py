@@ -66,6 +66,9 @@ class TierSpec:
     * ``other_tenants(tier)`` gives the settings of tiers of other tenants over the same
       backend (another namespace, another token): none may see or change ``tier``'s values.
 
+    ``inner`` makes ``spec`` a wrapper tier: the tier ``inner`` describes is built first and
+    handed to it as ``inner=`` (its ``kwargs`` apply to it; ``config`` is this spec's).
+
     ``skip`` maps a test's name to the reason this spec leaves it out (say where it is
     covered instead). ``deadline`` bounds any one call on a dead or hung backend, in seconds.
     A tier implementing :class:`lmc.storage_backend.MemoryTier` (L1) keeps the caller's
@@ -76,6 +79,7 @@ class TierSpec:
     spec: str
     config: dict[str, Any] | Callable[[], dict[str, Any]] = field(default_factory=dict)
     kwargs: dict[str, Any] = field(default_factory=dict)
+    inner: TierSpec | None = None
     corrupt: Callable[[StorageBackend, Key], None] | None = None
     kill: Callable[[StorageBackend], None] | None = None
     revive: Callable[[StorageBackend], None] | None = None
@@ -86,6 +90,19 @@ class TierSpec:
     other_tenants: Callable[[StorageBackend], list[dict[str, Any]]] | None = None
     skip: dict[str, str] = field(default_factory=dict)
     deadline: float = 2.0 + SLACK
+
+    def build(self, config: CacheConfig, pool: Any) -> StorageBackend:
+        """The tier, the public way; a wrapper's ``inner`` tier first, over the same pool and
+        config, handed in as ``inner=`` (as a ``tiers:`` chain builds it). The wrapper owns
+        it: closing the wrapper closes it."""
+        if self.inner is None:
+            return create_backend(self.spec, config, pool, **self.kwargs)
+        inner = self.inner.build(config, pool)
+        try:
+            return create_backend(self.spec, config, pool, inner=inner, **self.kwargs)
+        except BaseException:
+            inner.close()
+            raise
 
     def settings(self) -> dict[str, Any]:
         return dict(self.config() if callable(self.config) else self.config)
@@ -249,7 +266,7 @@ class TierHarness:
                 assert pool not in others, "a test makes one tier per shared pool size"
             assert pool.used_bytes == 0, f"a pool of {pool_bytes} B starts with memory in use"
             config = CacheConfig(**{**tier_spec.settings(), **settings})
-            tier = create_backend(tier_spec.spec, config, pool, **tier_spec.kwargs)
+            tier = tier_spec.build(config, pool)
             made.append(tier)
             return tier
 
