@@ -226,10 +226,22 @@ def _check_backend(e: TierEntry) -> None:
     from lmc.storage_backend import backend_factory
 
     try:
-        backend_factory(e.backend)
+        factory = backend_factory(e.backend)
     except ValueError as err:
         raise ConfigError(f"{e.where}: {err}") from None
+    wrapper = bool(getattr(factory, "wraps", False))
+    if wrapper and e.inner is None:
+        raise ConfigError(f"{e.where}: {e.backend!r} is a wrapper tier: write "
+                          f"{{wrap: {e.backend}, tier: <the tier it wraps>}}")
+    if not wrapper and e.inner is not None:
+        raise ConfigError(f"{e.where}: {e.backend!r} is not a wrapper tier (wrap: takes "
+                          f"counting, rate_limit or another registered wrapper)")
+    if e.backend == "disk" and "path" not in e.options:
+        raise ConfigError(f"{e.where}: the disk tier needs its directory: "
+                          f"{{backend: disk, path: /var/cache/lmc}}")
     if e.inner is not None:
+        if _is_memory(e.inner):
+            raise ConfigError(f"{e.where}.tier: the memory tier cannot be wrapped")
         _check_backend(e.inner)
 
 

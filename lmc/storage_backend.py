@@ -142,10 +142,14 @@ class StorageBackend(abc.ABC):
     """
 
     name: str = "?"
-    medium: ClassVar[Medium] = Medium.REMOTE
-    """Declared by each tier class: where its values live (:class:`Medium`)."""
-    capabilities: ClassVar[TierCapabilities] = TierCapabilities()
+    medium: Medium = Medium.REMOTE
+    """Declared by each tier class: where its values live (:class:`Medium`); a wrapper
+    tier's is the tier it wraps."""
+    capabilities: TierCapabilities = TierCapabilities()
     """Declared by each tier class: what it can do (:class:`TierCapabilities`)."""
+    wraps: ClassVar[bool] = False
+    """True for a wrapper tier (:mod:`lmc.storage_backends.wrappers`): built around another
+    tier (``inner``), named in config as ``{wrap: <name>, tier: <entry>}``."""
     OPTIONS: ClassVar[Mapping[str, BackendOption]] = {}
     """The options config may give this backend (``remote_options:`` or the URL's query);
     each is also a keyword parameter of the constructor, with the same default."""
@@ -317,6 +321,8 @@ BUILTIN_BACKENDS: dict[str, str] = {
     "redis": "lmc.storage_backends.redis",
     "server": "lmc.storage_backends.server",
     "p2p": "lmc.storage_backends.p2p",
+    "counting": "lmc.storage_backends.wrappers",
+    "rate_limit": "lmc.storage_backends.wrappers",
 }
 """Tiers by name, imported by module path on first use: lmc's own are found without package
 metadata (a source checkout, an ``lmc`` copied into a container), unlike entry points.

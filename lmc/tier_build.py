@@ -93,13 +93,25 @@ def create_tier(entry: TierEntry, config: CacheConfig, pool: TierPool) -> Storag
     tier_config = _entry_config(entry, config)
     spec, options = _options(factory, entry, config)
     if entry.inner is None:
-        return factory(spec, config=tier_config, pool=pool, **options)
+        return _make(factory, entry, spec, config=tier_config, pool=pool, **options)
     inner = create_tier(entry.inner, config, pool)
     try:
-        return factory(spec, config=tier_config, pool=pool, inner=inner, **options)
+        return _make(factory, entry, spec, config=tier_config, pool=pool, inner=inner,
+                     **options)
     except BaseException:
         inner.close()
         raise
+
+
+def _make(factory: BackendFactory, entry: TierEntry, spec: str, **kw: object
+          ) -> StorageBackend:
+    """The backend's constructor; a value it refuses is a config error naming the entry."""
+    try:
+        return factory(spec, **kw)
+    except (ValueError, TypeError) as e:
+        if isinstance(e, ConfigError) or entry.shorthand:
+            raise
+        raise ConfigError(f"{entry.where} ({entry.backend}): {e}") from None
 
 
 def build_lower_tiers(config: CacheConfig, l1: MemoryTier,
