@@ -37,7 +37,7 @@ import logging
 import time
 from collections.abc import Sequence
 from functools import partial
-from typing import cast
+from typing import Any, cast
 
 import torch
 
@@ -124,6 +124,23 @@ class WriteOnEvict(TierListener):
         if tier.level == 0 and reason == EVICTED and objs:
             for q in self.queues:
                 q.offer(keys, objs)
+
+
+class EvictionMetrics(TierListener):
+    """The engine's metrics as a listener: each lower tier's own evictions (the disk tier's
+    capacity evictions) counted in ``lmc_evictions{tier}`` and the engine's
+    ``evictions_<tier>`` through ``metrics.evicted(tier, chunks)`` (an
+    :class:`lmc.metrics.EngineMetrics`). L1 counts its own evictions already."""
+
+    observes_stores = False
+
+    def __init__(self, metrics: Any) -> None:
+        self.metrics = metrics
+
+    def on_removed(self, keys: Sequence[Key], tier: TierInfo, reason: str,
+                   objs: Sequence[MemoryObj] | None = None) -> None:
+        if reason == EVICTED and tier.level > 0:
+            self.metrics.evicted(tier.name, len(keys))
 
 
 class StorageManager:

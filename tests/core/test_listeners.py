@@ -12,6 +12,7 @@ import torch
 
 from lmc import CacheConfig
 from lmc.memory import MemoryPool
+from lmc.metrics import EngineMetrics
 from lmc.storage_backend import (
     DELETED,
     EVICTED,
@@ -22,7 +23,7 @@ from lmc.storage_backend import (
     TierInfo,
     TierListener,
 )
-from lmc.storage_manager import StorageManager, WriteOnEvict
+from lmc.storage_manager import EvictionMetrics, StorageManager, WriteOnEvict
 from lmc.tier_build import build_storage
 
 SHAPE = (2, 2, 16, 32)  # [layers, planes, tokens, width] float16: 4 KiB a chunk
@@ -215,3 +216,18 @@ def test_tier_info_names_what_kv_events_need():
     assert (info.name, info.medium.value, info.level) == ("disk", "local_storage", 1)
     with pytest.raises(AttributeError):
         info.name = "x"  # type: ignore[misc]
+
+
+def test_the_engines_metrics_count_the_disk_tiers_evictions(tmp_path):
+    sm, _ = _storage(tmp_path, l1_chunks=8, disk_chunks=2)
+    metrics = EngineMetrics()
+    sm.add_listener(EvictionMetrics(metrics))
+    try:
+        for i in range(0, 6, 2):
+            _store(sm, [i, i + 1])
+            assert sm.flush(10)
+        held = len(_held(sm, range(6))["disk"])
+        assert metrics.counts["evictions_disk"] == 6 - held > 0
+        assert "evictions_cpu" not in metrics.counts  # L1 counts its own
+    finally:
+        sm.close()
