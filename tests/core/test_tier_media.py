@@ -157,3 +157,51 @@ def test_unattributed_hits_go_to_the_one_lower_medium_or_to_unknown():
 def test_a_tier_missing_from_the_declarations_is_unknown():
     side, req, n = _admitted(("cpu", "mystery"), (0, 1), 2)
     assert side.hit_media(req, n, {"cpu": Medium.MEMORY}) == {Medium.MEMORY: CS, None: CS}
+
+
+_VLLM_SCRIPT = """
+import json, types
+from lmc.config import CacheConfig
+from lmc.connectors.vllm import LMCConnector
+from lmc.storage_backend import Medium
+c = object.__new__(LMCConnector)
+c._media = None
+c.settings = types.SimpleNamespace(cache=CacheConfig(tiers=[
+    "memory", {"backend": "disk", "path": "/nonexistent"}, "p2p+lmc://127.0.0.1:9",
+    "redis://127.0.0.1:9"]))
+seen = {}
+class Side:
+    def hit_media(self, request, n, media):
+        seen.update({k: v.value for k, v in media.items()})
+        return {Medium.MEMORY: 10, Medium.LOCAL_STORAGE: 5, Medium.PEER: 3,
+                Medium.REMOTE: 1, None: 2}
+c._scheduler = Side()
+out = c.get_external_cache_hit_sources(object(), 21)
+print(json.dumps({"media": seen, "sources": {k.value: v for k, v in out.items()}}))
+"""
+
+
+@pytest.mark.integration
+def test_vllm_connector_maps_each_declared_medium_to_its_hit_source():
+    """The connector itself, in the vLLM venv: the chain's declarations (read from the
+    config's tiers, nothing built) become vLLM's HOST / DISK / P2P / EXTERNAL sources."""
+    import json
+    import os
+    import subprocess
+    from pathlib import Path
+
+    from tests.requirements import missing
+
+    py = os.environ.get("LMC_VLLM_PYTHON") or "/work/venv-vllm/bin/python"
+    if not Path(py).exists():
+        missing(f"no vLLM environment ({py}): set LMC_VLLM_PYTHON")
+    root = Path(__file__).resolve().parents[2]
+    run = subprocess.run([py, "-c", _VLLM_SCRIPT], capture_output=True, text=True,
+                         timeout=240, cwd=root, env={**os.environ, "PYTHONPATH": str(root)})
+    if run.returncode and "No module named 'vllm'" in run.stderr:
+        missing(f"{py} cannot import vllm")
+    assert run.returncode == 0, run.stderr[-2000:]
+    got = json.loads(run.stdout.strip().splitlines()[-1])
+    assert got["media"] == {"cpu": "memory", "disk": "local_storage", "p2p": "peer",
+                            "redis": "remote"}
+    assert got["sources"] == {"host": 10, "disk": 5, "p2p": 3, "external_unspecified": 3}
