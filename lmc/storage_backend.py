@@ -15,7 +15,7 @@ parses every value and refuses unknown names (naming the closest declared one). 
 declaring no ``OPTIONS`` (a toy tier in a test) takes its constructor's keyword parameters
 verbatim, from ``remote_options`` only.
 
-The contract (``tests/storage_backends/contract.py`` checks it on every tier):
+The contract (:mod:`lmc.testing` checks it on every tier):
 
 * **Batched.** ``contains``/``get``/``put``/``delete`` take a whole prompt's keys: one call per
   prompt, never one per chunk, so a remote tier answers in one round trip. Results are in key

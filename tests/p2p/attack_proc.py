@@ -16,7 +16,6 @@ import sys
 import time
 
 import torch
-from lmc.storage_backends.p2p import P2PBackend, directory_url
 
 from lmc.config import CacheConfig
 from lmc.integrity import Geometry, expect_geometry
@@ -25,7 +24,8 @@ from lmc.p2p.agent import PoolAgent, TransferFailed
 from lmc.p2p.directory_client import DirectoryConnection
 from lmc.p2p.wire import Record
 from lmc.server.client import Address
-from tests.storage_backends.contract import SHAPE, check_hit, fill, key_of
+from lmc.storage_backends.p2p import P2PBackend, directory_url
+from lmc.testing import SHAPE, check_hit, fill, key_of
 
 SECRET = "p2p-attack-suite-secret-0123456789"
 PROMPTS = 120  # lying_size: prompts the reader caches
