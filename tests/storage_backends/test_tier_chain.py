@@ -9,9 +9,11 @@ import torch
 
 from lmc.config import CacheConfig
 from lmc.memory import MemoryPool
+from lmc.storage_backend import create_backend
 from lmc.tier_build import build_storage
 from tests.kvutil import assert_bits_equal, random_bits
 from tests.server.conftest import start_daemon as start_daemon  # noqa: F401 - a fixture
+from tests.server.daemon_proc import client_pool
 
 pytestmark = pytest.mark.integration
 SHAPE = (2, 2, 16, 64)
@@ -62,3 +64,35 @@ def test_memory_daemon_redis_chain_stores_and_loads_bit_exact_in_order(start_dae
     finally:
         sm.delete(keys)
         sm.close()
+
+
+def test_the_daemon_builds_its_chain_from_cache_tiers(start_daemon, redis_server, tmp_path):  # noqa: F811
+    """``lmc server`` with ``cache: {tiers: [memory, disk, Redis]}`` (from its environment):
+    values its 4 MiB memory evicted come back bit-exact from the chain below it."""
+    chain = (f"{{tiers: [memory, {{backend: disk, path: '{tmp_path / 'disk'}'}}, "
+             f"{{backend: '{redis_server.url}', remote_key_prefix: daemon-chain}}]}}")
+    d = start_daemon("--size", "4MiB", env={"LMC_SERVER_CACHE": chain})
+    cfg, pool = client_pool("32MiB")
+    tier = create_backend(d.url, cfg, pool)
+    gen = torch.Generator().manual_seed(5)
+    objs = []
+    try:
+        for _ in range(12):  # 6 MiB through a 4 MiB memory tier
+            o = pool.allocate((2, 2, 64, 1024), torch.bfloat16, 64)  # 512 KiB
+            o.tensor.copy_(random_bits((2, 2, 64, 1024), torch.bfloat16, gen))
+            objs.append(o)
+        keys = [bytes([77, i]) * 8 for i in range(12)]
+        for i in range(0, 12, 2):
+            assert tier.put(keys[i:i + 2], objs[i:i + 2]) == 2
+        tiers = d.stats()["tiers"]
+        assert tiers["cpu.evictions"] > 0 and "disk.put_chunks" in tiers
+        assert "redis.put_chunks" in tiers
+        got = tier.get(keys)
+        for o, g in zip(objs, got):
+            assert g is not None, "an evicted value was not served from the chain"
+            assert_bits_equal(g.tensor, o.tensor, "through the daemon's chain")
+            g.release()
+    finally:
+        for o in objs:
+            o.release()
+        tier.close()
