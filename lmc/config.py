@@ -401,6 +401,10 @@ class CacheConfig(Settings):
                 from lmc.storage_backend import backend_factory, configured_options
 
                 configured_options(backend_factory(self.remote_url), self.remote_url, self)
+            if self.tiers is not None:
+                from lmc.tier_build import check_chain
+
+                check_chain(self)
         except ValueError as e:
             raise ConfigError(str(e)) from None
 

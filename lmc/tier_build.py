@@ -85,6 +85,18 @@ def _options(factory: BackendFactory, entry: TierEntry, config: CacheConfig
     return backend_options(factory, entry.backend, entry.options, where=entry.where)
 
 
+def check_chain(config: CacheConfig) -> None:
+    """What building the chain would refuse, without building it (``lmc config``): each
+    entry's options (names and values, against what its backend declares) and the core keys
+    it sets for its tier. Raises :class:`ConfigError` naming the entry."""
+    for top in config.tier_chain()[1:]:
+        entry: TierEntry | None = top
+        while entry is not None:
+            _entry_config(entry, config)
+            _options(backend_factory(entry.backend), entry, config)
+            entry = entry.inner
+
+
 def create_tier(entry: TierEntry, config: CacheConfig, pool: TierPool) -> StorageBackend:
     """One lower tier of the chain (a wrapper: its wrapped tier first, handed in as
     ``inner``). Its options are checked against what its backend declares, naming

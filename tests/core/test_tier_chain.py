@@ -173,3 +173,20 @@ def test_printed_chain_reads_back_the_same_and_hides_per_tier_secrets(tmp_path):
     assert shown[0] == "memory" and shown[2]["remote_token"] == "***"
     assert "tok-123456" not in repr(cfg.public_dict())
     assert "tok-123456" not in repr(cfg) and "tok-123456" not in str(cfg.tiers)
+
+
+def test_preflight_checks_each_entrys_options_without_building(tmp_path):
+    """``lmc config`` (``preflight``) refuses what building would, naming the entry; nothing
+    is created (the disk directory stays absent)."""
+    path = tmp_path / "never"
+    bad = CacheConfig(tiers=["memory", {"backend": "disk", "path": str(path)},
+                             {"wrap": "counting", "log_cals": True,
+                              "tier": "redis://127.0.0.1:9"}])
+    with pytest.raises(ConfigError, match=r"tiers\[2\].*'log_cals'.*'log_calls'"):
+        bad.preflight()
+    inner = CacheConfig(tiers=["memory", {"wrap": "counting", "tier": {
+        "backend": "redis://127.0.0.1:9", "ttl": "forever"}}])
+    with pytest.raises(ConfigError, match=r"ttl"):
+        inner.preflight()
+    CacheConfig(tiers=["memory", {"backend": "disk", "path": str(path)}]).preflight()
+    assert not path.exists()
