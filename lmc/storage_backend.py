@@ -9,8 +9,10 @@ group (how a third-party package plugs in).
 
 Per-backend options are the backend's own, never new core keys: a backend declares them in
 ``OPTIONS`` (name -> :class:`BackendOption`: default, parser, one-line doc) and takes each
-as a keyword argument of its constructor. Config gives them under ``remote_options:`` or in
-the URL's query (``redis://h:6379?connections=8``); :func:`create_backend` merges the two,
+as a keyword argument of its constructor. Config gives them in the tier's ``tiers:`` entry
+(``{backend: "redis://h:6379", connections: 8}``, :mod:`lmc.tier_build`), or for the
+shorthand ``remote_url`` under ``remote_options:`` or in the URL's query
+(``redis://h:6379?connections=8``); :func:`create_backend` merges the two,
 parses every value and refuses unknown names (naming the closest declared one). A backend
 declaring no ``OPTIONS`` (a toy tier in a test) takes its constructor's keyword parameters
 verbatim, from ``remote_options`` only.
