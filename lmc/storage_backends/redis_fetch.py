@@ -31,13 +31,10 @@ from lmc.integrity import Geometry, Integrity
 from lmc.memory import MemoryObj
 from lmc.remote_tier import Rejects
 from lmc.serde import (
-    HEADER_SIZE,
-    TAG_SIZE,
     CorruptValue,
     Header,
-    decode_header,
-    verify_payload,
 )
+from lmc.storage_backends.codec import ValueHead
 
 from .redis_jobs import Allocate, Call, Job
 from .redis_wire import Deadline, ReplyError, WireConn, command
@@ -69,9 +66,9 @@ class GetJob(Job):
                  integrity: Integrity | None = None, geometry: Geometry | None = None
                  ) -> None:
         super().__init__(call, idxs)
-        self.integrity = integrity
+        self.frame = ValueHead(integrity)
         self.geometry = geometry
-        self.hsize = HEADER_SIZE + (TAG_SIZE if integrity else 0)  # bytes before the payload
+        self.hsize = self.frame.size  # bytes before the payload
         if piece <= self.hsize:
             raise ValueError(f"piece size must exceed the {self.hsize}-byte header")
         self.allocate = allocate
@@ -144,10 +141,7 @@ class GetJob(Job):
         if n == 0:
             return None  # no value under this key
         try:
-            hdr = decode_header(head, expected_key=self.call.keys[i],
-                                tagged=self.integrity is not None)
-            if self.geometry is not None:  # before allocating anything for it
-                self.geometry.check(hdr.shape, hdr.dtype)
+            hdr = self.frame.decode(head, self.call.keys[i], self.geometry)  # before allocating
             vlen = self.hsize + hdr.payload_len
             if n != min(self.first, vlen):  # a longer value shows in its last piece
                 raise CorruptValue(f"value is {n} bytes, its header says {vlen}")
@@ -185,13 +179,9 @@ class GetJob(Job):
 
     def _finish(self, i: int, st: _Open) -> None:
         del self._open[i]
-        integrity = self.integrity
 
         def check() -> None:
-            verify_payload(st.hdr, st.view)
-            if integrity is not None:
-                integrity.check(self.call.keys[i], st.head[:HEADER_SIZE],
-                                st.head[HEADER_SIZE:], st.view)
+            self.frame.verify(self.call.keys[i], st.head, st.hdr, st.view)
 
         if self._bad.verify(i, st.obj, check, self._name(i)) is None:
             return

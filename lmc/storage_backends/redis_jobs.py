@@ -16,11 +16,7 @@ import torch
 
 from lmc.integrity import Integrity
 from lmc.memory import MemoryObj
-from lmc.serde import (
-    HEADER_SIZE,
-    TAG_SIZE,
-    encode_header,
-)
+from lmc.storage_backends.codec import ValueHead
 
 from .redis_wire import Deadline, Outbox, ReplyError, WireConn, command
 
@@ -110,19 +106,15 @@ class SetJob(Job):
         super().__init__(call, idxs)
         self.objs = objs
         self.px = px
-        self.integrity = integrity
-        self.head = HEADER_SIZE + (TAG_SIZE if integrity else 0)
+        self.frame = ValueHead(integrity)
+        self.head = self.frame.size
 
     def send(self, wc: WireConn, dl: Deadline) -> None:
         keys, rkeys = self.call.keys, self.call.rkeys
-        seal = self.integrity
         for i in self.idxs:
             obj = self.objs[i]
             payload = obj.byte_view()
-            header = encode_header(keys[i], obj.shape, obj.dtype, obj.num_tokens, payload,
-                                   tagged=seal is not None)
-            if seal is not None:
-                header += seal.seal(keys[i], header, payload)
+            header = self.frame.encode(keys[i], obj, payload)
             out = Outbox()
             out.add_set(rkeys[i], header, payload, self.px)
             wc.send(out.finish(), dl)

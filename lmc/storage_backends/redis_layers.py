@@ -34,7 +34,8 @@ import xxhash
 from lmc.layered_read import LayeredRead, LayerReadError
 from lmc.memory import MemoryObj
 from lmc.remote_tier import Rejects
-from lmc.serde import HEADER_SIZE, CorruptValue, Header, decode_header
+from lmc.serde import CorruptValue, Header
+from lmc.storage_backends.codec import ValueHead
 
 from .redis_jobs import Call, Job
 from .redis_wire import Deadline, ReplyError, WireConn, command
@@ -209,6 +210,7 @@ class RedisLayeredRead:
 
     def _open(self) -> list[MemoryObj | None]:
         tier = self.tier
+        frame = ValueHead(tier.integrity)
         hsize = tier.head
         call = Call("get", self.keys, self.rkeys, [None] * len(self.keys))
         tier._dispatch(call, lambda c, idxs: HeadJob(c, idxs, hsize), Deadline(tier.timeout),
@@ -220,8 +222,7 @@ class RedisLayeredRead:
                 continue  # no value (or the server did not answer): a miss
             head, n = r
             try:
-                hdr = decode_header(head, expected_key=self.keys[i],
-                                    tagged=tier.integrity is not None)
+                hdr = frame.decode(head, self.keys[i])
                 if len(head) != hsize or n != hsize + hdr.payload_len:
                     raise CorruptValue(f"value is {n} bytes, its header says "
                                        f"{hsize + hdr.payload_len}")
@@ -324,8 +325,4 @@ class RedisLayeredRead:
     def _check(self, i: int, obj: MemoryObj, hdr: Header, hasher: Any) -> None:
         if hasher.intdigest() != hdr.checksum:
             raise CorruptValue("payload checksum mismatch (read layer by layer)")
-        integrity = self.tier.integrity
-        if integrity is not None:
-            head = self.heads[i]
-            integrity.check(self.keys[i], head[:HEADER_SIZE], head[HEADER_SIZE:],
-                            obj.byte_view())
+        ValueHead(self.tier.integrity).check_tag(self.keys[i], self.heads[i], obj.byte_view())
