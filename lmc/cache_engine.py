@@ -28,7 +28,7 @@ from lmc.memory import LazyTensors, Lease, MemoryObj, MemoryPool, PoolArrays
 from lmc.metrics import EngineMetrics
 from lmc.pins import PinTable
 from lmc.storage_backend import Key
-from lmc.storage_manager import StorageManager
+from lmc.storage_manager import EvictionMetrics, StorageManager
 from lmc.tier_build import TierSpec, build_storage
 from lmc.token_database import (
     Chunk,
@@ -105,6 +105,7 @@ class CacheEngine:
             self.pool.close()
             raise
         self.metrics = EngineMetrics()
+        self.storage.add_listener(EvictionMetrics(self.metrics))  # lower tiers' evictions
         self._transfer_pref = transfer
         # bound to the cache's geometry, not its block count: a re-created cache (vLLM's
         # allocation after profiling, sleep/wake) of the same model is accepted

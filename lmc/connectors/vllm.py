@@ -57,7 +57,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from lmc.connectors.core import ConnectorConfig
 from lmc.connectors.metadata import ConnectorMetadata
 from lmc.connectors.model_id import model_identity
-from lmc.connectors.vllm_config import load_settings
+from lmc.connectors.vllm_config import load_settings, per_rank_disks
 from lmc.connectors.vllm_layout import (
     UnsupportedLayout,
     check_cache_dtype,
@@ -187,10 +187,7 @@ class LMCConnector(KVConnectorBase_V1):
                                             LookupClient(paths, opts.lookup_timeout))
         else:
             rank = _tp_rank()
-            cache = settings.cache
-            if cache.local_disk and tp_size > 1:  # one disk tier (index, LRU) per rank
-                cache = cache.replace(
-                    local_disk=os.path.join(cache.local_disk, f"tp{rank}of{tp_size}"))
+            cache = per_rank_disks(settings.cache, rank, tp_size)
             self._worker = WorkerSide(cache, _model_id(vllm_config, opts.model_id),
                                       rank, tp_size, block_size, opts.layerwise, paths[rank],
                                       remote_wait=opts.remote_prefill_wait)

@@ -14,11 +14,12 @@ No vLLM import here: this module is tested without vLLM.
 from __future__ import annotations
 
 import dataclasses
+import os
 import tempfile
 from collections.abc import Mapping
 from typing import Any
 
-from lmc.config import CacheConfig, load_connector_settings
+from lmc.config import CacheConfig, TierEntry, load_connector_settings
 from lmc.settings import Settings, parse_bool, parse_duration, parse_opt_str, setting
 
 
@@ -68,3 +69,26 @@ def load_settings(extra_config: Mapping[str, Any] | None,
     cache, opts = load_connector_settings(extra_config, "vllm", VllmOptions,
                                           "kv_connector_extra_config", environ)
     return ConnectorSettings(cache, opts)
+
+
+def per_rank_disks(cache: CacheConfig, rank: int, tp_size: int) -> CacheConfig:
+    """``cache`` with every disk tier in a directory of its own per tensor-parallel rank
+    (``<path>/tp<rank>of<size>``): each rank's worker holds its own disk tier (index, LRU,
+    directory lock), so ranks sharing one directory would refuse to start."""
+    if tp_size <= 1:
+        return cache
+    sub = f"tp{rank}of{tp_size}"
+    if cache.local_disk:
+        return cache.replace(local_disk=os.path.join(cache.local_disk, sub))
+    if cache.tiers is None:
+        return cache
+    return cache.replace(tiers=tuple(_rank_entry(e, sub) for e in cache.tiers))
+
+
+def _rank_entry(entry: TierEntry, sub: str) -> TierEntry:
+    if entry.inner is not None:  # a wrapper: the disk tier it wraps moves
+        return dataclasses.replace(entry, inner=_rank_entry(entry.inner, sub))
+    path = entry.options.get("path")
+    if entry.backend != "disk" or not isinstance(path, str):
+        return entry
+    return dataclasses.replace(entry, options={**entry.options, "path": os.path.join(path, sub)})

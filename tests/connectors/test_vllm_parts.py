@@ -9,8 +9,9 @@ from typing import Any
 
 import pytest
 import torch
+
 from lmc.connectors.core import ConnectorConfig
-from lmc.connectors.vllm_config import load_settings
+from lmc.connectors.vllm_config import load_settings, per_rank_disks
 from lmc.connectors.vllm_layout import (
     UnsupportedLayout,
     check_cache_dtype,
@@ -19,7 +20,6 @@ from lmc.connectors.vllm_layout import (
     resolve_gpu,
 )
 from lmc.connectors.vllm_scheduler import SchedulerSide
-
 from lmc.lookup import LookupResult
 from lmc.lookup_service import LookupClientStats
 
@@ -27,6 +27,23 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 # ---------------------------------------------------------------------------- settings
+def test_each_rank_gets_its_own_disk_directory_in_any_chain(tmp_path):
+    """Two TP ranks sharing one disk directory: the second cannot take the directory's lock
+    and its worker fails to start. Shorthand and ``tiers:`` entries (wrapped too) move."""
+    from lmc.config import CacheConfig
+
+    d = str(tmp_path / "d")
+    short = per_rank_disks(CacheConfig(local_disk=d), 1, 2)
+    assert short.local_disk == str(tmp_path / "d" / "tp1of2")
+    chain = CacheConfig(tiers=["memory", {"wrap": "counting", "tier": {"backend": "disk",
+                                                                        "path": d}},
+                               {"backend": "disk", "path": d + "2"}, "lmc://127.0.0.1:1"])
+    paths = [e.inner.options["path"] if e.inner else e.options.get("path")
+             for e in per_rank_disks(chain, 0, 4).tiers]
+    assert paths == [None, str(tmp_path / "d" / "tp0of4"), str(tmp_path / "d2" / "tp0of4"), None]
+    assert per_rank_disks(chain, 0, 1) is chain
+
+
 def test_shipped_yaml_loads():
     s = load_settings({"lmc.config_file": str(ROOT / "configs" / "vllm.yaml")}, environ={})
     assert s.cache.chunk_size == 256 and s.cache.local_disk

@@ -500,3 +500,16 @@ def test_gpu_layerwise_round_trip_into_a_recreated_cache(mode, monkeypatch):
         if mode != "calibrated":
             assert s["copy_path.scatter.per_layer"] == mode
             assert s[f"copy_calls.scatter.per_layer.{mode}"] == spec.num_layers
+
+
+def test_the_engine_counts_its_disk_tiers_evictions(tmp_path):
+    """Lower tiers' own evictions reach the engine's metrics (``evictions_disk``,
+    ``lmc_evictions{tier="disk"}``) through its eviction listener."""
+    src = make_caches("vllm_flash", blocks=64, block_size=4)
+    spec = spec_for("vllm_flash", src)
+    with _engine(src, "vllm_flash", local_disk=str(tmp_path), local_disk_size="48KiB") as eng:
+        for seed in range(4):
+            toks = random_tokens(32, seed=seed)
+            assert eng.store(toks, src, _slots_for(spec, 32, seed)) == 32
+            assert eng.storage.flush(10)
+        assert eng.metrics.counts.get("evictions_disk", 0) > 0, eng.metrics.counts
