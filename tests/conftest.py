@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import gc
 import os
+import signal
 
 os.environ.setdefault("LMC_DEBUG_INVARIANTS", "1")  # before any pool exists
 
@@ -31,6 +32,11 @@ pytest_plugins = ["pytester"]  # tests/core/test_memory.py runs the harness on a
 
 
 def pytest_configure(config):
+    # Ctrl-C tests (lmc server, lmc stats --watch, the demo, lmc replay) send SIGINT to lmc
+    # and expect a terminal's disposition. A run started in the background (`cmd &`, nohup)
+    # inherits SIGINT ignored, and every child would inherit that too: restore the default.
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     config.addinivalue_line(
         "markers", "leaks_expected: the test leaks pool references on purpose (not a failure)")
 

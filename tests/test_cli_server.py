@@ -132,13 +132,17 @@ def test_ctrl_c_while_the_pool_is_built_is_not_a_traceback(tmp_path, entry):
                              "--prefault", "true"], cwd=ROOT,
                             env={**os.environ, "PYTHONPATH": str(ROOT)},
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    seen, deadline = "", time.monotonic() + 90
-    while "building the storage" not in seen:
-        assert proc.poll() is None and time.monotonic() < deadline, seen
-        seen += proc.stdout.readline()
-    time.sleep(0.5)
-    proc.send_signal(signal.SIGINT)
-    out = seen + proc.communicate(timeout=60)[0]
+    try:  # an 8 GiB daemon left behind would starve every later test of memory
+        seen, deadline = "", time.monotonic() + 90
+        while "building the storage" not in seen:
+            assert proc.poll() is None and time.monotonic() < deadline, seen
+            seen += proc.stdout.readline()
+        time.sleep(0.5)
+        proc.send_signal(signal.SIGINT)
+        out = seen + proc.communicate(timeout=60)[0]
+    finally:
+        proc.kill()
+        proc.wait()
     assert proc.returncode == 130 and "lmc server: interrupted" in out, out
     assert "Traceback" not in out
 
