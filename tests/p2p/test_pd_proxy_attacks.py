@@ -17,7 +17,6 @@ import contextlib
 import json
 import os
 import re
-import resource
 import socket
 import subprocess
 import sys
@@ -29,20 +28,20 @@ from hypothesis import HealthCheck, given, settings
 
 from lmc.http_json import HttpLimits
 from lmc.pd_proxy import Proxy
-from lmc.reference import LLM, make_tiny_checkpoint
-from lmc.reference.serve import Server
-from tests.reference.test_serve_attacks import (
-    BODIES,
-    FIELD_ERRORS,
+from tests.http_attack_kit import (
+    LIMITS,
     NORMAL,
-    PROMPT,
+    expected_tokens,
+    flood_then_serve,
+    low_nofile,
     message,
     post,
     read_answer,
+    running_server,
+    tiny_model,
 )
+from tests.reference.test_serve_attacks import BODIES, FIELD_ERRORS
 from tests.server.daemon_proc import ROOT
-
-LIMITS = HttpLimits(max_connections=16, read_timeout=1.0, max_body=256 << 10)
 
 
 class Liar:
@@ -92,22 +91,18 @@ def http200(body: bytes, extra: bytes = b"") -> bytes:
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
-    return make_tiny_checkpoint(tmp_path_factory.mktemp("proxy") / "tiny", hidden=64,
-                                layers=2, max_position_embeddings=64)
+    return tiny_model(tmp_path_factory.mktemp("proxy"))
 
 
 @pytest.fixture(scope="module")
 def want(ckpt) -> list[int]:
-    with LLM(ckpt, num_blocks=32) as llm:
-        return llm.generate([PROMPT], max_tokens=4, ignore_eos=True)[0].token_ids
+    return expected_tokens(ckpt)
 
 
 @pytest.fixture(scope="module")
 def honest(ckpt):
-    srv = Server(LLM(ckpt, num_blocks=32), limits=LIMITS)
-    threading.Thread(target=srv.serve_forever, daemon=True).start()
-    yield srv
-    srv.close()
+    with running_server(ckpt) as srv:
+        yield srv
 
 
 @pytest.fixture(scope="module")
@@ -295,37 +290,20 @@ def test_past_the_cap_with_every_request_in_flight_a_newcomer_gets_503_at_once(
 
 
 def test_a_flood_at_nofile_128_leaves_the_proxy_serving_everyone(honest, want, tmp_path):
-    def low_nofile() -> None:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (128, 128))
-
-    log = open(tmp_path / "proxy.log", "w")  # noqa: SIM115
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "lmc.cli", "pd-proxy", "--port", "0", "--prefill", honest.url,
-         "--decode", honest.url], cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
-        stdout=subprocess.PIPE, stderr=log, text=True, preexec_fn=low_nofile)
-    socks = []
-    try:
-        line = proc.stdout.readline()
-        port = int(re.search(r" at http://[\d.]+:(\d+)", line).group(1))
-        for _ in range(300):
-            with contextlib.suppress(OSError):
-                s = socket.create_connection(("127.0.0.1", port), timeout=5)
-                s.sendall(b"POST /v1/comp")
-                socks.append(s)
-        for _ in range(3):
-            status, raw = post(port, NORMAL, timeout=10)
-            assert status == 200 and json.loads(raw)["choices"][0]["token_ids"] == want, raw
-        for body, _ in FIELD_ERRORS:  # relayed refusals and its own: no traceback
-            assert post(port, body, timeout=10)[0] == 400
-        assert proc.poll() is None
-        text = (tmp_path / "proxy.log").read_text()
-        assert "Too many open files" not in text and "Traceback" not in text, text[-3000:]
-    finally:
-        for s in socks:
-            s.close()
-        proc.kill()
-        proc.wait(30)
-        log.close()
+    log = tmp_path / "proxy.log"
+    with open(log, "w") as err:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "lmc.cli", "pd-proxy", "--port", "0", "--prefill",
+             honest.url, "--decode", honest.url], cwd=ROOT,
+            env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.PIPE, stderr=err,
+            text=True, preexec_fn=low_nofile)
+        try:
+            port = int(re.search(r" at http://[\d.]+:(\d+)", proc.stdout.readline()).group(1))
+        except BaseException:
+            proc.kill()
+            raise
+        # relayed refusals and the proxy's own: answered, no traceback
+        flood_then_serve(proc, port, log, want, [body for body, _ in FIELD_ERRORS])
 
 
 @settings(max_examples=40, deadline=None, derandomize=True,

@@ -14,7 +14,6 @@ import contextlib
 import json
 import math
 import os
-import resource
 import socket
 import subprocess
 import sys
@@ -27,59 +26,40 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from lmc.http_json import HttpLimits
-from lmc.reference import LLM, make_tiny_checkpoint
+from lmc.reference import LLM
 from lmc.reference.serve import BadRequest, Server, _Job, parse_completion
+from tests.http_attack_kit import (
+    LIMITS,
+    NORMAL,
+    PROMPT,
+    expected_tokens,
+    flood_then_serve,
+    low_nofile,
+    message,
+    post,
+    read_answer,
+    running_server,
+    tiny_model,
+    wait_for,
+)
 from tests.reference.ref_connector import InMemoryConnector
 from tests.server.daemon_proc import ROOT
-
-PROMPT = [5, 17, 99, 3, 250, 7, 41, 12]
-NORMAL = {"prompt": PROMPT, "max_tokens": 4, "ignore_eos": True, "return_token_ids": True}
-LIMITS = HttpLimits(max_connections=16, read_timeout=1.0, max_body=256 << 10)
 
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory) -> Path:
-    return make_tiny_checkpoint(tmp_path_factory.mktemp("attacks") / "tiny", hidden=64,
-                                layers=2, max_position_embeddings=64)
+    return tiny_model(tmp_path_factory.mktemp("attacks"))
 
 
 @pytest.fixture(scope="module")
 def want(ckpt) -> list[int]:
-    with LLM(ckpt, num_blocks=32) as llm:
-        return llm.generate([PROMPT], max_tokens=4, ignore_eos=True)[0].token_ids
+    return expected_tokens(ckpt)
 
 
 @pytest.fixture(scope="module")
 def server(ckpt):
-    srv = Server(LLM(ckpt, num_blocks=32), limits=LIMITS)
-    threading.Thread(target=srv.serve_forever, daemon=True).start()
-    yield srv
-    srv.close()
-
-
-def exchange(port: int, data: bytes, timeout: float = 10.0) -> tuple[int, bytes]:
-    """Send ``data`` on a fresh socket, read the answer to EOF: ``(status, body)``."""
-    with socket.create_connection(("127.0.0.1", port), timeout=timeout) as s:
-        s.sendall(data)
-        return read_answer(s)
-
-
-def read_answer(s: socket.socket) -> tuple[int, bytes]:
-    buf = b""
-    while chunk := s.recv(65536):
-        buf += chunk
-    head, _, body = buf.partition(b"\r\n\r\n")
-    return int(head.split(b" ", 2)[1]), body
-
-
-def post(port: int, body: bytes | dict, timeout: float = 30.0) -> tuple[int, bytes]:
-    data = body if isinstance(body, bytes) else json.dumps(body).encode()
-    return exchange(port, b"POST /v1/completions HTTP/1.0\r\nContent-Length: %d\r\n\r\n%s"
-                    % (len(data), data), timeout)
-
-
-def message(raw: bytes) -> str:
-    return json.loads(raw)["error"]["message"]
+    with running_server(ckpt) as srv:
+        yield srv
 
 
 def assert_served(server: Server, want: list[int]) -> None:
@@ -387,43 +367,20 @@ def test_at_the_connection_cap_silent_sockets_give_way_to_real_requests(server, 
 def test_a_flood_at_nofile_128_leaves_the_server_serving_everyone(ckpt, want, tmp_path):
     """The server in its own process at RLIMIT_NOFILE 128 (the issue's setting): 300 half-
     sent request lines, then an ordinary client is served, and the server still runs."""
-    def low_nofile() -> None:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (128, 128))
-
-    ready = tmp_path / "ready.json"
-    log = open(tmp_path / "serve.log", "w")  # noqa: SIM115
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "lmc.reference.serve", "--model", str(ckpt), "--port", "0",
-         "--num-blocks", "32", "--ready-file", str(ready)], cwd=ROOT,
-        env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.DEVNULL,
-        stderr=log, preexec_fn=low_nofile)
-    socks = []
-    try:
-        end = time.monotonic() + 60
-        while not ready.exists():
-            assert proc.poll() is None and time.monotonic() < end, \
-                (tmp_path / "serve.log").read_text()[-2000:]
-            time.sleep(0.1)
+    ready, log = tmp_path / "ready.json", tmp_path / "serve.log"
+    with open(log, "w") as err:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "lmc.reference.serve", "--model", str(ckpt), "--port", "0",
+             "--num-blocks", "32", "--ready-file", str(ready)], cwd=ROOT,
+            env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.DEVNULL,
+            stderr=err, preexec_fn=low_nofile)
+        try:
+            wait_for(ready, proc, log)
+        except BaseException:
+            proc.kill()
+            raise
         port = json.loads(ready.read_text())["port"]
-        for _ in range(300):
-            with contextlib.suppress(OSError):  # refused ones are closed by the server
-                s = socket.create_connection(("127.0.0.1", port), timeout=5)
-                s.sendall(b"POST /v1/comp")
-                socks.append(s)
-        for _ in range(3):
-            status, raw = post(port, NORMAL, timeout=10)
-            assert status == 200 and json.loads(raw)["choices"][0]["token_ids"] == want, raw
-        for body, _ in FIELD_ERRORS:  # ordinary mistakes: answered, and no traceback
-            assert post(port, body, timeout=10)[0] == 400
-        assert proc.poll() is None
-        text = (tmp_path / "serve.log").read_text()
-        assert "Too many open files" not in text and "Traceback" not in text, text[-3000:]
-    finally:
-        for s in socks:
-            s.close()
-        proc.kill()
-        proc.wait(30)
-        log.close()
+        flood_then_serve(proc, port, log, want, [body for body, _ in FIELD_ERRORS])
 
 
 @pytest.mark.parametrize("kw,words", [
