@@ -57,6 +57,7 @@ from lmc.testing.harness import (  # noqa: E402
     check_hit,
     expected_bytes,
     fill,
+    get_checked,
     key_of,
     release,
 )
@@ -75,6 +76,7 @@ class TierContract(BasicContract, BatchContract, ModelContract, ReferenceContrac
 
 
 __all__ = [
+    "get_checked",
     "CHUNK_BYTES", "POOL_BYTES", "ROUND_TRIPS", "SHAPE",
     "BasicContract", "BatchContract", "ConcurrencyContract", "FailureContract",
     "IntegrityContract", "IsolationContract", "LayeredReadContract", "ModelContract",

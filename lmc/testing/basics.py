@@ -16,6 +16,7 @@ from lmc.testing.harness import (
     TierHarness,
     check_hit,
     expected_bytes,
+    get_checked,
     key_of,
     raw,
     release,
@@ -35,12 +36,7 @@ class BasicContract(TierHarness):
             assert tier.contains(keys) == [True] * 3, case
             assert tier.prefix_hits(keys) == 3, case
             for _ in range(2):
-                got = tier.get(keys)
-                try:
-                    for k, o in zip(keys, got):
-                        check_hit(o, k, shape, dtype)
-                finally:
-                    release(got)
+                get_checked(tier, keys, shape=shape, dtype=dtype)
 
     def test_stored_values_outlive_the_callers_objects(self, tier, tier_spec):
         """After ``put`` the caller releases its objects and the pool reuses that memory for
@@ -49,12 +45,7 @@ class BasicContract(TierHarness):
         self.store(tier, tier_spec, keys)
         others = self.chunks(tier, tier_spec, [key_of(f"other{i}") for i in range(8)])
         try:
-            got = tier.get(keys)
-            try:
-                for k, o in zip(keys, got):
-                    check_hit(o, k)
-            finally:
-                release(got)
+            get_checked(tier, keys)
         finally:
             release(others)
 

@@ -18,6 +18,7 @@ from lmc.testing.harness import (
     TierSpec,
     check_hit,
     fill,
+    get_checked,
     key_of,
     release,
     seeded,
@@ -51,14 +52,7 @@ class ConcurrencyContract(TierHarness):
                         finally:
                             release(objs)
                     elif op < 0.8:
-                        got = tier.get(batch)
-                        try:
-                            assert len(got) == len(batch)
-                            for k, o in zip(batch, got):
-                                if o is not None:
-                                    check_hit(o, k)
-                        finally:
-                            release(got)
+                        get_checked(tier, batch, misses=True)
                     elif op < 0.93:
                         assert len(tier.contains(batch)) == len(batch)
                     else:
@@ -74,12 +68,7 @@ class ConcurrencyContract(TierHarness):
         assert not any(t.is_alive() for t in threads), "a tier call hung under concurrency"
         assert not errors, "\n".join(errors)
         self.store(tier, tier_spec, keys[:2])  # still serves after the storm
-        got = tier.get(keys[:2])
-        try:
-            for k, o in zip(keys[:2], got):
-                check_hit(o, k)
-        finally:
-            release(got)
+        get_checked(tier, keys[:2])
 
     def test_no_value_is_visible_before_it_is_complete(self, tier, tier_spec):
         """Two readers ask for 192 KiB values while a writer stores and deletes them over and
@@ -153,14 +142,7 @@ class ConcurrencyContract(TierHarness):
                 batch = [r.choice(keys) for _ in range(r.randint(1, 12))]
                 try:
                     if r.random() < 0.6:
-                        got = tier.get(batch)
-                        try:
-                            assert len(got) == len(batch)
-                            for k, o in zip(batch, got):
-                                if o is not None:
-                                    check_hit(o, k)
-                        finally:
-                            release(got)
+                        get_checked(tier, batch, misses=True)
                     else:
                         objs = self.chunks(tier, spec, batch)
                         try:

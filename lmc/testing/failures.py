@@ -64,31 +64,29 @@ class FailureContract(TierHarness):
             assert time.monotonic() < deadline, f"the tier did not come back in {within} s"
             time.sleep(0.1)
 
-    def test_dead_backend_answers_misses_within_a_deadline(self, tier, tier_spec):
-        if tier_spec.kill is None:
-            pytest.skip(f"{tier_spec.spec}: the spec has no way to kill its backend")
-        keys = [key_of(f"dead{i}") for i in range(8)]
+    def _fault(self, tier, tier_spec, name, cause, undo) -> None:
+        """Store, break the backend with ``cause``, and expect misses within the deadline;
+        ``undo`` (if any) repairs it whatever happened."""
+        keys = [key_of(f"{name}{i}") for i in range(8)]
         self.store(tier, tier_spec, keys)
-        tier_spec.kill(tier)
+        cause(tier)
         try:
             self._misses_within_deadline(tier, tier_spec, keys)
         finally:
-            if tier_spec.revive is not None:
-                tier_spec.revive(tier)
+            if undo is not None:
+                undo(tier)
+
+    def test_dead_backend_answers_misses_within_a_deadline(self, tier, tier_spec):
+        if tier_spec.kill is None:
+            pytest.skip(f"{tier_spec.spec}: the spec has no way to kill its backend")
+        self._fault(tier, tier_spec, "dead", tier_spec.kill, tier_spec.revive)
         if tier_spec.revive is not None:
             self._serves_again(tier, tier_spec)
 
     def test_hung_backend_answers_misses_within_a_deadline(self, tier, tier_spec):
         if tier_spec.hang is None:
             pytest.skip(f"{tier_spec.spec}: the spec has no way to make its backend stop answering")
-        keys = [key_of(f"hung{i}") for i in range(8)]
-        self.store(tier, tier_spec, keys)
-        tier_spec.hang(tier)
-        try:
-            self._misses_within_deadline(tier, tier_spec, keys)
-        finally:
-            if tier_spec.unhang is not None:
-                tier_spec.unhang(tier)
+        self._fault(tier, tier_spec, "hung", tier_spec.hang, tier_spec.unhang)
         self._serves_again(tier, tier_spec)
 
     def test_close_while_the_backend_hangs(self, tier, tier_spec):

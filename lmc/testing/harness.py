@@ -151,6 +151,21 @@ def check_hit(obj: MemoryObj | None, key: Key, shape: Sequence[int] = SHAPE,
         f"{key.hex()}: the bytes read back differ from the bytes stored"
 
 
+def get_checked(tier: Any, keys: Sequence[Key], *, misses: bool = False,
+                shape: Sequence[int] = SHAPE, dtype: torch.dtype = torch.float16) -> int:
+    """``tier.get(keys)``: one answer per key, every hit the chunk stored under its key (a
+    miss only where ``misses`` allows it), every reference released; the number of hits."""
+    got = tier.get(keys)
+    try:
+        assert len(got) == len(keys), f"get of {len(keys)} keys answered {len(got)}"
+        for k, o in zip(keys, got):
+            if o is not None or not misses:
+                check_hit(o, k, shape, dtype)
+        return sum(o is not None for o in got)
+    finally:
+        release(got)
+
+
 def release(objs: Sequence[MemoryObj | None]) -> None:
     for o in objs:
         if o is not None:

@@ -15,6 +15,7 @@ from lmc.testing.harness import (
     SMALL_POOL_BYTES,
     TierHarness,
     check_hit,
+    get_checked,
     key_of,
     release,
 )
@@ -95,9 +96,4 @@ class ReferenceContract(TierHarness):
                     release(got)
         finally:
             release(filler)
-        got = tier.get(keys)
-        try:
-            for k, o in zip(keys, got):
-                check_hit(o, k)
-        finally:
-            release(got)
+        get_checked(tier, keys)
