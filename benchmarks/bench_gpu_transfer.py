@@ -41,18 +41,14 @@ GiB = 2**30
 
 
 def time_per_call(fn: Callable[[], object], iters: int, warmup: int) -> float:
-    """Seconds per ``fn()``: CUDA events around ``iters`` back-to-back calls on the current
-    stream (``fn`` must queue its work there), after ``warmup`` calls."""
+    """Seconds per ``fn()`` on the current stream (lmc's own event timing), after ``warmup``
+    calls."""
+    from lmc.cuda_transfer import time_on_stream
+
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        fn()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / 1e3 / iters
+    return time_on_stream(fn, iters)
 
 
 def build(args):
