@@ -17,7 +17,7 @@ bench: install
 	$(PY) benchmarks/bench_core.py
 
 lint:
-	$(PY) -m ruff check lmc tests benchmarks
+	$(PY) -m ruff check --no-cache lmc tests benchmarks
 	$(PY) -m mypy lmc
 
 # on a lent GPU (offline): install, GPU tests, transfer + TTFT benchmarks, one table appended to

@@ -41,10 +41,9 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(ROOT))
 
-from lmc.storage_backends.p2p import P2PBackend  # noqa: E402
-
 from lmc.config import CacheConfig  # noqa: E402
 from lmc.memory import MemoryPool  # noqa: E402
+from lmc.storage_backends.p2p import P2PBackend  # noqa: E402
 
 LAYERS, TOKENS = 16, 256
 
@@ -183,9 +182,8 @@ def _pd_config(a: argparse.Namespace, url: str, kv_bytes: int) -> CacheConfig:
 
 def pd_prefill(a: argparse.Namespace) -> None:
     """The prefill instance: prefill the prompt (max_tokens=1), keep serving its exports."""
-    from lmc.connectors.reference import LMCReferenceConnector
-
     from benchmarks.bench_ttft import engine
+    from lmc.connectors.reference import LMCReferenceConnector
     path, prompt, kv_bytes = _pd_model(a)
     conn = LMCReferenceConnector(_pd_config(a, a.pd_prefill, kv_bytes), model_dir=path,
                                  kv_role="kv_producer", engine_id="prefill")
@@ -201,9 +199,8 @@ def pd_prefill(a: argparse.Namespace) -> None:
 def pd(a: argparse.Namespace) -> dict:
     """TTFT of the decode instance's first token: alone (full prefill), pulling the prompt's
     KV from a prefill instance over NIXL, and loading it from the daemon."""
-    from lmc.connectors.reference import LMCReferenceConnector
-
     from benchmarks.bench_ttft import engine, log, tokens, ttft
+    from lmc.connectors.reference import LMCReferenceConnector
     path, prompt, kv_bytes = _pd_model(a)
     n, res = a.tokens, {"tokens": a.tokens, "kv_mib": kv_bytes / 2**20}
     with tempfile.TemporaryDirectory() as tmp, \

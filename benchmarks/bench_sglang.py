@@ -35,7 +35,6 @@ import sglang_env  # noqa: E402
 
 sglang_env.stub_missing_torchvision()
 import torch  # noqa: E402
-from lmc.connectors.sglang import LMCCacheLinker, LMCHiCacheStorage  # noqa: E402
 from sglang.srt.mem_cache.allocator import TokenToKVPoolAllocator  # noqa: E402
 from sglang.srt.mem_cache.cache_init_params import CacheInitParams  # noqa: E402
 from sglang.srt.mem_cache.hicache_storage import (  # noqa: E402
@@ -52,6 +51,7 @@ from sglang.srt.mem_cache.unified_cache.linker_factory import (  # noqa: E402
 from sglang.srt.server_args import ServerArgs  # noqa: E402
 
 from lmc import CacheConfig, CacheEngine, KVSpec  # noqa: E402
+from lmc.connectors.sglang import LMCCacheLinker, LMCHiCacheStorage  # noqa: E402
 from lmc.layerwise import LayerwiseRetrieve  # noqa: E402
 
 GIB = 1 << 30

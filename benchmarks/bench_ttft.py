@@ -56,9 +56,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from lmc.connectors.reference import LMCReferenceConnector
 
 from lmc.config import CacheConfig
+from lmc.connectors.reference import LMCReferenceConnector
 from lmc.reference import LLM
 from lmc.reference.tiny import cached_checkpoint
 

@@ -12,14 +12,14 @@ import re
 
 import pytest
 import torch
-from lmc.storage_backends import disk as disk_mod
-from lmc.storage_backends.disk import MARKER, DiskBackend
 
 from lmc import demo
 from lmc import prefault as pf
 from lmc.config import CacheConfig
 from lmc.memory import MemoryPool
 from lmc.reference.tiny import cached_checkpoint, make_tiny_checkpoint
+from lmc.storage_backends import disk as disk_mod
+from lmc.storage_backends.disk import MARKER, DiskBackend
 
 MiB = 1 << 20
 

@@ -12,8 +12,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from lmc.connectors.reference import LMCReferenceConnector
 
+from lmc.connectors.reference import LMCReferenceConnector
 from lmc.reference import LLM, RequestOutput
 from tests import late_transfer
 

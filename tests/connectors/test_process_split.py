@@ -13,13 +13,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from lmc.cache_engine import CacheEngine
+from lmc.config import CacheConfig
 from lmc.connectors.core import ConnectorConfig, SchedulerConnector
 from lmc.connectors.metadata import ConnectorMetadata
 from lmc.connectors.model_id import model_identity
 from lmc.connectors.worker import WorkerConnector
-
-from lmc.cache_engine import CacheEngine
-from lmc.config import CacheConfig
 from lmc.kv_spec import KVSpec
 from lmc.reference import LLM, KVConnector
 from tests.connectors.helpers import BLOCK, assert_same, plain_llm, prompt, run

@@ -8,7 +8,6 @@ from __future__ import annotations
 from pathlib import Path
 
 from lmc.connectors.reference import LMCReferenceConnector
-
 from lmc.lookup import LookupResult
 from lmc.reference import LLM
 from tests.connectors.helpers import BLOCK, assert_same, plain_llm, prompt, run, stat

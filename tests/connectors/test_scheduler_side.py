@@ -7,9 +7,9 @@ from __future__ import annotations
 import pickle
 
 import pytest
+
 from lmc.connectors.core import ConnectorConfig, SchedulerConnector
 from lmc.connectors.metadata import ConnectorMetadata, LoadSpec, SaveSpec, StepRequest
-
 from lmc.lookup import LookupResult
 
 CS = 16

@@ -247,10 +247,10 @@ def test_vllm_kv_equals_reference_engine_kv(mp0, model, work):
     import shutil
 
     import torch
-    from lmc.connectors.reference import LMCReferenceConnector
 
     from lmc.cache_engine import CacheEngine
     from lmc.config import CacheConfig
+    from lmc.connectors.reference import LMCReferenceConnector
     from lmc.reference import LLM
 
     disk = work / "disk-copy"

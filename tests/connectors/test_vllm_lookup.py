@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+
+from lmc import CacheConfig, CacheEngine
 from lmc.connectors.core import ConnectorConfig
 from lmc.connectors.vllm_lookup import socket_paths
 from lmc.connectors.vllm_scheduler import SchedulerSide
-
-from lmc import CacheConfig, CacheEngine
 from lmc.lookup_service import LookupClient, LookupServer, engine_lookup
 from tests import lookup_sockets
 from tests.kvutil import make_caches, spec_for

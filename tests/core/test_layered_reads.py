@@ -19,11 +19,11 @@ import uuid
 
 import pytest
 import torch
-from lmc.storage_backends import disk_layers
 
 from lmc import CacheConfig, CacheEngine
 from lmc.layerwise import LoadError
 from lmc.serde import HEADER_SIZE, decode_header
+from lmc.storage_backends import disk_layers
 from tests.kvutil import assert_bits_equal, make_caches, random_tokens, spec_for, token_kv
 from tests.storage_backends.conftest import redis_server  # noqa: F401 - real redis-server
 

@@ -14,10 +14,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from lmc.connectors.vllm_config import VllmOptions, load_settings
 
 from lmc.cli import main as lmc_main
 from lmc.config import CacheConfig, load_connector_settings
+from lmc.connectors.vllm_config import VllmOptions, load_settings
 from lmc.server.config import ServerConfig
 from lmc.settings import (
     ENV_NAMESPACES,

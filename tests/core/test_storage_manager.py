@@ -160,7 +160,6 @@ def _toy_factory():
 def test_build_tiers_orders_tiers_and_passes_remote_options(tmp_path):
     from lmc.storage_backends.cpu import CPUBackend
     from lmc.storage_backends.disk import DiskBackend
-
     from lmc.storage_manager import TierPool
     from lmc.tier_build import build_tiers
 

@@ -8,10 +8,10 @@ import statistics
 import time
 
 import torch
-from lmc.storage_backends.disk import DiskBackend
 from prometheus_client import REGISTRY
 
 from lmc import CacheConfig, CacheEngine
+from lmc.storage_backends.disk import DiskBackend
 from tests.core.slow_tier import SlowDisk
 from tests.kvutil import assert_bits_equal, make_caches, random_tokens, spec_for, token_kv
 

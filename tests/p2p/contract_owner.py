@@ -19,11 +19,11 @@ import os
 import sys
 
 import torch
-from lmc.storage_backends.p2p import P2PBackend
 
 from lmc.config import CacheConfig
 from lmc.memory import MemoryPool
 from lmc.serde import payload_checksum
+from lmc.storage_backends.p2p import P2PBackend
 
 POOL_BYTES = 16 << 20
 

@@ -28,9 +28,9 @@ import time
 from pathlib import Path
 
 import torch
-from lmc.storage_backends.p2p import P2PBackend
 
 from lmc import CacheConfig, CacheEngine
+from lmc.storage_backends.p2p import P2PBackend
 from tests.kvutil import make_caches, spec_for
 from tests.server.engine_proc import _slots
 

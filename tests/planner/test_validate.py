@@ -21,15 +21,15 @@ three runs against the planner's 0, so that size is not asserted (docs/planner.m
 from __future__ import annotations
 
 import pytest
-from lmc.connectors.reference import LMCReferenceConnector
-from lmc.storage_backends.disk import DiskBackend
 
 from lmc.config import CacheConfig
+from lmc.connectors.reference import LMCReferenceConnector
 from lmc.planner.keys import key_trace
 from lmc.planner.sim import GridPoint, simulate
 from lmc.planner.validate import mixed_trace
 from lmc.reference import LLM
 from lmc.reference.tiny import cached_checkpoint
+from lmc.storage_backends.disk import DiskBackend
 from lmc.workloads.trace import TraceRequest
 
 BPT = 2 * 2 * 1 * 32 * 4  # layers x K/V x kv heads x head size x fp32: 512 B per token

@@ -7,9 +7,9 @@ that never comes is recomputed."""
 from __future__ import annotations
 
 import pytest
-from lmc.connectors.reference import LMCReferenceConnector
 
 from lmc import CacheConfig
+from lmc.connectors.reference import LMCReferenceConnector
 from lmc.reference import LLM, make_tiny_checkpoint
 from tests.reference.prompts import random_prompt
 

@@ -19,11 +19,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from lmc.storage_backends import disk as disk_mod
-from lmc.storage_backends.disk import BLOCK, LOCK, MARKER, DiskBackend
 
 from lmc import CacheConfig, CacheEngine
 from lmc.memory import MemoryPool
+from lmc.storage_backends import disk as disk_mod
+from lmc.storage_backends.disk import BLOCK, LOCK, MARKER, DiskBackend
 from tests.kvutil import assert_bits_equal, make_caches, random_tokens, spec_for, token_kv
 
 CHUNK = 16

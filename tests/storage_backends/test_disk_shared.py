@@ -19,10 +19,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from lmc.storage_backends.disk import LOCK, MARKER, DirectoryInUse, DiskBackend
 
 from lmc.config import CacheConfig
 from lmc.memory import MemoryPool
+from lmc.storage_backends.disk import LOCK, MARKER, DirectoryInUse, DiskBackend
 
 REPO = Path(__file__).resolve().parents[2]
 CAPACITY = 8 << 20

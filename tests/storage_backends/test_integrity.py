@@ -11,7 +11,6 @@ import os
 import pytest
 import torch
 import xxhash
-from lmc.storage_backends.server_tags import tag_key
 
 from lmc.memory import MemoryPool
 from lmc.serde import (
@@ -22,6 +21,7 @@ from lmc.serde import (
     encode_header,
     verify_payload,
 )
+from lmc.storage_backends.server_tags import tag_key
 from tests.server.daemon_proc import DaemonProc
 
 from .test_redis import chunks, release, same_bytes

@@ -13,13 +13,13 @@ import uuid
 
 import pytest
 import torch
-from lmc.storage_backends.redis import RedisBackend
-from lmc.storage_backends.redis_url import parse_target
 from prometheus_client import REGISTRY
 
 from lmc.breaker import CircuitBreaker
 from lmc.config import CacheConfig
 from lmc.serde import HEADER_SIZE
+from lmc.storage_backends.redis import RedisBackend
+from lmc.storage_backends.redis_url import parse_target
 
 from .conftest import RedisServer, free_port, require_redis
 

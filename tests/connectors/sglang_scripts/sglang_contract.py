@@ -18,8 +18,6 @@ import sglang_env  # noqa: E402
 
 sglang_env.stub_missing_torchvision()  # a missing optional dependency, not a patch of SGLang
 import torch  # noqa: E402
-from lmc.connectors.sglang import LMCCacheLinker, LMCHiCacheStorage  # noqa: E402
-from lmc.connectors.sglang_pages import UnsupportedPool  # noqa: E402
 from sglang.srt.mem_cache.allocator import TokenToKVPoolAllocator  # noqa: E402
 from sglang.srt.mem_cache.cache_init_params import CacheInitParams  # noqa: E402
 from sglang.srt.mem_cache.hicache_storage import (  # noqa: E402
@@ -45,6 +43,9 @@ from sglang.srt.mem_cache.unified_cache.unified_cache_linker import (  # noqa: E
 )
 from sglang.srt.mem_cache.utils import get_hash_str  # noqa: E402
 from sglang.srt.server_args import ServerArgs  # noqa: E402
+
+from lmc.connectors.sglang import LMCCacheLinker, LMCHiCacheStorage  # noqa: E402
+from lmc.connectors.sglang_pages import UnsupportedPool  # noqa: E402
 
 L, H, D, PS, SIZE = 3, 2, 8, 4, 64
 LAYOUTS = ("layer_first", "page_first", "page_first_direct")

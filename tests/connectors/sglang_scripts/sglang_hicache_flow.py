@@ -36,7 +36,6 @@ import sglang_env  # noqa: E402
 
 sglang_env.apply_cpu_shim()
 import torch  # noqa: E402
-from lmc.connectors.sglang import LMCHiCacheStorage  # noqa: E402
 from sglang.srt.mem_cache.base_prefix_cache import (  # noqa: E402
     CacheRequestHandle,
     InitLoadBackParams,
@@ -54,6 +53,8 @@ from sglang.test.kits.unified_radix_cache.fixtures import (  # noqa: E402
     write_backup,
 )
 from sglang.test.kits.unified_radix_cache.mixins import UnifiedRadixCacheFixtures  # noqa: E402
+
+from lmc.connectors.sglang import LMCHiCacheStorage  # noqa: E402
 
 PAGE, LAYERS, PAGES = 4, 4, 6
 DEADLINE = 30.0

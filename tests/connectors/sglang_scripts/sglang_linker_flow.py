@@ -39,7 +39,6 @@ import sglang_env  # noqa: E402
 sglang_env.apply_cpu_shim()
 import sglang_test_linkers  # noqa: E402
 import torch  # noqa: E402
-from lmc.connectors.sglang import LMCCacheLinker  # noqa: E402
 from sglang.srt.managers.tp_worker import TpModelWorker  # noqa: E402
 from sglang.srt.mem_cache.base_prefix_cache import (  # noqa: E402
     InitLoadBackParams,
@@ -54,6 +53,8 @@ from sglang.srt.server_args import ServerArgs, set_global_server_args_for_schedu
 from sglang.test.kits.unified_radix_cache.config import CacheConfig  # noqa: E402
 from sglang.test.kits.unified_radix_cache.fixtures import build_fixture  # noqa: E402
 from sglang.test.kits.unified_radix_cache.mixins import UnifiedRadixCacheFixtures  # noqa: E402
+
+from lmc.connectors.sglang import LMCCacheLinker  # noqa: E402
 
 PAGE, LAYERS, PAGES = 4, 8, 8
 LAYER_S = 0.03
@@ -292,9 +293,8 @@ def check_cross_engine(expected) -> None:
     """Another lmc engine with a paged (vllm_flash, the reference engine's) cache and the
     tokens names SGLang's pages with ``sglang_page_hashes``: it loads what SGLang offloaded,
     and SGLang loads what it stored, bit for bit."""
-    from lmc.connectors.sglang_pages import PageStore, page_namespace, sglang_page_hashes
-
     from lmc import CacheConfig, CacheEngine, KVSpec
+    from lmc.connectors.sglang_pages import PageStore, page_namespace, sglang_page_hashes
 
     blocks = 2 * PAGES
     caches = [torch.zeros(2, blocks, PAGE, 2, 8, dtype=CFG.dtype) for _ in range(LAYERS)]

@@ -11,7 +11,6 @@ import time
 from typing import Any
 
 from lmc.connectors.sglang import LMCCacheLinker
-
 from lmc.layerwise import LayerwiseRetrieve
 
 TRACE: list[tuple[float, str, int]] = []  # (time, "load_done", layer)

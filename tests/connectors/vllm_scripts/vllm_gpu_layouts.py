@@ -24,7 +24,6 @@ import sys
 import types
 
 import torch
-from lmc.connectors.vllm_layout import resolve_gpu
 from vllm.config import CacheConfig
 from vllm.v1.attention.backends.registry import AttentionBackendEnum
 from vllm.v1.attention.backends.utils import (
@@ -37,6 +36,7 @@ from vllm.v1.worker.utils import allocate_kv_cache
 
 from lmc import CacheConfig as LmcConfig
 from lmc import CacheEngine, KVSpec
+from lmc.connectors.vllm_layout import resolve_gpu
 from lmc.transfer import TorchTransfer
 
 L, H, D, BS, NB, LATENT = 3, 2, 8, 4, 12, 24
