@@ -1,0 +1,151 @@
+"""KV events for one ``CacheEngine``: the storage listener, the prompt notes, the publisher.
+
+:func:`attach` is the whole wiring, called once after the engine's storage is built (with the
+``kv_events`` setting; nothing happens when it is off):
+
+* a :class:`EventsListener` on the storage manager sees every tier's stores, promotions,
+  evictions, deletes and clears (after the fact, see
+  :class:`lmc.storage.tier.TierListener`) and queues them;
+* the engine's token database is replaced by a :class:`NotingDatabase`, the same keys plus a
+  note of each prompt it cuts into chunks, so the publisher learns each chunk's tokens;
+* the :class:`~lmc.events.publisher.EventPublisher` thread does the rest.
+
+On the data path each hook is one bounded ``deque.append`` of the arguments (no hashing, no
+encoding, no lock): ``benchmarks/bench_router.py --only overhead`` measures its cost per stored
+chunk against the store itself.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from lmc.events.config import EventsConfig
+from lmc.events.publisher import EventPublisher
+from lmc.events.tracker import MEDIUM_OF, Tracker
+from lmc.memory.pool import MemoryObj
+from lmc.storage.tier import Key, Medium, TierInfo, TierListener
+from lmc.token_database import Chunk, ChunkedTokenDatabase, ChunkKey, Tokens
+
+log = logging.getLogger(__name__)
+Offer = Callable[[tuple[Any, ...]], None]
+
+
+class EventsListener(TierListener):
+    """Queues every tier event for the publisher's thread."""
+
+    def __init__(self, offer: Offer) -> None:
+        self.offer = offer
+
+    def on_stored(self, keys: Sequence[Key], tier: TierInfo, reason: str) -> None:
+        self.offer(("stored", tuple(keys), tier.level))
+
+    def on_removed(self, keys: Sequence[Key], tier: TierInfo, reason: str,
+                   objs: Sequence[MemoryObj] | None = None) -> None:
+        self.offer(("removed", tuple(keys), tier.level))
+
+    def on_cleared(self, tier: TierInfo) -> None:
+        self.offer(("cleared", tier.level))
+
+
+class NotingDatabase(ChunkedTokenDatabase):
+    """The engine's token database, unchanged, that also queues a note of each prompt it
+    keys: the tokens and the chunks they were cut into. The tokens are referenced, not
+    copied (a prompt is append-only while its request lives)."""
+
+    def __init__(self, db: ChunkedTokenDatabase, offer: Offer) -> None:
+        super().__init__(db.chunk_size, db.save_unfull_chunk, db.namespace)
+        self._offer = offer
+
+    def process_tokens(self, tokens: Tokens, mask: Any = None,
+                       keys: Sequence[ChunkKey] | None = None) -> list[Chunk]:
+        out = super().process_tokens(tokens, mask, keys)
+        if out and keys is not None:  # without keys, keys() below noted them
+            self._offer(("note", tokens, out))
+        return out
+
+    def keys(self, tokens: Tokens, limit: int | None = None) -> list[ChunkKey]:
+        out = super().keys(tokens, limit)
+        if out:
+            n = self.num_tokens(tokens)
+            self._offer(("note_keys", tokens, out, self.chunk_size,
+                         n if limit is None else min(limit, n)))
+        return out
+
+
+class EngineEvents:
+    """What :func:`attach` set up; :meth:`close` undoes it (before the engine's storage
+    closes, so the last events are still published)."""
+
+    def __init__(self, engine: Any, publisher: EventPublisher, listener: EventsListener,
+                 db: ChunkedTokenDatabase) -> None:
+        self.engine = engine
+        self.publisher = publisher
+        self.listener = listener
+        self._db = db
+
+    @property
+    def endpoint(self) -> str:
+        return self.publisher.endpoint
+
+    @property
+    def replay_endpoint(self) -> str | None:
+        return self.publisher.replay_endpoint
+
+    def stats(self) -> dict[str, int]:
+        return {f"kv_events.{k}": v for k, v in self.publisher.stats().items()}
+
+    def close(self) -> None:
+        self.engine.storage.remove_listener(self.listener)
+        if self.engine.db is not self._db:
+            self.engine.db = self._db
+        self.publisher.close()
+
+
+def tier_media(infos: Sequence[TierInfo], publish_remote: bool) -> list[str | None]:
+    """Per tier level, the medium its events carry, or None (not published)."""
+    out: list[str | None] = []
+    for info in infos:
+        m = MEDIUM_OF.get(info.medium)
+        out.append(None if info.medium is Medium.REMOTE and not publish_remote else m)
+    return out
+
+
+def attach(engine: Any, setting: EventsConfig | Mapping[str, Any] | None
+           ) -> EngineEvents | None:
+    """Publish ``engine``'s tiers as configured by ``setting`` (the ``kv_events`` mapping);
+    None when events are off. ``ValueError`` names a bad key, a block size that does not
+    divide the chunk size, or an endpoint that cannot be opened."""
+    cfg = setting if isinstance(setting, EventsConfig) else EventsConfig.from_mapping(setting)
+    if not cfg.enabled:
+        return None
+    block_size = cfg.block_size or int(engine.spec.block_size)
+    old_db: ChunkedTokenDatabase = engine.db
+    if block_size < 1 or old_db.chunk_size % block_size:
+        raise ValueError(f"kv_events.block_size {block_size} must divide chunk_size "
+                         f"{old_db.chunk_size} (one hash per engine block)")
+    storage = engine.storage
+    media = tier_media(storage.infos, cfg.publish_remote)
+    counts: list[EventPublisher] = []
+    tracker = Tracker(block_size, old_db.namespace, media, cfg.max_chunks,
+                      lambda what, n: counts[0].count(what, n))
+
+    def reconcile() -> list[dict[str, Any]]:
+        """After lost items: drop what a tier no longer holds (its removal was lost)."""
+        out: list[dict[str, Any]] = []
+        for level, tier in enumerate(storage.tiers):
+            held = tracker.held_keys(level)
+            if held and media[level] is not None:
+                present = tier.contains(held)
+                gone = [k for k, p in zip(held, present) if not p]
+                out += tracker.removed(gone, level)
+        return out
+
+    publisher = EventPublisher(cfg, tracker, cfg.topic_for(str(engine.model_id)),
+                               reconcile=reconcile)
+    counts.append(publisher)
+    listener = EventsListener(publisher.offer)
+    engine.db = NotingDatabase(old_db, publisher.offer)
+    storage.add_listener(listener)
+    return EngineEvents(engine, publisher, listener, old_db)
