@@ -39,8 +39,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from lmc import CacheConfig, CacheEngine, KVSpec  # noqa: E402
-from lmc.memory import MemoryPool  # noqa: E402
-from lmc.storage_backends.disk import DiskBackend  # noqa: E402
+from lmc.memory.pool import MemoryPool  # noqa: E402
+from lmc.storage.backends.disk.backend import DiskBackend  # noqa: E402
 
 LAYERS, HEADS, DIM, CHUNK = 32, 8, 128, 256
 DTYPE = torch.bfloat16

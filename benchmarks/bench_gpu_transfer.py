@@ -11,13 +11,13 @@ memory; "staged": kernel into a device buffer + cudaMemcpyAsync), printed next t
 pinned ``cudaMemcpyAsync`` of the same bytes in the same direction, measured in the same run
 (torch ``copy_(non_blocking=True)`` between a contiguous device tensor and a pinned host
 tensor), as a ratio. Target: ratio >= 0.90. The chunk buffers are objects of lmc's own
-pinned pool (mapped by lmc, page-locked with cudaHostRegister: ``lmc.prefault.Pinner``).
+pinned pool (mapped by lmc, page-locked with cudaHostRegister: ``lmc.memory.prefault.Pinner``).
 
 **Copy under compute** (``--under-compute``): how much longer a matmul-heavy forward (a chain
 of bf16 4096x4096 matmuls, a prefill's kind of work) takes while each path copies on a side
 stream, next to a plain memcpy's (copy engines only) -- the kernel paths take SMs from the
 model. The last lines say which path wins per (direction, call shape) by
-``lmc.cuda_transfer.choose_paths`` (faster; within 5%, the gentler) and whether this
+``lmc.transfer.cuda_copy.choose_paths`` (faster; within 5%, the gentler) and whether this
 device's calibration (``device_paths``) agrees; ``--calibrate`` records these figures as the
 device's calibration (``~/.cache/lmc/copy_paths.json``).
 
@@ -43,7 +43,7 @@ GiB = 2**30
 def time_per_call(fn: Callable[[], object], iters: int, warmup: int) -> float:
     """Seconds per ``fn()`` on the current stream (lmc's own event timing), after ``warmup``
     calls."""
-    from lmc.cuda_transfer import time_on_stream
+    from lmc.transfer.cuda_copy import time_on_stream
 
     for _ in range(warmup):
         fn()
@@ -54,7 +54,7 @@ def time_per_call(fn: Callable[[], object], iters: int, warmup: int) -> float:
 def build(args):
     """Engine cache on the GPU, shuffled whole blocks for the slots, chunk views of one
     pinned pool (as lmc's allocator hands them out)."""
-    from lmc.kv_spec import KVSpec
+    from lmc.transfer.kv_spec import KVSpec
 
     bs, L, H, D = args.block_size, args.layers, args.heads, args.head_size
     nb = 2 * (-(-args.tokens // bs)) + 8
@@ -67,7 +67,7 @@ def build(args):
     slots = (blocks[:, None] * bs + torch.arange(bs, device="cuda")).flatten()[: args.tokens]
     ranges = [(s, min(s + args.chunk, args.tokens)) for s in range(0, args.tokens, args.chunk)]
     total = sum(spec.chunk_nbytes(e - s) for s, e in ranges)
-    from lmc.memory import MemoryPool
+    from lmc.memory.pool import MemoryPool
 
     pool = MemoryPool(total + (4 << 20), "true", prefault="now")  # lmc's pinned pool
     objs = [pool.allocate(spec.chunk_shape(e - s), spec.dtype) for s, e in ranges]
@@ -79,7 +79,7 @@ def build(args):
 
 def check(spec, caches, slots, ranges, bufs, tr_factory) -> None:
     """One gather and one scatter through ``tr_factory`` equal the torch path bit for bit."""
-    from lmc.transfer import TorchTransfer
+    from lmc.transfer.torch_copy import TorchTransfer
 
     ref = TorchTransfer(spec, caches)
     want = [torch.empty_like(b, device="cuda") for b in bufs]
@@ -155,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print("bench_gpu_transfer: no CUDA device on this machine: skipped")
         return 0
-    from lmc import cuda_transfer as ct
+    from lmc.transfer import cuda_copy as ct
 
     if not ct.cuda_kernels_available():
         print("bench_gpu_transfer: CuPy is not importable (pip install lmc-kvcache[gpu]): "

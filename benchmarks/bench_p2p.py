@@ -42,8 +42,8 @@ ROOT = HERE.parent
 sys.path.insert(0, str(ROOT))
 
 from lmc.config import CacheConfig  # noqa: E402
-from lmc.memory import MemoryPool  # noqa: E402
-from lmc.storage_backends.p2p import P2PBackend  # noqa: E402
+from lmc.memory.pool import MemoryPool  # noqa: E402
+from lmc.storage.backends.p2p import P2PBackend  # noqa: E402
 
 LAYERS, TOKENS = 16, 256
 

@@ -64,7 +64,7 @@ def ttft_check(profile_path: str) -> int:
 
     from lmc.planner.validate import mixed_trace, validate, warmup_request
     from lmc.reference.tiny import cached_checkpoint
-    from lmc.storage_backends.disk import DiskBackend
+    from lmc.storage.backends.disk.backend import DiskBackend
 
     torch.set_num_threads(1)  # two cores shared with others: one thread is far steadier
     model = cached_checkpoint("plan-bench-h256-l4-kv2", hidden=256, layers=4, heads=4,

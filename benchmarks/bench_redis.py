@@ -10,7 +10,7 @@ For each value size (a KV chunk of a real model shape), every round measures, ba
     ``connections`` (a backend option) connections, values verified, payloads landing in the pool;
   * redis-py alone (hiredis parser, one connection): SET / GET of the same value bytes;
   * the tier again with ``integrity_secret`` set (each value sealed and checked with a keyed
-    tag, ``lmc.integrity``), so the tag's cost shows as a ratio to the plain tier.
+    tag, ``lmc.storage.integrity``), so the tag's cost shows as a ratio to the plain tier.
 Before the sizes, one line gives single-thread rates on one buffer: memcpy, the xxh3 payload
 checksum, the integrity tag, and keyed BLAKE2b / HMAC-SHA256 (the alternatives not taken).
 Throughput counts payload bytes (the 72-byte header is not counted for the tier). Ratios are
@@ -47,10 +47,10 @@ import torch
 import xxhash
 
 from lmc.config import CacheConfig
-from lmc.integrity import Integrity
-from lmc.memory import MemoryPool
-from lmc.serde import encode_header, tensor_bytes
-from lmc.storage_backend import create_backend
+from lmc.memory.pool import MemoryPool
+from lmc.storage.integrity import Integrity
+from lmc.storage.serde import encode_header, tensor_bytes
+from lmc.storage.tier import create_backend
 
 GiB = 2**30
 MiB = 2**20

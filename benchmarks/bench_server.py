@@ -8,7 +8,7 @@ Redis tier through redis-py, all measured in one run and printed as ratios.
 
 Every daemon and redis-server is started here on loopback (ephemeral ports, persistence
 off) and stopped by pid. The lmc figures go through the real client tier
-(``lmc/storage_backends/server.py``): values are sent from and received into a memory pool,
+(``lmc/storage/backends/daemon/backend.py``): values are sent from and received into a memory pool,
 checksums computed on put and verified on both ends, ``--clients`` engine threads each with
 its own tier (like redis-benchmark's ``-c``).
 """
@@ -37,8 +37,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from lmc.config import CacheConfig, parse_size  # noqa: E402
-from lmc.memory import MemoryPool  # noqa: E402
-from lmc.storage_backend import create_backend  # noqa: E402
+from lmc.memory.pool import MemoryPool  # noqa: E402
+from lmc.storage.tier import create_backend  # noqa: E402
 
 GiB = 2**30
 
@@ -248,7 +248,7 @@ def main(argv: list[str] | None = None) -> int:
                                               total, a.batch, a.connections)}
         if rport is not None:
             try:
-                import lmc.storage_backends.redis  # noqa: F401
+                import lmc.storage.backends.redis.backend  # noqa: F401
                 loads["Redis tier (redis-py)"] = TierLoad(
                     f"redis://127.0.0.1:{rport}/0", value, a.clients, total, a.batch,
                     a.connections)

@@ -42,21 +42,9 @@ step "install the checkout offline"
 if [ "$DRY" = 1 ]; then
     echo "dry run: would run $PY -m pip install --no-deps --no-build-isolation --no-index -e ."
 elif ! timeout 180 $PY -m pip install -q --no-deps --no-build-isolation --no-index -e .; then
-    # best effort: lmc from the checkout, its lmc.connectors / lmc.storage_backends mapped
-    # as pyproject's package-dir does (built-in backends need no entry points)
+    # best effort: lmc straight from the checkout (every package lives under lmc/)
     echo "gpu_check: the offline install failed; lmc is used from the checkout"
-    mkdir -p "$RES/fallback"
-    cat > "$RES/fallback/sitecustomize.py" <<PYEOF
-import importlib.abc, importlib.util, sys
-_DIRS = {"lmc.connectors": "$PWD/connectors", "lmc.storage_backends": "$PWD/storage_backends"}
-class _CheckoutPackages(importlib.abc.MetaPathFinder):
-    def find_spec(self, name, path=None, target=None):
-        d = _DIRS.get(name)
-        return None if d is None else importlib.util.spec_from_file_location(
-            name, d + "/__init__.py", submodule_search_locations=[d])
-sys.meta_path.append(_CheckoutPackages())
-PYEOF
-    export PYTHONPATH="$RES/fallback:$PWD${PYTHONPATH:+:$PYTHONPATH}"
+    export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
     fails+=("install")
 fi
 $PY -c "import lmc, sys; print('lmc from', lmc.__file__, 'python', sys.version.split()[0])" \
@@ -86,7 +74,7 @@ step "pinned pool: bytes page-locked for the size asked"
 timeout 120 $PY - "$RES/pool.json" "$DRY" <<'EOF' || fails+=("pinned pool")
 import json, sys, time
 import torch
-from lmc.memory import MemoryPool
+from lmc.memory.pool import MemoryPool
 
 out, dry = sys.argv[1], sys.argv[2] == "1"
 asked = (5 << 30) + (1 << 20)  # torch's pinned allocator would page-lock 8 GiB for this

@@ -20,16 +20,16 @@ _LAZY = {
     "CacheEngine": "lmc.cache_engine",
     "CacheConfig": "lmc.config",
     "parse_size": "lmc.config",
-    "LAYOUTS": "lmc.kv_spec",
-    "KVSpec": "lmc.kv_spec",
+    "LAYOUTS": "lmc.transfer.kv_spec",
+    "KVSpec": "lmc.transfer.kv_spec",
     "LayerwiseRetrieve": "lmc.layerwise",
     "LayerwiseStore": "lmc.layerwise",
     "LoadError": "lmc.layerwise",
-    "Lease": "lmc.memory",
-    "MemoryObj": "lmc.memory",
-    "MemoryPool": "lmc.memory",
-    "StorageBackend": "lmc.storage_backend",
-    "register_backend": "lmc.storage_backend",
+    "Lease": "lmc.memory.pool",
+    "MemoryObj": "lmc.memory.pool",
+    "MemoryPool": "lmc.memory.pool",
+    "StorageBackend": "lmc.storage.tier",
+    "register_backend": "lmc.storage.tier",
     "ChunkedTokenDatabase": "lmc.token_database",
 }
 
@@ -53,11 +53,11 @@ __all__ = [  # exactly the names of _LAZY (a test checks)
 if TYPE_CHECKING:  # for type checkers and IDEs: the eager imports the names stand for
     from lmc.cache_engine import CacheEngine
     from lmc.config import CacheConfig, parse_size
-    from lmc.kv_spec import LAYOUTS, KVSpec
     from lmc.layerwise import LayerwiseRetrieve, LayerwiseStore, LoadError
-    from lmc.memory import Lease, MemoryObj, MemoryPool
-    from lmc.storage_backend import StorageBackend, register_backend
+    from lmc.memory.pool import Lease, MemoryObj, MemoryPool
+    from lmc.storage.tier import StorageBackend, register_backend
     from lmc.token_database import ChunkedTokenDatabase
+    from lmc.transfer.kv_spec import LAYOUTS, KVSpec
 
 
 def __getattr__(name: str) -> Any:

@@ -19,17 +19,16 @@ import numpy as np
 import torch
 
 from lmc.config import CacheConfig
-from lmc.integrity import Geometry, expect_geometry
-from lmc.kv_spec import KVCaches, KVSpec
-from lmc.layered_read import READY, LayerGate
 from lmc.layerwise import CopyLease, LayerwiseRetrieve, LayerwiseStore
-from lmc.lookup import LookupResult
-from lmc.memory import LazyTensors, Lease, MemoryObj, MemoryPool, PoolArrays
+from lmc.memory.pool import LazyTensors, Lease, MemoryObj, MemoryPool, PoolArrays
 from lmc.metrics import EngineMetrics
-from lmc.pins import PinTable
-from lmc.storage_backend import Key
-from lmc.storage_manager import EvictionMetrics, StorageManager
-from lmc.tier_build import TierSpec, build_storage
+from lmc.storage.chain import TierSpec, build_storage
+from lmc.storage.integrity import Geometry, expect_geometry
+from lmc.storage.layered_read import READY, LayerGate
+from lmc.storage.lookup import LookupResult
+from lmc.storage.manager import EvictionMetrics, StorageManager
+from lmc.storage.pins import PinTable
+from lmc.storage.tier import Key
 from lmc.token_database import (
     Chunk,
     ChunkedTokenDatabase,
@@ -38,14 +37,15 @@ from lmc.token_database import (
     namespace_digest,
     tokens_to_bytes,
 )
-from lmc.transfer import (
+from lmc.transfer.bound_caches import TransferCache
+from lmc.transfer.kv_spec import KVCaches, KVSpec
+from lmc.transfer.torch_copy import (
     ChunkRanges,
     KVTransfer,
     TransferFactory,
     TransferPlan,
     make_transfer,
 )
-from lmc.transfer_cache import TransferCache
 
 log = logging.getLogger(__name__)
 Keys = Sequence[ChunkKey] | None  # a prompt's chunk keys computed ahead (RequestKeys), or None
@@ -96,7 +96,7 @@ class CacheEngine:
         self.db = ChunkedTokenDatabase(config.chunk_size, config.save_unfull_chunk, ns)
         self.pool = MemoryPool(config.local_cpu_size, config.pin_memory,
                                debug=config.debug_leaks, prefault=config.local_cpu_prefault)
-        try:  # the tier stack the daemon builds too (lmc.tier_build)
+        try:  # the tier stack the daemon builds too (lmc.storage.chain)
             self.storage: StorageManager = build_storage(config, self.pool, tiers or ())
             # shared tiers check a value's header against this before allocating for it:
             # a rewritten shape or dtype is counted, deleted and a miss (docs/threats/tiers.md)
@@ -120,7 +120,7 @@ class CacheEngine:
     # ------------------------------------------------------------- plumbing
     def transfer_for(self, kv_caches: KVCaches) -> KVTransfer:
         """The (cached) transfer object bound to these cache tensors; validates new ones.
-        Caches the caller has dropped are unbound, never kept alive (:mod:`lmc.transfer_cache`)."""
+        Caches the caller has dropped are unbound, never kept alive (:mod:`lmc.transfer.bound_caches`)."""
         return self._transfers.get(kv_caches)
 
     def _check_open(self) -> None:
@@ -254,13 +254,13 @@ class CacheEngine:
         owner replaces its pins (a scheduler re-asking for a waiting request never stacks
         them); past ``max_pinned_chunks`` further pins are refused and the answer is the
         same. Two requests with one prompt that each want their own pins pass request ids.
-        See :mod:`lmc.pins`."""
+        See :mod:`lmc.storage.pins`."""
         return self.lookup_result(tokens, pin, request_id=request_id, keys=keys).tokens
 
     def lookup_result(self, tokens: Tokens, pin: bool = False, *,
                       request_id: Hashable = None, keys: Keys = None) -> LookupResult:
         """:meth:`lookup`'s answer with the tier holding each hit chunk, from the same single
-        pass over the tiers (see :class:`~lmc.lookup.LookupResult`)."""
+        pass over the tiers (see :class:`~lmc.storage.lookup.LookupResult`)."""
         self._check_open()
         t0 = time.perf_counter()
         n = self.db.num_tokens(tokens)
@@ -323,7 +323,7 @@ class CacheEngine:
                           Sequence[tuple[int, int]]]:
         """The longest stored prefix (after the mask's False prefix), its objects, the
         index of the tier each came from, what is still arriving layer by layer
-        (``layered``, :mod:`lmc.layered_read`; else every object is complete) and the
+        (``layered``, :mod:`lmc.storage.layered_read`; else every object is complete) and the
         chunks' token ranges (for ``tr.plan``)."""
         chunks = self.db.process_tokens(tokens, mask, keys)
         gate = READY

@@ -25,7 +25,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "workload": ("lmc.workloads.cli", "write a workload trace (chat, prefix, docqa, sharegpt)"),
     "replay": ("lmc.workloads.replay_cli", "replay a trace on the reference engine or an "
                "OpenAI-compatible server: TTFT, throughput, hits per tier"),
-    "pd-proxy": ("lmc.pd_proxy", "prefill on a kv_producer, decode on a kv_consumer, "
+    "pd-proxy": ("lmc.http.pd_proxy", "prefill on a kv_producer, decode on a kv_consumer, "
                  "behind one /v1/completions"),
     "plan": ("lmc.planner.cli", "size the cache tiers for a trace: hit rate and predicted "
              "TTFT per configuration"),

@@ -9,7 +9,7 @@ Its keys are generic: what every engine has (chunking, L1), the built-in disk ti
 any remote tier needs (where it is, a deadline, a namespace, a credential -- a secret, kept
 out of printed mappings -- and integrity). What only one backend means (Redis's ``ttl``,
 connection counts) is that backend's option, declared by the backend and given under
-``remote_options`` (:mod:`lmc.storage_backend`); keys that were such options are kept as
+``remote_options`` (:mod:`lmc.storage.tier`); keys that were such options are kept as
 deprecated aliases (:data:`DEPRECATED_KEYS`).
 """
 
@@ -23,7 +23,6 @@ from typing import Any, TypeVar
 
 import yaml
 
-from lmc.eviction import policy_names
 from lmc.settings import (
     ConfigError,
     Layer,
@@ -58,7 +57,7 @@ def parse_remote_url(value: Any, key: str) -> str | None:
     if "://" not in url:
         raise ConfigError(f"{key}: expected a URL such as redis://host:6379 or lmc://host:7451, "
                           f"got {url!r}")
-    from lmc.storage_backend import backend_factory
+    from lmc.storage.tier import backend_factory
 
     try:
         backend_factory(url)
@@ -101,11 +100,11 @@ def _warn_deprecated(key: str, value: Any) -> None:
 
 def _parse_secret(value: Any, key: str) -> str | None:
     """``integrity_secret`` checked when loaded, by the rule the tiers use
-    (:func:`lmc.integrity.check_secret`), so a bad one is refused naming where it came
+    (:func:`lmc.storage.integrity.check_secret`), so a bad one is refused naming where it came
     from (``c.yaml:3``, ``environment variable LMC_INTEGRITY_SECRET``)."""
     text = parse_opt_str(value, key)
     if text is not None:
-        from lmc.integrity import check_secret  # torch-free at import time: only when set
+        from lmc.storage.integrity import check_secret  # torch-free at import time: only when set
 
         try:
             check_secret(text, key)
@@ -223,7 +222,7 @@ def parse_tiers(value: Any, key: str) -> tuple[TierEntry, ...] | None:
 
 def _check_backend(e: TierEntry) -> None:
     """The entry's backend (and each wrapped one) exists: a typo fails at start-up."""
-    from lmc.storage_backend import backend_factory
+    from lmc.storage.tier import backend_factory
 
     try:
         factory = backend_factory(e.backend)
@@ -262,8 +261,8 @@ class CacheConfig(Settings):
     tenant: str | None = setting(
         None, parse_opt_str, "salt mixed into every key: tenants never share KV")
     eviction_policy: str = setting(
-        "lru", lambda v, k: parse_choice(v, k, policy_names()),
-        "which unreferenced chunk the L1 tier evicts first (lmc.eviction's registered policies)")
+        "lru", lambda v, k: parse_choice(v, k, _policy_names()),
+        "which unreferenced chunk the L1 tier evicts first (lmc.storage.eviction's registered policies)")
     pin_memory: str = setting(
         "auto", lambda v, k: parse_choice(str(v).lower(), k, ("auto", "true", "false")),
         "page-lock the pool: auto = when CUDA is available")
@@ -390,19 +389,19 @@ class CacheConfig(Settings):
     def preflight(self) -> None:
         """What start-up would check beyond the schema, for ``lmc config``: the remote
         backend's options (``remote_options``, the URL's query, deprecated keys: names and
-        values, as :func:`lmc.storage_backend.create_backend` checks them) and the integrity
+        values, as :func:`lmc.storage.tier.create_backend` checks them) and the integrity
         secret (read from its file, long enough). Separate from construction because it
         imports the backend and reads files, which a config object alone should not need."""
-        from lmc.integrity import Integrity
+        from lmc.storage.integrity import Integrity
 
         try:
             Integrity.from_config(self)
             if self.remote_url:
-                from lmc.storage_backend import backend_factory, configured_options
+                from lmc.storage.tier import backend_factory, configured_options
 
                 configured_options(backend_factory(self.remote_url), self.remote_url, self)
             if self.tiers is not None:
-                from lmc.tier_build import check_chain
+                from lmc.storage.chain import check_chain
 
                 check_chain(self)
         except ValueError as e:
@@ -455,3 +454,11 @@ def load_connector_settings(extra: Mapping[str, Any] | None, section: str, optio
     opt_layers.append(Layer({k[len(sub):]: v for k, v in ours.items() if k.startswith(sub)},
                             origin, prefix=EXTRA_PREFIX + sub))
     return CacheConfig.from_layers(cache_layers), options.from_layers(opt_layers)
+
+
+def _policy_names() -> list[str]:
+    """The registered eviction policies, looked up when a value is checked: policies are
+    registered objects of the storage layer, which ranks above config."""
+    from lmc.storage.eviction import policy_names
+
+    return list(policy_names())

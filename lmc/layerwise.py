@@ -7,7 +7,7 @@ gather once the layer's KV is in the cache; ``commit()`` waits for all of them a
 makes the chunks visible. A failure in any layer fails the whole operation: nothing partial is
 stored, and a failed load is reported so that the engine recomputes those tokens.
 
-Ordering and ownership (see :mod:`lmc.completion`): each layer's copy has one completion
+Ordering and ownership (see :mod:`lmc.transfer.completion`): each layer's copy has one completion
 handle. Copies run on lmc's copy stream; a save starts after a point recorded on the caller's
 stream at ``save`` time, a retrieve's loads after a point recorded when it was created, and
 ``wait(i, stream)`` makes the engine's stream (not the host) wait for layer i's load. The chunk
@@ -28,12 +28,12 @@ from collections.abc import Iterable, Sequence
 from concurrent.futures import Executor
 from typing import Any, Protocol
 
-from lmc import completion
-from lmc.completion import DONE, Completion, FutureCompletion, copy_stream, wait_all
-from lmc.layered_read import READY, LayerGate
-from lmc.memory import LazyTensors, Lease, MemoryObj
+from lmc.memory.pool import LazyTensors, Lease, MemoryObj
+from lmc.storage.layered_read import READY, LayerGate
 from lmc.token_database import Chunk, ChunkKey
-from lmc.transfer import KVTransfer, TransferPlan
+from lmc.transfer import completion
+from lmc.transfer.completion import DONE, Completion, FutureCompletion, copy_stream, wait_all
+from lmc.transfer.torch_copy import KVTransfer, TransferPlan
 
 log = logging.getLogger(__name__)
 
@@ -68,7 +68,7 @@ class CopyLease(Lease):
 
     ``release`` enforces the ownership rule: callers must have waited for every attached copy.
     One that did not is a bug: the lease still waits (the memory is never reused under a
-    copy), then raises in strict mode (debug pools, ``lmc.completion.STRICT``) or logs it.
+    copy), then raises in strict mode (debug pools, ``lmc.transfer.completion.STRICT``) or logs it.
     """
 
     def __init__(self, objs: Iterable[MemoryObj | None]) -> None:
@@ -215,7 +215,7 @@ class LayerwiseRetrieve(_Layerwise):
     ``tiers``: per chunk, the name of the tier it was fetched from (empty when unknown), so
     a connector can count loaded tokens by tier without asking the tiers again.
 
-    ``gate``: chunks a lower tier is still reading layer by layer (:mod:`lmc.layered_read`).
+    ``gate``: chunks a lower tier is still reading layer by layer (:mod:`lmc.storage.layered_read`).
     Layer i's load first waits for layer i to land; the last layer's load also waits until
     every such chunk verified, and fails (``LoadError``: the engine recomputes) if one did
     not, so no load completes, and ``close`` reports no tokens, on unverified KV.

@@ -1,7 +1,7 @@
 """One settings loader for every lmc schema: YAML file < ``LMC_*`` environment < overrides.
 
 The engine (``lmc.config.CacheConfig``), the daemon (``lmc.server.config.ServerConfig``) and
-the vLLM connector (``lmc.connectors.vllm_config``) all read settings the same way and fail
+the vLLM connector (``lmc.connectors.vllm.config``) all read settings the same way and fail
 the same way, so that a person meets one set of messages wherever they configure lmc:
 
 * malformed YAML names the file, the line and the column (never a parser traceback);
@@ -291,10 +291,10 @@ ENV_NAMESPACES: dict[str, str] = {"LMC_SERVER_": "lmc.server.config.ServerConfig
 loader reports its own misspellings, the engine's leaves them alone."""
 
 OTHER_ENV: dict[str, str] = {
-    "LMC_DEBUG_INVARIANTS": "pool invariant checks (lmc.invariants)",
-    "LMC_STRICT_COPIES": "strict copy completion checks (lmc.completion)",
-    "LMC_CUDA_GATHER_MODE": "the CUDA gather kernel variant (lmc.cuda_transfer)",
-    "LMC_CUDA_SCATTER_MODE": "the CUDA scatter kernel variant (lmc.cuda_transfer)",
+    "LMC_DEBUG_INVARIANTS": "pool invariant checks (lmc.memory.invariants)",
+    "LMC_STRICT_COPIES": "strict copy completion checks (lmc.transfer.completion)",
+    "LMC_CUDA_GATHER_MODE": "the CUDA gather kernel variant (lmc.transfer.cuda_copy)",
+    "LMC_CUDA_SCATTER_MODE": "the CUDA scatter kernel variant (lmc.transfer.cuda_copy)",
     "LMC_FUZZ_SEED": "the daemon's stateful fuzz test",
     "LMC_FUZZ_SECONDS": "the daemon's stateful fuzz test",
     "LMC_CONTRACT_SEED": "the tier contract suite",

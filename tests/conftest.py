@@ -1,7 +1,7 @@
 """Shared fixtures; ``gpu`` tests run only where CUDA is present (the reason is printed).
 
 Every test runs with pool invariants on (``LMC_DEBUG_INVARIANTS=1``, see
-:mod:`lmc.invariants`): a view at the wrong address, overlapping blocks, or a pool closed (or
+:mod:`lmc.memory.invariants`): a view at the wrong address, overlapping blocks, or a pool closed (or
 an object collected) with references still held fails the test during which it happened.
 A test that leaks on purpose says so with ``@pytest.mark.leaks_expected``.
 """
@@ -18,7 +18,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 from hypothesis import HealthCheck, settings  # noqa: E402
 
-from lmc import invariants  # noqa: E402
+from lmc.memory import invariants  # noqa: E402
 
 # Hypothesis: no deadline (a loaded CI machine is slow), failing examples printed with their
 # reproduce blob. LMC_HYPOTHESIS_PROFILE=long runs the model-based tests (tests/core/

@@ -15,7 +15,7 @@ import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
-from lmc.http_json import HttpLimits
+from lmc.http.json_api import HttpLimits
 from lmc.reference import LLM, make_tiny_checkpoint
 from lmc.reference.serve import Server
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from lmc.kv_spec import KVSpec
-from lmc.transfer import _INT_VIEW
+from lmc.transfer.kv_spec import KVSpec
+from lmc.transfer.torch_copy import _INT_VIEW
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16] + (
     [torch.float8_e4m3fn] if hasattr(torch, "float8_e4m3fn") else [])
@@ -75,7 +75,7 @@ def assert_bits_equal(a: torch.Tensor, b: torch.Tensor, what: str = "") -> None:
 def token_kv(spec: KVSpec, caches, slots: torch.Tensor) -> torch.Tensor:
     """Reference gather written the slow, obvious way: ``[layers, planes, n, heads*dim]``.
 
-    Independent of lmc.transfer so that tests check it against the layout definitions.
+    Independent of lmc.transfer.torch_copy so that tests check it against the layout definitions.
     """
     layers = spec.split_layers(caches)
     bs, H, D = spec.block_size, spec.num_kv_heads, spec.head_size

@@ -36,11 +36,11 @@ import pytest
 import torch
 
 import lmc.cache_engine
-from lmc import completion
-from lmc.completion import Completion
-from lmc.kv_spec import KVCaches, KVSpec
-from lmc.memory import MemoryPool
-from lmc.transfer import KVTransfer, TorchTransfer, TransferPlan, make_transfer
+from lmc.memory.pool import MemoryPool
+from lmc.transfer import completion
+from lmc.transfer.completion import Completion
+from lmc.transfer.kv_spec import KVCaches, KVSpec
+from lmc.transfer.torch_copy import KVTransfer, TorchTransfer, TransferPlan, make_transfer
 
 POISON_BYTE = 0xFF
 ACTIVE: Watch | None = None  # the Watch of the late_copies() block running now, if any

@@ -121,7 +121,7 @@ def test_lmc_help_lists_every_command_with_its_own_summary():
 
 def test_public_api_imports_lazily():
     code = ("import sys, lmc\nassert 'torch' not in sys.modules\n"
-            "from lmc import CacheConfig, CacheEngine, KVSpec, invariants\n"
+            "from lmc import CacheConfig, CacheEngine, KVSpec\nfrom lmc.memory import invariants\n"
             "assert CacheEngine.__module__ == 'lmc.cache_engine' and 'torch' in sys.modules\n"
             "assert set(lmc.__all__) == set(lmc._LAZY) and set(lmc.__all__) <= set(dir(lmc))\n"
             "assert all(getattr(lmc, n) is not None for n in lmc.__all__)\n"

@@ -14,12 +14,12 @@ import pytest
 import torch
 
 from lmc import demo
-from lmc import prefault as pf
 from lmc.config import CacheConfig
-from lmc.memory import MemoryPool
+from lmc.memory import prefault as pf
+from lmc.memory.pool import MemoryPool
 from lmc.reference.tiny import cached_checkpoint, make_tiny_checkpoint
-from lmc.storage_backends import disk as disk_mod
-from lmc.storage_backends.disk import MARKER, DiskBackend
+from lmc.storage.backends.disk import backend as disk_mod
+from lmc.storage.backends.disk.backend import MARKER, DiskBackend
 
 MiB = 1 << 20
 
@@ -99,7 +99,7 @@ def test_demo_prints_checkpoint_progress(monkeypatch):
 
 
 class _FastClock:
-    """``time`` for lmc.prefault whose perf_counter advances 1.5 s per call: every step of
+    """``time`` for lmc.memory.prefault whose perf_counter advances 1.5 s per call: every step of
     a small pre-fault then looks slow enough to be reported."""
 
     def __init__(self) -> None:

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 from prometheus_client import REGISTRY
 
+import lmc.memory.prefault  # noqa: F401  (registers lmc_pool_prefaulted_bytes)
 import lmc.metrics as engine_metrics
-import lmc.prefault  # noqa: F401  (registers lmc_pool_prefaulted_bytes)
 import lmc.server.metrics  # noqa: F401  (the daemon's lmc_server_* metrics)
 
 DOCS = Path(__file__).resolve().parents[1] / "docs"

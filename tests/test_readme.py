@@ -3,6 +3,7 @@ code block is run or checked (see ``NOT_RUN`` for what is not run, and why)."""
 
 from __future__ import annotations
 
+import ast
 import json
 import os
 import re
@@ -130,14 +131,19 @@ def test_json_arguments_name_real_modules_and_files():
                 flat.get("linker_module_path")
             cls = flat.get("kv_connector") or flat.get("class_name") or flat.get("linker")
             assert module and cls, raw
-            if module.startswith("lmc.connectors.") and (ROOT / "lmc" / "connectors" /
-                                                          f"{module.split('.')[-1]}.py").exists():
-                src = (ROOT / "lmc" / "connectors" / f"{module.split('.')[-1]}.py").read_text()
-                # defined there, or imported into it (a module that re-exports its adapters)
-                assert re.search(rf"^(class {cls}\b|from \S+ import .*\b{cls}\b)", src, re.M), \
-                    (module, cls)
-            else:
-                raise AssertionError(f"{module} is not a module of this repository")
+            assert module.startswith("lmc.connectors."), f"{module} is not an lmc adapter"
+            folder = ROOT.joinpath(*module.split("."))
+            init = folder / "__init__.py"
+            assert init.is_file(), f"{module} is not a package of this repository"
+            # exported by the package (loaded lazily, so the engine's import happens on use)...
+            exported = ast.literal_eval(next(
+                n.value for n in ast.parse(init.read_text()).body if isinstance(n, ast.Assign)
+                and any(getattr(t, "id", "") == "__all__" for t in n.targets)
+            ))
+            assert cls in exported, (module, cls)
+            # ...and defined in one of its modules
+            assert any(re.search(rf"^class {cls}\b", f.read_text(), re.M)
+                       for f in folder.glob("*.py")), (module, cls)
             assert (ROOT / flat["lmc.config_file"]).is_file(), flat["lmc.config_file"]
             found += 1
     assert found >= 2

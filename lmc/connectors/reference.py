@@ -8,11 +8,11 @@ picklable metadata, exactly as they would across vLLM's process boundary.
 
 The ``CacheEngine`` is created when the engine registers its KV tensors (the ``KVSpec`` is
 read off them); the model identity in the key namespace comes from the checkpoint
-directory (:func:`lmc.connectors.model_id.model_identity`).
+directory (:func:`lmc.connectors.core.model_id.model_identity`).
 
 ``kv_role`` as in vLLM: ``kv_producer`` saves only and answers a request sent with
 ``kv_transfer_params={"do_remote_decode": True}`` with the parameters a consumer needs
-(:mod:`lmc.connectors.pd_params`); ``kv_consumer`` loads only, and a request carrying a
+(:mod:`lmc.connectors.core.pd_params`); ``kv_consumer`` loads only, and a request carrying a
 producer's parameters is an asynchronous load (the engine holds it while the worker pulls
 the prompt from the producer's pool in the background).
 """
@@ -27,17 +27,21 @@ import torch
 
 from lmc.cache_engine import CacheEngine
 from lmc.config import CacheConfig
-from lmc.connectors.core import ConnectorConfig, SchedulerConnector
-from lmc.connectors.metadata import ConnectorMetadata
-from lmc.connectors.model_id import model_identity
-from lmc.connectors.pd_params import producer_params, remote_prefill_tokens, wants_remote_decode
-from lmc.connectors.worker import WorkerConnector
-from lmc.kv_spec import KVSpec
-from lmc.lookup import LookupResult
+from lmc.connectors.core.metadata import ConnectorMetadata
+from lmc.connectors.core.model_id import model_identity
+from lmc.connectors.core.pd_params import (
+    producer_params,
+    remote_prefill_tokens,
+    wants_remote_decode,
+)
+from lmc.connectors.core.scheduler import ConnectorConfig, SchedulerConnector
+from lmc.connectors.core.worker import WorkerConnector
 from lmc.reference.connector_api import ConnectorRequest, KVConnector
 from lmc.reference.scheduler_output import SchedulerOutput
-from lmc.tier_build import TierSpec
-from lmc.transfer import TransferFactory
+from lmc.storage.chain import TierSpec
+from lmc.storage.lookup import LookupResult
+from lmc.transfer.kv_spec import KVSpec
+from lmc.transfer.torch_copy import TransferFactory
 
 ConfigLike = CacheConfig | str | os.PathLike | Mapping[str, Any] | None
 KV_ROLES = {"kv_both": (True, True), "kv_producer": (False, True), "kv_consumer": (True, False)}
@@ -116,7 +120,7 @@ class LMCReferenceConnector(KVConnector):
         scheduler core keeps it with the request and :meth:`load_sources` needs no second
         hash or tier walk. In-process, the worker's ``CacheEngine`` answers directly; an
         engine whose scheduler lives in another process asks the same function over
-        :mod:`lmc.lookup_service` (as vLLM's does)."""
+        :mod:`lmc.connectors.core.lookup_service` (as vLLM's does)."""
         if self.engine is None:  # KV tensors not registered yet: nothing can be cached
             return LookupResult.miss(self.connector_config.chunk_size)
         return self.engine.lookup_result(token_ids)

@@ -7,7 +7,7 @@
 * :mod:`lmc.p2p.directory_client` -- the engine's side of the directory ops.
 * :mod:`lmc.p2p.agent` -- one NIXL agent per engine: only its export window and version table
   published, READs with a deadline.
-* ``lmc.storage_backends.p2p`` -- the tier that ties them together.
+* ``lmc.storage.backends.p2p`` -- the tier that ties them together.
 
 NIXL is imported only by :mod:`lmc.p2p.agent`, so the daemon and everything else work without
 it installed. Threat model: ``docs/threats/p2p.md``.

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from lmc.memory import MemoryObj, MemoryPool
+from lmc.memory.pool import MemoryObj, MemoryPool
 from lmc.p2p.wire import PeerInfo
 
 log = logging.getLogger(__name__)

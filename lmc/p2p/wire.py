@@ -5,9 +5,9 @@ the memory still held that chunk: ``slot`` indexes the owner's version table (re
 NIXL beside the pool) and ``version`` is the value the slot holds while the chunk is exported.
 The owner clears the slot before it releases the chunk's memory, so a reader that finds the
 slot unchanged *after* its payload READ completed read the chunk, not whatever reused the
-memory. ``checksum`` (the payload's xxh3, :func:`lmc.serde.payload_checksum`) and, when the
-owner has ``integrity_secret``, ``tag`` (:mod:`lmc.integrity`'s tag over the key, the
-version-2 ``lmc.serde`` header these fields make, and the payload) let the reader verify the
+memory. ``checksum`` (the payload's xxh3, :func:`lmc.storage.serde.payload_checksum`) and, when the
+owner has ``integrity_secret``, ``tag`` (:mod:`lmc.storage.integrity`'s tag over the key, the
+version-2 ``lmc.storage.serde`` header these fields make, and the payload) let the reader verify the
 bytes it READ exactly as a Redis or ``lmc://`` reader does, so a lying peer's record is a
 miss. ``offset`` is relative to the owner's *export window* (:mod:`lmc.p2p.agent`), never to
 its pool. Fixed size, little-endian, so the daemon can bound and check it without knowing
@@ -26,7 +26,7 @@ import struct
 
 import torch
 
-from lmc.serde import CODE_DTYPES, DTYPE_CODES, TAG_SIZE
+from lmc.storage.serde import CODE_DTYPES, DTYPE_CODES, TAG_SIZE
 
 _RECORD = struct.Struct(f"<16sQQQIBB2x4IIQ{TAG_SIZE}s")
 RECORD_SIZE = _RECORD.size  # 108

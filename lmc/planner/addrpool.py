@@ -1,11 +1,11 @@
 """A memory pool of addresses only: lmc's TLSF allocator and ``MemoryObj`` references, no buffer.
 
-Why: the planner must run lmc's real L1 tier (``lmc/storage_backends/cpu.py``: its LRU order, its
+Why: the planner must run lmc's real L1 tier (``lmc/storage/backends/cpu.py``: its LRU order, its
 "only evict what nobody else references" rule, its allocate-evict-retry loop) for pools of
 many GiB, thousands of times faster than moving KV. Everything that decides *which* chunk is
 evicted lives in the tier and in the allocator, and neither touches bytes; only the buffer
 does. This pool keeps the allocator and the reference counting of
-:class:`lmc.memory.MemoryPool` and drops the buffer, so an object's ``tensor`` is refused.
+:class:`lmc.memory.pool.MemoryPool` and drops the buffer, so an object's ``tensor`` is refused.
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
-from lmc.allocator import TLSFAllocator
-from lmc.memory import MemoryObj, MemoryPool
+from lmc.memory.pool import MemoryObj, MemoryPool
+from lmc.memory.tlsf import TLSFAllocator
 
 
 class AddressPool:

@@ -54,7 +54,7 @@ def _sizes(text: str, what: str) -> list[int]:
 
 
 def _policies(text: str) -> list[str]:
-    from lmc.storage_manager import WRITE_POLICIES
+    from lmc.storage.manager import WRITE_POLICIES
 
     out = [p.strip() for p in text.split(",") if p.strip()]
     bad = [p for p in out if p not in WRITE_POLICIES]

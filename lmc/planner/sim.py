@@ -1,7 +1,7 @@
 """Replay a keyed trace through one tier configuration, request by request, with no KV bytes.
 
-Each request goes through the calls the engine's connector makes (``lmc/connectors/core.py``,
-``lmc/connectors/worker.py``), in their order:
+Each request goes through the calls the engine's connector makes (``lmc/connectors/core/scheduler.py``,
+``lmc/connectors/core/worker.py``), in their order:
 
 1. **lookup**: the longest prefix present in any tier (each tier asked once; nothing is
    refreshed), clamped so the engine computes the last token, rounded down to ``align``;

@@ -2,16 +2,16 @@
 
 What is lmc's own code here and what mirrors it:
 
-* **L1** is :class:`storage_backends.cpu.CPUBackend` itself over an :class:`AddressPool`
+* **L1** is :class:`lmc.storage.backends.cpu.CPUBackend` itself over an :class:`AddressPool`
   (lmc's TLSF allocator and ``MemoryObj`` reference counts, no buffer): its eviction policy
-  object (:mod:`lmc.eviction`), its allocate-evict-retry loop and its rule that a
+  object (:mod:`lmc.storage.eviction`), its allocate-evict-retry loop and its rule that a
   referenced chunk is never evicted run unchanged.
 * **remote** is an lmc daemon (``lmc://``): its memory tier is the same ``CPUBackend`` over a
   pool of the remote's size, so it is that class again. A Redis remote with an LRU
   ``maxmemory-policy`` evicts by sampled LRU, which this approximates.
-* **disk** is :class:`DiskIndex`: ``lmc/storage_backends/disk.py`` keeps its index inside the
+* **disk** is :class:`DiskIndex`: ``lmc/storage/backends/disk/backend.py`` keeps its index inside the
   file I/O, so its capacity rules are mirrored here, over the tier's own eviction policy
-  objects (:func:`lmc.eviction.make_policy`, LRU by default as in the tier): file size = a
+  objects (:func:`lmc.storage.eviction.make_policy`, LRU by default as in the tier): file size = a
   4 KiB header block plus the payload rounded up to 4 KiB, with the disk tier's own
   ``BLOCK``/``_round_up``; ``contains`` is not an access, ``get`` and a re-put are;
   eviction pops the policy's first victims until the new file fits, stopping early at a
@@ -19,7 +19,7 @@ What is lmc's own code here and what mirrors it:
   ``tests/planner/test_disk_index.py`` drives the real ``DiskBackend`` and this index with
   the same operations and checks they hold the same keys in the same order.
 
-:class:`SimCache` strings them together the way :class:`lmc.storage_manager.StorageManager`
+:class:`SimCache` strings them together the way :class:`lmc.storage.manager.StorageManager`
 does (prefix lookups each tier once, promotion of lower-tier hits into L1, write-through or
 write-on-evict), with one difference that is the point of a simulation: the write-behind queues are drained
 at the end of each request (:meth:`SimCache.drain`), where the real ones drain on their own
@@ -27,7 +27,7 @@ threads whenever the tier is ready. Until then a queued chunk holds its pool mem
 lmc: under write-through it cannot be evicted from L1, and under write-on-evict an
 allocation under pressure keeps evicting into the queue until the queue's bound
 (``write_queue_size``, at most a quarter of the pool) refuses a victim, which is then lost
-rather than written (``lmc/storage_manager.py`` documents this behaviour). See
+rather than written (``lmc/storage/manager.py`` documents this behaviour). See
 docs/planner.md for what the drain point changes and by how much.
 """
 
@@ -39,12 +39,12 @@ from typing import Any
 import torch
 
 from lmc.config import CacheConfig
-from lmc.eviction import EvictionPolicy, make_policy
-from lmc.memory import MemoryObj
+from lmc.memory.pool import MemoryObj
 from lmc.planner.addrpool import AddressPool
-from lmc.storage_backends.cpu import CPUBackend
-from lmc.storage_backends.disk import BLOCK, _round_up
-from lmc.storage_manager import WRITE_POLICIES
+from lmc.storage.backends.cpu import CPUBackend
+from lmc.storage.backends.disk.backend import BLOCK, _round_up
+from lmc.storage.eviction import EvictionPolicy, make_policy
+from lmc.storage.manager import WRITE_POLICIES
 
 Key = Any  # the planner's interned key ids (ints); lmc's tiers treat keys as opaque
 _BYTE = torch.uint8

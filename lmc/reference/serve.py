@@ -18,7 +18,7 @@ requests and wait for tokens. Every field the server reads is checked first (a 4
 it); a request that still fails in the engine fails alone (its own 4xx/5xx) and the loop
 goes on serving the rest. Connections, the time to send a request and its size are
 bounded (``--max-connections``, ``--read-timeout``, ``--max-body``: see
-:mod:`lmc.http_json`; threat model: docs/threats/http.md). A process whose lmc config has a P2P tier holds a NIXL
+:mod:`lmc.http.json_api`; threat model: docs/threats/http.md). A process whose lmc config has a P2P tier holds a NIXL
 agent: it is closed on SIGTERM/SIGINT and the process ends with ``os._exit`` (NIXL's
 exit-time crash, see :mod:`lmc.p2p.agent`).
 """
@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from lmc.http_json import (
+from lmc.http.json_api import (
     BoundedHTTPServer,
     HttpError,
     HttpLimits,
@@ -309,7 +309,7 @@ def parse_completion(body: Any) -> Completion:
 
 class Server:
     """The engine, its loop and the HTTP server (``port`` 0 picks a free one); ``limits``
-    bound what clients may hold (:class:`lmc.http_json.HttpLimits`)."""
+    bound what clients may hold (:class:`lmc.http.json_api.HttpLimits`)."""
 
     def __init__(self, llm: Any, host: str = "127.0.0.1", port: int = 0,
                  model_name: str = "", limits: HttpLimits | None = None) -> None:

@@ -5,7 +5,7 @@ up to ``window`` requests are on the wire before the first answer is read. Value
 from pool memory with ``sendmsg`` (no joined copy) and received with ``recv_into`` straight
 into freshly allocated pool objects, whose checksum is verified before they are returned.
 Any socket or protocol failure raises; the connection is then unusable and the caller
-(``lmc/storage_backends/server.py``) closes it and turns the failure into misses.
+(``lmc/storage/backends/daemon/backend.py``) closes it and turns the failure into misses.
 """
 
 from __future__ import annotations
@@ -20,11 +20,11 @@ from typing import Any
 
 import torch
 
-from lmc.memory import MemoryObj
-from lmc.serde import encode_header, payload_checksum
+from lmc.memory.pool import MemoryObj
 from lmc.server import protocol as P
 from lmc.server.config import DEFAULT_PORT
 from lmc.server.views import byte_view
+from lmc.storage.serde import encode_header, payload_checksum
 
 Allocate = Callable[[Sequence[int], torch.dtype, int], "MemoryObj | None"]
 CLIENT_LIMITS = P.Limits(max_meta=16 << 20)

@@ -34,8 +34,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from lmc import invariants, tier_build, units
-from lmc.memory import MemoryPool
+from lmc import units
+from lmc.memory import invariants
+from lmc.memory.pool import MemoryPool
 from lmc.server import fdcap
 from lmc.server import metrics as M
 from lmc.server.activity import Activity
@@ -46,7 +47,8 @@ from lmc.server.http import MetricsHTTP
 from lmc.server.ratelog import FirstSeen, IntervalLog, RateLimitedWarnings
 from lmc.server.session import IDLE, Session
 from lmc.server.store import NamespacedStore
-from lmc.storage_manager import StorageManager
+from lmc.storage import chain
+from lmc.storage.manager import StorageManager
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +60,7 @@ def build_storage(config: ServerConfig) -> tuple[MemoryPool, StorageManager]:
     pool = MemoryPool(cache_cfg.local_cpu_size, pin_memory="false", hugepages=config.hugepages,
                       prefault="now" if config.prefault else "off")
     try:  # the engine's own tier stack: any lower tier an engine takes, the daemon takes
-        manager = tier_build.build_storage(cache_cfg, pool)
+        manager = chain.build_storage(cache_cfg, pool)
     except BaseException:
         pool.close()
         raise

@@ -9,7 +9,7 @@ metadata, then ``payload_len`` bytes of raw payload::
 Why this shape: the header is enough to bound every allocation before reading anything else
 (``check_header``), msgpack keeps the metadata schema-flexible without ever running code, and
 a raw payload can be received straight into pool memory. Values inside a payload are
-described by ``lmc.serde`` headers (key, dtype, shape, tokens, length, xxh3), the same bytes
+described by ``lmc.storage.serde`` headers (key, dtype, shape, tokens, length, xxh3), the same bytes
 the disk and Redis tiers store, so both ends verify checksums with code they already share.
 
 Functions here are pure (bytes in, objects or :class:`ProtocolError` out), which is what the
@@ -25,8 +25,8 @@ from typing import Any
 
 import msgpack
 
-from lmc.serde import HEADER_SIZE as VALUE_HEADER_SIZE
-from lmc.serde import CorruptValue, Header, decode_header
+from lmc.storage.serde import HEADER_SIZE as VALUE_HEADER_SIZE
+from lmc.storage.serde import CorruptValue, Header, decode_header
 
 MAGIC = b"LMCP"
 VERSION = 1

@@ -22,7 +22,6 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from lmc.p2p import daemon_ops as p2p_ops
-from lmc.serde import encode_header, payload_checksum
 from lmc.server import metrics as M
 from lmc.server import protocol as P
 from lmc.server.auth import OPEN, Grant
@@ -31,9 +30,10 @@ from lmc.server.store import Checksum, checksum_of
 from lmc.server.text import safe
 from lmc.server.views import byte_view
 from lmc.server.writer import send_buffers
+from lmc.storage.serde import encode_header, payload_checksum
 
 if TYPE_CHECKING:
-    from lmc.memory import MemoryObj
+    from lmc.memory.pool import MemoryObj
     from lmc.server.daemon import Daemon
 
 log = logging.getLogger(__name__)

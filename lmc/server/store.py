@@ -35,13 +35,13 @@ from typing import Any
 
 import torch
 
-from lmc.memory import MemoryObj
+from lmc.memory.pool import MemoryObj
 from lmc.p2p.directory import PeerDirectory
-from lmc.serde import payload_checksum
 from lmc.server import metrics as M
 from lmc.server.ratelog import IntervalLog
 from lmc.server.views import byte_view
-from lmc.storage_manager import StorageManager
+from lmc.storage.manager import StorageManager
+from lmc.storage.serde import payload_checksum
 
 log = logging.getLogger(__name__)
 _PERSON = b"lmc-server-ns"

@@ -1,7 +1,7 @@
 """The storage-tier contract as pytest classes a tier's tests compose, one class per concern.
 
 Any tier, built in or third-party, proves it keeps ``StorageBackend``'s contract
-(``lmc/storage_backend.py``) by importing these classes: nothing here reads lmc's own
+(``lmc/storage/tier.py``) by importing these classes: nothing here reads lmc's own
 ``tests/``. A tier's test module provides one fixture, ``tier_spec`` (a :class:`TierSpec`
 saying how to build the tier and, optionally, how to damage, kill, hang, reopen or share its
 backend), and one class composing what the tier should pass::
@@ -25,7 +25,7 @@ a writer without the secret), :class:`FailureContract` (dead and hung backends) 
 whose hook the spec lacks skips, saying so; ``TierSpec.skip`` leaves out named tests.
 
 Every test also checks, after it, that each tier it built gave all its pool memory back at
-``close()`` and that no pool invariant broke (:mod:`lmc.invariants`). Needs pytest and
+``close()`` and that no pool invariant broke (:mod:`lmc.memory.invariants`). Needs pytest and
 hypothesis (lmc's ``testing`` extra); pytest rewrites the assertions here for readable
 failures.
 """

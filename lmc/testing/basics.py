@@ -1,4 +1,4 @@
-"""Round trips: what a tier stores it gives back bit for bit, for every dtype a ``lmc.serde``
+"""Round trips: what a tier stores it gives back bit for bit, for every dtype a ``lmc.storage.serde``
 header describes (``ROUND_TRIPS``: float16, bfloat16, float32, uint8, the float8 kinds torch
 has) and a partial chunk; its I/O stays inside each object; a caller's bug (keys and objects
 of different lengths) is a clear error, and a chunk the tier cannot represent is skipped; what
@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lmc.storage_backend import Medium, MemoryTier, TierCapabilities, tier_medium
+from lmc.storage.tier import Medium, MemoryTier, TierCapabilities, tier_medium
 from lmc.testing.harness import (
     ROUND_TRIPS,
     SHAPE,
@@ -83,8 +83,8 @@ class BasicContract(TierHarness):
             release([left, right])
 
     def test_a_chunk_the_tier_cannot_represent_is_skipped(self, tier, tier_spec):
-        """The one rule for shapes and dtypes (``lmc.storage_backend``: a chunk a tier cannot
-        represent is skipped): a batch mixing chunks no ``lmc.serde`` header describes (3-D,
+        """The one rule for shapes and dtypes (``lmc.storage.tier``: a chunk a tier cannot
+        represent is skipped): a batch mixing chunks no ``lmc.storage.serde`` header describes (3-D,
         float64) with good ones raises nothing and stores the good ones; each odd one is
         either kept whole (L1 keeps any object) or a miss, and ``put`` counts only what it
         stored."""
@@ -118,7 +118,7 @@ class BasicContract(TierHarness):
             release(got)
 
     def test_declarations_match_the_tier(self, tier, tier_spec):
-        """What a tier class declares (``lmc.storage_backend``) is well formed and true: a
+        """What a tier class declares (``lmc.storage.tier``) is well formed and true: a
         ``Medium`` and ``TierCapabilities``; memory is declared by the L1 tier alone (it keeps
         the caller's objects), and a tier declaring no layered reads never answers
         ``get_layers`` (callers trust the declaration to choose how to read)."""

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 
 import torch
 
-from lmc.storage_backend import Key, StorageBackend
+from lmc.storage.tier import Key, StorageBackend
 from lmc.testing.harness import (
     SHAPE,
     SMALL_POOL_BYTES,

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from lmc.storage_backend import Key, StorageBackend
+from lmc.storage.tier import Key, StorageBackend
 from lmc.testing.harness import (
     TierHarness,
     TierSpec,

@@ -1,7 +1,7 @@
 """What every contract class shares: the tier's description (:class:`TierSpec`), chunk data
 that checks itself, and :class:`TierHarness`, the fixtures that build tiers over pools of
 their own and check, after each test, that every byte went back to the pool and that no pool
-invariant broke (:mod:`lmc.invariants`: views, overlaps, references; on in every pool the
+invariant broke (:mod:`lmc.memory.invariants`: views, overlaps, references; on in every pool the
 suite makes, whatever ``LMC_DEBUG_INVARIANTS`` says).
 
 Every tier is built the public way, ``create_backend(spec, CacheConfig(...), pool)``.
@@ -24,11 +24,11 @@ from typing import Any
 import pytest
 import torch
 
-from lmc import invariants
 from lmc.config import CacheConfig
-from lmc.memory import MemoryObj, MemoryPool
-from lmc.serde import DTYPE_CODES
-from lmc.storage_backend import Key, MemoryTier, StorageBackend, create_backend
+from lmc.memory import invariants
+from lmc.memory.pool import MemoryObj, MemoryPool
+from lmc.storage.serde import DTYPE_CODES
+from lmc.storage.tier import Key, MemoryTier, StorageBackend, create_backend
 
 SHAPE = (2, 2, 16, 64)            # [layers, planes, tokens, width]: 8 KiB of float16
 CHUNK_BYTES = 2 * 2 * 16 * 64 * 2
@@ -71,7 +71,7 @@ class TierSpec:
 
     ``skip`` maps a test's name to the reason this spec leaves it out (say where it is
     covered instead). ``deadline`` bounds any one call on a dead or hung backend, in seconds.
-    A tier implementing :class:`lmc.storage_backend.MemoryTier` (L1) keeps the caller's
+    A tier implementing :class:`lmc.storage.tier.MemoryTier` (L1) keeps the caller's
     objects themselves: the suite's writers allocate through its ``allocate_many``, which
     evicts.
     """

@@ -11,9 +11,9 @@ from collections.abc import Sequence
 
 import pytest
 
-from lmc.layered_read import LayerReadError
-from lmc.serde import CorruptValue
-from lmc.storage_backend import Key, StorageBackend, tier_capabilities
+from lmc.storage.layered_read import LayerReadError
+from lmc.storage.serde import CorruptValue
+from lmc.storage.tier import Key, StorageBackend, tier_capabilities
 from lmc.testing.harness import (
     ROUND_TRIPS,
     TierHarness,

@@ -16,7 +16,7 @@ from typing import Any
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from lmc.storage_backend import StorageBackend
+from lmc.storage.tier import StorageBackend
 from lmc.testing.harness import ROUND_TRIPS, TierHarness, TierSpec, check_hit, key_of, release
 
 KEYS = 8       # names per example: small, so batches collide and repeat

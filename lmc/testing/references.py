@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import torch
 
-from lmc.memory import MemoryObj
-from lmc.storage_backend import MemoryTier
+from lmc.memory.pool import MemoryObj
+from lmc.storage.tier import MemoryTier
 from lmc.testing.harness import (
     CHUNK_BYTES,
     SHAPE,

@@ -7,7 +7,7 @@ streamed choice is the first token, so TTFT is what a client sees. The final usa
 
 Per-tier hit tokens come from the server's own lmc counters: vLLM with lmc exports them on
 ``/metrics`` as ``lmc:connector_total{stat="tokens_from_<tier>"}`` (see
-``lmc/connectors/vllm_stats.py``); lmc's reference server (``python -m lmc.reference.serve``)
+``lmc/connectors/vllm/stats.py``); lmc's reference server (``python -m lmc.reference.serve``)
 on ``/lmc/stats``. They are server-wide counters, read before and after the
 replay (and about once a second for the timeline); a server without them gets "unknown",
 never an estimate.

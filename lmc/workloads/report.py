@@ -108,7 +108,7 @@ def _pyplot() -> Any:
     try:
         import matplotlib
     except ImportError:
-        from lmc.integrity import MissingPackage
+        from lmc.storage.integrity import MissingPackage
 
         raise MissingPackage(f"--plot needs matplotlib: {PLOT_EXTRA}") from None
     matplotlib.use("Agg")  # files only: no display needed

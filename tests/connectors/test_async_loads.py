@@ -12,10 +12,10 @@ import time
 import pytest
 
 from lmc import CacheConfig, CacheEngine
-from lmc.connectors.core import ConnectorConfig, SchedulerConnector
-from lmc.connectors.metadata import ConnectorMetadata, LoadSpec, SaveSpec, StepRequest
-from lmc.connectors.pd_params import producer_params, remote_prefill_tokens
-from lmc.connectors.worker import WorkerConnector
+from lmc.connectors.core.metadata import ConnectorMetadata, LoadSpec, SaveSpec, StepRequest
+from lmc.connectors.core.pd_params import producer_params, remote_prefill_tokens
+from lmc.connectors.core.scheduler import ConnectorConfig, SchedulerConnector
+from lmc.connectors.core.worker import WorkerConnector
 from tests.connectors.test_worker_side import BS, CS, LAYERS, TOKENS, blocks, slots_of, step
 from tests.kvutil import assert_bits_equal, make_caches, spec_for, token_kv
 

@@ -16,12 +16,12 @@ import torch
 
 from lmc.cache_engine import CacheEngine
 from lmc.config import CacheConfig
-from lmc.connectors.core import ConnectorConfig, SchedulerConnector
-from lmc.connectors.metadata import ConnectorMetadata
-from lmc.connectors.model_id import model_identity
-from lmc.connectors.worker import WorkerConnector
-from lmc.kv_spec import KVSpec
+from lmc.connectors.core.metadata import ConnectorMetadata
+from lmc.connectors.core.model_id import model_identity
+from lmc.connectors.core.scheduler import ConnectorConfig, SchedulerConnector
+from lmc.connectors.core.worker import WorkerConnector
 from lmc.reference import LLM, KVConnector
+from lmc.transfer.kv_spec import KVSpec
 from tests.connectors.helpers import BLOCK, assert_same, plain_llm, prompt, run
 
 

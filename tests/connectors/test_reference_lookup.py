@@ -8,8 +8,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from lmc.connectors.reference import LMCReferenceConnector
-from lmc.lookup import LookupResult
 from lmc.reference import LLM
+from lmc.storage.lookup import LookupResult
 from tests.connectors.helpers import BLOCK, assert_same, plain_llm, prompt, run, stat
 
 P = prompt(7, 150)  # chunks of 32: 0-1 stay in L1, 2-4 only on disk

@@ -8,9 +8,9 @@ import pickle
 
 import pytest
 
-from lmc.connectors.core import ConnectorConfig, SchedulerConnector
-from lmc.connectors.metadata import ConnectorMetadata, LoadSpec, SaveSpec, StepRequest
-from lmc.lookup import LookupResult
+from lmc.connectors.core.metadata import ConnectorMetadata, LoadSpec, SaveSpec, StepRequest
+from lmc.connectors.core.scheduler import ConnectorConfig, SchedulerConnector
+from lmc.storage.lookup import LookupResult
 
 CS = 16
 

@@ -7,10 +7,10 @@ import pytest
 import torch
 
 from lmc import CacheConfig, CacheEngine
-from lmc.connectors.core import ConnectorConfig
-from lmc.connectors.vllm_lookup import socket_paths
-from lmc.connectors.vllm_scheduler import SchedulerSide
-from lmc.lookup_service import LookupClient, LookupServer, engine_lookup
+from lmc.connectors.core.lookup_service import LookupClient, LookupServer, engine_lookup
+from lmc.connectors.core.scheduler import ConnectorConfig
+from lmc.connectors.vllm.lookup import socket_paths
+from lmc.connectors.vllm.scheduler import SchedulerSide
 from tests import lookup_sockets
 from tests.kvutil import make_caches, spec_for
 

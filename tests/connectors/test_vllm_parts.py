@@ -10,18 +10,18 @@ from typing import Any
 import pytest
 import torch
 
-from lmc.connectors.core import ConnectorConfig
-from lmc.connectors.vllm_config import load_settings, per_rank_disks
-from lmc.connectors.vllm_layout import (
+from lmc.connectors.core.lookup_service import LookupClientStats
+from lmc.connectors.core.scheduler import ConnectorConfig
+from lmc.connectors.vllm.config import load_settings, per_rank_disks
+from lmc.connectors.vllm.layout import (
     UnsupportedLayout,
     check_cache_dtype,
     check_version,
     layer_order,
     resolve_gpu,
 )
-from lmc.connectors.vllm_scheduler import SchedulerSide
-from lmc.lookup import LookupResult
-from lmc.lookup_service import LookupClientStats
+from lmc.connectors.vllm.scheduler import SchedulerSide
+from lmc.storage.lookup import LookupResult
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from lmc import CacheConfig, CacheEngine
-from lmc.connectors.metadata import ConnectorMetadata, LoadSpec, SaveSpec
-from lmc.connectors.worker import WorkerConnector, prefix_mask, slot_mapping
+from lmc.connectors.core.metadata import ConnectorMetadata, LoadSpec, SaveSpec
+from lmc.connectors.core.worker import WorkerConnector, prefix_mask, slot_mapping
 from tests.kvutil import assert_bits_equal, make_caches, spec_for, token_kv
 from tests.late_transfer import copies  # noqa: F401 - the fixture below
 

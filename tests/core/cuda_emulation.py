@@ -1,4 +1,4 @@
-"""Run ``lmc/csrc/kv_transfer.cu`` on the CPU: the kernels' own code, checked access by access.
+"""Run ``lmc/transfer/csrc/kv_transfer.cu`` on the CPU: the kernels' own code, checked access by access.
 
 The .cu is compiled by a plain C++ compiler with a prelude that turns CUDA's qualifiers into
 nothing and ``blockIdx``/``threadIdx``/``blockDim``/``gridDim`` into globals the launcher sets,
@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from lmc import cuda_transfer as ct
+from lmc.transfer import cuda_copy as ct
 
 ORDERS = ("block-major", "reversed", "thread-major", "shuffled")
 

@@ -209,7 +209,7 @@ class EngineMachine(RuleBasedStateMachine):
 
     def _retrieve_layerwise(self, tokens, slots, mask, rid) -> int:
         """``retrieve_layer``, every layer in order (lower-tier hits arrive layer by layer:
-        :mod:`lmc.layered_read`). A load that failed (``LoadError``: a chunk did not verify
+        :mod:`lmc.storage.layered_read`). A load that failed (``LoadError``: a chunk did not verify
         or its read failed) reports 0 tokens and must be one the tiers counted; the engine
         would recompute, so its partly written blocks are put back for the model."""
         snap = self.cache.snapshot()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 
-from lmc.storage_backends.disk import DiskBackend
+from lmc.storage.backends.disk.backend import DiskBackend
 
 
 class SlowDisk(DiskBackend):

@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from lmc.allocator import CheckedTLSFAllocator, TLSFAllocator
+from lmc.memory.tlsf import CheckedTLSFAllocator, TLSFAllocator
 
 
 def test_alloc_free_coalesces_back_to_one_block():

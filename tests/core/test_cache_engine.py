@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from lmc import CacheConfig, CacheEngine, KVSpec
-from lmc.kv_spec import LAYOUTS
+from lmc.transfer.kv_spec import LAYOUTS
 from tests.kvutil import DTYPES, assert_bits_equal, make_caches, random_tokens, spec_for, token_kv
 
 CHUNK = 16
@@ -316,7 +316,7 @@ def _dropped_cache_is_freed(layout: str, wrap) -> None:
 
 
 def _leaves(caches):
-    from lmc.transfer_cache import leaf_tensors
+    from lmc.transfer.bound_caches import leaf_tensors
     return leaf_tensors(caches)
 
 

@@ -17,7 +17,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from lmc import cuda_transfer as ct
+from lmc.transfer import cuda_copy as ct
 
 T = ct.PathTiming
 

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from lmc import CacheConfig
-from lmc.memory import Lease, MemoryPool
-from lmc.storage_backend import StorageBackend, create_backend
-from lmc.storage_manager import StorageManager, TierPool
+from lmc.memory.pool import Lease, MemoryPool
+from lmc.storage.manager import StorageManager, TierPool
+from lmc.storage.tier import StorageBackend, create_backend
 
 UNIT = 4096
 
@@ -236,7 +236,7 @@ def test_the_configured_policy_object_orders_eviction(policy):
 
 
 def test_an_unknown_policy_is_refused_naming_the_choices(tmp_path):
-    from lmc.storage_backends.disk import DiskBackend
+    from lmc.storage.backends.disk.backend import DiskBackend
     pool = MemoryPool(4 * UNIT, pin_memory=False)
     try:
         with pytest.raises(ValueError, match="choose one of lru, fifo"):

@@ -1,6 +1,6 @@
 """The CUDA sources, checked on a machine without a GPU.
 
-* Every ``lmc/csrc/*.cu`` compiles with ``nvcc`` for sm_80 and sm_90, and with NVRTC (what CuPy
+* Every ``lmc/transfer/csrc/*.cu`` compiles with ``nvcc`` for sm_80 and sm_90, and with NVRTC (what CuPy
   uses at run time) when its library is installed.
 * The entry points the Python wrapper launches exist, as ``extern "C"`` kernels in the source
   and as ``.entry`` symbols in the PTX, and each one instantiates the template its name says.
@@ -30,10 +30,10 @@ import numpy as np
 import pytest
 import torch
 
-from lmc import cuda_transfer as ct
-from lmc.completion import Completion
-from lmc.kv_spec import LAYOUTS, KVSpec
-from lmc.transfer import ChunkPlan, TorchTransfer
+from lmc.transfer import cuda_copy as ct
+from lmc.transfer.completion import Completion
+from lmc.transfer.kv_spec import LAYOUTS, KVSpec
+from lmc.transfer.torch_copy import ChunkPlan, TorchTransfer
 from tests.core import cuda_emulation as emu
 from tests.core.test_cuda_transfer import check_against_torch, random_case
 from tests.kvutil import (

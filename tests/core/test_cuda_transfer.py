@@ -12,10 +12,10 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from lmc.completion import Completion
-from lmc.cuda_transfer import CudaTransfer, cuda_kernels_available
-from lmc.kv_spec import LAYOUTS, KVSpec
-from lmc.transfer import TorchTransfer, make_transfer
+from lmc.transfer.completion import Completion
+from lmc.transfer.cuda_copy import CudaTransfer, cuda_kernels_available
+from lmc.transfer.kv_spec import LAYOUTS, KVSpec
+from lmc.transfer.torch_copy import TorchTransfer, make_transfer
 from tests.kvutil import DTYPES, assert_bits_equal, bits, make_caches, random_bits, spec_for
 
 GPU_READY = cuda_kernels_available()
@@ -240,7 +240,7 @@ def test_gpu_random_shapes(seed):
 @gpu
 @needs_kernels
 def test_gpu_layerwise_events_on_a_side_stream():
-    """Layer-wise copies on a side stream return completion handles (lmc.completion): not
+    """Layer-wise copies on a side stream return completion handles (lmc.transfer.completion): not
     done while the side stream is held back, done after; ``wait(stream)`` makes the engine's
     stream wait for the copy without blocking the host, so a read queued after it sees it."""
     caches = make_caches("vllm_flash", layers=4, dtype=torch.bfloat16, device="cuda")

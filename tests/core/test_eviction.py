@@ -1,4 +1,4 @@
-"""Eviction policy objects (lmc/eviction.py) against a plain list-based reference model.
+"""Eviction policy objects (lmc/storage/eviction.py) against a plain list-based reference model.
 
 The model keeps the held keys in one Python list, first victim first: an insert appends, an
 LRU access moves the key to the end, a FIFO access does nothing, a removal or an eviction
@@ -17,7 +17,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from lmc.eviction import (
+from lmc.storage.eviction import (
     EvictionPolicy,
     FIFOPolicy,
     LRUPolicy,

@@ -39,7 +39,7 @@ def _blocked_env(tmp_path: Path, **extra: str) -> dict[str, str]:
 
 def test_gpu_tests_collect_without_optional_packages(tmp_path):
     """The device image has no redis, cryptography or nixl: collecting the GPU suite there
-    must not error (it did: tests/storage_backends/conftest.py imported redis at load)."""
+    must not error (it did: tests/storage/backends/conftest.py imported redis at load)."""
     env = _blocked_env(tmp_path)
     r = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-m", "gpu",
                         "-p", "no:cacheprovider", *GPU_PATHS], cwd=ROOT, env=env,

@@ -128,3 +128,50 @@ def test_layerwise_copies_know_the_engine_only_through_their_protocol():
     assert "lmc.cache_engine" not in imported
     source = modules["lmc.layerwise"].read_text(encoding="utf-8")
     assert "host._" not in source, "layerwise calls a private method of its host"
+
+
+# The direction of imports (docs/design.md, "Where things live"): a folder imports, at load
+# time, only folders of its own rank or below. Ranks, lowest first:
+RANKS: list[tuple[str, ...]] = [
+    ("lmc.units", "lmc.ratelog", "lmc.settings", "lmc.config", "lmc.metrics",
+     "lmc.token_database", "lmc._tokens"),
+    ("lmc.memory",),
+    ("lmc.transfer",),
+    ("lmc.storage",),
+    ("lmc.cache_engine", "lmc.layerwise"),
+    ("lmc.connectors",),
+    ("lmc.server", "lmc.p2p", "lmc.http", "lmc.planner", "lmc.workloads", "lmc.reference",
+     "lmc.testing", "lmc.demo", "lmc.cli", "lmc"),
+]
+# the network tiers speak their servers' protocols: client code that lives with the server
+ALLOWED_UPWARD = {
+    ("lmc.storage.backends.daemon", "lmc.server"),
+    ("lmc.storage.backends.p2p", "lmc.p2p"),
+    ("lmc.storage.backends.p2p", "lmc.server.client"),
+    # an adapter imports its engine's plug-in contract, as the vLLM adapter imports vllm
+    ("lmc.connectors.reference", "lmc.reference"),
+}
+
+
+def _rank(name: str) -> tuple[int, str]:
+    best = (-1, "")
+    for i, prefixes in enumerate(RANKS):
+        for p in prefixes:
+            if (name == p or name.startswith(p + ".")) and len(p) > len(best[1]):
+                best = (i, p)
+    return best
+
+
+def test_imports_point_down_the_ranks():
+    modules = _modules()
+    wrong = []
+    for name, path in modules.items():
+        r, _ = _rank(name)
+        for dep in _load_time_imports(name, path, modules):
+            d, folder = _rank(dep)
+            allowed = any(name.startswith(a) and (dep == b or dep.startswith(b + "."))
+                          for a, b in ALLOWED_UPWARD)
+            if d > r and not allowed:
+                wrong.append(f"{name} imports {dep} ({folder} ranks above)")
+    assert all(_rank(n)[0] >= 0 for n in modules), [n for n in modules if _rank(n)[0] < 0]
+    assert not wrong, "; ".join(sorted(wrong))

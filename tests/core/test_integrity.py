@@ -1,4 +1,4 @@
-"""Keyed integrity tags (lmc.integrity): what verifies, what is refused, and the secret's
+"""Keyed integrity tags (lmc.storage.integrity): what verifies, what is refused, and the secret's
 configuration (never shown).
 
 Threat model: ``docs/threats/tiers.md``."""
@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from lmc.config import CacheConfig
-from lmc.integrity import Integrity
-from lmc.serde import HEADER_SIZE, TAG_SIZE, CorruptValue, decode_header, encode_header
+from lmc.storage.integrity import Integrity
+from lmc.storage.serde import HEADER_SIZE, TAG_SIZE, CorruptValue, decode_header, encode_header
 
 SECRET = "0123456789abcdef0123456789abcdef"
 KEY = bytes(range(16))
@@ -125,7 +125,7 @@ def test_a_padded_secret_is_the_same_secret_inline_and_in_a_file(tmp_path):
 @pytest.mark.parametrize("mode", [0o644, 0o640, 0o604])
 def test_a_secret_file_others_may_read_is_used_with_a_warning(tmp_path, caplog, mode):
     f = _file(tmp_path, SECRET, mode)
-    with caplog.at_level("WARNING", logger="lmc.integrity"):
+    with caplog.at_level("WARNING", logger="lmc.storage.integrity"):
         assert Integrity.from_config(CacheConfig(integrity_secret_file=str(f))) is not None
         Integrity.from_config(CacheConfig(integrity_secret_file=str(f)))
     warned = [r.getMessage() for r in caplog.records if str(f) in r.getMessage()]
@@ -136,7 +136,7 @@ def test_a_secret_file_others_may_read_is_used_with_a_warning(tmp_path, caplog, 
 
 def test_a_private_secret_file_is_used_quietly(tmp_path, caplog):
     f = _file(tmp_path, SECRET, 0o600)
-    with caplog.at_level("WARNING", logger="lmc.integrity"):
+    with caplog.at_level("WARNING", logger="lmc.storage.integrity"):
         assert Integrity.from_config(CacheConfig(integrity_secret_file=str(f))) is not None
     assert not caplog.records
 

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from lmc import CacheConfig, CacheEngine, KVSpec
-from lmc.kv_layouts import DESCRIPTORS, PlaneStrides, contiguous_strides
-from lmc.kv_spec import LAYOUTS
+from lmc.transfer.kv_layouts import DESCRIPTORS, PlaneStrides, contiguous_strides
+from lmc.transfer.kv_spec import LAYOUTS
 from tests.kvutil import (
     assert_bits_equal,
     bits,

@@ -1,4 +1,4 @@
-"""Lower-tier hits read layer by layer (``get_layers``, :mod:`lmc.layered_read`) through the
+"""Lower-tier hits read layer by layer (``get_layers``, :mod:`lmc.storage.layered_read`) through the
 engine's layer-wise retrieve, over a real disk directory and a real redis-server:
 
 * the KV is bit-exact and the chunks are promoted into L1 only after they verified;
@@ -22,10 +22,10 @@ import torch
 
 from lmc import CacheConfig, CacheEngine
 from lmc.layerwise import LoadError
-from lmc.serde import HEADER_SIZE, decode_header
-from lmc.storage_backends import disk_layers
+from lmc.storage.backends.disk import layered as disk_layers
+from lmc.storage.serde import HEADER_SIZE, decode_header
 from tests.kvutil import assert_bits_equal, make_caches, random_tokens, spec_for, token_kv
-from tests.storage_backends.conftest import redis_server  # noqa: F401 - real redis-server
+from tests.storage.backends.conftest import redis_server  # noqa: F401 - real redis-server
 
 CHUNK = 16
 LAYERS = 4

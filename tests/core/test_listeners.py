@@ -11,9 +11,11 @@ import pytest
 import torch
 
 from lmc import CacheConfig
-from lmc.memory import MemoryPool
+from lmc.memory.pool import MemoryPool
 from lmc.metrics import EngineMetrics
-from lmc.storage_backend import (
+from lmc.storage.chain import build_storage
+from lmc.storage.manager import EvictionMetrics, StorageManager, WriteOnEvict
+from lmc.storage.tier import (
     DELETED,
     EVICTED,
     PROMOTED,
@@ -23,8 +25,6 @@ from lmc.storage_backend import (
     TierInfo,
     TierListener,
 )
-from lmc.storage_manager import EvictionMetrics, StorageManager, WriteOnEvict
-from lmc.tier_build import build_storage
 
 SHAPE = (2, 2, 16, 32)  # [layers, planes, tokens, width] float16: 4 KiB a chunk
 CHUNK = 4096

@@ -9,7 +9,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from lmc import CacheConfig, CacheEngine
-from lmc.lookup import LookupResult, minimum
+from lmc.storage.lookup import LookupResult, minimum
 from tests.kvutil import make_caches, random_tokens, spec_for
 
 CHUNK = 16

@@ -15,8 +15,7 @@ import time
 import numpy as np
 import pytest
 
-from lmc.lookup import LookupResult
-from lmc.lookup_service import (
+from lmc.connectors.core.lookup_service import (
     LOCAL_ENGINES,
     MAX_NAME,
     LookupClient,
@@ -25,6 +24,7 @@ from lmc.lookup_service import (
     encode_request,
     socket_path,
 )
+from lmc.storage.lookup import LookupResult
 from tests import lookup_sockets
 from tests.lookup_sockets import send_and_expect_close
 
@@ -266,7 +266,7 @@ def test_a_malformed_answer_is_a_miss_that_says_why(sock_dir, caplog, reply, why
     server = RawServer(path, reply)
     client = Client([path], timeout=2)
     try:
-        with caplog.at_level(logging.WARNING, logger="lmc.lookup_service"):
+        with caplog.at_level(logging.WARNING, logger="lmc.connectors.core.lookup_service"):
             t0 = time.perf_counter()
             assert client.lookup(list(range(10))) == LookupResult.miss()
             assert time.perf_counter() - t0 < 1.5
@@ -281,7 +281,7 @@ def test_an_old_client_request_is_refused_clearly(sock_dir, caplog):
     path = str(sock_dir / "new.sock")
     server = LookupServer(path, prefix_answer(7, 7))
     try:
-        with caplog.at_level(logging.WARNING, logger="lmc.lookup_service"):
+        with caplog.at_level(logging.WARNING, logger="lmc.connectors.core.lookup_service"):
             send_and_expect_close(path, struct.pack("<4sI", b"LMCQ", 1) + b"\0\0\0\0")
         assert server.errors == 1 and "version 1" in caplog.text
     finally:

@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 import torch
 
-from lmc import invariants
-from lmc.allocator import CheckedTLSFAllocator, TLSFAllocator
-from lmc.invariants import InvariantError
-from lmc.memory import Lease, MemoryPool
+from lmc.memory import invariants
+from lmc.memory.invariants import InvariantError
+from lmc.memory.pool import Lease, MemoryPool
+from lmc.memory.tlsf import CheckedTLSFAllocator, TLSFAllocator
 
 
 def test_objects_are_disjoint_aligned_views():
@@ -317,7 +317,7 @@ def test_close_with_references_held_is_reported_even_untracked(monkeypatch, capl
     monkeypatch.setenv(invariants.ENV, "0")
     pool = MemoryPool(1 << 16, pin_memory=False)
     kept = [pool.allocate((10,), torch.uint8) for _ in range(3)]
-    with caplog.at_level("WARNING", logger="lmc.memory"):
+    with caplog.at_level("WARNING", logger="lmc.memory.pool"):
         pool.close()
     assert len(pool.leaks) == 1 and "3 block(s) still referenced" in pool.leaks[0]
     assert "debug_leaks" in caplog.text
@@ -336,7 +336,7 @@ def test_the_harness_fails_a_test_that_leaks_and_names_the_site(pytester):
     pytester.makeconftest((Path(__file__).parents[1] / "conftest.py").read_text())
     pytester.makepyfile(test_leaky="""
         import pytest, torch
-        from lmc.memory import MemoryPool
+        from lmc.memory.pool import MemoryPool
 
         def leaky_helper(pool):
             return pool.allocate((10,), torch.uint8)
@@ -375,7 +375,7 @@ def test_the_harness_fails_the_run_on_a_violation_outside_any_test(pytester):
     pytester.makeconftest((Path(__file__).parents[1] / "conftest.py").read_text())
     pytester.makepyfile(test_fixture_leak="""
         import pytest, torch
-        from lmc.memory import MemoryPool
+        from lmc.memory.pool import MemoryPool
 
         @pytest.fixture(scope="module")
         def pool():
@@ -396,7 +396,7 @@ def test_the_harness_fails_the_run_on_a_violation_outside_any_test(pytester):
 
 def test_batch_made_objects_are_those_init_makes():
     """``MemoryObj.batch`` (what allocate_many uses) sets every slot as ``__init__`` does."""
-    from lmc.memory import MemoryObj
+    from lmc.memory.pool import MemoryObj
 
     pool = MemoryPool(1 << 16, pin_memory=False)
     made = MemoryObj.batch(pool, [0, 4096], 100, (10, 10), torch.uint8, 7, None)
@@ -419,7 +419,7 @@ def test_the_harness_still_catches_a_leak_only_the_collector_finds(pytester):
     pytester.makeconftest((Path(__file__).parents[1] / "conftest.py").read_text())
     pytester.makepyfile(test_cycle_leak="""
         import gc, torch
-        from lmc.memory import MemoryPool
+        from lmc.memory.pool import MemoryPool
 
         KEPT = []
 

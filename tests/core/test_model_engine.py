@@ -13,7 +13,7 @@ from hypothesis.stateful import run_state_machine_as_test
 from tests.core.model_engine import EngineMachine
 from tests.core.model_kv import Backend, prompt, scaled
 from tests.server.conftest import shared_daemon  # noqa: F401 - a real daemon, reused
-from tests.storage_backends.conftest import redis_server  # noqa: F401 - real redis-server
+from tests.storage.backends.conftest import redis_server  # noqa: F401 - real redis-server
 
 
 def _run(backend: Backend, examples: int, steps: int) -> None:

@@ -17,7 +17,7 @@ import torch
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule, run_state_machine_as_test
 
-from lmc.memory import MemoryPool
+from lmc.memory.pool import MemoryPool
 from tests.core.model_kv import scaled
 
 UNIT = 4096

@@ -20,8 +20,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lmc import prefault as pf
-from lmc.memory import MemoryPool
+from lmc.memory import prefault as pf
+from lmc.memory.pool import MemoryPool
 
 MiB = 1 << 20
 
@@ -122,7 +122,7 @@ def test_a_background_failure_fails_the_next_allocation_and_leaks_nothing(caplog
     """Registration failing in the background is logged and raised by the next allocation
     that needs the unpinned part: never a silent fallback to pageable copies."""
     reg = StandIn(fail_at=2)
-    with caplog.at_level(logging.ERROR, logger="lmc.prefault"):
+    with caplog.at_level(logging.ERROR, logger="lmc.memory.prefault"):
         pool = _pool(32 * MiB, reg)
         pool._prefault.done.wait(10)
     assert any("page-locking" in r.getMessage() for r in caplog.records)
@@ -144,7 +144,7 @@ def test_a_first_step_failure_fails_the_constructor():
 
 def test_more_than_the_host_has_is_refused_before_mapping(monkeypatch):
     reg = StandIn()
-    monkeypatch.setattr("lmc.memory.mem_available", lambda: 8 * MiB)
+    monkeypatch.setattr("lmc.memory.pool.mem_available", lambda: 8 * MiB)
     with pytest.raises(pf.PinError, match=r"16.0 MiB pool.*MemAvailable"):
         _pool(16 * MiB, reg)
     assert not reg.calls
@@ -215,7 +215,7 @@ def test_a_buffer_across_two_registrations_is_staged_unless_mapped_as_one():
     """The kernel reaches a 'direct' buffer through the device address of its first byte; a
     chunk across two registered steps is safe there only if the two map contiguously, else
     it takes the staged path (a copy engine reads any host range)."""
-    from lmc.cuda_transfer import CupyBackend
+    from lmc.transfer.cuda_copy import CupyBackend
 
     be = object.__new__(CupyBackend)
     be.device = torch.device("cuda", 0)

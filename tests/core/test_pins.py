@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from lmc import CacheConfig, CacheEngine
-from lmc.pins import PinTable
+from lmc.storage.pins import PinTable
 from tests.kvutil import assert_bits_equal, make_caches, random_tokens, spec_for, token_kv
 
 CHUNK = 16

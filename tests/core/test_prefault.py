@@ -13,8 +13,8 @@ import threading
 import pytest
 import torch
 
-from lmc import prefault as pf
-from lmc.memory import MemoryPool
+from lmc.memory import prefault as pf
+from lmc.memory.pool import MemoryPool
 
 MiB = 1 << 20
 pytestmark = pytest.mark.skipif(not pf.populate(torch.empty(4096, dtype=torch.uint8)
@@ -66,7 +66,7 @@ def test_ensure_populates_the_front_steps_and_nothing_past_them():
 
 def test_background_prefault_reaches_the_end_and_keeps_contents(caplog):
     """Stores write while the thread populates the same region: every byte stays theirs."""
-    caplog.set_level(logging.INFO, logger="lmc.prefault")
+    caplog.set_level(logging.INFO, logger="lmc.memory.prefault")
     pool = MemoryPool(96 * MiB, pin_memory=False, prefault="off")
     p = pool._prefault = pf.Prefaulter(pool.buffer, step=2 * MiB)  # many small steps
     p.start()

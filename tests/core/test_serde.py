@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lmc.serde import (
+from lmc.storage.serde import (
     HEADER_SIZE,
     CorruptValue,
     decode_header,

@@ -17,7 +17,7 @@ import pytest
 
 from lmc.cli import main as lmc_main
 from lmc.config import CacheConfig, load_connector_settings
-from lmc.connectors.vllm_config import VllmOptions, load_settings
+from lmc.connectors.vllm.config import VllmOptions, load_settings
 from lmc.server.config import ServerConfig
 from lmc.settings import (
     ENV_NAMESPACES,
@@ -363,7 +363,7 @@ def _builtin_backends() -> list[type]:
     """Every built-in backend class this install can import (p2p needs NIXL)."""
     import importlib
 
-    from lmc.storage_backend import BUILTIN_BACKENDS, backend_factory
+    from lmc.storage.tier import BUILTIN_BACKENDS, backend_factory
 
     out = []
     for name, module in BUILTIN_BACKENDS.items():
@@ -400,8 +400,8 @@ def test_readme_lists_every_declared_backend_option():
 
 
 def _built(cfg: CacheConfig) -> Any:
-    from lmc.memory import MemoryPool
-    from lmc.storage_backend import create_backend
+    from lmc.memory.pool import MemoryPool
+    from lmc.storage.tier import create_backend
 
     pool = MemoryPool(1 << 20, pin_memory="false")
     tier = create_backend(cfg.remote_url, cfg, pool)  # no I/O: connections open on first use
@@ -428,8 +428,8 @@ def test_backend_options_from_the_url_query_remote_options_or_deprecated_keys(ca
     # a deprecated key the backend never took is ignored, as it always was
     assert _built(CacheConfig(remote_url="lmc://127.0.0.1:1", remote_ttl=5)).size == 4
     # and one set in a config without remote_url reaches a tier built by hand, as it did
-    from lmc.memory import MemoryPool
-    from lmc.storage_backend import create_backend
+    from lmc.memory.pool import MemoryPool
+    from lmc.storage.tier import create_backend
 
     pool = MemoryPool(1 << 20, pin_memory="false")
     tier = create_backend(url, CacheConfig(remote_connections=2), pool)

@@ -6,13 +6,13 @@ import pytest
 import torch
 
 from lmc import CacheConfig
-from lmc.memory import MemoryPool
-from lmc.storage_backend import StorageBackend, backend_factory, create_backend
-from lmc.storage_manager import StorageManager
+from lmc.memory.pool import MemoryPool
+from lmc.storage.manager import StorageManager
+from lmc.storage.tier import StorageBackend, backend_factory, create_backend
 
 
 def test_registry_finds_backends_by_name_and_rejects_unknown():
-    from lmc.storage_backends.cpu import CPUBackend
+    from lmc.storage.backends.cpu import CPUBackend
 
     assert backend_factory("cpu") is CPUBackend
     with pytest.raises(ValueError, match="unknown storage backend 'tape'"):
@@ -94,8 +94,8 @@ def test_write_through_queues_never_pin_the_whole_pool(tmp_path):
     unevictable. With a queue as large as the pool and a slow tier, every L1 chunk was
     queued and every later allocation failed until the writer caught up; the queue is
     capped at half the pool, so stores keep room while the tier is slow."""
-    from lmc.memory import Lease
-    from lmc.storage_manager import TierPool
+    from lmc.memory.pool import Lease
+    from lmc.storage.manager import TierPool
     from tests.core.slow_tier import SlowDisk
 
     unit = 4096
@@ -152,16 +152,16 @@ class _ToyTier(StorageBackend):
 
 
 def _toy_factory():
-    from lmc.storage_backend import register_backend
+    from lmc.storage.tier import register_backend
 
     return register_backend("toy-build", schemes=("toy-build",))(_ToyTier)
 
 
 def test_build_tiers_orders_tiers_and_passes_remote_options(tmp_path):
-    from lmc.storage_backends.cpu import CPUBackend
-    from lmc.storage_backends.disk import DiskBackend
-    from lmc.storage_manager import TierPool
-    from lmc.tier_build import build_tiers
+    from lmc.storage.backends.cpu import CPUBackend
+    from lmc.storage.backends.disk.backend import DiskBackend
+    from lmc.storage.chain import build_tiers
+    from lmc.storage.manager import TierPool
 
     _toy_factory()
     cfg = CacheConfig(local_cpu_size=1 << 20, local_disk=str(tmp_path / "d"),
@@ -189,7 +189,7 @@ def test_build_tiers_orders_tiers_and_passes_remote_options(tmp_path):
 
 
 def test_build_tiers_refuses_an_option_the_backend_does_not_take():
-    from lmc.tier_build import build_tiers
+    from lmc.storage.chain import build_tiers
 
     _toy_factory()
     cfg = CacheConfig(local_cpu_size=1 << 20, remote_url="toy-build://x",
@@ -203,7 +203,7 @@ def test_build_tiers_refuses_an_option_the_backend_does_not_take():
 
 
 def test_tier_pool_offers_allocation_not_the_pool_internals():
-    from lmc.storage_manager import TierPool
+    from lmc.storage.manager import TierPool
 
     l1, pool = _tier(64 << 10)
     tp = TierPool(l1)
@@ -227,11 +227,11 @@ def test_a_backend_is_found_by_module_path_without_entry_points(tmp_path, monkey
     import sys
     from importlib import metadata
 
-    import lmc.storage_backend as sb
+    import lmc.storage.tier as sb
 
     mod = "lmc_test_toy_tier_mod"
     (tmp_path / f"{mod}.py").write_text(
-        "from lmc.storage_backend import register_backend\n"
+        "from lmc.storage.tier import register_backend\n"
         "from tests.core.test_storage_manager import _ToyTier\n"
         "@register_backend('toy-mod', schemes=('toymod',))\n"
         "class ModTier(_ToyTier):\n"

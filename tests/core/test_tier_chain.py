@@ -8,11 +8,11 @@ import pytest
 import torch
 
 from lmc.config import CacheConfig, TierEntry
-from lmc.memory import MemoryPool
+from lmc.memory.pool import MemoryPool
 from lmc.server.config import ServerConfig
 from lmc.settings import ConfigError
-from lmc.storage_manager import StorageManager
-from lmc.tier_build import build_storage, build_tiers
+from lmc.storage.chain import build_storage, build_tiers
+from lmc.storage.manager import StorageManager
 from tests.kvutil import assert_bits_equal, random_bits
 
 SHAPE = (2, 2, 16, 32)

@@ -9,11 +9,12 @@ from typing import Any
 import pytest
 
 from lmc.config import CacheConfig
-from lmc.connectors.core import ConnectorConfig
-from lmc.connectors.vllm_scheduler import SchedulerSide
-from lmc.lookup import LookupResult
-from lmc.lookup_service import LookupClientStats
-from lmc.storage_backend import (
+from lmc.connectors.core.lookup_service import LookupClientStats
+from lmc.connectors.core.scheduler import ConnectorConfig
+from lmc.connectors.vllm.scheduler import SchedulerSide
+from lmc.storage.chain import chain_media
+from lmc.storage.lookup import LookupResult
+from lmc.storage.tier import (
     BUILTIN_BACKENDS,
     Medium,
     StorageBackend,
@@ -23,7 +24,6 @@ from lmc.storage_backend import (
     tier_capabilities,
     tier_medium,
 )
-from lmc.tier_build import chain_media
 
 CS = 256
 
@@ -163,7 +163,7 @@ _VLLM_SCRIPT = """
 import json, types
 from lmc.config import CacheConfig
 from lmc.connectors.vllm import LMCConnector
-from lmc.storage_backend import Medium
+from lmc.storage.tier import Medium
 c = object.__new__(LMCConnector)
 c._media = None
 c.settings = types.SimpleNamespace(cache=CacheConfig(tiers=[

@@ -11,7 +11,7 @@ import torch
 from prometheus_client import REGISTRY
 
 from lmc import CacheConfig, CacheEngine
-from lmc.storage_backends.disk import DiskBackend
+from lmc.storage.backends.disk.backend import DiskBackend
 from tests.core.slow_tier import SlowDisk
 from tests.kvutil import assert_bits_equal, make_caches, random_tokens, spec_for, token_kv
 

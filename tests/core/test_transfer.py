@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lmc.kv_spec import LAYOUTS
-from lmc.transfer import TorchTransfer, make_transfer
+from lmc.transfer.kv_spec import LAYOUTS
+from lmc.transfer.torch_copy import TorchTransfer, make_transfer
 from tests.kvutil import DTYPES, assert_bits_equal, bits, make_caches, spec_for, token_kv
 
 

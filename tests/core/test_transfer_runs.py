@@ -15,9 +15,9 @@ import numpy as np
 import pytest
 import torch
 
-from lmc.kv_spec import LAYOUTS
-from lmc.memory import Lease, MemoryPool, PoolArrays
-from lmc.transfer import ChunkRanges, PlanRun, TorchPlan, equal_runs, make_transfer
+from lmc.memory.pool import Lease, MemoryPool, PoolArrays
+from lmc.transfer.kv_spec import LAYOUTS
+from lmc.transfer.torch_copy import ChunkRanges, PlanRun, TorchPlan, equal_runs, make_transfer
 from tests.kvutil import assert_bits_equal, make_caches, spec_for, token_kv
 
 

@@ -10,9 +10,9 @@ import time
 import torch
 
 from lmc import CacheConfig, CacheEngine
-from lmc.memory import MemoryPool
-from lmc.storage_backend import create_backend
-from lmc.storage_manager import StorageManager
+from lmc.memory.pool import MemoryPool
+from lmc.storage.manager import StorageManager
+from lmc.storage.tier import create_backend
 from tests.core.slow_tier import SlowDisk
 from tests.kvutil import assert_bits_equal, make_caches, spec_for, token_kv
 
@@ -193,7 +193,7 @@ def test_a_writer_left_inside_put_at_close_is_not_a_leak_and_frees_on_return(tmp
     when put() returns. The writer is held inside put() by an event, so this is deterministic."""
     import threading
 
-    from lmc import invariants
+    from lmc.memory import invariants
 
     entered, go = threading.Event(), threading.Event()
 

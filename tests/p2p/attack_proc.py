@@ -18,13 +18,13 @@ import time
 import torch
 
 from lmc.config import CacheConfig
-from lmc.integrity import Geometry, expect_geometry
-from lmc.memory import MemoryPool
+from lmc.memory.pool import MemoryPool
 from lmc.p2p.agent import PoolAgent, TransferFailed
 from lmc.p2p.directory_client import DirectoryConnection
 from lmc.p2p.wire import Record
 from lmc.server.client import Address
-from lmc.storage_backends.p2p import P2PBackend, directory_url
+from lmc.storage.backends.p2p import P2PBackend, directory_url
+from lmc.storage.integrity import Geometry, expect_geometry
 from lmc.testing import SHAPE, check_hit, fill, key_of
 
 SECRET = "p2p-attack-suite-secret-0123456789"
@@ -154,7 +154,7 @@ def lying_size(url: str, workdir: str) -> dict:
                     Record(victims[1], 0, 4 * 2 * 61440 * 128 * 2, 2, 1, torch.bfloat16,
                            (4, 2, 61440, 128), 61440)])
     loads = [eng.load(s, n)["retrieved"] for s in (900, 901)]
-    # told the engine's geometry (as lmc.integrity.expect_geometry tells every tier), a
+    # told the engine's geometry (as lmc.storage.integrity.expect_geometry tells every tier), a
     # chunk of the right shape in another dtype is refused as well
     assert expect_geometry([eng.p2p], Geometry.of(eng.spec, 16)) == 1
     victim = next(iter(eng.eng.db.process_tokens(_tokens(902, n))))[2]

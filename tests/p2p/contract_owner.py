@@ -1,4 +1,4 @@
-"""The owner side of the P2P contract tier (``tests/storage_backends/test_contract_p2p.py``):
+"""The owner side of the P2P contract tier (``tests/storage/backends/test_contract_p2p.py``):
 a process holding one P2P tier per contract tier, each over a pool of its own, driven by
 JSON lines on stdin (one ``@lmc`` JSON answer line each). Chunks arrive as bytes, so what the
 reader READs back is exactly what the suite stored. Ends with ``os._exit`` (NIXL's exit-time
@@ -21,9 +21,9 @@ import sys
 import torch
 
 from lmc.config import CacheConfig
-from lmc.memory import MemoryPool
-from lmc.serde import payload_checksum
-from lmc.storage_backends.p2p import P2PBackend
+from lmc.memory.pool import MemoryPool
+from lmc.storage.backends.p2p import P2PBackend
+from lmc.storage.serde import payload_checksum
 
 POOL_BYTES = 16 << 20
 

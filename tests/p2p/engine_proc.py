@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 
 from lmc import CacheConfig, CacheEngine
-from lmc.storage_backends.p2p import P2PBackend
+from lmc.storage.backends.p2p import P2PBackend
 from tests.kvutil import make_caches, spec_for
 from tests.server.engine_proc import _slots
 

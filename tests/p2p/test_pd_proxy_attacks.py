@@ -26,8 +26,8 @@ import time
 import pytest
 from hypothesis import HealthCheck, given, settings
 
-from lmc.http_json import HttpLimits
-from lmc.pd_proxy import Proxy
+from lmc.http.json_api import HttpLimits
+from lmc.http.pd_proxy import Proxy
 from tests.http_attack_kit import (
     LIMITS,
     NORMAL,

@@ -1,6 +1,6 @@
 """The planner's byte-free disk index holds what lmc's real disk tier holds, in the same order.
 
-``lmc/planner/tiers.py`` mirrors ``lmc/storage_backends/disk.py``'s index rules (the real tier
+``lmc/planner/tiers.py`` mirrors ``lmc/storage/backends/disk/backend.py``'s index rules (the real tier
 keeps them inside its file I/O); this drives the real ``DiskBackend`` (real files, O_DIRECT
 where the filesystem allows) and the index with the same random puts, gets and lookups of
 chunks of mixed sizes, and after every operation compares the keys and their eviction order
@@ -17,9 +17,9 @@ import pytest
 import torch
 
 from lmc.config import CacheConfig
-from lmc.memory import MemoryPool
+from lmc.memory.pool import MemoryPool
 from lmc.planner.tiers import DiskIndex
-from lmc.storage_backends.disk import DiskBackend
+from lmc.storage.backends.disk.backend import DiskBackend
 
 SEED = int(os.environ.get("LMC_TEST_SEED", random.randrange(1 << 30)))
 TOKENS = (8, 12, 16, 3)  # chunk sizes in tokens: a partial tail included

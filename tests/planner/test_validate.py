@@ -29,7 +29,7 @@ from lmc.planner.sim import GridPoint, simulate
 from lmc.planner.validate import mixed_trace
 from lmc.reference import LLM
 from lmc.reference.tiny import cached_checkpoint
-from lmc.storage_backends.disk import DiskBackend
+from lmc.storage.backends.disk.backend import DiskBackend
 from lmc.workloads.trace import TraceRequest
 
 BPT = 2 * 2 * 1 * 32 * 4  # layers x K/V x kv heads x head size x fp32: 512 B per token

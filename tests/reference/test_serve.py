@@ -13,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from lmc.pd_proxy import prefill_body
+from lmc.http.pd_proxy import prefill_body
 from lmc.reference import LLM, make_tiny_checkpoint
 from lmc.reference.serve import BadRequest, Server, parse_completion
 from tests.reference.prompts import random_prompt

@@ -25,7 +25,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from lmc.http_json import HttpLimits
+from lmc.http.json_api import HttpLimits
 from lmc.reference import LLM
 from lmc.reference.serve import BadRequest, Server, _Job, parse_completion
 from tests.http_attack_kit import (

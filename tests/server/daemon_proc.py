@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from lmc.config import CacheConfig
-from lmc.memory import MemoryPool
+from lmc.memory.pool import MemoryPool
 from lmc.server.client import Address, ClientConnection
 
 ROOT = Path(__file__).resolve().parents[2]

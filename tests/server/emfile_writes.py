@@ -16,8 +16,8 @@ import time
 import torch
 
 from lmc.config import CacheConfig
-from lmc.memory import MemoryPool
-from lmc.tier_build import build_storage
+from lmc.memory.pool import MemoryPool
+from lmc.storage.chain import build_storage
 
 MiB = 1 << 20
 

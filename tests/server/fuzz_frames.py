@@ -18,8 +18,8 @@ import random
 import msgpack
 import torch
 
-from lmc.serde import encode_header
 from lmc.server import protocol as P
+from lmc.storage.serde import encode_header
 
 MAX_META = 64 << 10
 MAX_PAYLOAD = 8 << 20

@@ -1,4 +1,4 @@
-"""The one circuit breaker (``lmc.breaker``) with the server tier's settings: opens after
+"""The one circuit breaker (``lmc.storage.breaker``) with the server tier's settings: opens after
 repeated failures, lets one trial through after the backoff, closes on success, doubles the
 backoff on a failed trial up to its cap; and the shared batch splitter."""
 
@@ -8,8 +8,8 @@ import random
 
 import pytest
 
-from lmc.breaker import CLOSED, HALF_OPEN, OPEN, CircuitBreaker
-from lmc.remote_tier import split_batch
+from lmc.storage.breaker import CLOSED, HALF_OPEN, OPEN, CircuitBreaker
+from lmc.storage.remote import split_batch
 
 
 class Clock:

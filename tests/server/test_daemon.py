@@ -15,11 +15,11 @@ import urllib.request
 import pytest
 import torch
 
-from lmc.memory import MemoryPool
-from lmc.serde import encode_header, tensor_bytes
+from lmc.memory.pool import MemoryPool
 from lmc.server import protocol as P
 from lmc.server.client import ServerError
-from lmc.storage_backend import create_backend
+from lmc.storage.serde import encode_header, tensor_bytes
+from lmc.storage.tier import create_backend
 from tests.kvutil import DTYPES, assert_bits_equal, random_bits
 from tests.server.daemon_proc import client_pool
 

@@ -11,7 +11,7 @@ import time
 import pytest
 import torch
 
-from lmc.storage_backend import create_backend
+from lmc.storage.tier import create_backend
 from tests.kvutil import assert_bits_equal, random_bits
 from tests.server.daemon_proc import client_pool, free_port
 

@@ -12,8 +12,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from lmc.serde import encode_header
 from lmc.server import protocol as P
+from lmc.storage.serde import encode_header
 from tests.server import fuzz_frames
 
 LIM = P.Limits(max_meta=4096, max_payload=1 << 20, max_value=1 << 19, max_batch=8,

@@ -16,10 +16,10 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from lmc.config import CacheConfig
-from lmc.memory import MemoryPool
+from lmc.memory.pool import MemoryPool
 from lmc.server.store import NamespacedStore
-from lmc.storage_backend import create_backend
-from lmc.storage_manager import StorageManager
+from lmc.storage.manager import StorageManager
+from lmc.storage.tier import create_backend
 
 SHAPE = (1, 2, 16, 64)  # fp32, 8 KiB
 NB = 8 << 10

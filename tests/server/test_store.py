@@ -8,10 +8,10 @@ import gc
 import torch
 
 from lmc.config import CacheConfig
-from lmc.memory import MemoryPool
+from lmc.memory.pool import MemoryPool
 from lmc.server.store import NamespacedStore
-from lmc.storage_backend import create_backend
-from lmc.storage_manager import StorageManager, TierPool
+from lmc.storage.manager import StorageManager, TierPool
+from lmc.storage.tier import create_backend
 
 SHAPE = (1, 2, 16, 64)  # fp32
 NB = 1 * 2 * 16 * 64 * 4  # 8 KiB

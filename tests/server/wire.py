@@ -10,8 +10,8 @@ from typing import Any
 
 import torch
 
-from lmc.serde import encode_header
 from lmc.server import protocol as P
+from lmc.storage.serde import encode_header
 
 
 def value_bytes(ns: str, key: bytes, tokens: int = 8, width: int = 64) -> tuple[bytes, bytes]:

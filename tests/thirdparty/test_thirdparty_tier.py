@@ -81,7 +81,7 @@ def test_the_child_sees_lmc_and_the_toy_only(tmp_path):
 
 def test_lmc_finds_the_installed_tier_through_its_entry_point(tmp_path):
     """Installed (here into a folder of its own, from the copy: nothing written into the
-    repository), the toy is found by URL scheme through the ``lmc.storage_backends``
+    repository), the toy is found by URL scheme through the ``lmc.storage.backends``
     entry-point group: nothing imports it by name."""
     project = _project(tmp_path)
     target = tmp_path / "installed"
@@ -90,7 +90,7 @@ def test_lmc_finds_the_installed_tier_through_its_entry_point(tmp_path):
                           str(project)], capture_output=True, text=True, timeout=300)
     assert pip.returncode == 0, pip.stderr[-3000:]
     shutil.rmtree(project)  # only the installed copy is left to find
-    probe = ("from lmc.storage_backend import backend_factory; "
+    probe = ("from lmc.storage.tier import backend_factory; "
              f"print(backend_factory('toyfiles://{tmp_path}/store').__module__)")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(target), str(tmp_path / "site")])}
     out = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, env=env,

@@ -45,7 +45,7 @@ from sglang.srt.mem_cache.utils import get_hash_str  # noqa: E402
 from sglang.srt.server_args import ServerArgs  # noqa: E402
 
 from lmc.connectors.sglang import LMCCacheLinker, LMCHiCacheStorage  # noqa: E402
-from lmc.connectors.sglang_pages import UnsupportedPool  # noqa: E402
+from lmc.connectors.sglang.pages import UnsupportedPool  # noqa: E402
 
 L, H, D, PS, SIZE = 3, 2, 8, 4, 64
 LAYOUTS = ("layer_first", "page_first", "page_first_direct")
@@ -152,7 +152,7 @@ def reference_chunk(host, start: int) -> torch.Tensor:
 
 def check_page_hash_twin() -> None:
     """lmc's copy of SGLang's page-hash chain equals SGLang's own (its C++ extension)."""
-    from lmc.connectors.sglang_pages import sglang_page_hashes
+    from lmc.connectors.sglang.pages import sglang_page_hashes
 
     g = torch.Generator().manual_seed(3)
     for n, ps in ((32, 4), (37, 8), (64, 16), (3, 4)):
@@ -227,7 +227,7 @@ def check_v1_round_trip(kind: str, layout: str, seq_base: int) -> dict:
 
 def check_cross_layout(runs: dict) -> None:
     """A page stored from one host layout loads into another (lmc's chunk is layout-free)."""
-    from lmc.connectors.sglang_pages import PageStore, host_pool_spec_and_views
+    from lmc.connectors.sglang.pages import PageStore, host_pool_spec_and_views
 
     for kind in ("mha", "mla"):
         src = runs[(kind, "layer_first")]
@@ -260,7 +260,7 @@ def check_namespaces() -> None:
         assert not set(other.pages.keys(keys)) & set(same), kw
         other.close()
     # another page size is another namespace too
-    from lmc.connectors.sglang_pages import page_namespace
+    from lmc.connectors.sglang.pages import page_namespace
     ns4 = page_namespace("A", a.pages.spec, page_size=4, tp_rank=0, tp_size=2)
     ns8 = page_namespace("A", a.pages.spec, page_size=8, tp_rank=0, tp_size=2)
     assert ns4 != ns8
@@ -295,7 +295,7 @@ def check_refusals() -> None:
     raises(UnsupportedPool, lambda: backend(host_pool(dev, "page_head")), "page_head")
     raises(UnsupportedPool, lambda: backend(host_pool(mha_pool(v_head_dim=4), "layer_first")),
            "v_head_dim")
-    from lmc.connectors.sglang_pages import device_pool_spec_and_caches
+    from lmc.connectors.sglang.pages import device_pool_spec_and_caches
     raises(UnsupportedPool, lambda: device_pool_spec_and_caches(mha_pool(v_head_dim=4)),
            "v_head_dim")
     fp8 = mha_pool(dtype=torch.float8_e4m3fn)

@@ -42,7 +42,7 @@ from sglang_contract import (  # noqa: E402
 )
 
 TMP = tempfile.mkdtemp(prefix="lmc-sglang-attacks-")
-FIELDS = struct.Struct("<4sHH16sB3x4IIQQ")  # lmc.serde's header layout
+FIELDS = struct.Struct("<4sHH16sB3x4IIQQ")  # lmc.storage.serde's header layout
 
 
 class Captured(logging.Handler):

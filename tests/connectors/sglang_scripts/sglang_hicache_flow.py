@@ -152,7 +152,7 @@ def slow_disk():
     stores): the writer holds one page inside ``put`` (batches of one, set by the caller),
     the others queue in lmc's write-behind, as on a busy disk; only a draining ``close()``
     writes those."""
-    from lmc.storage_backends.disk import DiskBackend
+    from lmc.storage.backends.disk.backend import DiskBackend
 
     real = DiskBackend.put
     DISK_RELEASED.clear()

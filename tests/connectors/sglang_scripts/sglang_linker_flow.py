@@ -127,7 +127,7 @@ def save(expected) -> None:
     """Disk writes are held until shutdown (a disk far slower than the offloads), one page in
     flight and the rest queued in lmc's write-behind: only a draining ``close()`` gets them
     all to disk, where the restarted engines below load them from."""
-    from lmc.storage_backends.disk import DiskBackend
+    from lmc.storage.backends.disk.backend import DiskBackend
 
     released = threading.Event()
     real_put = DiskBackend.put
@@ -294,7 +294,7 @@ def check_cross_engine(expected) -> None:
     tokens names SGLang's pages with ``sglang_page_hashes``: it loads what SGLang offloaded,
     and SGLang loads what it stored, bit for bit."""
     from lmc import CacheConfig, CacheEngine, KVSpec
-    from lmc.connectors.sglang_pages import PageStore, page_namespace, sglang_page_hashes
+    from lmc.connectors.sglang.pages import PageStore, page_namespace, sglang_page_hashes
 
     blocks = 2 * PAGES
     caches = [torch.zeros(2, blocks, PAGE, 2, 8, dtype=CFG.dtype) for _ in range(LAYERS)]

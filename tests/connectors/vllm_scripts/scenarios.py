@@ -113,7 +113,7 @@ def packing_probes() -> dict[str, str]:
     """lmc's start-up check of vLLM's CPU packing, for kernels this machine may not pick."""
     import torch
 
-    from lmc.connectors.vllm_layout import UnsupportedLayout, verify_cpu_packing
+    from lmc.connectors.vllm.layout import UnsupportedLayout, verify_cpu_packing
     out = {}
     for isa, dtype, head in (("vec", torch.float32, 64), ("vec", torch.bfloat16, 128),
                              ("vec16", torch.float32, 80), ("vec16", torch.bfloat16, 112),

@@ -7,7 +7,7 @@ For every GPU backend lmc accepts and every layout vLLM can resolve for it:
    the backends' own preference when unset), the per-layer tensors from
    ``get_kv_cache_config_from_groups`` + ``allocate_kv_cache``, exactly what the GPU model
    runner does (only the device differs);
-2. ``lmc.connectors.vllm_layout.resolve_gpu`` maps them to a KVSpec;
+2. ``lmc.connectors.vllm.layout.resolve_gpu`` maps them to a KVSpec;
 3. known K/V written through lmc (a scatter) are read back with the attention's own view
    expression, and K/V written at vLLM's positions are read back through lmc (a gather);
 4. KV saved from the vLLM-built cache loads bit-exact into vllm_flash and sglang_mha caches
@@ -36,8 +36,8 @@ from vllm.v1.worker.utils import allocate_kv_cache
 
 from lmc import CacheConfig as LmcConfig
 from lmc import CacheEngine, KVSpec
-from lmc.connectors.vllm_layout import resolve_gpu
-from lmc.transfer import TorchTransfer
+from lmc.connectors.vllm.layout import resolve_gpu
+from lmc.transfer.torch_copy import TorchTransfer
 
 L, H, D, BS, NB, LATENT = 3, 2, 8, 4, 12, 24
 LAYERS = [f"model.layers.{i}.self_attn.attn" for i in range(L)]

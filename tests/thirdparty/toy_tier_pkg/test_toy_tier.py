@@ -11,7 +11,7 @@ import shutil
 import pytest
 from lmc_toy_tier.backend import FileTier
 
-from lmc.storage_backend import Key
+from lmc.storage.tier import Key
 from lmc.testing import (
     BasicContract,
     BatchContract,

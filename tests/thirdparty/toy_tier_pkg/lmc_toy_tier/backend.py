@@ -1,6 +1,6 @@
 """``toyfiles:///DIR``: one file per KV chunk in directory ``DIR``.
 
-A third-party tier as small as the contract allows: each value is an ``lmc.serde`` header and
+A third-party tier as small as the contract allows: each value is an ``lmc.storage.serde`` header and
 its payload, written to a temporary name and renamed into place (a reader never sees half a
 value); a read checks the header and the payload checksum, and a value failing them is a miss,
 deleted. The directory outlives the tier (a second tier over it serves the same values); a
@@ -17,8 +17,8 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from lmc.config import CacheConfig
-from lmc.memory import MemoryObj
-from lmc.serde import (
+from lmc.memory.pool import MemoryObj
+from lmc.storage.serde import (
     HEADER_SIZE,
     CorruptValue,
     decode_header,
@@ -26,7 +26,7 @@ from lmc.serde import (
     encode_header,
     verify_payload,
 )
-from lmc.storage_backend import (
+from lmc.storage.tier import (
     Key,
     Medium,
     StorageBackend,

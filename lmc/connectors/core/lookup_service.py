@@ -1,0 +1,401 @@
+"""Cross-process lookups: a scheduler asks the processes that own the cache what they hold.
+
+Engines split a scheduler (which decides how many prompt tokens to take from lmc) from the
+workers that own the ``CacheEngine`` and its tiers (vLLM: EngineCore and one worker per
+tensor-parallel rank; SGLang: a scheduler per data-parallel rank over its TP workers). This
+module is the engine-neutral bridge: each worker runs a :class:`LookupServer` on a Unix
+socket answering from its own engine, and the scheduler's :class:`LookupClient` asks every
+rank and keeps what all of them can supply. Adapters only choose the socket paths
+(:func:`socket_path`) and what answers (anything with ``lookup_result(tokens)``, see
+:func:`engine_lookup`).
+
+Why a Unix socket: the answer comes from the very engine that will serve the load, so L1,
+the write-behind queues and every lower tier count and a lookup is as fresh as the data;
+one round trip per rank (the ranks asked in parallel), nothing outside the engine's
+processes, and a filesystem path is a natural per-engine, per-rank address (the socket
+file is mode 0600: only the same user can connect). The daemon as source of truth does not
+see a worker's L1; a shared-memory index would have to stay coherent with every tier's
+evictions and can be left torn by a crashed writer.
+
+Wire format (version 2; no pickle -- the bytes come from a socket; little-endian):
+
+* request: ``b"LMQ2"``, uint32 token count *n* (at most :data:`MAX_TOKENS`), *n* uint32
+  token ids;
+* answer: ``b"LMA2"``, uint64 hit tokens, uint32 chunk size, uint8 tier count *t* (at most
+  :data:`~lmc.storage.lookup.MAX_TIERS`), uint32 source count *s*; then *t* names (uint8 length, at
+  most :data:`MAX_NAME` bytes of UTF-8); then *s* uint8 tier indices, one per hit chunk
+  (*s* is 0 when the server does not attribute hits). Everything is bounded by the request:
+  *s* never exceeds the chunks of the tokens asked about.
+
+A rank that is missing, slow (connects and reads share one deadline), or answers something
+malformed counts as a miss for that lookup, with a warning naming the socket and what was
+wrong (once per outage); its connection is dropped and reopened at the next lookup, so a
+lookup never hangs the scheduler. Where a rank's engine lives in the scheduler's own
+process, the client calls it directly (:data:`LOCAL_ENGINES`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import socket
+import struct
+import threading
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+import xxhash
+
+from lmc.storage.lookup import MAX_TIERS, LookupResult, minimum
+
+log = logging.getLogger(__name__)
+
+REQ_MAGIC = b"LMQ2"
+ANS_MAGIC = b"LMA2"
+_OLD_MAGICS = {b"LMCQ": "request", b"LMCA": "answer"}  # version 1 (before tier attribution)
+_REQ_HEAD = struct.Struct("<4sI")
+_ANS_HEAD = struct.Struct("<4sQIBI")
+MAX_TOKENS = 1 << 24  # a bound on what a peer can make the other side allocate
+MAX_NAME = 64  # bytes of one tier name on the wire
+
+# What answers a lookup: the tokens (uint32 array) -> what this process's cache holds.
+LookupFn = Callable[[np.ndarray], LookupResult]
+
+# Socket path -> lookup function of an engine living in this process.
+LOCAL_ENGINES: dict[str, LookupFn] = {}
+_LOCAL_LOCK = threading.Lock()
+
+
+class LookupProtocolError(ConnectionError):
+    """A peer sent bytes that are not a valid lookup message (the message says which)."""
+
+
+class SupportsLookup(Protocol):
+    def lookup_result(self, tokens: Any) -> LookupResult: ...
+
+
+def engine_lookup(get_engine: Callable[[], SupportsLookup | None]) -> LookupFn:
+    """A server's lookup function over a cache engine that may not exist yet (vLLM and
+    SGLang create it once the KV tensors are known): a miss until it does."""
+    def answer(tokens: np.ndarray) -> LookupResult:
+        engine = get_engine()
+        return LookupResult.miss() if engine is None else engine.lookup_result(tokens)
+    return answer
+
+
+def socket_path(directory: str | os.PathLike, engine_id: str, group: int, rank: int) -> str:
+    """The socket of one rank: per engine instance (``engine_id``, e.g. vLLM's
+    ``kv_transfer_config.engine_id``), per ``group`` (a data-parallel rank) and per
+    ``rank`` (a tensor-parallel rank). The id is hashed to keep the path short (sockaddr_un
+    holds 108 bytes)."""
+    tag = xxhash.xxh64_hexdigest(f"{engine_id}/{group}".encode())
+    return str(Path(directory) / f"lmc-{tag}-tp{rank}.sock")
+
+
+# ------------------------------------------------------------------------- wire format
+def encode_request(tokens: Sequence[int] | np.ndarray) -> bytes:
+    arr = np.asarray(tokens)
+    if arr.ndim != 1:
+        raise ValueError(f"tokens must be 1-D, got shape {arr.shape}")
+    if arr.size > MAX_TOKENS:
+        raise ValueError(f"{arr.size} tokens exceed the lookup limit of {MAX_TOKENS}")
+    if arr.size and (arr.dtype.kind not in "iu" or arr.min() < 0 or arr.max() > 0xFFFFFFFF):
+        raise ValueError("token ids must be integers in [0, 2**32)")
+    return _REQ_HEAD.pack(REQ_MAGIC, arr.size) + arr.astype("<u4", copy=False).tobytes()
+
+
+def encode_answer(result: LookupResult) -> bytes:
+    names = [t.encode() for t in result.tiers]
+    bad = next((t for t, b in zip(result.tiers, names) if len(b) > MAX_NAME), None)
+    if bad is not None:
+        raise ValueError(f"tier name {bad!r} is longer than {MAX_NAME} bytes")
+    parts = [_ANS_HEAD.pack(ANS_MAGIC, result.tokens, result.chunk_size, len(names),
+                            len(result.sources))]
+    parts += [bytes([len(b)]) + b for b in names]
+    parts.append(result.sources)
+    return b"".join(parts)
+
+
+def _check_magic(magic: bytes, want: bytes, what: str) -> None:
+    if magic == want:
+        return
+    if magic in _OLD_MAGICS:
+        raise LookupProtocolError(f"the peer speaks lookup wire format version 1 (an older "
+                                  f"lmc); this {what} needs version 2: run the same lmc "
+                                  "version on both sides")
+    raise LookupProtocolError(f"bad {what} magic {magic!r} (expected {want!r})")
+
+
+def read_request(sock: socket.socket) -> np.ndarray:
+    magic, n = _REQ_HEAD.unpack(_recv_exact(sock, _REQ_HEAD.size))
+    _check_magic(magic, REQ_MAGIC, "lookup request")
+    if n > MAX_TOKENS:
+        raise LookupProtocolError(f"request of {n} tokens exceeds the limit of {MAX_TOKENS}")
+    return np.frombuffer(_recv_exact(sock, 4 * n), dtype="<u4")
+
+
+def read_answer(sock: socket.socket, num_tokens: int) -> LookupResult:
+    """One answer to a request of ``num_tokens`` tokens, every field checked against it."""
+    magic = _recv_exact(sock, 4)  # alone first: another version's answer may be shorter
+    _check_magic(magic, ANS_MAGIC, "lookup answer")
+    _, tokens, cs, n_tiers, n_src = _ANS_HEAD.unpack(magic + _recv_exact(sock, _ANS_HEAD.size - 4))
+    if tokens > num_tokens:
+        raise LookupProtocolError(f"answer of {tokens} hit tokens for a request of "
+                                  f"{num_tokens}")
+    if cs < 1:
+        raise LookupProtocolError("answer with chunk size 0")
+    if n_tiers > MAX_TIERS:
+        raise LookupProtocolError(f"answer names {n_tiers} tiers, at most {MAX_TIERS}")
+    if n_src > -(-num_tokens // cs):
+        raise LookupProtocolError(f"answer has {n_src} chunk sources for a request of "
+                                  f"{num_tokens} tokens in chunks of {cs}")
+    tiers = []
+    for _ in range(n_tiers):
+        (k,) = _recv_exact(sock, 1)
+        if k > MAX_NAME:
+            raise LookupProtocolError(f"tier name of {k} bytes, at most {MAX_NAME}")
+        try:
+            tiers.append(_recv_exact(sock, k).decode())
+        except UnicodeDecodeError as e:
+            raise LookupProtocolError(f"tier name is not UTF-8: {e}") from None
+    sources = _recv_exact(sock, n_src)
+    try:
+        return LookupResult(tokens, cs, tuple(tiers), sources)
+    except ValueError as e:
+        raise LookupProtocolError(f"inconsistent answer: {e}") from None
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytes:
+    buf = bytearray(n)
+    view = memoryview(buf)
+    got = 0
+    while got < n:
+        k = sock.recv_into(view[got:])
+        if k == 0:
+            raise ConnectionError("peer closed the connection")
+        got += k
+    return bytes(buf)
+
+
+# ------------------------------------------------------------------------------ server
+class LookupServer:
+    """Answers lookups for one process's cache on a Unix socket (one thread per
+    connection; a scheduler keeps one connection per rank open)."""
+
+    def __init__(self, path: str, lookup: LookupFn) -> None:
+        self.path = path
+        self._lookup = lookup
+        self._sock = self._bind(path)
+        self._closed = threading.Event()
+        self._conns: set[socket.socket] = set()
+        self._lock = threading.Lock()
+        self.requests = 0
+        self.errors = 0
+        with _LOCAL_LOCK:
+            LOCAL_ENGINES[path] = lookup
+        self._thread = threading.Thread(target=self._accept_loop, name="lmc-lookup",
+                                        daemon=True)
+        self._thread.start()
+
+    @staticmethod
+    def _bind(path: str) -> socket.socket:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        if os.path.exists(path):
+            probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            probe.settimeout(0.5)
+            try:
+                probe.connect(path)
+            except OSError:
+                os.unlink(path)  # left behind by a process that died
+            else:
+                raise RuntimeError(
+                    f"another process already serves lmc lookups at {path}: two engines "
+                    "share one engine id (vLLM: kv_transfer_config.engine_id); give each "
+                    "its own")
+            finally:
+                probe.close()
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.bind(path)
+        os.chmod(path, 0o600)  # connecting needs write permission: this user only
+        sock.listen(16)
+        return sock
+
+    def _accept_loop(self) -> None:
+        while not self._closed.is_set():
+            try:
+                conn, _ = self._sock.accept()
+            except OSError:
+                return  # closed
+            with self._lock:
+                self._conns.add(conn)
+            threading.Thread(target=self._serve, args=(conn,), name="lmc-lookup-conn",
+                             daemon=True).start()
+
+    def _answer(self, tokens: np.ndarray) -> bytes:
+        try:
+            return encode_answer(self._lookup(tokens))
+        except Exception:  # a failing cache is a miss, never a dead server
+            self.errors += 1
+            log.exception("lmc lookup at %s failed; answering a miss", self.path)
+            return encode_answer(LookupResult.miss())
+
+    def _serve(self, conn: socket.socket) -> None:
+        try:
+            while not self._closed.is_set():
+                try:
+                    tokens = read_request(conn)
+                except LookupProtocolError as e:
+                    self.errors += 1
+                    log.warning("lmc lookup server %s: %s; closing the connection", self.path,
+                                e)
+                    return
+                except (ConnectionError, OSError):
+                    return
+                answer = self._answer(tokens)
+                self.requests += 1
+                conn.sendall(answer)
+        except OSError:
+            return
+        finally:
+            with self._lock:
+                self._conns.discard(conn)
+            conn.close()
+
+    def close(self) -> None:
+        if self._closed.is_set():
+            return
+        self._closed.set()
+        with _LOCAL_LOCK:
+            LOCAL_ENGINES.pop(self.path, None)
+        with contextlib.suppress(OSError):
+            self._sock.shutdown(socket.SHUT_RDWR)
+        self._sock.close()
+        with self._lock:
+            conns = list(self._conns)
+        for c in conns:
+            with contextlib.suppress(OSError):
+                c.shutdown(socket.SHUT_RDWR)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.path)
+        self._thread.join(timeout=2)
+
+
+# ------------------------------------------------------------------------------ client
+@dataclass
+class LookupClientStats:
+    lookups: int = 0
+    rank_failures: int = 0  # a rank missing, slow or broken for one lookup (counted as 0)
+    local_calls: int = 0
+    seconds: float = 0.0
+
+
+class LookupClient:
+    """Asks every rank's :class:`LookupServer` and returns what all of them can supply
+    (:func:`lmc.storage.lookup.minimum`).
+
+    ``timeout`` bounds the whole lookup (connects and reads of all ranks together); a rank
+    that does not answer in time is a miss for that lookup, and its connection is dropped
+    (a late answer would desynchronise the stream) and reopened at the next lookup.
+    """
+
+    def __init__(self, paths: Sequence[str], timeout: float = 1.0, use_local: bool = True
+                 ) -> None:
+        if not paths:
+            raise ValueError("LookupClient needs at least one socket path")
+        if timeout <= 0:
+            raise ValueError(f"lookup timeout must be > 0, got {timeout}")
+        self.paths = list(paths)
+        self.timeout = timeout
+        self.use_local = use_local  # call engines of this process directly (no socket)
+        self._socks: dict[str, socket.socket] = {}
+        self._lock = threading.Lock()
+        self.stats = LookupClientStats()
+        self._warned: set[str] = set()
+
+    def lookup(self, tokens: Sequence[int] | np.ndarray) -> LookupResult:
+        """What every rank can supply of ``tokens``; a miss where a rank cannot answer."""
+        t0 = time.perf_counter()
+        with self._lock:
+            self.stats.lookups += 1
+            try:
+                return self._lookup(tokens, t0)
+            finally:
+                self.stats.seconds += time.perf_counter() - t0
+
+    def _lookup(self, tokens: Sequence[int] | np.ndarray, t0: float) -> LookupResult:
+        frame = encode_request(tokens)
+        n = (len(frame) - _REQ_HEAD.size) // 4
+        local = [LOCAL_ENGINES.get(p) for p in self.paths] if self.use_local else [None]
+        found = [fn for fn in local if fn is not None]
+        if len(found) == len(local):
+            self.stats.local_calls += 1
+            arr = np.frombuffer(frame, dtype="<u4", offset=_REQ_HEAD.size)
+            return minimum(fn(arr).clipped(n) for fn in found)
+        deadline = t0 + self.timeout
+        sent: list[tuple[str, socket.socket]] = []
+        for path in self.paths:  # send to every rank first: they work in parallel
+            try:
+                sock = self._connect(path, deadline)
+                sock.settimeout(max(1e-3, deadline - time.perf_counter()))
+                sock.sendall(frame)
+                sent.append((path, sock))
+            except (OSError, TimeoutError) as e:
+                self._fail(path, e)
+                self._drop(p for p, _ in sent)  # their answers would desynchronise them
+                return LookupResult.miss()
+        answers = []
+        for i, (path, sock) in enumerate(sent):
+            try:
+                sock.settimeout(max(1e-3, deadline - time.perf_counter()))
+                answers.append(read_answer(sock, n))
+            except (OSError, TimeoutError, ConnectionError, struct.error) as e:
+                self._fail(path, e)
+                self._drop(p for p, _ in sent[i + 1:])
+                return LookupResult.miss()
+        try:
+            return minimum(answers)
+        except ValueError as e:  # ranks disagree on the chunk size: a misconfiguration
+            self.stats.rank_failures += 1
+            log.warning("lmc lookup: %s; counted as a miss", e)
+            return LookupResult.miss()
+
+    def _drop(self, paths: Iterable[str]) -> None:
+        for path in paths:
+            sock = self._socks.pop(path, None)
+            if sock is not None:
+                sock.close()
+
+    def _connect(self, path: str, deadline: float) -> socket.socket:
+        sock = self._socks.get(path)
+        if sock is not None:
+            return sock
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(max(1e-3, deadline - time.perf_counter()))
+        try:
+            sock.connect(path)
+        except BaseException:
+            sock.close()
+            raise
+        self._socks[path] = sock
+        self._warned.discard(path)
+        return sock
+
+    def _fail(self, path: str, err: BaseException) -> None:
+        """Count the rank as a miss for this lookup and drop its connection."""
+        self.stats.rank_failures += 1
+        self._drop([path])
+        if path not in self._warned:  # once per outage, not once per request
+            self._warned.add(path)
+            log.warning("lmc lookup at %s failed (%s: %s): counted as a miss until it "
+                        "answers again", path, type(err).__name__, err)
+
+    def close(self) -> None:
+        with self._lock:
+            for sock in self._socks.values():
+                sock.close()
+            self._socks.clear()

@@ -1,0 +1,96 @@
+"""vLLM's ``SchedulerOutput`` in the connector core's terms (:class:`StepRequest`).
+
+vLLM sends workers only the difference per step: a request's prompt and first block table
+when it is first scheduled (``scheduled_new_reqs``), then appended block ids and the new
+``num_computed_tokens`` (``scheduled_cached_reqs``). The core wants each scheduled request's
+tokens, full block table and counts every step, so this tracker keeps, per request, the
+live ``Request`` object (its ``all_token_ids`` grow with decoding) and the block table,
+from admission (``update_state_after_alloc``) until ``request_finished``.
+
+Duck-typed on vLLM's objects (no vLLM import), so it is tested without vLLM.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from lmc.connectors.core.metadata import StepRequest
+
+log = logging.getLogger(__name__)
+
+
+def cacheable(request: Any) -> bool:
+    """Whether a request's KV is a function of its token ids alone: not for prompt
+    embeddings, multimodal inputs (placeholder tokens stand for different images) or LoRA
+    adapters (different weights), which lmc leaves to the engine."""
+    return (getattr(request, "prompt_token_ids", None) is not None
+            and getattr(request, "prompt_embeds", None) is None
+            and not getattr(request, "mm_features", None)
+            and getattr(request, "lora_request", None) is None)
+
+
+@dataclass
+class _Tracked:
+    request: Any
+    block_ids: list[int] = field(default_factory=list)
+
+
+class RequestTracker:
+    """Block tables and live token lists of the admitted, cacheable requests."""
+
+    def __init__(self, save_decode: bool = False) -> None:
+        self.save_decode = save_decode
+        self._reqs: dict[str, _Tracked] = {}
+
+    def __len__(self) -> int:
+        return len(self._reqs)
+
+    def admit(self, request: Any) -> None:
+        self._reqs[request.request_id] = _Tracked(request)
+
+    def drop(self, request_id: str) -> None:
+        self._reqs.pop(request_id, None)
+
+    def token_ids(self, request: Any) -> Sequence[int]:
+        """What the keys are computed from: the prompt, plus generated tokens when they
+        are saved or when a preempted request resumes with them in its prefix."""
+        return request.all_token_ids
+
+    def step_requests(self, so: Any) -> list[StepRequest]:
+        """One :class:`StepRequest` per scheduled, tracked request of this step."""
+        out: list[StepRequest] = []
+        for new in so.scheduled_new_reqs:
+            t = self._reqs.get(new.req_id)
+            if t is None:
+                continue
+            t.block_ids = list(new.block_ids[0]) if new.block_ids else []
+            out.append(self._step(new.req_id, t, new.num_computed_tokens,
+                                  so.num_scheduled_tokens.get(new.req_id, 0)))
+        cached = so.scheduled_cached_reqs
+        resumed: set[str] = getattr(cached, "resumed_req_ids", set()) or set()
+        for i, rid in enumerate(cached.req_ids):
+            t = self._reqs.get(rid)
+            if t is None:
+                continue
+            new_ids = cached.new_block_ids[i]
+            if rid in resumed:
+                t.block_ids = list(new_ids[0]) if new_ids else []
+            elif new_ids:
+                t.block_ids.extend(new_ids[0])
+            out.append(self._step(rid, t, cached.num_computed_tokens[i],
+                                  so.num_scheduled_tokens.get(rid, 0)))
+        return out
+
+    def _step(self, rid: str, t: _Tracked, computed: int, scheduled: int) -> StepRequest:
+        req = t.request
+        return StepRequest(request_id=rid, token_ids=req.all_token_ids,
+                           num_prompt_tokens=req.num_prompt_tokens,
+                           block_ids=tuple(t.block_ids), num_computed_tokens=computed,
+                           num_scheduled_tokens=scheduled)
+
+    def forget(self, request_ids: Iterable[str]) -> None:
+        for rid in request_ids:
+            self._reqs.pop(rid, None)

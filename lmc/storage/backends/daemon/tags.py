@@ -1,0 +1,84 @@
+"""Integrity tags on the ``lmc://`` tier, each stored as a small value of its own.
+
+Why a companion value rather than bytes in the value's header: the daemon keeps a value as
+pool memory plus its header fields, re-encodes the header on every GET, and moves values
+through its own lower tiers (disk, Redis), which keep no extra bytes either. A tag stored as
+an ordinary 32-byte value under a derived key travels through all of that unchanged, so the
+daemon needs no change. The tag is ``lmc.storage.integrity``'s, over the reader's key, the
+version-2 header recomputed from what the daemon returned, and the payload.
+
+Pairing. Each chunk's tag is sent just before the chunk in the same PUT, so a reader that
+sees the chunk sees its tag (the daemon commits a request's values in order). A chunk whose
+tag is missing (evicted, or written by an engine without the secret) or does not verify
+(forged, altered, copied from another key, another secret) is a miss; the chunk and its tag
+are deleted, as a bad value is on every tier. Costs: one 4 KiB-aligned block of daemon
+memory per tag, and a daemon lookup counts chunks whose tag may since have been evicted (a
+later miss, never wrong KV).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable, Sequence
+
+import torch
+
+from lmc.memory.pool import MemoryObj
+from lmc.storage.integrity import Integrity
+from lmc.storage.serde import TAG_SIZE, CorruptValue, encode_header
+
+TAG_SHAPE = (1, 1, 1, TAG_SIZE)
+TAG_DTYPE = torch.uint8
+Allocate = Callable[[Sequence[int], torch.dtype, int], "MemoryObj | None"]
+
+
+def tag_key(key: bytes) -> bytes:
+    """Where a chunk's tag lives: derived from its key, in the same namespace."""
+    return hashlib.blake2b(bytes(key), digest_size=16, person=b"lmc-tag-key").digest()
+
+
+def interleave(keys: Sequence[bytes]) -> list[bytes]:
+    """``[tag(k0), k0, tag(k1), k1, ...]``: each tag goes (and is committed) first."""
+    out: list[bytes] = []
+    for k in keys:
+        out += (tag_key(k), k)
+    return out
+
+
+class Tags:
+    """Seals chunks into (tag, chunk) pairs for a PUT and checks the pairs a GET returns."""
+
+    def __init__(self, integrity: Integrity, allocate: Allocate) -> None:
+        self.integrity = integrity
+        self.allocate = allocate
+
+    @staticmethod
+    def _header(key: bytes, obj: MemoryObj, payload: memoryview) -> bytes:
+        return encode_header(key, obj.shape, obj.dtype, obj.num_tokens, payload, tagged=True)
+
+    def seal(self, keys: Sequence[bytes], objs: Sequence[MemoryObj]
+             ) -> tuple[list[bytes], list[MemoryObj], list[MemoryObj]]:
+        """(keys, objects) to PUT, pairs interleaved, and the tag objects to release after.
+        A chunk whose tag cannot be allocated is left out (not stored, never untagged)."""
+        out_keys: list[bytes] = []
+        out_objs: list[MemoryObj] = []
+        tags: list[MemoryObj] = []
+        for k, o in zip(keys, objs):
+            t = self.allocate(TAG_SHAPE, TAG_DTYPE, 1)
+            if t is None:
+                continue
+            tags.append(t)
+            payload = o.byte_view()
+            t.byte_view()[:] = self.integrity.seal(k, self._header(k, o, payload), payload)
+            out_keys += (tag_key(k), k)
+            out_objs += (t, o)
+        return out_keys, out_objs, tags
+
+    def check(self, key: bytes, obj: MemoryObj, tag: MemoryObj | None) -> None:
+        """Raise :class:`CorruptValue` unless ``tag`` holds this secret's tag for ``obj``."""
+        if tag is None:
+            raise CorruptValue("no integrity tag (evicted, or written without the secret)")
+        if tag.shape != TAG_SHAPE or tag.dtype != TAG_DTYPE:
+            raise CorruptValue(f"integrity tag has shape {tag.shape} of {tag.dtype}")
+        payload = obj.byte_view()
+        self.integrity.check(key, self._header(key, obj, payload), tag.byte_view(), payload)

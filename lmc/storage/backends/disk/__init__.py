@@ -1,0 +1,1 @@
+"""The local disk tier: ``backend`` (files, index, I/O) and ``layered`` (its layer-by-layer read)."""

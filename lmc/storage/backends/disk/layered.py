@@ -1,0 +1,185 @@
+"""The disk tier's layer-by-layer read (``DiskBackend.get_layers``, :mod:`lmc.storage.layered_read`).
+
+A value's payload is layer-major, so layer l is the byte range ``[l*LB, (l+1)*LB)`` of the
+payload (``LB`` = payload / layers), at file offset ``4096 + l*LB``. With O_DIRECT every
+read must start and end on 4 KiB units, which a layer's range need not do; so the payload's
+units are dealt out once, in order: read l covers the units from where read l-1 stopped up to
+the unit holding layer l's last byte. No unit is read twice (no pool byte is written while
+the engine may already be copying it out), and layer l is in place once reads ``0..l`` are.
+The value's last partial unit goes through the tier's aligned buffer, as in a whole read
+(``MemoryObj.io_spans``), so no pool byte past the object is touched.
+
+Every (chunk, layer) read is queued on the tier's I/O pool up front, layer-major, so its
+threads keep several requests in flight across layer boundaries; one coordinator thread per
+call waits for them in order, announces each layer, and feeds each chunk's xxh3 with the
+layer's bytes as they land (a streamed xxh3 equals the one-shot digest the header holds), so
+only the last layer's hashing is left when the last read completes. A value that fails is
+deleted, counted and reported not ok; the read never hands out verified status for it.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Sequence
+from concurrent.futures import CancelledError, Future, wait
+from typing import TYPE_CHECKING
+
+import xxhash
+
+from lmc.storage.layered_read import LayeredRead, LayerReadError
+from lmc.storage.serde import CorruptValue
+
+from .backend import BLOCK, _io_all
+
+if TYPE_CHECKING:
+    from .backend import DiskBackend, _Entry, _Value
+
+
+def layer_windows(nbytes: int, layers: int, align: int) -> list[tuple[int, int]]:
+    """Per layer, the payload byte range its read covers: consecutive, non-overlapping,
+    each ending on an ``align`` boundary (or the payload's padded end) past the layer's last
+    byte; empty where a previous read already covered the layer. ``align`` 1: exact ranges."""
+    if layers < 1 or nbytes % layers:
+        raise ValueError(f"a payload of {nbytes} bytes does not split into {layers} layers")
+    lb = nbytes // layers
+    out = []
+    start = 0
+    for layer in range(layers):
+        end = -(-(layer + 1) * lb // align) * align
+        out.append((start, max(start, end)))
+        start = max(start, end)
+    return out
+
+
+class DiskLayeredRead:
+    """One ``get_layers`` call: opened values, their reads and their verification."""
+
+    def __init__(self, tier: DiskBackend, jobs: Sequence[tuple[int, bytes, _Entry]],
+                 nkeys: int) -> None:
+        self.tier = tier
+        self.values: list[tuple[int, _Value]] = []
+        objs: list = [None] * nkeys
+        futures: list[tuple[int, bytes, _Entry, Future | None]] = []
+        for i, k, e in jobs:
+            try:
+                futures.append((i, k, e, tier._io.submit(tier._open_value, k, e)))
+            except RuntimeError:  # the tier closed meanwhile: the rest are misses
+                futures.append((i, k, e, None))
+        layers = None
+        for i, k, e, f in futures:  # every open is waited for: each holds a file and memory
+            try:
+                if f is None:
+                    raise CancelledError()
+                v = f.result()
+            except (Exception, CancelledError) as exc:
+                if not isinstance(exc, CancelledError):
+                    tier._read_failed(k, e, exc)
+                tier._reader_done(e)
+                continue
+            if layers is None:
+                layers = v.hdr.shape[0]
+            if v.hdr.shape[0] != layers:  # another model's shape: not this call's, a miss
+                tier.metrics.error("get", "layers_mismatch")
+                v.close()
+                tier._reader_done(e)
+                continue
+            objs[i] = v.obj
+            self.values.append((i, v))
+        self.read = LayeredRead(objs, layers or 1)
+        for _, v in self.values:
+            v.obj = None  # the caller's reference now; the read holds its own
+
+    def start(self) -> None:
+        if not self.values:
+            self.read.finish([False] * len(self.read.objs))
+            return
+        t = threading.Thread(target=self._run, name="lmc-disk-layers", daemon=True)
+        with self.tier._lock:  # close() joins every coordinator it can see
+            self.tier._coordinators.add(t)
+            t.start()
+
+    # ---------------------------------------------------------------- the reads
+    def _window(self, v: _Value, obj, lo: int, hi: int) -> None:
+        """Read payload bytes ``[lo, hi)`` of ``v`` into its object (pool thread)."""
+        view = obj.byte_view()
+        if v.spans is None:  # buffered: exact ranges
+            bufs = [view[lo:hi]]
+        else:
+            head, tail = v.spans
+            cut = head.nbytes
+            bufs = [head[lo:min(hi, cut)]] if lo < cut else []
+            if hi > cut:  # the last, partial unit: through our aligned buffer
+                tbuf = self.tier._buf("_rtail")
+                bufs.append(tbuf)
+        want = sum(b.nbytes for b in bufs)
+        if _io_all(os.preadv, v.fd, bufs, BLOCK + lo) < want:
+            raise CorruptValue("file truncated")
+        if v.spans is not None and hi > v.spans[0].nbytes:
+            tail = v.spans[1]
+            tail[:] = tbuf[: tail.nbytes]
+
+    def _run(self) -> None:
+        tier, read = self.tier, self.read
+        layers = read.num_layers
+        plans = []
+        for i, v in self.values:
+            align = BLOCK if v.spans is not None else 1
+            n = v.hdr.payload_len
+            plans.append((i, v, layer_windows(n, layers, align), n // layers))
+        futures: list[list[tuple[int, Future]]] = []
+        hashers = [xxhash.xxh3_64() for _ in plans]
+        failed: BaseException | None = None
+        bad: dict[int, BaseException] = {}
+        try:
+            for layer in range(layers):
+                row = []
+                for j, (i, v, wins, _) in enumerate(plans):
+                    lo, hi = wins[layer]
+                    if hi > lo:
+                        row.append((j, tier._io.submit(self._window, v, read.objs[i], lo, hi)))
+                futures.append(row)
+            for layer in range(layers):
+                for j, f in futures[layer]:
+                    if j in bad:
+                        continue
+                    try:
+                        f.result()
+                    except CorruptValue as e:  # this value is bad; the others go on
+                        bad[j] = e
+                if bad:  # a layer the engine would read is missing: the call failed
+                    raise LayerReadError(next(iter(bad.values())))
+                read.landed(layer)
+                for j, (i, _, _, lb) in enumerate(plans):
+                    obj = read.objs[i]
+                    assert obj is not None  # a planned read's object is held until it ends
+                    hashers[j].update(obj.byte_view()[layer * lb:(layer + 1) * lb])
+        except BaseException as e:  # noqa: BLE001 - reported through the read, never lost
+            failed = e
+            every = [f for row in futures for _, f in row]
+            for f in every:
+                f.cancel()
+            # nothing may still write into an object after this; a future cancelled here
+            # or by close()'s shutdown never runs, and wait() would never count it as done
+            wait([f for f in every if not f.cancelled()])
+        ok = [False] * len(read.objs)
+        try:
+            for j, (i, v, _, _) in enumerate(plans):
+                err = bad.get(j)
+                if err is None and failed is None and hashers[j].intdigest() != v.hdr.checksum:
+                    err = CorruptValue("payload checksum mismatch (read layer by layer)")
+                if err is not None:
+                    tier._read_failed(v.key, v.entry, err)
+                elif failed is None:
+                    ok[i] = True
+            if failed is not None and not isinstance(failed, LayerReadError):
+                tier.metrics.error("get", type(failed).__name__)
+        finally:
+            for _, v in self.values:
+                v.close()
+                tier._reader_done(v.entry)
+            if failed is not None:
+                read.fail(failed)
+            else:
+                read.finish(ok)
+            tier._coordinators.discard(threading.current_thread())

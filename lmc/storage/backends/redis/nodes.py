@@ -1,0 +1,188 @@
+"""Connections to the servers of the remote tier, and which server owns which key.
+
+One :class:`NodePool` per server keeps idle data connections (redis-py makes them: TCP or
+TLS, AUTH, SELECT, all replies of the handshake parsed by hiredis) and the server's circuit
+breaker, so that in a cluster one dead node costs only its own keys. :class:`Router` maps keys
+to nodes: trivially for one server, through the slot table (``CLUSTER SLOTS``) for a cluster,
+refreshed when a node answers MOVED/ASK or fails.
+"""
+
+from __future__ import annotations
+
+import logging
+import select
+import socket
+import threading
+from collections.abc import Callable, Sequence
+
+from redis.backoff import NoBackoff
+from redis.connection import AbstractConnection
+from redis.crc import REDIS_CLUSTER_HASH_SLOTS, key_slot
+from redis.retry import Retry
+
+from lmc.storage.breaker import CircuitBreaker
+
+from .url import RedisTarget
+from .wire import Deadline, WireConn
+
+log = logging.getLogger(__name__)
+BreakerFactory = Callable[[str], CircuitBreaker]
+
+
+class NodePool:
+    """Idle data connections to one server, plus that server's breaker."""
+
+    def __init__(self, host: str, port: int, target: RedisTarget, breaker: CircuitBreaker,
+                 max_idle: int) -> None:
+        self.host, self.port = host, port
+        self.label = f"{host}:{port}"
+        self.target = target
+        self.breaker = breaker
+        self.max_idle = max_idle
+        self._idle: list[WireConn] = []
+        self._lock = threading.Lock()
+        self.connects = 0
+
+    def _redis_conn(self, dl: Deadline) -> AbstractConnection:
+        t = dl.remaining()
+        conn = self.target.connection_class(
+            host=self.host, port=self.port, socket_timeout=t, socket_connect_timeout=t,
+            retry=Retry(NoBackoff(), 0), **self.target.options)
+        conn.connect()  # handshake within the call's deadline; no retries of our own
+        self.connects += 1
+        return conn
+
+    def connect(self, dl: Deadline) -> WireConn:
+        conn = self._redis_conn(dl)
+        sock: socket.socket | None = conn._sock  # redis-py has no public accessor for it
+        if sock is None:
+            raise ConnectionError(f"redis-py connected to {self.host}:{self.port} but holds "
+                                  "no socket")
+        return WireConn(sock, conn)
+
+    def take(self, dl: Deadline) -> tuple[WireConn, bool]:
+        """A connection and whether it was reused (a reused one may have gone stale)."""
+        while True:
+            with self._lock:
+                wc = self._idle.pop() if self._idle else None
+            if wc is None:
+                return self.connect(dl), False
+            if _looks_alive(wc):
+                return wc, True
+            wc.close()
+
+    def give(self, wc: WireConn) -> None:
+        if wc.idle:
+            with self._lock:
+                if len(self._idle) < self.max_idle:
+                    self._idle.append(wc)
+                    return
+        wc.close()
+
+    def reset(self) -> None:
+        """Drop idle connections (after a failure they are probably dead too)."""
+        with self._lock:
+            idle, self._idle = self._idle, []
+        for wc in idle:
+            wc.close()
+
+    def control(self, dl: Deadline, *args: object) -> object:
+        """One control command on a fresh connection, reply parsed by redis-py (hiredis)."""
+        conn = self._redis_conn(dl)
+        try:
+            conn.send_command(*args)
+            return conn.read_response()
+        finally:
+            conn.disconnect()
+
+    def idle_count(self) -> int:
+        return len(self._idle)
+
+
+def _looks_alive(wc: WireConn) -> bool:
+    """An idle connection must have nothing to read; EOF or stray bytes mean it is stale."""
+    try:
+        readable, _, _ = select.select([wc.sock], [], [], 0)
+    except (OSError, ValueError):
+        return False
+    return not readable
+
+
+class Router:
+    """Key → server. One server, or a cluster's slot table."""
+
+    def __init__(self, target: RedisTarget, make_breaker: BreakerFactory, max_idle: int) -> None:
+        self.target = target
+        self._make_breaker = make_breaker
+        self._max_idle = max_idle
+        self._lock = threading.Lock()
+        self.pools: dict[tuple[str, int], NodePool] = {}
+        self.seeds = [self.node(h, p) for h, p in target.nodes]
+        self._slots: list[NodePool | None] | None = None
+        self.refreshes = 0
+
+    def node(self, host: str, port: int) -> NodePool:
+        with self._lock:
+            pool = self.pools.get((host, port))
+            if pool is None:
+                pool = self.pools[(host, port)] = NodePool(
+                    host, port, self.target, self._make_breaker(f"{host}:{port}"),
+                    self._max_idle)
+            return pool
+
+    def invalidate(self) -> None:
+        """Re-read the slot table before the next cluster call."""
+        self._slots = None
+
+    def group(self, rkeys: Sequence[bytes], dl: Deadline) -> dict[NodePool, list[int]]:
+        """Indexes of ``rkeys`` per owning server; keys of unknown owner are left out."""
+        if not self.target.cluster:
+            return {self.seeds[0]: list(range(len(rkeys)))}
+        slots = self._slots
+        if slots is None:
+            slots = self._refresh(dl)
+        out: dict[NodePool, list[int]] = {}
+        for i, k in enumerate(rkeys):
+            owner = slots[key_slot(k)]
+            if owner is not None:
+                out.setdefault(owner, []).append(i)
+        return out
+
+    def _refresh(self, dl: Deadline) -> list[NodePool | None]:
+        """Ask the known nodes (breakers permitting) for ``CLUSTER SLOTS``."""
+        candidates = list(dict.fromkeys([*self.pools.values(), *self.seeds]))
+        last: Exception | None = None
+        for pool in candidates:
+            if not pool.breaker.allow():
+                continue
+            try:
+                reply = pool.control(dl, "CLUSTER", "SLOTS")
+            except Exception as e:  # any failure: try the next node
+                pool.breaker.failure()
+                pool.reset()
+                last = e
+                continue
+            pool.breaker.success()
+            table = self._table(reply, pool)
+            self._slots = table
+            self.refreshes += 1
+            return table
+        raise ConnectionError(f"no cluster node answered CLUSTER SLOTS ({last or 'all breakers open'})")
+
+    def _table(self, reply: object, asked: NodePool) -> list[NodePool | None]:
+        table: list[NodePool | None] = [None] * REDIS_CLUSTER_HASH_SLOTS
+        if not isinstance(reply, list):
+            raise ConnectionError(f"CLUSTER SLOTS answered {type(reply).__name__}")
+        for entry in reply:
+            start, end, primary = int(entry[0]), int(entry[1]), entry[2]
+            host = primary[0].decode() if isinstance(primary[0], bytes) else str(primary[0])
+            if host in ("", "?"):  # the node does not know its own address: the one we asked
+                host = asked.host
+            owner = self.node(host, int(primary[1]))
+            for s in range(start, end + 1):
+                table[s] = owner
+        return table
+
+    def close(self) -> None:
+        for pool in list(self.pools.values()):
+            pool.reset()

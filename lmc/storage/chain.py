@@ -1,0 +1,171 @@
+"""The tier chain from a ``CacheConfig``: built here once, for the engine and the daemon alike.
+
+The chain is data (:meth:`lmc.config.CacheConfig.tier_chain`): the ``tiers`` list -- memory
+first, then any backends in any order and number, each with its own options, wrappers
+around any of them -- or, without it, the shorthand keys translated into the chain they have
+always meant: L1 (the ``cpu`` memory tier over the pool), the disk tier when ``local_disk`` is
+set, then the backend claiming ``remote_url``'s scheme. Extra tiers the caller hands in come
+last. Lower tiers get a :class:`lmc.storage.manager.TierPool`, so their reads may evict L1
+exactly as a store does.
+
+Per-backend options live under the backend's own key, not as core settings: the remote
+backend gets ``remote_options`` (and its URL's query) as the keyword options it declares,
+checked and parsed by :func:`lmc.storage.tier.create_backend`, which every tier here is
+made with -- so a tier built by hand in a test gets exactly what the engine's would.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from lmc.config import CacheConfig, TierEntry
+from lmc.memory.pool import MemoryPool
+from lmc.settings import ConfigError
+from lmc.storage.manager import StorageManager, TierPool
+from lmc.storage.tier import (
+    BackendFactory,
+    Medium,
+    MemoryTier,
+    StorageBackend,
+    backend_factory,
+    backend_options,
+    configured_options,
+    create_backend,
+    tier_medium,
+)
+
+TierFactory = Callable[[CacheConfig, TierPool], StorageBackend]
+TierSpec = StorageBackend | TierFactory
+"""An extra lower tier: an instance, or a factory ``(config, pool) -> tier``."""
+
+
+def lower_tier_specs(config: CacheConfig) -> list[str]:
+    """The configured lower tiers, top down, as backend specs (a wrapper by its name)."""
+    return [e.backend for e in config.tier_chain()[1:]]
+
+
+def _leaf(entry: TierEntry) -> TierEntry:
+    """The tier a chain of wrappers finally wraps."""
+    while entry.inner is not None:
+        entry = entry.inner
+    return entry
+
+
+def chain_media(config: CacheConfig) -> dict[str, Medium]:
+    """Tier name -> declared medium for the chain ``config`` builds, L1 first, read from the
+    backend classes without building anything (a scheduler process that holds no tier still
+    knows where its hits lie). A wrapper is its wrapped tier (same name, same medium); a
+    backend that cannot be imported here counts as remote."""
+    out: dict[str, Medium] = {}
+    for entry in config.tier_chain():
+        spec = _leaf(entry).backend
+        try:
+            factory = backend_factory(spec)
+        except ValueError:
+            out.setdefault(spec.split("://", 1)[0], Medium.REMOTE)
+            continue
+        out.setdefault(str(getattr(factory, "name", spec)), tier_medium(factory))
+    return out
+
+
+def _entry_config(entry: TierEntry, config: CacheConfig) -> CacheConfig:
+    """``config`` with the core keys this entry sets for its own tier."""
+    if not entry.config:
+        return config
+    try:
+        return config.replace(**entry.config)
+    except ConfigError as e:
+        raise ConfigError(f"{entry.where}: {e}") from None
+
+
+def _options(factory: BackendFactory, entry: TierEntry, config: CacheConfig
+             ) -> tuple[str, dict]:
+    if entry.shorthand:  # remote_url: remote_options, the URL's query, the deprecated keys
+        return configured_options(factory, entry.backend, config)
+    return backend_options(factory, entry.backend, entry.options, where=entry.where)
+
+
+def check_chain(config: CacheConfig) -> None:
+    """What building the chain would refuse, without building it (``lmc config``): each
+    entry's options (names and values, against what its backend declares) and the core keys
+    it sets for its tier. Raises :class:`ConfigError` naming the entry."""
+    for top in config.tier_chain()[1:]:
+        entry: TierEntry | None = top
+        while entry is not None:
+            _entry_config(entry, config)
+            _options(backend_factory(entry.backend), entry, config)
+            entry = entry.inner
+
+
+def create_tier(entry: TierEntry, config: CacheConfig, pool: TierPool) -> StorageBackend:
+    """One lower tier of the chain (a wrapper: its wrapped tier first, handed in as
+    ``inner``). Its options are checked against what its backend declares, naming
+    ``entry.where`` (``tiers[2]``) in any error."""
+    factory = backend_factory(entry.backend)
+    tier_config = _entry_config(entry, config)
+    spec, options = _options(factory, entry, config)
+    if entry.inner is None:
+        return _make(factory, entry, spec, config=tier_config, pool=pool, **options)
+    inner = create_tier(entry.inner, config, pool)
+    try:
+        return _make(factory, entry, spec, config=tier_config, pool=pool, inner=inner,
+                     **options)
+    except BaseException:
+        inner.close()
+        raise
+
+
+def _make(factory: BackendFactory, entry: TierEntry, spec: str, **kw: object
+          ) -> StorageBackend:
+    """The backend's constructor; a value it refuses is a config error naming the entry."""
+    try:
+        return factory(spec, **kw)
+    except (ValueError, TypeError) as e:
+        if isinstance(e, ConfigError) or entry.shorthand:
+            raise
+        raise ConfigError(f"{entry.where} ({entry.backend}): {e}") from None
+
+
+def build_lower_tiers(config: CacheConfig, l1: MemoryTier,
+                      extra: Sequence[TierSpec] = ()) -> list[StorageBackend]:
+    """The chain's lower tiers, then ``extra``, all allocating through ``TierPool(l1)``. On
+    failure every tier already made is closed before the error propagates."""
+    pool = TierPool(l1)
+    out: list[StorageBackend] = []
+    try:
+        for entry in config.tier_chain()[1:]:
+            out.append(create_tier(entry, config, pool))
+        for t in extra:
+            out.append(t if isinstance(t, StorageBackend) else t(config, pool))
+    except BaseException:
+        for t in out:
+            t.close()
+        raise
+    return out
+
+
+def build_tiers(config: CacheConfig, pool: MemoryPool, extra: Sequence[TierSpec] = ()
+                ) -> list[StorageBackend]:
+    """``[L1, *lower tiers]`` over ``pool``: what :func:`build_storage` hands the manager."""
+    l1 = create_backend("cpu", config, pool)
+    if not isinstance(l1, MemoryTier):
+        raise TypeError(f"the 'cpu' backend {type(l1).__name__} is not a MemoryTier")
+    try:
+        return [l1, *build_lower_tiers(config, l1, extra)]
+    except BaseException:
+        l1.close()
+        raise
+
+
+def build_storage(config: CacheConfig, pool: MemoryPool, extra: Sequence[TierSpec] = ()
+                  ) -> StorageManager:
+    """The tiers of :func:`build_tiers` in a :class:`StorageManager` with the config's write
+    policy and queue bound. On failure the tiers are closed (the pool is the caller's)."""
+    tiers = build_tiers(config, pool, extra)
+    try:
+        return StorageManager(tiers, write_policy=config.write_policy,
+                              queue_bytes=config.write_queue_size)
+    except BaseException:
+        for t in reversed(tiers):
+            t.close()
+        raise

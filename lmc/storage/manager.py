@@ -1,0 +1,565 @@
+"""Ordered tiers behind one interface: L1 (the pool) first, lower tiers after it.
+
+Lookups are batched per tier and answer the longest contiguous prefix present in *any* tier:
+each tier is asked once, only about the keys no earlier tier had. Stores land in L1
+synchronously; objects become visible only after the caller has finished writing them.
+
+Lower tiers are fed by write-behind (:mod:`lmc.storage.write_behind`), one byte-bounded queue and
+writer thread per tier, so the engine's store never waits on them. ``write_policy``:
+
+* ``write_through``: every chunk stored in L1 is queued for every lower tier at once;
+* ``write_on_evict``: L1 queues a chunk when it evicts it (:class:`WriteOnEvict`, a listener). Chunks
+  still in L1 at ``close()`` are not written down. An evicted chunk keeps its pool memory
+  until written, so a store under memory pressure evicts further LRU chunks into the queue
+  until the queue is full and only then frees memory by dropping a victim (as L1 alone would
+  have): no store waits, but one allocation can move up to a queue's worth of cold chunks out
+  of L1 (they stay readable from the queue). The queue bound is therefore capped at a quarter
+  of the pool under this policy, or the queue could hold all of it and stores would fail.
+
+Under write-through a queued chunk is L1's own object, referenced until written and so
+unevictable; each queue is capped at half the pool (every queue mostly holds the same
+chunks), so a slow tier drops writes (counted) instead of leaving stores no room.
+
+A lower-tier hit is promoted: the object the tier read (allocated from the shared pool through
+:class:`TierPool`, which may evict L1) is put into L1, and under write-through it is also
+queued for the lower tiers above the one that had it. Chunks waiting in a queue are served
+from there. Every lower-tier call is timed and counted in that tier's :class:`TierMetrics`.
+
+Listeners (:class:`lmc.storage.tier.TierListener`, :meth:`StorageManager.add_listener`)
+observe every tier's stores, promotions, evictions, deletes and clears, each event naming the
+tier (name, declared medium, level). Write-on-evict is one of them. With no listener the
+tiers' hooks are unset and each store pays one truthiness check.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from functools import partial
+from typing import Any, cast
+
+import torch
+
+from lmc.memory.pool import MemoryObj, MemoryPool
+from lmc.metrics import TierMetrics
+from lmc.storage.layered_read import LayeredRead, LayerGate
+from lmc.storage.tier import (
+    DELETED,
+    EVICTED,
+    PROMOTED,
+    STORED,
+    Key,
+    MemoryTier,
+    StorageBackend,
+    TierInfo,
+    TierListener,
+    tier_medium,
+)
+from lmc.storage.write_behind import WriteBehind
+
+log = logging.getLogger(__name__)
+WRITE_POLICIES = ("write_through", "write_on_evict")
+
+
+class TierPool:
+    """The memory pool as lower tiers see it: ``allocate`` may evict unreferenced L1 chunks.
+
+    A lower tier's ``get`` allocates its destination with ``self.pool.allocate(shape, dtype,
+    num_tokens)``. Given the raw pool, that fails as soon as L1 has filled it (the steady
+    state); through this wrapper it evicts L1's least recently used chunks first, exactly as a
+    store does. It offers only what a lower tier may use of a pool: allocation, the pool's
+    size and stats. Bytes of an object are read and written through the object itself
+    (``MemoryObj.byte_view()``, ``io_spans()``), never through the pool's buffer.
+    """
+
+    def __init__(self, l1: MemoryTier) -> None:
+        self._l1 = l1
+        self.raw: MemoryPool = l1.pool
+        """The pool itself: what an object's ``pool`` is (``obj.pool is tier_pool.raw``)."""
+
+    def allocate(self, shape: Sequence[int], dtype: torch.dtype, num_tokens: int = 0
+                 ) -> MemoryObj | None:
+        return self._l1.allocate(shape, dtype, num_tokens)
+
+    def allocate_many(self, shape: Sequence[int], dtype: torch.dtype, count: int,
+                      num_tokens: int = 0) -> list[MemoryObj]:
+        return self._l1.allocate_many(shape, dtype, count, num_tokens)
+
+    @property
+    def size(self) -> int:
+        return self.raw.size
+
+    @property
+    def used_bytes(self) -> int:
+        return self.raw.used_bytes
+
+    @property
+    def closed(self) -> bool:
+        return self.raw.closed
+
+    def stats(self) -> dict[str, float]:
+        return self.raw.stats()
+
+
+def tier_metrics(tier: StorageBackend) -> TierMetrics:
+    """The tier's own ``metrics`` if it has one (so its checksum failures and the manager's
+    counts land in one place), else a fresh one."""
+    m = getattr(tier, "metrics", None)
+    return m if isinstance(m, TierMetrics) else TierMetrics(tier.name)
+
+
+class WriteOnEvict(TierListener):
+    """Write-on-evict as a listener: L1's victims are queued for every lower tier. Runs
+    under L1's lock, before the victims' memory is released, so it only queues (each queue
+    takes its own reference)."""
+
+    observes_stores = False
+
+    def __init__(self, queues: Sequence[WriteBehind]) -> None:
+        self.queues = list(queues)
+
+    def on_removed(self, keys: Sequence[Key], tier: TierInfo, reason: str,
+                   objs: Sequence[MemoryObj] | None = None) -> None:
+        if tier.level == 0 and reason == EVICTED and objs:
+            for q in self.queues:
+                q.offer(keys, objs)
+
+
+class EvictionMetrics(TierListener):
+    """The engine's metrics as a listener: each lower tier's own evictions (the disk tier's
+    capacity evictions) counted in ``lmc_evictions{tier}`` and the engine's
+    ``evictions_<tier>`` through ``metrics.evicted(tier, chunks)`` (an
+    :class:`lmc.metrics.EngineMetrics`). L1 counts its own evictions already."""
+
+    observes_stores = False
+
+    def __init__(self, metrics: Any) -> None:
+        self.metrics = metrics
+
+    def on_removed(self, keys: Sequence[Key], tier: TierInfo, reason: str,
+                   objs: Sequence[MemoryObj] | None = None) -> None:
+        if reason == EVICTED and tier.level > 0:
+            self.metrics.evicted(tier.name, len(keys))
+
+
+class StorageManager:
+    """``tiers[0]`` is L1, a :class:`lmc.storage.tier.MemoryTier` over the pool."""
+
+    def __init__(self, tiers: Sequence[StorageBackend], *, write_policy: str = "write_through",
+                 queue_bytes: int = 1 << 30, close_timeout: float = 30.0) -> None:
+        if not tiers:
+            raise ValueError("StorageManager needs at least one tier")
+        l1 = tiers[0]
+        if not isinstance(l1, MemoryTier):
+            missing = [m for m in ("pool", "allocate", "allocate_many", "touch", "on_evict")
+                       if not hasattr(l1, m)]
+            raise TypeError(f"the first tier must be a memory tier (lmc.storage.tier."
+                            f"MemoryTier); {type(l1).__name__} lacks {', '.join(missing)}")
+        if write_policy not in WRITE_POLICIES:
+            raise ValueError(f"write_policy {write_policy!r}: choose one of "
+                             f"{', '.join(WRITE_POLICIES)}")
+        self.tiers = list(tiers)
+        self.l1: MemoryTier = l1
+        self.lower = self.tiers[1:]
+        self.write_policy = write_policy
+        self.close_timeout = close_timeout
+        self.metrics = [tier_metrics(t) for t in self.lower]
+        self._l1_pool = l1.pool
+        # queued chunks hold pool memory: see the module doc
+        share = 4 if write_policy == "write_on_evict" else 2
+        queue_bytes = min(queue_bytes, self._l1_pool.size // share)
+        self.queues = [WriteBehind(t, queue_bytes, m) for t, m in zip(self.lower, self.metrics)]
+        self.infos = [TierInfo(t.name, tier_medium(t), i) for i, t in enumerate(self.tiers)]
+        """What listeners are told of each tier (name, declared medium, level)."""
+        self._listeners: tuple[TierListener, ...] = ()
+        self._store_listeners: tuple[TierListener, ...] = ()  # those that observe stores
+        if self.queues and write_policy == "write_on_evict":
+            self.add_listener(WriteOnEvict(self.queues))
+
+    # -------------------------------------------------------------- listeners
+    @property
+    def listeners(self) -> tuple[TierListener, ...]:
+        return self._listeners
+
+    def add_listener(self, listener: TierListener) -> None:
+        """Observe every tier from now on (:class:`lmc.storage.tier.TierListener`)."""
+        self._listeners = (*self._listeners, listener)
+        self._wire()
+
+    def remove_listener(self, listener: TierListener) -> None:
+        self._listeners = tuple(x for x in self._listeners if x is not listener)
+        self._wire()
+
+    def _wire(self) -> None:
+        """Set the tiers' and queues' hooks while someone listens, unset them otherwise (a
+        store then pays nothing for the feature). The tuple is replaced, never mutated, so
+        an event in flight on another thread iterates a consistent set."""
+        on = bool(self._listeners)
+        self._store_listeners = tuple(x for x in self._listeners
+                                      if getattr(x, "observes_stores", True))
+        stores = bool(self._store_listeners)
+        self.l1.on_evict = self._l1_evicted if on else None
+        for level, (tier, q) in enumerate(zip(self.lower, self.queues), 1):
+            q.on_written = partial(self._emit_stored, level, reason=STORED) if stores else None
+            try:
+                tier.on_evicted = partial(self._lower_evicted, level) if on else None
+            except AttributeError:  # a tier refusing attributes: its evictions go unseen
+                log.debug("tier %s takes no on_evicted hook", tier.name)
+
+    def _emit_stored(self, level: int, keys: Sequence[Key], reason: str = STORED) -> None:
+        for x in self._store_listeners:
+            try:
+                x.on_stored(keys, self.infos[level], reason)
+            except Exception as e:  # an observer's bug is never the caller's error
+                log.warning("listener %r failed on_stored: %s", x, e)
+
+    def _emit_removed(self, level: int, keys: Sequence[Key], reason: str = DELETED,
+                      objs: Sequence[MemoryObj] | None = None) -> None:
+        for x in self._listeners:
+            try:
+                x.on_removed(keys, self.infos[level], reason, objs)
+            except Exception as e:
+                log.warning("listener %r failed on_removed: %s", x, e)
+
+    def _lower_evicted(self, level: int, keys: list[Key]) -> None:
+        """A lower tier's own eviction (its ``on_evicted`` hook)."""
+        self.queues[level - 1].note_evicted(keys)
+        self._emit_removed(level, keys, EVICTED)
+
+    def _l1_evicted(self, victims: list[tuple[Key, MemoryObj]]) -> None:
+        """L1's eviction hook: runs under L1's lock with the victims gone from its map and
+        their memory not yet released."""
+        self._emit_removed(0, [k for k, _ in victims], EVICTED, [o for _, o in victims])
+
+    def retry_failed_writes(self, seconds: float) -> None:
+        """Keep a chunk whose lower-tier write failed queued (referenced, so L1 cannot evict
+        it) and write it again with a doubling backoff for up to ``seconds``
+        (:mod:`lmc.storage.write_behind`). Off by default: an engine recomputes a lost chunk, while
+        the daemon holds the only copy of what its clients stored."""
+        for q in self.queues:
+            q.retry_for = max(0.0, float(seconds))
+
+    def queues_have_room(self, nbytes: int) -> bool:
+        """Whether a store of ``nbytes`` now would be queued whole for every lower tier
+        (write-through; under write-on-evict stores queue nothing). Lets a caller that may
+        wait (the daemon's PUT) wait for room instead of having the writes dropped."""
+        if self.write_policy != "write_through":
+            return True
+        return all(q.has_room(nbytes) for q in self.queues)
+
+    def allocate(self, shape: Sequence[int], dtype: torch.dtype, num_tokens: int
+                 ) -> MemoryObj | None:
+        return self.l1.allocate(shape, dtype, num_tokens)
+
+    def allocate_many(self, shape: Sequence[int], dtype: torch.dtype, count: int,
+                      num_tokens: int) -> list[MemoryObj]:
+        return self.l1.allocate_many(shape, dtype, count, num_tokens)
+
+    def l1_touch(self, keys: Sequence[Key]) -> list[bool]:
+        """L1 presence, refreshing the recency of present keys."""
+        return self.l1.touch(keys)
+
+    def l1_contains(self, keys: Sequence[Key]) -> list[bool]:
+        return self.l1.contains(keys)
+
+    # ---------------------------------------------------------------- lookups
+    def prefix_hits(self, keys: Sequence[Key]) -> int:
+        """Leading keys present in some tier (each tier asked once, batched)."""
+        return len(self.prefix_sources(keys))
+
+    def prefix_sources(self, keys: Sequence[Key]) -> list[int]:
+        """For each leading key present in some tier, the index in ``tiers`` of the first
+        tier holding it (a chunk waiting in a write-behind queue counts as L1): the longest
+        present prefix and where it lies, from one batched pass (each tier asked once)."""
+        if not keys:
+            return []
+        if len(self.tiers) == 1:
+            return [0] * self.l1.prefix_hits(keys)
+        present = self.l1.contains(keys)
+        for q in self.queues:
+            if q.queued_chunks:
+                present = [p or w for p, w in zip(present, q.contains(keys))]
+        where = [0 if p else -1 for p in present]
+        for level, (tier, m) in enumerate(zip(self.lower, self.metrics), 1):
+            todo = [i for i, w in enumerate(where) if w < 0]
+            if not todo:
+                break
+            t0 = time.perf_counter()
+            try:
+                found = tier.contains([keys[i] for i in todo])
+            except Exception as e:  # a failing tier is a miss, never an error to the engine
+                log.warning("tier %s failed contains(): %s", tier.name, e)
+                m.error("lookup", type(e).__name__)
+                continue
+            hits = 0
+            for i, f in zip(todo, found):
+                if f:
+                    where[i] = level
+                    hits += 1
+            m.lookup(hits, len(todo) - hits, time.perf_counter() - t0)
+        n = 0
+        while n < len(where) and where[n] >= 0:
+            n += 1
+        return where[:n]
+
+    def get_prefix(self, keys: Sequence[Key]) -> list[MemoryObj]:
+        """Objects for the longest present prefix of ``keys``, each acquired for the caller.
+        Lower-tier hits are promoted into L1 on the way."""
+        return self.fetch_prefix(keys)[0]
+
+    def fetch_prefix(self, keys: Sequence[Key]) -> tuple[list[MemoryObj], list[int]]:
+        """``get_prefix``, and for each object the index in ``tiers`` of the tier it came
+        from (queued chunks count as L1): a load's per-tier attribution without asking any
+        tier a second time."""
+        found: list[MemoryObj | None] = list(self.l1.get(keys)) if keys else []
+        where = [0] * len(found)
+        if self.lower and None in found:
+            try:
+                self._fill_from_lower(keys, found, where)
+            except BaseException:  # the caller never sees these: their references are ours
+                for o in found:
+                    if o is not None:
+                        o.release()
+                raise
+        if None not in found:  # every chunk found: no loop per chunk
+            return cast(list[MemoryObj], found), where
+        out = cast(list[MemoryObj], found[: found.index(None)])  # the prefix before a miss
+        for o in found[len(out):]:
+            if o is not None:
+                o.release()
+        return out, where[: len(out)]
+
+    def fetch_prefix_layered(self, keys: Sequence[Key]
+                             ) -> tuple[list[MemoryObj], list[int], LayerGate]:
+        """:meth:`fetch_prefix` for a layer-wise retrieve: tiers offering ``get_layers``
+        answer at once and fill their objects layer by layer afterwards; the gate says
+        which layer has landed and whether the chunks verified (:mod:`lmc.storage.layered_read`).
+        Such chunks are promoted into L1 only once verified."""
+        found: list[MemoryObj | None] = list(self.l1.get(keys)) if keys else []
+        where = [0] * len(found)
+        parts: list[tuple[LayeredRead, int] | None] = [None] * len(found)
+        if self.lower and any(o is None for o in found):
+            try:
+                self._fill_from_lower(keys, found, where, parts)
+            except BaseException:
+                for o in found:
+                    if o is not None:
+                        o.release()
+                raise
+        n = 0
+        while n < len(found) and found[n] is not None:
+            n += 1
+        for o in found[n:]:
+            if o is not None:
+                o.release()  # a read still filling it holds its own reference
+        return [o for o in found[:n] if o is not None], where[:n], LayerGate(parts[:n])
+
+    def _fill_from_lower(self, keys: Sequence[Key], found: list[MemoryObj | None],
+                         where: list[int],
+                         parts: list[tuple[LayeredRead, int] | None] | None = None) -> None:
+        """Fill L1's misses in ``found`` from the queues, then tier by tier (promoting);
+        ``where[i]`` becomes the index in ``tiers`` of the tier that supplied ``found[i]``.
+        With ``parts``, tiers that read layer by layer may answer (``parts[i]``: the read
+        filling ``found[i]``)."""
+        self._from_queues(keys, found)
+        for level, tier in enumerate(self.lower):
+            todo = [i for i, o in enumerate(found) if o is None]
+            if not todo:
+                break
+            read = None if parts is None else self._open_layers(level, tier,
+                                                                [keys[i] for i in todo])
+            if read is not None:
+                for j, (i, o) in enumerate(zip(todo, read.objs)):
+                    if o is not None:
+                        found[i], where[i], parts[i] = o, level + 1, (read, j)  # type: ignore
+                continue
+            got = self._get_lower(level, tier, [keys[i] for i in todo])
+            hit = [(i, o) for i, o in zip(todo, got) if o is not None]
+            for i, o in hit:
+                found[i] = o
+                where[i] = level + 1
+            self._promote(level, [keys[i] for i, _ in hit], [o for _, o in hit])
+
+    def _from_queues(self, keys: Sequence[Key], found: list[MemoryObj | None]) -> None:
+        """Fill misses from chunks waiting in write-behind queues (and put them back in L1)."""
+        for q in self.queues:
+            if not q.queued_chunks:
+                continue
+            todo = [i for i, o in enumerate(found) if o is None]
+            got = q.lookup([keys[i] for i in todo])
+            back = [(keys[i], o) for i, o in zip(todo, got) if o is not None]
+            for i, o in zip(todo, got):
+                if o is not None:
+                    found[i] = o
+            if back:
+                self._l1_put([k for k, _ in back], [o for _, o in back])
+
+    def _get_lower(self, level: int, tier: StorageBackend, keys: list[Key]
+                   ) -> list[MemoryObj | None]:
+        m = self.metrics[level]
+        t0 = time.perf_counter()
+        try:
+            got = list(tier.get(keys))
+        except Exception as e:
+            log.warning("tier %s failed get(): %s", tier.name, e)
+            m.error("get", type(e).__name__)
+            return [None] * len(keys)
+        if len(got) != len(keys):
+            log.error("tier %s answered %d objects for %d keys: treated as misses", tier.name,
+                      len(got), len(keys))
+            for o in got:
+                if o is not None:
+                    o.release()
+            return [None] * len(keys)
+        hits = [o for o in got if o is not None]
+        m.read(len(hits), len(keys) - len(hits), sum(o.nbytes for o in hits),
+               time.perf_counter() - t0)
+        return got
+
+    def _open_layers(self, level: int, tier: StorageBackend, keys: list[Key]
+                     ) -> LayeredRead | None:
+        """The tier's layered read of ``keys``, with its promotion and counting set to run
+        when it ends; ``None`` when the tier reads whole chunks (then ``get`` is used)."""
+        m = self.metrics[level]
+        t0 = time.perf_counter()
+        try:
+            read = tier.get_layers(keys)
+        except Exception as e:
+            log.warning("tier %s failed get_layers(): %s", tier.name, e)
+            m.error("get", type(e).__name__)
+            return None
+        if read is None:
+            return None
+        if len(read.objs) != len(keys):
+            log.error("tier %s opened %d reads for %d keys: treated as misses", tier.name,
+                      len(read.objs), len(keys))
+            read.add_done_callback(lambda r: None)
+            for o in read.objs:
+                if o is not None:
+                    o.release()
+            return None
+
+        def ended(r: LayeredRead) -> None:
+            ok = r.ok or []
+            good = [(k, o) for k, o, g in zip(keys, r.objs, ok) if g and o is not None]
+            m.read(len(good), len(keys) - len(good), sum(o.nbytes for _, o in good),
+                   time.perf_counter() - t0)
+            if r.error is not None:  # (values failing a check are the tier's to count)
+                m.error("get", "layered_read", sum(o is not None for o in r.objs))
+            self._promote(level, [k for k, _ in good], [o for _, o in good])
+
+        read.add_done_callback(ended)
+        return read
+
+    def _l1_put(self, keys: list[Key], objs: list[MemoryObj]) -> int:
+        """Put copies read from below (or waiting in a queue) into L1: a promotion."""
+        mine = [(k, o) for k, o in zip(keys, objs) if o.pool is self._l1_pool]
+        if not mine:
+            return 0
+        ks = [k for k, _ in mine]
+        if not self._store_listeners:
+            return self.l1.put(ks, [o for _, o in mine])
+        fresh = self._absent_from_l1(ks)
+        n = self.l1.put(ks, [o for _, o in mine])
+        if n and fresh:
+            self._emit_stored(0, fresh, PROMOTED)
+        return n
+
+    def _absent_from_l1(self, keys: Sequence[Key]) -> list[Key]:
+        """Keys L1 does not hold, each once: what a put will newly make readable."""
+        seen: set[Key] = set()
+        out = []
+        for k, present in zip(keys, self.l1.contains(keys)):
+            if not present and k not in seen:
+                seen.add(k)
+                out.append(k)
+        return out
+
+    def _promote(self, level: int, keys: list[Key], objs: list[MemoryObj]) -> None:
+        if not keys:
+            return
+        self.metrics[level].promoted(self._l1_put(keys, objs))
+        if self.write_policy == "write_through":
+            for q in self.queues[:level]:  # the tiers above it missed these chunks
+                q.offer(keys, objs)
+
+    # ----------------------------------------------------------------- writes
+    def put(self, keys: Sequence[Key], objs: Sequence[MemoryObj]) -> int:
+        """Store fully written chunks in L1; under write-through also queue them for every
+        lower tier (never waits on them)."""
+        if self._store_listeners:
+            fresh = self._absent_from_l1(keys)
+            n = self.l1.put(keys, objs)
+            if n and fresh:
+                self._emit_stored(0, fresh, STORED)
+        else:
+            n = self.l1.put(keys, objs)
+        if self.write_policy == "write_through":
+            for q in self.queues:
+                q.offer(keys, objs)
+        return n
+
+    def delete(self, keys: Sequence[Key]) -> int:
+        """Remove ``keys`` from every tier and queue. With listeners, each tier is asked
+        first which it holds (a delete is rare; the event names only keys that were there)."""
+        for q in self.queues:
+            q.discard(keys)
+        n = 0
+        for level, tier in enumerate(self.tiers):
+            try:
+                held = self._held(tier, keys) if self._listeners else []
+                n += tier.delete(keys)
+            except Exception as e:
+                log.warning("tier %s failed delete(): %s", tier.name, e)
+                continue
+            if held:
+                self._emit_removed(level, held, DELETED)
+        return n
+
+    @staticmethod
+    def _held(tier: StorageBackend, keys: Sequence[Key]) -> list[Key]:
+        return list(dict.fromkeys(k for k, p in zip(keys, tier.contains(keys)) if p))
+
+    def clear_l1(self) -> None:
+        """Drop everything L1 holds (a tier with ``clear()``; otherwise a delete of what its
+        ``stats`` cannot list is impossible, so it is refused) and tell the listeners."""
+        clear = getattr(self.l1, "clear", None)
+        if clear is None:
+            raise TypeError(f"memory tier {type(self.l1).__name__} has no clear()")
+        clear()
+        for x in self._listeners:
+            try:
+                x.on_cleared(self.infos[0])
+            except Exception as e:
+                log.warning("listener %r failed on_cleared: %s", x, e)
+
+    # -------------------------------------------------------------- lifecycle
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until every queued write has reached its tier (or failed); False on timeout."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        ok = True
+        for q in self.queues:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            ok = q.flush(left) and ok
+        return ok
+
+    def stats(self) -> dict[str, float]:
+        """Per lower tier: the manager's counts and queue state, keys ``<tier>.<name>``."""
+        out: dict[str, float] = {}
+        for tier, m, q in zip(self.lower, self.metrics, self.queues):
+            for k, v in {**m.snapshot(), **q.stats()}.items():
+                out[f"{tier.name}.{k}"] = v
+        return out
+
+    def close(self, drain: bool = True) -> None:
+        """Drain the write-behind queues (bounded by ``close_timeout`` in all), then close the
+        tiers, lowest first."""
+        deadline = time.monotonic() + self.close_timeout
+        for q in self.queues:
+            q.close(drain, max(0.0, deadline - time.monotonic()))
+        for tier in reversed(self.tiers):
+            try:
+                tier.close()
+            except Exception as e:
+                log.warning("tier %s failed to close: %s", tier.name, e)

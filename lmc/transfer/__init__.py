@@ -1,0 +1,3 @@
+"""Moving KV between an engine's cache and pool chunks: the layouts as data (``kv_spec``,
+``kv_layouts``), planned copies on CPU/torch (``torch_copy``) and CUDA (``cuda_copy``), the caches a
+transfer is bound to (``bound_caches``) and the completion handles that own memory under a copy."""
