@@ -456,9 +456,9 @@ def load_connector_settings(extra: Mapping[str, Any] | None, section: str, optio
     return CacheConfig.from_layers(cache_layers), options.from_layers(opt_layers)
 
 
-def _policy_names() -> list[str]:
+def _policy_names() -> tuple[str, ...]:
     """The registered eviction policies, looked up when a value is checked: policies are
     registered objects of the storage layer, which ranks above config."""
     from lmc.storage.eviction import policy_names
 
-    return list(policy_names())
+    return policy_names()

@@ -30,9 +30,9 @@ from typing import Any, Literal, overload
 import numpy as np
 import torch
 
+from lmc.memory.pool import INT_VIEW
 from lmc.transfer.completion import DONE, Completion, record
 from lmc.transfer.kv_layouts import PlaneStrides, span_elements
-from lmc.memory.pool import INT_VIEW
 from lmc.transfer.kv_spec import KVCaches, KVSpec
 
 _INT_VIEW = INT_VIEW  # the name tests import
