@@ -106,6 +106,15 @@ class CacheEngine:
             raise
         self.metrics = EngineMetrics()
         self.storage.add_listener(EvictionMetrics(self.metrics))  # lower tiers' evictions
+        self.events = None  # KV events for routers (config kv_events; lmc.events)
+        if config.kv_events is not None:
+            from lmc.events.engine import attach  # the app rank, imported only when on
+            try:
+                self.events = attach(self, config.kv_events)
+            except BaseException:
+                self.storage.close()
+                self.pool.close()
+                raise
         self._transfer_pref = transfer
         # bound to the cache's geometry, not its block count: a re-created cache (vLLM's
         # allocation after profiling, sleep/wake) of the same model is accepted
@@ -434,6 +443,8 @@ class CacheEngine:
                 out[f"{tier.name}.{k}"] = v
         out.update(self.storage.stats())
         out.update(self._pins.stats())
+        if self.events is not None:
+            out.update(self.events.stats())
         for tr in self._transfers.transfers():  # CUDA: the copy path per call shape
             paths = getattr(tr, "path_stats", None)
             if paths is not None:
@@ -454,6 +465,8 @@ class CacheEngine:
         self._closed = True
         if self._worker is not None:
             self._worker.shutdown(wait=True)
+        if self.events is not None:  # its last events, before the tiers close
+            self.events.close()
         self._pins.clear()
         self._transfers.clear()  # a closed engine keeps no cache alive
         self.storage.close()

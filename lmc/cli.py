@@ -27,6 +27,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
                "OpenAI-compatible server: TTFT, throughput, hits per tier"),
     "pd-proxy": ("lmc.http.pd_proxy", "prefill on a kv_producer, decode on a kv_consumer, "
                  "behind one /v1/completions"),
+    "router": ("lmc.router.app", "route requests to the instance with the longest cached "
+               "prefix (KV events), balanced against load"),
     "plan": ("lmc.planner.cli", "size the cache tiers for a trace: hit rate and predicted "
              "TTFT per configuration"),
 }

@@ -75,6 +75,21 @@ def _options(value: Any, key: str) -> dict[str, Any]:
     return out
 
 
+def _kv_events(value: Any, key: str) -> dict[str, Any] | None:
+    """The ``kv_events`` mapping (vLLM's ``--kv-events-config`` keys and lmc's), checked by
+    :class:`lmc.events.config.EventsConfig` (imported here, not at load: the core stays
+    below the apps)."""
+    if value is None:
+        return None
+    out = parse_mapping(value, key)
+    from lmc.events.config import EventsConfig
+    try:
+        EventsConfig.from_mapping(out)
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"{key}: {e}") from None
+    return out
+
+
 DEPRECATED_KEYS: dict[str, str] = {"remote_ttl": "ttl", "remote_connections": "connections"}
 """Core keys that were options of particular backends -> the option's name now. They still
 work (a warning, once per process, names the new spelling), passed to the remote backend if
@@ -336,6 +351,13 @@ class CacheConfig(Settings):
         "1GiB", parse_size,
         "bytes of chunks waiting to be written to lower tiers, per tier, at most half the pool "
         "(a quarter under write_on_evict); beyond it writes are dropped", unit="size")
+    kv_events: dict[str, Any] | None = setting(
+        None, _kv_events,
+        "publish the tiers' chunks as KV-cache events in vLLM's wire format, for KV-aware "
+        "routers (lmc/events/config.py): a mapping of vLLM's --kv-events-config keys "
+        "(enable_kv_cache_events, endpoint, replay_endpoint, topic, buffer_steps, hwm, "
+        "max_queue_size) and lmc's (block_size, pod, model_name, heartbeat, max_chunks, "
+        "publish_remote); unset = off", hashed=False)
 
     def __post_init__(self) -> None:
         super().__post_init__()

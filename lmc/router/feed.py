@@ -1,0 +1,228 @@
+"""The router's subscriptions: one SUB socket per instance, in order, gaps filled.
+
+Each instance's batches are applied in sequence order to its :class:`PrefixIndex`. A source
+is *synced* once the router knows its whole state: at start (and after any loss it cannot
+fill) it asks the replay socket for a dump (``[b"", b"dump"]``, lmc's publisher) and applies
+the PUB batches after the dump's seq. A gap (a seq past the next expected, or a batch that
+does not decode) is filled by vLLM's replay request (``[b"", next_seq]``); if the buffer no
+longer holds it, a dump. A source without a replay socket (a plain vLLM left at its
+defaults) is taken from its first batch on, best effort.
+
+A source is *fresh* while synced and heard from (a batch or a heartbeat) within
+``stale_after`` seconds; the router scores only fresh sources (``lmc.router.app``).
+
+Bounds: a message is at most 64 MiB (``MAXMSGSIZE``: a larger one disconnects the
+publisher), each SUB queues at most 1,000 messages (then ZMQ drops: a gap, filled by replay),
+a replay or dump is read for at most ``REPLAY_TIMEOUT`` seconds and ``MAX_REPLAY`` batches.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from lmc.events import wire
+from lmc.ratelog import RateLimitedWarnings
+from lmc.router.index import PrefixIndex
+
+log = logging.getLogger(__name__)
+_warn = RateLimitedWarnings(limit=10, window=10.0, logger=log)
+REPLAY_TIMEOUT = 2.0
+MAX_REPLAY = 1 << 16
+MAX_MESSAGE = 64 << 20
+
+
+class Source:
+    """One instance's event stream and what the router knows from it."""
+
+    def __init__(self, name: str, endpoint: str, replay_endpoint: str | None,
+                 max_blocks: int) -> None:
+        self.name = name
+        self.endpoint = endpoint
+        self.replay_endpoint = replay_endpoint
+        self.index = PrefixIndex(max_blocks)
+        self.next_seq: int | None = None
+        self.synced = False
+        self.last_heard = 0.0
+        self.counts = {"batches": 0, "gaps": 0, "replays": 0, "dumps": 0, "bad": 0}
+
+    def fresh(self, stale_after: float, now: float | None = None) -> bool:
+        now = time.monotonic() if now is None else now
+        return self.synced and now - self.last_heard < stale_after
+
+
+class EventFeed:
+    """The thread that keeps every :class:`Source` current (see the module docstring)."""
+
+    def __init__(self, sources: Sequence[Source], stale_after: float = 10.0) -> None:
+        import zmq
+        self.zmq = zmq
+        self.sources = list(sources)
+        self.stale_after = stale_after
+        self.ctx = zmq.Context()
+        self._subs: dict[Any, Source] = {}
+        for s in self.sources:
+            sock = self.ctx.socket(zmq.SUB)
+            sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE)
+            sock.setsockopt(zmq.RCVHWM, 1000)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.SUBSCRIBE, b"")
+            sock.connect(s.endpoint)
+            self._subs[sock] = s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="lmc-router-events",
+                                        daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    # ------------------------------------------------------------------ replay side
+    def _request(self, s: Source, body: bytes) -> list[tuple[int, bytes]] | None:
+        """Ask ``s``'s replay socket; the batches answered, or None (no answer, an error)."""
+        zmq = self.zmq
+        if not s.replay_endpoint:
+            return None
+        d = self.ctx.socket(zmq.DEALER)
+        d.setsockopt(zmq.LINGER, 0)
+        d.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE)
+        d.connect(s.replay_endpoint)
+        out: list[tuple[int, bytes]] = []
+        deadline = time.monotonic() + REPLAY_TIMEOUT
+        try:
+            d.send_multipart([b"", body])
+            while len(out) <= MAX_REPLAY:
+                left = deadline - time.monotonic()
+                if left <= 0 or not d.poll(int(left * 1000)):
+                    _warn("events from %s: replay socket %s did not answer in %.0f s",
+                          s.name, s.replay_endpoint, REPLAY_TIMEOUT)
+                    return None
+                frames = d.recv_multipart()
+                if len(frames) != 4 or len(frames[2]) != 8:
+                    s.counts["bad"] += 1
+                    return None
+                if frames[2] == wire.END_SEQ:
+                    if frames[3]:
+                        _warn("events from %s: replay refused: %s", s.name,
+                              frames[3][:200].decode("utf-8", "replace"))
+                        return None
+                    return out
+                out.append((int.from_bytes(frames[2], "big"), frames[3]))
+            s.counts["bad"] += 1
+            return None
+        finally:
+            d.close(0)
+
+    def _dump(self, s: Source) -> bool:
+        s.counts["dumps"] += 1
+        got = self._request(s, b"dump")
+        if got is None:
+            s.synced = False
+            return False
+        s.index.clear()
+        try:
+            for _, payload in got:
+                s.index.apply(wire.decode_batch(payload)[1])
+        except wire.WireError as e:
+            s.counts["bad"] += 1
+            _warn("events from %s: bad dump: %s", s.name, e)
+            s.synced = False
+            return False
+        s.next_seq = (got[0][0] + 1) if got else s.next_seq
+        s.synced = True
+        s.last_heard = time.monotonic()
+        log.info("events from %s: synced (%d blocks)", s.name, s.index.blocks)
+        return True
+
+    def _fill(self, s: Source, upto: int) -> bool:
+        """Apply the batches ``[next_seq, upto)`` from the replay socket; False if it
+        no longer holds them all."""
+        assert s.next_seq is not None
+        s.counts["replays"] += 1
+        got = self._request(s, wire.seq_bytes(s.next_seq))
+        if not got:
+            return False
+        for seq, payload in got:
+            if seq < s.next_seq:
+                continue
+            if seq > s.next_seq:
+                return False
+            if not self._apply(s, seq, payload):
+                return False
+            if s.next_seq >= upto:
+                return True
+        return s.next_seq >= upto
+
+    def _apply(self, s: Source, seq: int, payload: bytes) -> bool:
+        try:
+            events = wire.decode_batch(payload)[1]
+        except wire.WireError as e:
+            s.counts["bad"] += 1
+            _warn("events from %s: batch %d refused: %s", s.name, seq, e)
+            return False
+        s.index.apply(events)
+        s.next_seq = seq + 1
+        s.counts["batches"] += 1
+        return True
+
+    # ------------------------------------------------------------------ the thread
+    def on_message(self, s: Source, frames: list[bytes]) -> None:
+        """One PUB message of ``s`` (also the tests' way in)."""
+        if len(frames) != 3 or len(frames[1]) != 8:
+            s.counts["bad"] += 1
+            _warn("events from %s: a message of %d frames, not [topic, seq, payload]",
+                  s.name, len(frames))
+            return
+        seq = int.from_bytes(frames[1], "big")
+        s.last_heard = time.monotonic()
+        if not s.synced:
+            if s.replay_endpoint is None:  # best effort: from here on
+                s.synced, s.next_seq = True, seq
+            elif not self._dump(s):
+                return
+        assert s.next_seq is not None
+        if seq < s.next_seq:
+            return  # already applied (the dump covered it)
+        if seq > s.next_seq:
+            s.counts["gaps"] += 1
+            if not self._fill(s, seq) and not self._dump(s):
+                return
+            if seq < (s.next_seq or 0):
+                return
+        if not self._apply(s, seq, frames[2]) and not self._dump(s):
+            return
+
+    def _run(self) -> None:
+        zmq = self.zmq
+        poller = zmq.Poller()
+        for sock in self._subs:
+            poller.register(sock, zmq.POLLIN)
+        last_retry = 0.0
+        while not self._stop.is_set():
+            try:
+                for sock, _ in poller.poll(200):
+                    s = self._subs[sock]
+                    for _ in range(256):
+                        try:
+                            frames = sock.recv_multipart(flags=zmq.NOBLOCK)
+                        except zmq.Again:
+                            break
+                        self.on_message(s, frames)
+                now = time.monotonic()
+                if now - last_retry > 5.0:  # a source not synced yet (its publisher down)
+                    last_retry = now
+                    for s in self.sources:
+                        if not s.synced and s.replay_endpoint:
+                            self._dump(s)
+            except Exception as e:  # a source's garbage must not end the feed
+                _warn("events: %s: %s", type(e).__name__, str(e)[:200])
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(5)
+        for sock in self._subs:
+            sock.close(0)
+        self.ctx.term()
