@@ -155,7 +155,8 @@ class EventPublisher:
         if self.rep is not None:
             poller.register(self.rep, zmq.POLLIN)
         last_sent = time.monotonic()
-        dropped_seen = 0
+        dropped_seen = warned_at = 0
+        last_warned = float("-inf")
         while not self._stop.is_set():
             try:
                 ready = dict(poller.poll(0 if self._q else POLL_MS))
@@ -166,14 +167,15 @@ class EventPublisher:
                     self._lost = False
                     self.count("reconciles", 1)
                     events += self._reconcile()
-                if self.counts["dropped"] != dropped_seen:
-                    n = self.counts["dropped"] - dropped_seen
-                    dropped_seen = self.counts["dropped"]
-                    self._prom.labels("dropped").inc(n)
-                    log.warning("KV events: %d items dropped (queue full at %d); routers may "
-                                "under-count this instance's cache until it is reconciled",
-                                n, self._cap)
                 now = time.monotonic()
+                if self.counts["dropped"] != dropped_seen:
+                    self._prom.labels("dropped").inc(self.counts["dropped"] - dropped_seen)
+                    dropped_seen = self.counts["dropped"]
+                    if now - last_warned >= 10.0:  # one line per 10 s, with the total since
+                        log.warning("KV events: %d items dropped (queue full at %d); routers "
+                                    "may under-count this instance's cache until it is "
+                                    "reconciled", dropped_seen - warned_at, self._cap)
+                        last_warned, warned_at = now, dropped_seen
                 for i in range(0, len(events), EVENTS_PER_BATCH):
                     self._send(events[i:i + EVENTS_PER_BATCH])
                     last_sent = now

@@ -1,0 +1,200 @@
+"""The publisher's surface (docs/threats/events.md): its replay socket answers anything
+malformed with an error, never a crash; a subscriber that never reads, or none at all, costs
+neither memory past the configured bounds nor a blocked store; a replay requester that never
+reads is dropped by ZMQ; bad settings are refused naming the key."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+
+import msgpack
+import pytest
+import zmq
+from hypothesis import given
+from hypothesis import strategies as st
+
+from lmc.events import wire
+from lmc.events.config import EventsConfig
+from lmc.events.publisher import EventPublisher
+from tests.events.helpers import CHUNK, LOCAL, Collector, engine_with_events, request, store
+from tests.kvutil import random_tokens
+
+
+def rss() -> int:
+    with open(f"/proc/{os.getpid()}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) << 10
+    raise AssertionError("no VmRSS")
+
+
+def publisher(**kw) -> EventPublisher:
+    return EventPublisher(EventsConfig(**{**LOCAL, **kw}), None, "kv@p@m")
+
+
+def big_batch(i: int) -> list[dict]:
+    """About 100 KiB of BlockStored."""
+    toks = list(range(i, i + 16 * 1024))
+    return [wire.block_stored(list(range(1024)), None, toks, 16, wire.CPU)]
+
+
+@pytest.mark.parametrize("frames", [
+    [b"", b"x"], [b"", b"123456789"], [b"", b"1234567"], [b"junk", wire.seq_bytes(0)],
+    [b"", b"dump", b"more"], [b""], [b"", b"", b""], [b"", b"DUMP"]])
+def test_a_malformed_replay_request_gets_an_error_and_the_socket_goes_on(frames):
+    pub = publisher()
+    try:
+        got = request(pub.replay_endpoint, frames)
+        assert got and got[-1][2] == wire.END_SEQ and got[-1][3].startswith(b"error: ")
+        assert pub.stats()["bad_requests"] == 1
+        ok = request(pub.replay_endpoint, [b"", wire.seq_bytes(0)])
+        assert ok[-1][3] == b"" and wire.decode_batch(ok[0][3])[1] == [wire.Cleared()]
+    finally:
+        pub.close()
+
+
+def test_an_oversized_request_disconnects_its_sender_only():
+    pub = publisher()
+    try:
+        assert request(pub.replay_endpoint, [b"", b"x" * 4096], timeout=1.0) == []
+        ok = request(pub.replay_endpoint, [b"", wire.seq_bytes(0)])
+        assert ok[-1][2] == wire.END_SEQ and ok[-1][3] == b""
+    finally:
+        pub.close()
+
+
+def test_dumps_are_rate_limited():
+    pub = publisher()
+    try:
+        first = request(pub.replay_endpoint, [b"", b"dump"])
+        second = request(pub.replay_endpoint, [b"", b"dump"])
+        assert first[-1][3] == b"" and second[-1][3].startswith(b"error: one dump per second")
+        time.sleep(1.1)
+        assert request(pub.replay_endpoint, [b"", b"dump"])[-1][3] == b""
+    finally:
+        pub.close()
+
+
+@pytest.mark.parametrize("reader", ["none", "never_reads"])
+def test_no_reader_or_a_stuck_one_costs_bounded_memory(reader):
+    """Four rounds of ~150 MiB of batches past a subscriber that never reads (or none): what
+    the process holds stops growing after the first round (hwm 8 at PUB, buffer 16 for
+    replay, queue 64), and every item is either sent or counted dropped."""
+    pub = publisher(hwm=8, buffer_steps=16, max_queue_size=64)
+    ctx = zmq.Context()
+    sub = ctx.socket(zmq.SUB)
+    try:
+        if reader == "never_reads":
+            sub.setsockopt(zmq.RCVHWM, 8)
+            sub.setsockopt(zmq.SUBSCRIBE, b"")
+            sub.connect(pub.endpoint)
+            time.sleep(0.3)
+        offered = 0
+        after = []
+        for _ in range(4):
+            for i in range(1500):
+                pub.offer(("raw", big_batch(i)))
+                offered += 1
+                assert pub.stats()["queued"] <= 64
+            end = time.monotonic() + 60
+            while pub.stats()["queued"] and time.monotonic() < end:
+                time.sleep(0.05)
+            after.append(rss())
+        s = pub.stats()
+        assert s["events"] - 1 + s["dropped"] == offered  # each sent or counted dropped
+        assert s["dropped"] > 0
+        assert after[-1] - after[0] < 32 << 20, [a >> 20 for a in after]
+    finally:
+        sub.close(0)
+        ctx.term()
+        pub.close()
+
+
+def test_stores_go_on_while_a_subscriber_never_reads(tmp_path):
+    with engine_with_events(None, pool="16MiB", hwm=1, buffer_steps=8) as (eng, ev, caches):
+        ctx = zmq.Context()
+        sub = ctx.socket(zmq.SUB)
+        sub.setsockopt(zmq.RCVHWM, 1)
+        sub.setsockopt(zmq.SUBSCRIBE, b"")
+        sub.connect(ev.endpoint)
+        try:
+            for seed in range(40):
+                assert store(eng, caches, random_tokens(4 * CHUNK, seed=seed)) == 4 * CHUNK
+            live = Collector(ev.endpoint)  # a second subscriber still gets new batches
+            store(eng, caches, random_tokens(4 * CHUNK, seed=999))
+            assert any(isinstance(e, wire.Stored) for e in live.events() + live.events())
+            live.close()
+        finally:
+            sub.close(0)
+            ctx.term()
+
+
+def test_a_replay_requester_that_never_reads_is_dropped():
+    pub = publisher(buffer_steps=64)
+    for i in range(64):
+        pub.offer(("raw", big_batch(i)))
+    ctx = zmq.Context()
+    hogs = []
+    try:
+        time.sleep(0.5)
+        base = rss()
+        for _ in range(20):
+            d = ctx.socket(zmq.DEALER)
+            d.setsockopt(zmq.RCVHWM, 1)
+            d.connect(pub.replay_endpoint)
+            d.send_multipart([b"", wire.seq_bytes(0)])
+            hogs.append(d)
+        time.sleep(1.0)
+        ok = request(pub.replay_endpoint, [b"", wire.seq_bytes(1)])
+        assert ok[-1][2] == wire.END_SEQ and len(ok) >= 2
+        assert rss() - base < 256 << 20
+    finally:
+        for d in hogs:
+            d.close(0)
+        ctx.term()
+        pub.close()
+
+
+@pytest.mark.parametrize("bad, words", [
+    ({"endpiont": "tcp://*:1"}, "did you mean 'endpoint'"),
+    ({"endpoint": "udp://x:1"}, "kv_events.endpoint"),
+    ({"buffer_steps": 0}, "kv_events.buffer_steps"),
+    ({"heartbeat": float("nan")}, "kv_events.heartbeat"),
+    ({"enable_kv_cache_events": "yes"}, "expected true or false"),
+    ({"pod": "a@b"}, "without @"),
+    ({"max_queue_size": 1 << 40}, "kv_events.max_queue_size"),
+])
+def test_bad_settings_are_refused_naming_the_key(bad, words):
+    with pytest.raises(ValueError, match=words.replace("(", r"\(")):
+        EventsConfig.from_mapping(bad)
+
+
+def test_a_port_in_use_is_a_clear_error():
+    first = publisher()
+    try:
+        taken = first.endpoint.replace("127.0.0.1", "*")
+        with pytest.raises(ValueError, match="cannot open"):
+            publisher(endpoint=taken, replay_endpoint=None)
+    finally:
+        first.close()
+
+
+@given(st.binary(max_size=512))
+def test_the_reader_refuses_garbage_with_a_wire_error(data):
+    with contextlib.suppress(wire.WireError):  # anything else fails the test
+        wire.decode_batch(data)
+
+
+@given(st.recursive(st.none() | st.booleans() | st.integers(-2**63, 2**64 - 1) | st.floats()
+                    | st.text(max_size=8) | st.binary(max_size=12),
+                    lambda c: st.lists(c, max_size=6)
+                    | st.dictionaries(st.sampled_from(
+                        ["type", "block_hashes", "token_ids", "block_size", "medium",
+                         "parent_block_hash", "lora_name", "cache_salt"]), c, max_size=6),
+                    max_leaves=40))
+def test_the_reader_refuses_any_wrong_shape_with_a_wire_error(obj):
+    for payload in (msgpack.packb([1.0, [obj], 0]), msgpack.packb(obj)):
+        with contextlib.suppress(wire.WireError):
+            wire.decode_batch(payload)
