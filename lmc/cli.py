@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import difflib
 import importlib
 import importlib.util
 import math
@@ -195,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
     """Ordinary ways out (Ctrl-C, a closed pipe such as ``lmc stats | head``) end with a
     line or silently, never a traceback."""
     try:
-        args = build_parser(only=_command(argv)).parse_args(argv)
+        args = _parse(build_parser(only=_command(argv)), argv)
         if args.version:
             from lmc import __version__
 
@@ -217,6 +218,33 @@ def main(argv: list[str] | None = None) -> int:
         # the reader went away: point stdout at /dev/null so the final flush is quiet too
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 141
+
+
+def _parse(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
+    """``parse_args``, except that an unknown flag after a subcommand is reported by that
+    subcommand's parser (its usage, the closest flag it has): argparse alone reports it from
+    the top level, with ``lmc``'s usage, which lists no flag of ``lmc server``."""
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        target = _innermost(parser, args)
+        flags = [o for a in target._actions for o in a.option_strings if o.startswith("--")]
+        first = next((e.split("=", 1)[0] for e in extra if e.startswith("--")), None)
+        near = difflib.get_close_matches(first, flags, n=1, cutoff=0.6) if first else []
+        hint = f" (did you mean {near[0]}?)" if near else ""
+        target.error(f"unrecognized arguments: {' '.join(extra)}{hint}")
+    return args
+
+
+def _innermost(parser: argparse.ArgumentParser, args: argparse.Namespace
+               ) -> argparse.ArgumentParser:
+    """The parser of the (sub)command that ran: ``lmc workload chat``'s, not ``lmc``'s."""
+    while True:
+        chosen = next((a.choices[getattr(args, a.dest)] for a in parser._actions
+                       if isinstance(a, argparse._SubParsersAction)
+                       and getattr(args, a.dest, None) in a.choices), None)
+        if chosen is None:
+            return parser
+        parser = chosen
 
 
 def _command(argv: list[str] | None) -> str:

@@ -53,7 +53,7 @@ def _reference_llm(spec: str, args: argparse.Namespace, cleanup: list[Callable[[
     engine_args = dict(ENGINE_ARGS)
     _, _, model = spec.partition(":")
     if model:
-        model_dir = resolve_model_dir(model)
+        model_dir = resolve_model_dir(model, given_as="--target reference:")
     else:
         model_dir = demo_model_dir()
         engine_args["max_model_len"] = DEMO_MODEL["max_position_embeddings"]
