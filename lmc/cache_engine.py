@@ -28,7 +28,8 @@ from lmc.storage.layered_read import READY, LayerGate
 from lmc.storage.lookup import LookupResult
 from lmc.storage.manager import EvictionMetrics, StorageManager
 from lmc.storage.pins import PinTable
-from lmc.storage.tier import Key
+from lmc.storage.speeds import Speeds
+from lmc.storage.tier import Key, tier_capabilities, tier_medium
 from lmc.token_database import (
     Chunk,
     ChunkedTokenDatabase,
@@ -106,6 +107,12 @@ class CacheEngine:
             raise
         self.metrics = EngineMetrics()
         self.storage.add_listener(EvictionMetrics(self.metrics))  # lower tiers' evictions
+        # measured load and compute speeds, for the connectors' load-or-recompute decision
+        # (lmc.storage.speeds): L1's "load" is the copy into the KV, under the compute
+        self.speeds = Speeds(
+            [(t.name, tier_medium(t).value, i == 0 or tier_capabilities(t).layered_reads)
+             for i, t in enumerate(self.storage.tiers)], config.load_policy_priors)
+        self.storage.speeds = self.speeds
         self.events = None  # KV events for routers (config kv_events; lmc.events)
         if config.kv_events is not None:
             from lmc.events.engine import attach  # the app rank, imported only when on
@@ -285,6 +292,12 @@ class CacheEngine:
                             bytes(sources) if hit_tokens else b"")
 
     @property
+    def bytes_per_token(self) -> float:
+        """KV bytes of one token in a stored chunk (what a load moves per position)."""
+        cs = self.config.chunk_size
+        return self.spec.chunk_nbytes(cs) / cs
+
+    @property
     def tier_names(self) -> tuple[str, ...]:
         """The tiers' names, L1 first (what a ``LookupResult``'s sources index)."""
         return tuple(t.name for t in self.storage.tiers)
@@ -443,6 +456,7 @@ class CacheEngine:
                 out[f"{tier.name}.{k}"] = v
         out.update(self.storage.stats())
         out.update(self._pins.stats())
+        out.update(self.speeds.stats())
         if self.events is not None:
             out.update(self.events.stats())
         for tr in self._transfers.transfers():  # CUDA: the copy path per call shape

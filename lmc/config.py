@@ -235,6 +235,19 @@ def parse_tiers(value: Any, key: str) -> tuple[TierEntry, ...] | None:
     return (TierEntry("cpu", where=f"{key}[0]"), *entries[1:])
 
 
+def _speed_priors(value: Any, key: str) -> dict[str, float]:
+    """``load_policy_priors``: bytes per second (a size such as ``2GiB``) by tier name or
+    medium, and ``prefill`` in tokens per second."""
+    out: dict[str, float] = {}
+    for name, v in parse_mapping(value, key).items():
+        where = f"{key}.{name}"
+        if not isinstance(name, str) or not name:
+            raise ConfigError(f"{key}: keys are tier names or media, got {name!r}")
+        out[name] = float(parse_int(v, where, minimum=1) if name == "prefill"
+                          else parse_positive_size(v, where))
+    return out
+
+
 def _check_backend(e: TierEntry) -> None:
     """The entry's backend (and each wrapped one) exists: a typo fails at start-up."""
     from lmc.storage.tier import backend_factory
@@ -351,6 +364,17 @@ class CacheConfig(Settings):
         "1GiB", parse_size,
         "bytes of chunks waiting to be written to lower tiers, per tier, at most half the pool "
         "(a quarter under write_on_evict); beyond it writes are dropped", unit="size")
+    load_policy: str = setting(
+        "auto", lambda v, k: parse_choice(v, k, ("auto", "load_all")),
+        "how much of a hit the connector loads: auto = the part that beats recomputing at "
+        "the measured tier and engine speeds (the rest is recomputed), load_all = the whole "
+        "hit (for comparison, and for engines whose step times lmc cannot see)", hashed=False)
+    load_policy_priors: dict[str, float] = setting(
+        None, _speed_priors,
+        "speeds assumed before they are measured: bytes per second by tier name or medium "
+        "(memory, local_storage, remote, peer; e.g. {local_storage: 2GiB}) and prefill in "
+        "tokens per second (unset: loads are not cut until a forward has been timed)",
+        hashed=False)
     kv_events: dict[str, Any] | None = setting(
         None, _kv_events,
         "publish the tiers' chunks as KV-cache events in vLLM's wire format, for KV-aware "

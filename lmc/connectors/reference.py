@@ -27,6 +27,7 @@ import torch
 
 from lmc.cache_engine import CacheEngine
 from lmc.config import CacheConfig
+from lmc.connectors.core.load_policy import Costs, LoadPolicy
 from lmc.connectors.core.metadata import ConnectorMetadata
 from lmc.connectors.core.model_id import model_identity
 from lmc.connectors.core.pd_params import (
@@ -107,7 +108,9 @@ class LMCReferenceConnector(KVConnector):
         self.connector_config = ConnectorConfig.from_cache_config(
             self.cache_config, save_decode=save_decode, layerwise=layerwise, load=load,
             save=save)
-        self.scheduler = SchedulerConnector(self.connector_config, self._lookup)
+        self.policy = LoadPolicy(self._costs,
+                                 enabled=self.cache_config.load_policy == "auto")
+        self.scheduler = SchedulerConnector(self.connector_config, self._lookup, self.policy)
         self.engine = cache_engine
         self._owns_engine = cache_engine is None
         self._tiers = tiers
@@ -124,6 +127,15 @@ class LMCReferenceConnector(KVConnector):
         if self.engine is None:  # KV tensors not registered yet: nothing can be cached
             return LookupResult.miss(self.connector_config.chunk_size)
         return self.engine.lookup_result(token_ids)
+
+    def _costs(self) -> Costs | None:
+        """The load policy's view of the speeds: the worker's cache engine's estimates (in
+        this process), ``None`` before the engine registered its caches."""
+        engine = self.engine
+        if engine is None:
+            return None
+        layers = engine.spec.num_layers if self.connector_config.layerwise else 1
+        return Costs.from_snapshot(engine.speeds.snapshot(), engine.bytes_per_token, layers)
 
     def load_sources(self, request: ConnectorRequest) -> dict[str, int]:
         """The admitted load's tokens by the tier holding them (L1 first), from the request's
@@ -224,6 +236,7 @@ class LMCReferenceConnector(KVConnector):
         """Scheduler, worker and cache counters in one flat dict."""
         out: dict[str, Any] = {f"scheduler.{k}": v for k, v in vars(self.scheduler.stats).items()
                                if k != "extra"}
+        out.update(self.scheduler.policy_stats())
         if self.worker is not None:
             out.update({f"worker.{k}": v for k, v in self.worker.stats.as_dict().items()})
         if self.engine is not None:

@@ -23,7 +23,9 @@ chunks), so a slow tier drops writes (counted) instead of leaving stores no room
 A lower-tier hit is promoted: the object the tier read (allocated from the shared pool through
 :class:`TierPool`, which may evict L1) is put into L1, and under write-through it is also
 queued for the lower tiers above the one that had it. Chunks waiting in a queue are served
-from there. Every lower-tier call is timed and counted in that tier's :class:`TierMetrics`.
+from there. Every lower-tier call is timed and counted in that tier's :class:`TierMetrics`;
+with ``speeds`` set (a :class:`lmc.storage.speeds.Speeds`, the engine sets it), each read
+that moved bytes, or failed, is also an observation of that tier's load speed.
 
 Listeners (:class:`lmc.storage.tier.TierListener`, :meth:`StorageManager.add_listener`)
 observe every tier's stores, promotions, evictions, deletes and clears, each event naming the
@@ -44,6 +46,7 @@ import torch
 from lmc.memory.pool import MemoryObj, MemoryPool
 from lmc.metrics import TierMetrics
 from lmc.storage.layered_read import LayeredRead, LayerGate
+from lmc.storage.speeds import Speeds
 from lmc.storage.tier import (
     DELETED,
     EVICTED,
@@ -171,6 +174,8 @@ class StorageManager:
         queue_bytes = min(queue_bytes, self._l1_pool.size // share)
         self.queues = [WriteBehind(t, queue_bytes, m) for t, m in zip(self.lower, self.metrics)]
         self.infos = [TierInfo(t.name, tier_medium(t), i) for i, t in enumerate(self.tiers)]
+        self.speeds: Speeds | None = None
+        """Load-speed estimates fed by every lower-tier read (set by the owner)."""
         """What listeners are told of each tier (name, declared medium, level)."""
         self._listeners: tuple[TierListener, ...] = ()
         self._store_listeners: tuple[TierListener, ...] = ()  # those that observe stores
@@ -404,6 +409,7 @@ class StorageManager:
         except Exception as e:
             log.warning("tier %s failed get(): %s", tier.name, e)
             m.error("get", type(e).__name__)
+            self._observe(level, 0, time.perf_counter() - t0, failed=True)
             return [None] * len(keys)
         if len(got) != len(keys):
             log.error("tier %s answered %d objects for %d keys: treated as misses", tier.name,
@@ -413,9 +419,23 @@ class StorageManager:
                     o.release()
             return [None] * len(keys)
         hits = [o for o in got if o is not None]
-        m.read(len(hits), len(keys) - len(hits), sum(o.nbytes for o in hits),
-               time.perf_counter() - t0)
+        nbytes = sum(o.nbytes for o in hits)
+        dt = time.perf_counter() - t0
+        m.read(len(hits), len(keys) - len(hits), nbytes, dt)
+        if hits:
+            self._observe(level, nbytes, dt)
         return got
+
+    def _observe(self, level: int, nbytes: int, seconds: float, failed: bool = False) -> None:
+        """One read of lower tier ``level`` for the speed estimates (if kept)."""
+        speeds = self.speeds
+        if speeds is None or level + 1 >= len(speeds.tiers):
+            return
+        tier = speeds.tiers[level + 1]
+        if failed:
+            tier.observe_failure(seconds)
+        else:
+            tier.observe(nbytes, seconds)
 
     def _open_layers(self, level: int, tier: StorageBackend, keys: list[Key]
                      ) -> LayeredRead | None:
@@ -443,10 +463,14 @@ class StorageManager:
         def ended(r: LayeredRead) -> None:
             ok = r.ok or []
             good = [(k, o) for k, o, g in zip(keys, r.objs, ok) if g and o is not None]
-            m.read(len(good), len(keys) - len(good), sum(o.nbytes for _, o in good),
-                   time.perf_counter() - t0)
+            nbytes = sum(o.nbytes for _, o in good)
+            dt = time.perf_counter() - t0
+            m.read(len(good), len(keys) - len(good), nbytes, dt)
             if r.error is not None:  # (values failing a check are the tier's to count)
                 m.error("get", "layered_read", sum(o is not None for o in r.objs))
+                self._observe(level, 0, dt, failed=True)
+            elif good:
+                self._observe(level, nbytes, dt)
             self._promote(level, [k for k, _ in good], [o for _, o in good])
 
         read.add_done_callback(ended)

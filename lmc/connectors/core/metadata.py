@@ -79,6 +79,8 @@ class ConnectorMetadata:
     saves: list[SaveSpec] = field(default_factory=list)
     forget: list[str] = field(default_factory=list)
     async_loads: list[LoadSpec] = field(default_factory=list)
+    compute_tokens: int = 0
+    compute_attention: float = 0.0
 
     @property
     def is_empty(self) -> bool:

@@ -38,6 +38,12 @@ Two decisions shape every adapter:
   the blocks from the first missing position, and the engine recomputes them. That keeps the
   lookup a pure function of the cache (no per-request state to leak on the worker, which is
   what a cross-process lookup needs) at the cost of a rare recompute.
+* **Load or recompute.** With a :class:`~lmc.connectors.core.load_policy.LoadPolicy`, the
+  answer is the part of the hit worth loading at the measured speeds (the rest is
+  recomputed by the engine; :mod:`lmc.connectors.core.load_policy`). The decision is taken
+  once per admission, with the lookup, and only ever lowers the answer: never a hit lmc
+  cannot serve. Chunks the engine recomputes although a tier holds them are not saved
+  again (their saves start past the request's lookup hit).
 * **Hashing once per request.** A request is looked up once per admission (the answer is
   cached while the engine re-asks), and the worker keeps each request's chunk keys across
   steps (:class:`~lmc.token_database.RequestKeys`), so chunked prefill and decode saves
@@ -52,6 +58,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lmc.config import CacheConfig
+from lmc.connectors.core.load_policy import LoadPolicy
 from lmc.connectors.core.metadata import (
     ConnectorMetadata,
     LoadSpec,
@@ -146,10 +153,14 @@ class SchedulerConnector:
     """Scheduler-side half: lookups, admitted loads, per-step metadata. Engine-neutral:
     adapters pass request ids, token ids and counts, never engine objects."""
 
-    def __init__(self, config: ConnectorConfig, lookup: LookupFn) -> None:
+    def __init__(self, config: ConnectorConfig, lookup: LookupFn,
+                 policy: LoadPolicy | None = None) -> None:
         self.config = config
         self._lookup = lookup
+        self.policy = policy
         self._hits: dict[str, LookupResult] = {}  # request id -> its lookup, until admitted
+        self._ends: dict[str, int] = {}  # request id -> its decided load end, until admitted
+        self._held: dict[str, int] = {}  # request id -> hit end, where the policy cut it
         self._pending: dict[str, _PendingLoad] = {}  # admitted, load not yet in a step
         self._finished: list[str] = []  # for the worker's forget, until a step carries work
         self._remote: set[str] = set()  # matched as asynchronous loads, not yet admitted
@@ -164,7 +175,8 @@ class SchedulerConnector:
         token is computed by the engine and rounded down to ``align``. The lookup runs once
         per admission and is cached until ``update_state_after_alloc`` (an engine may ask
         again while the request waits for blocks). ``None`` means "not known yet" (a
-        lookup backend that answers asynchronously)."""
+        lookup backend that answers asynchronously). With a load policy the answer ends
+        where loading stops paying (decided once, with the lookup)."""
         if not self.config.load:
             return 0
         found = self._hits.get(request_id)
@@ -176,6 +188,16 @@ class SchedulerConnector:
         n = len(token_ids)
         usable = min(found.tokens, n - 1)
         usable -= usable % self.config.align
+        if self.policy is not None:
+            end = self._ends.get(request_id)
+            if end is None:
+                start = min(num_computed_tokens, n)
+                end = self.policy.decide(request_id, found, start, max(usable, start), n,
+                                         self.config.align)
+                end = self._ends[request_id] = min(end, usable)  # never more than the hit
+                if end < usable:  # recomputed by choice: already stored, not saved again
+                    self._held[request_id] = found.tokens
+            usable = end
         return max(0, usable - num_computed_tokens)
 
     def match_remote(self, request_id: str, token_ids: Sequence[int],
@@ -228,6 +250,7 @@ class SchedulerConnector:
         ``block_ids``: the request's blocks, needed now for an asynchronous load (it is
         not scheduled until the load is in, so no step would carry its blocks)."""
         found = self._hits.pop(request_id, None)
+        self._ends.pop(request_id, None)
         self._pending.pop(request_id, None)
         remote = request_id in self._remote
         self._remote.discard(request_id)
@@ -279,6 +302,11 @@ class SchedulerConnector:
                                  async_loads=self._async_ready)
         self._async_ready = []  # never dropped: the engine waits for each one's completion
         for req in scheduled:
+            # the step's compute, for the worker's prefill-speed estimate
+            a = req.num_computed_tokens
+            b = a + req.num_scheduled_tokens
+            meta.compute_tokens += b - a
+            meta.compute_attention += float(b * b - a * a)
             pending = self._pending.pop(req.request_id, None)
             if pending is not None:
                 meta.loads.append(self._load_spec(req, pending))
@@ -315,6 +343,11 @@ class SchedulerConnector:
         if cfg.save_unfull_chunk and stop < top == prompt:
             stop = prompt  # the prompt's prefill ends in this step: its partial chunk too
         start = computed - computed % cs
+        held = self._held.get(req.request_id)
+        if held is not None:  # recomputed by choice: a tier has these chunks already
+            if top <= held:
+                return None
+            start = max(start, held - held % cs)
         if stop <= start:
             return None
         self.stats.saves += 1
@@ -334,9 +367,15 @@ class SchedulerConnector:
 
     def _forget(self, request_id: str) -> None:
         self._hits.pop(request_id, None)
+        self._ends.pop(request_id, None)
+        self._held.pop(request_id, None)
         self._pending.pop(request_id, None)
         self._remote.discard(request_id)
 
     @property
     def num_tracked_requests(self) -> int:
-        return len(self._hits) + len(self._pending)
+        return len(self._hits) + len(self._pending) + len(self._held)
+
+    def policy_stats(self) -> dict[str, float]:
+        """The load policy's counters (``policy.*``), empty without a policy."""
+        return self.policy.stats() if self.policy is not None else {}

@@ -39,6 +39,13 @@ any work of the step, so a reused request id starts afresh), and at most
 Loaded tokens are counted by the tier they came from as the load fetches them, so the
 statistics cost no second hash and no second question to any tier.
 
+Speeds (:mod:`lmc.storage.speeds`): the worker times each step's forward (``bind`` to
+``wait_for_save``; on a GPU with events on the engine's stream, read a step later so the
+host never waits) and, for steps that loaded nothing, records it with the step's computed
+tokens as an observation of the engine's prefill speed; on the CPU, a step whose loads all
+came from L1 also gives the copy's speed (the I/O thread's time for its bytes). The load
+policy decides from these.
+
 Asynchronous loads (``meta.async_loads``, a prefill/decode consumer's) run on a thread of
 their own, outside any step: each waits (up to ``remote_wait`` seconds, polled with its
 own backoff, so one never published does not delay the others) until every chunk it needs
@@ -98,9 +105,17 @@ class WorkerStats:
     async_wait_seconds: float = 0.0  # time they waited for the chunks to be published
     async_load_seconds: float = 0.0  # then fetching and copying them (all layers)
     tokens_by_tier: dict[str, int] = field(default_factory=dict)  # positions, by source tier
+    steps_timed: int = 0  # forwards recorded as prefill-speed observations
+
+    @property
+    def recomputed_after_failure(self) -> int:
+        """Positions the scheduler planned to load that the engine recomputed (a load
+        failed or came up short: a miss after the decision)."""
+        return max(0, self.load_tokens - self.loaded_tokens)
 
     def as_dict(self) -> dict[str, Any]:
         out = {k: v for k, v in vars(self).items() if k != "tokens_by_tier"}
+        out["recomputed_after_failure"] = self.recomputed_after_failure
         out.update({f"tokens_from_{t}": n for t, n in self.tokens_by_tier.items()})
         return out
 
@@ -110,6 +125,45 @@ class _ActiveLoad:
     spec: LoadSpec
     retrieve: LayerwiseRetrieve | None
     failed: bool = False
+
+
+class _StepClock:
+    """Times each step's forward without making the host wait: on the CPU the host's clock
+    (the forward runs on it); on a GPU two events on the engine's stream, whose elapsed
+    time is read once both have completed (a later step), at most ``keep`` pending."""
+
+    def __init__(self, device: torch.device, keep: int = 8) -> None:
+        self.cuda = device.type == "cuda"
+        self.device = device
+        self.keep = keep
+        self._t0: Any = None
+        self._pending: list[tuple[Any, Any, tuple[int, float]]] = []
+
+    def start(self) -> None:
+        if self.cuda:
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record(current_stream(self.device))
+            self._t0 = ev
+        else:
+            self._t0 = time.perf_counter()
+
+    def stop(self, work: tuple[int, float] | None) -> list[tuple[int, float, float]]:
+        """End the step begun by :meth:`start` (``work``: its tokens and attention, or
+        ``None`` not to record it); answers the steps whose time is now known."""
+        t0, self._t0 = self._t0, None
+        done: list[tuple[int, float, float]] = []
+        if t0 is not None and work is not None:
+            if self.cuda:
+                ev = torch.cuda.Event(enable_timing=True)
+                ev.record(current_stream(self.device))
+                self._pending.append((t0, ev, work))
+                del self._pending[: -self.keep]
+            else:
+                done.append((work[0], work[1], time.perf_counter() - t0))
+        while self._pending and self._pending[0][1].query():
+            a, b, w = self._pending.pop(0)
+            done.append((w[0], w[1], a.elapsed_time(b) / 1e3))
+        return done
 
 
 def slot_mapping(block_ids: tuple[int, ...] | list[int], block_size: int, num_tokens: int,
@@ -170,6 +224,8 @@ class WorkerConnector:
         self._error_blocks: set[int] = set()
         self._keys: OrderedDict[str, RequestKeys] = OrderedDict()  # request id -> its keys
         self.max_tracked_requests = max_tracked_requests
+        self._clock = _StepClock(self.device)
+        self._step_load_seconds = 0.0  # I/O-thread time of this step's loads
 
     # ------------------------------------------------------------------ helpers
     def _slots(self, block_ids: tuple[int, ...], num_tokens: int, lo: int, hi: int
@@ -229,6 +285,8 @@ class WorkerConnector:
         self.forget(meta.forget)
         self._meta = meta
         self.stats.steps += 1
+        self._step_load_seconds = 0.0
+        self._clock.start()
         for spec in meta.async_loads:
             if self._async_thread is None:
                 self._async_thread = threading.Thread(target=self._async_loop,
@@ -283,8 +341,10 @@ class WorkerConnector:
             except LoadError as e:
                 a.failed = True
                 self._fail(a.spec, a.spec.start, str(e))
+        dt = time.perf_counter() - t0
         with self._lock:
-            self.stats.load_seconds += time.perf_counter() - t0
+            self.stats.load_seconds += dt
+            self._step_load_seconds += dt
 
     def _wait_loads(self, layer: int, stream: object) -> None:
         """Order ``stream`` (the host when None) after every request's load of ``layer``."""
@@ -352,7 +412,32 @@ class WorkerConnector:
     def wait_for_save(self) -> None:
         """End of the step: loads finished, saves committed (or dropped for requests whose
         load failed). After this the engine may reuse every block of the step."""
+        self._observe_step()
         self._finish(commit=True)
+
+    def _observe_step(self) -> None:
+        """The forward just ended (its work is queued, on a GPU): record its time as a
+        prefill observation if it loaded nothing (a load's waits would count as compute);
+        on the CPU, a step whose loads all came from L1 records the copy's speed."""
+        meta = self._meta
+        speeds = getattr(self.engine, "speeds", None)
+        if meta is None or speeds is None:
+            return
+        work = None if meta.loads or meta.compute_tokens <= 0 else \
+            (meta.compute_tokens, meta.compute_attention)
+        for tokens, attention, seconds in self._clock.stop(work):
+            speeds.prefill.observe(tokens, attention, seconds)
+            self.stats.steps_timed += 1
+        if self.device.type != "cpu" or not self._loads or not speeds.tiers:
+            return
+        l1 = speeds.tiers[0].name
+        rts = [a.retrieve for a in self._loads if a.retrieve is not None and not a.failed]
+        nbytes = sum(rt.nbytes for rt in rts)
+        if nbytes and all(set(rt.tiers) <= {l1} for rt in rts):
+            for f in self._layer_futures:  # the copies are done when the step's are
+                with contextlib.suppress(Exception):
+                    f.result()
+            speeds.tiers[0].observe(nbytes, self._step_load_seconds)
 
     def _finish(self, commit: bool) -> None:
         for f in self._layer_futures:

@@ -1,0 +1,227 @@
+"""Load or recompute: how many of a request's hit tokens to load, from measured speeds.
+
+A hit is not always worth loading. On a GPU a disk hit of a long prompt took 2.5x the time
+of recomputing it (issue 23). A layer-wise load of the prefix ``[p, N)`` overlaps the
+computation of ``[N, S)`` layer by layer, so with ``L`` layers
+
+    TTFT(N) = serial(N) + max(O(N), C(N)) + min(O(N), C(N)) / L
+
+``O(N)``: the loads that run under the compute (L1's copy into the engine's KV for every
+loaded token, plus the reads of tiers that fill chunks layer by layer); ``serial(N)``: reads
+of tiers that return whole chunks, which finish before the forward starts; ``C(N)``: the
+compute of ``[N, S)``; ``min(...) / L`` is the pipeline's one layer (the first layer's load
+before any compute, or the last layer's compute after the last load). A connector that does
+not load layer-wise has ``L = 1``: load then compute. Each tier touched adds its latency
+once.
+
+:func:`choose_split` evaluates that at every chunk boundary of the hit (a prefix: chunk
+``i`` cannot be loaded without the chunks before it; each chunk from the fastest tier
+holding it, as the lookup said) and answers the largest ``N`` whose predicted TTFT is within
+``margin`` (3%) plus ``slack_s`` (1 ms) of the best: near-ties go to loading, which spends
+no compute another request could use, and a prediction is not trusted to a millisecond. With L1 much faster than compute, ``N`` is the whole hit and nothing changes; with a
+tier much slower, ``N`` stops before its chunks and lmc is never worse than no cache.
+
+One rule for everyone: the connectors' scheduler half (:class:`LoadPolicy`, from a cache
+engine's live :class:`lmc.storage.speeds.Speeds`) and ``lmc plan``
+(:mod:`lmc.planner.costmodel`, from a calibration profile) both call :func:`choose_split`.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from lmc.storage.lookup import LookupResult
+from lmc.storage.speeds import PrefillRate, SpeedSnapshot, TierRate
+
+log = logging.getLogger(__name__)
+POLICIES = ("auto", "load_all")
+DEFAULT_MARGIN = 0.03
+DEFAULT_SLACK_S = 1e-3
+
+
+@dataclass(frozen=True)
+class Costs:
+    """What the rule knows: per tier (indexed as a ``LookupResult``'s ``tiers``, L1 first)
+    its rate, the engine's compute, the KV bytes of one token and the layers a layer-wise
+    load pipelines over (1: not layer-wise)."""
+
+    tiers: tuple[TierRate, ...]
+    prefill: PrefillRate
+    bytes_per_token: float
+    num_layers: int = 1
+
+    def __post_init__(self) -> None:
+        if not self.tiers:
+            raise ValueError("Costs needs at least L1's rate")
+        if self.bytes_per_token <= 0 or self.num_layers < 1:
+            raise ValueError(f"bytes_per_token must be > 0 and num_layers >= 1, got "
+                             f"{self.bytes_per_token}, {self.num_layers}")
+
+    @classmethod
+    def from_snapshot(cls, snap: SpeedSnapshot, bytes_per_token: float, num_layers: int
+                      ) -> Costs | None:
+        """``None`` while the engine's compute is unknown (then the whole hit is loaded)."""
+        if snap.prefill is None or not snap.tiers:
+            return None
+        return cls(snap.tiers, snap.prefill, bytes_per_token, num_layers)
+
+
+@dataclass(frozen=True)
+class Split:
+    """The decision for one request: load ``[start, end)``, compute from ``end``.
+
+    ``by_tier``: loaded positions per tier index; ``ttft_s`` its predicted TTFT,
+    ``load_all_s`` and ``load_none_s`` those of the two ends (same model)."""
+
+    start: int
+    end: int
+    hit_end: int
+    by_tier: tuple[int, ...]
+    ttft_s: float
+    load_all_s: float
+    load_none_s: float
+
+    @property
+    def tokens(self) -> int:
+        return self.end - self.start
+
+    @property
+    def recomputed_by_choice(self) -> int:
+        return self.hit_end - self.end
+
+
+def ttft_s(costs: Costs, by_tier: Sequence[int], start: int, end: int, total: int) -> float:
+    """Predicted TTFT of loading ``[start, end)`` (``by_tier[t]`` positions from tier
+    ``t``) and computing ``[end, total)`` (see the module doc)."""
+    copy = costs.tiers[0]
+    bpt = costs.bytes_per_token
+    overlapped = serial = 0.0
+    loaded = 0
+    for t, n in enumerate(by_tier):
+        if n <= 0:
+            continue
+        loaded += n
+        if t == 0:
+            continue  # L1: the copy below is all it costs
+        rate = costs.tiers[t]
+        s = rate.latency_s + n * bpt / rate.bytes_per_s
+        if rate.overlaps:
+            overlapped += s
+        else:
+            serial += s
+    if loaded:
+        overlapped += copy.latency_s + loaded * bpt / copy.bytes_per_s
+    compute = costs.prefill.seconds(end, total)
+    lo, hi = sorted((overlapped, compute))
+    return serial + hi + lo / costs.num_layers
+
+
+def choose_split(costs: Costs, sources: bytes | Sequence[int], chunk_size: int, start: int,
+                 hit_end: int, total: int, *, align: int = 1,
+                 margin: float = DEFAULT_MARGIN, slack_s: float = DEFAULT_SLACK_S) -> Split:
+    """The rule (module doc): positions ``[start, hit_end)`` can be loaded, chunk ``i`` of
+    the prompt from tier ``sources[i]``; the engine has ``[0, start)`` and must compute up
+    to ``total``. Candidates are ``start``, every chunk boundary in between (rounded down to
+    ``align``) and ``hit_end``."""
+    if not 0 <= start <= hit_end <= total:
+        raise ValueError(f"choose_split: need 0 <= start <= hit_end <= total, got {start}, "
+                         f"{hit_end}, {total}")
+    cs = chunk_size
+    if hit_end > start and len(sources) * cs < hit_end:
+        raise ValueError(f"choose_split: {len(sources)} sources cannot cover {hit_end} "
+                         f"positions in chunks of {cs}")
+    ntiers = len(costs.tiers)
+    cands = sorted({start, hit_end, *(b - b % align for b in range(cs * (start // cs + 1),
+                                                                   hit_end, cs)
+                                      if b - b % align > start)})
+    counts = [0] * ntiers
+    pos = start
+    best: list[tuple[int, tuple[int, ...], float]] = []
+    for n in cands:
+        while pos < n:  # positions [pos, n) added chunk by chunk
+            i = pos // cs
+            step = min((i + 1) * cs, n) - pos
+            t = sources[i]
+            if t >= ntiers:
+                raise ValueError(f"choose_split: source {t} names no tier of {ntiers}")
+            counts[t] += step
+            pos += step
+        best.append((n, tuple(counts), ttft_s(costs, counts, start, n, total)))
+    least = min(x[2] for x in best)
+    end, by_tier, predicted = max((x for x in best if x[2] <= least * (1 + margin) + slack_s),
+                                  key=lambda x: x[0])
+    return Split(start, end, hit_end, by_tier, predicted, best[-1][2], best[0][2])
+
+
+class LoadPolicy:
+    """The scheduler half's decision, from live estimates (``costs()``, ``None`` while
+    unknown: the whole hit is loaded). ``enabled=False`` (config ``load_policy:
+    load_all``) always loads the whole hit; counters are kept either way."""
+
+    def __init__(self, costs: Callable[[], Costs | None], *, enabled: bool = True,
+                 margin: float = DEFAULT_MARGIN, slack_s: float = DEFAULT_SLACK_S) -> None:
+        if not (margin >= 0 and slack_s >= 0):
+            raise ValueError(f"margin and slack_s must be >= 0, got {margin}, {slack_s}")
+        self._costs = costs
+        self.enabled = enabled
+        self.margin = margin
+        self.slack_s = slack_s
+        self._lock = threading.Lock()
+        self.decisions = 0
+        self.decided_unknown = 0  # decisions taken before the compute was known: load all
+        self.loaded_by_tier: dict[str, int] = {}
+        self.recomputed_by_choice = 0
+        self.recomputed_by_miss = 0  # prompt positions no tier held (computed anyway)
+
+    def decide(self, request_id: str, found: LookupResult, start: int, hit_end: int,
+               total: int, align: int = 1) -> int:
+        """The end of the load (``hit_end`` when loading all of it): what the connector
+        reports as the hit is that minus ``start``."""
+        split = None
+        if self.enabled and hit_end > start and found.sources:
+            try:
+                costs = self._costs()
+                if costs is not None and len(costs.tiers) == len(found.tiers):
+                    split = choose_split(costs, found.sources, found.chunk_size, start,
+                                         hit_end, total, align=align, margin=self.margin,
+                                         slack_s=self.slack_s)
+            except Exception as e:  # the decision never fails a request: load all
+                log.warning("lmc load policy failed for request %s (%s: %s): loading the "
+                            "whole hit", request_id, type(e).__name__, e)
+        end = hit_end if split is None else split.end
+        loaded = found.tokens_by_tier(start, end) if end > start else {}
+        with self._lock:
+            self.decisions += 1
+            self.decided_unknown += split is None and self.enabled and hit_end > start
+            for name, n in loaded.items():
+                self.loaded_by_tier[name] = self.loaded_by_tier.get(name, 0) + n
+            self.recomputed_by_choice += hit_end - end
+            self.recomputed_by_miss += max(0, total - max(hit_end, start) - 1)
+        if log.isEnabledFor(logging.DEBUG):
+            held = ", ".join(f"{k} {v}" for k, v in found.tokens_by_tier(start, hit_end).items()
+                             if v)
+            if split is None:
+                log.debug("lmc load policy: request %s: %d tokens, engine has %d, hit to %d "
+                          "(%s): load all (%s)", request_id, total, start, hit_end,
+                          held or "-", "off" if not self.enabled else "speeds not known yet"
+                          if hit_end > start else "nothing to load")
+            else:
+                log.debug("lmc load policy: request %s: %d tokens, engine has %d, hit to %d "
+                          "(%s): load to %d, recompute %d by choice; predicted TTFT %.1f ms "
+                          "(load all %.1f ms, none %.1f ms)", request_id, total, start,
+                          hit_end, held or "-", end, hit_end - end, split.ttft_s * 1e3,
+                          split.load_all_s * 1e3, split.load_none_s * 1e3)
+        return end
+
+    def stats(self) -> dict[str, float]:
+        with self._lock:
+            out: dict[str, float] = {
+                "policy.enabled": float(self.enabled), "policy.decisions": self.decisions,
+                "policy.decided_unknown": self.decided_unknown,
+                "policy.recomputed_by_choice": self.recomputed_by_choice,
+                "policy.recomputed_by_miss": self.recomputed_by_miss}
+            out.update({f"policy.loaded_from_{k}": v for k, v in self.loaded_by_tier.items()})
+        return out
