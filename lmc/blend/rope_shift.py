@@ -52,17 +52,18 @@ class KeyShifter:
         self.rotary = RotaryEmbedding(config.head_dim, config.rope)
 
     def shift(self, keys: torch.Tensor, delta: torch.Tensor | int) -> torch.Tensor:
-        """``keys [T, kv_heads, head_dim]`` computed at positions ``p`` -> the same keys at
-        ``p + delta`` (``delta``: one int, or ``[T]`` per token). Same dtype as ``keys``."""
-        if keys.dim() != 3 or keys.shape[-1] != self.rotary.head_dim:
-            raise ValueError(f"keys must be [tokens, heads, {self.rotary.head_dim}], "
-                             f"got {tuple(keys.shape)}")
+        """``keys [T, kv_heads, head_dim]`` (or ``[layers, T, kv_heads, head_dim]``) computed at
+        positions ``p`` -> the same keys at ``p + delta`` (``delta``: one int, or ``[T]`` per
+        token). Same dtype as ``keys``."""
+        if keys.dim() not in (3, 4) or keys.shape[-1] != self.rotary.head_dim:
+            raise ValueError(f"keys must be [tokens, heads, {self.rotary.head_dim}] (or with "
+                             f"layers first), got {tuple(keys.shape)}")
+        n = keys.shape[-3]
         if isinstance(delta, int):
-            delta = torch.full((keys.shape[0],), delta, dtype=torch.long)
+            delta = torch.full((n,), delta, dtype=torch.long)
         delta = delta.to(device=keys.device, dtype=torch.long)
-        if delta.shape != (keys.shape[0],):
-            raise ValueError(f"delta must be one int or [{keys.shape[0]}], got "
-                             f"{tuple(delta.shape)}")
+        if delta.shape != (n,):
+            raise ValueError(f"delta must be one int or [{n}], got {tuple(delta.shape)}")
         if not bool((delta != 0).any()):
             return keys
         # angles in fp64: the shift adds no rounding of its own beyond the final fp32 product

@@ -57,6 +57,9 @@ class AttentionMetadata:
     decode_context_slots: torch.Tensor | None  # [num_decodes, max_context] padded
     decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_context] bool
     num_tokens: int
+    # rows whose K/V this forward writes; None: every row. A blended step leaves out the rows
+    # whose K/V come from a cached segment (see lmc.blend.step)
+    write_rows: torch.Tensor | None = None
 
 
 def slots_for_positions(block_ids: torch.Tensor, positions: torch.Tensor, block_size: int) -> torch.Tensor:

@@ -55,9 +55,15 @@ class LLM:
             ``max_position_embeddings`` and is lowered to what the cache can hold, so a
             request alone always fits.
         kv_cache_memory: byte cap for the default ``num_blocks``.
-        kv_connector: optional ``KVConnector``; absent means no external KV at all.
+        kv_connector: optional ``KVConnector``; absent means no external KV at all. A
+            connector with a ``blender`` (``lmc.blend.connector.BlendConnector``) blends
+            prompts that mark segments.
         lmc_config: shorthand for ``kv_connector=LMCReferenceConnector(lmc_config,
             model_dir=model_dir)``: a ``CacheConfig``, a YAML path or a dict of keys.
+        blend: with ``lmc_config``: reuse marked segments anywhere in a prompt (segment
+            caching with selective recompute, ``lmc.blend``): ``True``, or the keyword
+            arguments of ``BlendConnector``'s ``blend`` settings as a dict. Enabled only for
+            a model with a passing ``lmc blend-check`` verdict (or an explicit override).
     """
 
     def __init__(
@@ -74,6 +80,7 @@ class LLM:
         kv_cache_memory: int = 256 << 20,
         kv_connector: KVConnector | None = None,
         lmc_config: Any = None,
+        blend: bool | dict[str, Any] | None = None,
     ) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
@@ -101,12 +108,21 @@ class LLM:
 
         self.block_manager = BlockManager(num_blocks)
         self.runner = ModelRunner(self.model, num_blocks, block_size, self.dtype, self.device)
+        if blend and lmc_config is None:
+            raise ValueError("blend needs lmc_config (segments are stored in lmc)")
         if lmc_config is not None:
             if kv_connector is not None:
                 raise ValueError("pass kv_connector or lmc_config, not both")
-            from lmc.connectors.reference import LMCReferenceConnector
+            if blend:
+                from lmc.blend.connector import BlendConnector
 
-            kv_connector = LMCReferenceConnector(lmc_config, model_dir=self.model_dir)
+                settings = blend if isinstance(blend, dict) else {}
+                kv_connector = BlendConnector(lmc_config, model_dir=self.model_dir,
+                                              blend=settings)
+            else:
+                from lmc.connectors.reference import LMCReferenceConnector
+
+                kv_connector = LMCReferenceConnector(lmc_config, model_dir=self.model_dir)
         self.kv_connector = kv_connector
         self.scheduler = Scheduler(
             self.block_manager, block_size, max_num_batched_tokens, max_num_seqs,
@@ -114,6 +130,7 @@ class LLM:
         )
         if kv_connector is not None:
             kv_connector.register_kv_caches(self.runner.named_kv_caches())
+            self.runner.blender = getattr(kv_connector, "blender", None)
         self._ids = itertools.count()
         self._errors: dict[str, str] = {}  # request id -> why it failed (see pop_error)
 
@@ -134,23 +151,55 @@ class LLM:
             raise ValueError(f"token id(s) out of range [0, {self.config.vocab_size}): {bad[:5]}")
         return ids
 
+    def encode_segments(self, prompt: Prompt, segments: Sequence[Sequence[int]] | None = None,
+                        separator: str | None = None) -> tuple[list[int], list[tuple[int, int]]]:
+        """A prompt's token ids and its reusable segments' ``(start, end)`` spans: given
+        (checked against the prompt), or, for a text prompt with ``separator``, the pieces
+        between separators but the last (each piece tokenized alone; the separators are
+        not part of the prompt)."""
+        from lmc.blend.keys import check_spans, encode_pieces, split_text
+
+        if separator is not None:
+            if segments is not None:
+                raise ValueError("pass segments or segment_separator, not both")
+            if not isinstance(prompt, str):
+                raise ValueError("segment_separator applies to text prompts; mark token-id "
+                                 "prompts with segments=")
+            if self.tokenizer is None:
+                raise ValueError(f"{self.model_dir} has no tokenizer.json; pass token ids")
+            tokenizer = self.tokenizer
+            return encode_pieces(split_text(prompt, separator),
+                                 lambda text, special: tokenizer.encode(text, special))
+        ids = self.encode(prompt)
+        return ids, check_spans(segments, len(ids)) if segments else []
+
     def add_request(
         self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None,
-        kv_transfer_params: dict | None = None,
+        kv_transfer_params: dict | None = None, *,
+        segments: Sequence[Sequence[int]] | None = None, segment_separator: str | None = None,
     ) -> str:
         """Queue a request; returns its id. Arrival time (for TTFT) is now.
         ``kv_transfer_params``: prefill/decode parameters for the KV connector (vLLM's
         shape: ``{"do_remote_decode": True}`` asks a producer to prefill for another
-        instance; a producer's answer, passed to a consumer, makes it pull the prompt)."""
+        instance; a producer's answer, passed to a consumer, makes it pull the prompt).
+        ``segments`` / ``segment_separator``: the prompt's reusable segments (see
+        :meth:`encode_segments`), blended when the connector blends."""
         params = params or SamplingParams()
         request_id = request_id if request_id is not None else str(next(self._ids))
+        spans: list[tuple[int, int]] = []
+        if segments is not None or segment_separator is not None:
+            ids, spans = self.encode_segments(prompt, segments, segment_separator)
+            self.encode(ids)  # range-checks token ids
+        else:
+            ids = self.encode(prompt)
         request = Request(
             request_id=request_id,
-            prompt_token_ids=self.encode(prompt),
+            prompt_token_ids=ids,
             sampling_params=params,
             eos_token_ids=self.eos_token_ids,
             prompt=prompt if isinstance(prompt, str) else None,
             kv_transfer_params=dict(kv_transfer_params) if kv_transfer_params else None,
+            segments=spans or None,
         )
         self.scheduler.add_request(request)
         return request_id
@@ -220,7 +269,13 @@ class LLM:
                 if not done:
                     time.sleep(0.001)  # nothing else to run: do not spin on the poll
             return []
-        sample_ids, logits = self.runner.execute(output, connector, meta)
+        segments = {}
+        if self.runner.blender is not None:
+            for sched in output.scheduled_requests:
+                request = self.scheduler.requests.get(sched.request_id)
+                if request is not None and request.segments:
+                    segments[sched.request_id] = request.segments
+        sample_ids, logits = self.runner.execute(output, connector, meta, segments)
         invalid: set[str] = set()
         if connector is not None:
             done = connector.get_finished()  # before the errors: they include its blocks
@@ -275,12 +330,16 @@ class LLM:
         stop_token_ids: Sequence[int] = (),
         return_logits: bool = False,
         kv_transfer_params: dict | Sequence[dict | None] | None = None,
+        segments: Sequence[Any] | None = None,
+        segment_separator: str | None = None,
     ) -> list[RequestOutput]:
         """Generate for each prompt (text, or a list of token ids); outputs in prompt
         order. ``seed`` seeds every request's own generator (see ``SamplingParams``).
         ``kv_transfer_params``: one dict for every prompt or one per prompt (see
-        ``add_request``). Runs the engine until these requests finish (other queued
-        requests progress too)."""
+        ``add_request``). ``segments``: the reusable ``(start, end)`` token spans of a
+        single prompt, or one list (or None) per prompt; ``segment_separator``: text
+        prompts are split into segments at it (see :meth:`encode_segments`). Runs the
+        engine until these requests finish (other queued requests progress too)."""
         if isinstance(prompts, str) or (
             isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)
         ):
@@ -299,8 +358,17 @@ class LLM:
             if len(kv_params) != len(batch):
                 raise ValueError(f"{len(kv_params)} kv_transfer_params for {len(batch)} "
                                  "prompts")
-        ids = [self.add_request(p, params, kv_transfer_params=kp)
-               for p, kp in zip(batch, kv_params)]
+        if segments is None:
+            seg_lists: list[Any] = [None] * len(batch)
+        elif len(batch) == 1 and (not segments or _is_span(segments[0])):
+            seg_lists = [segments]
+        else:
+            seg_lists = list(segments)
+            if len(seg_lists) != len(batch):
+                raise ValueError(f"{len(seg_lists)} segment lists for {len(batch)} prompts")
+        ids = [self.add_request(p, params, kv_transfer_params=kp, segments=sg,
+                                segment_separator=segment_separator)
+               for p, kp, sg in zip(batch, kv_params, seg_lists)]
         pending = set(ids)
         results: dict[str, RequestOutput] = {}
         while pending and self.has_unfinished_requests():
@@ -341,3 +409,9 @@ class LLM:
             logits=torch.stack(request.logits) if request.logits else None,
             kv_transfer_params=request.kv_transfer_params_out,
         )
+
+
+def _is_span(value: Any) -> bool:
+    """A ``(start, end)`` pair of ints (a single prompt's segment), not a list of them."""
+    return (isinstance(value, Sequence) and len(value) == 2
+            and all(isinstance(v, int) for v in value))

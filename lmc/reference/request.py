@@ -106,6 +106,9 @@ class Request:
     remote_loaded: bool = False  # its prompt's KV arrived asynchronously: not asked again
     logits: list[torch.Tensor] = field(default_factory=list)
     generator: torch.Generator | None = None
+    # reusable segments of the prompt, (start, end) spans (lmc.blend): blended when the
+    # engine has a blender and the prefill runs in one step, else computed as usual
+    segments: list[tuple[int, int]] | None = None
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:

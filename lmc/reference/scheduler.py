@@ -170,6 +170,15 @@ class Scheduler:
                 self.fail_request(request, f"KV connector lookup failed: {one_line(e)}")
                 continue
             start = request.num_computed_tokens + num_external
+            if request.segments and request.num_tokens - start > budget:
+                # a blended prefill runs in one step: wait for a step with room, or, if no
+                # step can hold it, compute it as a plain prompt (chunked)
+                if request.num_tokens - start <= self.max_num_batched_tokens:
+                    break
+                logger.info("request %s: %d tokens to prefill exceed max_num_batched_tokens "
+                            "%d; its segments are computed, not blended", request.request_id,
+                            request.num_tokens - start, self.max_num_batched_tokens)
+                request.segments = None
             num_new = min(request.num_tokens - start, budget)
             if not self._grow_blocks(request, start if is_async else start + num_new):
                 break
