@@ -1,0 +1,149 @@
+"""Load or recompute on the reference engine with real tiers: a disk tier behind a real
+``rate_limit`` link (2 MiB/s, far slower than the tiny model computes), its speed measured
+from its own reads, and the split the policy then chooses -- with tokens and logits
+identical to no cache every time."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from lmc.connectors.reference import LMCReferenceConnector
+from lmc.reference import LLM
+from lmc.storage.backends.disk.backend import DiskBackend
+from lmc.storage.wrappers import WrapperTier
+from tests.connectors.helpers import BLOCK, assert_same, plain_llm, prompt, run
+
+CS = 32
+P = prompt(23, 150)  # chunks 0-3 full, chunk 4 partial (22 tokens)
+LINK = 2 << 20  # bytes per second of the slow tier's link
+
+
+def slow_disk_llm(tiny_dir: Path, path: Path, policy: str = "auto"
+                  ) -> tuple[LLM, LMCReferenceConnector]:
+    cfg = {"chunk_size": CS, "local_cpu_size": "32MiB", "load_policy": policy,
+           "tiers": ["memory", {"wrap": "rate_limit", "bytes_per_second": LINK,
+                                "tier": {"backend": "disk", "path": str(path)}}]}
+    conn = LMCReferenceConnector(cfg, model_dir=tiny_dir)
+    return LLM(tiny_dir, kv_connector=conn, num_blocks=128, block_size=BLOCK), conn
+
+
+def stat(conn: LMCReferenceConnector, key: str) -> float:
+    """A counter that must exist (a misspelt key would make a comparison vacuous)."""
+    return conn.stats()[key]
+
+
+def drop_from_l1(conn: LMCReferenceConnector, tokens: list[int], first_chunk: int) -> None:
+    """Leave chunks from ``first_chunk`` on in the disk tier only (as L1's eviction would)."""
+    eng = conn.cache
+    assert eng.flush(30)
+    keys = [k for _, _, k in eng.db.process_tokens(tokens)][first_chunk:]
+    eng.storage.l1.delete(keys)
+    assert eng.lookup_result(tokens).sources[first_chunk:] == bytes([1] * len(keys))
+
+
+@pytest.fixture(scope="module")
+def want(tiny_dir: Path) -> list:
+    return run(plain_llm(tiny_dir), [P])
+
+
+def test_slow_tier_measured_then_recomputed_by_choice(tiny_dir: Path, tmp_path: Path,
+                                                      want: list) -> None:
+    llm, conn = slow_disk_llm(tiny_dir, tmp_path / "disk")
+    run(llm, [P[:64]])  # chunks 0-1 in L1 and on disk; the forward timed
+    assert_same(run(llm, [P]), want)  # loads chunks 0-1, stores 2-4
+    assert stat(conn, "worker.steps_timed") > 0
+    drop_from_l1(conn, P, 2)
+    # the disk tier has never been read: its prior says fast, so the whole hit is loaded,
+    # through the 2 MiB/s link, and the read is measured
+    got = run(llm, [P])
+    assert got[0].num_cached_tokens == len(P) - 1
+    assert_same(got, want)
+    rate = conn.cache.speeds.snapshot().tiers[1]
+    assert rate.observed >= 1 and not rate.overlaps
+    assert LINK / 3 < rate.bytes_per_s < LINK * 1.5  # what the link allowed
+
+    drop_from_l1(conn, P, 2)
+    written = (stat(conn, "cache.disk.write_bytes"), stat(conn, "cache.disk.put_chunks"))
+    stored = stat(conn, "worker.saved_tokens")
+    before = stat(conn, "policy.recomputed_by_choice")
+    got = run(llm, [P])
+    # now the split: chunks 0-1 from L1, 2-4 recomputed (reading 3 chunks would take
+    # ~190 ms through the link; the tiny model computes them in a few)
+    assert got[0].num_cached_tokens == 2 * CS
+    assert_same(got, want)
+    assert stat(conn, "policy.recomputed_by_choice") - before == len(P) - 1 - 2 * CS
+    l1 = conn.cache.tier_names[0]
+    assert stat(conn, f"policy.loaded_from_{l1}") >= 2 * CS
+    # never double work: the recomputed chunks are on disk already, not written again
+    assert conn.cache.flush(30)
+    assert (stat(conn, "cache.disk.write_bytes"), stat(conn, "cache.disk.put_chunks")) == written
+    assert stat(conn, "worker.saved_tokens") == stored
+    assert not conn.cache.contains_chunks(P)[2:].any()
+    assert stat(conn, "cache.speed.prefill.observed") > 0
+    llm.close()
+
+
+def test_load_all_turns_the_policy_off(tiny_dir: Path, tmp_path: Path, want: list) -> None:
+    llm, conn = slow_disk_llm(tiny_dir, tmp_path / "disk", policy="load_all")
+    run(llm, [P[:64]])
+    run(llm, [P])
+    for _ in range(2):  # measured slow or not, the whole hit is loaded
+        drop_from_l1(conn, P, 2)
+        got = run(llm, [P])
+        assert got[0].num_cached_tokens == len(P) - 1
+        assert_same(got, want)
+    assert stat(conn, "policy.recomputed_by_choice") == 0
+    assert stat(conn, "policy.enabled") == 0
+    llm.close()
+
+
+class FailingReads(WrapperTier):
+    """A real disk tier whose reads start failing when told (a breaker opening, a
+    timeout) -- after the policy decided to load from it."""
+
+    failing = False
+
+    def get(self, keys):
+        if self.failing:
+            raise TimeoutError("the tier timed out")
+        return self.inner.get(keys)
+
+    def get_layers(self, keys):
+        if self.failing:
+            raise TimeoutError("the tier timed out")
+        return self.inner.get_layers(keys)
+
+
+def test_tier_failing_after_the_decision_is_a_miss_recomputed(tiny_dir: Path, tmp_path: Path,
+                                                              want: list) -> None:
+    made: list[FailingReads] = []
+
+    def factory(config, pool):
+        disk = DiskBackend(config=config, pool=pool, path=str(tmp_path / "disk"))
+        made.append(FailingReads(config=config, pool=pool, inner=disk))
+        return made[0]
+
+    cfg = {"chunk_size": CS, "local_cpu_size": "32MiB"}
+    conn = LMCReferenceConnector(cfg, model_dir=tiny_dir, tiers=[factory])
+    llm = LLM(tiny_dir, kv_connector=conn, num_blocks=128, block_size=BLOCK)
+    run(llm, [P])
+    drop_from_l1(conn, P, 0)
+    eng = conn.cache
+    # decided from the lookup (the disk tier fast by its prior), then the tier fails
+    orig = eng.lookup_result
+
+    def lookup_then_fail(tokens, *a, **kw):
+        out = orig(tokens, *a, **kw)
+        made[0].failing = True
+        return out
+
+    eng.lookup_result = lookup_then_fail  # type: ignore[method-assign]
+    got = run(llm, [P])
+    assert_same(got, want)  # the engine recomputed what the load could not supply
+    assert stat(conn, "worker.recomputed_after_failure") == len(P) - 1
+    assert stat(conn, "worker.load_failures") == 1
+    rate = eng.speeds.snapshot().tiers[1]
+    assert rate.observed >= 1 and made[0].inner is not None
+    llm.close()
