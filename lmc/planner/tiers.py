@@ -13,7 +13,7 @@ What is lmc's own code here and what mirrors it:
   file I/O, so its capacity rules are mirrored here, over the tier's own eviction policy
   objects (:func:`lmc.storage.eviction.make_policy`, LRU by default as in the tier): file size = a
   4 KiB header block plus the payload rounded up to 4 KiB, with the disk tier's own
-  ``BLOCK``/``_round_up``; ``contains`` is not an access, ``get`` and a re-put are;
+  ``BLOCK``/``round_up``; ``contains`` is not an access, ``get`` and a re-put are;
   eviction pops the policy's first victims until the new file fits, stopping early at a
   same-size victim, which the tier recycles.
   ``tests/planner/test_disk_index.py`` drives the real ``DiskBackend`` and this index with
@@ -42,7 +42,7 @@ from lmc.config import CacheConfig
 from lmc.memory.pool import MemoryObj
 from lmc.planner.addrpool import AddressPool
 from lmc.storage.backends.cpu import CPUBackend
-from lmc.storage.backends.disk.backend import BLOCK, _round_up
+from lmc.storage.backends.disk.backend import BLOCK, round_up
 from lmc.storage.eviction import EvictionPolicy, make_policy
 from lmc.storage.manager import WRITE_POLICIES
 
@@ -72,7 +72,7 @@ class DiskIndex:
 
     @staticmethod
     def file_bytes(nbytes: int) -> int:
-        return BLOCK + _round_up(nbytes)
+        return BLOCK + round_up(nbytes)
 
     def contains(self, keys: Sequence[Key]) -> list[bool]:
         idx = self._index
@@ -90,7 +90,7 @@ class DiskIndex:
         idx = self._index
         policy = self._policy
         for k, n in zip(keys, nbytes):
-            size = BLOCK + _round_up(n)
+            size = BLOCK + round_up(n)
             if size > self.capacity:
                 self.rejected += 1
                 continue

@@ -177,3 +177,42 @@ class LayerGate:
 
 
 READY = LayerGate()
+
+
+class Coordinators:
+    """The threads a tier's layered reads run on (one per ``get_layers`` call), so that the
+    tier's ``close()`` can wait for every one: a read still running would write into pool
+    objects, or use connections and files, after the tier is gone."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self._lock = threading.Lock()
+        self._threads: set[threading.Thread] = set()
+        self._closed = False
+
+    def start(self, target: Callable[[], None]) -> bool:
+        """Run ``target`` on a new thread; ``False`` (nothing started) once closed."""
+
+        def run() -> None:
+            try:
+                target()
+            finally:
+                with self._lock:
+                    self._threads.discard(threading.current_thread())
+
+        t = threading.Thread(target=run, name=self.name, daemon=True)
+        with self._lock:
+            if self._closed:
+                return False
+            self._threads.add(t)
+            t.start()
+        return True
+
+    def close(self) -> None:
+        """Refuse new reads, then wait for the running ones (each ends within its deadline,
+        or failed once the tier's I/O stopped)."""
+        with self._lock:
+            self._closed = True
+            running = list(self._threads)
+        for t in running:
+            t.join()

@@ -53,15 +53,9 @@ from lmc.ratelog import RateLimitedWarnings
 from lmc.server.client import Address
 from lmc.settings import parse_duration, parse_int, parse_opt_str, parse_size
 from lmc.storage.breaker import CircuitBreaker
+from lmc.storage.codec import ValueCodec
 from lmc.storage.integrity import Geometry, Integrity
-from lmc.storage.serde import (
-    CorruptValue,
-    decode_header,
-    encodable,
-    encode_header,
-    payload_checksum,
-    verify_payload,
-)
+from lmc.storage.serde import HEADER_SIZE, CorruptValue, encodable
 from lmc.storage.tier import (
     BackendOption,
     Key,
@@ -137,6 +131,9 @@ class P2PBackend(StorageBackend):
         self.timeout = config.remote_timeout
         self._token = config.remote_token
         self.integrity = Integrity.from_config(config)
+        # the framing stage (lmc.storage.codec): a record carries the header's fields and,
+        # with a secret, the keyed tag; a READ's bytes are checked by the same codec
+        self.codec = ValueCodec(self.integrity)
         self.chunk_tokens = config.chunk_size
         self.export_bytes = self.raw.size // 2 if export_bytes is None else export_bytes
         if self.export_bytes < 4096:
@@ -255,12 +252,8 @@ class P2PBackend(StorageBackend):
             self.counts["withdrawn"] += 1
         w.tensor.copy_(o.tensor)
         payload = w.byte_view()
-        csum = payload_checksum(payload)
-        tag = None
-        if self.integrity is not None:
-            header = encode_header(k, o.shape, o.dtype, o.num_tokens, payload, checksum=csum,
-                                   tagged=True)
-            tag = self.integrity.seal(k, header, payload)
+        csum = self.codec.digest(payload)
+        tag = self.codec.encode(k, w, payload, csum)[HEADER_SIZE:] if self.codec.tagged else None
         slot = self._free_slots.pop()
         version = self._next_version
         self._next_version += 1
@@ -526,13 +519,11 @@ class P2PBackend(StorageBackend):
         value: the record's header fields, its checksum, and with a secret its tag (an
         untagged record is a miss for a keyed reader, a tagged one for an unkeyed reader).
         Raises :class:`CorruptValue`."""
+        codec = self.codec
         payload = obj.byte_view()
-        header = encode_header(rec.key, rec.shape, rec.dtype, rec.num_tokens, payload,
-                               checksum=rec.checksum, tagged=rec.tag is not None)
-        verify_payload(decode_header(header, rec.key, tagged=self.integrity is not None),
-                       payload)
-        if self.integrity is not None:
-            self.integrity.check(rec.key, header, rec.tag or b"", payload)
+        head = codec.header(rec.key, rec.shape, rec.dtype, rec.num_tokens, payload,
+                            checksum=rec.checksum, tagged=rec.tag is not None) + (rec.tag or b"")
+        codec.verify(rec.key, head, codec.decode(head, rec.key), payload)
 
     def _pull(self, agent: str, items: list[tuple[int, Record]],
               out: list[MemoryObj | None], stale: list[int]) -> None:

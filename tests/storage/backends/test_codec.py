@@ -11,7 +11,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from lmc.memory.pool import MemoryPool
-from lmc.storage.codec import ValueHead
+from lmc.storage.codec import ValueCodec
 from lmc.storage.integrity import Geometry, Integrity
 from lmc.storage.serde import HEADER_SIZE, TAG_SIZE, CorruptValue
 
@@ -30,7 +30,7 @@ def chunk():
 
 
 def _frames():
-    return [ValueHead(None), ValueHead(Integrity(SECRET))]
+    return [ValueCodec(None), ValueCodec(Integrity(SECRET))]
 
 
 @pytest.mark.parametrize("frame", _frames(), ids=["plain", "keyed"])
@@ -57,7 +57,7 @@ def test_any_flipped_bit_is_refused(frame, chunk, pos, bit):
 
 def test_wrong_key_other_geometry_and_mixed_secrets_are_refused(chunk):
     plain, keyed = _frames()
-    other = ValueHead(Integrity(SECRET[::-1]))
+    other = ValueCodec(Integrity(SECRET[::-1]))
     head = keyed.encode(KEY, chunk, chunk.byte_view())
     with pytest.raises(CorruptValue, match="expected"):
         keyed.decode(head, bytes(16))

@@ -33,9 +33,10 @@ from lmc.server.client import Address, Allocate, ClientConnection
 from lmc.server.probe import ProbePolicy
 from lmc.settings import parse_int, parse_opt_str
 from lmc.storage.breaker import CLOSED, OPEN, CircuitBreaker
+from lmc.storage.codec import ValueCodec
 from lmc.storage.integrity import Geometry, Integrity
 from lmc.storage.remote import Rejects, split_batch
-from lmc.storage.serde import encodable
+from lmc.storage.serde import CorruptValue, encodable
 from lmc.storage.tier import (
     BackendOption,
     Key,
@@ -45,7 +46,7 @@ from lmc.storage.tier import (
     register_backend,
 )
 
-from .tags import Tags, interleave, tag_key
+from .tags import TAG_DTYPE, TAG_SHAPE, Tags, interleave, tag_key
 
 if TYPE_CHECKING:
     import torch
@@ -83,8 +84,10 @@ class ServerBackend(StorageBackend):
         self.namespace = namespace or self.address.namespace or config.remote_key_prefix
         self.pool = pool
         self.allocate = allocate or pool.allocate
-        integrity = Integrity.from_config(config)
-        self.tags = Tags(integrity, self.allocate) if integrity else None
+        # the framing stage (lmc.storage.codec): the daemon keeps each value's header; with
+        # a secret, its keyed tag travels as a companion value (.tags)
+        self.codec = ValueCodec(Integrity.from_config(config))
+        self.tags = Tags(self.codec, self.allocate) if self.codec.tagged else None
         # the engine's chunk geometry (lmc.storage.integrity.expect_geometry): a value describing
         # another chunk is a bad value (refused, counted, deleted), like a checksum failure
         self.expected_geometry: Geometry | None = None
@@ -234,35 +237,33 @@ class ServerBackend(StorageBackend):
         geometry = self.expected_geometry
         too_large = [0]
         if self.tags is None:
-            out = self._get_values(keys, rejects, geometry, too_large)
-        else:
-            out = self._get_tagged(keys, rejects, geometry, too_large)
-        if geometry is not None:
-            out = [o if o is None else rejects.verify(
-                k, o, functools.partial(geometry.check, o.shape, o.dtype))
-                for k, o in zip(keys, out)]
+            got = self._get_values(keys, rejects, geometry, too_large)
+            tags: list[MemoryObj | None] = [None] * len(keys)
+        else:  # chunks with their tags, in one call
+            both = self._get_values(interleave(keys), rejects, geometry, too_large, tags=True)
+            got, tags = both[1::2], both[0::2]
+        out: list[MemoryObj | None] = []
+        for key, obj, tag in zip(keys, got, tags):
+            if obj is not None:  # every value through the codec: geometry, then the tag
+                obj = rejects.verify(key, obj, functools.partial(self._admit, key, obj, tag,
+                                                                 geometry))
+            if tag is not None:
+                tag.release()
+            out.append(obj)
         self._count(corrupt=rejects.delete_with(self.delete) + too_large[0])
         hits = sum(o is not None for o in out)
         self._count(hits=hits, misses=len(out) - hits,
                     bytes_in=sum(o.nbytes for o in out if o is not None))
         return out
 
-    def _get_tagged(self, keys: Sequence[Key], rejects: Rejects[Key],
-                    geometry: Geometry | None, too_large: list[int]
-                    ) -> list[MemoryObj | None]:
-        """Chunks with their tags (one call); only those whose tag verifies are returned."""
-        tags = self.tags
-        assert tags is not None
-        got = self._get_values(interleave(keys), rejects, geometry, too_large, tags=True)
-        out: list[MemoryObj | None] = []
-        for i, key in enumerate(keys):
-            tag, obj = got[2 * i], got[2 * i + 1]
-            if obj is not None:
-                obj = rejects.verify(key, obj, functools.partial(tags.check, key, obj, tag))
-            if tag is not None:
-                tag.release()
-            out.append(obj)
-        return out
+    def _admit(self, key: Key, obj: MemoryObj, tag: MemoryObj | None,
+               geometry: Geometry | None) -> None:
+        """The codec's word on a value the client received (its checksum verified as it
+        arrived): the engine's geometry and, with a secret, the companion tag. Raises
+        :class:`CorruptValue`."""
+        if tag is not None and (tuple(tag.shape) != TAG_SHAPE or tag.dtype != TAG_DTYPE):
+            raise CorruptValue(f"integrity tag has shape {tuple(tag.shape)} of {tag.dtype}")
+        self.codec.admit(key, obj, None if tag is None else tag.byte_view(), geometry)
 
     def _get_values(self, keys: Sequence[Key], rejects: Rejects[Key],
                     geometry: Geometry | None = None, too_large: list[int] | None = None,

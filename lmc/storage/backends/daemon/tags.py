@@ -24,8 +24,8 @@ from collections.abc import Callable, Sequence
 import torch
 
 from lmc.memory.pool import MemoryObj
-from lmc.storage.integrity import Integrity
-from lmc.storage.serde import TAG_SIZE, CorruptValue, encode_header
+from lmc.storage.codec import ValueCodec
+from lmc.storage.serde import HEADER_SIZE, TAG_SIZE
 
 TAG_SHAPE = (1, 1, 1, TAG_SIZE)
 TAG_DTYPE = torch.uint8
@@ -46,15 +46,14 @@ def interleave(keys: Sequence[bytes]) -> list[bytes]:
 
 
 class Tags:
-    """Seals chunks into (tag, chunk) pairs for a PUT and checks the pairs a GET returns."""
+    """Seals chunks into (tag, chunk) pairs for a PUT (the codec makes each tag); a GET's
+    pairs are checked by the codec too (``ValueCodec.admit``)."""
 
-    def __init__(self, integrity: Integrity, allocate: Allocate) -> None:
-        self.integrity = integrity
+    def __init__(self, codec: ValueCodec, allocate: Allocate) -> None:
+        if not codec.tagged:
+            raise ValueError("companion tags need a codec with an integrity secret")
+        self.codec = codec
         self.allocate = allocate
-
-    @staticmethod
-    def _header(key: bytes, obj: MemoryObj, payload: memoryview) -> bytes:
-        return encode_header(key, obj.shape, obj.dtype, obj.num_tokens, payload, tagged=True)
 
     def seal(self, keys: Sequence[bytes], objs: Sequence[MemoryObj]
              ) -> tuple[list[bytes], list[MemoryObj], list[MemoryObj]]:
@@ -68,17 +67,7 @@ class Tags:
             if t is None:
                 continue
             tags.append(t)
-            payload = o.byte_view()
-            t.byte_view()[:] = self.integrity.seal(k, self._header(k, o, payload), payload)
+            t.byte_view()[:] = self.codec.encode(k, o, o.byte_view())[HEADER_SIZE:]
             out_keys += (tag_key(k), k)
             out_objs += (t, o)
         return out_keys, out_objs, tags
-
-    def check(self, key: bytes, obj: MemoryObj, tag: MemoryObj | None) -> None:
-        """Raise :class:`CorruptValue` unless ``tag`` holds this secret's tag for ``obj``."""
-        if tag is None:
-            raise CorruptValue("no integrity tag (evicted, or written without the secret)")
-        if tag.shape != TAG_SHAPE or tag.dtype != TAG_DTYPE:
-            raise CorruptValue(f"integrity tag has shape {tag.shape} of {tag.dtype}")
-        payload = obj.byte_view()
-        self.integrity.check(key, self._header(key, obj, payload), tag.byte_view(), payload)

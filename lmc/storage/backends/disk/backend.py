@@ -79,18 +79,11 @@ from lmc import units
 from lmc.config import CacheConfig, parse_size
 from lmc.memory.pool import MemoryObj, MemoryPool
 from lmc.metrics import TierMetrics
+from lmc.storage.codec import ValueCodec
 from lmc.storage.eviction import EvictionPolicy, make_policy
 from lmc.storage.integrity import Geometry
-from lmc.storage.layered_read import LayeredRead
-from lmc.storage.serde import (
-    HEADER_SIZE,
-    CorruptValue,
-    Header,
-    decode_header,
-    encodable,
-    encode_header,
-)
-from lmc.storage.serde import payload_checksum as checksum
+from lmc.storage.layered_read import Coordinators, LayeredRead
+from lmc.storage.serde import CorruptValue, Header, encodable
 from lmc.storage.tier import Key, Medium, StorageBackend, TierCapabilities, register_backend
 
 log = logging.getLogger(__name__)
@@ -107,7 +100,8 @@ _O_DIRECT = getattr(os, "O_DIRECT", 0)
 _buffered_logged: set[str] = set()
 
 
-def _round_up(n: int) -> int:
+def round_up(n: int) -> int:
+    """``n`` rounded up to whole 4 KiB blocks (a file's payload part)."""
     return -(-n // BLOCK) * BLOCK
 
 
@@ -120,7 +114,7 @@ def _payload_spans(obj: MemoryObj, direct: bool) -> tuple[memoryview, memoryview
     return obj.io_spans(BLOCK) if direct else None
 
 
-def _io_all(op, fd: int, bufs: list[memoryview], offset: int) -> int:
+def io_all(op, fd: int, bufs: list[memoryview], offset: int) -> int:
     """``os.preadv``/``os.pwritev`` until every buffer is done; returns bytes moved. A short
     read means end of file (regular files): it is not retried, since an O_DIRECT retry from a
     misaligned position would fail with EINVAL instead of reporting the truncation."""
@@ -212,7 +206,9 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_drop_inherited_locks)
 
 
-class _Entry:
+class Entry:
+    """An indexed file: its size, and how many reads hold it (not recycled meanwhile)."""
+
     __slots__ = ("size", "readers")
 
     def __init__(self, size: int) -> None:
@@ -224,14 +220,16 @@ class _NoMemory(Exception):
     """The pool had no room for a value being read (a miss, counted)."""
 
 
-class _Value:
-    """An opened value: its file, its pool object (one reference) and its checked header."""
+class OpenValue:
+    """An opened value: its file, its pool object (one reference), its head (as read) and
+    the header decoded from it, and the object's O_DIRECT spans (``None``: buffered)."""
 
-    __slots__ = ("key", "entry", "fd", "obj", "hdr", "spans")
+    __slots__ = ("key", "entry", "fd", "obj", "head", "hdr", "spans")
 
-    def __init__(self, key: Key, entry: _Entry, fd: int, obj: MemoryObj, hdr: Header,
-                 spans: tuple[memoryview, memoryview] | None) -> None:
+    def __init__(self, key: Key, entry: Entry, fd: int, obj: MemoryObj, head: bytes,
+                 hdr: Header, spans: tuple[memoryview, memoryview] | None) -> None:
         self.key, self.entry, self.fd, self.hdr, self.spans = key, entry, fd, hdr, spans
+        self.head = head
         self.obj: MemoryObj | None = obj  # None once handed to the caller
 
     def close(self) -> None:
@@ -269,7 +267,7 @@ class DiskBackend(StorageBackend):
         self.pool = pool
         self.metrics = TierMetrics(self.name)
         self._lock = threading.Lock()
-        self._policy: EvictionPolicy[Key, _Entry] = make_policy(eviction_policy)
+        self._policy: EvictionPolicy[Key, Entry] = make_policy(eviction_policy)
         self._index = self._policy.entries  # lookups that are not a use (never reassigned)
         self._writing: set[Key] = set()
         self._used = 0  # bytes of indexed files
@@ -279,7 +277,10 @@ class DiskBackend(StorageBackend):
         self._seq = itertools.count()
         self._tag = secrets.token_hex(4)  # two instances in one process never share a name
         self._tls = threading.local()
-        self._coordinators: set[threading.Thread] = set()  # layered reads in progress
+        self.coordinators = Coordinators("lmc-disk-layers")  # layered reads in progress
+        # the one framing stage of shared tiers (lmc.storage.codec); the directory is this
+        # process's alone, so its files carry no keyed tag (header version 1)
+        self.codec = ValueCodec()
         self._closed = False
         self._warned: set[str] = set()
         # the engine's chunk geometry (lmc.storage.integrity.expect_geometry): a file whose header
@@ -410,7 +411,7 @@ class DiskBackend(StorageBackend):
                 self._used -= old.size
                 with contextlib.suppress(OSError):
                     os.unlink(self._path(key, old.size))
-            self._policy.insert(key, _Entry(size))
+            self._policy.insert(key, Entry(size))
             self._used += size
         self.metrics.checksum_failure(bad)
         self.metrics.error("scan", "foreign", foreign)
@@ -433,10 +434,10 @@ class DiskBackend(StorageBackend):
         idx = self._index
         return [k in idx for k in keys]
 
-    def _reserve_reads(self, keys: Sequence[Key]) -> list[tuple[int, Key, _Entry]] | None:
+    def _reserve_reads(self, keys: Sequence[Key]) -> list[tuple[int, Key, Entry]] | None:
         """``(position, key, entry)`` of each hit, each entry counted as read (so it is not
         recycled until :meth:`_reader_done`) and accessed in the eviction policy; ``None`` once closed."""
-        jobs: list[tuple[int, Key, _Entry]] = []
+        jobs: list[tuple[int, Key, Entry]] = []
         with self._lock:
             if self._closed:
                 return None
@@ -477,31 +478,31 @@ class DiskBackend(StorageBackend):
         jobs = self._reserve_reads(keys)
         if jobs is None:
             return None
-        call = DiskLayeredRead(self, jobs, len(keys))
+        call = DiskLayeredRead(DiskReads(self), jobs, len(keys))
         call.start()
         return call.read
 
-    def _reader_done(self, entry: _Entry) -> None:
+    def _reader_done(self, entry: Entry) -> None:
         with self._lock:
             entry.readers -= 1
 
     def _open(self, path: str, flags: int, direct: bool) -> int:
         return os.open(path, flags | (_O_DIRECT if direct else 0), 0o644)
 
-    def _open_value(self, key: Key, entry: _Entry) -> _Value:
+    def _open_value(self, key: Key, entry: Entry) -> OpenValue:
         """Open a value's file, check its header and allocate its pool object (one reference
         for the caller). Raises like a read: ``CorruptValue``, ``OSError``, or
         :class:`_NoMemory` when the pool has no room."""
         path = self._path(key, entry.size)
         fd = self._open(path, os.O_RDONLY, self.direct)
         try:
-            hdr = self._buf("_rbuf")
-            if _io_all(os.preadv, fd, [hdr], 0) < HEADER_SIZE:
+            block = self._buf("_rbuf")
+            codec = self.codec
+            if io_all(os.preadv, fd, [block], 0) < codec.size:
                 raise CorruptValue("file shorter than its header")
-            h = decode_header(hdr, expected_key=key)
-            if self.expected_geometry is not None:  # before allocating anything for it
-                self.expected_geometry.check(h.shape, h.dtype)
-            padded = _round_up(h.payload_len)
+            head = bytes(block[:codec.size])
+            h = codec.decode(head, key, self.expected_geometry)  # before allocating for it
+            padded = round_up(h.payload_len)
             if entry.size != BLOCK + padded:
                 raise CorruptValue(f"file is {entry.size} bytes, header needs {BLOCK + padded}")
             obj = self.pool.allocate(h.shape, h.dtype, h.num_tokens)
@@ -523,9 +524,9 @@ class DiskBackend(StorageBackend):
             if fd >= 0:
                 os.close(fd)
             raise
-        return _Value(key, entry, fd, obj, h, spans)
+        return OpenValue(key, entry, fd, obj, head, h, spans)
 
-    def _read_failed(self, key: Key, entry: _Entry, e: BaseException) -> None:
+    def _read_failed(self, key: Key, entry: Entry, e: BaseException) -> None:
         """A read's error as the contract wants it: a miss, counted; a bad value deleted."""
         name = os.path.basename(self._path(key, entry.size))
         if isinstance(e, FileNotFoundError):
@@ -543,12 +544,12 @@ class DiskBackend(StorageBackend):
             self.metrics.error("get", type(e).__name__)
             log.warning("disk tier: reading %s failed: %s", name, e)
 
-    def _read(self, key: Key, entry: _Entry) -> MemoryObj | None:
+    def _read(self, key: Key, entry: Entry) -> MemoryObj | None:
         """One value into a new pool object; ``None`` (and the file gone) if anything is off."""
         v = None
         try:
             v = self._open_value(key, entry)
-            padded = _round_up(v.hdr.payload_len)
+            padded = round_up(v.hdr.payload_len)
             assert v.obj is not None  # a value just opened holds its object
             view = v.obj.byte_view()
             if v.spans is None:
@@ -558,12 +559,11 @@ class DiskBackend(StorageBackend):
                 tbuf = self._buf("_rtail")
                 bufs = [head, tbuf] if tail.nbytes else [head]
                 want = padded
-            if _io_all(os.preadv, v.fd, bufs, BLOCK) < want:
+            if io_all(os.preadv, v.fd, bufs, BLOCK) < want:
                 raise CorruptValue("file truncated")
             if v.spans is not None and v.spans[1].nbytes:
                 v.spans[1][:] = tbuf[: v.spans[1].nbytes]
-            if checksum(view) != v.hdr.checksum:
-                raise CorruptValue("payload checksum mismatch")
+            self.codec.verify(key, v.head, v.hdr, view)
             out, v.obj = v.obj, None
             return out
         except Exception as e:
@@ -575,13 +575,13 @@ class DiskBackend(StorageBackend):
             with self._lock:
                 entry.readers -= 1
 
-    def _forget(self, key: Key, entry: _Entry) -> None:
+    def _forget(self, key: Key, entry: Entry) -> None:
         with self._lock:
             if self._index.get(key) is entry:
                 self._policy.remove(key)
                 self._used -= entry.size
 
-    def _discard(self, key: Key, entry: _Entry) -> None:
+    def _discard(self, key: Key, entry: Entry) -> None:
         """Remove a bad value: renamed away under the lock (so a concurrent rewrite of the same
         key cannot be hit), unlinked outside it."""
         with self._lock:
@@ -637,7 +637,7 @@ class DiskBackend(StorageBackend):
         if not encodable(obj):  # skipped and counted, as every tier does
             self.metrics.error("put", "unsupported")
             return False
-        padded = _round_up(obj.nbytes)
+        padded = round_up(obj.nbytes)
         size = BLOCK + padded
         if size > self.capacity:
             self.metrics.error("put", "too_large")
@@ -673,7 +673,7 @@ class DiskBackend(StorageBackend):
                 return False
             with self._lock:
                 self._reserved -= size
-                self._policy.insert(key, _Entry(size))
+                self._policy.insert(key, Entry(size))
                 self._used += size
             return True
         finally:
@@ -696,12 +696,12 @@ class DiskBackend(StorageBackend):
                 tbuf[tail.nbytes:] = _ZEROS[tail.nbytes:]
                 bufs.append(tbuf)
         hdr = self._buf("_wbuf")
-        hdr[:HEADER_SIZE] = encode_header(key, obj.shape, obj.dtype, obj.num_tokens, payload,
-                                          checksum=checksum(payload))
+        vhead = self.codec.encode(key, obj, payload)
+        hdr[:len(vhead)] = vhead  # the rest of the block: zeros from the mapping, never written
         flags = os.O_WRONLY | (os.O_CREAT | os.O_EXCL if create else 0)
         fd = self._open(path, flags, spans is not None)
         try:
-            if _io_all(os.pwritev, fd, [hdr, *bufs], 0) < BLOCK + padded:
+            if io_all(os.pwritev, fd, [hdr, *bufs], 0) < BLOCK + padded:
                 raise OSError(errno.EIO, "short write")
             if self.fsync:
                 os.fdatasync(fd)
@@ -814,13 +814,43 @@ class DiskBackend(StorageBackend):
                 return
             self._closed = True
         self._io.shutdown(wait=True, cancel_futures=True)  # only the I/O in progress finishes
-        with self._lock:
-            coordinators = list(self._coordinators)
-        for t in coordinators:  # layered reads end (failed) once their I/O did
-            t.join()
+        self.coordinators.close()  # layered reads end (failed) once their I/O did
         self._unlock()  # the directory is free for the next tier (idempotent)
 
     def stats(self) -> dict[str, Any]:
         return {"chunks": len(self._index), "used_bytes": self._used,
                 "capacity": self.capacity, "direct_io": float(self.direct),
                 "checksum_failures": self.metrics.get("checksum_failures")}
+
+
+class DiskReads:
+    """What the tier hands its layered reader (:mod:`.layered`), and all that reader may
+    use of it: the I/O pool, opening and failing values under the tier's rules (index,
+    eviction order, counting, deletion), its aligned buffers, its coordinators, its codec
+    and metrics. The tier's index, lock and files stay its own."""
+
+    def __init__(self, tier: DiskBackend) -> None:
+        self._tier = tier
+        self.codec = tier.codec
+        self.metrics = tier.metrics
+        self.coordinators = tier.coordinators
+
+    def submit(self, fn: Any, *args: Any) -> Any:
+        """A job on the tier's I/O pool (a ``Future``); ``RuntimeError`` once it closed."""
+        return self._tier._io.submit(fn, *args)
+
+    def open_value(self, key: Key, entry: Entry) -> OpenValue:
+        """Open a value: its header checked, its pool object allocated (one reference)."""
+        return self._tier._open_value(key, entry)
+
+    def read_failed(self, key: Key, entry: Entry, e: BaseException) -> None:
+        """A read's error as the contract wants it: a miss, counted; a bad value deleted."""
+        self._tier._read_failed(key, entry, e)
+
+    def reader_done(self, entry: Entry) -> None:
+        """The read of ``entry`` ended (the file may be recycled again)."""
+        self._tier._reader_done(entry)
+
+    def buffer(self, name: str) -> memoryview:
+        """This thread's page-aligned 4 KiB buffer ``name`` (O_DIRECT tails)."""
+        return self._tier._buf(name)

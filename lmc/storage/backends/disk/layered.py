@@ -20,7 +20,6 @@ deleted, counted and reported not ok; the read never hands out verified status f
 from __future__ import annotations
 
 import os
-import threading
 from collections.abc import Sequence
 from concurrent.futures import CancelledError, Future, wait
 from typing import TYPE_CHECKING
@@ -30,10 +29,10 @@ import xxhash
 from lmc.storage.layered_read import LayeredRead, LayerReadError
 from lmc.storage.serde import CorruptValue
 
-from .backend import BLOCK, _io_all
+from .backend import BLOCK, io_all
 
 if TYPE_CHECKING:
-    from .backend import DiskBackend, _Entry, _Value
+    from .backend import DiskReads, Entry, OpenValue
 
 
 def layer_windows(nbytes: int, layers: int, align: int) -> list[tuple[int, int]]:
@@ -55,15 +54,15 @@ def layer_windows(nbytes: int, layers: int, align: int) -> list[tuple[int, int]]
 class DiskLayeredRead:
     """One ``get_layers`` call: opened values, their reads and their verification."""
 
-    def __init__(self, tier: DiskBackend, jobs: Sequence[tuple[int, bytes, _Entry]],
+    def __init__(self, tier: DiskReads, jobs: Sequence[tuple[int, bytes, Entry]],
                  nkeys: int) -> None:
         self.tier = tier
-        self.values: list[tuple[int, _Value]] = []
+        self.values: list[tuple[int, OpenValue]] = []
         objs: list = [None] * nkeys
-        futures: list[tuple[int, bytes, _Entry, Future | None]] = []
+        futures: list[tuple[int, bytes, Entry, Future | None]] = []
         for i, k, e in jobs:
             try:
-                futures.append((i, k, e, tier._io.submit(tier._open_value, k, e)))
+                futures.append((i, k, e, tier.submit(tier.open_value, k, e)))
             except RuntimeError:  # the tier closed meanwhile: the rest are misses
                 futures.append((i, k, e, None))
         layers = None
@@ -74,15 +73,15 @@ class DiskLayeredRead:
                 v = f.result()
             except (Exception, CancelledError) as exc:
                 if not isinstance(exc, CancelledError):
-                    tier._read_failed(k, e, exc)
-                tier._reader_done(e)
+                    tier.read_failed(k, e, exc)
+                tier.reader_done(e)
                 continue
             if layers is None:
                 layers = v.hdr.shape[0]
             if v.hdr.shape[0] != layers:  # another model's shape: not this call's, a miss
                 tier.metrics.error("get", "layers_mismatch")
                 v.close()
-                tier._reader_done(e)
+                tier.reader_done(e)
                 continue
             objs[i] = v.obj
             self.values.append((i, v))
@@ -94,13 +93,14 @@ class DiskLayeredRead:
         if not self.values:
             self.read.finish([False] * len(self.read.objs))
             return
-        t = threading.Thread(target=self._run, name="lmc-disk-layers", daemon=True)
-        with self.tier._lock:  # close() joins every coordinator it can see
-            self.tier._coordinators.add(t)
-            t.start()
+        if not self.tier.coordinators.start(self._run):  # close() joins every one it started
+            self.read.fail(LayerReadError("disk tier closed"))
+            for _, v in self.values:
+                v.close()
+                self.tier.reader_done(v.entry)
 
     # ---------------------------------------------------------------- the reads
-    def _window(self, v: _Value, obj, lo: int, hi: int) -> None:
+    def _window(self, v: OpenValue, obj, lo: int, hi: int) -> None:
         """Read payload bytes ``[lo, hi)`` of ``v`` into its object (pool thread)."""
         view = obj.byte_view()
         if v.spans is None:  # buffered: exact ranges
@@ -110,10 +110,10 @@ class DiskLayeredRead:
             cut = head.nbytes
             bufs = [head[lo:min(hi, cut)]] if lo < cut else []
             if hi > cut:  # the last, partial unit: through our aligned buffer
-                tbuf = self.tier._buf("_rtail")
+                tbuf = self.tier.buffer("_rtail")
                 bufs.append(tbuf)
         want = sum(b.nbytes for b in bufs)
-        if _io_all(os.preadv, v.fd, bufs, BLOCK + lo) < want:
+        if io_all(os.preadv, v.fd, bufs, BLOCK + lo) < want:
             raise CorruptValue("file truncated")
         if v.spans is not None and hi > v.spans[0].nbytes:
             tail = v.spans[1]
@@ -137,7 +137,7 @@ class DiskLayeredRead:
                 for j, (i, v, wins, _) in enumerate(plans):
                     lo, hi = wins[layer]
                     if hi > lo:
-                        row.append((j, tier._io.submit(self._window, v, read.objs[i], lo, hi)))
+                        row.append((j, tier.submit(self._window, v, read.objs[i], lo, hi)))
                 futures.append(row)
             for layer in range(layers):
                 for j, f in futures[layer]:
@@ -166,10 +166,16 @@ class DiskLayeredRead:
         try:
             for j, (i, v, _, _) in enumerate(plans):
                 err = bad.get(j)
-                if err is None and failed is None and hashers[j].intdigest() != v.hdr.checksum:
-                    err = CorruptValue("payload checksum mismatch (read layer by layer)")
+                if err is None and failed is None:
+                    obj = read.objs[i]
+                    assert obj is not None
+                    try:  # the payload hashed as it landed: the codec checks the digest
+                        tier.codec.verify(v.key, v.head, v.hdr, obj.byte_view(),
+                                          digest=hashers[j].intdigest())
+                    except CorruptValue as e:
+                        err = e
                 if err is not None:
-                    tier._read_failed(v.key, v.entry, err)
+                    tier.read_failed(v.key, v.entry, err)
                 elif failed is None:
                     ok[i] = True
             if failed is not None and not isinstance(failed, LayerReadError):
@@ -177,9 +183,8 @@ class DiskLayeredRead:
         finally:
             for _, v in self.values:
                 v.close()
-                tier._reader_done(v.entry)
+                tier.reader_done(v.entry)
             if failed is not None:
                 read.fail(failed)
             else:
                 read.finish(ok)
-            tier._coordinators.discard(threading.current_thread())

@@ -41,10 +41,11 @@ from lmc.memory.pool import MemoryObj, MemoryPool
 from lmc.metrics import TierMetrics
 from lmc.settings import parse_duration, parse_int, parse_positive_size
 from lmc.storage.breaker import OPEN, STATE_CODES, CircuitBreaker
+from lmc.storage.codec import ValueCodec
 from lmc.storage.integrity import Geometry, Integrity
-from lmc.storage.layered_read import LayeredRead
+from lmc.storage.layered_read import Coordinators, LayeredRead
 from lmc.storage.remote import split_batch
-from lmc.storage.serde import HEADER_SIZE, TAG_SIZE, encodable
+from lmc.storage.serde import encodable
 from lmc.storage.tier import (
     BackendOption,
     Key,
@@ -114,8 +115,8 @@ class RedisBackend(StorageBackend):
         self.connections = connections
         self.get_piece = get_piece    # bytes per GETRANGE (see fetch.py)
         self.get_window = get_window  # bytes requested ahead per connection
-        self.integrity = Integrity.from_config(config)
-        self.head = HEADER_SIZE + (TAG_SIZE if self.integrity else 0)  # bytes before payload
+        # the framing stage (lmc.storage.codec): header, checksum and keyed tag of each value
+        self.codec = ValueCodec(Integrity.from_config(config))
         # the engine's chunk geometry (lmc.storage.integrity.expect_geometry): a value whose header
         # describes another chunk is refused from its header, like a checksum failure
         self.expected_geometry: Geometry | None = None
@@ -138,7 +139,7 @@ class RedisBackend(StorageBackend):
         self._exec_lock = threading.Lock()
         self._counts: Counter[str] = Counter()  # plain figures for stats()
         self._count_lock = threading.Lock()
-        self._coordinators: set[threading.Thread] = set()  # layered reads in progress
+        self.coordinators = Coordinators("lmc-redis-layers")  # layered reads in progress
         self.closed = False
 
     # ------------------------------------------------------------------ helpers
@@ -295,7 +296,7 @@ class RedisBackend(StorageBackend):
         self._dispatch(call, lambda c, idxs: SmallJob(c, idxs, (b"STRLEN",)),
                        Deadline(self.timeout), parallel=False)
         # STRLEN, not EXISTS: a value too short to hold a header is not there
-        out = [r is not None and r >= self.head for r in call.results]
+        out = [r is not None and r >= self.codec.size for r in call.results]
         hits = sum(out)
         self._finish("contains", t0, call, hit=hits, miss=len(keys) - hits)
         return out
@@ -308,8 +309,7 @@ class RedisBackend(StorageBackend):
         call = Call("get", keys, [self.remote_key(k) for k in keys], results)
         self._dispatch(call, lambda c, idxs: GetJob(c, idxs, self.pool.allocate,
                                                     self.get_piece, self.get_window,
-                                                    self.integrity,
-                                                    self.expected_geometry),
+                                                    self.codec, self.expected_geometry),
                        Deadline(self.timeout), parallel=True)
         hits = sum(r is not None for r in results)
         self._finish("get", t0, call, hit=hits, miss=len(keys) - hits)
@@ -320,7 +320,7 @@ class RedisBackend(StorageBackend):
         (:mod:`lmc.storage.backends.redis.layered`)."""
         if not keys or self.closed:
             return None
-        call = RedisLayeredRead(self, keys)
+        call = RedisLayeredRead(RedisCalls(self), keys)
         call.start()
         return call.read
 
@@ -341,8 +341,9 @@ class RedisBackend(StorageBackend):
         verbs = [(b"PEXPIRE", b"%d" % self.px)] if self.px else []
         self._dispatch(probe, lambda c, idxs: SmallJob(c, idxs, *verbs, (b"STRLEN",)),
                        Deadline(self.timeout), parallel=False)
-        present = sum(r is not None and r >= self.head for r in probe.results)
-        todo = [i for i, r in enumerate(probe.results) if r is not None and r < self.head]
+        head = self.codec.size
+        present = sum(r is not None and r >= head for r in probe.results)
+        todo = [i for i, r in enumerate(probe.results) if r is not None and r < head]
         stored = 0
         call = Call("put", keys, rkeys, [False] * len(keys))
         if todo:
@@ -350,7 +351,7 @@ class RedisBackend(StorageBackend):
                        [False] * len(todo))
             sub_objs = [objs[i] for i in todo]
             self._dispatch(sub, lambda c, idxs: SetJob(c, idxs, sub_objs, self.px,
-                                                       self.integrity),
+                                                       self.codec),
                            Deadline(self.timeout, idle=True), parallel=True)
             stored = sum(r is True for r in sub.results)
             call = sub
@@ -389,9 +390,40 @@ class RedisBackend(StorageBackend):
         with self._exec_lock:  # after this no call makes a new executor (see _pool)
             self.closed = True
             ex, self._executor = self._executor, None
-            coordinators = list(self._coordinators)
-        for t in coordinators:  # layered reads end within their deadline
-            t.join()
+        self.coordinators.close()  # layered reads end within their deadline
         if ex is not None:
             ex.shutdown(wait=True, cancel_futures=True)
         self.router.close()
+
+
+class RedisCalls:
+    """What the tier hands its layered reader (:mod:`.layered`), and all that reader may use
+    of it: routing a call's jobs to the servers (breakers, retries, counting), its plain
+    counters, deleting bad values, its coordinators, and the figures a read needs (codec,
+    pool, deadline, piece and window sizes, the engine's geometry at the call's start)."""
+
+    def __init__(self, tier: RedisBackend) -> None:
+        self._tier = tier
+        self.codec = tier.codec
+        self.pool = tier.pool
+        self.metrics = tier.metrics
+        self.timeout = tier.timeout
+        self.piece = tier.get_piece
+        self.window = tier.get_window
+        self.geometry = tier.expected_geometry
+        self.display = tier.target.display
+        self.coordinators = tier.coordinators
+
+    def remote_key(self, key: Key) -> bytes:
+        return self._tier.remote_key(key)
+
+    def dispatch(self, call: Call, make_job: JobFactory, dl: Deadline, parallel: bool) -> None:
+        """Run ``call``'s jobs on their servers (never raises: failures are misses)."""
+        self._tier._dispatch(call, make_job, dl, parallel)
+
+    def count(self, **kv: float) -> None:
+        """Add to the tier's plain counters (``stats()``)."""
+        self._tier._count(**kv)
+
+    def delete(self, keys: Sequence[Key]) -> int:
+        return self._tier.delete(keys)

@@ -28,8 +28,8 @@ from collections import deque
 from collections.abc import Sequence
 
 from lmc.memory.pool import MemoryObj
-from lmc.storage.codec import ValueHead
-from lmc.storage.integrity import Geometry, Integrity
+from lmc.storage.codec import ValueCodec
+from lmc.storage.integrity import Geometry
 from lmc.storage.remote import Rejects
 from lmc.storage.serde import (
     CorruptValue,
@@ -63,10 +63,10 @@ class GetJob(Job):
 
     def __init__(self, call: Call, idxs: Sequence[int], allocate: Allocate,
                  piece: int = 1 << 20, window: int = 4 << 20,
-                 integrity: Integrity | None = None, geometry: Geometry | None = None
+                 codec: ValueCodec | None = None, geometry: Geometry | None = None
                  ) -> None:
         super().__init__(call, idxs)
-        self.frame = ValueHead(integrity)
+        self.frame = codec if codec is not None else ValueCodec()
         self.geometry = geometry
         self.hsize = self.frame.size  # bytes before the payload
         if piece <= self.hsize:

@@ -15,8 +15,7 @@ from typing import Any
 import torch
 
 from lmc.memory.pool import MemoryObj
-from lmc.storage.codec import ValueHead
-from lmc.storage.integrity import Integrity
+from lmc.storage.codec import ValueCodec
 
 from .wire import Deadline, Outbox, ReplyError, WireConn, command
 
@@ -102,11 +101,11 @@ class SetJob(Job):
     op = "put"
 
     def __init__(self, call: Call, idxs: Sequence[int], objs: Sequence[MemoryObj],
-                 px: int, integrity: Integrity | None = None) -> None:
+                 px: int, codec: ValueCodec | None = None) -> None:
         super().__init__(call, idxs)
         self.objs = objs
         self.px = px
-        self.frame = ValueHead(integrity)
+        self.frame = codec if codec is not None else ValueCodec()
         self.head = self.frame.size
 
     def send(self, wc: WireConn, dl: Deadline) -> None:

@@ -32,7 +32,6 @@ from typing import TYPE_CHECKING, Any
 import xxhash
 
 from lmc.memory.pool import MemoryObj
-from lmc.storage.codec import ValueHead
 from lmc.storage.layered_read import LayeredRead, LayerReadError
 from lmc.storage.remote import Rejects
 from lmc.storage.serde import CorruptValue, Header
@@ -41,7 +40,7 @@ from .jobs import Call, Job
 from .wire import Deadline, ReplyError, WireConn, command
 
 if TYPE_CHECKING:
-    from .backend import RedisBackend
+    from .backend import RedisCalls
 
 log = logging.getLogger(__name__)
 
@@ -195,12 +194,12 @@ class LayerJob(Job):
 class RedisLayeredRead:
     """One ``get_layers`` call (see the module docstring)."""
 
-    def __init__(self, tier: RedisBackend, keys: Sequence[bytes]) -> None:
+    def __init__(self, tier: RedisCalls, keys: Sequence[bytes]) -> None:
         self.tier = tier
         self.keys = keys
         self.rkeys = [tier.remote_key(k) for k in keys]
         self.t0 = time.perf_counter()
-        self.rejects: Rejects[int] = Rejects(f"redis tier {tier.target.display}")
+        self.rejects: Rejects[int] = Rejects(f"redis tier {tier.display}")
         self.opened: dict[int, tuple[MemoryObj, Header]] = {}
         self.heads: dict[int, bytes] = {}
         self.alloc_failures = 0
@@ -210,10 +209,10 @@ class RedisLayeredRead:
 
     def _open(self) -> list[MemoryObj | None]:
         tier = self.tier
-        frame = ValueHead(tier.integrity)
-        hsize = tier.head
+        codec = tier.codec
+        hsize = codec.size
         call = Call("get", self.keys, self.rkeys, [None] * len(self.keys))
-        tier._dispatch(call, lambda c, idxs: HeadJob(c, idxs, hsize), Deadline(tier.timeout),
+        tier.dispatch(call, lambda c, idxs: HeadJob(c, idxs, hsize), Deadline(tier.timeout),
                        parallel=False)
         objs: list[MemoryObj | None] = [None] * len(self.keys)
         layers = None
@@ -222,12 +221,11 @@ class RedisLayeredRead:
                 continue  # no value (or the server did not answer): a miss
             head, n = r
             try:
-                hdr = frame.decode(head, self.keys[i])
+                # as get() does: header and the engine's geometry, before allocating
+                hdr = codec.decode(head, self.keys[i], tier.geometry)
                 if len(head) != hsize or n != hsize + hdr.payload_len:
                     raise CorruptValue(f"value is {n} bytes, its header says "
                                        f"{hsize + hdr.payload_len}")
-                if tier.expected_geometry is not None:  # as get() does: before allocating
-                    tier.expected_geometry.check(hdr.shape, hdr.dtype)
             except CorruptValue as e:
                 self.rejects.reject(i, e, self.rkeys[i].decode(errors="replace"))
                 continue
@@ -249,13 +247,7 @@ class RedisLayeredRead:
         if not self.opened:
             self._end(None, {})
             return
-        t = threading.Thread(target=self._run, name="lmc-redis-layers", daemon=True)
-        with self.tier._exec_lock:  # close() joins every coordinator it can see
-            closed = self.tier.closed
-            if not closed:
-                self.tier._coordinators.add(t)
-                t.start()
-        if closed:
+        if not self.tier.coordinators.start(self._run):  # close() joins every one it started
             self._end(LayerReadError("redis tier closed"), {})
 
     def _run(self) -> None:
@@ -271,12 +263,12 @@ class RedisLayeredRead:
             opened = {j: self.opened[i] for j, i in enumerate(sub)}
 
             def make(c: Call, idxs: Sequence[int]) -> LayerJob:
-                job = LayerJob(c, idxs, opened, tier.head, self.layers, tier.get_piece,
-                               tier.get_window, landing)
+                job = LayerJob(c, idxs, opened, tier.codec.size, self.layers, tier.piece,
+                               tier.window, landing)
                 jobs.append(job)
                 return job
 
-            tier._dispatch(sub_call, make, Deadline(tier.timeout), parallel=True)
+            tier.dispatch(sub_call, make, Deadline(tier.timeout), parallel=True)
             done = {j for job in jobs if job.complete for j in job.idxs}
             if len(done) < len(sub):
                 why = next((job.broken for job in jobs if job.broken),
@@ -303,26 +295,24 @@ class RedisLayeredRead:
             bad = self.rejects.take()
             if bad:
                 tier.metrics.checksum_failure(len(bad))
-                tier._count(corrupt=len(bad))
+                tier.count(corrupt=len(bad))
                 tier.delete([self.keys[i] for i in bad])
             if self.alloc_failures:
-                tier._count(alloc_failures=self.alloc_failures)
+                tier.count(alloc_failures=self.alloc_failures)
             if err is not None:
-                log.debug("redis tier %s: layered read failed: %s", tier.target.display, err)
+                log.debug("redis tier %s: layered read failed: %s", tier.display, err)
             hits = sum(ok)
-            tier._count(get_calls=1, get_seconds=time.perf_counter() - self.t0, get_hit=hits,
+            tier.count(get_calls=1, get_seconds=time.perf_counter() - self.t0, get_hit=hits,
                         get_miss=len(self.keys) - hits,
-                        bytes_read=sum(self.opened[i][1].payload_len + tier.head
+                        bytes_read=sum(self.opened[i][1].payload_len + tier.codec.size
                                        for i in self.opened if ok[i]))
         finally:
             if err is not None:
                 self.read.fail(err)
             else:
                 self.read.finish(ok)
-            with tier._exec_lock:
-                tier._coordinators.discard(threading.current_thread())
 
     def _check(self, i: int, obj: MemoryObj, hdr: Header, hasher: Any) -> None:
-        if hasher.intdigest() != hdr.checksum:
-            raise CorruptValue("payload checksum mismatch (read layer by layer)")
-        ValueHead(self.tier.integrity).check_tag(self.keys[i], self.heads[i], obj.byte_view())
+        # the payload was hashed as it landed: the codec checks that digest and the tag
+        self.tier.codec.verify(self.keys[i], self.heads[i], hdr, obj.byte_view(),
+                               digest=hasher.intdigest())
