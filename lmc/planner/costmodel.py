@@ -13,6 +13,16 @@ layer-wise loading hides behind compute is already left out of it. Why a fit rat
 points: traces have every length, and the fit's residual on the measured points is kept in
 the profile so a bad fit is visible. ``tests/planner/test_validate.py`` checks the predicted
 mean TTFT against a replay within 20%.
+
+**Load or recompute.** lmc does not always load a whole hit: its connectors load the part
+that beats recomputing (:mod:`lmc.connectors.core.load_policy`), so a prediction that
+charged every hit's load would overstate a slow tier's cost. :meth:`Profile.ttft_s` asks the
+same rule (:func:`~lmc.connectors.core.load_policy.choose_split`, imported, not copied) how
+much of each request's hit to load, with the profile's costs (:meth:`Profile.costs`): each
+tier's measured cost is what a hit adds to TTFT through the connector, layer-wise overlap
+already in it, so the rule sees them as additive (``num_layers = 1``: TTFT = loads +
+compute). The sim gives hits by tier, not their order along the prompt; they are taken as
+lying fastest tier first (L1, disk, remote), the usual shape of a shared prefix.
 """
 
 from __future__ import annotations
@@ -27,6 +37,8 @@ from typing import Any
 
 import numpy as np
 
+from lmc.connectors.core.load_policy import Costs, choose_split
+from lmc.storage.speeds import PrefillRate, TierRate
 from lmc.workloads.inputs import InputError, parse_json, read_text
 
 PROFILE_VERSION = 2  # 2: measured with lmc attached (1 measured the engine alone)
@@ -76,8 +88,10 @@ class Profile:
         end = np.asarray(end, dtype=np.float64)
         return c0 + c1 * (end - start) + c2 * (end * end - start * start)
 
-    def ttft_s(self, num_tokens: Any, hits: dict[str, Any]) -> Any:
-        """Predicted TTFT per request: ``hits`` maps a tier to loaded tokens per request."""
+    def ttft_s(self, num_tokens: Any, hits: dict[str, Any], *, policy: bool = True) -> Any:
+        """Predicted TTFT per request: ``hits`` maps a tier to hit tokens per request. With
+        ``policy`` (lmc's default, ``load_policy: auto``) each request loads only the part
+        of its hit the load-or-recompute rule chooses (see the module doc); without, all."""
         n = np.asarray(num_tokens, dtype=np.float64)
         loaded = np.zeros_like(n)
         load = np.zeros_like(n)
@@ -86,7 +100,35 @@ class Profile:
             loaded += tok
             load += self.tier(tier).seconds(tok * self.kv_bytes_per_token,
                                             np.ceil(tok / self.chunk_size))
-        return self.prefill_s(loaded, n) + load
+        full = self.prefill_s(loaded, n) + load
+        if not policy or not hits or not np.any(loaded > 0):
+            return full
+        names = list(hits)
+        costs = self.costs(names)
+        cols = [np.broadcast_to(np.asarray(hits[t], dtype=np.int64), n.shape) for t in names]
+        out = np.array(full, dtype=np.float64, copy=True)
+        cs = self.chunk_size
+        for i in np.flatnonzero(loaded > 0):
+            counts = [int(c[i]) for c in cols]
+            sources = b"".join(bytes([t + 1]) * -(-k // cs) for t, k in enumerate(counts) if k)
+            split = choose_split(costs, sources, cs, 0, int(loaded[i]), int(n[i]))
+            if split.end < loaded[i]:  # the whole hit keeps its exact (per-chunk) cost
+                out[i] = split.ttft_s
+        return out
+
+    def costs(self, tiers: list[str]) -> Costs:
+        """The rule's view of this profile for hits from ``tiers`` (their order along a
+        prompt): index 0 is a zero-cost copy, each tier then charges its whole measured
+        cost per token (bytes and per-chunk) before the compute (``num_layers = 1``)."""
+        bpt = float(self.kv_bytes_per_token)
+        rates = [TierRate("copy", 1e30)]
+        for name in tiers:
+            t = self.tier(name)
+            per_token = bpt / t.bytes_per_s + t.per_chunk_s / self.chunk_size
+            rates.append(TierRate(name, bpt / per_token if per_token > 0 else 1e30,
+                                  overlaps=False))
+        c0, c1, c2 = self.fit
+        return Costs(tuple(rates), PrefillRate(c0, c1, c2), bpt, 1)
 
     def tier(self, name: str) -> TierCost:
         cost = self.tiers.get(name)
