@@ -62,6 +62,7 @@ log = logging.getLogger(__name__)
 _warn = RateLimitedWarnings(limit=10, window=10.0, logger=log)
 MAX_PROMPT_TOKENS = 1 << 20
 TAIL_BYTES = 64 << 10  # of an answer, kept to read its usage
+HEALTH_TIMEOUT = 5.0
 
 
 @dataclass(frozen=True)
@@ -97,6 +98,7 @@ class Instance:
                        if spec.events else None)
         self.healthy = True
         self.in_flight = 0
+        self.probe_failures = 0
 
 
 class _Metrics:
@@ -160,9 +162,9 @@ class Router:
         self.url = f"http://{host}:{self.port}"
         if self.feed is not None:
             self.feed.start()
-        self._health = threading.Thread(target=self._check_health, name="lmc-router-health",
-                                        daemon=True)
-        self._health.start()
+        for inst in self.instances:
+            threading.Thread(target=self._check_health, args=(inst,),
+                             name="lmc-router-health", daemon=True).start()
 
     # ------------------------------------------------------------------ choosing
     def pick(self, tokens: list[int] | None, salt: str | None, exclude: set[str]
@@ -204,14 +206,25 @@ class Router:
         inst.healthy = healthy
         self.metrics.healthy.labels(inst.url).set(1 if healthy else 0)
 
-    def _check_health(self) -> None:
+    def _check_health(self, inst: Instance) -> None:
+        """``GET /health`` every ``health_interval`` (one thread per instance, so a hung one
+        delays only itself), each within ``HEALTH_TIMEOUT``."""
         while not self._stop.is_set():
-            for inst in self.instances:
-                try:
-                    status, _ = inst.upstream.get("/health", 4096)
-                    self.mark(inst, status == 200, f"/health answered {status}")
-                except (HttpError, *UPSTREAM_ERRORS) as e:
+            conn = http.client.HTTPConnection(inst.upstream.host, inst.upstream.port,
+                                              timeout=HEALTH_TIMEOUT)
+            try:
+                conn.request("GET", "/health")
+                resp = conn.getresponse()
+                resp.read(4096)
+                self.mark(inst, resp.status == 200, f"/health answered {resp.status}")
+                inst.probe_failures = 0
+            except UPSTREAM_ERRORS as e:
+                # refused: down now; a timeout may be a busy moment: down at the second
+                inst.probe_failures += 1
+                if isinstance(e, ConnectionRefusedError) or inst.probe_failures >= 2:
                     self.mark(inst, False, f"{type(e).__name__}: {str(e)[:100]}")
+            finally:
+                conn.close()
             self._stop.wait(self.health_interval)
 
     # ------------------------------------------------------------------ reporting

@@ -62,7 +62,7 @@ def routed(r: Router) -> dict[tuple[str, str], float]:
     return out
 
 
-def wait_indexed(r: Router, url: str, blocks: int, timeout: float = 10.0) -> None:
+def wait_indexed(r: Router, url: str, blocks: int, timeout: float = 30.0) -> None:
     inst = next(i for i in r.instances if i.url == url)
     end = time.monotonic() + timeout
     assert inst.source is not None
