@@ -285,6 +285,41 @@ def _want_pinned(pin: str | bool | None, registrar: Any = None) -> bool:
     return False
 
 
+class PoolTooLarge(ValueError):
+    """The pool asked for does not fit this host's memory: the message names both."""
+
+
+def _mem_total() -> int | None:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def _too_large(size: int, why: str) -> str:
+    total, avail = _mem_total(), mem_available()
+    host = ", ".join(x for x in (
+        f"{human_bytes(total)} of memory" if total is not None else "",
+        f"{human_bytes(avail)} available now" if avail is not None else "") if x)
+    return (f"a {human_bytes(size)} memory pool does not fit this host ({why}; the host has "
+            f"{host or 'an unknown amount of memory'}): lower local_cpu_size "
+            "(lmc server: --size)")
+
+
+def check_fits(size: int, touched: bool = True) -> None:
+    """Refuse a pool larger than the host's memory, or (``touched``: it will be pre-faulted,
+    every page made resident) larger than what is available now, before allocating it."""
+    total, avail = _mem_total(), mem_available()
+    if total is not None and size > total:
+        raise PoolTooLarge(_too_large(size, "more than all its memory"))
+    if touched and avail is not None and size > avail:
+        raise PoolTooLarge(_too_large(size, "more than it has available"))
+
+
 class MemoryPool:
     """A fixed buffer of ``size`` bytes: pinned where CUDA is present, plain otherwise."""
 
@@ -310,7 +345,11 @@ class MemoryPool:
             self.buffer, self._prefault = self._pinned_buffer(
                 size, align, hugepages, registrar, pin_step, prefault)
         else:
-            raw = torch.empty(size + align, dtype=torch.uint8)
+            check_fits(size, prefault != "off")
+            try:
+                raw = torch.empty(size + align, dtype=torch.uint8)
+            except RuntimeError as e:  # the allocator's own refusal: a line, not 24
+                raise PoolTooLarge(_too_large(size, "the allocator refused it")) from e
             # 2 MiB pages: fewer faults and TLB misses on chunk copies
             huge = hugepages and advise_hugepages(raw)
             skew = (-raw.data_ptr()) % align  # start on an aligned address (O_DIRECT-ready)

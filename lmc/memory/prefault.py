@@ -1,25 +1,24 @@
 """Pre-faulting a memory pool: paying each page's first-touch cost before a store does.
 
 Why: a fresh pool is untouched virtual memory, so the first write into every page takes a page
-fault. Taken one 4 KiB page at a time by a copy, that ran at 0.1-1.6 GiB/s here (0.13 of
-memcpy at best; a VM makes every fault a trap). ``madvise(MADV_POPULATE_WRITE)`` (Linux 5.14+)
-faults a whole range in the kernel without a trap per page: 1.7-2.8 GiB/s here, 10x or more
-faster than faulting through the copy.
+fault, and a store into a fresh 4 GiB pool ran at 0.02-0.23 of a copy into faulted memory.
 
-How: ``MADV_POPULATE_WRITE`` never changes a page's contents, so it is safe on memory already
-in use. A background thread populates the pool from offset 0 upwards in 64 MiB steps while
-the engine starts and serves; the allocator (TLSF carves from the low end of the free block
-it picks) hands out blocks from the front, i.e. from pages already populated; a block that
-runs past the populated front is populated by the allocating thread itself (one syscall per
-allocation, still far cheaper than faulting through the copy). Start-up is not delayed.
+How: the pages are faulted in from offset 0 upwards in 64 MiB steps by a background thread
+(nice +5) while the engine loads its model, and whoever reports the engine ready waits for
+it (``MemoryPool.wait_ready``: the reference server's ``/health`` says 503 with the progress
+until then), so "ready" means full speed. Which way of faulting is fastest differs by host,
+so it is measured on the pool's first 128 MiB at start (:class:`FaultRates`):
+``madvise(MADV_POPULATE_WRITE)`` (Linux 5.14+; keeps contents, so safe on memory in use),
+or zeroing with ``memset`` (only steps nobody was handed: an allocation past the front claims
+its steps and waits for one being zeroed under it). A store that arrives before the front
+reaches it populates its own block only where populating and then copying is faster than
+letting its copy fault the pages (measured: on one VM madvise ran at 0.5-3.4 GiB/s, a copy
+into fresh pages at 5.2-6.9; on another madvise at 15-20, the copy at 0.5-1.6).
 
-The daemon runs the same code synchronously before it serves (``run()``), so its first pass
-through the pool costs no faults at all. Without ``MADV_POPULATE_WRITE`` (an old kernel) the
-synchronous path touches the pages by zeroing them -- safe only because nothing is allocated
-yet -- and the background path does nothing (pages are faulted on first use, as before).
-
-Progress: log lines (sizes and durations in human units), ``front`` / ``stats()`` for pool
-stats, and the process-wide Prometheus gauge ``lmc_pool_prefaulted_bytes``.
+The daemon runs the same code synchronously before it serves (``run()``). Progress: log lines
+(sizes and durations in human units; "stores run at full speed from now" when done),
+``front`` / ``stats()`` for pool stats, and the process-wide Prometheus gauge
+``lmc_pool_prefaulted_bytes``.
 """
 
 from __future__ import annotations
@@ -27,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import ctypes.util
+import dataclasses
 import errno
 import logging
 import os
@@ -73,6 +73,10 @@ def _c() -> Any:
     if _libc is None:
         _libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
         _libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+        _libc.memset.argtypes = (ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t)
+        _libc.memset.restype = ctypes.c_void_p
+        _libc.memmove.argtypes = (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t)
+        _libc.memmove.restype = ctypes.c_void_p
     return _libc
 
 
@@ -122,17 +126,53 @@ def populate(addr: int, nbytes: int) -> bool:
     return False
 
 
-class Prefaulter:
-    """Populates ``buf`` from its start: in the background (``start()``) or now (``run()``).
+@dataclasses.dataclass(frozen=True)
+class FaultRates:
+    """Bytes per second of the ways to fault fresh pages in, measured on the pool itself at
+    start (:meth:`Prefaulter.calibrate`): which is faster differs by host. Measured: one VM
+    populated at 0.5-3.4 GiB/s while zeroing ran at 3-9.6 and a copy into fresh pages at
+    5.2-6.9; another (transparent huge pages) populated at 15-20 GiB/s while a copy into
+    fresh pages ran at 0.5-1.6."""
 
-    ``front``: bytes ``[0, front)`` are populated. Work is handed out in ``step``s from a
-    cursor, so a thread that allocates past the front (``ensure``) helps: it populates the
-    next steps up to its block's end instead of faulting them through its copy, and no step
-    is populated twice. A block inside the front costs one comparison.
+    populate: float    # madvise(MADV_POPULATE_WRITE)
+    zero: float        # memset of fresh pages
+    copy_fresh: float  # memcpy into fresh pages (what a store does without a pre-fault)
+    copy_warm: float   # memcpy into faulted pages (the store's own cost)
+
+    @property
+    def method(self) -> str:
+        """How the pre-fault thread faults pages: the faster of populate and zeroing."""
+        return "populate" if self.populate >= self.zero else "zero"
+
+    @property
+    def ensure_populates(self) -> bool:
+        """Should a store's block past the front be populated before its copy? Only when
+        populating and then copying beats letting the copy fault the pages itself."""
+        return 1 / self.populate + 1 / self.copy_warm < 1 / self.copy_fresh
+
+    def describe(self) -> str:
+        return (f"populate {human_bytes(self.populate)}/s, zeroing {human_bytes(self.zero)}/s, "
+                f"a copy into fresh pages {human_bytes(self.copy_fresh)}/s (into faulted "
+                f"pages {human_bytes(self.copy_warm)}/s)")
+
+
+CALIBRATE = 32 << 20  # bytes per measurement of calibrate(): ~4x this, a few ms to ~0.2 s
+
+
+class Prefaulter:
+    """Faults ``buf`` in from its start: in the background (``start()``) or now (``run()``).
+
+    ``front``: bytes ``[0, front)`` are done (faulted in, or left to the copy of the block
+    that claimed them). Work is handed out in ``step``s from a cursor. How pages are faulted
+    is measured at start (:class:`FaultRates`): by ``madvise(MADV_POPULATE_WRITE)``, which
+    keeps contents, or by zeroing, which may only touch steps nobody was handed out -- so
+    an allocation past the front (``ensure``) claims the steps up to its end for its own copy
+    and waits for a step the thread is zeroing under it. A block inside the front costs one
+    comparison.
     """
 
     def __init__(self, buf: torch.Tensor, name: str = "memory pool", step: int = STEP,
-                 huge: bool = False) -> None:
+                 huge: bool = False, rates: FaultRates | None = None) -> None:
         if step < PAGE or step % PAGE:
             raise ValueError(f"pre-fault step must be a multiple of {PAGE} B, got {step}")
         self.name = name
@@ -140,11 +180,16 @@ class Prefaulter:
         self.size = buf.numel() * buf.element_size()
         self.step = step
         self.huge = huge
-        self.front = 0  # [0, front) populated
+        self.rates = rates
+        self.method = rates.method if rates is not None else "populate"
+        self.ensure_populates = rates.ensure_populates if rates is not None else True
+        self.front = 0  # [0, front) done
+        self.faulted = 0  # bytes this pre-fault faulted in (steps left to a copy excluded)
         self.seconds = 0.0  # from the start until the front's last advance
         self.done = threading.Event()  # the front reached the end, or the pre-fault stopped
         self._cursor = 0  # [0, cursor) handed out to some thread
-        self._finished: dict[int, int] = {}  # steps populated beyond the front: start -> n
+        self._finished: dict[int, int] = {}  # steps done beyond the front: start -> n
+        self._busy: dict[int, int] = {}  # steps being worked on now: start -> n
         self._mu = threading.Lock()
         self._advanced = threading.Condition(self._mu)  # the front moved
         self._stop = threading.Event()
@@ -158,65 +203,112 @@ class Prefaulter:
     # ------------------------------------------------------------------ paths
     gauge = PREFAULTED
 
-    def ensure(self, offset: int, nbytes: int) -> None:
-        """Populate ``[offset, offset + nbytes)`` unless the front already covers it.
+    def calibrate(self) -> FaultRates | None:
+        """Measure :class:`FaultRates` on the first ``4 * CALIBRATE`` bytes (which it faults
+        in) and choose the method; None (defaults kept) for a small buffer or when the
+        kernel cannot populate. Only before anything is handed out of the buffer."""
+        if self.rates is not None or self.size < 8 * CALIBRATE or self._cursor:
+            return self.rates
+        c = CALIBRATE
+        libc = _c()
+        t0 = time.perf_counter()
+        if not populate(self.addr, c):
+            return None
+        t1 = time.perf_counter()
+        libc.memmove(self.addr + c, self.addr, c)  # into fresh pages: faults as a store does
+        t2 = time.perf_counter()
+        libc.memmove(self.addr + c, self.addr, c)  # again: the copy alone
+        t3 = time.perf_counter()
+        libc.memset(self.addr + 2 * c, 0, 2 * c)
+        t4 = time.perf_counter()
+        tiny = 1e-9
+        self.rates = FaultRates(c / max(t1 - t0, tiny), 2 * c / max(t4 - t3, tiny),
+                                c / max(t2 - t1, tiny), c / max(t3 - t2, tiny))
+        self.method = self.rates.method
+        self.ensure_populates = self.rates.ensure_populates
+        with self._mu:
+            self._cursor = self.front = self.faulted = 4 * c
+            self.gauge.inc(4 * c)
+        log.info("%s: measured %s: pre-faulting by %s; a store past the pre-fault %s",
+                 self.name, self.rates.describe(),
+                 "madvise" if self.method == "populate" else "zeroing",
+                 "populates its block first" if self.ensure_populates
+                 else "lets its copy fault the pages")
+        return self.rates
 
-        Claims the steps up to the block's end (so the background thread does not redo
-        them), then populates the block itself if part of it is still in a step the
-        background thread has not finished: a page left to the copy would fault there at a
-        tenth of the speed or less. Populating a page twice costs a page-table walk."""
+    def ensure(self, offset: int, nbytes: int) -> None:
+        """Make ``[offset, offset + nbytes)`` ready for a store's copy, unless the front
+        already covers it.
+
+        Zeroing thread: claim the steps up to the block's end for the copy (the thread
+        skips them) and wait for a step it is zeroing under the block. Then populate the
+        block only where that beats letting the copy fault it (``ensure_populates``):
+        never the steps around it, so a store does no more than its own bytes."""
         end = offset + nbytes
-        if end <= self.front or _populate_ok is False:
+        if end <= self.front:
             return
-        self._help(offset, end)
-        if end > self.front:
+        if self.method == "zero":
+            self._claim_for_copy(offset, end)
+        if self.ensure_populates and end > self.front and _populate_ok is not False:
             populate(self.addr + offset, nbytes)
 
+    def _claim_for_copy(self, offset: int, end: int) -> None:
+        with self._mu:
+            while self._cursor < end:
+                n = min(self.step, self.size - self._cursor)
+                self._finished[self._cursor] = n
+                self._cursor += n
+            self._advance()
+            while (any(s < end and offset < s + n for s, n in self._busy.items())
+                   and not self._stop.is_set()):
+                self._advanced.wait(0.05)
+
     def _help(self, offset: int, end: int) -> None:
-        """Near the front: claim and do the steps up to ``end`` in the calling thread."""
-        if offset <= self._cursor + 4 * self.step:
-            while self._cursor < end and not self._stop.is_set():
-                if not self._step(fallback_touch=False):
-                    break
+        """Claim and do the steps up to ``end`` in the calling thread (the pinner's)."""
+        while self._cursor < end and not self._stop.is_set():
+            if not self._step(fallback_touch=False):
+                break
 
     def _work(self, start: int, n: int, fallback_touch: bool) -> bool:
         """Do one claimed step ``[start, start + n)``; False when it could not be done."""
-        if populate(self.addr + start, n):
-            return True
-        if not fallback_touch or _populate_ok is not False:
-            return False
-        self._keep.view(torch.uint8).reshape(-1)[start: start + n].zero_()
+        if self.method == "populate":
+            if populate(self.addr + start, n):
+                return True
+            if _populate_ok is not False:
+                return False  # ENOMEM/EFAULT: this step is left to the copies
+            self.method = "zero"  # the kernel cannot populate: zeroing is as safe (ensure)
+        _c().memset(self.addr + start, 0, n)
         return True
 
     def _verb(self) -> str:
         return "pre-fault"
 
     def run(self, fallback_touch: bool = False) -> float:
-        """Populate the whole buffer now (the daemon's start-up); returns seconds taken.
-
-        ``fallback_touch``: without ``MADV_POPULATE_WRITE``, zero the pages instead -- only
-        for a buffer nothing has been handed out of yet (zeroing overwrites contents)."""
+        """Fault the whole buffer in now (the daemon's start-up); returns seconds taken.
+        Only for a buffer nothing has been handed out of yet (it may zero it)."""
         log.info("%s: %sing %s%s", self.name, self._verb(), human_bytes(self.size),
                  self._pages())
         self._t0 = self._last_log = time.perf_counter()
+        self.calibrate()
         while self._step(fallback_touch):
             pass
         self._stopped()
         return self.seconds
 
     def start(self) -> None:
-        """Populate in a background thread; returns at once."""
+        """Measure the fault rates, then fault in a background thread; returns at once."""
         if self._thread is not None:
             raise RuntimeError(f"{self.name}: pre-fault already started")
         log.info("%s: %sing %s in the background%s", self.name, self._verb(),
                  human_bytes(self.size), self._pages())
         self._t0 = self._last_log = time.perf_counter()
+        self.calibrate()
         self._thread = threading.Thread(target=_background, args=(weakref.ref(self),),
                                         daemon=True, name=f"lmc-prefault-{id(self):x}")
         self._thread.start()
 
     def stop(self, wait: float | None = 5.0) -> None:
-        """Stop advancing (the pool is closing); pages already populated stay."""
+        """Stop advancing (the pool is closing); pages already faulted stay."""
         self._stop.set()
         t = self._thread
         if t is not None and t is not threading.current_thread():
@@ -224,18 +316,28 @@ class Prefaulter:
         with self._mu:  # the gauge counts live pools: this one's pages go with it
             if not self._stop_counted:
                 self._stop_counted = True
-                self.gauge.dec(self.front + sum(self._finished.values()))
+                self.gauge.dec(self.faulted)
+            self._advanced.notify_all()
         self.done.set()
 
     def stats(self) -> dict[str, float]:
-        return {"prefaulted": self.front, "prefault_seconds": self.seconds}
+        return {"prefaulted": self.faulted, "prefault_front": self.front,
+                "prefault_seconds": self.seconds}
 
     # -------------------------------------------------------------- internals
     def _pages(self) -> str:
         return " (transparent huge pages)" if self.huge else ""
 
+    def _advance(self) -> None:
+        """Move the front over finished steps (``_mu`` held)."""
+        front = self.front
+        while front in self._finished:
+            front += self._finished.pop(front)
+        self.front = front
+        self._advanced.notify_all()
+
     def _step(self, fallback_touch: bool) -> bool:
-        """Claim the next step and populate it; False when none is left, on stop, or when
+        """Claim the next step and fault it in; False when none is left, on stop, or when
         the kernel cannot populate (then the claimed step faults on first use)."""
         if self._stop.is_set():
             return False
@@ -245,17 +347,22 @@ class Prefaulter:
                 return False
             n = min(self.step, self.size - start)
             self._cursor = start + n
-        if not self._work(start, n, fallback_touch):
+            self._busy[start] = n
+        try:
+            ok = self._work(start, n, fallback_touch)
+        finally:
+            with self._mu:
+                del self._busy[start]
+                self._advanced.notify_all()
+        if not ok:
             return False
         with self._mu:
             if not self._stop_counted:
                 self.gauge.inc(n)
+            self.faulted += n
             self._finished[start] = n
+            self._advance()
             front = self.front
-            while front in self._finished:
-                front += self._finished.pop(front)
-            self.front = front
-            self._advanced.notify_all()
             now = time.perf_counter()
             self.seconds = now - self._t0
             report = front >= self._next_log and now - self._last_log >= 1.0
@@ -267,8 +374,9 @@ class Prefaulter:
             if not self.done.is_set():
                 self.done.set()
                 rate = self.size / self.seconds if self.seconds > 0 else float("inf")
-                log.info("%s: %sed %s in %s (%s/s)", self.name, self._verb(),
-                         human_bytes(self.size), human_seconds(self.seconds), human_bytes(rate))
+                log.info("%s: %sed %s in %s (%s/s): stores run at full speed from now",
+                         self.name, self._verb(), human_bytes(self.size),
+                         human_seconds(self.seconds), human_bytes(rate))
         elif report:
             log.info("%s: %sed %s of %s (%.0f%%) in %s", self.name, self._verb(),
                      human_bytes(front), human_bytes(self.size), 100 * front / self.size,
@@ -282,6 +390,8 @@ class Prefaulter:
             log.info("%s: pre-fault stopped at %s of %s: the kernel did not populate this "
                      "memory ahead of use (pages fault on first write)", self.name,
                      human_bytes(self.front), human_bytes(self.size))
+            self.done.set()
+        elif self.front >= self.size:
             self.done.set()
 
 
@@ -486,6 +596,9 @@ class Pinner(Prefaulter):
 
     def _verb(self) -> str:
         return "page-lock"
+
+    def calibrate(self) -> FaultRates | None:
+        return None  # registering is the one way to pin: nothing to choose
 
     def _work(self, start: int, n: int, fallback_touch: bool) -> bool:
         if self.error is not None:
