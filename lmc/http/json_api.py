@@ -2,8 +2,9 @@
 and the bounds that keep one client from taking them down (threat model: docs/threats/http.md).
 
 Both speak HTTP/1.0 so that a streamed response ends when the connection closes (no chunked
-encoding to write), log requests at DEBUG only (an operator sees one line per event that
-matters, not one per request), and answer errors in the OpenAI shape clients already parse.
+encoding to write), log one INFO line per request once it is answered (an access log, as
+``vllm serve``'s: client, request line, status, duration; ``--no-access-log`` turns it off),
+and answer errors in the OpenAI shape clients already parse.
 
 Bounds (:class:`HttpLimits`, each a command-line flag of both servers):
 
@@ -21,6 +22,7 @@ Bounds (:class:`HttpLimits`, each a command-line flag of both servers):
 from __future__ import annotations
 
 import contextlib
+import errno
 import io
 import json
 import logging
@@ -34,9 +36,11 @@ from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
+from lmc import units
 from lmc.ratelog import RateLimitedWarnings  # also imported from here by both servers
 
 log = logging.getLogger("lmc.http")
+access_log = logging.getLogger("lmc.http.access")
 FD_RESERVE = 64  # descriptors kept free of client connections for files and upstreams
 _BUSY = (b"HTTP/1.0 503 Service Unavailable\r\nContent-Type: application/json\r\n"
          b"Connection: close\r\n\r\n"
@@ -84,6 +88,25 @@ def add_limit_args(p: Any) -> None:
                    help="to receive a whole request (line, headers, body), and per write")
     p.add_argument("--max-body", type=int_in(1, 1 << 40), default=d.max_body, metavar="BYTES",
                    help="largest request body (413 beyond)")
+    p.add_argument("--no-access-log", dest="access_log", action="store_false",
+                   help="no INFO line per request")
+
+
+def listen_error(e: OSError, host: str, port: int, flag: str = "--port") -> str:
+    """A failed bind, for a person: the address, why, and what to change."""
+    why = {errno.EADDRINUSE: "the address is already in use (another server listens there)",
+           errno.EADDRNOTAVAIL: "the address is not one of this host's",
+           errno.EACCES: "permission denied (ports below 1024 need privileges)"}.get(
+        e.errno or 0, e.strerror or str(e))
+    hint = (f"; pick another {flag} (0: a free one)"
+            if e.errno in (errno.EADDRINUSE, errno.EACCES) else "")
+    return f"cannot listen on {host}:{port}: {why}{hint}"
+
+
+def _printable(text: str, limit: int = 200) -> str:
+    """A client's request line in a log line: control characters escaped, cut short."""
+    text = text[:limit]
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
 
 
 def limits_from_args(args: Any) -> HttpLimits:
@@ -137,6 +160,7 @@ class BoundedHTTPServer(ThreadingHTTPServer):
     """A thread per connection, at most ``cap`` of them (see the module docstring)."""
 
     daemon_threads = True
+    access_log = True  # one INFO line per request answered (lmc.http.access)
     block_on_close = False  # a stuck client must not hold close()
     request_queue_size = 128  # a burst waits in the backlog, not in SYN retries
 
@@ -225,7 +249,27 @@ class JsonHandler(BaseHTTPRequestHandler):
 
     def handle_one_request(self) -> None:
         """The standard one, with a last answer for whatever a handler did not expect (so
-        the client gets a 500 naming it, not a closed connection)."""
+        the client gets a 500 naming it, not a closed connection), then the access line."""
+        t0 = time.monotonic()
+        self._status: int | None = None
+        try:
+            self._handle_one()
+        finally:
+            if self._status is not None and getattr(self.server, "access_log", True):
+                access_log.info('%s - "%s" %d %s', self.address_string(),
+                                _printable(getattr(self, "requestline", "") or "-"),
+                                self._status, units.seconds(time.monotonic() - t0))
+
+    def address_string(self) -> str:
+        host, port = self.client_address[:2]
+        return f"{host}:{port}"
+
+    def log_request(self, code: int | str = "-", size: int | str = "-") -> None:
+        """Called by ``send_response``: the status goes in the access line at the end."""
+        with contextlib.suppress(TypeError, ValueError):
+            self._status = int(getattr(code, "value", code))
+
+    def _handle_one(self) -> None:
         try:
             super().handle_one_request()
         except OSError as e:  # the client went away, or timed out

@@ -43,6 +43,7 @@ from lmc.http.json_api import (
     RateLimitedWarnings,
     add_limit_args,
     limits_from_args,
+    listen_error,
 )
 
 log = logging.getLogger(__name__)
@@ -301,12 +302,19 @@ def register_cli(sub: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if not logging.getLogger().handlers:  # the access log and warnings, one line each
+        logging.basicConfig(level=logging.INFO,
+                            format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         proxy = Proxy(args.prefill, args.decode, args.host, args.port,
                       limits_from_args(args), args.upstream_timeout)
-    except (ValueError, OSError) as e:
+    except OSError as e:
+        print(f"lmc pd-proxy: {listen_error(e, args.host, args.port)}", file=sys.stderr)
+        return 2
+    except ValueError as e:
         print(f"lmc pd-proxy: {e}", file=sys.stderr)
         return 2
+    proxy.httpd.access_log = getattr(args, "access_log", True)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())

@@ -14,15 +14,28 @@ Threat model: ``docs/threats/p2p.md``.
 A transfer that misses its deadline is asked to stop; until NIXL confirms it has, the
 destination objects stay referenced (``quarantined``), so a late write can never land in
 memory the pool has handed to someone else. NIXL is imported here only, and lazily, so
-nothing else in lmc needs it. Processes that made a UCX-backed agent crash in a library
-destructor at interpreter exit (NIXL 1.5.1): call :meth:`close`, then end with ``os._exit``.
+nothing else in lmc needs it.
+
+Exit: a process that made a UCX-backed agent used to end with a segfault (rc 139) however it
+ended. Measured cause (NIXL 1.5.1 wheels): UCX loads the wheel's own ``libnl-route-3`` and,
+through the host's RDMA providers, the system's copy; the wheel copy's C destructor
+(``rtnl_tc_unregister``, run by ``_dl_fini`` after the interpreter is gone) crashes, closed
+agents or not. So the first agent registers :func:`_exit_cleanly` with ``atexit``: at a
+normal exit it closes every live agent, runs the other exit functions, flushes, and ends the
+process with the status the interpreter was about to return (``sys.exit``'s argument, 1
+after an uncaught exception, else 0), skipping only the C library destructors.
 """
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import logging
+import os
+import sys
 import threading
 import time
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -49,6 +62,55 @@ def import_nixl() -> Any:
 def _span(t: torch.Tensor) -> tuple[int, int, int, str]:
     """A registration descriptor for the whole of ``t`` (host memory)."""
     return (t.data_ptr(), t.numel() * t.element_size(), 0, "")
+
+
+_LIVE: weakref.WeakSet[PoolAgent] = weakref.WeakSet()
+_exit_status: list[object] = []  # what sys.exit was last called with
+_hooked = False
+
+
+def _hook_exit() -> None:
+    """Once per process: remember ``sys.exit``'s status, and end cleanly at exit."""
+    global _hooked
+    if _hooked:
+        return
+    _hooked = True
+    real_exit = sys.exit
+
+    def exit_noting_status(status: object = None) -> None:
+        _exit_status[:] = [status]
+        real_exit(status)  # type: ignore[arg-type]
+
+    sys.exit = exit_noting_status  # type: ignore[assignment]
+    atexit.register(_exit_cleanly)
+
+
+def _status() -> int:
+    """The exit status the interpreter would return now (as ``Py_RunMain`` computes it)."""
+    if getattr(sys, "last_value", None) is not None:  # an uncaught exception was printed
+        return 1
+    if not _exit_status:
+        return 0
+    code = _exit_status[0]
+    if code is None:
+        return 0
+    if isinstance(code, int):
+        return code & 0xFF
+    return 1  # sys.exit("message"): the interpreter printed it; status 1
+
+
+def _exit_cleanly() -> None:
+    """Close live agents, run the remaining exit functions, flush, ``os._exit``."""
+    for agent in list(_LIVE):
+        with contextlib.suppress(Exception):
+            agent.close()
+    atexit.unregister(_exit_cleanly)
+    atexit._run_exitfuncs()  # noqa: SLF001 - those registered before this one
+    status = _status()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(status)
 
 
 class TransferFailed(Exception):
@@ -83,6 +145,8 @@ class PoolAgent:
         self._quarantine: list[tuple[Any, list[MemoryObj]]] = []
         self._stuck = 0  # transfers ever quarantined
         self.closed = False
+        _LIVE.add(self)
+        _hook_exit()
 
     def _descs(self, t: torch.Tensor) -> Any:
         return self.agent.get_reg_descs([_span(t)], "DRAM")
@@ -218,7 +282,7 @@ class PoolAgent:
 
     def close(self) -> None:
         """Deregister everything and let the NIXL agent go (unless a transfer is still
-        quarantined). The process should then end with ``os._exit``."""
+        quarantined). Called at exit for agents still open (see the module docstring)."""
         with self._lock:
             if self.closed:
                 return

@@ -11,7 +11,15 @@ way they drive vLLM, not a production server:
   to the KV connector; a producer's answer comes back in the response's
   ``kv_transfer_params``). ``usage.prompt_tokens_details.cached_tokens`` is the prompt
   tokens the connector supplied.
-* ``GET /v1/models``, ``GET /health``, ``GET /lmc/stats`` (the connector's counters).
+* ``GET /v1/models``, ``GET /lmc/stats`` (the connector's counters), ``GET /metrics``
+  (this process's Prometheus registry: lmc's engine and tier series, text format).
+* ``GET /health``: 200 once serving at full speed; 503 with what it waits for before that
+  (loading the model, then the memory pool's pre-fault: ``MemoryPool.wait_ready``).
+
+Start-up checks what it can before the slow work: the lmc config (keys, tier options, the
+disk tier's directory, the pool against the host's memory), then binds the port, and only
+then loads the model; each mistake is one line naming it and exit status 2. One INFO line
+per request answered (``--no-access-log``: none).
 
 One thread owns the engine and steps it while requests are pending; HTTP threads hand it
 requests and wait for tokens. Every field the server reads is checked first (a 400 naming
@@ -19,8 +27,8 @@ it); a request that still fails in the engine fails alone (its own 4xx/5xx) and 
 goes on serving the rest. Connections, the time to send a request and its size are
 bounded (``--max-connections``, ``--read-timeout``, ``--max-body``: see
 :mod:`lmc.http.json_api`; threat model: docs/threats/http.md). A process whose lmc config has a P2P tier holds a NIXL
-agent: it is closed on SIGTERM/SIGINT and the process ends with ``os._exit`` (NIXL's
-exit-time crash, see :mod:`lmc.p2p.agent`).
+agent: it is closed on SIGTERM/SIGINT with the engine, and the exit is clean (see
+:mod:`lmc.p2p.agent`).
 """
 
 from __future__ import annotations
@@ -41,6 +49,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import prometheus_client
+
+from lmc import units
 from lmc.http.json_api import (
     BoundedHTTPServer,
     HttpError,
@@ -49,6 +60,7 @@ from lmc.http.json_api import (
     RateLimitedWarnings,
     add_limit_args,
     limits_from_args,
+    listen_error,
 )
 from lmc.reference.request import SEED_MAX, SEED_MIN, SamplingParams
 from lmc.reference.tokenizer import check_unicode
@@ -309,24 +321,63 @@ def parse_completion(body: Any) -> Completion:
 
 class Server:
     """The engine, its loop and the HTTP server (``port`` 0 picks a free one); ``limits``
-    bound what clients may hold (:class:`lmc.http.json_api.HttpLimits`)."""
+    bound what clients may hold (:class:`lmc.http.json_api.HttpLimits`). The port is bound
+    here; ``llm`` may come later (:meth:`attach`): until then, and until its memory pool is
+    pre-faulted, ``/health`` answers 503 saying what it waits for."""
 
-    def __init__(self, llm: Any, host: str = "127.0.0.1", port: int = 0,
+    def __init__(self, llm: Any = None, host: str = "127.0.0.1", port: int = 0,
                  model_name: str = "", limits: HttpLimits | None = None) -> None:
-        self.llm = llm
-        self.model_name = model_name or llm.model_dir.name
-        self.loop = EngineLoop(llm)
+        self.llm: Any = None
+        self.loop: EngineLoop | None = None
+        self.model_name = model_name
         handler = type("Handler", (_Handler,), {"app": self})
         self.httpd = BoundedHTTPServer((host, port), handler, limits or HttpLimits())
         self.port = self.httpd.server_address[1]
         self.url = f"http://{host}:{self.port}"
+        self._ready = False
+        if llm is not None:
+            self.attach(llm)
+
+    def attach(self, llm: Any) -> None:
+        """The engine is loaded: start its loop (requests are served from now)."""
+        self.model_name = self.model_name or llm.model_dir.name
+        self.loop = EngineLoop(llm)
+        self.llm = llm
+
+    def pool(self) -> Any:
+        """The lmc memory pool of the engine's connector, or None (no lmc)."""
+        engine = getattr(getattr(self.llm, "kv_connector", None), "engine", None)
+        return getattr(engine, "pool", None)
+
+    def readiness(self) -> tuple[bool, str]:
+        """Whether stores run at full speed now, else what the server still waits for."""
+        if self._ready:
+            return True, "ok"
+        if self.llm is None:
+            return False, "loading the model"
+        pool = self.pool()
+        if pool is not None and not pool.wait_ready(0):
+            pf = pool._prefault  # noqa: SLF001 - progress for a person, read-only
+            done = pf.front if pf is not None else 0
+            return False, (f"pre-faulting the lmc memory pool: {units.size(done)} of "
+                           f"{units.size(pool.size)}")
+        self._ready = True
+        return True, "ok"
+
+    def wait_ready(self, stop: threading.Event) -> bool:
+        """Block until :meth:`readiness` says ready (False if ``stop`` came first)."""
+        while not stop.is_set():
+            if self.readiness()[0]:
+                return True
+            stop.wait(0.1)
+        return False
 
     def serve_forever(self) -> None:
         self.httpd.serve_forever(poll_interval=0.2)
 
     def stats(self) -> dict[str, Any]:
-        conn = self.llm.kv_connector
-        if conn is None or not hasattr(conn, "stats"):
+        conn = self.llm.kv_connector if self.llm is not None else None
+        if conn is None or not hasattr(conn, "stats") or self.loop is None:
             return {}
         return self.loop.call(conn.stats)
 
@@ -334,8 +385,10 @@ class Server:
         self.httpd.shutdown()
         self.httpd.close_all()
         self.httpd.server_close()
-        self.loop.close()
-        self.llm.close()
+        if self.loop is not None:
+            self.loop.close()
+        if self.llm is not None:
+            self.llm.close()
 
 
 class _Handler(JsonHandler):
@@ -343,7 +396,18 @@ class _Handler(JsonHandler):
 
     def do_GET(self) -> None:
         if self.path == "/health":
-            self._json(200, {"status": "ok"})
+            ready, detail = self.app.readiness()
+            self._json(200 if ready else 503, {"status": "ok"} if ready else
+                       {"status": "starting", "detail": detail})
+        elif self.path == "/metrics":
+            data = prometheus_client.generate_latest(prometheus_client.REGISTRY)
+            self.send_response(200)
+            self.send_header("Content-Type", prometheus_client.CONTENT_TYPE_LATEST)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+        elif self.app.loop is None:
+            self._error(503, "the model is still loading")
         elif self.path == "/v1/models":
             self._json(200, {"object": "list", "data": [
                 {"id": self.app.model_name, "object": "model", "owned_by": "lmc"}]})
@@ -355,6 +419,9 @@ class _Handler(JsonHandler):
     def do_POST(self) -> None:
         if self.path != "/v1/completions":
             self._error(404, f"no such path {self.path[:200]} (POST /v1/completions only)")
+            return
+        if self.app.loop is None:
+            self._error(503, "the model is still loading")
             return
         try:
             req = parse_completion(self.read_json())
@@ -378,8 +445,10 @@ class _Handler(JsonHandler):
 
     def _wait(self, event: threading.Event) -> bool:
         """Wait for the engine; False (and a 503 sent) if its thread is gone."""
+        loop = self.app.loop
+        assert loop is not None  # requests reach here only once the engine is attached
         while not event.wait(1.0):
-            if not self.app.loop.alive:
+            if not loop.alive:
                 self._error(503, "the engine is not running")
                 return False
         return True
@@ -397,8 +466,13 @@ class _Handler(JsonHandler):
         return {"id": f"cmpl-{uuid.uuid4().hex}", "created": int(time.time()),
                 "model": req.model or self.app.model_name}
 
+    @property
+    def _loop(self) -> EngineLoop:
+        assert self.app.loop is not None  # do_POST answers 503 before the engine is there
+        return self.app.loop
+
     def _complete(self, req: Completion, job: _Job) -> None:
-        self.app.loop.submit(job)
+        self._loop.submit(job)
         if not self._wait(job.done):
             return
         if job.error is not None:
@@ -417,7 +491,7 @@ class _Handler(JsonHandler):
     def _stream(self, req: Completion, job: _Job) -> None:
         tokens: queue.Queue[int] = queue.Queue()
         job.on_token = tokens.put
-        self.app.loop.submit(job)
+        self._loop.submit(job)
         if not self._wait(job.admitted):
             return
         if job.error is not None:  # refused at admission: a status, not a stream
@@ -457,20 +531,45 @@ class _Handler(JsonHandler):
             send(b"[DONE]")
         except OSError as e:  # went away, or stopped reading past read_timeout
             log.debug("client went away mid-stream (%s); aborting request %s", e, job.rid)
-            self.app.loop.abort(job)
+            self._loop.abort(job)
 
 
-def build_llm(args: argparse.Namespace) -> Any:
+def wants_lmc(args: argparse.Namespace) -> bool:
+    return bool(args.lmc_config) or args.kv_role != "kv_both"
+
+
+def check_lmc_config(args: argparse.Namespace) -> Any:
+    """The lmc config, checked as far as it can be before the slow work (keys, every
+    tier's options and URL, the disk tier's directory, the pool against the host's
+    memory); None without lmc. Raises ``ValueError``/``OSError`` naming the mistake."""
+    if not wants_lmc(args):
+        return None
+    from lmc.connectors.reference import load_cache_config
+    from lmc.memory.pool import check_fits
+    from lmc.storage.chain import check_chain
+
+    cfg = load_cache_config(args.lmc_config)
+    check_chain(cfg)
+    check_fits(cfg.local_cpu_size, cfg.local_cpu_prefault != "off")
+    return cfg
+
+
+def build_llm(args: argparse.Namespace, cache_config: Any = None) -> Any:
     from lmc.reference import LLM
     connector = None
-    if args.lmc_config or args.kv_role != "kv_both":
+    if wants_lmc(args):
         from lmc.connectors.reference import LMCReferenceConnector
-        connector = LMCReferenceConnector(args.lmc_config, model_dir=args.model,
-                                          kv_role=args.kv_role,
+        connector = LMCReferenceConnector(cache_config or args.lmc_config,
+                                          model_dir=args.model, kv_role=args.kv_role,
                                           remote_prefill_wait=args.remote_prefill_wait,
                                           engine_id=args.engine_id)
     return LLM(args.model, dtype=args.dtype, num_blocks=args.num_blocks,
                max_num_batched_tokens=args.max_num_batched_tokens, kv_connector=connector)
+
+
+def _fail(msg: object) -> int:
+    print(f"lmc.reference.serve: {msg}", file=sys.stderr, flush=True)
+    return 2
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -492,32 +591,43 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     add_limit_args(p)
     p.add_argument("--ready-file", metavar="FILE", help="write {url, port, pid} here once "
-                   "serving")
+                   "serving at full speed")
     args = p.parse_args(argv)
     if not Path(args.model).is_dir():
-        print(f"lmc.reference.serve: --model {args.model}: not a directory", file=sys.stderr)
-        return 2
+        return _fail(f"--model {args.model}: not a directory")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     try:
         limits = limits_from_args(args)
-    except ValueError as e:
-        print(f"lmc.reference.serve: {e}", file=sys.stderr)
-        return 2
-    server = Server(build_llm(args), args.host, args.port, limits=limits)
+        cache_config = check_lmc_config(args)
+    except (ValueError, OSError) as e:
+        return _fail(e)
+    try:  # before the model loads: a taken port fails in a second
+        server = Server(None, args.host, args.port, limits=limits)
+    except OSError as e:
+        return _fail(listen_error(e, args.host, args.port))
+    server.httpd.access_log = args.access_log
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     threading.Thread(target=server.serve_forever, name="http", daemon=True).start()
-    info = {"url": server.url, "port": server.port, "pid": os.getpid()}
-    if args.ready_file:
-        tmp = Path(args.ready_file + ".tmp")
-        tmp.write_text(json.dumps(info))
-        tmp.rename(args.ready_file)
-    print(f"serving {server.model_name} at {server.url}", flush=True)
-    stop.wait()
-    server.close()  # closes the engine (and a NIXL agent) before the hard exit
+    log.info("listening at %s (/health: 503 until ready); loading %s", server.url, args.model)
+    try:
+        server.attach(build_llm(args, cache_config))
+    except (ValueError, OSError, RuntimeError) as e:  # a pool that does not fit, pinning
+        server.close()
+        return _fail(e)
+    if server.wait_ready(stop):
+        info = {"url": server.url, "port": server.port, "pid": os.getpid()}
+        if args.ready_file:
+            tmp = Path(args.ready_file + ".tmp")
+            tmp.write_text(json.dumps(info))
+            tmp.rename(args.ready_file)
+        log.info("ready: serving %s at full speed", server.model_name)
+        print(f"serving {server.model_name} at {server.url}", flush=True)
+        stop.wait()
+    server.close()  # closes the engine (and a NIXL agent) before the exit
     sys.stdout.flush()
-    os._exit(0)
+    return 0
 
 
 if __name__ == "__main__":

@@ -36,7 +36,7 @@ from typing import Any
 
 from lmc import units
 from lmc.memory import invariants
-from lmc.memory.pool import MemoryPool
+from lmc.memory.pool import MemoryPool, check_fits
 from lmc.server import fdcap
 from lmc.server import metrics as M
 from lmc.server.activity import Activity
@@ -51,6 +51,18 @@ from lmc.storage import chain
 from lmc.storage.manager import StorageManager
 
 log = logging.getLogger(__name__)
+
+
+DAEMON_KEYS = {"local_disk": "--disk", "remote_url": "--redis", "local_cpu_size": "--size"}
+
+
+def preflight(config: ServerConfig) -> None:
+    """What can be checked before the pool is built and pre-faulted (seconds per GiB): that
+    the pool fits the host's memory, each tier's options and URL, and that the disk tier's
+    directory can be made. Raises ``ValueError`` naming the flag."""
+    cache_cfg = config.cache_config()
+    check_fits(cache_cfg.local_cpu_size, config.prefault)
+    chain.check_chain(cache_cfg, where=DAEMON_KEYS)
 
 
 def build_storage(config: ServerConfig) -> tuple[MemoryPool, StorageManager]:
@@ -87,6 +99,7 @@ class Daemon:
         # (seconds per GiB); connections made meanwhile wait in the listen backlog
         self.open_listeners()
         try:
+            preflight(config)
             if config.metrics_port is not None:
                 self.http = MetricsHTTP(self, config.metrics_host, config.metrics_port,
                                         sock=bind_tcp(config.metrics_host, config.metrics_port,

@@ -53,6 +53,8 @@ class CircuitBreaker:
         self.backoff = backoff  # the wait before the next probe, once open
         self.retry_at = 0.0
         self._probe_since = 0.0
+        self.on_first_failure: Callable[[BaseException | None], None] | None = None
+        self.failures = 0      # all failures since creation
         self.trips = 0         # closed/half-open -> open transitions
         self.rejected = 0      # calls refused while open
         self.recoveries = 0    # half-open -> closed transitions
@@ -81,14 +83,22 @@ class CircuitBreaker:
                 self.backoff = self.base_backoff
                 self._set(CLOSED)
 
-    def failure(self) -> None:
+    def failure(self, error: BaseException | None = None) -> None:
+        """A call failed (``error``: why, for the first-failure hook). The first failure of
+        the breaker's life calls ``on_first_failure``, so a tier says so at once instead of
+        only when the breaker opens."""
         with self._lock:
+            self.failures += 1
             self.consecutive_failures += 1
             if self.state == HALF_OPEN:
                 self.backoff = min(self.backoff * 2, self.max_backoff)
                 self._open()
             elif self.state == CLOSED and self.consecutive_failures >= self.threshold:
                 self._open()
+            first = self.failures == 1
+        hook = self.on_first_failure
+        if first and hook is not None:
+            hook(error)
 
     def _open(self) -> None:
         spread = random.uniform(1 - self.jitter, 1 + self.jitter) if self.jitter else 1.0

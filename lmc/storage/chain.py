@@ -16,7 +16,9 @@ made with -- so a tier built by hand in a test gets exactly what the engine's wo
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import tempfile
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 
 from lmc.config import CacheConfig, TierEntry
 from lmc.memory.pool import MemoryPool
@@ -85,16 +87,50 @@ def _options(factory: BackendFactory, entry: TierEntry, config: CacheConfig
     return backend_options(factory, entry.backend, entry.options, where=entry.where)
 
 
-def check_chain(config: CacheConfig) -> None:
-    """What building the chain would refuse, without building it (``lmc config``): each
-    entry's options (names and values, against what its backend declares) and the core keys
-    it sets for its tier. Raises :class:`ConfigError` naming the entry."""
+def check_chain(config: CacheConfig, where: Mapping[str, str] | None = None) -> None:
+    """What building the chain would refuse, without building it (``lmc config``, and every
+    server before its slow start-up work): each entry's options (names and values, against
+    what its backend declares), the core keys it sets for its tier, a remote URL's own
+    options (a backend's ``check_spec``) and every directory a tier would create. Raises
+    :class:`ConfigError` naming the entry (``where`` renames it: ``{"local_disk": "--disk"}``)."""
     for top in config.tier_chain()[1:]:
         entry: TierEntry | None = top
         while entry is not None:
             _entry_config(entry, config)
-            _options(backend_factory(entry.backend), entry, config)
+            factory = backend_factory(entry.backend)
+            spec, options = _options(factory, entry, config)
+            name = (where or {}).get(entry.where, entry.where)
+            check_spec = getattr(factory, "check_spec", None)
+            if check_spec is not None:
+                try:
+                    check_spec(spec)
+                except ValueError as e:
+                    raise ConfigError(str(e)) from None
+            path = options.get("path")
+            if isinstance(path, str) and path:
+                check_directory(path, name)
             entry = entry.inner
+
+
+def check_directory(path: str, where: str) -> None:
+    """A directory a tier will create and write: it exists and takes a new entry, or its
+    nearest existing parent does (tried with a temporary directory, removed at once: a
+    permission check alone passes root on /proc). ``ConfigError`` names ``where``."""
+    p = Path(path).expanduser()
+    probe = p
+    while not probe.exists():
+        if probe.parent == probe:
+            break
+        probe = probe.parent
+    try:
+        if not probe.is_dir():
+            raise NotADirectoryError(f"{probe} is not a directory")
+        tempfile.TemporaryDirectory(dir=probe, prefix=".lmc-check-").cleanup()
+    except OSError as e:
+        why = e.strerror or str(e)
+        at = "" if probe == p else f" (its nearest existing parent {probe})"
+        raise ConfigError(f"{where} {path!r}: cannot create or write a directory there{at}: "
+                          f"{why}") from None
 
 
 def create_tier(entry: TierEntry, config: CacheConfig, pool: TierPool) -> StorageBackend:
@@ -123,6 +159,8 @@ def _make(factory: BackendFactory, entry: TierEntry, spec: str, **kw: object
     except (ValueError, TypeError) as e:
         if isinstance(e, ConfigError) or entry.shorthand:
             raise
+        raise ConfigError(f"{entry.where} ({entry.backend}): {e}") from None
+    except OSError as e:  # a directory it cannot make, a file it cannot open: no traceback
         raise ConfigError(f"{entry.where} ({entry.backend}): {e}") from None
 
 

@@ -5,14 +5,22 @@ TLS, AUTH, SELECT, all replies of the handshake parsed by hiredis) and the serve
 breaker, so that in a cluster one dead node costs only its own keys. :class:`Router` maps keys
 to nodes: trivially for one server, through the slot table (``CLUSTER SLOTS``) for a cluster,
 refreshed when a node answers MOVED/ASK or fails.
+
+A tier that cannot be reached says so: at start-up a thread PINGs each seed node (the
+handshake included: TLS, AUTH, SELECT) and logs one warning naming the URL and why when
+one does not answer; the first failure of each server's calls is logged with its cause
+(later ones are counted, and the breaker's opening is logged), so a dead or frozen server
+is never only "stored 1000 / lookup 0".
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import select
 import socket
 import threading
+import time
 from collections.abc import Callable, Sequence
 
 from redis.backoff import NoBackoff
@@ -20,6 +28,7 @@ from redis.connection import AbstractConnection
 from redis.crc import REDIS_CLUSTER_HASH_SLOTS, key_slot
 from redis.retry import Retry
 
+from lmc import units
 from lmc.storage.breaker import CircuitBreaker
 
 from .url import RedisTarget
@@ -99,6 +108,11 @@ class NodePool:
         return len(self._idle)
 
 
+def _why(e: BaseException) -> str:
+    text = str(e).strip()
+    return f"{type(e).__name__}: {text[:200]}" if text else type(e).__name__
+
+
 def _looks_alive(wc: WireConn) -> bool:
     """An idle connection must have nothing to read; EOF or stray bytes mean it is stale."""
     try:
@@ -111,7 +125,10 @@ def _looks_alive(wc: WireConn) -> bool:
 class Router:
     """Key → server. One server, or a cluster's slot table."""
 
-    def __init__(self, target: RedisTarget, make_breaker: BreakerFactory, max_idle: int) -> None:
+    def __init__(self, target: RedisTarget, make_breaker: BreakerFactory, max_idle: int,
+                 check_timeout: float | None = 2.0) -> None:
+        """``check_timeout``: seconds the start-up check gives each seed node (in a
+        thread: start-up does not wait for it); None: no check."""
         self.target = target
         self._make_breaker = make_breaker
         self._max_idle = max_idle
@@ -120,15 +137,48 @@ class Router:
         self.seeds = [self.node(h, p) for h, p in target.nodes]
         self._slots: list[NodePool | None] | None = None
         self.refreshes = 0
+        self.checked = threading.Event()  # the start-up check is over
+        self.unreachable: list[str] = []  # seed nodes that did not answer it
+        if check_timeout is None:
+            self.checked.set()
+        else:
+            threading.Thread(target=self._check, args=(check_timeout,), daemon=True,
+                             name="lmc-redis-check").start()
+
+    def _check(self, timeout: float) -> None:
+        """PING every seed node once; one warning per node that does not answer."""
+        try:
+            for pool in self.seeds:
+                t0 = time.monotonic()
+                try:
+                    pool.control(Deadline(timeout), "PING")
+                except Exception as e:  # noqa: BLE001 - refused, timed out, TLS, AUTH: all told
+                    self.unreachable.append(pool.label)
+                    log.warning("redis tier %s: %s did not answer at start-up (%s): lookups "
+                                "miss and stores are dropped until it does", self.target.display,
+                                pool.label, _why(e))
+                    continue
+                log.info("redis tier %s: %s answered in %s", self.target.display, pool.label,
+                         units.seconds(time.monotonic() - t0))
+        finally:
+            self.checked.set()
 
     def node(self, host: str, port: int) -> NodePool:
         with self._lock:
             pool = self.pools.get((host, port))
             if pool is None:
-                pool = self.pools[(host, port)] = NodePool(
-                    host, port, self.target, self._make_breaker(f"{host}:{port}"),
-                    self._max_idle)
+                breaker = self._make_breaker(f"{host}:{port}")
+                breaker.on_first_failure = functools.partial(self._first_failure,
+                                                             f"{host}:{port}")
+                pool = self.pools[(host, port)] = NodePool(host, port, self.target, breaker,
+                                                           self._max_idle)
             return pool
+
+    def _first_failure(self, label: str, error: BaseException | None) -> None:
+        why = f" ({_why(error)})" if error is not None else ""
+        log.warning("redis tier %s: a call to %s failed%s: served as misses; later failures "
+                    "are counted (errors_* in stats), and failures in a row open its breaker",
+                    self.target.display, label, why)
 
     def invalidate(self) -> None:
         """Re-read the slot table before the next cluster call."""
