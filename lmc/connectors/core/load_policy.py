@@ -16,7 +16,11 @@ once.
 
 :func:`choose_split` evaluates that at every chunk boundary of the hit (a prefix: chunk
 ``i`` cannot be loaded without the chunks before it; each chunk from the fastest tier
-holding it, as the lookup said) and answers the largest ``N`` whose predicted TTFT is within
+holding it, as the lookup said) where a lower tier's chunk begins -- a chunk in L1 is never
+recomputed for its own sake: its copy is the least any hit costs, it runs on the copy
+engine rather than taking compute from the batch, and a cut there would stake the
+request on the compute estimate for a few percent at best (16k tokens on an H200 over
+PCIe: 3.5%) -- and answers the largest ``N`` whose predicted TTFT is within
 ``margin`` (3%) plus ``slack_s`` (1 ms) of the best: near-ties go to loading, which spends
 no compute another request could use, and a prediction is not trusted to a millisecond. With L1 much faster than compute, ``N`` is the whole hit and nothing changes; with a
 tier much slower, ``N`` stops before its chunks and lmc is never worse than no cache.
@@ -124,8 +128,9 @@ def choose_split(costs: Costs, sources: bytes | Sequence[int], chunk_size: int, 
                  margin: float = DEFAULT_MARGIN, slack_s: float = DEFAULT_SLACK_S) -> Split:
     """The rule (module doc): positions ``[start, hit_end)`` can be loaded, chunk ``i`` of
     the prompt from tier ``sources[i]``; the engine has ``[0, start)`` and must compute up
-    to ``total``. Candidates are ``start``, every chunk boundary in between (rounded down to
-    ``align``) and ``hit_end``."""
+    to ``total``. Candidates are ``hit_end`` and every position from ``start`` on where a
+    lower-tier chunk begins (chunk boundaries rounded down to ``align``). ``load_none_s`` is
+    predicted whatever the candidates."""
     if not 0 <= start <= hit_end <= total:
         raise ValueError(f"choose_split: need 0 <= start <= hit_end <= total, got {start}, "
                          f"{hit_end}, {total}")
@@ -134,9 +139,11 @@ def choose_split(costs: Costs, sources: bytes | Sequence[int], chunk_size: int, 
         raise ValueError(f"choose_split: {len(sources)} sources cannot cover {hit_end} "
                          f"positions in chunks of {cs}")
     ntiers = len(costs.tiers)
-    cands = sorted({start, hit_end, *(b - b % align for b in range(cs * (start // cs + 1),
-                                                                   hit_end, cs)
-                                      if b - b % align > start)})
+    # a cut only before a lower-tier chunk: an L1 chunk is never recomputed for itself
+    first = [start] if start == hit_end or sources[start // cs] != 0 else []
+    cands = sorted({*first, hit_end, *(b - b % align for b in range(cs * (start // cs + 1),
+                                                                    hit_end, cs)
+                                       if b - b % align > start and sources[b // cs] != 0)})
     counts = [0] * ntiers
     pos = start
     best: list[tuple[int, tuple[int, ...], float]] = []
@@ -151,9 +158,10 @@ def choose_split(costs: Costs, sources: bytes | Sequence[int], chunk_size: int, 
             pos += step
         best.append((n, tuple(counts), ttft_s(costs, counts, start, n, total)))
     least = min(x[2] for x in best)
+    none = best[0][2] if cands[0] == start else ttft_s(costs, [0] * ntiers, start, start, total)
     end, by_tier, predicted = max((x for x in best if x[2] <= least * (1 + margin) + slack_s),
                                   key=lambda x: x[0])
-    return Split(start, end, hit_end, by_tier, predicted, best[-1][2], best[0][2])
+    return Split(start, end, hit_end, by_tier, predicted, best[-1][2], none)
 
 
 class LoadPolicy:
