@@ -18,9 +18,10 @@ Rules (from ``../shared/KV_EVENTS.md``):
 * a chunk whose tokens were never noted (a disk tier's contents from before a restart, found
   by key) is not published (counted ``unknown``): a router can only use a block with tokens.
 
-Block hashes: lmc's own stable u64s, chained over the prompt and salted with the engine's key
-namespace (model, layout, parallelism, tenant), so two engines agree exactly when they would
-share KV. Everything here runs on the publisher's one thread: no locks.
+Block hashes: lmc's own stable u64s -- the low 64 bits of each block's chained key, computed
+as lmc keys chunks (native XXH3-128 over the previous key and the block's tokens, from the
+engine's key namespace: model, layout, parallelism, tenant), so two engines agree exactly
+when they would share KV. Everything here runs on the publisher's one thread: no locks.
 """
 
 from __future__ import annotations
@@ -31,10 +32,10 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import numpy as np
-import xxhash
 
 from lmc.events import wire
 from lmc.storage.tier import Medium
+from lmc.token_database import ChunkedTokenDatabase
 
 log = logging.getLogger(__name__)
 MEDIUM_OF = {Medium.MEMORY: wire.CPU, Medium.LOCAL_STORAGE: wire.STORAGE,
@@ -70,7 +71,8 @@ class Tracker:
         if block_size < 1:
             raise ValueError(f"kv_events.block_size must be >= 1, got {block_size}")
         self.bs = block_size
-        self.seed = int.from_bytes(namespace[:8], "little")
+        # a block's hash: the low 64 bits of its chained key, as lmc keys chunks
+        self.blocks = ChunkedTokenDatabase(block_size, False, namespace)
         self.media = list(media)  # per tier level: wire medium or None (not published)
         self.max_chunks = max_chunks
         self.count = count
@@ -89,46 +91,21 @@ class Tracker:
 
     def note(self, tokens: Any, chunks: Sequence[tuple[int, int, bytes]]) -> None:
         """Remember the blocks of ``chunks`` (``(start, end, key)`` of ``tokens``)."""
-        if not chunks:
+        todo = [c for c in chunks if self._info(c[2]) is None]
+        if not todo:
             return
-        toks: np.ndarray | None = None
-        prev: int | None = None
-        prev_end = 0
         bs = self.bs
-        for start, end, key in chunks:
-            info = self._info(key)
-            if info is not None:
-                if info.hashes:
-                    prev, prev_end = info.hashes[-1], start + len(info.hashes) * bs
-                else:
-                    prev_end = -1
-                continue
-            if toks is None:
-                toks = u32_tokens(tokens)
-            if start != prev_end or (start and prev is None):
-                prev = self._chain(toks, 0, start, None)[-1] if start >= bs else None
-            full = (end - start) // bs * bs
-            hashes = self._chain(toks, start, start + full, prev)
-            info = ChunkInfo(tuple(hashes), prev, toks[start:start + full].copy(), start)
-            self.seen[key] = info
-            if hashes:
-                prev, prev_end = hashes[-1], start + full
-            else:
-                prev_end = -1
+        last = max(e for _, e, _ in todo) // bs * bs
+        toks = u32_tokens(tokens)[:last]
+        # every full block's chained key up to the last new chunk, in one native pass
+        digests = self.blocks.keys(toks)
+        for start, end, key in todo:
+            lo, hi = start // bs, min(end, last) // bs
+            hashes = tuple(int.from_bytes(d[:8], "little") for d in digests[lo:hi])
+            parent = int.from_bytes(digests[lo - 1][:8], "little") if lo else None
+            self.seen[key] = ChunkInfo(hashes, parent, toks[lo * bs:hi * bs].copy(), start)
         while len(self.seen) > self.max_chunks:
             self.seen.popitem(last=False)
-
-    def _chain(self, toks: np.ndarray, lo: int, hi: int, prev: int | None) -> list[int]:
-        """Chained block hashes of ``toks[lo:hi]`` (whole blocks), after ``prev``."""
-        out = []
-        h = 0 if prev is None else prev
-        data = toks[lo:hi].tobytes()
-        step = self.bs * 4
-        digest = xxhash.xxh3_64_intdigest
-        for off in range(0, len(data) - step + 1, step):
-            h = digest(h.to_bytes(8, "little") + data[off:off + step], self.seed)
-            out.append(h)
-        return out
 
     # ------------------------------------------------------------------ tier events
     def _in_medium(self, info: ChunkInfo, medium: str) -> bool:
