@@ -379,6 +379,8 @@ def replay_http(requests: Sequence[TraceRequest], url: str, *, model: str | None
             done_q.put(rec)  # always: the dispatcher waits for every request
 
     pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="lmc-replay")
+    finished: list[RequestRecord] = []
+    interrupted = False
     try:
         while not disp.all_done:
             now = time.perf_counter()
@@ -403,31 +405,37 @@ def replay_http(requests: Sequence[TraceRequest], url: str, *, model: str | None
                 continue
             t_done = time.perf_counter() - start
             disp.done(rec.request_id, t_done)
+            finished.append(rec)
             if rec.prompt_tokens and records_text[rec.request_id]:
                 sent_prompt += rec.prompt_tokens  # a text prompt's length: known now
             if progress is not None:
                 progress(rec, disp.finished, len(records))
+    except KeyboardInterrupt:  # Ctrl-C: what finished is reported
+        interrupted = True
     finally:  # normally all done; interrupted: streams cut, queued requests dropped
         open_.close_all()
         pool.shutdown(wait=True, cancel_futures=True)
     duration = time.perf_counter() - start
-    tier_tokens, failures, source = _final_counters(scraper, before)
+    tier_tokens, failures, source = _final_counters(scraper, before,
+                                                    settle_s=1.0 if interrupted else 10.0)
     if tier_tokens is None:
         timeline = []
     else:
         timeline.append((duration, sent_prompt, tier_tokens))
-    return ReplayResult(url, "fast" if fast else "timed", list(records.values()), duration,
-                        tier_tokens, source, failures, timeline)
+    done = finished if interrupted else list(records.values())
+    return ReplayResult(url, "fast" if fast else "timed", done, duration, tier_tokens, source,
+                        failures, timeline, interrupted, len(records))
 
 
-def _final_counters(scraper: _Scraper, before: Any
+def _final_counters(scraper: _Scraper, before: Any, settle_s: float = 10.0
                     ) -> tuple[dict[str, float] | None, float | None, str]:
     """Counters after the replay: vLLM hands the worker's counts over with a later step,
-    so read until two reads a second apart agree (10 s at most)."""
+    so read until two reads a second apart agree (``settle_s`` at most: 10 s, 1 s after a
+    Ctrl-C, when the person is waiting for the summary)."""
     if before is None:
         return None, None, scraper.why_unknown or "unknown"
     last: tuple[dict[str, float], float | None] | None = None
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + settle_s
     while time.monotonic() < deadline:
         got = scraper.read()
         if got is None:

@@ -57,6 +57,9 @@ class ReplayResult:
     # (seconds, prompt tokens of the requests sent so far, {tier: tokens supplied so far}):
     # a tier's tokens arrive after the request is sent, so the share never overshoots
     timeline: list[tuple[float, float, dict[str, float]]] = field(default_factory=list)
+    # Ctrl-C: ``records`` holds the requests that finished, of ``total_requests``
+    interrupted: bool = False
+    total_requests: int | None = None
 
     @property
     def ok(self) -> list[RequestRecord]:
@@ -141,54 +144,63 @@ def replay_reference(requests: Sequence[TraceRequest], llm: Any, *, fast: bool =
     start = time.perf_counter()
     last_point = 0.0
 
+    finished: list[RequestRecord] = []
+
     def finish(rec: RequestRecord, now: float) -> None:
         disp.done(rec.request_id, now)
+        finished.append(rec)
         if progress is not None:
             progress(rec, disp.finished, len(records))
 
-    while not disp.all_done:
-        now = time.perf_counter() - start
-        for req in disp.ready(now):
-            rec = records[req.request_id]
-            rec.due_s = disp.due[req.request_id]
-            params = SamplingParams(max_tokens=req.output_len, ignore_eos=True)
-            sent_at[req.request_id] = time.perf_counter()
-            try:
-                llm.add_request(prompts[req.request_id], params, request_id=req.request_id)
-                sent_prompt += len(prompts[req.request_id])
-            except ValueError as e:  # too long for the model, token id out of its vocabulary
-                rec.error = str(e)
-                finish(rec, time.perf_counter() - start)
-        if llm.has_unfinished_requests():
-            outs = llm.step()
-            t_step = time.perf_counter()
-            for out in outs:
-                rec = records[out.request_id]
-                rec.prompt_tokens = len(out.prompt_token_ids)
-                rec.output_tokens = len(out.token_ids)
-                rec.cached_tokens = out.num_cached_tokens
-                if keep_outputs:
-                    rec.output_ids = list(out.token_ids)
-                failed = llm.pop_error(out.request_id) if out.finish_reason == "abort" else None
-                if failed is not None:  # the engine failed this request alone: say why
-                    rec.error = f"the engine failed this request: {failed}"
-                elif out.ttft_s is None:
-                    rec.error = f"no token generated (finish reason {out.finish_reason})"
-                else:
-                    first = sent_at[out.request_id] + out.ttft_s
-                    rec.ttft_s = first - (start + rec.due_s)
-                    rec.latency_s = t_step - (start + rec.due_s)
-                finish(rec, t_step - start)
-            if outs or t_step - start - last_point >= 0.25:
-                last_point = t_step - start
-                timeline.append((last_point, sent_prompt, tier_now()))
-            continue
-        nxt = disp.next_due()
-        if nxt is not None:
-            time.sleep(max(0.0, nxt - (time.perf_counter() - start)))
+    interrupted = False
+    try:
+        while not disp.all_done:
+            now = time.perf_counter() - start
+            for req in disp.ready(now):
+                rec = records[req.request_id]
+                rec.due_s = disp.due[req.request_id]
+                params = SamplingParams(max_tokens=req.output_len, ignore_eos=True)
+                sent_at[req.request_id] = time.perf_counter()
+                try:
+                    llm.add_request(prompts[req.request_id], params,
+                                    request_id=req.request_id)
+                    sent_prompt += len(prompts[req.request_id])
+                except ValueError as e:  # too long for the model, a token id out of its vocab
+                    rec.error = str(e)
+                    finish(rec, time.perf_counter() - start)
+            if llm.has_unfinished_requests():
+                outs = llm.step()
+                t_step = time.perf_counter()
+                for out in outs:
+                    rec = records[out.request_id]
+                    rec.prompt_tokens = len(out.prompt_token_ids)
+                    rec.output_tokens = len(out.token_ids)
+                    rec.cached_tokens = out.num_cached_tokens
+                    if keep_outputs:
+                        rec.output_ids = list(out.token_ids)
+                    failed = (llm.pop_error(out.request_id) if out.finish_reason == "abort"
+                              else None)
+                    if failed is not None:  # the engine failed this request alone: say why
+                        rec.error = f"the engine failed this request: {failed}"
+                    elif out.ttft_s is None:
+                        rec.error = f"no token generated (finish reason {out.finish_reason})"
+                    else:
+                        first = sent_at[out.request_id] + out.ttft_s
+                        rec.ttft_s = first - (start + rec.due_s)
+                        rec.latency_s = t_step - (start + rec.due_s)
+                    finish(rec, t_step - start)
+                if outs or t_step - start - last_point >= 0.25:
+                    last_point = t_step - start
+                    timeline.append((last_point, sent_prompt, tier_now()))
+                continue
+            nxt = disp.next_due()
+            if nxt is not None:
+                time.sleep(max(0.0, nxt - (time.perf_counter() - start)))
+    except KeyboardInterrupt:  # Ctrl-C: what finished is reported (the caller closes the engine)
+        interrupted = True
     duration = time.perf_counter() - start
-    if conn is not None:
-        conn.engine.storage.flush(timeout=60)  # a lower tier's queued writes land
+    if conn is not None:  # a lower tier's queued writes land (briefly when interrupted)
+        conn.engine.storage.flush(timeout=5 if interrupted else 60)
     tier_tokens = tier_now() if conn is not None else None
     if tier_tokens:
         timeline.append((duration, sent_prompt, tier_tokens))
@@ -197,5 +209,6 @@ def replay_reference(requests: Sequence[TraceRequest], llm: Any, *, fast: bool =
               else "no lmc connector: every prompt token computed")
     if conn is None:
         tier_tokens = {}
-    return ReplayResult(target, "fast" if fast else "timed", list(records.values()), duration,
-                        tier_tokens, source, failures, timeline)
+    done = finished if interrupted else list(records.values())
+    return ReplayResult(target, "fast" if fast else "timed", done, duration, tier_tokens,
+                        source, failures, timeline, interrupted, len(records))

@@ -32,7 +32,10 @@ Targets:
 Requests are sent at their arrival times (or --fast: as soon as possible); a turn of a
 session waits for the previous turn's answer, and --concurrency N caps requests in flight.
 TTFT counts from when a request could be sent. Every request generates exactly its
-output_len tokens (greedy; EOS ignored where the target supports it)."""
+output_len tokens (greedy; EOS ignored where the target supports it).
+
+The progress line shows the time left (ETA). Ctrl-C stops the replay and still prints the
+summary of the requests that finished, and writes --records and --plot for them (exit 130)."""
 
 
 def _reference_llm(spec: str, args: argparse.Namespace, cleanup: list[Callable[[], None]]
@@ -114,7 +117,8 @@ def _replay(args: argparse.Namespace) -> int:
             requests = requests[:args.limit]
         if not requests:
             raise ValueError(f"{args.trace}: no requests")
-        bar = report.ProgressBar(len(requests))
+        bar = report.ProgressBar(len(requests), last_arrival_s=None if args.fast else max(
+            r.arrival_s for r in requests))
         target = args.target
         if target == "reference" or target.startswith("reference:"):
             _only_for("the HTTP target", model=args.model, openai_strict=args.openai_strict,
@@ -122,6 +126,7 @@ def _replay(args: argparse.Namespace) -> int:
             from lmc.workloads.replay import replay_reference
 
             llm, name = _reference_llm(target, args, cleanup)
+            bar.start()
             res = replay_reference(requests, llm, fast=args.fast, concurrency=args.concurrency,
                                    progress=bar, keep_outputs=bool(args.records), target=name)
         elif target.startswith(("http://", "https://")):
@@ -144,6 +149,9 @@ def _replay(args: argparse.Namespace) -> int:
             llm.close()
         for fn in cleanup:
             fn()
+    if res.interrupted:
+        print(f"\nlmc replay: interrupted after {len(res.records)} of {res.total_requests} "
+              "requests; the summary, records and plot cover those", file=sys.stderr)
     print(report.format_report(res, args.trace))
     if args.records:
         try:
@@ -157,6 +165,8 @@ def _replay(args: argparse.Namespace) -> int:
     if args.plot:
         report.plot(res, args.plot, title=f"{Path(args.trace).name} on {res.target}")
         print(f"plot: {args.plot}")
+    if res.interrupted:
+        return 130
     return 1 if res.failed and not res.ok else 0
 
 

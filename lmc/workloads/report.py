@@ -8,6 +8,7 @@ target could not report is printed as "unknown" with the reason, never as zero.
 from __future__ import annotations
 
 import sys
+import time
 from typing import Any, TextIO
 
 from lmc import units
@@ -17,15 +18,34 @@ PLOT_EXTRA = "pip install 'lmc-kvcache[plot]'"
 
 
 class ProgressBar:
-    """One stderr line redrawn in place on a terminal; on a pipe, a line every 10%."""
+    """One stderr line redrawn in place on a terminal; on a pipe, a line every 10%. Each line
+    gives the time left (ETA): the pace so far applied to the requests left, and in timed mode
+    never less than the time until the trace's last arrival."""
 
-    def __init__(self, total: int, stream: TextIO | None = None, width: int = 28) -> None:
+    def __init__(self, total: int, stream: TextIO | None = None, width: int = 28,
+                 last_arrival_s: float | None = None) -> None:
         self.total, self.width = total, width
         self.stream = stream or sys.stderr
         self.tty = hasattr(self.stream, "isatty") and self.stream.isatty()
         self.failed = 0
         self.ttfts: list[float] = []
         self._last_decile = -1
+        self.last_arrival_s = last_arrival_s
+        self.started = time.monotonic()
+
+    def start(self) -> None:
+        """The replay's clock starts now (after the engine is loaded)."""
+        self.started = time.monotonic()
+
+    def eta(self, finished: int, total: int) -> float | None:
+        """Seconds left, or None before the first request finished."""
+        if finished <= 0:
+            return None
+        elapsed = time.monotonic() - self.started
+        left = elapsed / finished * (total - finished)
+        if self.last_arrival_s is not None:
+            left = max(left, self.last_arrival_s - elapsed)
+        return max(0.0, left)
 
     def __call__(self, rec: RequestRecord, finished: int, total: int) -> None:
         if not rec.ok:
@@ -38,9 +58,13 @@ class ProgressBar:
         self._last_decile = decile
         fill = self.width * finished // max(1, total)
         p50 = percentile(self.ttfts, 0.5)
+        eta = self.eta(finished, total)
         line = (f"replay [{'#' * fill}{'.' * (self.width - fill)}] {finished}/{total}"
                 f"  TTFT p50 {units.seconds(p50) if p50 is not None else '-'}"
-                + (f"  failed {self.failed}" if self.failed else ""))
+                + (f"  failed {self.failed}" if self.failed else "")
+                + (f"  ETA {units.seconds(eta)}" if eta is not None and finished < total
+                   else f"  took {units.seconds(time.monotonic() - self.started)}"
+                   if finished == total else ""))
         end = "\n" if finished == total or not self.tty else ""
         self.stream.write(("\r\033[K" if self.tty else "") + line + end)
         self.stream.flush()
@@ -62,7 +86,11 @@ def format_report(res: ReplayResult, trace: str = "") -> str:
     ok, failed = res.ok, res.failed
     dur = max(res.duration_s, 1e-9)
     mode = "at the trace's arrival times" if res.mode == "timed" else "as fast as possible"
-    lines = [f"replay{' of ' + trace if trace else ''} on {res.target}, {mode}", ""]
+    lines = [f"replay{' of ' + trace if trace else ''} on {res.target}, {mode}"]
+    if res.interrupted:
+        lines.append(f"interrupted: the {len(res.records)} of {res.total_requests} requests "
+                     "that finished")
+    lines.append("")
     rows: list[tuple[str, str]] = [
         ("requests", f"{len(ok)} ok, {len(failed)} failed, {units.seconds(res.duration_s)}"),
     ]
