@@ -2,14 +2,23 @@
 
 Metrics are process-wide (several engines in one process add up, as a scrape expects) and are
 updated once per call, never once per chunk, so they cost nothing measurable on the hot path.
+
+An engine whose ``/metrics`` is served by another process (vLLM: the API server; lmc runs in
+the workers) carries them there: :func:`values` reads this process's lmc counters and gauges
+as flat ``{"m:<name>|<label values>": value}`` figures, the worker sends what changed through
+the engine's own stats path, and :func:`apply` adds those changes to the same metrics in the
+serving process, so its scrape shows ``lmc_lookups_total``, ``lmc_hit_tokens_total`` and the
+per-tier series under their own names and labels (histograms stay in the worker).
 """
 
 from __future__ import annotations
 
 import threading
 from collections import defaultdict
+from typing import Any
 
 from prometheus_client import Counter, Gauge, Histogram
+from prometheus_client.metrics import MetricWrapperBase
 
 _LAT_BUCKETS = (1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 0.1, 0.3, 1.0, 3.0)
 
@@ -103,6 +112,25 @@ class EngineMetrics:
     def snapshot(self) -> dict[str, float]:
         with self._lock:
             return dict(self.counts)
+
+
+_POOL_GAUGES: dict[str, Gauge] = {}
+_POOL_DOCS = {
+    "lmc_pool_prefaulted_bytes": "Bytes of open memory pools populated ahead of use (all of "
+                                 "this process)",
+    "lmc_pool_pinned_bytes": "Bytes of open memory pools page-locked for the GPU (all of this "
+                             "process)"}
+
+
+def pool_gauge(name: str) -> Gauge:
+    """A pool gauge (``lmc.memory.prefault``), registered when the process makes its first
+    pool that needs it: a process without one (vLLM's API server imports lmc) exports no
+    series stuck at 0."""
+    with _ENGINE_LOCK:
+        g = _POOL_GAUGES.get(name)
+        if g is None:
+            g = _POOL_GAUGES[name] = Gauge(name, _POOL_DOCS[name])
+        return g
 
 
 # ---------------------------------------------------------------- lower tiers
@@ -204,3 +232,56 @@ class TierMetrics:
     def snapshot(self) -> dict[str, float]:
         with self._lock:
             return dict(self.counts)
+
+
+# ------------------------------------------------------- across processes (vLLM)
+PREFIX = "m:"
+
+
+def _carried() -> dict[str, MetricWrapperBase]:
+    """The counters and gauges :func:`values` reads and :func:`apply` feeds, by name."""
+    m = engine_collectors()
+    out: list[MetricWrapperBase] = [
+        m.lookups, m.lookup_tokens, m.hit_tokens, m.op_bytes, m.op_tokens, m.skipped,
+        m.pool_used, m.pool_capacity, EVICTIONS, TIER_HITS, TIER_MISSES, TIER_BYTES,
+        TIER_ERRORS, CHECKSUM_FAILURES, PROMOTED, QUEUE_BYTES, QUEUE_CHUNKS, DROPPED_WRITES,
+        *(pool_gauge(n) for n in _POOL_DOCS)]
+    return {c._name: c for c in out}  # noqa: SLF001 - the name it was made with
+
+
+def values() -> dict[str, float]:
+    """This process's lmc counters and gauges: ``{"m:lmc_tier_hits|disk,lookup": 12.0}``
+    (a counter's value without ``_total``; label values in the metric's label order)."""
+    out: dict[str, float] = {}
+    for name, metric in _carried().items():
+        for fam in metric.collect():
+            for sample in fam.samples:
+                if sample.name.endswith("_created"):
+                    continue
+                labels = ",".join(sample.labels[k] for k in metric._labelnames)  # noqa: SLF001
+                out[f"{PREFIX}{name}|{labels}"] = float(sample.value)
+    return out
+
+
+def apply(deltas: dict[str, float]) -> int:
+    """Add ``deltas`` (changes of :func:`values` in another process, summed over its
+    ranks) to this process's metrics; other keys are ignored. Returns how many applied;
+    a key naming no lmc metric, the wrong number of labels or a negative counter change is
+    skipped (a peer's stats are data, not code)."""
+    carried = _carried()
+    done = 0
+    for key, delta in deltas.items():
+        if not key.startswith(PREFIX) or not isinstance(delta, (int, float)) or not delta:
+            continue
+        name, _, labels = key[len(PREFIX):].partition("|")
+        metric = carried.get(name)
+        if metric is None:
+            continue
+        names = metric._labelnames  # noqa: SLF001
+        parts = labels.split(",") if names else []
+        if len(parts) != len(names) or not (isinstance(metric, Gauge) or delta > 0):
+            continue
+        child: Any = metric.labels(*parts) if names else metric
+        child.inc(delta)
+        done += 1
+    return done

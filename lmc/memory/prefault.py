@@ -38,14 +38,13 @@ from typing import Any
 import torch
 from prometheus_client import Gauge
 
+from lmc.metrics import pool_gauge
+
 log = logging.getLogger(__name__)
 MADV_HUGEPAGE = 14
 MADV_POPULATE_WRITE = 23
 PAGE = 4096
 STEP = 64 << 20
-PREFAULTED = Gauge("lmc_pool_prefaulted_bytes",
-                   "Bytes of open memory pools populated ahead of use (all of this process)")
-
 _libc: Any = None
 _populate_ok: bool | None = None  # None: not tried yet; False: the kernel refused it
 
@@ -201,7 +200,11 @@ class Prefaulter:
         self._next_log = self.size / 10
 
     # ------------------------------------------------------------------ paths
-    gauge = PREFAULTED
+    gauge_name = "lmc_pool_prefaulted_bytes"
+
+    @property
+    def gauge(self) -> Gauge:
+        return pool_gauge(self.gauge_name)
 
     def calibrate(self) -> FaultRates | None:
         """Measure :class:`FaultRates` on the first ``4 * CALIBRATE`` bytes (which it faults
@@ -435,8 +438,6 @@ HUGE = 2 << 20
 PIN_STEP = 512 << 20
 MAP_HUGETLB = getattr(__import__("mmap"), "MAP_HUGETLB", 0x40000)
 CUDA_HOST_REGISTER_PORTABLE, CUDA_HOST_REGISTER_MAPPED = 1, 2
-PINNED = Gauge("lmc_pool_pinned_bytes",
-               "Bytes of open memory pools page-locked for the GPU (all of this process)")
 
 
 class PinError(RuntimeError):
@@ -582,7 +583,7 @@ class Pinner(Prefaulter):
     them: a block handed out is pinned. A failure stops it; ``error`` keeps the
     :class:`PinError`, which ``ensure`` and ``wait`` raise. ``stop()`` unregisters all."""
 
-    gauge = PINNED
+    gauge_name = "lmc_pool_pinned_bytes"
 
     def __init__(self, buf: torch.Tensor, registrar: Any, name: str = "memory pool",
                  step: int = PIN_STEP, huge: bool = False, asked: int | None = None) -> None:

@@ -5,7 +5,11 @@ lmc's Prometheus metrics live in the worker processes, which serve no HTTP; vLLM
 that changed (``get_kv_connector_stats``); vLLM sums them over ranks, logs them every
 interval as "KV Transfer metrics", and feeds them to :class:`LMCPromMetrics`, which exports
 ``lmc:connector_total{stat=...}`` (loaded_tokens, saved_tokens, load_failures,
-tokens_from_<tier>, ...) next to ``vllm:external_prefix_cache_hits``.
+tokens_from_<tier>, ...) next to ``vllm:external_prefix_cache_hits``. The worker's lmc
+metrics travel the same way (keys ``m:...`` of :func:`lmc.metrics.values`, changes only) and
+are added to the same metrics in the API server's registry (:func:`lmc.metrics.apply`), so
+vLLM's ``/metrics`` carries ``lmc_lookups_total``, ``lmc_hit_tokens_total`` and the per-tier
+series the Grafana dashboard reads, under their own names.
 """
 
 from __future__ import annotations
@@ -19,6 +23,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorPromMetrics,
     KVConnectorStats,
 )
+
+from lmc import metrics
 
 NAME = "lmc:connector"  # exported as lmc:connector_total
 
@@ -42,7 +48,10 @@ class LMCConnectorStats(KVConnectorStats):
         return self
 
     def reduce(self) -> dict[str, int | float]:
-        return {k: int(v) if float(v).is_integer() else v for k, v in sorted(self.data.items())}
+        """What vLLM logs each interval: the connector's counters (lmc's metrics, ``m:``
+        keys, go to ``/metrics`` only)."""
+        return {k: int(v) if float(v).is_integer() else v for k, v in sorted(self.data.items())
+                if not k.startswith(metrics.PREFIX)}
 
     def is_empty(self) -> bool:
         return not any(self.data.values())
@@ -64,6 +73,9 @@ class LMCPromMetrics(KVConnectorPromMetrics):
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         labels = [str(v) for v in self.per_engine_labelvalues.get(engine_idx, [])]
+        metrics.apply(transfer_stats_data)  # the m: keys, into lmc's own metrics here
         for stat, value in transfer_stats_data.items():
+            if stat.startswith(metrics.PREFIX):
+                continue
             if isinstance(value, (int, float)) and value > 0:
                 self._counter.labels(*labels, stat).inc(value)
