@@ -147,15 +147,15 @@ def stop(proc: subprocess.Popen) -> None:
             proc.wait(10)
 
 
-def replay_once(policy: str, ckpt: Path, trace: Path, work: Path, pool: str
-                ) -> dict[str, Any]:
+def replay_once(policy: str, ckpt: Path, trace: Path, work: Path, pool: str,
+                load_weight: float) -> dict[str, Any]:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     insts = start_instances(ckpt, work, 3, pool)
     router = None
     try:
         port = free_port()
         args = [sys.executable, "-m", "lmc.cli", "router", "--port", str(port),
-                "--policy", policy]
+                "--policy", policy, "--load-weight", str(load_weight)]
         for inst in insts:
             args += ["--instance", f"{inst['url']},events=tcp://127.0.0.1:{inst['pub']},"
                                    f"replay=tcp://127.0.0.1:{inst['rep']}"]
@@ -187,16 +187,21 @@ def replay_once(policy: str, ckpt: Path, trace: Path, work: Path, pool: str
     cached = sum(r["cached_tokens"] or 0 for r in ok)
     ttft = sorted(r["ttft_s"] for r in ok if r["ttft_s"] is not None)
     routed: dict[str, float] = {}
+    sums = {"predicted": 0.0, "reported": 0.0}
     for line in metrics.splitlines():
         if line.startswith("lmc_router_requests_total{"):
             reason = line.split('reason="')[1].split('"')[0]
             routed[reason] = routed.get(reason, 0) + float(line.rsplit(" ", 1)[1])
+        for k in sums:
+            if line.startswith(f"lmc_router_{k}_cached_tokens_total{{"):
+                sums[k] += float(line.rsplit(" ", 1)[1])
     return {"policy": policy, "requests": len(recs), "failed": len(recs) - len(ok),
             "prompt_tokens": prompt, "cached_tokens": cached, "hit_rate": cached / prompt,
             "computed_tokens": prompt - cached,
             "ttft_p50_ms": 1e3 * ttft[len(ttft) // 2],
             "ttft_p95_ms": 1e3 * ttft[min(len(ttft) - 1, int(0.95 * len(ttft)))],
-            "wall_s": wall, "routed": routed}
+            "wall_s": wall, "routed": routed, "predicted_cached": sums["predicted"],
+            "reported_cached": sums["reported"]}
 
 
 def urllib_open(url: str) -> Any:
@@ -204,7 +209,7 @@ def urllib_open(url: str) -> Any:
     return urllib.request.urlopen(url, timeout=30)
 
 
-def bench_replay(quick: bool) -> list[dict[str, Any]]:
+def bench_replay(quick: bool, load_weight: float) -> list[dict[str, Any]]:
     from lmc.reference import make_tiny_checkpoint
     work = Path(tempfile.mkdtemp(prefix="bench-router-"))
     ckpt = make_tiny_checkpoint(work / "tiny", max_position_embeddings=2048)
@@ -219,12 +224,14 @@ def bench_replay(quick: bool) -> list[dict[str, Any]]:
     pool = "16MiB"
     out = []
     for policy in ("prefix", "round_robin"):
-        r = replay_once(policy, ckpt, trace, work, pool)
+        r = replay_once(policy, ckpt, trace, work, pool, load_weight)
         out.append(r)
         print(f"{policy:12s} {r['requests']} requests ({r['failed']} failed): hit rate "
               f"{r['hit_rate']:.3f}, TTFT p50 {r['ttft_p50_ms']:.1f} ms p95 "
               f"{r['ttft_p95_ms']:.1f} ms, prompt tokens computed {r['computed_tokens']} of "
-              f"{r['prompt_tokens']}, {r['wall_s']:.1f} s; routed {r['routed']}", flush=True)
+              f"{r['prompt_tokens']}, {r['wall_s']:.1f} s; routed {r['routed']}; router "
+              f"predicted {r['predicted_cached']:.0f} cached tokens, instances reported "
+              f"{r['reported_cached']:.0f}", flush=True)
     p, rr = out
     print(f"prefix / round_robin: tokens computed {p['computed_tokens'] / rr['computed_tokens']:.2f}x, "
           f"TTFT p50 {p['ttft_p50_ms'] / rr['ttft_p50_ms']:.2f}x, "
@@ -236,6 +243,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--only", default="overhead,replay", help="overhead, replay")
     ap.add_argument("--quick", action="store_true", help="fewer reps, a shorter trace")
+    ap.add_argument("--load-weight", type=float, default=512.0,
+                    help="lmc router --load-weight (tokens one request in flight is worth)")
     ap.add_argument("--json", help="also write the figures to this file")
     args = ap.parse_args(argv)
     sections = args.only.split(",")
@@ -243,7 +252,7 @@ def main(argv: list[str] | None = None) -> int:
     if "overhead" in sections:
         results["overhead"] = bench_overhead(7 if args.quick else 31)
     if "replay" in sections:
-        results["replay"] = bench_replay(args.quick)
+        results["replay"] = bench_replay(args.quick, args.load_weight)
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))
     return 0

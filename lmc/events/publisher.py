@@ -89,7 +89,11 @@ class EventPublisher:
 
     def __init__(self, cfg: EventsConfig, tracker: Tracker | None, topic: str, *,
                  reconcile: Callable[[], list[dict[str, Any]]] | None = None) -> None:
-        import zmq
+        try:
+            import zmq
+        except ImportError:
+            raise ValueError("kv_events needs pyzmq: pip install 'lmc-kvcache[events]' "
+                             "(or pyzmq)") from None
         self.cfg = cfg
         self.tracker = tracker
         self.topic = topic.encode()

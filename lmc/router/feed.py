@@ -58,7 +58,11 @@ class EventFeed:
     """The thread that keeps every :class:`Source` current (see the module docstring)."""
 
     def __init__(self, sources: Sequence[Source], stale_after: float = 10.0) -> None:
-        import zmq
+        try:
+            import zmq
+        except ImportError:
+            raise ValueError("subscribing to events= needs pyzmq: pip install "
+                             "'lmc-kvcache[events]' (or pyzmq)") from None
         self.zmq = zmq
         self.sources = list(sources)
         self.stale_after = stale_after

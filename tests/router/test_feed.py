@@ -1,0 +1,96 @@
+"""The router's subscription against a real engine's publisher: a router that starts late is
+synced by a dump; a gap is filled from the replay buffer; a gap older than the buffer is
+healed by a dump; whatever the path, the router's index scores a prompt exactly as the
+engine's tiers hold it. And the policy's arithmetic: medium weights against load."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from lmc.events import wire
+from lmc.router.feed import EventFeed, Source
+from lmc.router.index import Match, PrefixIndex, block_keys
+from lmc.router.policy import Candidate, Weights, choose
+from tests.events.helpers import BLOCK, CHUNK, engine_with_events, request, store
+from tests.kvutil import random_tokens
+
+
+def replayed(endpoint: str, start: int) -> list[tuple[int, bytes]]:
+    frames = request(endpoint, [b"", wire.seq_bytes(start)])
+    return [(int.from_bytes(f[2], "big"), f[3]) for f in frames[:-1]]
+
+
+def cached_blocks(src: Source, prompt: list[int]) -> Match:
+    return src.index.match(block_keys(prompt, BLOCK))
+
+
+@pytest.mark.parametrize("buffer", [10_000, 2])
+def test_late_start_gaps_and_lost_history_all_end_in_the_true_index(tmp_path, buffer):
+    a = random_tokens(4 * CHUNK, seed=31)
+    b = random_tokens(3 * CHUNK, seed=32)
+    c = random_tokens(2 * CHUNK, seed=33)
+    with engine_with_events(tmp_path / "disk", buffer_steps=buffer, heartbeat=60) as (
+            eng, ev, caches):
+        store(eng, caches, a)  # before any router exists
+        time.sleep(0.3)
+        src = Source("engine", ev.endpoint, ev.replay_endpoint, 1 << 16)
+        feed = EventFeed([src])
+        try:
+            assert feed._dump(src) and src.synced
+            assert cached_blocks(src, a) == Match(0, 16, 16, BLOCK)
+            start = src.next_seq
+            for step in (lambda: store(eng, caches, b), lambda: store(eng, caches, c),
+                         eng.storage.clear_l1):
+                step()
+                time.sleep(0.3)  # each its own batch
+            later = replayed(ev.replay_endpoint, 0)
+            newest = later[-1]
+            assert newest[0] > start + 1  # batches start..newest-1 "were lost"
+            time.sleep(1.0)  # the publisher answers one dump per second
+            feed.on_message(src, [b"t", wire.seq_bytes(newest[0]), newest[1]])
+            assert src.synced and src.next_seq == newest[0] + 1
+            if buffer == 2:
+                assert src.counts["dumps"] == 2  # the replay could not fill it
+            else:
+                assert src.counts["replays"] == 1 and src.counts["dumps"] == 1
+            for prompt in (a, b, c):  # L1 cleared: everything is on disk only
+                n = len(prompt) // BLOCK
+                assert cached_blocks(src, prompt) == Match(0, 0, n, BLOCK)
+        finally:
+            feed.close()
+
+
+def idx(*stores: tuple[list[int], str]) -> PrefixIndex:
+    i = PrefixIndex()
+    for n, (tokens, medium) in enumerate(stores):
+        hashes = [1000 * (n + 1) + j for j in range(len(tokens) // 4)]
+        i.stored(wire.Stored(tuple(hashes), None, tuple(tokens), 4, medium))
+    return i
+
+
+def test_medium_weights_and_load_decide_between_instances():
+    prompt = list(range(64))  # 16 blocks of 4
+    keys = block_keys(prompt, 4)
+    gpu = idx((prompt[:32], wire.GPU)).match(keys)       # 8 blocks in GPU
+    cpu = idx((prompt[:48], wire.CPU)).match(keys)       # 12 in CPU
+    disk = idx((prompt, wire.STORAGE)).match(keys)       # 16 on disk
+    assert (gpu.gpu, gpu.cpu, gpu.storage) == (8, 8, 8)
+    assert (cpu.gpu, cpu.cpu, cpu.storage) == (0, 12, 12)
+    assert (disk.gpu, disk.cpu, disk.storage) == (0, 0, 16)
+    w = Weights(gpu=1.0, cpu=0.8, storage=0.5, load=10)
+    assert [w.credit(m) for m in (gpu, cpu, disk)] == [32.0, pytest.approx(38.4), 32.0]
+    cands = [Candidate(0, gpu), Candidate(0, cpu), Candidate(0, disk)]
+    c = choose(cands, 64, w, 0, "prefix")
+    assert (c.index, c.reason) == (1, "prefix")
+    # two requests in flight cost 20 tokens: more than CPU's 6.4-token lead
+    cands[1].in_flight = 2
+    assert choose(cands, 64, w, 0, "prefix").index == 0
+    # storage counts at full weight: the whole prompt on disk wins
+    assert choose(cands, 64, Weights(1, 0.8, 1.0, 10), 0, "prefix").index == 2
+    # stale everywhere: least loaded, in turn among equals
+    stale = [Candidate(1, None), Candidate(0, None), Candidate(0, None)]
+    assert [choose(stale, 64, w, t, "prefix").index for t in range(3)] == [1, 1, 2]
+    assert choose(stale, 64, w, 0, "prefix").reason == "stale"
+    assert [choose(cands, 64, w, t, "round_robin").index for t in range(4)] == [0, 1, 2, 0]
