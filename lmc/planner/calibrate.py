@@ -23,6 +23,16 @@ a profile of the engine alone predicted 0.82-0.84 of a replay's measured mean TT
   bare copy time; a fully hidden load is stored as a bandwidth of 1 PB/s). The disk tier is
   measured on its own engine (L1 over the disk), the remote one likewise.
 
+**What is refused** (:func:`refusals`; the CLI then keeps the previous profile and says why):
+a prefill fit whose worst error on its own points exceeds ``MAX_FIT_ERROR`` (the planner
+promises mean TTFT within 20%, which a fit that misses its own measurements by more cannot
+keep), a fit that does not grow with the prompt's length, and a tier hit faster than
+``1 - LOAD_SLACK`` of the fitted time of computing its one last token (a hit computes that
+token, so such a figure says the fit's per-request cost is wrong, not that the load was
+free; a burst of load from elsewhere on the machine during the short prompts does it: once
+measured, 3.3 s at 256 tokens and 4.6 s at 2048, a fit of 3.69 s per request, and hits of
+0.29 s, i.e. "load -3396 ms"). A load within that slack is hidden behind compute, as above.
+
 The model is ``--model DIR`` (a Llama-family checkpoint the reference engine loads) or a small
 random-weight checkpoint made on first use, which is right for trying the planner and wrong
 for sizing a deployment: the profile records which model it measured.
@@ -42,10 +52,17 @@ from typing import Any
 
 import torch
 
+from lmc import units
 from lmc.planner.costmodel import Profile, TierCost, stamp
 
 BLOCK = 16
 HIDDEN_LOAD_BYTES_PER_S = 1e15  # a load layer-wise loading hid entirely behind compute
+MAX_FIT_ERROR = 0.15  # worst relative error of the prefill fit on its measured points
+LOAD_SLACK = 0.25  # a hit may undercut its last token's fitted compute by this share (noise)
+
+
+class CalibrationRefused(ValueError):
+    """The measurements make no physical sense (module doc): nothing is saved."""
 SOURCE = {"L1": "cpu", "disk": "disk", "remote": "remote"}  # planner tier -> worker counter
 
 
@@ -128,6 +145,8 @@ class Calibrator:
         self.rng = random.Random(seed)
         self.prefill: dict[int, list[float]] = {n: [] for n in self.lengths}
         self.hits: dict[str, list[float]] = {}
+        # per tier of the last profile(): (hit's median TTFT, fitted compute of its last token)
+        self.hit_vs_compute: dict[str, tuple[float, float]] = {}
         longest = max(max(lengths), load_tokens + 1)
         # L1 holds the two longest prompts (a hit's chunks stay until it is sent again)
         l1: dict[str, Any] = {"chunk_size": chunk_size, "local_cpu_prefault": "off",
@@ -191,6 +210,7 @@ class Calibrator:
         nbytes = n * self.bpt
         for name, ts in self.hits.items():
             hit = statistics.median(ts)
+            self.hit_vs_compute[name] = (hit, compute)
             load = hit - compute
             prof.tiers[name] = TierCost(
                 bytes_per_s=nbytes / load if load > 0 else HIDDEN_LOAD_BYTES_PER_S)
@@ -202,6 +222,11 @@ class Calibrator:
             f"{prof.fit_error() * 100:.1f}%")
         return prof
 
+    def refusals(self, prof: Profile) -> list[str]:
+        """Why ``prof`` (this calibrator's last :meth:`profile`) must not be saved; empty
+        when it is physically plausible (module doc)."""
+        return refusals(prof, self.hit_vs_compute)
+
     def close(self) -> None:
         for eng in self.engines.values():
             eng.close()
@@ -209,11 +234,38 @@ class Calibrator:
         shutil.rmtree(self._tmp, ignore_errors=True)
 
 
+def refusals(prof: Profile, hit_vs_compute: dict[str, tuple[float, float]] | None = None
+             ) -> list[str]:
+    """Reasons a profile is outside physical bounds or fits its points badly, each saying
+    what was measured; ``hit_vs_compute`` (tier -> (hit TTFT, fitted compute of its last
+    token), seconds) adds the tier loads' check. Empty: plausible."""
+    out = []
+    err = prof.fit_error()
+    pts = ", ".join(f"{n} tokens {units.seconds(t)}" for n, t in prof.prefill_points)
+    if not err <= MAX_FIT_ERROR:  # NaN too
+        out.append(f"the prefill fit misses its own measurements by up to {err:.1%} (at most "
+                   f"{MAX_FIT_ERROR:.0%} is usable; measured {pts})")
+    lengths = [n for n, _ in prof.prefill_points]
+    lo, hi = min(lengths), max(lengths)
+    t_lo, t_hi = (float(prof.prefill_s(0, n)) for n in (lo, hi))
+    if not t_hi - t_lo > 0.01 * t_hi:  # flat within rounding, or NaN
+        out.append(f"the prefill fit does not grow with prompt length (measured {pts}): "
+                   "longer prompts cannot be cheaper")
+    for name, (hit, compute) in (hit_vs_compute or {}).items():
+        if hit < (1 - LOAD_SLACK) * compute:
+            out.append(f"a {name} hit took {units.seconds(hit)}, less than the "
+                       f"{units.seconds(compute)} the fit predicts for computing its one last "
+                       f"token (a load of {units.seconds(hit - compute)}): the fit's "
+                       f"per-request cost {units.seconds(prof.fit[0])} is wrong")
+    return out
+
+
 def calibrate(model_dir: str | Path | None = None, *, lengths: Sequence[int] = (256, 1024, 2048,
               4096), reps: int = 3, load_tokens: int = 4096, chunk_size: int = 256,
               disk_dir: str | None = None, remote_url: str | None = None,
               threads: int = 0) -> Profile:
-    """Measure and return a :class:`Profile` (the caller saves it)."""
+    """Measure and return a :class:`Profile` (the caller saves it); :class:`CalibrationRefused`
+    when the measurements are outside physical bounds (:func:`refusals`)."""
     if reps < 1:
         raise ValueError(f"--reps must be at least 1, got {reps}")
     if threads:
@@ -225,6 +277,10 @@ def calibrate(model_dir: str | Path | None = None, *, lengths: Sequence[int] = (
     try:
         for _ in range(reps):
             cal.round()
-        return cal.profile()
+        prof = cal.profile()
+        why = cal.refusals(prof)
+        if why:
+            raise CalibrationRefused("; ".join(why))
+        return prof
     finally:
         cal.close()

@@ -155,28 +155,44 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _calibrate(args: argparse.Namespace) -> int:
-    from lmc.planner.calibrate import calibrate
+    from lmc.planner.calibrate import CalibrationRefused, calibrate
     from lmc.planner.costmodel import default_profile_path
 
+    path = Path(args.profile) if args.profile else default_profile_path()
     try:
         prof = calibrate(args.model, lengths=args.lengths, reps=args.reps,
                          load_tokens=args.load_tokens, chunk_size=args.chunk_size or 256,
                          disk_dir=args.disk_dir, remote_url=args.redis)
+    except CalibrationRefused as e:  # measured, but nonsense: the old profile stays
+        kept = (f"the previous profile {path} is kept" if path.is_file()
+                else f"no profile written to {path}")
+        print(f"lmc plan --calibrate: refused: {e}.\n{kept}; was the machine busy? Measure "
+              "again on a quiet machine, or with more --reps (each figure is a median)",
+              file=sys.stderr)
+        return 1
     except (ValueError, OSError) as e:
         print(f"lmc plan --calibrate: {e}", file=sys.stderr)
         return 2
-    path = prof.save(args.profile or default_profile_path())
+    path = prof.save(path)
     print(f"calibration profile written to {path}")
     return 0
 
 
 def _plan(args: argparse.Namespace) -> int:
     from lmc.planner import report
-    from lmc.planner.costmodel import Profile
+    from lmc.planner.costmodel import Profile, default_profile_path
     from lmc.planner.keys import load_trace
     from lmc.planner.sim import grid, run_grid
 
     profile = None if args.no_ttft else Profile.load(args.profile)
+    if profile is not None:
+        from lmc.planner.calibrate import refusals
+
+        why = refusals(profile)  # one saved before calibration checked its fit
+        if why:
+            raise ValueError(f"calibration profile {args.profile or default_profile_path()}: "
+                             f"{'; '.join(why)}; make it again with `lmc plan --calibrate` "
+                             "(or plan hit rates alone with --no-ttft)")
     bpt = args.kv_bytes_per_token or (profile.kv_bytes_per_token if profile else None)
     if not bpt:
         raise ValueError("--no-ttft needs --kv-bytes-per-token (KV bytes one token takes: "
