@@ -243,7 +243,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--only", default="overhead,replay", help="overhead, replay")
     ap.add_argument("--quick", action="store_true", help="fewer reps, a shorter trace")
-    ap.add_argument("--load-weight", type=float, default=512.0,
+    ap.add_argument("--load-weight", type=float, default=64.0,
                     help="lmc router --load-weight (tokens one request in flight is worth)")
     ap.add_argument("--json", help="also write the figures to this file")
     args = ap.parse_args(argv)

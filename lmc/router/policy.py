@@ -29,7 +29,7 @@ class Weights:
     gpu: float = 1.0
     cpu: float = 0.8
     storage: float = 0.5
-    load: float = 512.0
+    load: float = 64.0
     """Tokens of prefill one request in flight is worth."""
 
     def __post_init__(self) -> None:
