@@ -100,6 +100,17 @@ def _metadata(value: Any, key: str) -> str:
     return v
 
 
+MIN_SEGMENT = 16 << 20  # the library refuses a smaller one (setup() returns -600)
+
+
+def _segment(value: Any, key: str) -> int:
+    n = parse_size(value, key)
+    if 0 < n < MIN_SEGMENT:
+        raise ConfigError(f"{key}: {n} B is below Mooncake's smallest segment, "
+                          f"{fmt_size(MIN_SEGMENT)} (or 0: contribute no memory)")
+    return n
+
+
 def local_address(host: str, port: int) -> str:
     """The address this host reaches the master from (what other clients must dial to
     reach this client's segment); no packet is sent."""
@@ -130,7 +141,7 @@ class MooncakeBackend(StorageBackend):
         "metadata": BackendOption(P2P, _metadata,
                                   "P2PHANDSHAKE, or the metadata server's URL "
                                   "(http://host:port/metadata)"),
-        "segment": BackendOption(1 << 30, parse_size,
+        "segment": BackendOption(1 << 30, _segment,
                                  "bytes of memory this process contributes to the cluster "
                                  "(0: a pure client); mapped as values arrive"),
         "local_buffer": BackendOption(0, parse_size,
@@ -317,6 +328,10 @@ class MooncakeBackend(StorageBackend):
             except CorruptValue as e:
                 rejects.reject(rkeys[i], e, rkeys[i])
                 continue
+            if hdr.payload_len > self.raw.size:  # never servable: refused, not allocated
+                rejects.reject(rkeys[i], f"{hdr.payload_len} B value larger than the pool",
+                               rkeys[i])
+                continue
             obj = self.pool.allocate(hdr.shape, hdr.dtype, hdr.num_tokens)
             if obj is None:
                 self._count(alloc_failures=1)
@@ -402,7 +417,10 @@ class MooncakeBackend(StorageBackend):
         for (i, hdr, head, obj), code in zip(todo, codes):
             if code != obj.nbytes:
                 obj.release()
-                self._classify("get", code)
+                if code == C.INVALID:  # shorter than its head says: not what was written
+                    rejects.reject(rkeys[i], "value shorter than its header says", rkeys[i])
+                else:
+                    self._classify("get", code)
                 continue
             out[i] = rejects.verify(rkeys[i], obj,
                                     functools.partial(self.codec.verify, keys[i], head, hdr,

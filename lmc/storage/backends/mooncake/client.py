@@ -224,7 +224,9 @@ class ClientGuard:
             self._inflight += 1
             self._calls += 1
             if self._calls > len(self._workers) and len(self._workers) < self._max_workers:
-                t = threading.Thread(target=self._work, name="lmc-mooncake", daemon=True)
+                # non-daemon: interpreter exit joins it (after closing this guard, below)
+                # instead of unloading the library while it is inside a call (SIGABRT)
+                t = threading.Thread(target=self._work, name="lmc-mooncake", daemon=False)
                 self._workers.append(t)
                 t.start()
         c = _Call(fn, deadline, on_abandon)
@@ -331,7 +333,10 @@ class ClientGuard:
             return
         # the library's close takes about a second: a thread of its own, not the caller's
         # (non-daemon, so interpreter exit waits for it rather than unmapping under it)
-        threading.Thread(target=run, name="lmc-mooncake-close", daemon=False).start()
+        try:
+            threading.Thread(target=run, name="lmc-mooncake-close", daemon=False).start()
+        except RuntimeError:  # no new threads at interpreter shutdown: close here
+            run()
 
     def _unregister(self, store: Any) -> None:
         for ptr, _size in self._buffers:
@@ -341,9 +346,15 @@ class ClientGuard:
 _live: weakref.WeakSet[ClientGuard] = weakref.WeakSet()
 
 
-@atexit.register
 def _close_all() -> None:
-    """Interpreter exit with a tier left open: close its client here, while the library
-    still runs, rather than in its destructor during finalization."""
+    """Interpreter exit with a tier left open: close it before the interpreter joins its
+    (non-daemon) threads -- idle workers then end, calls still inside the library return
+    by themselves and the last one closes the client -- rather than in a destructor
+    during finalization, with threads still inside the library."""
     for guard in list(_live):
         guard.close(inline=True)
+
+
+# run before threading joins non-daemon threads (what concurrent.futures uses); plain
+# atexit, which runs after that join, where the hook is missing
+getattr(threading, "_register_atexit", atexit.register)(_close_all)
