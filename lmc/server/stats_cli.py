@@ -3,8 +3,10 @@
 For operators: one command to see occupancy, hit rates and per-tier figures of a daemon
 without scraping Prometheus, in sections like ``redis-cli INFO`` (Server, Memory, Requests,
 Tiers, Namespaces). Sizes and durations are in human units, every hit rate comes with its
-denominator (hits/asked), and rates are per second since the daemon started, or over the
-last interval with ``--watch``. ``--json`` prints the raw answer for scripts. The token
+denominator (hits/asked) -- GETs' keys and lookups' (EXISTS) keys apart -- and each tier
+says its declared medium and capabilities. Rates are per second since the daemon started,
+or over the last interval with ``--watch``. Nothing here imports torch at load time, so
+the command answers in a fraction of a second. ``--json`` prints the raw answer for scripts. The token
 comes from ``--token-file`` or ``LMC_REMOTE_TOKEN`` (never a flag value, which ``ps`` would
 show).
 """
@@ -82,6 +84,29 @@ def _per_s(x: float) -> str:
     return f"{x:,.1f}/s" if x >= 10 or x == 0 else f"{x:.3g}/s"
 
 
+def _hits(parts: list[tuple[float, float, str]]) -> str:
+    """``hits 50.0% (2/4) reads, 100.0% (4/4) lookups``: each kind that was asked; a tier
+    nothing asked yet says so rather than ``- (0/0)``."""
+    shown = [f"{units.ratio(h, n)} {what}" for h, n, what in parts if n]
+    return "hits " + ", ".join(shown) if shown else "nothing asked yet"
+
+
+_CAPABILITIES = {"layered_reads": "layered reads", "existence_without_reading":
+                 "lookups without reading", "durable": "durable"}
+
+
+def _declared(media: Any, name: str) -> str:
+    """`` [local_storage: layered reads, durable]``: what the tier declares, when STATS
+    says it (a daemon older than the ``media`` section does not)."""
+    m = media.get(name) if isinstance(media, dict) else None
+    if not isinstance(m, dict):
+        return ""
+    caps = [label for key, label in _CAPABILITIES.items() if m.get(key) is True]
+    caps += [safe(k) for k, v in sorted(m.items())
+             if k != "medium" and k not in _CAPABILITIES and v is True]
+    return f" [{safe(m.get('medium', '?'))}" + (f": {', '.join(caps)}]" if caps else "]")
+
+
 def format_info(stats: dict[str, Any], before: dict[str, Any] | None = None,
                 interval: float | None = None) -> str:
     """``redis-cli INFO``-style sections: ``# Section`` then ``key: value`` lines, sizes and
@@ -111,7 +136,12 @@ def format_info(stats: dict[str, Any], before: dict[str, Any] | None = None,
               f"{req.get('put_values', 0):,} values stored), "
               f"{_rate(req, prev_req, 'puts', span, _per_s)}",
               f"gets: {req.get('gets', 0):,}, {_rate(req, prev_req, 'gets', span, _per_s)}",
-              f"hit rate: {units.ratio(req.get('hits', 0), req.get('get_keys', 0))} keys",
+              f"hit rate: {units.ratio(req.get('hits', 0), req.get('get_keys', 0))} keys"]
+    if "lookup_keys" in req:  # EXISTS (an engine's lookups); daemons before them omit it
+        lines += [f"lookups: {req.get('lookups', 0):,}, "
+                  f"{_rate(req, prev_req, 'lookups', span, _per_s)}; found "
+                  f"{units.ratio(req.get('lookup_hits', 0), req.get('lookup_keys', 0))} keys"]
+    lines += [
               f"in: {units.size(req.get('bytes_in', 0))}, "
               f"{_rate(req, prev_req, 'bytes_in', span)}",
               f"out: {units.size(req.get('bytes_out', 0))}, "
@@ -122,23 +152,31 @@ def format_info(stats: dict[str, Any], before: dict[str, Any] | None = None,
     tiers = {n: t for n, t in groups.items() if set(t) & _TIER_KEYS}
     others = {n: t for n, t in groups.items() if n not in tiers}
     memory = next(iter(tiers), None)  # STATS lists the memory tier (L1) first
-    lower_hits = sum(t.get("get_hits", 0) for name, t in tiers.items() if name != memory)
+    lower = [t for name, t in tiers.items() if name != memory]
+    media = stats.get("media", {})
     lines += ["", "# Tiers"]
     for name, t in tiers.items():
         used = t.get("used", t.get("used_bytes", 0))
         held = (f"{t.get('chunks', 0):,} chunks, {units.size(used)} of "
                 f"{units.size(t['capacity'])}; " if "capacity" in t else "")
-        if name == memory:  # what GETs found without a lower tier
-            hits = max(0, req.get("hits", 0) - lower_hits)
-            lines.append(f"{safe(name)}: {held}hits "
-                         f"{units.ratio(hits, req.get('get_keys', 0))} keys"
-                         f"; evicted {t.get('evictions', 0):,} "
+        label = f"{safe(name)}{_declared(media, name)}"
+        if name == memory:  # what GETs and lookups found without a lower tier
+            hits = _hits([
+                (max(0, req.get("hits", 0) - sum(x.get("get_hits", 0) for x in lower)),
+                 req.get("get_keys", 0), "read keys"),
+                (max(0, req.get("lookup_hits", 0) - sum(x.get("lookup_hits", 0)
+                                                        for x in lower)),
+                 req.get("lookup_keys", 0), "looked-up keys")])
+            lines.append(f"{label}: {held}{hits}; evicted {t.get('evictions', 0):,} "
                          f"({units.size(t.get('evicted_bytes', 0))})")
             continue
-        asked = t.get("get_hits", 0) + t.get("get_misses", 0)
+        hits = _hits([(t.get("get_hits", 0), t.get("get_hits", 0) + t.get("get_misses", 0),
+                       "reads"),
+                      (t.get("lookup_hits", 0),
+                       t.get("lookup_hits", 0) + t.get("lookup_misses", 0), "lookups")])
         extra = [f"{safe(k)} {int(v):,}" for k, v in sorted(t.items())
                  if (k.startswith(("errors_", "dropped_")) or k == "checksum_failures") and v]
-        lines.append(f"{safe(name)}: {held}hits {units.ratio(t.get('get_hits', 0), asked)} reads; "
+        lines.append(f"{label}: {held}{hits}; "
                      f"read {units.size(t.get('read_bytes', 0))}, written "
                      f"{units.size(t.get('write_bytes', 0))}, queued "
                      f"{units.size(t.get('queue_bytes', 0))}"

@@ -24,9 +24,12 @@ from __future__ import annotations
 
 import dataclasses
 import struct
+from typing import TYPE_CHECKING, Any
 
-import torch
 import xxhash
+
+if TYPE_CHECKING:
+    import torch
 
 MAGIC = b"LMCK"
 VERSION = 1         # header, payload
@@ -35,13 +38,31 @@ TAG_SIZE = 32       # bytes of the version-2 tag (see lmc.storage.integrity)
 _FIELDS = struct.Struct("<4sHH16sB3x4IIQQ")
 HEADER_SIZE = _FIELDS.size + 8  # 72
 
-DTYPE_CODES: dict[torch.dtype, int] = {
-    torch.float32: 1, torch.float16: 2, torch.bfloat16: 3, torch.uint8: 6, torch.int8: 7,
-}
-for _name, _code in (("float8_e4m3fn", 4), ("float8_e5m2", 5)):
-    if hasattr(torch, _name):
-        DTYPE_CODES[getattr(torch, _name)] = _code
-CODE_DTYPES = {v: k for k, v in DTYPE_CODES.items()}
+# dtype codes, by torch's names: the maps (DTYPE_CODES, CODE_DTYPES) are made on first use,
+# so that what reads headers without tensors (``lmc stats``, the daemon's protocol module)
+# does not wait seconds for torch to import
+_CODE_NAMES = {"float32": 1, "float16": 2, "bfloat16": 3, "float8_e4m3fn": 4,
+               "float8_e5m2": 5, "uint8": 6, "int8": 7}
+_maps: tuple[dict[Any, int], dict[int, Any]] | None = None
+
+
+def _dtype_maps() -> tuple[dict[torch.dtype, int], dict[int, torch.dtype]]:
+    global _maps
+    if _maps is None:
+        import torch
+
+        codes = {getattr(torch, n): c for n, c in _CODE_NAMES.items() if hasattr(torch, n)}
+        _maps = (codes, {c: d for d, c in codes.items()})
+    return _maps
+
+
+def __getattr__(name: str) -> Any:
+    """``DTYPE_CODES`` (torch dtype -> code) and ``CODE_DTYPES`` (code -> dtype)."""
+    if name == "DTYPE_CODES":
+        return _dtype_maps()[0]
+    if name == "CODE_DTYPES":
+        return _dtype_maps()[1]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 class CorruptValue(ValueError):
@@ -68,7 +89,7 @@ class Header:
 def encodable(obj) -> bool:
     """Whether a header can describe ``obj`` (a 4-D chunk of a dtype with a code): a tier
     that serializes skips any other chunk (the contract in ``lmc.storage.tier``)."""
-    return len(obj.shape) == 4 and obj.dtype in DTYPE_CODES
+    return len(obj.shape) == 4 and obj.dtype in (_maps or _dtype_maps())[0]
 
 
 def payload_checksum(payload) -> int:
@@ -83,12 +104,13 @@ def encode_header(key: bytes, shape, dtype: torch.dtype, num_tokens: int, payloa
         raise ValueError(f"key must be 16 bytes, got {len(key)}")
     if len(shape) != 4:
         raise ValueError(f"chunk shape must be 4-D [layers, planes, tokens, width], got {shape}")
-    if dtype not in DTYPE_CODES:
+    code = (_maps or _dtype_maps())[0].get(dtype)
+    if code is None:
         raise TypeError(f"dtype {dtype} has no serialisation code")
     mv = memoryview(payload).cast("B")
     csum = payload_checksum(mv) if checksum is None else checksum
     version = VERSION_TAGGED if tagged else VERSION
-    body = _FIELDS.pack(MAGIC, version, flags, key, DTYPE_CODES[dtype], *shape, num_tokens,
+    body = _FIELDS.pack(MAGIC, version, flags, key, code, *shape, num_tokens,
                         mv.nbytes, csum)
     return body + xxhash.xxh3_64_digest(body)
 
@@ -116,7 +138,7 @@ def decode_header(buf, expected_key: bytes | None = None, tagged: bool = False) 
                            "here (every engine sharing a store must use the same secret)")
     if expected_key is not None and key != expected_key:
         raise CorruptValue(f"value holds key {key.hex()}, expected {expected_key.hex()}")
-    dtype = CODE_DTYPES.get(code)
+    dtype = (_maps or _dtype_maps())[1].get(code)
     if dtype is None:
         raise CorruptValue(f"unknown dtype code {code}")
     shape = (s0, s1, s2, s3)
@@ -137,6 +159,8 @@ def verify_payload(header: Header, payload) -> None:
 
 def tensor_bytes(t: torch.Tensor) -> memoryview:
     """A zero-copy byte view of a contiguous CPU tensor (a pool object's payload)."""
+    import torch
+
     if not t.is_contiguous() or t.device.type != "cpu":
         raise ValueError("payload tensor must be a contiguous CPU tensor")
     return t.view(torch.uint8).reshape(-1).numpy().data

@@ -83,7 +83,8 @@ def test_info_sections_human_units_and_hit_rates(start_daemon):
     assert "team-a: puts 1, gets 1, hit rate 66.7% (4/6) keys" in text
     assert re.search(r"uptime: [\d.]+ (ms|s)\b", text)
     tiers = text.split("# Tiers\n", 1)[1].split("\n\n", 1)[0].splitlines()
-    assert len(tiers) == 1 and tiers[0].startswith("cpu: "), tiers  # other groups: own section
+    # other groups: own section; the tier's declared medium, when the daemon says it
+    assert len(tiers) == 1 and re.match(r"cpu( \[memory[^]]*\])?: ", tiers[0]), tiers
     assert not re.search(r"\b\d{7,}\b", text), "a raw byte count in the human view"
     assert not re.search(r"\d\.\d{5,}", text), "a raw float in the human view"
 
