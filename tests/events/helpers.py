@@ -115,7 +115,8 @@ def external_python(var: str, default: str, module: str, how: str) -> str:
 
 
 def dynamo_python() -> str:
-    return external_python("LMC_DYNAMO_PYTHON", "/tmp/venv-dynamo/bin/python",
+    default = Path(__file__).resolve().parents[3] / "venv-dynamo" / "bin" / "python"
+    return external_python("LMC_DYNAMO_PYTHON", str(default),
                            "dynamo._core", "a venv with ai-dynamo-runtime==1.6.1 (.ci/run "
                            "makes one; see ../shared/KV_EVENTS.md)")
 
