@@ -197,6 +197,7 @@ class EventPublisher:
                 item = self._q.popleft()
             except IndexError:
                 break
+            time.sleep(0)  # let the engine's threads have the GIL between items
             op = item[0]
             if op == "raw":
                 out += item[1]

@@ -96,14 +96,15 @@ class Tracker:
             return
         bs = self.bs
         last = max(e for _, e, _ in todo) // bs * bs
-        toks = u32_tokens(tokens)[:last]
-        # every full block's chained key up to the last new chunk, in one native pass
+        toks = np.array(u32_tokens(tokens)[:last], dtype=np.uint32)  # our own copy
+        # every full block's chained key up to the last new chunk, in one native pass; a
+        # block's hash is its key's first 8 bytes read little-endian
         digests = self.blocks.keys(toks)
+        hashes = np.frombuffer(b"".join(digests), dtype="<u8")[0::2].tolist()
         for start, end, key in todo:
             lo, hi = start // bs, min(end, last) // bs
-            hashes = tuple(int.from_bytes(d[:8], "little") for d in digests[lo:hi])
-            parent = int.from_bytes(digests[lo - 1][:8], "little") if lo else None
-            self.seen[key] = ChunkInfo(hashes, parent, toks[lo * bs:hi * bs].copy(), start)
+            self.seen[key] = ChunkInfo(tuple(hashes[lo:hi]), hashes[lo - 1] if lo else None,
+                                       toks[lo * bs:hi * bs], start)
         while len(self.seen) > self.max_chunks:
             self.seen.popitem(last=False)
 
