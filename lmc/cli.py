@@ -32,6 +32,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
                "prefix (KV events), balanced against load"),
     "plan": ("lmc.planner.cli", "size the cache tiers for a trace: hit rate and predicted "
              "TTFT per configuration"),
+    "blend-check": ("lmc.blend.gate", "measure blending's quality for a model; write its verdict"),
 }
 COMMAND_MODULES = tuple(dict.fromkeys(module for module, _ in COMMANDS.values()))
 
