@@ -6,7 +6,10 @@ Every figure is printed next to its limit measured in the same run, as a ratio:
     torch copy of the same number of bytes (torch runs with one thread throughout), each
     repetition paired with a copy taken right after it; the ratio is the median of the pairs;
   * engine overhead per chunk = (engine call - time inside its gather/scatter) / chunks,
-    measured inside the same calls: hashing, lookup, allocation, planning, bookkeeping.
+    measured inside the same calls: hashing, lookup, allocation, planning, bookkeeping;
+  * first fill: the first stores into a fresh engine's pool (pre-fault off, at start-up,
+    after ready, and LMCache's way of zero-filling the pool before serving) vs a one-thread
+    copy of the same bytes, and the seconds spent before serving (target >= 0.7x after ready).
 
     python benchmarks/bench_core.py            # full sizes (~1 minute)
     python benchmarks/bench_core.py --quick    # smaller sizes, for the demo / smoke runs

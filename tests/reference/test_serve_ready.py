@@ -128,3 +128,28 @@ def test_pd_proxy_logs_each_request_once(caplog):
     lines = [r.getMessage() for r in caplog.records if r.name == "lmc.http.access"]
     assert len(lines) == 2, lines
     assert '"POST /v1/completions HTTP/1.1" 502' in lines[0]
+
+
+def test_access_log_lines_are_escaped_and_bounded(caplog):
+    """A client's request line is data: control characters (terminal escapes, a forged
+    newline) are escaped and a long line is cut, so one request is one short log line."""
+    import socket
+    import threading
+    caplog.set_level(logging.INFO, logger="lmc.http.access")
+    proxy = Proxy(["http://127.0.0.1:1"], ["http://127.0.0.1:2"], port=0)
+    threading.Thread(target=proxy.serve_forever, daemon=True).start()
+    try:
+        for line in (b"GET /\x1b[31mred\rINFO forged HTTP/1.0\r\n\r\n",
+                     b"GET /" + b"a" * 60000 + b" HTTP/1.0\r\n\r\n"):
+            with socket.create_connection(("127.0.0.1", proxy.port), timeout=10) as s:
+                s.sendall(line)
+                s.shutdown(socket.SHUT_WR)
+                while s.recv(65536):
+                    pass
+    finally:
+        proxy.close()
+    lines = [r.getMessage() for r in caplog.records if r.name == "lmc.http.access"]
+    assert len(lines) == 2, lines
+    assert all(ch.isprintable() for ln in lines for ch in ln), lines
+    assert "\\x1b" in lines[0] and "\\r" in lines[0]
+    assert all(len(ln) < 400 for ln in lines)
