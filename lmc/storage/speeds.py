@@ -22,7 +22,9 @@ Why a fit over a window kept per size bucket rather than one moving average: dec
 would be the decodes' fixed cost. Keeping the last few observations per power-of-two size
 lets a long prefill's measurement survive thousands of decodes, and the fit separates the
 fixed cost from the per-token one. The window is the smoothing: an old observation of a
-size is replaced by the next one of that size. Everything is bounded (buckets x window).
+size is replaced by the next one of that size. A tier's reads are also weighted by age
+(half-life of 4 reads): a link or disk that turns slow must be followed within a few
+reads, while a model's compute does not change. Everything is bounded (buckets x window).
 
 Until a tier has been observed its prior is used (``load_policy_priors``; per medium
 otherwise). Until the engine's compute has been observed there is no compute estimate and
@@ -57,11 +59,15 @@ class LinearFit:
     buckets than terms cannot separate the terms: ``solve`` then answers ``None`` and the
     caller falls back to a simpler estimate."""
 
-    def __init__(self, num_terms: int, per_bucket: int = 8, buckets: int = 48) -> None:
+    def __init__(self, num_terms: int, per_bucket: int = 8, buckets: int = 48,
+                 half_life: float | None = None) -> None:
+        """``half_life``: an observation's weight halves every this many later observations
+        (any bucket); ``None``: every kept observation weighs the same."""
         self.num_terms = num_terms
         self.per_bucket = per_bucket
         self.buckets = buckets
-        self._obs: dict[int, deque[tuple[tuple[float, ...], float]]] = {}
+        self.half_life = half_life
+        self._obs: dict[int, deque[tuple[tuple[float, ...], float, int]]] = {}
         self._lock = threading.Lock()
         self._solved: tuple[float, ...] | None = None
         self._dirty = True
@@ -77,13 +83,19 @@ class LinearFit:
             q = self._obs.get(b)
             if q is None:
                 q = self._obs[b] = deque(maxlen=self.per_bucket)
-            q.append((tuple(float(v) for v in x), float(y)))
+            q.append((tuple(float(v) for v in x), float(y), self.count))
             self.count += 1
             self._dirty = True
 
-    def observations(self) -> list[tuple[tuple[float, ...], float]]:
+    def _weight(self, seq: int) -> float:
+        if self.half_life is None:
+            return 1.0
+        return 0.5 ** ((self.count - 1 - seq) / self.half_life)
+
+    def observations(self) -> list[tuple[tuple[float, ...], float, float]]:
+        """(terms, value, weight) of every kept observation."""
         with self._lock:
-            return [o for q in self._obs.values() for o in q]
+            return [(x, y, self._weight(i)) for q in self._obs.values() for x, y, i in q]
 
     @property
     def num_buckets(self) -> int:
@@ -97,15 +109,20 @@ class LinearFit:
             obs = [o for q in self._obs.values() for o in q]
             enough = len(self._obs) >= self.num_terms
             self._dirty = False
-            self._solved = nonneg_lstsq([x for x, _ in obs], [y for _, y in obs]) \
+            self._solved = nonneg_lstsq([x for x, _, _ in obs], [y for _, y, _ in obs],
+                                        [self._weight(i) for _, _, i in obs]) \
                 if enough else None
             return self._solved
 
 
-def nonneg_lstsq(xs: Sequence[Sequence[float]], ys: Sequence[float]) -> tuple[float, ...]:
-    """Least squares with negative terms dropped and the rest refitted."""
+def nonneg_lstsq(xs: Sequence[Sequence[float]], ys: Sequence[float],
+                 weights: Sequence[float] | None = None) -> tuple[float, ...]:
+    """(Weighted) least squares with negative terms dropped and the rest refitted."""
     a = np.asarray(xs, dtype=np.float64)
     y = np.asarray(ys, dtype=np.float64)
+    if weights is not None:
+        w = np.sqrt(np.asarray(weights, dtype=np.float64))
+        a, y = a * w[:, None], y * w
     keep = list(range(a.shape[1]))
     coef = np.zeros(0)
     while keep:
@@ -172,7 +189,10 @@ class TierSpeed:
         self.name = name
         self.prior = TierRate(name, prior_bytes_per_s, prior_latency_s, overlaps)
         self.overlaps = overlaps
-        self.fit = LinearFit(2)  # seconds = latency + bytes * seconds_per_byte
+        # seconds = latency + bytes * seconds_per_byte; recent reads weigh most (a tier
+        # that turns slow is followed within a few reads), sizes kept apart so latency and
+        # rate stay separable
+        self.fit = LinearFit(2, per_bucket=4, half_life=4.0)
         self.failures = 0
 
     def observe(self, nbytes: int, seconds: float) -> None:
@@ -192,10 +212,11 @@ class TierSpeed:
             return TierRate(self.name, 1.0 / coef[1], coef[0], self.overlaps, n)
         # reads of one size only (or all failed): latency from the prior, rate from the rest
         obs = self.fit.observations()
-        nbytes = sum(x[1] for x, _ in obs)
-        seconds = sum(y for _, y in obs) - len(obs) * self.prior.latency_s
+        weight = sum(w for _, _, w in obs)
+        nbytes = sum(x[1] * w for x, _, w in obs)
+        seconds = sum(y * w for _, y, w in obs) - weight * self.prior.latency_s
         if nbytes <= 0:  # nothing but failures: their time is all latency
-            lat = sum(y for _, y in obs) / len(obs)
+            lat = sum(y * w for _, y, w in obs) / weight
             return TierRate(self.name, self.prior.bytes_per_s, lat, self.overlaps, n)
         if seconds <= 0:
             return TierRate(self.name, self.prior.bytes_per_s, self.prior.latency_s,
@@ -226,8 +247,8 @@ class PrefillSpeed:
         if coef is not None and (coef[1] > 0 or coef[2] > 0):
             return PrefillRate(coef[0], coef[1], coef[2], n)
         obs = self.fit.observations()  # one size only: a plain rate through the origin
-        tokens = sum(x[1] for x, _ in obs)
-        seconds = sum(y for _, y in obs)
+        tokens = sum(x[1] for x, _, _ in obs)
+        seconds = sum(y for _, y, _ in obs)
         if tokens <= 0 or seconds <= 0:
             return self.prior
         return PrefillRate(0.0, seconds / tokens, 0.0, n)

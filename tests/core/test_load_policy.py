@@ -197,7 +197,10 @@ def test_a_tier_turning_slow_is_followed() -> None:
     for n in (1 << 20, 8 << 20) * 8:
         t.observe(n, n / 2e9)
     assert t.rate().bytes_per_s == pytest.approx(2e9)
-    for n in (1 << 20, 8 << 20) * 8:  # the window per size holds 8: the old ones go
+    for n in (1 << 20, 8 << 20) * 2:  # within four reads: recent ones weigh most
+        t.observe(n, n / 1e8)
+    assert t.rate().bytes_per_s < 1.5e8
+    for n in (1 << 20, 8 << 20) * 2:  # the window per size holds 4: the old ones are gone
         t.observe(n, n / 1e8)
     assert t.rate().bytes_per_s == pytest.approx(1e8)
 
