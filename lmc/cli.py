@@ -14,8 +14,6 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-import yaml
-
 # Each subcommand's module (it offers ``register_cli(subparsers)`` and sets ``func`` on its
 # parser) and the one-line summary ``lmc --help`` lists. A module is imported only when its
 # command runs: they pull in torch, and ``lmc --help`` should answer at once.
@@ -38,23 +36,9 @@ COMMAND_MODULES = tuple(dict.fromkeys(module for module, _ in COMMANDS.values())
 
 
 def _config(args: argparse.Namespace) -> int:
-    from lmc.config import CacheConfig
+    from lmc.config_cli import run
 
-    if args.keys:
-        for key, default, doc in CacheConfig.describe():
-            print(f"{key:20s} default {default!r:12}  {doc}")
-        return 0
-    try:
-        cfg = CacheConfig.load(args.config)
-        cfg.preflight()
-    except (ValueError, OSError) as e:
-        print(f"lmc config: {e}", file=sys.stderr)
-        return 2
-    from lmc.units import readable_settings
-
-    # secrets masked; sizes and durations in units the file accepts again (2GiB, 500ms)
-    print(yaml.safe_dump(readable_settings(cfg), sort_keys=False).rstrip())
-    return 0
+    return run(args)
 
 
 def help_text(doc: str | None) -> str:
@@ -123,13 +107,6 @@ def add_command(sub: Any, name: str, summary: str, doc: str | None) -> argparse.
                           formatter_class=argparse.RawDescriptionHelpFormatter)
 
 
-_CONFIG_DOC = """Validate an engine config and print it resolved.
-
-Reads the YAML file (if given), then the LMC_* environment variables, checks every key and
-value, and prints the result as YAML (sizes as 2GiB, durations as 500ms; secrets as ***).
-Exit status 2 and a message naming the key when something is wrong."""
-
-
 def _bench_runner() -> Any:
     """``benchmarks/run_all.py`` of the source checkout lmc runs from, or None: the
     benchmarks (and the tools they compare against) are not part of an installed package."""
@@ -168,10 +145,11 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="lmc", description="KV-cache middleware for LLM engines")
     p.add_argument("--version", action="store_true", help="print the version and exit")
     sub = p.add_subparsers(dest="cmd", metavar="COMMAND")
+    from lmc import config_cli
+
     c = add_command(sub, "config", "validate a config (YAML + LMC_* env) and print it resolved",
-                    _CONFIG_DOC)
-    c.add_argument("--config", metavar="FILE", help="YAML file (defaults only when omitted)")
-    c.add_argument("--keys", action="store_true", help="list every key with its default")
+                    config_cli.DOC)
+    config_cli.add_arguments(c)
     c.set_defaults(func=_config)
     _add_bench(sub)
     registered: set[str] = set()
