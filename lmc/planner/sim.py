@@ -22,24 +22,38 @@ from __future__ import annotations
 import os
 import time
 from array import array
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 
+from lmc.config import CacheConfig
 from lmc.planner.keys import KeyedTrace
-from lmc.planner.tiers import SimCache
+from lmc.planner.tiers import SimCache, SimTier, chain_tiers
+from lmc.settings import parse_size
 
 TIERS = ("L1", "disk", "remote")
 
 
 @dataclass(frozen=True, order=True)
 class GridPoint:
-    """One configuration: tier sizes in bytes (0 = no such tier) and the write policy."""
+    """One configuration: tier sizes in bytes (0 = no such tier) and the write policy; or,
+    with ``chain``, L1 and those lower tiers in that order (:func:`chain_point`)."""
 
     l1: int
     disk: int = 0
     remote: int = 0
     policy: str = "write_through"
+    chain: tuple[SimTier, ...] = ()
+
+
+def chain_point(config: CacheConfig, sizes: Mapping[str, int | str] | None = None, *,
+                l1: int | str | None = None, policy: str | None = None) -> GridPoint:
+    """The configuration ``config`` runs: its L1 (``local_cpu_size``, or ``l1``), its
+    ``tiers:`` chain as built for the engine (:func:`lmc.planner.tiers.chain_tiers`; remote
+    stores' sizes from ``sizes``) and its ``write_policy`` (or ``policy``)."""
+    return GridPoint(parse_size(config.local_cpu_size if l1 is None else l1, "l1"),
+                     policy=config.write_policy if policy is None else policy,
+                     chain=tuple(chain_tiers(config, sizes)))
 
 
 @dataclass
@@ -67,7 +81,7 @@ def simulate(trace: KeyedTrace, point: GridPoint, *, bytes_per_token: int, align
     t0 = time.perf_counter()
     cache = SimCache(point.l1, point.disk, point.remote, point.policy,
                      bytes_per_token=bytes_per_token, eviction_policy=eviction_policy,
-                     queue_bytes=queue_bytes)
+                     queue_bytes=queue_bytes, chain=point.chain or None)
     levels = cache.levels
     cs = trace.chunk_size
     per = [array("l", bytes(8 * len(trace))) for _ in levels]

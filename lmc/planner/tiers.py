@@ -19,7 +19,9 @@ What is lmc's own code here and what mirrors it:
   ``tests/planner/test_disk_index.py`` drives the real ``DiskBackend`` and this index with
   the same operations and checks they hold the same keys in the same order.
 
-:class:`SimCache` strings them together the way :class:`lmc.storage.manager.StorageManager`
+:class:`SimCache` strings them together, in the order of any ``tiers:`` chain of a config
+(:func:`chain_tiers` reads :meth:`lmc.config.CacheConfig.tier_chain`, the list
+:mod:`lmc.storage.chain` builds the real tiers from), the way :class:`lmc.storage.manager.StorageManager`
 does (prefix lookups each tier once, promotion of lower-tier hits into L1, write-through or
 write-on-evict), with one difference that is the point of a simulation: the write-behind queues are drained
 at the end of each request (:meth:`SimCache.drain`), where the real ones drain on their own
@@ -33,18 +35,21 @@ docs/planner.md for what the drain point changes and by how much.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import dataclasses
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 
-from lmc.config import CacheConfig
+from lmc.config import CacheConfig, TierEntry
 from lmc.memory.pool import MemoryObj
 from lmc.planner.addrpool import AddressPool
+from lmc.settings import parse_size
 from lmc.storage.backends.cpu import CPUBackend
 from lmc.storage.backends.disk.backend import BLOCK, round_up
 from lmc.storage.eviction import EvictionPolicy, make_policy
 from lmc.storage.manager import WRITE_POLICIES
+from lmc.storage.tier import Medium, backend_factory, tier_medium
 
 Key = Any  # the planner's interned key ids (ints); lmc's tiers treat keys as opaque
 _BYTE = torch.uint8
@@ -57,12 +62,77 @@ def memory_tier(capacity: int, eviction_policy: str = "lru") -> CPUBackend:
     return CPUBackend(config=cfg, pool=AddressPool(capacity))  # type: ignore[arg-type]
 
 
+@dataclasses.dataclass(frozen=True, order=True)
+class SimTier:
+    """One lower tier of a simulated chain: its name (its level in the results), what it is
+    simulated as (``disk``: :class:`DiskIndex`; ``memory``: a daemon-like memory tier,
+    :class:`RemoteDaemon`; ``peer``: :class:`PeerTier`), its capacity and eviction policy."""
+
+    name: str
+    kind: str
+    capacity: int = 0
+    eviction_policy: str = "lru"
+
+    def build(self) -> LowerTier:
+        if self.kind == "disk":
+            return DiskIndex(self.capacity, self.eviction_policy, name=self.name)
+        if self.kind == "memory":
+            return RemoteDaemon(self.capacity, self.eviction_policy, name=self.name)
+        if self.kind == "peer":
+            return PeerTier(self.name)
+        raise ValueError(f"tier {self.name}: no simulation of kind {self.kind!r}")
+
+
+def _leaf(entry: TierEntry) -> TierEntry:
+    """The tier a wrapper finally wraps: counting or rate limits do not change what it holds."""
+    while entry.inner is not None:
+        entry = entry.inner
+    return entry
+
+
+def chain_tiers(config: CacheConfig, sizes: Mapping[str, int | str] | None = None
+                ) -> list[SimTier]:
+    """The lower tiers of ``config``'s chain (``tiers:``, or the shorthand keys' chain), top
+    down, as the planner simulates them. A tier is known by its backend's declared medium:
+    local storage is the disk tier's index (its capacity and ``eviction_policy`` from the
+    entry, as the tier reads them); a remote store is a memory tier of ``sizes[name]`` bytes
+    (a daemon's pool, Redis's ``maxmemory``: not in the engine's config, so the caller says
+    it); a peer holds nothing a one-engine trace stored.
+    Two tiers of one backend are named ``redis``, ``redis#2``..."""
+    sizes = dict(sizes or {})
+    out: list[SimTier] = []
+    seen: dict[str, int] = {}
+    for entry in config.tier_chain()[1:]:
+        leaf = _leaf(entry)
+        factory = backend_factory(leaf.backend)
+        base = str(getattr(factory, "name", leaf.backend))
+        seen[base] = seen.get(base, 0) + 1
+        name = base if seen[base] == 1 else f"{base}#{seen[base]}"
+        options = dict(leaf.options)
+        policy = str(options.get("eviction_policy", "lru"))
+        medium = tier_medium(factory)
+        where = f"{leaf.where} ({leaf.backend})"
+        if medium == Medium.PEER:
+            out.append(SimTier(name, "peer"))
+        elif medium == Medium.LOCAL_STORAGE:
+            tier_cfg = config.replace(**leaf.config) if leaf.config else config
+            size = sizes.get(name, options.get("capacity") or tier_cfg.local_disk_size)
+            out.append(SimTier(name, "disk", parse_size(size, f"{where} capacity"), policy))
+        else:
+            size = sizes.get(name)
+            if size is None:
+                raise ValueError(f"{where}: the planner needs this tier's size (what it "
+                                 f"holds is not in the engine's config): give sizes[{name!r}]")
+            out.append(SimTier(name, "memory", parse_size(size, f"{where} size"), policy))
+    return out
+
+
 class DiskIndex:
     """The disk tier's index and capacity rules (see the module doc), without files."""
 
-    name = "disk"
-
-    def __init__(self, capacity: int, eviction_policy: str = "lru") -> None:
+    def __init__(self, capacity: int, eviction_policy: str = "lru", name: str = "disk"
+                 ) -> None:
+        self.name = name
         self.capacity = int(capacity)
         self._policy: EvictionPolicy[Key, int] = make_policy(eviction_policy)
         self._index = self._policy.entries  # key -> file bytes
@@ -124,9 +194,9 @@ class RemoteDaemon:
     """An lmc daemon's memory tier seen from the engine: ``contains``, ``get`` (refreshes the
     daemon's LRU), ``put`` (the daemon allocates in its own pool, evicting)."""
 
-    name = "remote"
-
-    def __init__(self, capacity: int, eviction_policy: str = "lru") -> None:
+    def __init__(self, capacity: int, eviction_policy: str = "lru", name: str = "remote"
+                 ) -> None:
+        self.name = name
         self.tier = memory_tier(capacity, eviction_policy)
 
     def contains(self, keys: Sequence[Key]) -> list[bool]:
@@ -160,16 +230,39 @@ class RemoteDaemon:
         return len(self.tier)
 
 
-LowerTier = DiskIndex | RemoteDaemon
+class PeerTier:
+    """A P2P tier seen from one engine: it reads other engines' exports, which a one-engine
+    trace never makes, so it holds nothing (it is in the chain, asked and missed)."""
+
+    evictions = 0
+
+    def __init__(self, name: str = "p2p") -> None:
+        self.name = name
+
+    def contains(self, keys: Sequence[Key]) -> list[bool]:
+        return [False] * len(keys)
+
+    touch_present = contains
+
+    def put(self, keys: Sequence[Key], nbytes: Sequence[int]) -> int:
+        return 0  # a peer tier stores nothing (its exports are L1's own chunks)
+
+    def __len__(self) -> int:
+        return 0
+
+
+LowerTier = DiskIndex | RemoteDaemon | PeerTier
 
 
 class SimCache:
-    """L1 plus optional disk and remote tiers, driven the way the engine's storage manager
-    drives lmc's tiers; every chunk is ``bytes_per_token * tokens`` bytes."""
+    """L1 plus lower tiers -- ``chain`` (any order and number, e.g. :func:`chain_tiers` of
+    a config), else an optional disk and remote tier -- driven the way the engine's storage
+    manager drives lmc's tiers; every chunk is ``bytes_per_token * tokens`` bytes."""
 
     def __init__(self, l1_bytes: int, disk_bytes: int = 0, remote_bytes: int = 0,
                  write_policy: str = "write_through", *, bytes_per_token: int,
-                 eviction_policy: str = "lru", queue_bytes: int = 1 << 30) -> None:
+                 eviction_policy: str = "lru", queue_bytes: int = 1 << 30,
+                 chain: Sequence[SimTier] | None = None) -> None:
         if write_policy not in WRITE_POLICIES:
             raise ValueError(f"write policy {write_policy!r}: choose one of "
                              f"{', '.join(WRITE_POLICIES)}")
@@ -180,11 +273,14 @@ class SimCache:
         self.write_policy = write_policy
         self.bpt = bytes_per_token
         self.l1 = memory_tier(l1_bytes, eviction_policy)
-        self.lower: list[LowerTier] = []
-        if disk_bytes:
-            self.lower.append(DiskIndex(disk_bytes))
-        if remote_bytes:
-            self.lower.append(RemoteDaemon(remote_bytes, eviction_policy))
+        if chain is None:  # the fixed shape: the disk tier's own policy (LRU), the remote's
+            fixed = [SimTier("disk", "disk", disk_bytes)] if disk_bytes else []
+            if remote_bytes:
+                fixed.append(SimTier("remote", "memory", remote_bytes, eviction_policy))
+            chain = fixed
+        elif disk_bytes or remote_bytes:
+            raise ValueError("give a chain or disk/remote sizes, not both")
+        self.lower: list[LowerTier] = [t.build() for t in chain]
         self.levels = ["L1"] + [t.name for t in self.lower]
         # one queue per lower tier, bounded as StorageManager bounds it
         share = 4 if write_policy == "write_on_evict" else 2
