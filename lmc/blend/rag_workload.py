@@ -62,7 +62,7 @@ class RagWorkload:
 
 
 def _text(rng: random.Random, words: int) -> str:
-    out = []
+    out: list[str] = []
     for i in range(words):
         w = rng.choice(_WORDS)
         out.append(w.capitalize() if i == 0 or out[-1].endswith(".") else w)
