@@ -114,7 +114,9 @@ class CacheEngine:
              for i, t in enumerate(self.storage.tiers)], config.load_policy_priors)
         self.storage.speeds = self.speeds
         self.events = None  # KV events for routers (config kv_events; lmc.events)
-        if config.kv_events is not None:
+        # one publisher per instance: tensor-parallel ranks hold the same chunks (rank 0
+        # speaks for them; another rank's block hashes would differ: tp_rank is in the key)
+        if config.kv_events is not None and tp_rank == 0:
             from lmc.events.engine import attach  # the app rank, imported only when on
             try:
                 self.events = attach(self, config.kv_events)
