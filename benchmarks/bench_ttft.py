@@ -8,6 +8,8 @@ Figures (all one request at a time, ``max_tokens=1``, so TTFT is the request's o
 * **lmc cold**: the same with lmc on and an empty cache (the prefill plus lmc's saves);
 * **L1 hit**: the prompt again, served from the CPU tier (the last token is computed);
 * **disk hit**: the prompt again after L1 was emptied: read from the disk tier (O_DIRECT);
+  every hit here loads all of itself (``load_policy: load_all``): these figures are what a
+  tier's load costs, ``bench_load_or_recompute.py`` what lmc's choice makes of them;
 * **overlap**: prompts whose first ``tokens - suffix`` tokens are cached. Each is run with
   loads done before the forward (``layerwise=False``: TTFT = load + compute, and the load
   is timed on its own) and layer-wise (layer i+1's copy during layer i's compute). The table
@@ -240,7 +242,8 @@ def main(argv: list[str] | None = None) -> int:
     disk = tempfile.mkdtemp(prefix="lmc-bench-disk-")
     try:
         cfg = CacheConfig(chunk_size=args.chunk_size, local_cpu_size=max(256 << 20, 3 * kv_bytes),
-                          local_disk=disk, local_disk_size=4 * kv_bytes)
+                          local_disk=disk, local_disk_size=4 * kv_bytes,
+                          load_policy="load_all")  # the whole hit: what a tier's load costs
         conn = LMCReferenceConnector(cfg, model_dir=path)
         llm = engine(path, n, conn)
         pool = conn.engine.pool
@@ -367,7 +370,8 @@ def lower_waits(path: Path, n: int, prompt: list[int], kv_bytes: int, args: Any
     try:
         cfg = CacheConfig(chunk_size=args.chunk_size, local_cpu_size=max(256 << 20, 3 * kv_bytes),
                           local_disk=disk, local_disk_size=4 * kv_bytes,
-                          remote_url=f"redis://127.0.0.1:{server.port}", remote_timeout=30.0)
+                          remote_url=f"redis://127.0.0.1:{server.port}", remote_timeout=30.0,
+                          load_policy="load_all")
         conn = LMCReferenceConnector(cfg, model_dir=path)
         llm = engine(path, n, conn)
         ttft(llm, prompt[:64])

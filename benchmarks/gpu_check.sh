@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # One command for a lent GPU (`make gpu-check`): install the checkout offline, run the GPU
 # tests, the transfer benchmark with its copy-under-compute figure and the device's copy path
-# calibration, the TTFT benchmark on CUDA, the pinned pool's bytes against the size asked;
-# print one table and append it, dated, with the device's name, to benchmarks/RESULTS.md.
+# calibration, the TTFT benchmark on CUDA, the load-or-recompute benchmark on CUDA (the disk
+# tier as it is: no cache, load all, lmc's split, the sweep's best), the pinned pool's bytes
+# against the size asked; print one table and append it, dated, with the device's name, to
+# benchmarks/RESULTS.md.
 #
 #   bash benchmarks/gpu_check.sh            # on the device: < 5 min on an H100
 #   bash benchmarks/gpu_check.sh --dry-run  # any machine: every step runs, CUDA parts skip
@@ -68,6 +70,21 @@ if [ "$DRY" = 1 ] && [ "$HAS_CUDA" != 1 ]; then
     timeout 200 $PY benchmarks/bench_ttft.py --device cpu --tokens 512 --hidden 256 --layers 2 \
         --kv-heads 2 --heads 2 --reps 1 --suffixes "" --json "$RES/ttft.json" \
         || fails+=("bench_ttft (cpu)")
+fi
+
+step "load or recompute on CUDA: the disk tier as it is, Llama-8B KV shape, 4k and 16k tokens"
+timeout 240 $PY benchmarks/bench_load_or_recompute.py --device cuda --model 8b-kv \
+    --tokens 4096,16384 --reps 3 --grid 8 --json "$RES/policy.json" \
+    || fails+=("bench_load_or_recompute")
+if [ "$DRY" = 1 ] && [ "$HAS_CUDA" != 1 ]; then
+    if [ "$(id -u)" = 0 ] && command -v tc >/dev/null && command -v redis-server >/dev/null; then
+        echo "dry run: the same figures on the CPU, a tiny model, Redis over a tc-shaped link"
+        timeout 240 $PY benchmarks/bench_load_or_recompute.py --device cpu --tokens 256,512 \
+            --hidden 256 --layers 2 --kv-heads 2 --heads 2 --reps 1 --grid 2 \
+            --json "$RES/policy.json" || fails+=("bench_load_or_recompute (cpu)")
+    else
+        echo "dry run: the CPU stand-in of load or recompute needs root, tc and redis-server: skipped"
+    fi
 fi
 
 step "pinned pool: bytes page-locked for the size asked"
@@ -169,6 +186,21 @@ if tt:
                      ("yes" if tt["l1_vs_ideal"] >= 0.9 else "NO") if not where else ""))
 else:
     rows.append(("TTFT on CUDA", "skipped (no CUDA device)", ""))
+pol = load("policy.json")
+if pol:
+    sys.path.insert(0, "benchmarks")
+    from bench_load_or_recompute import verdicts
+
+    where = "" if pol.get("device") == "cuda" else " [CPU stand-in]"
+    for r in pol["rows"]:
+        bar, ok = verdicts(r)
+        rows.append((f"load or recompute, {r['tier']}, {r['tokens']} tokens{where}",
+                     f"no cache {r['no_cache_s'] * 1e3:.0f} / load all "
+                     f"{r['load_all_s'] * 1e3:.0f} / chosen {r['chosen_s'] * 1e3:.0f} "
+                     f"({r['chosen_tokens']:.0f} loaded) / sweep best {r['best_s'] * 1e3:.0f} "
+                     f"ms (N={r['best_n']}); {bar}", ok if not where else ""))
+else:
+    rows.append(("load or recompute on CUDA", "skipped (no CUDA device)", ""))
 pool = load("pool.json")
 if pool:
     tag = "" if pool["real"] else " [stand-in register]"

@@ -38,6 +38,7 @@ import threading
 from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -48,6 +49,29 @@ DEFAULT_PRIOR_BYTES_PER_S = {
     "peer": 4 << 30,
 }
 """Tier speeds assumed before a tier's first read, by declared medium."""
+
+
+_GAUGES: tuple[Any, Any, Any] | None = None
+_GAUGES_LOCK = threading.Lock()
+
+
+def _gauges() -> tuple[Any, Any, Any]:
+    """The estimates as Prometheus gauges, registered with the first ``Speeds`` (a process
+    without an engine exports none): bytes per second and latency per tier, the prefill's
+    tokens per second at 1,024 and 8,192 tokens."""
+    global _GAUGES
+    with _GAUGES_LOCK:
+        if _GAUGES is None:
+            from prometheus_client import Gauge
+
+            _GAUGES = (
+                Gauge("lmc_load_speed_bytes_per_second",
+                      "Measured load speed of each tier (L1: the copy into the KV)", ["tier"]),
+                Gauge("lmc_load_latency_seconds", "Measured per-load latency of each tier",
+                      ["tier"]),
+                Gauge("lmc_prefill_tokens_per_second",
+                      "The engine's measured prefill speed at a prompt length", ["tokens"]))
+        return _GAUGES
 
 
 class LinearFit:
@@ -281,10 +305,23 @@ class Speeds:
     def snapshot(self) -> SpeedSnapshot:
         return SpeedSnapshot(tuple(t.rate() for t in self.tiers), self.prefill.rate())
 
+    def export(self, snap: SpeedSnapshot | None = None) -> SpeedSnapshot:
+        """Set the Prometheus gauges from ``snap`` (taken now if not given)."""
+        snap = snap or self.snapshot()
+        rate, latency, prefill = _gauges()
+        for t in snap.tiers:
+            rate.labels(t.name).set(t.bytes_per_s)
+            latency.labels(t.name).set(t.latency_s)
+        if snap.prefill is not None:
+            for n in (1024, 8192):
+                prefill.labels(str(n)).set(snap.prefill.tokens_per_s(n))
+        return snap
+
     def stats(self) -> dict[str, float]:
         """``speed.<tier>.bytes_per_s`` / ``latency_s`` / ``observed`` and the prefill fit
-        (``speed.prefill.*``; the rate of a 1,024-token and an 8,192-token prefill)."""
-        snap = self.snapshot()
+        (``speed.prefill.*``; the rate of a 1,024-token and an 8,192-token prefill); the
+        Prometheus gauges are set from the same snapshot."""
+        snap = self.export()
         out: dict[str, float] = {}
         for t in snap.tiers:
             out[f"speed.{t.name}.bytes_per_s"] = t.bytes_per_s

@@ -326,3 +326,24 @@ def test_scheduler_save_past_a_held_partial_chunk() -> None:
     more = toks + list(range(1000, 1000 + 168))
     meta = sched.build_metadata([StepRequest("a", more, 600, list(range(64)), 767, 1)])
     assert [(s.start, s.end) for s in meta.saves] == [(512, 768)]
+
+
+def test_prometheus_carries_the_speeds_and_the_decisions() -> None:
+    from prometheus_client import REGISTRY
+
+    def sample(name: str, **labels: str) -> float:
+        return REGISTRY.get_sample_value(name, labels) or 0.0
+
+    s = Speeds([("L1", "memory", True), ("pdisk", "local_storage", True)], {"prefill": 2000})
+    for n in (1 << 20, 8 << 20):
+        s.tiers[1].observe(n, n / 5e8)
+    s.stats()
+    assert sample("lmc_load_speed_bytes_per_second", tier="pdisk") == pytest.approx(5e8)
+    assert sample("lmc_prefill_tokens_per_second", tokens="1024") == pytest.approx(2000)
+    before = (sample("lmc_load_policy_tokens_total", outcome="recomputed_by_choice", tier=""),
+              sample("lmc_load_policy_tokens_total", outcome="loaded", tier="L1"))
+    slow = costs(L1, TierRate("disk", 1e6, overlaps=False))
+    LoadPolicy(lambda: slow).decide("r", found([0, 0, 1, 1]), 0, 1023, 1024)
+    after = (sample("lmc_load_policy_tokens_total", outcome="recomputed_by_choice", tier=""),
+             sample("lmc_load_policy_tokens_total", outcome="loaded", tier="L1"))
+    assert (after[0] - before[0], after[1] - before[1]) == (511, 512)

@@ -36,12 +36,29 @@ import logging
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from lmc.storage.lookup import LookupResult
 from lmc.storage.speeds import PrefillRate, SpeedSnapshot, TierRate
 
 log = logging.getLogger(__name__)
 POLICIES = ("auto", "load_all")
+_COUNTER: Any = None
+_COUNTER_LOCK = threading.Lock()
+
+
+def _counter() -> Any:
+    """``lmc_load_policy_tokens_total{outcome, tier}``: loaded (by tier), recomputed_by_choice,
+    recomputed_by_miss; registered with the first policy."""
+    global _COUNTER
+    with _COUNTER_LOCK:
+        if _COUNTER is None:
+            from prometheus_client import Counter
+
+            _COUNTER = Counter("lmc_load_policy_tokens",
+                               "Prompt tokens by what the load policy did with them",
+                               ["outcome", "tier"])
+        return _COUNTER
 DEFAULT_MARGIN = 0.03
 DEFAULT_SLACK_S = 1e-3
 
@@ -183,6 +200,7 @@ class LoadPolicy:
         self.loaded_by_tier: dict[str, int] = {}
         self.recomputed_by_choice = 0
         self.recomputed_by_miss = 0  # prompt positions no tier held (computed anyway)
+        self._prom = _counter()
 
     def decide(self, request_id: str, found: LookupResult, start: int, hit_end: int,
                total: int, align: int = 1) -> int:
@@ -207,7 +225,15 @@ class LoadPolicy:
             for name, n in loaded.items():
                 self.loaded_by_tier[name] = self.loaded_by_tier.get(name, 0) + n
             self.recomputed_by_choice += hit_end - end
-            self.recomputed_by_miss += max(0, total - max(hit_end, start) - 1)
+            miss = max(0, total - max(hit_end, start) - 1)
+            self.recomputed_by_miss += miss
+        for name, n in loaded.items():
+            if n:
+                self._prom.labels("loaded", name).inc(n)
+        if hit_end > end:
+            self._prom.labels("recomputed_by_choice", "").inc(hit_end - end)
+        if miss:
+            self._prom.labels("recomputed_by_miss", "").inc(miss)
         if log.isEnabledFor(logging.DEBUG):
             held = ", ".join(f"{k} {v}" for k, v in found.tokens_by_tier(start, hit_end).items()
                              if v)

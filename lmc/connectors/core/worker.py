@@ -141,6 +141,9 @@ class _StepClock:
 
     def start(self) -> None:
         if self.cuda:
+            if torch.cuda.is_current_stream_capturing():  # a graph capture: not a step
+                self._t0 = None
+                return
             ev = torch.cuda.Event(enable_timing=True)
             ev.record(current_stream(self.device))
             self._t0 = ev
@@ -154,6 +157,8 @@ class _StepClock:
         done: list[tuple[int, float, float]] = []
         if t0 is not None and work is not None:
             if self.cuda:
+                if torch.cuda.is_current_stream_capturing():
+                    return done
                 ev = torch.cuda.Event(enable_timing=True)
                 ev.record(current_stream(self.device))
                 self._pending.append((t0, ev, work))
