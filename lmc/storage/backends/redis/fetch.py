@@ -36,8 +36,8 @@ from lmc.storage.serde import (
     Header,
 )
 
-from .jobs import Allocate, Call, Job
-from .wire import Deadline, ReplyError, WireConn, command
+from .jobs import Allocate, Call, StreamJob
+from .wire import Deadline, ReplyError, WireConn, command, getrange
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +56,7 @@ class _Open:
         self.pieces_left = 0
 
 
-class GetJob(Job):
+class GetJob(StreamJob):
     """The values of some keys over one connection (see the module docstring)."""
 
     op = "get"
@@ -106,14 +106,10 @@ class GetJob(Job):
                 end = self.first
             else:
                 break
-            out.append(command(b"GETRANGE", rk[i], b"%d" % off, b"%d" % (end - 1)))
+            out.append(getrange(rk[i], off, end - off))
             self._pending.append((i, off))
         if out:
             wc.send([b"".join(out)], dl)
-
-    def send(self, wc: WireConn, dl: Deadline) -> None:
-        self._reset()
-        self._ask(wc, dl)
 
     # ------------------------------------------------------------------ replies
     def recv(self, wc: WireConn, dl: Deadline) -> None:

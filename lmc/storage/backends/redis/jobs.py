@@ -62,6 +62,22 @@ class Job:
         """Undo partial results after a failure (default: nothing to undo)."""
 
 
+class StreamJob(Job):
+    """A job that streams its requests: ``send`` starts over (a retry runs on a fresh
+    connection) and asks for as much as its window allows; ``recv`` asks for more as it
+    consumes replies, so the pipe never drains."""
+
+    def _reset(self) -> None:
+        raise NotImplementedError
+
+    def _ask(self, wc: WireConn, dl: Deadline) -> None:
+        raise NotImplementedError
+
+    def send(self, wc: WireConn, dl: Deadline) -> None:
+        self._reset()
+        self._ask(wc, dl)
+
+
 class SmallJob(Job):
     """Small commands per key (EXISTS, STRLEN, PEXPIRE, DEL); a key's result is the integer
     reply of its last command."""

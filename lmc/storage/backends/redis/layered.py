@@ -36,8 +36,8 @@ from lmc.storage.layered_read import LayeredRead, LayerReadError
 from lmc.storage.remote import Rejects
 from lmc.storage.serde import CorruptValue, Header
 
-from .jobs import Call, Job
-from .wire import Deadline, ReplyError, WireConn, command
+from .jobs import Call, Job, StreamJob
+from .wire import Deadline, ReplyError, WireConn, command, getrange
 
 if TYPE_CHECKING:
     from .backend import RedisCalls
@@ -95,7 +95,7 @@ class _Landing:
             self.read.landed(low)
 
 
-class LayerJob(Job):
+class LayerJob(StreamJob):
     """The payloads of some opened values over one connection, layer by layer."""
 
     op = "get"
@@ -144,15 +144,10 @@ class LayerJob(Job):
         while self._todo and len(self._pending) < self._limit:
             req = self._todo.popleft()
             _, i, off, n = req
-            start = self.hsize + off
-            out.append(command(b"GETRANGE", rk[i], b"%d" % start, b"%d" % (start + n - 1)))
+            out.append(getrange(rk[i], self.hsize + off, n))
             self._pending.append(req)
         if out:
             wc.send([b"".join(out)], dl)
-
-    def send(self, wc: WireConn, dl: Deadline) -> None:
-        self._reset()
-        self._ask(wc, dl)
 
     def recv(self, wc: WireConn, dl: Deadline) -> None:
         short: list[str] = []

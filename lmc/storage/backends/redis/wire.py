@@ -68,6 +68,11 @@ def command(*args: bytes) -> bytes:
     return b"".join(out)
 
 
+def getrange(rkey: bytes, start: int, n: int) -> bytes:
+    """``GETRANGE`` of the ``n`` bytes of a value from offset ``start``."""
+    return command(b"GETRANGE", rkey, b"%d" % start, b"%d" % (start + n - 1))
+
+
 class Outbox:
     """Buffers for one pipelined send: small pieces coalesced, large ones passed by reference."""
 
