@@ -35,7 +35,6 @@ EXCEPTIONS: dict[tuple[str, str], str] = {
                                                "(before os._exit, which NIXL agents need)",
     ("p2p/agent.py", "os._exit"): "the stdlib's exit without cleanup (NIXL agents)",
     ("p2p/agent.py", "from nixl import _api"): "NIXL's Python bindings live in nixl._api",
-    ("reference/serve.py", "os._exit"): "the stdlib's exit without cleanup (NIXL agents)",
     ("storage/backends/redis/nodes.py", "conn._sock"):
         "redis-py has no public accessor for a connection's socket",
     ("storage/backends/redis/url.py", "parts._replace"):
