@@ -261,8 +261,10 @@ def bench_engine(args: argparse.Namespace, master: MooncakeMaster) -> dict[str, 
         out["prefill_s"] = statistics.median(B.ttft(plain, prompt)[0] for _ in range(args.reps))
         plain.close()
         cfg = CacheConfig(chunk_size=256, local_cpu_size=max(256 << 20, 3 * kv_bytes),
-                          local_disk=disk, local_disk_size=4 * kv_bytes, load_policy="load_all",
-                          tiers=["memory", "disk", {"backend": master.url, "segment": 0,
+                          load_policy="load_all",
+                          tiers=["memory", {"backend": "disk", "path": disk,
+                                            "capacity": 4 * kv_bytes},
+                                 {"backend": master.url, "segment": 0,
                                                     "remote_timeout": 30.0}])
         conn = LMCReferenceConnector(cfg, model_dir=path)
         llm = B.engine(path, n, conn)
