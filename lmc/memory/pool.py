@@ -311,13 +311,16 @@ def _too_large(size: int, why: str) -> str:
 
 
 def check_fits(size: int, touched: bool = True) -> None:
-    """Refuse a pool larger than the host's memory, or (``touched``: it will be pre-faulted,
-    every page made resident) larger than what is available now, before allocating it."""
+    """Refuse a pool larger than the host's memory before allocating it; warn when (``touched``:
+    it will be pre-faulted, every page made resident) it is larger than what is available
+    now (other processes may yet free theirs; the kernel will reclaim or kill otherwise)."""
     total, avail = _mem_total(), mem_available()
     if total is not None and size > total:
         raise PoolTooLarge(_too_large(size, "more than all its memory"))
     if touched and avail is not None and size > avail:
-        raise PoolTooLarge(_too_large(size, "more than it has available"))
+        log.warning("a %s memory pool is more than this host has available now (%s); "
+                    "pre-faulting it may make the kernel reclaim memory or kill a process: "
+                    "lower local_cpu_size", human_bytes(size), human_bytes(avail))
 
 
 class MemoryPool:
@@ -766,14 +769,17 @@ class MemoryPool:
             }
 
     def wait_ready(self, timeout: float | None = None) -> bool:
-        """Block until the whole pool is pre-faulted (unpinned) or page-locked (pinned), at
-        most ``timeout`` seconds; whether it is. A failed page-lock raises its PinError."""
+        """Block until the whole pool is pre-faulted (unpinned: this thread helps the
+        pre-fault thread) or page-locked (pinned), at most ``timeout`` seconds; whether it
+        is, i.e. whether stores run at full speed. A failed page-lock raises its PinError."""
         pf = self._prefault
         if pf is None:
             return True
         if isinstance(pf, Pinner):
             return pf.wait(timeout) >= pf.size
-        return pf.done.wait(timeout) and pf.front >= pf.size
+        if timeout is not None and timeout <= 0:
+            return pf.front >= pf.size
+        return pf.finish(timeout)
 
     def close(self) -> None:
         """Refuse further allocations. Objects still referenced are reported (``leaks``;

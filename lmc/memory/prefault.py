@@ -310,6 +310,17 @@ class Prefaulter:
                                         daemon=True, name=f"lmc-prefault-{id(self):x}")
         self._thread.start()
 
+    def finish(self, timeout: float | None = None) -> bool:
+        """Help the thread until the whole buffer is done (or ``timeout`` seconds): whoever
+        waits for "ready" has nothing better to do, and on a busy host the low-priority
+        thread alone is slow. True when done."""
+        end = None if timeout is None else time.monotonic() + timeout
+        while not self.done.is_set() and (end is None or time.monotonic() < end):
+            if not self._step(fallback_touch=False):
+                break  # every step is claimed (or the kernel refused): wait for the rest
+        left = None if end is None else max(0.0, end - time.monotonic())
+        return self.done.wait(left) and self.front >= self.size
+
     def stop(self, wait: float | None = 5.0) -> None:
         """Stop advancing (the pool is closing); pages already faulted stay."""
         self._stop.set()

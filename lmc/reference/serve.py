@@ -365,11 +365,16 @@ class Server:
         return True, "ok"
 
     def wait_ready(self, stop: threading.Event) -> bool:
-        """Block until :meth:`readiness` says ready (False if ``stop`` came first)."""
+        """Block until :meth:`readiness` says ready, helping the pool's pre-fault meanwhile
+        (``MemoryPool.wait_ready``); False if ``stop`` came first."""
         while not stop.is_set():
+            pool = self.pool() if self.llm is not None else None
+            if pool is not None:
+                pool.wait_ready(0.5)
             if self.readiness()[0]:
                 return True
-            stop.wait(0.1)
+            if pool is None:
+                stop.wait(0.1)
         return False
 
     def serve_forever(self) -> None:

@@ -189,3 +189,14 @@ def test_close_stops_the_thread_and_a_dropped_pool_lets_it_end():
 def test_bad_step_is_refused():
     with pytest.raises(ValueError, match="multiple of 4096"):
         pf.Prefaulter(fresh(MiB), step=1000)
+
+
+def test_waiting_for_ready_helps_the_prefault():
+    """Whoever waits for "ready" faults steps too: with no thread at all (a thread starved
+    on a busy host), the waiter alone finishes the pool."""
+    pool = MemoryPool(64 * MiB, pin_memory=False, prefault="off")
+    pool._prefault = pf.Prefaulter(pool.buffer, step=4 * MiB)  # never started
+    assert not pool.wait_ready(0)
+    assert pool.wait_ready(10)
+    assert resident_pages(pool.buffer)[0] == resident_pages(pool.buffer)[1]
+    pool.close()
