@@ -181,6 +181,36 @@ def choose_split(costs: Costs, sources: bytes | Sequence[int], chunk_size: int, 
     return Split(start, end, hit_end, by_tier, predicted, best[-1][2], none)
 
 
+# Lookup socket path -> the speeds of the engine serving it, for engines in this process
+# (vLLM's uni-process executor runs the worker beside the scheduler; lmc.connectors.vllm).
+LOCAL_COSTS: dict[str, Callable[[], Costs | None]] = {}
+_LOCAL_LOCK = threading.Lock()
+
+
+def register_local(path: str, costs: Callable[[], Costs | None] | None) -> None:
+    """Offer (``None``: withdraw) the speeds of the engine answering lookups at ``path``."""
+    with _LOCAL_LOCK:
+        if costs is None:
+            LOCAL_COSTS.pop(path, None)
+        else:
+            LOCAL_COSTS[path] = costs
+
+
+def local_costs(paths: Sequence[str]) -> Callable[[], Costs | None]:
+    """The costs a scheduler whose ranks answer at ``paths`` decides with: rank 0's
+    engine's when every rank lives in this process, else ``None`` (the whole hit is
+    loaded: ranks in other processes do not send their speeds yet)."""
+    paths = list(paths)
+
+    def costs() -> Costs | None:
+        fns = [LOCAL_COSTS.get(p) for p in paths]
+        if not fns or any(f is None for f in fns):
+            return None
+        return fns[0]()  # type: ignore[misc]
+
+    return costs
+
+
 class LoadPolicy:
     """The scheduler half's decision, from live estimates (``costs()``, ``None`` while
     unknown: the whole hit is loaded). ``enabled=False`` (config ``load_policy:

@@ -54,6 +54,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
+from lmc.connectors.core.load_policy import Costs, LoadPolicy, local_costs, register_local
 from lmc.connectors.core.lookup_service import LookupClient
 from lmc.connectors.core.metadata import ConnectorMetadata
 from lmc.connectors.core.model_id import model_identity
@@ -183,8 +184,12 @@ class LMCConnector(KVConnectorBase_V1):
                 ktc.kv_load_failure_policy = "recompute"
                 log.info("lmc: kv_load_failure_policy set to 'recompute' (a chunk lost or "
                          "corrupt after the lookup is recomputed, not a failed request)")
+            # load or recompute: decided from the workers' measured speeds where they live
+            # in this process (vLLM's uni-process executor), else the whole hit is loaded
+            policy = LoadPolicy(local_costs(paths),
+                                enabled=settings.cache.load_policy == "auto")
             self._scheduler = SchedulerSide(self.connector_config,
-                                            LookupClient(paths, opts.lookup_timeout))
+                                            LookupClient(paths, opts.lookup_timeout), policy)
         else:
             rank = _tp_rank()
             cache = per_rank_disks(settings.cache, rank, tp_size)
@@ -223,6 +228,15 @@ class LMCConnector(KVConnectorBase_V1):
         except UnsupportedLayout as e:
             raise RuntimeError(f"lmc connector refused to start: {e}") from e
         w.register(choice)
+        register_local(w.socket_path, self._local_costs)
+
+    def _local_costs(self) -> Costs | None:
+        """This worker's measured speeds, for a scheduler in the same process."""
+        eng = self._worker.engine if self._worker is not None else None
+        if eng is None:
+            return None
+        layers = eng.spec.num_layers if self.connector_config.layerwise else 1
+        return Costs.from_snapshot(eng.speeds.snapshot(), eng.bytes_per_token, layers)
 
     def _backend_name(self, names: list[str]) -> str:
         from vllm.config import get_layers_from_vllm_config
@@ -301,6 +315,7 @@ class LMCConnector(KVConnectorBase_V1):
 
     def shutdown(self) -> None:
         if self._worker is not None:
+            register_local(self._worker.socket_path, None)
             self._worker.close()
         if self._scheduler is not None:
             self._scheduler.close()

@@ -14,6 +14,7 @@ import logging
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from lmc.connectors.core.load_policy import LoadPolicy
 from lmc.connectors.core.lookup_service import LookupClient
 from lmc.connectors.core.metadata import ConnectorMetadata
 from lmc.connectors.core.pd_params import producer_params, remote_prefill_tokens
@@ -28,9 +29,12 @@ log = logging.getLogger(__name__)
 class SchedulerSide:
     """Lookups, admissions and per-step metadata for one vLLM engine."""
 
-    def __init__(self, config: ConnectorConfig, client: LookupClient) -> None:
+    def __init__(self, config: ConnectorConfig, client: LookupClient,
+                 policy: LoadPolicy | None = None) -> None:
+        """``policy``: how much of each hit to load (``None``: all of it); the answer to
+        ``get_num_new_matched_tokens`` is the part it chose."""
         self.client = client
-        self.core = SchedulerConnector(config, self._lookup)
+        self.core = SchedulerConnector(config, self._lookup, policy)
         self.tracker = RequestTracker(config.save_decode)
         self._start: dict[str, int] = {}  # request id -> tokens it had before the lookup
         self._async: set[str] = set()  # matched as prefill/decode (asynchronous) loads
@@ -127,6 +131,7 @@ class SchedulerSide:
     def stats(self) -> dict[str, float]:
         out = {f"scheduler.{k}": v for k, v in vars(self.core.stats).items() if k != "extra"}
         out.update({f"lookup.{k}": v for k, v in vars(self.client.stats).items()})
+        out.update(self.core.policy_stats())
         out["scheduler.tracked_requests"] = len(self.tracker)
         out["scheduler.pd_requests"] = self.pd_requests
         return out
