@@ -135,8 +135,8 @@ def _ratios(text: str) -> list[float]:
 def register_cli(sub: Any) -> None:
     from lmc.cli import add_command, float_in, int_in
 
-    p = add_command(sub, "blend-check", "measure blending's quality for a model and write "
-                    "the verdict the blend connector needs", __doc__)
+    p = add_command(sub, "blend-check", "measure blending's quality for a model; write its "
+                    "verdict", __doc__)
     p.add_argument("--model", required=True, metavar="DIR", help="checkpoint directory")
     p.add_argument("--prompts", metavar="FILE", help="JSONL prompts (default: generated)")
     p.add_argument("--num-prompts", type=int_in(1, 1000), default=8,
