@@ -24,6 +24,7 @@ from lmc.blend.step import BatchBlend, BlendStats, RequestRows
 from lmc.blend.store import SegmentStore
 from lmc.reference.attention import AttentionMetadata, PrefillSlice, slots_for_positions
 from lmc.reference.config import ModelConfig
+from lmc.reference.scheduler import one_line
 from lmc.reference.scheduler_output import ScheduledRequest, SchedulerOutput
 
 logger = logging.getLogger(__name__)
@@ -79,7 +80,7 @@ class SegmentBlender:
             for s, e in usable:
                 tokens = sched.token_ids[s:e]
                 slots = slots_for_positions(table, torch.arange(s, e), runner.block_size)
-                if self.store.load(tokens, runner.kv_caches, slots):
+                if self._load(tokens, runner.kv_caches, slots):
                     self.stats.segments_hit += 1
                     self.stats.tokens_reused += e - s
                 else:
@@ -136,4 +137,18 @@ class SegmentBlender:
         for tokens, slots in missing:
             self.stats.segments_computed += 1
             self.stats.tokens_computed_alone += len(tokens)
-            self.stats.tokens_stored += self.store.save(tokens, runner.kv_caches, slots)
+            try:
+                self.stats.tokens_stored += self.store.save(tokens, runner.kv_caches, slots)
+            except Exception as e:  # not stored: it is computed alone again next time
+                logger.warning("blend: storing a %d-token segment failed: %s", len(tokens),
+                               one_line(e))
+
+    def _load(self, tokens: Sequence[int], kv_caches: list[torch.Tensor], slots: torch.Tensor
+              ) -> bool:
+        """Load a segment; a failing store is a miss (the segment is computed alone)."""
+        try:
+            return self.store.load(tokens, kv_caches, slots)
+        except Exception as e:
+            logger.warning("blend: loading a %d-token segment failed, computing it: %s",
+                           len(tokens), one_line(e))
+            return False
