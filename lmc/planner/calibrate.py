@@ -253,9 +253,9 @@ def refusals(prof: Profile, hit_vs_compute: dict[str, tuple[float, float]] | Non
                    "longer prompts cannot be cheaper")
     for name, (hit, compute) in (hit_vs_compute or {}).items():
         if hit < (1 - LOAD_SLACK) * compute:
-            out.append(f"a {name} hit took {units.seconds(hit)}, less than the "
+            out.append(f"the {name} tier's hit took {units.seconds(hit)}, less than the "
                        f"{units.seconds(compute)} the fit predicts for computing its one last "
-                       f"token (a load of {units.seconds(hit - compute)}): the fit's "
+                       f"token (a load of -{units.seconds(compute - hit)}): the fit's "
                        f"per-request cost {units.seconds(prof.fit[0])} is wrong")
     return out
 
