@@ -190,9 +190,14 @@ class EventPublisher:
                 log.warning("KV events: %s: %s", type(e).__name__, str(e)[:200])
 
     def _drain(self, limit: int = 4096) -> list[dict[str, Any]]:
+        """Wire events of queued items: at most one queue's worth of items and about one
+        batch of events, so what waits here is bounded as the queue is (the data path keeps
+        adding while this runs)."""
         out: list[dict[str, Any]] = []
         t = self.tracker
-        for _ in range(limit):
+        for _ in range(min(limit, self._cap)):
+            if len(out) >= EVENTS_PER_BATCH:
+                break
             try:
                 item = self._q.popleft()
             except IndexError:
@@ -284,9 +289,12 @@ class EventPublisher:
         self._stop.set()
         self._thread.join(5)
         try:
-            events = self._drain(self._cap)
-            for i in range(0, len(events), EVENTS_PER_BATCH):
-                self._send(events[i:i + EVENTS_PER_BATCH])
+            for _ in range(64):  # what is queued, within bounds
+                events = self._drain()
+                if not events and not self._q:
+                    break
+                for i in range(0, len(events), EVENTS_PER_BATCH):
+                    self._send(events[i:i + EVENTS_PER_BATCH])
         except Exception as e:
             log.warning("KV events: last batch not sent: %s", e)
         self._close_sockets()
