@@ -51,6 +51,7 @@ from lmc.connectors.reference import LMCReferenceConnector  # noqa: E402
 from lmc.reference import LLM  # noqa: E402
 
 BLOCK = 16
+SETTLE_S = 0.3  # before each measured run: the last one's background work is done
 
 
 def log(msg: str) -> None:
@@ -139,8 +140,8 @@ class Bench:
         deadline = time.monotonic() + 120
         while not eng.flush(1) and time.monotonic() < deadline:
             pass
+        time.sleep(SETTLE_S)  # a layered read promotes from its own thread when it ends
         if where == "lower":
-            time.sleep(0.1)  # a layered read promotes from its own thread when it ends
             eng.storage.l1.delete(keys)
             assert eng.storage.l1.prefix_hits(keys) == 0
         else:
@@ -168,18 +169,25 @@ def measure(b: Bench, plain: LLM, prompt: list[int], where: str, reps: int, swee
     times: dict[str, list[float]] = {"no_cache": [], "load_all": [], "chosen": []}
     times.update({f"n{k}": [] for k in sweep})
     chosen_tokens = []
-    for _ in range(reps):
-        times["no_cache"].append(ttft(plain, prompt)[0])
-        t, c = b.run(prompt, where, all_)
-        assert c == n - 1, f"load all loaded {c} of {n - 1}"
-        times["load_all"].append(t)
-        t, c = b.run(prompt, where, b.auto)
-        times["chosen"].append(t)
-        chosen_tokens.append(c)
-        for k in sweep:
-            t, c = b.run(prompt, where, Forced(k))
-            assert c == min(k, n - 1), (k, c)
-            times[f"n{k}"].append(t)
+    order = list(times)
+    for rep in range(reps):
+        # rotated each rep, so no figure always follows the same one (a long load's
+        # promotions and the link's queue settle while the next run starts)
+        for name in order[rep % len(order):] + order[: rep % len(order)]:
+            if name == "no_cache":
+                time.sleep(SETTLE_S)
+                times[name].append(ttft(plain, prompt)[0])
+                continue
+            policy = all_ if name == "load_all" else b.auto if name == "chosen" \
+                else Forced(int(name[1:]))
+            t, c = b.run(prompt, where, policy)
+            if name == "load_all":
+                assert c == n - 1, f"load all loaded {c} of {n - 1}"
+            elif name == "chosen":
+                chosen_tokens.append(c)
+            else:
+                assert c == min(int(name[1:]), n - 1), (name, c)
+            times[name].append(t)
     med = {k: statistics.median(v) for k, v in times.items()}
     best_n = min(sweep, key=lambda k: med[f"n{k}"])
     return {"no_cache_s": med["no_cache"], "load_all_s": med["load_all"],
@@ -266,7 +274,8 @@ def inside(args: argparse.Namespace) -> dict[str, Any]:
                 sweep = sorted({round(n * i / args.grid / args.chunk_size) * args.chunk_size
                                 for i in range(args.grid + 1)} | {n - 1})
                 log(f"L1, {n} tokens ...")
-                row = measure(b, plain, prompts[n], "l1", args.reps,
+                # fast runs, noisier: more of them
+                row = measure(b, plain, prompts[n], "l1", 2 * args.reps + 1,
                               [k for k in sweep if k <= n - 1])
                 row.update(tier="L1", factor=None, tokens=n, link_bytes_per_s=None)
                 res["rows"].append(row)
