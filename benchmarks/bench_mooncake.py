@@ -91,6 +91,21 @@ def rate(nbytes: int, seconds: float) -> float:
     return nbytes / seconds / GiB
 
 
+class Timed:
+    """Wall and CPU time of one operation (this process: the library's threads included)."""
+
+    def __init__(self, out: dict[str, float], name: str, nbytes: int) -> None:
+        self.out, self.name, self.nbytes = out, name, nbytes
+
+    def __enter__(self) -> Timed:
+        self.t0, self.c0 = time.perf_counter(), time.process_time()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.out[self.name] = rate(self.nbytes, time.perf_counter() - self.t0)
+        self.out[f"{self.name}_cpu"] = (time.process_time() - self.c0) / (self.nbytes / GiB)
+
+
 class Sink:
     """A loopback socket peer: stores what is sent (acking each), sends back on request."""
 
@@ -143,13 +158,11 @@ def one_round(shape: tuple[int, ...], n: int, pool: MemoryPool, raw: Any, tiers:
     def library() -> None:
         keys = [f"bench/{rnd}/{i}" for i in range(n)]
         raw.batch_remove(keys, True)
-        t0 = time.perf_counter()
-        codes = raw.batch_put_from(keys, [base + o.offset for o in src], [o.nbytes] * n)
-        out["mooncake_put"] = rate(total, time.perf_counter() - t0)
+        with Timed(out, "mooncake_put", total):
+            codes = raw.batch_put_from(keys, [base + o.offset for o in src], [o.nbytes] * n)
         assert all(c == 0 for c in codes), f"put codes {set(codes)}"
-        t0 = time.perf_counter()
-        codes = raw.batch_get_into(keys, [base + o.offset for o in dst], [o.nbytes] * n)
-        out["mooncake_get"] = rate(total, time.perf_counter() - t0)
+        with Timed(out, "mooncake_get", total):
+            codes = raw.batch_get_into(keys, [base + o.offset for o in dst], [o.nbytes] * n)
         assert all(c == src[0].nbytes for c in codes), f"get codes {set(codes)}"
         assert all(torch.equal(a.tensor, b.tensor) for a, b in zip(src, dst))
         raw.batch_remove(keys, True)
@@ -157,12 +170,11 @@ def one_round(shape: tuple[int, ...], n: int, pool: MemoryPool, raw: Any, tiers:
     def through(name: str, tier: Any) -> None:
         tkeys = [f"{name}-{rnd}-{i}".encode().ljust(16, b"_")[:16] for i in range(n)]
         tier.delete(tkeys)
-        t0 = time.perf_counter()
-        assert tier.put(tkeys, src) == n
-        out[f"{name}_put"] = rate(total, time.perf_counter() - t0)
-        t0 = time.perf_counter()
-        got = tier.get(tkeys)
-        out[f"{name}_get"] = rate(total, time.perf_counter() - t0)
+        with Timed(out, f"{name}_put", total):
+            stored = tier.put(tkeys, src)
+        assert stored == n
+        with Timed(out, f"{name}_get", total):
+            got = tier.get(tkeys)
         assert all(g is not None for g in got), f"{name}: misses"
         assert all(torch.equal(a.tensor, g.tensor) for a, g in zip(src, got))
         for g in got:
@@ -170,12 +182,10 @@ def one_round(shape: tuple[int, ...], n: int, pool: MemoryPool, raw: Any, tiers:
         tier.delete(tkeys)
 
     def plain_socket() -> None:
-        t0 = time.perf_counter()
-        sink.put(src)
-        out["socket_put"] = rate(total, time.perf_counter() - t0)
-        t0 = time.perf_counter()
-        sink.get(dst)
-        out["socket_get"] = rate(total, time.perf_counter() - t0)
+        with Timed(out, "socket_put", total):
+            sink.put(src)
+        with Timed(out, "socket_get", total):
+            sink.get(dst)
 
     rows = [library, *[lambda nm=nm, t=t: through(nm, t) for nm, t in tiers.items()],
             plain_socket]
@@ -208,7 +218,8 @@ def bench_sizes(args: argparse.Namespace, master: MooncakeMaster) -> dict[str, A
             rounds = []
             for r in range(args.rounds):
                 rounds.append(one_round(shape, n, pool, raw, tiers, sink, r + 1))
-                log(f"  round {r + 1}: " + " ".join(f"{k}={v:.2f}" for k, v in rounds[-1].items()))
+                log(f"  round {r + 1}: " + " ".join(f"{k}={v:.2f}" for k, v in rounds[-1].items()
+                                                    if not k.endswith("_cpu")))
             results[label] = rounds
     finally:
         sink.stop()
@@ -222,13 +233,16 @@ def report_sizes(results: dict[str, Any], args: argparse.Namespace) -> None:
     print(f"\nGiB/s over loopback TCP between two processes, {args.total // MiB} MiB a round, "
           f"median (min-max) of {args.rounds} rounds; ratio = median of per-round ratios\n")
     print("| chunk | op | mooncake | lmc tier | lmc / mooncake (target >= 0.9) | keyed | "
-          "keyed / mooncake | socket | lmc / socket |\n|---|---|---:|---:|---:|---:|---:|"
-          "---:|---:|")
+          "keyed / mooncake | socket | lmc / socket | CPU s/GiB mooncake / lmc / keyed |"
+          "\n|---|---|---:|---:|---:|---:|---:|---:|---:|---|")
     for label, rounds in results.items():
         for op in ("put", "get"):
             def cell(row: str, op: str = op, rounds: list = rounds) -> str:
                 xs = [r[f"{row}_{op}"] for r in rounds]
                 return f"{statistics.median(xs):.2f} ({min(xs):.2f}-{max(xs):.2f})"
+
+            def cpu(row: str, op: str = op, rounds: list = rounds) -> str:
+                return f"{statistics.median(r[f'{row}_{op}_cpu'] for r in rounds):.2f}"
 
             def ratio(a: str, b: str, op: str = op, rounds: list = rounds) -> str:
                 return f"{statistics.median(r[f'{a}_{op}'] / r[f'{b}_{op}'] for r in rounds):.2f}"
@@ -236,7 +250,8 @@ def report_sizes(results: dict[str, Any], args: argparse.Namespace) -> None:
             print(f"| {label} | {op} | {cell('mooncake')} | {cell('lmc')} | "
                   f"**{ratio('lmc', 'mooncake')}** | {cell('lmc_keyed')} | "
                   f"{ratio('lmc_keyed', 'mooncake')} | {cell('socket')} | "
-                  f"{ratio('lmc', 'socket')} |")
+                  f"{ratio('lmc', 'socket')} | {cpu('mooncake')} / {cpu('lmc')} / "
+                  f"{cpu('lmc_keyed')} |")
 
 
 def bench_engine(args: argparse.Namespace, master: MooncakeMaster) -> dict[str, Any]:

@@ -376,3 +376,49 @@ def test_bad_settings_are_named():
                 create_backend(url, cfg, pool).close()
     finally:
         pool.close()
+
+
+# ------------------------------------------------------------------------------- chain
+def test_a_tiers_chain_serves_from_mooncake_after_memory_and_disk_are_emptied(master,
+                                                                             tmp_path):
+    """``tiers: [memory, disk, mooncake://]`` as config builds it: stores flow down, a fetch
+    after L1 was cleared and the disk's copies deleted comes from Mooncake bit for bit, and
+    a second chain (another engine, a pure client) loads the same chunks from it."""
+    from lmc.storage.chain import build_storage
+    from tests.kvutil import assert_bits_equal, random_bits
+
+    shape = (2, 2, 16, 64)
+
+    def chain(segment: int, disk: str) -> object:
+        cfg = CacheConfig(local_cpu_size="2MiB", tiers=[
+            "memory", {"backend": "disk", "path": disk, "capacity": "16MiB"},
+            {"backend": master.url, "segment": segment, "remote_timeout": TIMEOUT,
+             "remote_key_prefix": "chain"}])
+        return build_storage(cfg, MemoryPool(2 << 20, pin_memory=False))
+
+    a = chain(32 << 20, str(tmp_path / "a"))
+    b = chain(0, str(tmp_path / "b"))
+    keys = [bytes([7, i]) * 8 for i in range(4)]
+    gen = torch.Generator().manual_seed(5)
+    try:
+        assert [t.name for t in a.tiers] == ["cpu", "disk", "mooncake"]
+        objs = a.allocate_many(shape, torch.bfloat16, len(keys), 16)
+        want = []
+        for o in objs:
+            o.tensor.copy_(random_bits(shape, torch.bfloat16, gen))
+            want.append(o.tensor.clone())
+        assert a.put(keys, objs) == len(keys)
+        for o in objs:
+            o.release()
+        assert a.flush(20)
+        a.clear_l1()
+        assert a.tiers[1].delete(keys) == len(keys)
+        for sm, what in ((a, "the writer, from Mooncake"), (b, "another engine")):
+            got, where = sm.fetch_prefix(keys)
+            assert where == [2] * len(keys), what
+            for g, w in zip(got, want):
+                assert_bits_equal(g.tensor, w, what)
+                g.release()
+    finally:
+        b.close()
+        a.close()

@@ -312,7 +312,7 @@ class MooncakeBackend(StorageBackend):
         rkeys = [self.remote_key(k) for k in keys]
         rejects: Rejects[str] = Rejects(f"mooncake tier {self.url}")
         heads = self._read_heads(rkeys, end)
-        todo: list[tuple[int, Header, bytes, MemoryObj]] = []
+        found: list[tuple[int, Header, bytes]] = []
         geometry = self.expected_geometry
         for i, (k, h) in enumerate(zip(keys, heads)):
             if isinstance(h, int):
@@ -332,11 +332,8 @@ class MooncakeBackend(StorageBackend):
                 rejects.reject(rkeys[i], f"{hdr.payload_len} B value larger than the pool",
                                rkeys[i])
                 continue
-            obj = self.pool.allocate(hdr.shape, hdr.dtype, hdr.num_tokens)
-            if obj is None:
-                self._count(alloc_failures=1)
-                continue
-            todo.append((i, hdr, h, obj))
+            found.append((i, hdr, h))
+        todo = self._allocate(found)
         if todo:
             self._read_payloads(keys, rkeys, todo, end, rejects, out)
         bad = len(rejects)
@@ -346,6 +343,26 @@ class MooncakeBackend(StorageBackend):
         self._count(get_calls=1, get_hit=hits, get_miss=len(keys) - hits, corrupt=bad,
                     bytes_read=sum(o.nbytes for o in out if o is not None),
                     get_seconds=time.perf_counter() - t0)
+        return out
+
+    def _allocate(self, found: list[tuple[int, Header, bytes]]
+                  ) -> list[tuple[int, Header, bytes, MemoryObj]]:
+        """A destination for each value, one ``allocate_many`` per run of equal chunks (a
+        prompt's chunks but its last: one call, neighbouring blocks); fewer when the pool
+        has no room (counted)."""
+        out: list[tuple[int, Header, bytes, MemoryObj]] = []
+        a = 0
+        while a < len(found):
+            hdr = found[a][1]
+            b = a + 1
+            while b < len(found) and found[b][1].shape == hdr.shape and \
+                    found[b][1].dtype == hdr.dtype:
+                b += 1
+            objs = self.pool.allocate_many(hdr.shape, hdr.dtype, b - a, hdr.num_tokens)
+            out += [(*f, o) for f, o in zip(found[a:b], objs)]
+            if len(objs) < b - a:
+                self._count(alloc_failures=b - a - len(objs))
+            a = b
         return out
 
     def _read_heads(self, rkeys: list[str], end: float) -> list[bytes | int | None]:
