@@ -79,10 +79,12 @@ def test_dumps_are_rate_limited():
 
 @pytest.mark.parametrize("reader", ["none", "never_reads"])
 def test_no_reader_or_a_stuck_one_costs_bounded_memory(reader):
-    """Six rounds of ~1 GiB of batches (as Python objects) past a subscriber that never
-    reads (or none): what the process holds levels off after two rounds of warm-up (hwm 8 at
-    PUB, buffer 16 for replay, queue 64; a leak of the items would add ~1 GiB a round), and
-    every item is either sent or counted dropped."""
+    """~500 MB of msgpack published (6 rounds of 1,500 batches of ~57 KB, offered at the pace
+    the publisher keeps up with) past a subscriber that never reads (or none): the process
+    stops growing after the first round (16 batches kept for replay, 8 at PUB, 8 at the SUB,
+    64 items queued or draining), where buffering what was sent would take all of it;
+    every item is sent or counted dropped. A flood faster than the publisher is dropped at
+    the queue (test_engine_events.py, test_stores_go_on_while_a_subscriber_never_reads)."""
     pub = publisher(hwm=8, buffer_steps=16, max_queue_size=64)
     ctx = zmq.Context()
     sub = ctx.socket(zmq.SUB)
@@ -97,22 +99,21 @@ def test_no_reader_or_a_stuck_one_costs_bounded_memory(reader):
         after = []
         for _ in range(6):
             for i in range(1500):
+                while pub.stats()["queued"] >= 32:
+                    time.sleep(0.001)
                 pub.offer(("raw", big_batch(i)))
                 offered += 1
-                assert pub.stats()["queued"] <= 64
-            end = time.monotonic() + 60
-            while pub.stats()["queued"] and time.monotonic() < end:
-                time.sleep(0.05)
             after.append(rss())
         end = time.monotonic() + 30  # the last items drained are being sent
         while (s := pub.stats())["events"] - 1 + s["dropped"] < offered and \
                 time.monotonic() < end:
             time.sleep(0.05)
         assert s["events"] - 1 + s["dropped"] == offered  # each sent or counted dropped
-        assert s["dropped"] > 0
+        assert s["events"] > offered // 2
         mib = [(a - before) >> 20 for a in after]
-        assert max(after[2:]) - min(after[:2]) < 64 << 20, mib
-        assert after[-1] - before < 256 << 20, mib
+        # flat after the first round (a publisher buffering what it sent: +80 MiB a round)
+        assert max(after[1:]) - after[0] < 64 << 20, mib
+        assert after[0] - before < 320 << 20, mib
     finally:
         sub.close(0)
         ctx.term()
