@@ -120,11 +120,19 @@ class EventFeed:
             d.close(0)
 
     def _dump(self, s: Source) -> bool:
+        """Sync ``s`` from its state dump; a publisher without dumps (vLLM's own answers an
+        unknown request with the end marker alone) is replayed from its oldest batch."""
         s.counts["dumps"] += 1
         got = self._request(s, b"dump")
         if got is None:
             s.synced = False
             return False
+        dumped = bool(got)
+        if not dumped:
+            got = self._request(s, wire.seq_bytes(0))
+            if got is None:
+                s.synced = False
+                return False
         s.index.clear()
         try:
             for _, payload in got:
@@ -134,7 +142,8 @@ class EventFeed:
             _warn("events from %s: bad dump: %s", s.name, e)
             s.synced = False
             return False
-        s.next_seq = (got[0][0] + 1) if got else s.next_seq
+        # a dump's batches all carry the seq it covers; a replay's the last one's
+        s.next_seq = got[-1][0] + 1 if got else None
         s.synced = True
         s.last_heard = time.monotonic()
         log.info("events from %s: synced (%d blocks)", s.name, s.index.blocks)
@@ -143,13 +152,12 @@ class EventFeed:
     def _fill(self, s: Source, upto: int) -> bool:
         """Apply the batches ``[next_seq, upto)`` from the replay socket; False if it
         no longer holds them all."""
-        assert s.next_seq is not None
         s.counts["replays"] += 1
-        got = self._request(s, wire.seq_bytes(s.next_seq))
+        got = self._request(s, wire.seq_bytes(s.next_seq or 0))
         if not got:
             return False
         for seq, payload in got:
-            if seq < s.next_seq:
+            if s.next_seq is None or seq < s.next_seq:
                 continue
             if seq > s.next_seq:
                 return False
@@ -157,7 +165,7 @@ class EventFeed:
                 return False
             if s.next_seq >= upto:
                 return True
-        return s.next_seq >= upto
+        return (s.next_seq or 0) >= upto
 
     def _apply(self, s: Source, seq: int, payload: bytes) -> bool:
         try:
@@ -186,7 +194,8 @@ class EventFeed:
                 s.synced, s.next_seq = True, seq
             elif not self._dump(s):
                 return
-        assert s.next_seq is not None
+        if s.next_seq is None:  # synced from an empty replay buffer: from here on
+            s.next_seq = seq
         if seq < s.next_seq:
             return  # already applied (the dump covered it)
         if seq > s.next_seq:
