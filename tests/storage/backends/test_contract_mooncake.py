@@ -9,6 +9,7 @@ second-tier tests need. Killing and pausing hit the master; a dead holder is
 
 from __future__ import annotations
 
+import time
 import uuid
 
 import pytest
@@ -27,7 +28,8 @@ def cluster(tmp_path_factory):
     """A master and a holder of this module's own (the fault tests kill the master)."""
     require_mooncake()
     import lmc.storage.backends.mooncake  # noqa: F401  (registers mooncake://)
-    master = MooncakeMaster(tmp_path_factory.mktemp("mooncake")).start()
+    # client_ttl 60 s: a pause of the master (the hang tests) never expires the holder
+    master = MooncakeMaster(tmp_path_factory.mktemp("mooncake"), client_ttl=60).start()
     holder = raw = None
     try:
         holder = Peer("holder", master, segment=256 << 20)
@@ -58,10 +60,31 @@ def _damage(raw: Peer, keyed: bool):
     return corrupt
 
 
-def _revive(master: MooncakeMaster):
+def _settled(raw: Peer) -> None:
+    """Wait until the cluster stores and serves again (the holder re-mounted its segment):
+    the next test must not meet a cluster still recovering from this one's fault."""
+    deadline = time.monotonic() + 30
+    while True:
+        probe = f"probe/{uuid.uuid4().hex}"
+        if (raw.ask(op="write", key=probe, hex="ab" * 64)["code"] == 0
+                and raw.ask(op="read", key=probe)["code"] == 64):
+            return
+        assert time.monotonic() < deadline, "the cluster did not serve again in 30 s"
+        time.sleep(0.2)
+
+
+def _revive(master: MooncakeMaster, raw: Peer):
     def revive(tier) -> None:
         master.start()  # empty: every key is gone; clients and the holder re-mount
+        _settled(raw)
     return revive
+
+
+def _unhang(master: MooncakeMaster, raw: Peer):
+    def unhang(tier) -> None:
+        master.resume()
+        _settled(raw)
+    return unhang
 
 
 @pytest.fixture(params=["plain", "keyed"])
@@ -74,8 +97,8 @@ def tier_spec(request, cluster):
                         **({"integrity_secret": SECRET} if keyed else {})},
         kwargs={"segment": 0},
         corrupt=_damage(raw, keyed),
-        kill=lambda tier: master.kill(), revive=_revive(master),
-        hang=lambda tier: master.pause(), unhang=lambda tier: master.resume(),
+        kill=lambda tier: master.kill(), revive=_revive(master, raw),
+        hang=lambda tier: master.pause(), unhang=_unhang(master, raw),
         reopen=lambda tier: {"remote_key_prefix": tier.prefix.rstrip("/")},
         # another engine's key prefix on the same cluster (Mooncake has no tenants' tokens)
         other_tenants=lambda tier: [{"remote_key_prefix": f"o{uuid.uuid4().hex[:10]}"}])
