@@ -446,10 +446,9 @@ class CacheConfig(Settings):
                 from lmc.storage.tier import backend_factory, configured_options
 
                 configured_options(backend_factory(self.remote_url), self.remote_url, self)
-            if self.tiers is not None:
-                from lmc.storage.chain import check_chain
+            from lmc.storage.chain import check_chain
 
-                check_chain(self)
+            check_chain(self)  # the chain the shorthand keys give is checked like a tiers: list
         except ValueError as e:
             raise ConfigError(str(e)) from None
 

@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from lmc import metrics
 from lmc.cache_engine import CacheEngine
 from lmc.config import CacheConfig
 from lmc.connectors.core.lookup_service import LookupServer, engine_lookup
@@ -66,6 +67,9 @@ class WorkerSide:
         self.layout = choice
         self.engine = CacheEngine(self.cache_config, spec, self.model_id, self.tp_rank,
                                   self.tp_size)
+        # vLLM reports "ready" once the caches are registered: that must mean stores run at
+        # full speed, so the pool's first-touch work finishes here (this thread helps it)
+        self.engine.pool.wait_ready()
         self.worker = WorkerConnector(self.engine, list(choice.tensors), self.block_size,
                                       layerwise=self.layerwise, remote_wait=self.remote_wait)
         self._layer_index = {name: i for i, name in enumerate(choice.names)}
@@ -128,6 +132,8 @@ class WorkerSide:
         now = {k: float(getattr(self.worker.stats, k)) for k in STAT_FIELDS}
         now.update({f"tokens_from_{t}": float(n)
                     for t, n in self.worker.stats.tokens_by_tier.items()})
+        # the engine's Prometheus series, carried to the process that serves vLLM's /metrics
+        now.update(metrics.values())
         delta = {k: v - self._reported.get(k, 0.0) for k, v in now.items()}
         self._reported = now
         return {k: v for k, v in delta.items() if v}
