@@ -12,7 +12,8 @@ import threading
 from collections import OrderedDict
 from collections.abc import Iterable
 
-FIELDS = ("puts", "put_values", "stored", "bytes_in", "gets", "get_keys", "hits", "bytes_out")
+FIELDS = ("puts", "put_values", "stored", "bytes_in", "gets", "get_keys", "hits", "bytes_out",
+          "lookups", "lookup_keys", "lookup_hits")
 
 
 class Activity:
@@ -40,6 +41,10 @@ class Activity:
 
     def get(self, ns: str, keys: int, hits: int, nbytes: int) -> None:
         self._add(ns, gets=1, get_keys=keys, hits=hits, bytes_out=nbytes)
+
+    def lookup(self, ns: str, keys: int, hits: int) -> None:
+        """An EXISTS (an engine's lookup): keys asked, keys found."""
+        self._add(ns, lookups=1, lookup_keys=keys, lookup_hits=hits)
 
     def namespaces(self, allowed: Iterable[str] | None = None) -> dict[str, dict[str, int]]:
         """Counts per namespace; only ``allowed`` ones when given (a tenant's own)."""

@@ -16,17 +16,19 @@ import urllib.parse
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-
-from lmc.memory.pool import MemoryObj
 from lmc.server import protocol as P
 from lmc.server.config import DEFAULT_PORT
 from lmc.server.views import byte_view
 from lmc.storage.serde import encode_header, payload_checksum
 
-Allocate = Callable[[Sequence[int], torch.dtype, int], "MemoryObj | None"]
+if TYPE_CHECKING:
+    import torch
+
+    from lmc.memory.pool import MemoryObj
+
+Allocate = Callable[[Sequence[int], "torch.dtype", int], "MemoryObj | None"]
 CLIENT_LIMITS = P.Limits(max_meta=16 << 20)
 _SCRATCH = 1 << 20
 UNIX_SNDBUF = 4 << 20  # the kernel caps it at net.core.wmem_max (and doubles it)

@@ -47,6 +47,7 @@ from lmc.server.http import MetricsHTTP
 from lmc.server.ratelog import FirstSeen, IntervalLog, RateLimitedWarnings
 from lmc.server.session import IDLE, Session
 from lmc.server.store import NamespacedStore
+from lmc.server.views import tier_media
 from lmc.storage import chain
 from lmc.storage.manager import StorageManager
 
@@ -183,6 +184,7 @@ class Daemon:
                 "pool": {**self.pool.stats(), "leaks": len(self.pool.leaks),
                          "violations": self.invariant_violations()},
                 "tiers": {**self.store.stats(), **self.storage.stats()},
+                "media": tier_media(self.storage.tiers),
                 "requests": (self.activity.totals() if allowed is None else
                              _sum(self.activity.namespaces(allowed).values())),
                 "namespaces": self._namespaces(allowed)}

@@ -363,6 +363,8 @@ class Session:
         else:
             present = await self.daemon.run_storage(self.store.contains, ikeys)
             await self._send(h.op, h.req_id, {"present": bytes(bytearray(present))})
+            hits = sum(present)
+        self.daemon.activity.lookup(ns, len(ikeys), hits)
         return True
 
     async def _delete(self, h: P.FrameHeader, meta: dict[str, Any]) -> bool:

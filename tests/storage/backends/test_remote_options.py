@@ -53,6 +53,18 @@ def test_chain_check_refuses_what_a_backends_check_spec_refuses(tmp_path):
         chain.check_chain(cfg)
 
 
+@pytest.mark.parametrize("url, near", [
+    ("lmc://127.0.0.1:7000?conections=8", "connections"),
+    ("lmc+unix:///run/lmc/lmc.sock?nss=team-a", "ns"),
+])
+def test_the_daemon_tier_refuses_a_query_name_it_does_not_take(url, near):
+    """The ``lmc://`` tier took any query name and ignored it (``**_``): a typo served with
+    the default in silence. Now ``lmc config``'s chain check names it, as for Redis."""
+    with pytest.raises(ConfigError, match=f"did you mean {near!r}"):
+        chain.check_chain(CacheConfig(remote_url=url))
+    chain.check_chain(CacheConfig(remote_url="lmc://127.0.0.1:7000?ns=a&connections=8"))
+
+
 def test_chain_check_names_a_disk_directory_it_cannot_make(tmp_path):
     ok = CacheConfig(local_disk=str(tmp_path / "a" / "b"))
     chain.check_chain(ok)

@@ -18,10 +18,12 @@ With ``integrity_secret`` each chunk travels with a keyed tag stored as a compan
 
 from __future__ import annotations
 
+import difflib
 import functools
 import logging
 import threading
 import time
+import urllib.parse
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -72,14 +74,28 @@ class ServerBackend(StorageBackend):
                                      "how the daemon's log and STATS name this client"),
     }
 
+    @classmethod
+    def check_spec(cls, url: str) -> Address:
+        """The URL alone: its form, and no query name but ``ns`` and the tier's options (a
+        typo such as ``?conections=8`` is refused naming the closest, never ignored)."""
+        known = ["ns", *cls.OPTIONS]
+        for name in urllib.parse.parse_qs(urllib.parse.urlsplit(url).query,
+                                          keep_blank_values=True):
+            if name not in known:
+                near = difflib.get_close_matches(name, known, n=1)
+                hint = f"; did you mean {near[0]!r}?" if near else ""
+                raise ValueError(f"remote_url {url!r}: the lmc:// tier has no option "
+                                 f"{name!r}{hint} (its options: {', '.join(known)})")
+        return Address.parse(url)
+
     def __init__(self, spec: str = "server", *, config: CacheConfig, pool: MemoryPool,
                  allocate: Allocate | None = None, namespace: str | None = None,
-                 client_name: str = "lmc-engine", connections: int = 4, **_: Any) -> None:
+                 client_name: str = "lmc-engine", connections: int = 4) -> None:
         url = spec if "://" in spec else config.remote_url
         if not url:
             raise ValueError("the server tier needs remote_url: lmc://host:port or "
                              "lmc+unix:///path")
-        self.address = Address.parse(url)
+        self.address = self.check_spec(url)
         self.url = f"lmc://{self.address}"
         self.namespace = namespace or self.address.namespace or config.remote_key_prefix
         self.pool = pool

@@ -82,6 +82,7 @@ class RedisBackend(StorageBackend):
     medium = Medium.REMOTE
     capabilities = TierCapabilities(layered_reads=True, existence_without_reading=True,
                                     durable=True)
+    check_spec = staticmethod(parse_target)  # the URL alone, checked before start-up's slow work
 
     OPTIONS = {  # remote_options / ?name=value in the URL; defaults as in __init__
         "connections": BackendOption(4, lambda v, k: parse_int(v, k, minimum=1),
@@ -172,7 +173,7 @@ class RedisBackend(StorageBackend):
             return
         log.debug("redis tier %s: %s on %s failed: %s", self.target.display, op, node.label, e)
         node.reset()
-        node.breaker.failure()
+        node.breaker.failure(e)
         if self.target.cluster:
             self.router.invalidate()
 
