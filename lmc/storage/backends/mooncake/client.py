@@ -227,8 +227,13 @@ class ClientGuard:
                 # non-daemon: interpreter exit joins it (after closing this guard, below)
                 # instead of unloading the library while it is inside a call (SIGABRT)
                 t = threading.Thread(target=self._work, name="lmc-mooncake", daemon=False)
+                try:
+                    t.start()
+                except RuntimeError:  # interpreter shutdown: no new threads, no new calls
+                    self._inflight -= 1
+                    self._calls -= 1
+                    return CLOSED
                 self._workers.append(t)
-                t.start()
         c = _Call(fn, deadline, on_abandon)
         self._queue.put(c)
         c.event.wait(max(0.0, deadline - time.monotonic()))
