@@ -454,6 +454,8 @@ def _cli(args: argparse.Namespace) -> int:
     try:
         model = resolve_model_dir(args.model) if args.model else None
         run_demo(model, args.config, w, baseline=not args.no_baseline, rounds=args.rounds)
+    except BrokenPipeError:
+        raise  # the reader went away (lmc demo | head): lmc.cli ends quietly
     except (ValueError, OSError) as e:
         print(f"lmc demo: {e}", file=sys.stderr)
         return 2

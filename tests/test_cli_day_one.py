@@ -100,3 +100,19 @@ def test_demo_sizes_are_mib_and_a_kept_disk_is_not_called_cold(tiny_dir, tmp_pat
     assert "lmc, first (tiers warm)" in rows, second.stdout
     assert re.search(r"lower tiers are not empty \(disk [\d,]+ chunks, from an earlier run\)",
                      second.stdout), second.stdout
+
+
+def test_demo_piped_into_head_stops_quietly(tiny_dir, tmp_path):
+    """``lmc demo | head``: once the reader is gone the demo stops, with no error line (it
+    printed "lmc demo: [Errno 32] Broken pipe" and exited 2)."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen([sys.executable, "-m", "lmc.cli", "demo", "--quick", "--model",
+                             str(tiny_dir), "--no-baseline"], cwd=tmp_path, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert proc.stdout is not None
+    first = proc.stdout.readline()
+    proc.stdout.close()  # what head does after its lines
+    _, err = proc.communicate(timeout=300)
+    assert first.startswith("model"), first
+    assert proc.returncode == 141, (proc.returncode, err)
+    assert "Broken pipe" not in err and "Traceback" not in err, err
