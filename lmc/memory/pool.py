@@ -768,6 +768,14 @@ class MemoryPool:
                    else {"prefaulted": 0}),
             }
 
+    def prefault_progress(self) -> tuple[int, int]:
+        """(bytes pre-faulted or page-locked so far, the pool's size), for a person watching
+        start-up; the size both ways when there is nothing to wait for."""
+        pf = self._prefault
+        if pf is None:
+            return self.size, self.size
+        return min(pf.front, self.size), self.size
+
     def wait_ready(self, timeout: float | None = None) -> bool:
         """Block until the whole pool is pre-faulted (unpinned: this thread helps the
         pre-fault thread) or page-locked (pinned), at most ``timeout`` seconds; whether it

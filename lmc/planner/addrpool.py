@@ -11,7 +11,7 @@ does. This pool keeps the allocator and the reference counting of
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -55,11 +55,8 @@ class AddressPool:
     def view(self, *_: object) -> torch.Tensor:
         raise RuntimeError("an AddressPool holds no bytes: the planner never reads KV")
 
-    def acquire_many(self, objs: Iterable[MemoryObj]) -> None:
-        for o in objs:
-            if o._refs <= 0:
-                raise RuntimeError("acquire() of a MemoryObj that was already freed")
-            o._refs += 1
+    # MemoryPool's own batch acquire (one lock, every object checked alive)
+    acquire_many = MemoryPool.acquire_many
 
     # MemoryPool's own batch release (one lock, last references freed with one free_many):
     # the order of the free lists decides which blocks later allocations get, so the planner
@@ -76,7 +73,6 @@ class AddressPool:
 
     def _leaked(self, obj: MemoryObj) -> None:
         self.leaks.append(repr(obj))
-        obj._refs = 0
         if not self.closed:
             self.allocator.free(obj.offset)
 

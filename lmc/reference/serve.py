@@ -357,8 +357,7 @@ class Server:
             return False, "loading the model"
         pool = self.pool()
         if pool is not None and not pool.wait_ready(0):
-            pf = pool._prefault  # noqa: SLF001 - progress for a person, read-only
-            done = pf.front if pf is not None else 0
+            done, _ = pool.prefault_progress()
             return False, (f"pre-faulting the lmc memory pool: {units.size(done)} of "
                            f"{units.size(pool.size)}")
         self._ready = True

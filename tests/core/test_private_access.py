@@ -40,13 +40,6 @@ EXCEPTIONS: dict[tuple[str, str], str] = {
     ("storage/backends/redis/url.py", "parts._replace"):
         "namedtuple's public API (underscored to stay clear of field names)",
     ("transfer/bound_caches.py", "t._base"): "torch has no public accessor for a view's base",
-    # lmc's own, to remove: the planner's address-only pool plays MemoryPool's side of
-    # MemoryObj's reference count (lmc/memory/pool.py would need a pool-side method)
-    ("planner/addrpool.py", "o._refs"): "AddressPool stands in for MemoryPool (to remove)",
-    ("planner/addrpool.py", "obj._refs"): "AddressPool stands in for MemoryPool (to remove)",
-    # lmc's own, to remove: the reference server shows the pool's pre-fault progress
-    # (lmc/memory/pool.py would need a public progress figure)
-    ("reference/serve.py", "pool._prefault"): "pre-fault progress for a person (to remove)",
 }
 
 
