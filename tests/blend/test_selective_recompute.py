@@ -3,6 +3,7 @@ concatenation, and the deviation from full prefill falls as the ratio rises."""
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import pytest
@@ -100,3 +101,31 @@ def test_bad_segments_are_refused_by_name(llama_dir: Path) -> None:
         llm.generate([1, 2, 3], segment_separator=" # # ")
     with pytest.raises(ValueError, match="blend needs lmc_config"):
         LLM(llama_dir, num_blocks=32, blend=True)
+
+
+def test_a_failing_segment_store_is_a_miss_not_a_failure(llama_dir: Path,
+                                                         caplog: pytest.LogCaptureFixture) -> None:
+    """lmc's engine behind the segments is closed: every load and store raises. Segments are
+    computed alone and blended; the request completes as a full prefill would (ratio 1)."""
+    from lmc.blend.blender import SegmentBlender
+    from lmc.blend.store import SegmentStore
+    from lmc.cache_engine import CacheEngine
+    from lmc.config import CacheConfig
+    from lmc.transfer.kv_spec import KVSpec
+
+    ids, spans = rag_prompt([DOCS[0], DOCS[2]], tokens(7, 8), SYSTEM)
+    full = run_prompt(LLM(llama_dir, num_blocks=96), ids, None, 3)
+    llm = LLM(llama_dir, num_blocks=96)
+    spec = KVSpec.from_tensors(llm.runner.named_kv_caches(), "vllm_flash")
+    engine = CacheEngine(CacheConfig.load(overrides={"chunk_size": 16,
+                                                     "local_cpu_size": "8MiB"}), spec, "m")
+    store = SegmentStore(engine)
+    engine.close()
+    llm.runner.blender = SegmentBlender(store, llm.config, 1.0)
+    with caplog.at_level(logging.WARNING, logger="lmc.blend.blender"):
+        blended = run_prompt(llm, ids, spans, 3)
+    assert "loading a 37-token segment failed" in caplog.text
+    assert "storing a 37-token segment failed" in caplog.text
+    assert llm.runner.blender.stats.segments_computed == 2
+    torch.testing.assert_close(blended.logits, full.logits, rtol=1e-4, atol=1e-4)
+    assert blended.tokens == full.tokens
