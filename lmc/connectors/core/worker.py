@@ -150,9 +150,11 @@ class _StepClock:
         else:
             self._t0 = time.perf_counter()
 
-    def stop(self, work: tuple[int, float] | None) -> list[tuple[int, float, float]]:
+    def stop(self, work: tuple[int, float] | None, minus: float = 0.0
+             ) -> list[tuple[int, float, float]]:
         """End the step begun by :meth:`start` (``work``: its tokens and attention, or
-        ``None`` not to record it); answers the steps whose time is now known."""
+        ``None`` not to record it; ``minus``: host seconds of the step that were not its
+        compute, CPU only); answers the steps whose time is now known."""
         t0, self._t0 = self._t0, None
         done: list[tuple[int, float, float]] = []
         if t0 is not None and work is not None:
@@ -164,7 +166,7 @@ class _StepClock:
                 self._pending.append((t0, ev, work))
                 del self._pending[: -self.keep]
             else:
-                done.append((work[0], work[1], time.perf_counter() - t0))
+                done.append((work[0], work[1], time.perf_counter() - t0 - minus))
         while self._pending and self._pending[0][1].query():
             a, b, w = self._pending.pop(0)
             done.append((w[0], w[1], a.elapsed_time(b) / 1e3))
@@ -231,6 +233,7 @@ class WorkerConnector:
         self.max_tracked_requests = max_tracked_requests
         self._clock = _StepClock(self.device)
         self._step_load_seconds = 0.0  # I/O-thread time of this step's loads
+        self._step_waits = (0.0, 0.0)  # load waits at bind, seconds in start_load
 
     # ------------------------------------------------------------------ helpers
     def _slots(self, block_ids: tuple[int, ...], num_tokens: int, lo: int, hi: int
@@ -291,6 +294,7 @@ class WorkerConnector:
         self._meta = meta
         self.stats.steps += 1
         self._step_load_seconds = 0.0
+        self._step_waits = (self.stats.load_wait_seconds, 0.0)  # (waited at bind, start_load)
         self._clock.start()
         for spec in meta.async_loads:
             if self._async_thread is None:
@@ -307,6 +311,13 @@ class WorkerConnector:
         meta = self._meta
         if meta is None or not meta.loads or self._loads:
             return
+        t_start = time.perf_counter()
+        try:
+            self._start_loads(meta)
+        finally:
+            self._step_waits = (self._step_waits[0], time.perf_counter() - t_start)
+
+    def _start_loads(self, meta: ConnectorMetadata) -> None:
         for spec in meta.loads:
             self.stats.loads += 1
             self.stats.load_tokens += spec.num_tokens
@@ -428,9 +439,17 @@ class WorkerConnector:
         speeds = getattr(self.engine, "speeds", None)
         if meta is None or speeds is None:
             return
-        work = None if meta.loads or meta.compute_tokens <= 0 else \
+        # a step that loaded: on the CPU its compute is its time less the host's waits for
+        # loads and the fetches before the forward; on a GPU the stream's waits are not
+        # visible without a sync, so only steps that loaded nothing count
+        cpu = self.device.type == "cpu"
+        work = None if meta.compute_tokens <= 0 or (meta.loads and not cpu) else \
             (meta.compute_tokens, meta.compute_attention)
-        for tokens, attention, seconds in self._clock.stop(work):
+        minus = 0.0
+        if meta.loads and cpu:
+            waited0, fetch = self._step_waits
+            minus = self.stats.load_wait_seconds - waited0 + fetch
+        for tokens, attention, seconds in self._clock.stop(work, minus):
             speeds.prefill.observe(tokens, attention, seconds)
             self.stats.steps_timed += 1
         if self.device.type != "cpu" or not self._loads or not speeds.tiers:
