@@ -11,6 +11,7 @@ import torch
 
 from lmc.blend.quality import compare, run_prompt
 from lmc.reference import LLM
+from lmc.reference.request import SamplingParams
 from tests.blend.helpers import blend_llm, naive_concatenation_logits, rag_prompt, tokens
 
 DOCS = [tokens(10 + i, 37 + 5 * i) for i in range(4)]
@@ -129,3 +130,33 @@ def test_a_failing_segment_store_is_a_miss_not_a_failure(llama_dir: Path,
     assert llm.runner.blender.stats.segments_computed == 2
     torch.testing.assert_close(blended.logits, full.logits, rtol=1e-4, atol=1e-4)
     assert blended.tokens == full.tokens
+
+
+@pytest.mark.parametrize("ratio", [1.0, 0.15])
+def test_blended_prefills_share_a_step_with_decodes_and_each_other(qwen_dir: Path,
+                                                                   ratio: float) -> None:
+    """Two blended prefills and a plain request's decode in one step: every output equals
+    the same request run alone, so the step's row subsets and masks are per request."""
+    plain_ids = tokens(30, 40)
+    a, a_spans = rag_prompt([DOCS[0], DOCS[1]], tokens(31, 6), SYSTEM)
+    b, b_spans = rag_prompt([DOCS[3], DOCS[0]], tokens(32, 9))
+    want = {"plain": LLM(qwen_dir, num_blocks=96).generate(plain_ids, max_tokens=5,
+                                                           ignore_eos=True)[0].token_ids}
+    for name, ids, spans in (("a", a, a_spans), ("b", b, b_spans)):
+        with blend_llm(qwen_dir, ratio) as alone:
+            want[name] = alone.generate(ids, max_tokens=5, ignore_eos=True,
+                                        segments=spans)[0].token_ids
+    params = SamplingParams(max_tokens=5, ignore_eos=True)
+    with blend_llm(qwen_dir, ratio, max_num_batched_tokens=1024) as llm:
+        ids = {"plain": llm.add_request(plain_ids, params)}
+        llm.step()  # the plain request is decoding from now on
+        ids["a"] = llm.add_request(a, params, segments=a_spans)
+        ids["b"] = llm.add_request(b, params, segments=b_spans)
+        got: dict[str, list[int]] = {}
+        while llm.has_unfinished_requests():
+            for out in llm.step():
+                got[out.request_id] = out.token_ids
+        step = llm.kv_connector.blender.last_step
+        assert step is not None and len(step.requests) == 2 and step.meta_before.decode_rows \
+            is not None
+    assert {name: got[rid] for name, rid in ids.items()} == want
