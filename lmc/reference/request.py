@@ -109,6 +109,7 @@ class Request:
     # reusable segments of the prompt, (start, end) spans (lmc.blend): blended when the
     # engine has a blender and the prefill runs in one step, else computed as usual
     segments: list[tuple[int, int]] | None = None
+    blend_waits: int = 0  # steps it waited for room to prefill in one step (scheduler)
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:

@@ -36,6 +36,7 @@ from lmc.reference.request import Request, RequestStatus
 from lmc.reference.scheduler_output import ScheduledRequest, SchedulerOutput
 
 logger = logging.getLogger(__name__)
+MAX_BLEND_WAITS = 8  # steps a blended prefill waits for a budget that holds it whole
 
 
 class Scheduler:
@@ -171,13 +172,17 @@ class Scheduler:
                 continue
             start = request.num_computed_tokens + num_external
             if request.segments and request.num_tokens - start > budget:
-                # a blended prefill runs in one step: wait for a step with room, or, if no
-                # step can hold it, compute it as a plain prompt (chunked)
-                if request.num_tokens - start <= self.max_num_batched_tokens:
+                # a blended prefill runs in one step: wait (a few steps at most, so a busy
+                # batch cannot starve it) for a step with room, else compute it as a plain
+                # prompt (chunked)
+                fits = request.num_tokens - start <= self.max_num_batched_tokens
+                if fits and request.blend_waits < MAX_BLEND_WAITS:
+                    request.blend_waits += 1
                     break
-                logger.info("request %s: %d tokens to prefill exceed max_num_batched_tokens "
-                            "%d; its segments are computed, not blended", request.request_id,
-                            request.num_tokens - start, self.max_num_batched_tokens)
+                logger.info("request %s: %d tokens to prefill %s; its segments are computed, "
+                            "not blended", request.request_id, request.num_tokens - start,
+                            f"did not fit {MAX_BLEND_WAITS} steps' budgets" if fits else
+                            f"exceed max_num_batched_tokens {self.max_num_batched_tokens}")
                 request.segments = None
             num_new = min(request.num_tokens - start, budget)
             if not self._grow_blocks(request, start if is_async else start + num_new):

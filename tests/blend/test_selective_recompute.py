@@ -160,3 +160,27 @@ def test_blended_prefills_share_a_step_with_decodes_and_each_other(qwen_dir: Pat
         assert step is not None and len(step.requests) == 2 and step.meta_before.decode_rows \
             is not None
     assert {name: got[rid] for name, rid in ids.items()} == want
+
+
+def test_a_busy_batch_cannot_starve_a_blended_prefill(llama_dir: Path,
+                                                      caplog: pytest.LogCaptureFixture) -> None:
+    """Ten decoding requests leave 90 of a 100-token budget: a 95-token blended prefill never
+    fits whole, waits a few steps, then runs as a plain chunked prompt; a prompt longer than
+    the budget runs plainly at once."""
+    ids, spans = rag_prompt([DOCS[0], DOCS[1][:40]], tokens(8, 18))
+    assert len(ids) == 95
+    with blend_llm(llama_dir, 0.15, max_num_batched_tokens=100) as llm:
+        busy = [llm.add_request(tokens(40 + i, 5), SamplingParams(max_tokens=60,
+                                                                   ignore_eos=True))
+                for i in range(10)]
+        llm.step()
+        with caplog.at_level(logging.INFO, logger="lmc.reference.scheduler"):
+            out = llm.generate(ids, max_tokens=2, ignore_eos=True, segments=spans)[0]
+            assert "did not fit 8 steps' budgets" in caplog.text
+            long_ids, long_spans = rag_prompt([DOCS[2], DOCS[3], DOCS[1]], tokens(9, 4))
+            llm.generate(long_ids, max_tokens=1, segments=long_spans)
+            assert "exceed max_num_batched_tokens 100" in caplog.text
+        assert llm.kv_connector.blender.stats.requests == 0
+        for rid in busy:
+            llm.abort_request(rid)
+    assert len(out.token_ids) == 2
