@@ -240,13 +240,14 @@ class MooncakeBackend(StorageBackend):
         log.log(logging.WARNING if state == OPEN else logging.INFO,
                 "mooncake tier %s: circuit breaker is now %s", self.url, state)
 
-    def _may_call(self) -> bool:
-        """Whether to call the library now: set up, open for calls, breaker closed."""
+    def _may_call(self, end: float) -> bool:
+        """Whether to call the library now: set up, open for calls, breaker closed. A call
+        made while the client is being set up waits for it, within its own deadline (a
+        setup under load can outlast the constructor's wait)."""
         if self.guard.closed:
             return False
-        if not self.guard.ready:
-            self.guard.connect(wait=0)  # a new attempt when its backoff has elapsed
-            self._count(not_connected=1)
+        if not self.guard.ready and not self.guard.connect(wait=end - time.monotonic()):
+            self._count(not_connected=1)  # a new attempt starts once its backoff elapsed
             return False
         if not self.breaker.allow():
             self._count(rejected_open=1)
@@ -294,10 +295,11 @@ class MooncakeBackend(StorageBackend):
 
     # ------------------------------------------------------------------ reads
     def contains(self, keys: Sequence[Key]) -> list[bool]:
-        if not keys or not self._may_call():
+        end = time.monotonic() + self.timeout
+        if not keys or not self._may_call(end):
             return [False] * len(keys)
         rkeys = [self.remote_key(k) for k in keys]
-        r = self.guard.call(lambda s: s.batch_is_exist(rkeys), time.monotonic() + self.timeout)
+        r = self.guard.call(lambda s: s.batch_is_exist(rkeys), end)
         if not self._answered(r, r if isinstance(r, list) else ()):
             return [False] * len(keys)
         self._count(contains_calls=1)
@@ -305,10 +307,10 @@ class MooncakeBackend(StorageBackend):
 
     def get(self, keys: Sequence[Key]) -> list[MemoryObj | None]:
         out: list[MemoryObj | None] = [None] * len(keys)
-        if not keys or not self._may_call():
-            return out
         t0 = time.perf_counter()
         end = time.monotonic() + self.timeout
+        if not keys or not self._may_call(end):
+            return out
         rkeys = [self.remote_key(k) for k in keys]
         rejects: Rejects[str] = Rejects(f"mooncake tier {self.url}")
         heads = self._read_heads(rkeys, end)
@@ -454,7 +456,7 @@ class MooncakeBackend(StorageBackend):
         for i in ok:  # a key twice in one batch is stored once
             first.setdefault(keys[i], i)
         idx = list(first.values())
-        if not idx or not self._may_call():
+        if not idx or not self._may_call(time.monotonic() + self.timeout):
             return 0
         t0 = time.perf_counter()
         stored_keys: set[Key] = set()
@@ -525,10 +527,11 @@ class MooncakeBackend(StorageBackend):
         return int(obj.pool.buffer.data_ptr()) + obj.offset
 
     def delete(self, keys: Sequence[Key]) -> int:
-        if not keys or not self._may_call():
+        end = time.monotonic() + self.timeout
+        if not keys or not self._may_call(end):
             return 0
         names = list(dict.fromkeys(self.remote_key(k) for k in keys))
-        present = self._remove(names, time.monotonic() + self.timeout)
+        present = self._remove(names, end)
         self._count(delete_calls=1, deleted=len(present))
         return len(present)
 
