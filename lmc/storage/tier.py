@@ -323,6 +323,7 @@ BUILTIN_BACKENDS: dict[str, str] = {
     "redis": "lmc.storage.backends.redis.backend",
     "server": "lmc.storage.backends.daemon.backend",
     "p2p": "lmc.storage.backends.p2p",
+    "mooncake": "lmc.storage.backends.mooncake.backend",
     "counting": "lmc.storage.wrappers",
     "rate_limit": "lmc.storage.wrappers",
 }

@@ -182,7 +182,7 @@ class MooncakeBackend(StorageBackend):
         # before the library loads: it reads some of these once
         C.default_environment(config.remote_timeout, here if metadata != P2P else None)
         try:
-            from mooncake.store import ReplicateConfig  # type: ignore[import-untyped]
+            from mooncake.store import ReplicateConfig
         except ImportError as e:
             raise ConfigError(
                 f"the mooncake tier needs the mooncake-transfer-engine-non-cuda package "

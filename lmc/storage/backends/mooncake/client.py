@@ -204,7 +204,7 @@ class ClientGuard:
     def _new_store(self) -> Any:
         if self._factory is not None:
             return self._factory()
-        from mooncake.store import (  # type: ignore[import-untyped]  # the optional wheel
+        from mooncake.store import (  # the optional wheel
             MooncakeDistributedStore,
         )
         return MooncakeDistributedStore()
