@@ -217,7 +217,6 @@ def test_every_package_is_installed():
     ``lmc.p2p`` missing from an explicit list imported from a checkout, not from an install):
     pyproject's ``packages.find`` finds exactly the folders, none lacks its ``__init__.py``."""
     import tomllib
-
     from setuptools import find_packages
 
     include = tomllib.loads((ROOT / "pyproject.toml").read_text()
