@@ -36,7 +36,7 @@ def test_format_table_handles_cpu_only() -> None:
     r = PassResult("x", ttfts=[0.1, 0.2, 0.3], prompt_tokens=100,
                    stats={"worker.tokens_from_cpu": 50, "cache.retrieve_bytes": 1 << 20})
     table = format_table([r], ["cpu"])
-    assert "50.0%" in table and "200.0ms" in table and "1.0MB" in table
+    assert "50.0%" in table and "200.0ms" in table and "1.0MiB" in table
 
 
 def test_demo_yaml_matches_the_embedded_defaults() -> None:

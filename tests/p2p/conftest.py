@@ -13,17 +13,14 @@ from pathlib import Path
 
 import pytest
 
+from tests.requirements import missing
 from tests.server.daemon_proc import ROOT, DaemonProc
 
 
 def require_nixl() -> None:
     """Skip without NIXL, except under CI=true, where a missing NIXL fails the test."""
     if importlib.util.find_spec("nixl") is None:
-        msg = ("NIXL is not installed (pip install --no-deps nixl nixl-cu12; "
-               ".ci/run does it)")
-        if os.environ.get("CI", "").lower() == "true":
-            pytest.fail(msg)
-        pytest.skip(msg)
+        missing("NIXL is not installed (pip install --no-deps nixl nixl-cu12; .ci/run does it)")
 
 
 class EngineProc:
