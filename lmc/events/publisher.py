@@ -107,6 +107,7 @@ class EventPublisher:
         self.buffer: deque[tuple[int, bytes]] = deque(maxlen=cfg.buffer_steps)
         self._zmq = zmq
         self._ctx = zmq.Context()
+        self._ctx.setsockopt(zmq.LINGER, 0)  # a socket left open never holds term()
         self.pub = self._ctx.socket(zmq.PUB)
         self.pub.setsockopt(zmq.SNDHWM, cfg.hwm)
         self.pub.setsockopt(zmq.LINGER, 0)

@@ -67,6 +67,7 @@ class EventFeed:
         self.sources = list(sources)
         self.stale_after = stale_after
         self.ctx = zmq.Context()
+        self.ctx.setsockopt(zmq.LINGER, 0)  # a socket left open never holds term()
         self._subs: dict[Any, Source] = {}
         for s in self.sources:
             sock = self.ctx.socket(zmq.SUB)

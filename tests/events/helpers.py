@@ -59,6 +59,7 @@ class Collector:
 
     def __init__(self, endpoint: str) -> None:
         self.ctx = zmq.Context()
+        self.ctx.setsockopt(zmq.LINGER, 0)  # never a term() that waits
         self.sock = self.ctx.socket(zmq.SUB)
         self.sock.setsockopt(zmq.SUBSCRIBE, b"")
         self.sock.connect(endpoint)
@@ -66,18 +67,29 @@ class Collector:
         self.raw: list[bytes] = []
         time.sleep(0.3)  # PUB/SUB: the subscription must reach the publisher first
 
-    def events(self, wait: float = 1.0) -> list[wire.Event]:
-        """Events of the batches arriving within ``wait`` seconds of silence."""
+    def events(self, wait: float = 1.0, after: int = 0) -> list[wire.Event]:
+        """Events of the batches arriving until a heartbeat numbered ``after`` or later
+        (or ``wait`` seconds of silence)."""
         out: list[wire.Event] = []
         while self.sock.poll(int(wait * 1000)):
             topic, seq, payload = self.sock.recv_multipart()
             evs = wire.decode_batch(payload)[1]
-            self.batches.append((topic, int.from_bytes(seq, "big"), evs))
+            n = int.from_bytes(seq, "big")
+            self.batches.append((topic, n, evs))
             self.raw.append(payload)
             out += evs
-            if not evs:  # a heartbeat: everything queued before it is out
+            if not evs and n >= after:  # a heartbeat sent after what we wait for
                 break
         return out
+
+    def settle(self, pub: Any, wait: float = 10.0) -> list[wire.Event]:
+        """Every event of what was queued at ``pub`` so far: once its queue is empty, the
+        batches up to the next heartbeat (sent by the same thread after the last items'
+        events)."""
+        end = time.monotonic() + wait
+        while pub.stats()["queued"] and time.monotonic() < end:
+            time.sleep(0.01)
+        return self.events(wait=5.0, after=pub.stats()["seq"])
 
     def close(self) -> None:
         self.sock.close(0)
@@ -87,6 +99,7 @@ class Collector:
 def request(endpoint: str, frames: list[bytes], timeout: float = 3.0) -> list[list[bytes]]:
     """Frames answered to a DEALER request, up to and including the end marker."""
     ctx = zmq.Context()
+    ctx.setsockopt(zmq.LINGER, 0)  # never a term() that waits
     d = ctx.socket(zmq.DEALER)
     d.setsockopt(zmq.LINGER, 0)
     d.connect(endpoint)

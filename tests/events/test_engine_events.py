@@ -48,9 +48,8 @@ def truth(eng: Any, ev: Any) -> dict[str, set[int]]:
     return out
 
 
-def settle(sub: Collector, model: Model) -> None:
-    model.apply(sub.events())
-    model.apply(sub.events())  # up to the next heartbeat: the queue is drained
+def settle(sub: Collector, model: Model, ev: Any) -> None:
+    model.apply(sub.settle(ev.publisher))
 
 
 def same(model: Model, want: dict[str, set[int]]) -> None:
@@ -63,7 +62,7 @@ def test_store_publishes_blocks_per_tier_parent_first(tmp_path):
     with engine_with_events(tmp_path / "disk") as (eng, ev, caches):
         sub = Collector(ev.endpoint)
         store(eng, caches, prompt)
-        events = sub.events() + sub.events()
+        events = sub.settle(ev.publisher)
         stored = [e for e in events if isinstance(e, wire.Stored)]
         for medium in (wire.CPU, wire.STORAGE):
             mine = [e for e in stored if e.medium == medium]
@@ -96,11 +95,11 @@ def test_events_follow_evictions_promotions_deletes_clears(tmp_path):
         sub = Collector(ev.endpoint)
         model = Model()
         store(eng, caches, a)
-        settle(sub, model)
+        settle(sub, model, ev)
         same(model, truth(eng, ev))
         assert model.media[wire.CPU] and model.media[wire.STORAGE]
         store(eng, caches, b)
-        settle(sub, model)
+        settle(sub, model, ev)
         want = truth(eng, ev)
         same(model, want)
         a_keys = eng.db.keys(a)
@@ -108,23 +107,23 @@ def test_events_follow_evictions_promotions_deletes_clears(tmp_path):
         # promotion: a is read back from disk into L1
         got = eng.retrieve(a, caches, torch.arange(len(a)))
         assert got == len(a)
-        settle(sub, model)
+        settle(sub, model, ev)
         same(model, truth(eng, ev))
         # a delete removes a's blocks from both media
         eng.storage.delete(a_keys)
-        settle(sub, model)
+        settle(sub, model, ev)
         same(model, truth(eng, ev))
         # clearing L1 leaves the disk's blocks announced
         eng.storage.clear_l1()
-        settle(sub, model)
+        settle(sub, model, ev)
         same(model, truth(eng, ev))
         assert not model.media[wire.CPU] and model.media[wire.STORAGE]
         # nothing left anywhere: a clear is AllBlocksCleared
         eng.storage.delete(eng.db.keys(b))
-        settle(sub, model)
+        settle(sub, model, ev)
         before = len(sub.batches)
         eng.storage.clear_l1()
-        events = sub.events()
+        events = sub.settle(ev.publisher)
         assert wire.Cleared() in events, [type(e).__name__ for e in events]
         assert len(sub.batches) > before
         sub.close()
@@ -140,17 +139,17 @@ def test_shared_blocks_are_reference_counted(tmp_path):
         model = Model()
         store(eng, caches, short)
         store(eng, caches, full)
-        settle(sub, model)
+        settle(sub, model, ev)
         shared = [h for h, t in model.tokens.items() if t in (
             tuple(full[CHUNK:CHUNK + BLOCK]), tuple(full[CHUNK + BLOCK:CHUNK + 2 * BLOCK]))]
         assert len(shared) == 2 and set(shared) <= model.media[wire.CPU]
         tail_key = eng.db.keys(short)[-1]
         assert eng.storage.delete([tail_key]) == 1
-        settle(sub, model)
+        settle(sub, model, ev)
         assert set(shared) <= model.media[wire.CPU], "a block still held was announced gone"
         same(model, truth(eng, ev))
         eng.storage.delete([eng.db.keys(full)[-1]])
-        settle(sub, model)
+        settle(sub, model, ev)
         assert not set(shared) & model.media[wire.CPU]
         sub.close()
 
@@ -166,7 +165,7 @@ def test_a_full_queue_drops_counts_and_never_leaves_a_phantom_block(tmp_path):
             store(eng, caches, random_tokens(6 * CHUNK, seed=100 + seed))
         eng.storage.clear_l1()
         for _ in range(3):
-            settle(sub, model)
+            settle(sub, model, ev)
         stats = ev.stats()
         assert stats["kv_events.dropped"] > 0
         want = truth(eng, ev)

@@ -234,6 +234,7 @@ class Forger:
 
     def __init__(self, replay: bool = False) -> None:
         self.ctx = zmq.Context()
+        self.ctx.setsockopt(zmq.LINGER, 0)  # never a term() that waits
         self.pub = self.ctx.socket(zmq.PUB)
         port = self.pub.bind_to_random_port("tcp://127.0.0.1")
         self.endpoint = f"tcp://127.0.0.1:{port}"
