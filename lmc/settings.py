@@ -309,6 +309,7 @@ OTHER_ENV_PREFIXES: dict[str, str] = {
     "LMC_HYPOTHESIS_": "the test suite's hypothesis profiles",
     "LMC_VLLM_": "the vLLM venv used by CI and benchmarks",
     "LMC_SGLANG_": "the SGLang venv used by its integration tests",
+    "LMC_DYNAMO_": "the Dynamo KV indexer venv used by the KV-event tests",
 }
 
 
