@@ -72,6 +72,13 @@ NOT_RUN = {
     "~/venv-vllm/bin/": "the vLLM recipe: test_vllm_recipe_is_the_one_ci_builds (its last "
                         "line runs in CI's vLLM venv)",
     "redis-server ": "run by test_redis_steps_start_a_server (on a free port)",
+    "cat > ": "writes a here-document; the blocks that do run in tests/test_readme_examples.py",
+    "sed 's/5557/5567/": "tests/test_readme_examples.py (the Several instances block)",
+    "python -c \"from lmc.reference import make_tiny_checkpoint": "tests/test_readme_examples.py",
+    "curl -s http://127.0.0.1:8000/lmc/router": "tests/test_readme_examples.py",
+    "mooncake_master ": "tests/test_readme_examples.py (the Mooncake block, as written)",
+    "python node.py A": "tests/test_readme_examples.py (the Mooncake block, as written)",
+    "sleep 30; python node.py B": "tests/test_readme_examples.py (the Mooncake block)",
     "redis-cli ": "run by test_redis_steps_start_a_server (on a free port)",
     "sudo ": "needs root on a real host; `install` is coreutils",
     "head -c 32 /dev/urandom | base64 | sudo": "needs root (the same token recipe runs in the "
@@ -85,10 +92,17 @@ def blocks(lang: str) -> list[str]:
 
 
 def commands(block: str) -> list[str]:
-    """Shell lines with continuations joined, comments and blank lines dropped."""
+    """Shell lines with continuations joined, comments, blank lines and here-documents'
+    bodies dropped."""
     joined = re.sub(r"\\\n\s*", " ", block)
     out = []
+    ending = None  # the word that closes the here-document being skipped
     for line in joined.splitlines():
+        if ending is not None:
+            ending = None if line.strip() == ending else ending
+            continue
+        if m := re.search(r"<<'?(\w+)'?", line):
+            ending = m.group(1)
         line = re.sub(r"\s+#.*$", "", line).strip().rstrip("&").strip()
         if line and not line.startswith("#"):
             out.append(line)
