@@ -177,7 +177,8 @@ def _pd_model(a: argparse.Namespace):
 
 def _pd_config(a: argparse.Namespace, url: str, kv_bytes: int) -> CacheConfig:
     return CacheConfig(chunk_size=256, local_cpu_size=max(256 << 20, 3 * kv_bytes),
-                       remote_url=url, remote_timeout=60.0, pin_memory="false")
+                       remote_url=url, remote_timeout=60.0, pin_memory="false",
+                       load_policy="load_all")  # the pull is what is timed: load it whole
 
 
 def pd_prefill(a: argparse.Namespace) -> None:

@@ -149,7 +149,9 @@ class Calibrator:
         self.hit_vs_compute: dict[str, tuple[float, float]] = {}
         longest = max(max(lengths), load_tokens + 1)
         # L1 holds the two longest prompts (a hit's chunks stay until it is sent again)
+        # tier costs are measured on whole hits: the load policy must not cut them short
         l1: dict[str, Any] = {"chunk_size": chunk_size, "local_cpu_prefault": "off",
+              "load_policy": "load_all",
               "local_cpu_size": max(64 << 20, 4 * self.bpt * longest)}
         self._tmp = tempfile.mkdtemp(prefix="lmc-plan-disk-", dir=disk_dir)
         configs = {"L1": CacheConfig(**l1),

@@ -109,8 +109,10 @@ def replay_pass(model: Path, reqs: Sequence[TraceRequest], point: GridPoint, *,
     ttfts: list[float] = []
     hits: list[dict[str, int]] = []
     with tempfile.TemporaryDirectory(prefix="lmc-plan-replay-") as d:
+        # the planner predicts which tier holds each chunk: every hit is loaded, none cut by
+        # the load policy (whose choice depends on this machine's speeds of the moment)
         kw: dict[str, Any] = {"local_cpu_size": point.l1, "write_policy": point.policy,
-                              "local_cpu_prefault": "off"}
+                              "local_cpu_prefault": "off", "load_policy": "load_all"}
         tiers = None
         if point.disk and disk_tier is not None:
             tiers = [disk_tier(d, point.disk)]
