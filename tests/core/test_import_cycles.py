@@ -138,10 +138,11 @@ RANKS: list[tuple[str, ...]] = [
     ("lmc.memory",),
     ("lmc.transfer",),
     ("lmc.storage",),
-    ("lmc.cache_engine", "lmc.layerwise"),
+    ("lmc.cache_engine", "lmc.layerwise", "lmc.events"),
     ("lmc.connectors",),
-    ("lmc.server", "lmc.p2p", "lmc.http", "lmc.planner", "lmc.workloads", "lmc.reference",
-     "lmc.testing", "lmc.demo", "lmc.cli", "lmc"),
+    ("lmc.server", "lmc.p2p", "lmc.http", "lmc.router", "lmc.blend", "lmc.planner",
+     "lmc.workloads", "lmc.reference", "lmc.testing", "lmc.demo", "lmc.cli", "lmc.config_cli",
+     "lmc"),
 ]
 # the network tiers speak their servers' protocols: client code that lives with the server
 ALLOWED_UPWARD = {
