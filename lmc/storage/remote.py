@@ -21,7 +21,9 @@ from collections.abc import Callable, Hashable, Sequence
 from typing import Generic, TypeVar
 
 from lmc.memory.pool import MemoryObj
+from lmc.settings import parse_duration, parse_int
 from lmc.storage.serde import CorruptValue
+from lmc.storage.tier import BackendOption
 
 log = logging.getLogger(__name__)
 R = TypeVar("R", bound=Hashable)
@@ -113,3 +115,17 @@ class Rejects(Generic[R]):
 
 def _display(ref: object) -> str:
     return ref.hex() if isinstance(ref, bytes) else str(ref)
+
+
+def breaker_options(failing: str) -> dict[str, BackendOption]:
+    """The circuit breaker's options (``lmc.storage.breaker``), declared once for every remote
+    tier that has one: ``failing`` says what fails (``"a server's"``, ``"the master's"``)."""
+    return {
+        "breaker_threshold": BackendOption(3, lambda v, k: parse_int(v, k, minimum=1),
+                                           f"failures in a row that open {failing} breaker"),
+        "breaker_backoff": BackendOption(0.25, lambda v, k: parse_duration(v, k, minimum=0),
+                                         "seconds before the first trial call, doubling"),
+        "breaker_max_backoff": BackendOption(
+            10.0, lambda v, k: parse_duration(v, k, minimum=0),
+            "seconds between trial calls at most"),
+    }

@@ -41,7 +41,6 @@ from lmc.memory.pool import MemoryObj, MemoryPool
 from lmc.settings import (
     ConfigError,
     parse_choice,
-    parse_duration,
     parse_int,
     parse_opt_str,
     parse_positive_size,
@@ -50,7 +49,7 @@ from lmc.settings import (
 from lmc.storage.breaker import OPEN, CircuitBreaker
 from lmc.storage.codec import ValueCodec
 from lmc.storage.integrity import Geometry, Integrity
-from lmc.storage.remote import Rejects
+from lmc.storage.remote import Rejects, breaker_options
 from lmc.storage.serde import CorruptValue, Header, encodable
 from lmc.storage.tier import (
     BackendOption,
@@ -160,13 +159,7 @@ class MooncakeBackend(StorageBackend):
                                   "copies of each value, in different segments"),
         "put_part": BackendOption(64 << 20, parse_positive_size,
                                   "bytes of one put call (each gets remote_timeout)"),
-        "breaker_threshold": BackendOption(3, lambda v, k: parse_int(v, k, minimum=1),
-                                           "master failures in a row that open the breaker"),
-        "breaker_backoff": BackendOption(0.25, lambda v, k: parse_duration(v, k, minimum=0),
-                                         "seconds before the first trial call, doubling"),
-        "breaker_max_backoff": BackendOption(
-            10.0, lambda v, k: parse_duration(v, k, minimum=0),
-            "seconds between trial calls at most"),
+        **breaker_options("the master's"),
     }
 
     def __init__(self, spec: str = "mooncake://127.0.0.1:50051", *, config: CacheConfig,

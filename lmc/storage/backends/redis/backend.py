@@ -44,7 +44,7 @@ from lmc.storage.breaker import OPEN, STATE_CODES, CircuitBreaker
 from lmc.storage.codec import ValueCodec
 from lmc.storage.integrity import Geometry, Integrity
 from lmc.storage.layered_read import Coordinators, LayeredRead
-from lmc.storage.remote import split_batch
+from lmc.storage.remote import breaker_options, split_batch
 from lmc.storage.serde import encodable
 from lmc.storage.tier import (
     BackendOption,
@@ -93,13 +93,7 @@ class RedisBackend(StorageBackend):
                                    "bytes per GETRANGE of a streamed read"),
         "get_window": BackendOption(4 << 20, parse_positive_size,
                                     "bytes a connection asks for ahead of what it has read"),
-        "breaker_threshold": BackendOption(3, lambda v, k: parse_int(v, k, minimum=1),
-                                           "failures in a row that open a server's breaker"),
-        "breaker_backoff": BackendOption(0.25, lambda v, k: parse_duration(v, k, minimum=0),
-                                         "seconds before the first trial call, doubling"),
-        "breaker_max_backoff": BackendOption(
-            10.0, lambda v, k: parse_duration(v, k, minimum=0),
-            "seconds between trial calls at most"),
+        **breaker_options("a server's"),
     }
 
     def __init__(self, spec: str = "redis://127.0.0.1:6379", *, config: CacheConfig,
