@@ -128,3 +128,29 @@ def test_reachable_server_says_so_in_one_line(redis_server, tiers, caplog):
     assert len(lines) == 1 and f"127.0.0.1:{redis_server.port}" in lines[0]
     assert not t.router.unreachable
     assert time.monotonic() - t0 < 5
+
+
+def test_a_dead_daemon_is_warned_about_twice_then_counted(caplog, tmp_path):
+    """A dead ``lmc://`` daemon: one line for the first failure, one when the circuit opens,
+    then the failed probes (every ≤ 2 s) are counted for the next line a minute later. Each
+    probe failure logged a line of its own (HALF_OPEN -> OPEN looked like a new opening)."""
+    from lmc.memory.pool import MemoryPool
+    from lmc.storage.backends.daemon.backend import ServerBackend
+
+    port = free_port()  # nothing listens: every call is refused at once
+    cfg = CacheConfig(remote_url=f"lmc://127.0.0.1:{port}", remote_timeout=0.2)
+    pool = MemoryPool(1 << 20, pin_memory=False)
+    tier = ServerBackend(config=cfg, pool=pool)
+    try:
+        with caplog.at_level(logging.WARNING, logger="lmc.storage.backends.daemon.backend"):
+            deadline = time.monotonic() + 5.0
+            while time.monotonic() < deadline:
+                tier.contains([b"k" * 16])
+                time.sleep(0.05)
+        lines = [r.getMessage() for r in caplog.records if "server tier" in r.getMessage()]
+        assert tier.stats()["failures"] >= 3, tier.stats()  # the breaker's probes did fail
+        assert len(lines) == 2, lines
+        assert "circuit open" in lines[1] and f"127.0.0.1:{port}" in lines[0]
+    finally:
+        tier.close()
+        pool.close()

@@ -54,6 +54,7 @@ if TYPE_CHECKING:
     import torch
 
 log = logging.getLogger(__name__)
+WARN_INTERVAL = 60.0  # seconds between repeated failure lines (the README: counted per interval)
 T = TypeVar("T")
 SPLIT_BYTES = 8 << 20  # batches larger than this go over several connections in parallel
 
@@ -121,7 +122,8 @@ class ServerBackend(StorageBackend):
         self._cond = threading.Condition()
         self._exec: ThreadPoolExecutor | None = None
         self._closed = False
-        self._last_warn = 0.0
+        self._last_warn = float("-inf")
+        self._unlogged = 0  # failures since the last warning line, told with the next one
         self._last_refusal = -1e9
         self._count_lock = threading.Lock()
         self.counts = {"calls": 0, "failures": 0, "skipped_open": 0, "hits": 0, "misses": 0,
@@ -199,15 +201,22 @@ class ServerBackend(StorageBackend):
         return out
 
     def _failed(self, what: str, e: Exception) -> None:
+        """Count a failed call; warn on the first, when the circuit first opens, and then at
+        most once a minute with how many failed since (a dead daemon's probes fail every 2 s:
+        a line each was the log growing at the daemon's pace)."""
         self._count(failures=1)
-        was_open = self.breaker.state == OPEN
-        self.breaker.failure()
+        was_closed = self.breaker.state == CLOSED
+        self.breaker.failure(e)
         now = time.monotonic()
-        if (self.breaker.state == OPEN and not was_open) or now - self._last_warn > 5.0:
-            self._last_warn = now
-            log.warning("server tier %s: %s failed (%s: %s); serving misses%s", self.url, what,
-                        type(e).__name__, e,
-                        ", circuit open" if self.breaker.state == OPEN else "")
+        opened = was_closed and self.breaker.state == OPEN
+        with self._count_lock:
+            if not opened and now - self._last_warn < WARN_INTERVAL:
+                self._unlogged += 1
+                return
+            since, self._unlogged, self._last_warn = self._unlogged, 0, now
+        log.warning("server tier %s: %s failed (%s: %s); serving misses%s%s", self.url, what,
+                    type(e).__name__, e, ", circuit open" if self.breaker.state == OPEN else "",
+                    f" ({since} more failed calls since the last line)" if since else "")
 
     def _parallel(self, parts: list[tuple[int, int]], run: Callable[[int, int], T]) -> list[T]:
         if len(parts) == 1:
