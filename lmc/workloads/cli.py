@@ -16,6 +16,8 @@ WORKLOAD_DOC = """Write a workload trace (JSONL, see docs/workloads.md) for lmc 
             prompt is the whole history so far
   prefix    N groups x M prompts, each group over its own long system prompt
   docqa     long documents asked a new question each round
+  rag       a pool of documents; each query retrieves k of them in a random order (their
+            spans marked as reusable segments, for lmc replay --blend)
   sharegpt  conversations from a ShareGPT-style JSON file
 
 Text is generated from a seed (same seed, same trace). Sizes are in tokens: exact lower
@@ -69,6 +71,11 @@ def _workload(args: argparse.Namespace) -> int:
             drafts = g.docqa_drafts(g.DocQASpec(args.documents, args.doc_tokens, args.rounds,
                                                 args.question_tokens, args.output_len,
                                                 args.order, args.seed), tok)
+        elif args.kind == "rag":
+            drafts = g.rag_drafts(g.RagSpec(args.documents, args.doc_words, args.k,
+                                            args.queries, args.question_words,
+                                            args.system_words, args.output_len,
+                                            args.separator, args.seed), tok)
         else:
             drafts, skipped = g.sharegpt_drafts(g.ShareGPTSpec(
                 args.file, args.max_conversations, args.max_output_len, args.active,
@@ -104,7 +111,7 @@ def _register_workload(sub: Any) -> None:
     from lmc.cli import add_command, help_text
     from lmc.workloads import generators as g
 
-    p = add_command(sub, "workload", "write a workload trace (chat, prefix, docqa, sharegpt)",
+    p = add_command(sub, "workload", "write a workload trace (chat, prefix, docqa, rag, sharegpt)",
                     WORKLOAD_DOC)
     kinds = p.add_subparsers(dest="kind", metavar="KIND", required=True)
 
@@ -170,6 +177,26 @@ def _register_workload(sub: Any) -> None:
                    help="default %(default)s")
     dq.add_argument("--order", choices=("tile", "random"), default=dd.order,
                     help="document order each round (default %(default)s)")
+
+    rg = kind("rag", "documents retrieved k at a time in a random order", g.rag_drafts.__doc__)
+    dr = g.RagSpec()
+    words = int_in(1, g.MAX_SEGMENT_TOKENS)
+    rg.add_argument("--documents", type=count, default=dr.documents, metavar="N",
+                    help="documents in the pool (default %(default)s)")
+    rg.add_argument("--doc-words", type=words, default=dr.doc_words, metavar="N",
+                    help="words per document (default %(default)s)")
+    rg.add_argument("-k", "--k", type=count, default=dr.k, metavar="K",
+                    help="documents per query (default %(default)s)")
+    rg.add_argument("--queries", type=count, default=dr.queries, metavar="N",
+                    help="default %(default)s")
+    rg.add_argument("--question-words", type=words, default=dr.question_words, metavar="N",
+                    help="default %(default)s")
+    rg.add_argument("--system-words", type=words, default=dr.system_words, metavar="N",
+                    help="default %(default)s")
+    rg.add_argument("--output-len", type=output_len, default=dr.output_len, metavar="N",
+                    help="default %(default)s")
+    rg.add_argument("--separator", default=dr.separator, metavar="TEXT",
+                    help="joins a text prompt's pieces (default %(default)r)")
 
     sg = kind("sharegpt", "conversations from a ShareGPT-style JSON file", g.sharegpt_drafts.__doc__)
     sg.add_argument("file", metavar="FILE", help="ShareGPT-style JSON")

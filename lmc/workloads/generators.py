@@ -10,6 +10,10 @@
 - **docqa**: D long documents asked a new question each round, R rounds, documents in the
   same (``tile``) or a reshuffled (``random``) order each round: the long-document QA
   pattern, where reuse distance is a whole round of documents.
+- **rag**: a pool of documents; each query retrieves ``k`` of them in a random order under
+  one system prompt and asks a new question (:mod:`lmc.blend.rag_workload`'s generator).
+  Only the system prompt is a shared prefix; every document recurs anywhere, so a request
+  marks its documents as reusable segments for engines that blend.
 - **sharegpt**: a loader for ShareGPT-style JSON (``[{"conversations": [{"from": "human",
   "value": ...}, {"from": "gpt", ...}]}]``): each human turn becomes a request whose prompt
   is the history, with the recorded answer's length as ``output_len``.
@@ -42,7 +46,7 @@ from lmc.workloads.inputs import (
     read_text,
 )
 from lmc.workloads.text import TextGen
-from lmc.workloads.trace import MAX_OUTPUT_LEN, TraceError, TraceRequest
+from lmc.workloads.trace import MAX_OUTPUT_LEN, MAX_SEPARATOR_CHARS, TraceError, TraceRequest
 
 WORDS_PER_TOKEN = 0.75  # English BPE rule of thumb, used only when no tokenizer is given
 
@@ -51,6 +55,9 @@ WORDS_PER_TOKEN = 0.75  # English BPE rule of thumb, used only when no tokenizer
 MAX_COUNT = 100_000  # conversations, groups, prompts per group, documents, rounds, turns
 MAX_SEGMENT_TOKENS = 1 << 20  # a system prompt, a document, a question
 MAX_TRACE_TOKENS = 1 << 30  # prompt tokens of the whole trace, estimated before generating
+# lmc.blend.keys.DEFAULT_SEPARATOR, spelled here so `lmc workload` does not import torch
+# (lmc.blend does); a test keeps them equal
+RAG_SEPARATOR = " # # "
 
 
 class SegmentTokenizer(Protocol):
@@ -68,6 +75,10 @@ class Draft:
     prefix_group: str | None
     segments: tuple[str, ...]
     output_len: int
+    # A RAG draft: text is joined with this separator (the engine splits there, every piece
+    # but the last a segment); token ids mark the pieces between the first (a shared prefix)
+    # and the last (new text) as segments. None: plain concatenation, no segments.
+    separator: str | None = None
 
 
 # --------------------------------------------------------------------------- helpers
@@ -167,16 +178,21 @@ def render(drafts: Sequence[Draft], arrivals: Sequence[float],
     for d, t in zip(drafts, arrivals, strict=True):
         if tokenizer is None:
             yield TraceRequest(t, d.request_id, d.session_id, d.prefix_group, None,
-                               "".join(d.segments), d.output_len)
+                               (d.separator or "").join(d.segments), d.output_len,
+                               segment_separator=d.separator)
             continue
         ids = list(lead)
-        for seg in d.segments:
+        spans: list[tuple[int, int]] = []
+        for i, seg in enumerate(d.segments):
             toks = cache.get(seg)
             if toks is None:
                 toks = cache[seg] = list(tokenizer.encode(seg, add_special_tokens=False))
+            if d.separator is not None and 0 < i < len(d.segments) - 1 and toks:
+                spans.append((len(ids), len(ids) + len(toks)))
             ids.extend(toks)
         yield TraceRequest(t, d.request_id, d.session_id, d.prefix_group, ids, None,
-                           d.output_len)
+                           d.output_len,
+                           segments=tuple(spans) if d.separator is not None else None)
 
 
 def _check_range(name: str, lo: int, hi: int) -> None:
@@ -323,6 +339,52 @@ def docqa_drafts(spec: DocQASpec, tokenizer: SegmentTokenizer | None = None) -> 
             drafts.append(Draft(f"doc-{d}-{r}", None, f"doc-{d}",
                                 (docs[d], f"\nQuestion: {q}\nAnswer:"), spec.output_len))
     return drafts
+
+
+# --------------------------------------------------------------------------------- rag
+@dataclass(frozen=True)
+class RagSpec:
+    documents: int = 16
+    doc_words: int = 120
+    k: int = 4
+    queries: int = 100
+    question_words: int = 12
+    system_words: int = 30
+    output_len: int = 16
+    separator: str = RAG_SEPARATOR
+    seed: int = 0
+
+
+def rag_drafts(spec: RagSpec, tokenizer: SegmentTokenizer | None = None) -> list[Draft]:
+    """Each query: the system prompt, ``k`` of the documents in a random order, a new
+    question (``lmc.blend.rag_workload.make_rag_workload``: same seed, same text). Text
+    prompts join the pieces with ``separator`` (LMCache's ``blend_special_str``
+    convention); with a tokenizer each document's span is marked in ``segments``."""
+    _positive(documents=spec.documents, doc_words=spec.doc_words, k=spec.k,
+              queries=spec.queries, question_words=spec.question_words,
+              system_words=spec.system_words, output_len=spec.output_len)
+    if spec.k > spec.documents:
+        raise ValueError(f"k ({spec.k}) must not exceed documents ({spec.documents})")
+    _bounded({"documents": spec.documents, "queries": spec.queries, "k": spec.k},
+             {"doc_words": spec.doc_words, "question_words": spec.question_words,
+              "system_words": spec.system_words}, spec.output_len,
+             spec.queries * (spec.system_words + spec.k * spec.doc_words + spec.question_words)
+             / WORDS_PER_TOKEN)
+    if not spec.separator or len(spec.separator) > MAX_SEPARATOR_CHARS \
+            or has_surrogate(spec.separator):
+        raise ValueError(f"separator: expected 1 to {MAX_SEPARATOR_CHARS} characters of text, "
+                         f"got {spec.separator[:80]!r}")
+    from lmc.blend.rag_workload import make_rag_workload
+
+    wl = make_rag_workload(num_docs=spec.documents, doc_words=spec.doc_words, k=spec.k,
+                           num_queries=spec.queries, question_words=spec.question_words,
+                           system_words=spec.system_words, seed=spec.seed)
+    if any(spec.separator in text for text in (wl.system, *wl.documents)):
+        raise ValueError(f"separator {spec.separator!r} occurs in the generated text; choose "
+                         "one that does not (the default never does)")
+    return [Draft(f"rag-{q}", None, "system", tuple(wl.pieces(query)), spec.output_len,
+                  spec.separator)
+            for q, query in enumerate(wl.queries)]
 
 
 # ---------------------------------------------------------------------------- sharegpt

@@ -29,7 +29,8 @@ from lmc.workloads.inputs import (
     shown,
 )
 
-KEYS = ("arrival_s", "request_id", "session_id", "prefix_group", "prompt_tokens", "prompt", "output_len")
+KEYS = ("arrival_s", "request_id", "session_id", "prefix_group", "prompt_tokens", "prompt",
+        "output_len", "segments", "segment_separator")
 
 
 _U32_OK = array("I").itemsize == 4  # 'I' holds exactly [0, 2**32) here
@@ -37,6 +38,9 @@ _U32_OK = array("I").itemsize == 4  # 'I' holds exactly [0, 2**32) here
 MAX_OUTPUT_LEN = 1 << 20  # tokens one request may generate (longer than any model's context)
 MAX_ARRIVAL_S = 1e10  # seconds; room for Unix timestamps, none for 1e308
 MAX_ID_CHARS = 1024  # request_id, session_id, prefix_group
+MAX_SEGMENTS = 1024  # reusable segments one request marks (lmc.blend)
+MAX_SEPARATOR_CHARS = 64  # a segment separator is a short marker, not text
+Span = tuple[int, int]
 
 
 class TraceError(InputError):
@@ -65,6 +69,8 @@ class TraceRequest:
     prompt_tokens: list[int] | None
     prompt_text: str | None
     output_len: int
+    segments: tuple[Span, ...] | None = None
+    segment_separator: str | None = None
     # ``file:line`` it was read from, for errors found later (tokenizing); not compared
     source: str = field(default="", compare=False, repr=False)
 
@@ -72,8 +78,7 @@ class TraceRequest:
         problem = _check(self)
         if problem is not None:
             raise TraceError(f"request {self.request_id!r}: {problem}")
-        if isinstance(self.arrival_s, int):
-            object.__setattr__(self, "arrival_s", float(self.arrival_s))
+        _normalize(self)
 
     def tokens(self, tokenizer: Encoder | None) -> list[int]:
         """The prompt as token ids; a text prompt needs a tokenizer (the engine's own, so
@@ -105,7 +110,19 @@ class TraceRequest:
         else:
             out["prompt"] = self.prompt_text
         out["output_len"] = self.output_len
+        if self.segments is not None:
+            out["segments"] = [list(span) for span in self.segments]
+        if self.segment_separator is not None:
+            out["segment_separator"] = self.segment_separator
         return out
+
+
+def _normalize(req: TraceRequest) -> None:
+    """After a check passed: seconds as a float, spans as tuples (equal however given)."""
+    if isinstance(req.arrival_s, int):
+        object.__setattr__(req, "arrival_s", float(req.arrival_s))
+    if req.segments is not None:
+        object.__setattr__(req, "segments", tuple((s, e) for s, e in req.segments))
 
 
 def _tokens_ok(toks: list[Any], bools_possible: bool) -> bool:
@@ -155,6 +172,47 @@ def _check(req: TraceRequest, bools_possible: bool = True) -> str | None:
     n = req.output_len
     if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_OUTPUT_LEN:
         return f"output_len: expected an integer in [1, {MAX_OUTPUT_LEN}], got {_short(n)}"
+    if req.segments is not None and (bad := _segments_problem(req.segments,
+                                                              req.prompt_tokens)):
+        return bad
+    if req.segment_separator is not None:
+        return _separator_problem(req.segment_separator, req.prompt_text)
+    return None
+
+
+def _segments_problem(spans: Any, prompt_tokens: list[int] | None) -> str | None:
+    """``segments``: in order, disjoint, non-empty spans inside a token prompt."""
+    if prompt_tokens is None:
+        return "segments: marks spans of prompt_tokens (a text prompt uses segment_separator)"
+    if not isinstance(spans, (list, tuple)) or len(spans) > MAX_SEGMENTS:
+        return f"segments: expected a list of at most {MAX_SEGMENTS} [start, end] pairs, " \
+               f"got {_short(spans)}"
+    end_before = 0
+    for i, span in enumerate(spans):
+        if (not isinstance(span, (list, tuple)) or len(span) != 2
+                or any(type(v) is not int for v in span)):
+            return f"segments[{i}]: expected a [start, end] pair of integers, got {_short(span)}"
+        start, end = span
+        if not 0 <= start < end <= len(prompt_tokens):
+            return (f"segments[{i}]: [{start}, {end}] must satisfy 0 <= start < end <= "
+                    f"{len(prompt_tokens)} (the prompt's length)")
+        if start < end_before:
+            return (f"segments[{i}]: [{start}, {end}] starts before the previous segment ends "
+                    f"({end_before}): segments are in order and disjoint")
+        end_before = end
+    return None
+
+
+def _separator_problem(separator: Any, prompt_text: str | None) -> str | None:
+    """``segment_separator``: a short non-empty marker on a text prompt with text besides it."""
+    if prompt_text is None:
+        return "segment_separator: applies to a text prompt (token prompts use segments)"
+    if not isinstance(separator, str) or not separator:
+        return f"segment_separator: expected a non-empty string, got {_short(separator)}"
+    if problem := _text_problem(separator, MAX_SEPARATOR_CHARS):
+        return f"segment_separator: {problem}"
+    if not prompt_text.replace(separator, ""):
+        return "segment_separator: the prompt holds nothing but separators"
     return None
 
 
@@ -197,6 +255,8 @@ def _from_json(obj: Any, line: str = "") -> TraceRequest:
         "prompt_tokens": obj.get("prompt_tokens"),
         "prompt_text": obj.get("prompt"),
         "output_len": obj["output_len"],
+        "segments": obj.get("segments"),
+        "segment_separator": obj.get("segment_separator"),
     }
     for name, value in fields.items():
         object.__setattr__(req, name, value)
@@ -204,8 +264,7 @@ def _from_json(obj: Any, line: str = "") -> TraceRequest:
     problem = _check(req, bools_possible=not line or "true" in line or "false" in line)
     if problem is not None:
         raise TraceError(problem)
-    if isinstance(req.arrival_s, int):
-        object.__setattr__(req, "arrival_s", float(req.arrival_s))
+    _normalize(req)
     return req
 
 

@@ -21,8 +21,13 @@ SEED = int(os.environ.get("LMC_TEST_SEED", random.randrange(1 << 16)))
 
 
 @pytest.fixture(scope="module")
-def tok(tmp_path_factory):
-    return g.load_tokenizer(make_tiny_checkpoint(tmp_path_factory.mktemp("ckpt") / "m"))
+def ckpt(tmp_path_factory):
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("ckpt") / "m")
+
+
+@pytest.fixture(scope="module")
+def tok(ckpt):
+    return g.load_tokenizer(ckpt)
 
 
 def _common(a: list[int], b: list[int]) -> int:
@@ -227,3 +232,48 @@ def test_workload_command_writes_a_readable_trace(tmp_path, tok, capsys):
     missing = tmp_path / "nope.json"
     assert main(["workload", "sharegpt", str(missing), "-o", str(out)]) == 2
     assert "nope.json" in capsys.readouterr().err
+    rag = tmp_path / "rag.jsonl"
+    assert main(["workload", "rag", "--documents", "4", "--doc-words", "10", "-k", "2",
+                 "--queries", "6", "--seed", str(SEED), "-o", str(rag)]) == 0
+    assert "wrote 6 requests" in capsys.readouterr().out
+    assert all(r.segment_separator == " # # " and r.prompt_text.count(" # # ") == 3
+               for r in read_trace(rag))
+    assert main(["workload", "rag", "--documents", "2", "-k", "3", "-o", str(rag)]) == 2
+    assert "k (3) must not exceed documents (2)" in capsys.readouterr().err
+
+
+# --------------------------------------------------------------------------------- rag
+def test_rag_queries_mark_their_documents_as_segments(ckpt, tok):
+    """Token mode: each document's span holds exactly that document's tokens, wherever the
+    query puts it; the ids and spans are what the engine itself makes of the text trace
+    (pieces tokenized alone, the system prompt a prefix rather than a segment)."""
+    from lmc.blend.keys import DEFAULT_SEPARATOR
+    from lmc.blend.rag_workload import make_rag_workload
+    from lmc.reference import LLM
+
+    assert g.RAG_SEPARATOR == DEFAULT_SEPARATOR
+    spec = g.RagSpec(documents=5, doc_words=20, k=3, queries=8, output_len=2, seed=SEED)
+    drafts = g.rag_drafts(spec)
+    wl = make_rag_workload(num_docs=5, doc_words=20, k=3, num_queries=8, seed=SEED)
+    assert [d.segments for d in drafts] == [tuple(wl.pieces(q)) for q in wl.queries]
+    text, ids = _trace(drafts), _trace(drafts, tok)
+    seen: dict[str, list[int]] = {}
+    for q, t in zip(wl.queries, ids, strict=True):
+        assert t.prefix_group == "system" and t.segments is not None and len(t.segments) == 3
+        for d, (s, e) in zip(q.doc_ids, t.segments, strict=True):
+            assert seen.setdefault(f"doc{d}", t.prompt_tokens[s:e]) == t.prompt_tokens[s:e]
+            assert tok.encode(wl.documents[d], add_special_tokens=False) == t.prompt_tokens[s:e]
+    assert len(seen) > 3  # documents recur in other queries, at other places
+    llm = LLM(ckpt)
+    for t, x in zip(ids, text, strict=True):
+        assert x.segment_separator == DEFAULT_SEPARATOR and x.segments is None
+        engine_ids, spans = llm.encode_segments(x.prompt_text, separator=x.segment_separator)
+        assert engine_ids == t.prompt_tokens and tuple(spans[1:]) == t.segments
+    with pytest.raises(ValueError, match=r"k \(6\) must not exceed documents \(5\)"):
+        g.rag_drafts(g.RagSpec(documents=5, k=6))
+    with pytest.raises(ValueError, match="separator 'the' occurs in the generated text"):
+        g.rag_drafts(g.RagSpec(separator="the"))
+    with pytest.raises(ValueError, match="documents must be <= 100,000"):
+        g.rag_drafts(g.RagSpec(documents=200_000))
+    with pytest.raises(ValueError, match="the trace would hold about"):
+        g.rag_drafts(g.RagSpec(documents=100, doc_words=100_000, k=100, queries=1000))

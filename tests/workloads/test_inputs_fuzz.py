@@ -46,7 +46,10 @@ _trace_obj = st.fixed_dictionaries({}, optional={
     "arrival_s": _scalars, "request_id": _scalars | st.just("r"), "session_id": _scalars,
     "prefix_group": _scalars, "prompt": _text | _json,
     "prompt_tokens": st.lists(_numbers | _scalars, max_size=6) | _json,
-    "output_len": _numbers | _scalars})
+    "output_len": _numbers | _scalars,
+    "segments": st.lists(st.lists(_numbers | _scalars, max_size=3) | _scalars, max_size=4)
+    | _json,
+    "segment_separator": _text | _scalars})
 _good = st.builds(lambda i, n: json.dumps({"arrival_s": 0, "request_id": f"r{i}",
                                            "prompt_tokens": [1, 2, 3, 4, 5], "output_len": n}),
                   st.integers(0, 10**6), st.integers(1, MAX_OUTPUT_LEN))
@@ -110,6 +113,13 @@ def test_any_trace_file_reads_or_is_refused_by_name(tmp_path, lines):
             if s is not None:
                 s.encode("utf-8")
         assert len(r.request_id) <= MAX_ID_CHARS
+        if r.segments is not None:  # spans a blending engine can take as they are
+            assert r.prompt_tokens is not None
+            ends = [0] + [x for span in r.segments for x in span]
+            assert all(type(x) is int for x in ends) and ends == sorted(ends)
+            assert all(s < e for s, e in r.segments) and ends[-1] <= len(r.prompt_tokens)
+        if r.segment_separator is not None:
+            assert r.prompt_text is not None and r.prompt_text.replace(r.segment_separator, "")
         json.dumps(r.to_json(), allow_nan=False)
     key_trace(reqs, chunk_size=4, tokenizer=_Bytes())  # the planner's keys: no overflow
 

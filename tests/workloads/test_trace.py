@@ -85,6 +85,33 @@ def test_blank_lines_are_skipped(tmp_path):
     (_line(output_len=2.5), 1, "output_len: expected an integer in [1, 1048576]"),
     (_line(output_len=_DROP), 1, "output_len: missing"),
     (_line(max_tokens=3), 1, "max_tokens: unknown key"),
+    # segments: only on token prompts, in order, disjoint, inside the prompt, bounded
+    (_line(segments=[[0, 4]]), 1, "segments[0]: [0, 4] must satisfy 0 <= start < end <= 3"),
+    (_line(segments=[[-1, 2]]), 1, "segments[0]: [-1, 2] must satisfy"),
+    (_line(segments=[[2, 2]]), 1, "segments[0]: [2, 2] must satisfy"),
+    (_line(segments=[[0, 2], [1, 3]]), 1, "segments[1]: [1, 3] starts before the previous"),
+    (_line(segments=[[1, 2], [0, 1]]), 1, "segments[1]: [0, 1] starts before the previous"),
+    (_line(segments=[[0, 1.5]]), 1, "segments[0]: expected a [start, end] pair of integers"),
+    (_line(segments=[[0, True]]), 1, "segments[0]: expected a [start, end] pair of integers"),
+    (_line(segments=[[0, 1, 2]]), 1, "segments[0]: expected a [start, end] pair of integers"),
+    (_line(segments=[0, 1]), 1, "segments[0]: expected a [start, end] pair of integers"),
+    (_line(segments=[[0, 2**64]]), 1, "segments[0]: [0, 18446744073709551616] must satisfy"),
+    (_line(segments={"0": 1}), 1, "segments: expected a list of at most 1024"),
+    (_line(segments=[[0, 1]] * 1025), 1, "segments: expected a list of at most 1024"),
+    (_line(prompt_tokens=_DROP, prompt="a # # b", segments=[[0, 1]]), 1,
+     "segments: marks spans of prompt_tokens"),
+    # segment_separator: only on text prompts, short text, not the whole prompt
+    (_line(segment_separator=" # # "), 1, "segment_separator: applies to a text prompt"),
+    (_line(prompt_tokens=_DROP, prompt="a # # b", segment_separator=""), 1,
+     "segment_separator: expected a non-empty string"),
+    (_line(prompt_tokens=_DROP, prompt="a # # b", segment_separator=7), 1,
+     "segment_separator: expected a non-empty string"),
+    (_line(prompt_tokens=_DROP, prompt="a # # b", segment_separator="#" * 65), 1,
+     "segment_separator: longer than 64 characters"),
+    (_line(prompt_tokens=_DROP, prompt="a # # b", segment_separator="\ud800"), 1,
+     "segment_separator: a lone UTF-16 surrogate"),
+    (_line(prompt_tokens=_DROP, prompt=" # #  # # ", segment_separator=" # # "), 1,
+     "segment_separator: the prompt holds nothing but separators"),
 ])
 def test_bad_lines_name_file_line_and_field(tmp_path, line, where, message):
     with pytest.raises(TraceError) as e:
@@ -92,6 +119,22 @@ def test_bad_lines_name_file_line_and_field(tmp_path, line, where, message):
     text = str(e.value)
     assert text.startswith(f"{tmp_path / 't.jsonl'}:{where}: "), text
     assert message in text, text
+
+
+def test_segments_and_separators_round_trip(tmp_path):
+    reqs = [TraceRequest(0, "a", None, "system", [1, 2, 3, 4, 5], None, 2,
+                         segments=((1, 3), (3, 4))),
+            TraceRequest(0, "b", None, None, None, "sys # # doc # # q", 2,
+                         segment_separator=" # # "),
+            TraceRequest(0, "c", None, None, [1, 2], None, 2, segments=())]
+    path = tmp_path / "t.jsonl"
+    write_trace(path, reqs)
+    back = list(read_trace(path))
+    assert back == reqs and back[0].segments == ((1, 3), (3, 4))
+    assert '"segments":[[1,3],[3,4]]' in path.read_text().splitlines()[0]
+    assert "segment" not in TraceRequest(0, "d", None, None, [1], None, 1).to_json()
+    with pytest.raises(TraceError, match="request 'x': segments\\[0\\]"):
+        TraceRequest(0, "x", None, None, [1], None, 1, segments=((0, 2),))
 
 
 def test_order_and_uniqueness_are_checked_across_lines(tmp_path):
