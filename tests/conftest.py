@@ -28,7 +28,7 @@ settings.register_profile("lmc", deadline=None, print_blob=True,
 settings.register_profile("long", settings.get_profile("lmc"), max_examples=1000)
 settings.load_profile(os.environ.get("LMC_HYPOTHESIS_PROFILE", "lmc"))
 
-pytest_plugins = ["pytester"]  # tests/core/test_memory.py runs the harness on a leaking test
+pytest_plugins = ["pytester"]  # tests/memory/test_memory.py runs the harness on a leaking test
 
 
 def pytest_configure(config):

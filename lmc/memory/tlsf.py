@@ -5,7 +5,7 @@ slab allocator would waste memory, and a buddy allocator rounds to powers of two
 Qwen2-7B chunk would take 16 MiB). TLSF keeps free blocks in size classes -- a power-of-two
 first level split into ``2**SL_BITS`` linear second-level classes -- found with two bitmap
 scans, and coalesces physical neighbours on free, so external fragmentation stays low
-(measured by ``tests/core/test_allocator.py``) and every operation is constant time.
+(measured by ``tests/memory/test_allocator.py``) and every operation is constant time.
 
 The allocator hands out offsets only; it does not own memory. Sizes are in bytes, rounded up
 to ``align`` (4 KiB by default so that pool memory can feed O_DIRECT I/O unchanged).

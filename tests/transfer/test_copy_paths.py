@@ -1,6 +1,6 @@
 """Copy paths chosen per device and call shape: the selection rule, the per-device cache file
 and its failure modes, on the CPU with injected timings (the measurement itself needs a GPU:
-tests/core/test_cuda_transfer.py, benchmarks/gpu_check.sh).
+tests/transfer/test_cuda_transfer.py, benchmarks/gpu_check.sh).
 
 Threat model: docs/design.md, "Transfer" -- the cache file lives in the user's cache dir; a
 corrupt, truncated, foreign or stale (other kernels) file is ignored and recalibrated, never

@@ -12,8 +12,8 @@ from prometheus_client import REGISTRY
 
 from lmc import CacheConfig, CacheEngine
 from lmc.storage.backends.disk.backend import DiskBackend
-from tests.core.slow_tier import SlowDisk
 from tests.kvutil import assert_bits_equal, make_caches, random_tokens, spec_for, token_kv
+from tests.storage.slow_tier import SlowDisk
 
 CHUNK = 16
 N = 5 * CHUNK  # five chunks per prompt

@@ -17,10 +17,10 @@ from lmc import CacheConfig, CacheEngine
 from lmc.memory.pool import Lease
 from lmc.transfer.completion import EventCompletion
 from lmc.transfer.cuda_copy import CudaTransfer
-from tests.core import cuda_emulation as emu
 from tests.kvutil import assert_bits_equal, make_caches, spec_for, token_kv
 from tests.late_transfer import LateCompletion, LateTransfer, late_copies, late_factory, new_seed
 from tests.requirements import missing
+from tests.transfer import cuda_emulation as emu
 
 SLOTS = torch.arange(48)
 

@@ -140,7 +140,7 @@ def test_check_slots_names_the_problem():
 def test_vllm_gpu_any_memory_order(order, aligned):
     """Strides come from the tensors: the same spec code moves K/V interleaved per head in
     vLLM's NHD/HND orders and in cross-layer allocations (a block holds every layer)."""
-    from tests.core.test_kv_spec import vllm_gpu_caches
+    from tests.transfer.test_kv_spec import vllm_gpu_caches
 
     def caches(zeros=False, seed=0):
         if order in ("NHD", "HND"):

@@ -96,7 +96,7 @@ def test_write_through_queues_never_pin_the_whole_pool(tmp_path):
     capped at half the pool, so stores keep room while the tier is slow."""
     from lmc.memory.pool import Lease
     from lmc.storage.manager import TierPool
-    from tests.core.slow_tier import SlowDisk
+    from tests.storage.slow_tier import SlowDisk
 
     unit = 4096
     pool = MemoryPool(16 * unit, pin_memory=False)
@@ -232,7 +232,7 @@ def test_a_backend_is_found_by_module_path_without_entry_points(tmp_path, monkey
     mod = "lmc_test_toy_tier_mod"
     (tmp_path / f"{mod}.py").write_text(
         "from lmc.storage.tier import register_backend\n"
-        "from tests.core.test_storage_manager import _ToyTier\n"
+        "from tests.storage.test_storage_manager import _ToyTier\n"
         "@register_backend('toy-mod', schemes=('toymod',))\n"
         "class ModTier(_ToyTier):\n"
         "    pass\n")

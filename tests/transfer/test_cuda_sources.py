@@ -4,7 +4,7 @@
   uses at run time) when its library is installed.
 * The entry points the Python wrapper launches exist, as ``extern "C"`` kernels in the source
   and as ``.entry`` symbols in the PTX, and each one instantiates the template its name says.
-* The kernel code itself runs on the CPU (:mod:`tests.core.cuda_emulation`): the file is
+* The kernel code itself runs on the CPU (:mod:`tests.transfer.cuda_emulation`): the file is
   compiled by a plain C++ compiler, the ``__global__`` entry points run thread by thread in
   several orders, every vector access is checked for bounds, alignment and write races, and
   the real ``CudaTransfer`` packing logic drives them. Results must equal a reference written
@@ -34,8 +34,6 @@ from lmc.transfer import cuda_copy as ct
 from lmc.transfer.completion import Completion
 from lmc.transfer.kv_spec import LAYOUTS, KVSpec
 from lmc.transfer.torch_copy import ChunkPlan, TorchTransfer
-from tests.core import cuda_emulation as emu
-from tests.core.test_cuda_transfer import check_against_torch, random_case
 from tests.kvutil import (
     DTYPES,
     assert_bits_equal,
@@ -46,6 +44,8 @@ from tests.kvutil import (
     token_kv,
 )
 from tests.requirements import missing
+from tests.transfer import cuda_emulation as emu
+from tests.transfer.test_cuda_transfer import check_against_torch, random_case
 
 CSRC = Path(ct.__file__).with_name("csrc")
 SOURCES = sorted(CSRC.glob("*.cu"))
@@ -205,7 +205,7 @@ CASES = [(lay, "NHD") for lay in LAYOUTS] + [("vllm_gpu", "HND"), ("vllm_gpu", "
 
 def _caches(layout: str, order: str, dtype, zeros=False, seed=0):
     if order == "BLNHC":
-        from tests.core.test_kv_spec import vllm_gpu_caches
+        from tests.transfer.test_kv_spec import vllm_gpu_caches
         return vllm_gpu_caches(order, dtype=dtype, blocks=12, zeros=zeros, seed=seed)
     return make_caches(layout, order=order, dtype=dtype, zeros=zeros, seed=seed)
 

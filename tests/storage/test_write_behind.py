@@ -13,8 +13,8 @@ from lmc import CacheConfig, CacheEngine
 from lmc.memory.pool import MemoryPool
 from lmc.storage.manager import StorageManager
 from lmc.storage.tier import create_backend
-from tests.core.slow_tier import SlowDisk
 from tests.kvutil import assert_bits_equal, make_caches, spec_for, token_kv
+from tests.storage.slow_tier import SlowDisk
 
 CHUNK = 16
 CHUNK_BYTES = 3 * 2 * CHUNK * 2 * 8 * 4  # make_caches defaults, float32: 6 KiB (8 KiB block)
