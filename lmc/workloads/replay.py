@@ -60,6 +60,10 @@ class ReplayResult:
     # Ctrl-C: ``records`` holds the requests that finished, of ``total_requests``
     interrupted: bool = False
     total_requests: int | None = None
+    # blending (lmc.blend): segment tokens loaded from lmc and placed anywhere in a prompt,
+    # and of those, the ones recomputed; None where the target does not blend
+    blend_tokens: float | None = None
+    blend_recomputed: float | None = None
 
     @property
     def ok(self) -> list[RequestRecord]:
@@ -118,14 +122,16 @@ def replay_reference(requests: Sequence[TraceRequest], llm: Any, *, fast: bool =
 
     conn = getattr(llm, "kv_connector", None)
     worker = getattr(conn, "worker", None)
+    blender = getattr(conn, "blender", None)
+    blend_base = (blender.stats.tokens_reused, blender.stats.tokens_recomputed) \
+        if blender is not None else (0, 0)
     tiers = [t.name for t in conn.engine.storage.tiers] if conn is not None else []
     prompts: dict[str, list[int]] = {}
+    spans: dict[str, list[tuple[int, int]] | None] = {}
     records: dict[str, RequestRecord] = {}
     for r in requests:
         records[r.request_id] = RequestRecord(r.request_id, r.session_id, r.prefix_group, 0.0)
-        # text through the engine's own encode: a model without tokenizer.json says so
-        prompts[r.request_id] = (list(r.prompt_tokens) if r.prompt_tokens is not None
-                                 else llm.encode(r.prompt_text))
+        prompts[r.request_id], spans[r.request_id] = _prompt(r, llm)
 
     def tier_counts() -> dict[str, float]:
         got = dict(worker.stats.tokens_by_tier) if worker is not None else {}
@@ -163,7 +169,8 @@ def replay_reference(requests: Sequence[TraceRequest], llm: Any, *, fast: bool =
                 sent_at[req.request_id] = time.perf_counter()
                 try:
                     llm.add_request(prompts[req.request_id], params,
-                                    request_id=req.request_id)
+                                    request_id=req.request_id,
+                                    segments=spans[req.request_id])
                     sent_prompt += len(prompts[req.request_id])
                 except ValueError as e:  # too long for the model, a token id out of its vocab
                     rec.error = str(e)
@@ -210,5 +217,23 @@ def replay_reference(requests: Sequence[TraceRequest], llm: Any, *, fast: bool =
     if conn is None:
         tier_tokens = {}
     done = finished if interrupted else list(records.values())
-    return ReplayResult(target, "fast" if fast else "timed", done, duration, tier_tokens,
-                        source, failures, timeline, interrupted, len(records))
+    res = ReplayResult(target, "fast" if fast else "timed", done, duration, tier_tokens,
+                       source, failures, timeline, interrupted, len(records))
+    if blender is not None:
+        res.blend_tokens = float(blender.stats.tokens_reused - blend_base[0])
+        res.blend_recomputed = float(blender.stats.tokens_recomputed - blend_base[1])
+    return res
+
+
+def _prompt(req: TraceRequest, llm: Any) -> tuple[list[int], list[tuple[int, int]] | None]:
+    """A request's token ids and segment spans, before the clock starts: token prompts as
+    given; text through the engine's own tokenizer (a model without tokenizer.json says
+    so), split at ``segment_separator`` the way ``LLM.generate(segment_separator=)``
+    splits it (each piece tokenized alone, the separators dropped)."""
+    if req.prompt_tokens is not None:
+        return list(req.prompt_tokens), (list(req.segments) if req.segments is not None
+                                         else None)
+    if req.segment_separator is not None:
+        ids, found = llm.encode_segments(req.prompt_text, separator=req.segment_separator)
+        return ids, found
+    return llm.encode(req.prompt_text), None

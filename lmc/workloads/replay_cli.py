@@ -29,6 +29,10 @@ Targets:
                          counters (vLLM with lmc: /metrics; lmc's reference server:
                          /lmc/stats), else they are reported as unknown
 
+A trace's marked segments (lmc workload rag) go to the reference engine with each prompt;
+--blend makes its connector blend them (segment caching with selective recompute, gated by
+the model's lmc blend-check verdict) and the summary shows the tokens blending reused.
+
 Requests are sent at their arrival times (or --fast: as soon as possible); a turn of a
 session waits for the previous turn's answer, and --concurrency N caps requests in flight.
 TTFT counts from when a request could be sent. Every request generates exactly its
@@ -75,14 +79,27 @@ def _reference_llm(spec: str, args: argparse.Namespace, cleanup: list[Callable[[
         disk = tempfile.mkdtemp(prefix="lmc-replay-disk-")
         cleanup.append(lambda: shutil.rmtree(disk, ignore_errors=True))
         cfg = CacheConfig.load(overrides={**DEMO_CONFIG, "local_disk": disk})
-    conn = LMCReferenceConnector(cfg, model_dir=model_dir)
+    if args.blend:
+        from lmc.blend.connector import BlendConnector
+
+        settings: dict[str, Any] = {"override": args.blend_override}
+        if args.blend_ratio is not None:
+            settings["ratio"] = args.blend_ratio
+        conn: LMCReferenceConnector = BlendConnector(cfg, model_dir=model_dir, blend=settings)
+    else:
+        conn = LMCReferenceConnector(cfg, model_dir=model_dir)
     try:
         llm = LLM(model_dir, kv_connector=conn, **engine_args)
     except BaseException:
         conn.shutdown()
         raise
     tiers = ", ".join(t.name for t in conn.cache.storage.tiers)
-    return llm, f"reference engine ({model_dir.name}) with lmc ({tiers})"
+    name = f"reference engine ({model_dir.name}) with lmc ({tiers})"
+    if args.blend:
+        blender = getattr(conn, "blender", None)
+        name += (f", blending at recompute ratio {blender.ratio:.2f}" if blender is not None
+                 else ", blending off (no passing lmc blend-check verdict; see the log)")
+    return llm, name
 
 
 def load_config(path: str) -> Any:
@@ -123,6 +140,11 @@ def _replay(args: argparse.Namespace) -> int:
         if target == "reference" or target.startswith("reference:"):
             _only_for("the HTTP target", model=args.model, openai_strict=args.openai_strict,
                       timeout=args.timeout != 600.0)
+            if args.no_lmc:
+                _only_for("a target with lmc (segments are stored in lmc)", blend=args.blend)
+            if not args.blend:
+                _only_for("--blend", blend_ratio=args.blend_ratio is not None,
+                          blend_override=args.blend_override)
             from lmc.workloads.replay import replay_reference
 
             llm, name = _reference_llm(target, args, cleanup)
@@ -132,7 +154,9 @@ def _replay(args: argparse.Namespace) -> int:
         elif target.startswith(("http://", "https://")):
             _only_for("the reference target (a server's engine and lmc are configured where "
                       "it runs)", config=args.config, no_lmc=args.no_lmc, threads=args.threads,
-                      max_num_seqs=args.max_num_seqs)
+                      max_num_seqs=args.max_num_seqs, blend=args.blend,
+                      blend_ratio=args.blend_ratio is not None,
+                      blend_override=args.blend_override)
             from lmc.workloads.http_target import replay_http
 
             res = replay_http(requests, target, model=args.model, fast=args.fast,
@@ -196,6 +220,14 @@ def _register_replay(sub: Any) -> None:
                      help="torch threads (default: half the cores)")
     ref.add_argument("--max-num-seqs", type=int_in(1, MAX_CONCURRENCY), default=None, metavar="N",
                      help="engine batch size (default: lmc demo's)")
+    ref.add_argument("--blend", action="store_true",
+                     help="reuse the trace's marked segments anywhere in a prompt (lmc.blend; "
+                          "on only for a model with a passing lmc blend-check verdict)")
+    ref.add_argument("--blend-ratio", type=float_in(0, 1), default=None, metavar="R",
+                     help="recompute ratio (default: the verdict's)")
+    ref.add_argument("--blend-override", action="store_true",
+                     help="blend without a passing verdict (logged as a warning; outputs may "
+                          "differ from full prefill)")
     http = p.add_argument_group("HTTP target")
     http.add_argument("--model", metavar="NAME",
                       help="model name to ask for (default: the first in /v1/models)")

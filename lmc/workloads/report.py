@@ -120,6 +120,11 @@ def format_report(res: ReplayResult, trace: str = "") -> str:
         for tier, n in res.tier_tokens.items():
             share = units.ratio(n, prompt) if prompt else f"{n:,.0f} tokens"
             lines.append(f"  {tier:<12}{share}")
+    if res.blend_tokens is not None:  # segment reuse, next to the prefix hits above
+        share = units.ratio(res.blend_tokens, prompt) if prompt else \
+            f"{res.blend_tokens:,.0f} tokens"
+        lines.append(f"  {'blended':<12}{share} (segments reused anywhere in the prompt; "
+                     f"{res.blend_recomputed or 0:,.0f} of their tokens recomputed)")
     if res.load_failures is not None:
         lines.append(f"  {'load fails':<12}{res.load_failures:,.0f} (the engine recomputed "
                      "those tokens)")
