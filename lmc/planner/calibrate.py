@@ -21,7 +21,11 @@ a profile of the engine alone predicted 0.82-0.84 of a replay's measured mean TT
   fitted prefill of that last token: what the engine pays for the load through the connector,
   after layer-wise loading hid what it could behind compute (not ``CacheEngine.retrieve``'s
   bare copy time; a fully hidden load is stored as a bandwidth of 1 PB/s). The disk tier is
-  measured on its own engine (L1 over the disk), the remote one likewise.
+  measured on its own engine (L1 over the disk), the remote one likewise: any remote URL
+  (``redis://``, ``lmc://``, ``mooncake://``...). Its hits are counted under the tier's own
+  name (``tokens_from_redis``, ``tokens_from_mooncake``), and its cost is saved under that
+  name, which a ``tiers:`` chain's simulation looks up, and as ``remote``, which the fixed
+  grid's remote tier looks up.
 
 **What is refused** (:func:`refusals`; the CLI then keeps the previous profile and says why):
 a prefill fit whose worst error on its own points exceeds ``MAX_FIT_ERROR`` (the planner
@@ -63,7 +67,7 @@ LOAD_SLACK = 0.25  # a hit may undercut its last token's fitted compute by this 
 
 class CalibrationRefused(ValueError):
     """The measurements make no physical sense (module doc): nothing is saved."""
-SOURCE = {"L1": "cpu", "disk": "disk", "remote": "remote"}  # planner tier -> worker counter
+SOURCE = {"L1": "cpu", "disk": "disk"}  # planner tier -> the worker's tokens_from_<tier>
 
 
 def log(msg: str) -> None:
@@ -160,10 +164,13 @@ class Calibrator:
         if remote_url:
             configs["remote"] = CacheConfig(**l1, remote_url=remote_url)
         self.engines: dict[str, LMCEngine] = {}
+        self.sources = dict(SOURCE)
         try:
             for name, cfg in configs.items():
                 self.engines[name] = LMCEngine(model, cfg, longest)
                 self.hits[name] = []
+            if "remote" in self.engines:  # counted by its backend's name: redis, mooncake...
+                self.sources["remote"] = self.engines["remote"].conn.cache.tier_names[-1]
             for eng in self.engines.values():  # a first long prefill pays page faults
                 eng.request(self._prompt(eng, longest))
         except BaseException:
@@ -187,7 +194,7 @@ class Calibrator:
             if name != "L1":
                 eng.conn.cache.storage.l1.clear()  # type: ignore[attr-defined]  # the CPU tier has clear(); MemoryTier does not list it
             t, loaded = eng.request(prompt)
-            if loaded != {SOURCE[name]: self.load_tokens}:
+            if loaded != {self.sources[name]: self.load_tokens}:
                 raise RuntimeError(f"calibration: the {name} tier's hit loaded {loaded}, "
                                    f"expected {self.load_tokens} tokens from it")
             self.hits[name].append(t)
@@ -216,7 +223,11 @@ class Calibrator:
             load = hit - compute
             prof.tiers[name] = TierCost(
                 bytes_per_s=nbytes / load if load > 0 else HIDDEN_LOAD_BYTES_PER_S)
-            log(f"{name}: a hit of {n} tokens ({nbytes / 2**20:.1f} MiB) took {hit * 1e3:.1f} "
+            label = name
+            if name == "remote":  # a tiers: chain names it by its backend (module doc)
+                prof.tiers[self.sources[name]] = prof.tiers[name]
+                label = f"remote ({self.sources[name]})"
+            log(f"{label}: a hit of {n} tokens ({nbytes / 2**20:.1f} MiB) took {hit * 1e3:.1f} "
                 f"ms (median of {reps}), its last token {compute * 1e3:.1f} ms: load "
                 f"{load * 1e3:.2f} ms = {prof.tiers[name].bytes_per_s / 2**30:.2f} GiB/s")
         log(f"prefill fit: c0={prof.fit[0] * 1e3:.2f} ms, {prof.fit[1] * 1e6:.2f} us/token, "

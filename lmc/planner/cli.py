@@ -134,8 +134,9 @@ def register_cli(sub: Any) -> None:
     g.add_argument("--reps", type=int_in(1, MAX_REPS), default=3, metavar="N",
                    help="repetitions per figure")
     g.add_argument("--disk-dir", metavar="DIR", help="where the disk-tier measurement writes")
-    g.add_argument("--redis", metavar="URL", help="also measure this remote tier "
-                   "(redis://... or lmc://...)")
+    g.add_argument("--remote-url", "--redis", dest="remote_url", metavar="URL",
+                   help="also measure this remote tier (redis://, lmc://, mooncake://..., "
+                   "any remote_url; --redis is the old name)")
     p.set_defaults(func=run)
 
 
@@ -162,7 +163,7 @@ def _calibrate(args: argparse.Namespace) -> int:
     try:
         prof = calibrate(args.model, lengths=args.lengths, reps=args.reps,
                          load_tokens=args.load_tokens, chunk_size=args.chunk_size or 256,
-                         disk_dir=args.disk_dir, remote_url=args.redis)
+                         disk_dir=args.disk_dir, remote_url=args.remote_url)
     except CalibrationRefused as e:  # measured, but nonsense: the old profile stays
         kept = (f"the previous profile {path} is kept" if path.is_file()
                 else f"no profile written to {path}")

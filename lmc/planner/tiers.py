@@ -96,8 +96,11 @@ def chain_tiers(config: CacheConfig, sizes: Mapping[str, int | str] | None = Non
     down, as the planner simulates them. A tier is known by its backend's declared medium:
     local storage is the disk tier's index (its capacity and ``eviction_policy`` from the
     entry, as the tier reads them); a remote store is a memory tier of ``sizes[name]`` bytes
-    (a daemon's pool, Redis's ``maxmemory``: not in the engine's config, so the caller says
-    it); a peer holds nothing a one-engine trace stored.
+    (a daemon's pool, Redis's ``maxmemory``, a Mooncake cluster's segments: not in the
+    engine's config, so the caller says it), or, for a backend that declares
+    ``planner_capacity(options)``, what its entry says it holds (a ``mooncake://`` entry:
+    its own ``segment`` up to the master's eviction watermark, this engine the only holder);
+    a peer holds nothing a one-engine trace stored.
     Two tiers of one backend are named ``redis``, ``redis#2``..."""
     sizes = dict(sizes or {})
     out: list[SimTier] = []
@@ -118,8 +121,11 @@ def chain_tiers(config: CacheConfig, sizes: Mapping[str, int | str] | None = Non
             tier_cfg = config.replace(**leaf.config) if leaf.config else config
             size = sizes.get(name, options.get("capacity") or tier_cfg.local_disk_size)
             out.append(SimTier(name, "disk", parse_size(size, f"{where} capacity"), policy))
-        else:
+        else:  # a remote store: a daemon, Redis, a Mooncake cluster...
             size = sizes.get(name)
+            held = getattr(factory, "planner_capacity", None)
+            if size is None and held is not None:
+                size = held(options)  # the entry says what it holds (Mooncake: its segment)
             if size is None:
                 raise ValueError(f"{where}: the planner needs this tier's size (what it "
                                  f"holds is not in the engine's config): give sizes[{name!r}]")

@@ -32,7 +32,7 @@ import socket
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -100,6 +100,7 @@ def _metadata(value: Any, key: str) -> str:
 
 
 MIN_SEGMENT = 16 << 20  # the library refuses a smaller one (setup() returns -600)
+EVICTION_HIGH_WATERMARK = 0.9  # mooncake_master's default: it evicts past 90 % full
 
 
 def _segment(value: Any, key: str) -> int:
@@ -220,6 +221,14 @@ class MooncakeBackend(StorageBackend):
         log.info("mooncake tier %s: %s (segment %s contributed, %s, %s)", self.url,
                  "connected" if self.guard.ready else "not connected yet",
                  fmt_size(segment), protocol, "P2P handshake" if metadata == P2P else metadata)
+
+    @classmethod
+    def planner_capacity(cls, options: Mapping[str, Any]) -> int:
+        """Bytes the planner simulates this tier as holding when not told the cluster's
+        size: what this process contributes (``segment``) up to the master's eviction
+        watermark -- all a one-engine trace can fill when this engine is the only holder."""
+        segment = _segment(options.get("segment", cls.OPTIONS["segment"].default), "segment")
+        return int(segment * EVICTION_HIGH_WATERMARK)
 
     # ------------------------------------------------------------------ helpers
     def remote_key(self, key: Key) -> str:
