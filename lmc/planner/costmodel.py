@@ -135,7 +135,7 @@ class Profile:
         if cost is None:
             raise ValueError(f"the calibration profile has no load cost for the {name} tier "
                              f"(it has {', '.join(self.tiers) or 'none'}); run lmc plan "
-                             f"--calibrate{' --redis URL' if name == 'remote' else ''} again")
+                             f"--calibrate{'' if name in ('L1', 'disk') else ' --remote-url URL'} again")
         return cost
 
     def fit_error(self) -> float:
