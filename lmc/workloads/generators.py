@@ -370,6 +370,10 @@ def rag_drafts(spec: RagSpec, tokenizer: SegmentTokenizer | None = None) -> list
               "system_words": spec.system_words}, spec.output_len,
              spec.queries * (spec.system_words + spec.k * spec.doc_words + spec.question_words)
              / WORDS_PER_TOKEN)
+    pool = spec.documents * spec.doc_words / WORDS_PER_TOKEN  # generated whole, used or not
+    if pool > MAX_TRACE_TOKENS:
+        raise ValueError(f"the document pool would hold about {pool:,.0f} tokens; at most "
+                         f"{MAX_TRACE_TOKENS:,} (fewer or shorter documents)")
     if not spec.separator or len(spec.separator) > MAX_SEPARATOR_CHARS \
             or has_surrogate(spec.separator):
         raise ValueError(f"separator: expected 1 to {MAX_SEPARATOR_CHARS} characters of text, "

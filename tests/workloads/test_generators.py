@@ -275,5 +275,7 @@ def test_rag_queries_mark_their_documents_as_segments(ckpt, tok):
         g.rag_drafts(g.RagSpec(separator="the"))
     with pytest.raises(ValueError, match="documents must be <= 100,000"):
         g.rag_drafts(g.RagSpec(documents=200_000))
+    with pytest.raises(ValueError, match="the document pool would hold about"):
+        g.rag_drafts(g.RagSpec(documents=100_000, doc_words=1 << 20, k=3, queries=100))
     with pytest.raises(ValueError, match="the trace would hold about"):
         g.rag_drafts(g.RagSpec(documents=100, doc_words=100_000, k=100, queries=1000))
