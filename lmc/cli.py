@@ -21,7 +21,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("lmc.demo", "cold vs warm TTFT on the built-in reference engine"),
     "server": ("lmc.server.cli", "run the node-wide KV cache server daemon"),
     "stats": ("lmc.server.stats_cli", "print a running lmc server's statistics"),
-    "workload": ("lmc.workloads.cli", "write a workload trace (chat, prefix, docqa, sharegpt)"),
+    "workload": ("lmc.workloads.cli", "write a workload trace (chat, prefix, docqa, rag, sharegpt)"),
     "replay": ("lmc.workloads.replay_cli", "replay a trace on the reference engine or an "
                "OpenAI-compatible server: TTFT, throughput, hits per tier"),
     "pd-proxy": ("lmc.http.pd_proxy", "prefill on a kv_producer, decode on a kv_consumer, "

@@ -111,7 +111,7 @@ def _register_workload(sub: Any) -> None:
     from lmc.cli import add_command, help_text
     from lmc.workloads import generators as g
 
-    p = add_command(sub, "workload", "write a workload trace (chat, prefix, docqa, sharegpt)",
+    p = add_command(sub, "workload", "write a workload trace (chat, prefix, docqa, rag, sharegpt)",
                     WORKLOAD_DOC)
     kinds = p.add_subparsers(dest="kind", metavar="KIND", required=True)
 
