@@ -10,6 +10,7 @@ import importlib.util
 import math
 import os
 import re
+import signal
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -186,6 +187,9 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         return int(args.func(args))
     except KeyboardInterrupt:
+        # another Ctrl-C (or one still pending) while the engine's threads stop ends the
+        # process at once with the same status: never Python's death by SIGINT (rc -2)
+        signal.signal(signal.SIGINT, lambda *_: os._exit(130))
         print(f"\nlmc {_command(argv)}: interrupted", file=sys.stderr)
         return 130
     except ImportError as e:  # an optional package a setting needs: the message names its extra
