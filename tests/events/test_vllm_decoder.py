@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+import time
 from pathlib import Path
 
 import msgpack
@@ -56,7 +57,15 @@ def test_vllm_decodes_every_published_batch(tmp_path: Path):
         eng.storage.delete(eng.db.keys(a)[:1])
         eng.storage.clear_l1()
         eng.flush()
-        frames = request(ev.replay_endpoint, [b"", wire.seq_bytes(0)])
+        # the publisher's thread turns the last items into batches after flush() returns:
+        # ask the replay socket again until the removal and the clear have been published
+        deadline = time.monotonic() + 30
+        while True:
+            frames = request(ev.replay_endpoint, [b"", wire.seq_bytes(0)])
+            seen = {type(e).__name__ for f in frames[:-1] for e in wire.decode_batch(f[3])[1]}
+            if {"Removed", "Cleared"} <= seen or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
         dump = request(ev.replay_endpoint, [b"", b"dump"])
     payloads = [f[3] for f in frames[:-1]] + [f[3] for f in dump[:-1]]
     kinds = {type(e).__name__ for p in payloads for e in wire.decode_batch(p)[1]}
