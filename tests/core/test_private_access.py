@@ -34,8 +34,8 @@ EXCEPTIONS: dict[tuple[str, str], str] = {
     ("p2p/agent.py", "atexit._run_exitfuncs"): "the stdlib runs exit handlers only privately "
                                                "(before os._exit, which NIXL agents need)",
     ("p2p/agent.py", "os._exit"): "the stdlib's exit without cleanup (NIXL agents)",
-    ("cli.py", "os._exit"): "a second Ctrl-C during shutdown ends now, skipping the exit "
-                            "handlers that may be what it waits for",
+    ("cli.py", "os._exit"): "after Ctrl-C and the command's own cleanup, exit 130 without a "
+                            "finalization that could end the process by SIGINT",
     ("p2p/agent.py", "from nixl import _api"): "NIXL's Python bindings live in nixl._api",
     ("storage/backends/redis/nodes.py", "conn._sock"):
         "redis-py has no public accessor for a connection's socket",
