@@ -8,10 +8,8 @@ but never answers. Start-up waits are generous: a loaded 2-core machine can take
 
 from __future__ import annotations
 
-import os
 import random
 import shutil
-import signal
 import socket
 import subprocess
 import time
@@ -25,6 +23,7 @@ from lmc.config import CacheConfig
 from lmc.memory.pool import MemoryPool
 from lmc.storage.tier import create_backend
 from tests.requirements import missing
+from tests.server_process import ServerProcess
 
 REDIS_SERVER = shutil.which("redis-server")
 REDIS_CLI = shutil.which("redis-cli")
@@ -72,7 +71,7 @@ def require_redis() -> None:
         missing("redis-server/redis-cli not installed (.ci/run installs Debian's redis-server)")
 
 
-class RedisServer:
+class RedisServer(ServerProcess):
     """One redis-server child process on 127.0.0.1."""
 
     def __init__(self, workdir: Path, port: int | None = None, *extra: str,
@@ -83,8 +82,7 @@ class RedisServer:
         self.extra = extra
         self.tls = tls
         self.password = password
-        self.proc: subprocess.Popen | None = None
-        self.paused = False
+        super().__init__()
 
     @property
     def url(self) -> str:
@@ -135,45 +133,6 @@ class RedisServer:
                 raise RuntimeError(f"redis-server on port {self.port} did not answer in "
                                    f"{START_TIMEOUT:.0f} s")
             time.sleep(0.05)
-
-    def _signal(self, sig: int) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            os.kill(self.proc.pid, sig)
-
-    def kill(self) -> None:
-        """SIGKILL, as a crash would: no shutdown, sockets reset by the kernel."""
-        if self.paused:
-            self.resume()
-        self._signal(signal.SIGKILL)
-        if self.proc is not None:
-            self.proc.wait(timeout=30)
-
-    def restart(self) -> RedisServer:
-        """Kill, then start again on the same port (empty: persistence is off)."""
-        self.kill()
-        return self.start()
-
-    def pause(self) -> None:
-        """SIGSTOP: the kernel still accepts connections, the server never answers."""
-        self._signal(signal.SIGSTOP)
-        self.paused = True
-
-    def resume(self) -> None:
-        self._signal(signal.SIGCONT)
-        self.paused = False
-
-    def stop(self) -> None:
-        if self.proc is None:
-            return
-        if self.paused:
-            self.resume()
-        self._signal(signal.SIGTERM)
-        try:
-            self.proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            self._signal(signal.SIGKILL)
-            self.proc.wait(timeout=10)
-        self.proc = None
 
 
 class RedisCluster:

@@ -29,6 +29,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from tests.server_process import ServerProcess
+
 START_TIMEOUT = 30.0
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -74,9 +76,11 @@ def _accepts(port: int) -> bool:
         return False
 
 
-class MooncakeMaster:
+class MooncakeMaster(ServerProcess):
     """One ``mooncake_master`` on 127.0.0.1; ``client_ttl`` (s) is how long a client that
     stopped sending heartbeats keeps its segment, ``lease_ms`` how long a read leases."""
+
+    stop_timeout = 15.0
 
     def __init__(self, workdir: Path, client_ttl: int = 10, lease_ms: int = 10000,
                  *extra: str) -> None:
@@ -87,8 +91,7 @@ class MooncakeMaster:
         self.client_ttl = client_ttl
         self.lease_ms = lease_ms
         self.extra = extra
-        self.proc: subprocess.Popen[bytes] | None = None
-        self.paused = False
+        super().__init__()
 
     @property
     def url(self) -> str:
@@ -116,44 +119,6 @@ class MooncakeMaster:
                 raise RuntimeError(f"mooncake_master did not listen in {START_TIMEOUT:.0f} s")
             time.sleep(0.02)
         return self
-
-    def _signal(self, sig: int) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            os.kill(self.proc.pid, sig)
-
-    def kill(self) -> None:
-        """SIGKILL: every key it knew is gone (no HA), clients see RPC failures."""
-        if self.paused:
-            self.resume()
-        self._signal(signal.SIGKILL)
-        if self.proc is not None:
-            self.proc.wait(timeout=30)
-
-    def restart(self) -> MooncakeMaster:
-        self.kill()
-        return self.start()
-
-    def pause(self) -> None:
-        """SIGSTOP: connections are accepted by the kernel, nothing is answered."""
-        self._signal(signal.SIGSTOP)
-        self.paused = True
-
-    def resume(self) -> None:
-        self._signal(signal.SIGCONT)
-        self.paused = False
-
-    def stop(self) -> None:
-        if self.proc is None:
-            return
-        if self.paused:
-            self.resume()
-        self._signal(signal.SIGTERM)
-        try:
-            self.proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            self._signal(signal.SIGKILL)
-            self.proc.wait(timeout=15)
-        self.proc = None
 
 
 class Peer:
