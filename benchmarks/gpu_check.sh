@@ -32,6 +32,15 @@ RES=${OUT:-$(mktemp -d -t lmc-gpu-check.XXXXXX)}
 mkdir -p "$RES"
 export PYTHONUNBUFFERED=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 T0=$(date +%s)
+# The whole check ends within GPU_CHECK_BUDGET seconds (default 290: a 15-minute device
+# allowance keeps room for a rerun): each step's own limit is cut to what is left, keeping
+# 15 s for the summary, so a slow step costs the steps after it, never the report.
+BUDGET=${GPU_CHECK_BUDGET:-290}
+lim() {
+    local rest=$(( BUDGET - ($(date +%s) - T0) - 15 ))
+    [ "$rest" -gt 5 ] || rest=5
+    echo $(( $1 < rest ? $1 : rest ))
+}
 step() { echo; echo "== gpu_check [$(( $(date +%s) - T0 )) s] $*"; }
 fails=()
 
@@ -43,52 +52,38 @@ fi
 step "install the checkout offline"
 if [ "$DRY" = 1 ]; then
     echo "dry run: would run $PY -m pip install --no-deps --no-build-isolation --no-index -e ."
-elif ! timeout 180 $PY -m pip install -q --no-deps --no-build-isolation --no-index -e .; then
+elif ! timeout "$(lim 180)" $PY -m pip install -q --no-deps --no-build-isolation --no-index -e .; then
     # best effort: lmc straight from the checkout (every package lives under lmc/)
     echo "gpu_check: the offline install failed; lmc is used from the checkout"
-    export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
     fails+=("install")
 fi
+# the benchmarks run as scripts (their own folder on sys.path): the checkout comes first
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 $PY -c "import lmc, sys; print('lmc from', lmc.__file__, 'python', sys.version.split()[0])" \
     || { echo "gpu_check: lmc does not import" >&2; exit 1; }
 
 step "GPU tests: pytest -m gpu"
-timeout 200 $PY -m pytest -q -m gpu -p no:cacheprovider --junitxml="$RES/gpu_tests.xml" \
+timeout "$(lim 200)" $PY -m pytest -q -m gpu -p no:cacheprovider --junitxml="$RES/gpu_tests.xml" \
     tests/core tests/memory tests/transfer tests/reference tests/connectors/test_vllm_gpu_layouts.py 2>&1 \
     | tee "$RES/gpu_tests.log" | tail -25
 [ "${PIPESTATUS[0]}" = 0 ] || fails+=("gpu tests")
 
 step "transfer bandwidth, copy under compute, copy path calibration"
-timeout 120 $PY benchmarks/bench_gpu_transfer.py --under-compute --calibrate \
+timeout "$(lim 120)" $PY benchmarks/bench_gpu_transfer.py --under-compute --calibrate \
     --json "$RES/transfer.json" || fails+=("bench_gpu_transfer")
 
 step "TTFT on CUDA: Llama-8B KV shape (32 layers, 8 KV heads of 128, bf16), 16k tokens"
-timeout 180 $PY benchmarks/bench_ttft.py --device cuda --model 8b-kv --tokens 16384 --reps 3 \
+timeout "$(lim 180)" $PY benchmarks/bench_ttft.py --device cuda --model 8b-kv --tokens 16384 --reps 3 \
     --suffixes "" --json "$RES/ttft.json" || fails+=("bench_ttft")
 if [ "$DRY" = 1 ] && [ "$HAS_CUDA" != 1 ]; then
     echo "dry run: the same figures on the CPU, a tiny model (checks the report, not the GPU)"
-    timeout 200 $PY benchmarks/bench_ttft.py --device cpu --tokens 512 --hidden 256 --layers 2 \
+    timeout "$(lim 200)" $PY benchmarks/bench_ttft.py --device cpu --tokens 512 --hidden 256 --layers 2 \
         --kv-heads 2 --heads 2 --reps 1 --suffixes "" --json "$RES/ttft.json" \
         || fails+=("bench_ttft (cpu)")
 fi
 
-step "load or recompute on CUDA: the disk tier as it is, Llama-8B KV shape, 4k and 16k tokens"
-timeout 240 $PY benchmarks/bench_load_or_recompute.py --device cuda --model 8b-kv \
-    --tokens 4096,16384 --reps 3 --grid 8 --json "$RES/policy.json" \
-    || fails+=("bench_load_or_recompute")
-if [ "$DRY" = 1 ] && [ "$HAS_CUDA" != 1 ]; then
-    if [ "$(id -u)" = 0 ] && command -v tc >/dev/null && command -v redis-server >/dev/null; then
-        echo "dry run: the same figures on the CPU, a tiny model, Redis over a tc-shaped link"
-        timeout 240 $PY benchmarks/bench_load_or_recompute.py --device cpu --tokens 256,512 \
-            --hidden 256 --layers 2 --kv-heads 2 --heads 2 --reps 1 --grid 2 \
-            --json "$RES/policy.json" || fails+=("bench_load_or_recompute (cpu)")
-    else
-        echo "dry run: the CPU stand-in of load or recompute needs root, tc and redis-server: skipped"
-    fi
-fi
-
 step "pinned pool: bytes page-locked for the size asked"
-timeout 120 $PY - "$RES/pool.json" "$DRY" <<'EOF' || fails+=("pinned pool")
+timeout "$(lim 120)" $PY - "$RES/pool.json" "$DRY" <<'EOF' || fails+=("pinned pool")
 import json, sys, time
 import torch
 from lmc.memory.pool import MemoryPool
@@ -118,6 +113,21 @@ print(f"pinned pool: {st['pinned_bytes'] / 2**20:.0f} MiB page-locked for {asked
 json.dump(res, open(out, "w"))
 sys.exit(0 if st["pinned_bytes"] - asked < 2 << 20 else 1)
 EOF
+
+step "load or recompute on CUDA: the disk tier as it is, Llama-8B KV shape, 4k and 16k tokens"
+timeout "$(lim 240)" $PY benchmarks/bench_load_or_recompute.py --device cuda --model 8b-kv \
+    --tokens 4096,16384 --reps 3 --grid 8 --json "$RES/policy.json" \
+    || fails+=("bench_load_or_recompute")
+if [ "$DRY" = 1 ] && [ "$HAS_CUDA" != 1 ]; then
+    if [ "$(id -u)" = 0 ] && command -v tc >/dev/null && command -v redis-server >/dev/null; then
+        echo "dry run: the same figures on the CPU, a tiny model, Redis over a tc-shaped link"
+        timeout "$(lim 240)" $PY benchmarks/bench_load_or_recompute.py --device cpu --tokens 256,512 \
+            --hidden 256 --layers 2 --kv-heads 2 --heads 2 --reps 1 --grid 2 \
+            --json "$RES/policy.json" || fails+=("bench_load_or_recompute (cpu)")
+    else
+        echo "dry run: the CPU stand-in of load or recompute needs root, tc and redis-server: skipped"
+    fi
+fi
 
 step "summary"
 FAILS="${fails[*]:-}" $PY - "$RES" "$DRY" <<'EOF'
