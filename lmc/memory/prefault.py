@@ -38,6 +38,7 @@ from typing import Any
 import torch
 from prometheus_client import Gauge
 
+from lmc.memory import pinned_ranges
 from lmc.metrics import pool_gauge
 
 log = logging.getLogger(__name__)
@@ -568,6 +569,7 @@ class _Registered:
         with self.lock:
             if not self.closed:
                 self.ranges.append((addr, n))
+                pinned_ranges.add(addr, n)
                 return True
         with contextlib.suppress(Exception):
             self.registrar.unregister(addr)
@@ -579,6 +581,7 @@ def _unregister_all(state: _Registered) -> None:
         state.closed = True
         ranges, state.ranges = state.ranges, []
     for addr, n in ranges:
+        pinned_ranges.remove(addr)  # no copy is cut by it from now on
         try:
             state.registrar.unregister(addr)
         except Exception as e:  # noqa: BLE001 - interpreter exit, a torn-down driver

@@ -66,6 +66,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from lmc.memory import pinned_ranges
 from lmc.transfer.completion import Completion, EventCompletion
 from lmc.transfer.kv_layouts import PlaneStrides
 from lmc.transfer.kv_spec import KVCaches, KVSpec
@@ -279,35 +280,71 @@ def layer_runs(lids: Sequence[int]) -> list[tuple[int, int]]:
     return runs
 
 
-def coalesce(copies: list[tuple[int, int, int]]) -> list[tuple[int, int, int]]:
-    """Merge ``(dst, src, nbytes)`` copies that continue each other on both sides."""
-    out: list[tuple[int, int, int]] = []
-    for dst, src, n in copies:
-        if out and out[-1][0] + out[-1][2] == dst and out[-1][1] + out[-1][2] == src:
-            out[-1] = (out[-1][0], out[-1][1], out[-1][2] + n)
+Copy = tuple[int, int, int, Any]  # (dst, src, nbytes, host window): see cut_at_windows
+
+
+def coalesce(copies: Sequence[Copy]) -> list[Copy]:
+    """Merge ``(dst, src, nbytes, window)`` copies that continue each other on both sides
+    inside one host window (one allocation or registration: the driver's unit)."""
+    out: list[Copy] = []
+    for dst, src, n, win in copies:
+        if (out and out[-1][3] == win and out[-1][0] + out[-1][2] == dst
+                and out[-1][1] + out[-1][2] == src):
+            out[-1] = (out[-1][0], out[-1][1], out[-1][2] + n, win)
         elif n:
-            out.append((dst, src, n))
+            out.append((dst, src, n, win))
+    return out
+
+
+def host_window(buf: torch.Tensor) -> Callable[[int], tuple[int, int]]:
+    """For addresses inside host buffer ``buf``: the registration lmc made around them
+    (:mod:`lmc.memory.pinned_ranges`, a pool page-locked in steps), else ``buf``'s own
+    storage (one allocation: torch's pinned allocator, a pageable tensor)."""
+    storage = buf.untyped_storage()
+    own = (storage.data_ptr(), storage.data_ptr() + storage.nbytes())
+
+    def window_of(addr: int) -> tuple[int, int]:
+        return pinned_ranges.window(addr) or own
+
+    return window_of
+
+
+def cut_at_windows(spans: Sequence[tuple[int, int, int]],
+                   window_of: Callable[[int], tuple[int, int]]) -> list[tuple[int, int, int, int]]:
+    """``(host, other, nbytes)`` spans cut where the host allocation or registration holding
+    them ends (``window_of(addr)`` gives its ``(start, end)``); each piece carries its
+    window's start. Why: the driver takes each registration as an allocation of its own,
+    and refuses a copy that runs from one into the next (a pool page-locked in steps)."""
+    out = []
+    for host, other, n in spans:
+        while n > 0:
+            lo, hi = window_of(host)
+            take = min(n, hi - host) if hi > host else n
+            out.append((host, other, take, lo))
+            host, other, n = host + take, other + take, n - take
     return out
 
 
 MAX_PITCH = (1 << 31) - 1  # cudaMemcpy2D refuses larger pitches (cudaDevAttrMaxPitch)
 
 
-def strided(copies: list[tuple[int, int, int]]) -> list[tuple[int, int, int, int, int, int]]:
-    """Consecutive ``(dst, src, nbytes)`` copies of one size whose addresses advance by one
-    step each side (a layer of evenly spaced chunks) as one 2D copy ``(dst, dpitch, src,
-    spitch, width, height)``; the rest as ``height == 1``. Why: one copy-engine job per
-    layer instead of one per chunk -- a per-layer staged call of small pieces paid each
-    copy's fixed cost (0.82 of memcpy against 0.94 for one large copy, H200)."""
+def strided(copies: Sequence[Copy]) -> list[tuple[int, int, int, int, int, int]]:
+    """Consecutive ``(dst, src, nbytes, window)`` copies of one size and host window whose
+    addresses advance by one step each side (a layer of evenly spaced chunks) as one 2D copy
+    ``(dst, dpitch, src, spitch, width, height)``; the rest as ``height == 1``. Why: one
+    copy-engine job per layer instead of one per chunk -- a per-layer staged call of small
+    pieces paid each copy's fixed cost (0.82 of memcpy against 0.94 for one large copy,
+    H200). A 2D copy never spans two host windows: the driver refuses it (H100)."""
     out: list[tuple[int, int, int, int, int, int]] = []
     i, n_all = 0, len(copies)
     while i < n_all:
-        d, s, n = copies[i]
+        d, s, n, win = copies[i]
         j = i + 1
-        if j < n_all and copies[j][2] == n:
+        if j < n_all and copies[j][2] == n and copies[j][3] == win:
             dp, sp = copies[j][0] - d, copies[j][1] - s
             if n <= dp <= MAX_PITCH and n <= sp <= MAX_PITCH:
-                while (j < n_all and copies[j][2] == n and copies[j][0] - copies[j - 1][0] == dp
+                while (j < n_all and copies[j][2] == n and copies[j][3] == win
+                       and copies[j][0] - copies[j - 1][0] == dp
                        and copies[j][1] - copies[j - 1][1] == sp):
                     j += 1
         if j - i > 1:
@@ -862,9 +899,13 @@ class CudaTransfer(KVTransfer):
                     host, stage, per = bufs[c].data_ptr(), int(base[c]), int(layer_bytes[c])
                     spans.append((c, host + lids[first] * per, stage + first * per,
                                   length * per))
-        to_stage = strided(coalesce([(s, h, n) for c, h, s, n in spans
+        windows = {c: host_window(bufs[c]) for c in {span[0] for span in spans}}
+        pieces = [(c, h, s, n, w) for c, *span in spans
+                  for h, s, n, w in cut_at_windows([tuple(span)], windows[c])]
+        to_stage = strided(coalesce([(s, h, n, w) for c, h, s, n, w in pieces
                                      if to_cache or plan.holes[c]]))
-        from_stage = [] if to_cache else strided(coalesce([(h, s, n) for _, h, s, n in spans]))
+        from_stage = [] if to_cache else strided(coalesce([(h, s, n, w)
+                                                           for _, h, s, n, w in pieces]))
 
         dev_table = self.backend.upload(table)
         assert plan.tokens is not None  # planned calls always carry their tokens

@@ -280,14 +280,35 @@ class HostBackend(HostStreams):
                                  f"{self.lib.lmc_emu_first_error().decode()}")
 
     def memcpy(self, dst, src, nbytes, stream):
+        self._one_allocation(dst, nbytes)
+        self._one_allocation(src, nbytes)
         self.copies += 1
         ctypes.memmove(dst, src, nbytes)
 
     def memcpy2d(self, dst, dpitch, src, spitch, width, height, stream):
         """cudaMemcpy2DAsync's contract: rows of ``width`` bytes at each pitch, the pitches
-        at least the width (the driver refuses less)."""
+        at least the width (the driver refuses less), each side inside one allocation."""
         if not (width <= dpitch and width <= spitch and height >= 1):
             raise AssertionError(f"2D copy with width {width} over pitches {dpitch}/{spitch}")
+        self._one_allocation(dst, (height - 1) * dpitch + width)
+        self._one_allocation(src, (height - 1) * spitch + width)
         self.copies += 1
         for r in range(height):
             ctypes.memmove(dst + r * dpitch, src + r * spitch, width)
+
+    def _one_allocation(self, addr: int, n: int) -> None:
+        """The driver refuses a copy whose extent leaves the allocation (or the host
+        registration) it starts in (H100: cudaErrorInvalidValue)."""
+        from lmc.memory import pinned_ranges
+
+        win = pinned_ranges.window(addr)
+        if win is None:
+            tensors = [*self.caches, *self.staging, *self.buffers.values()]
+            for t in tensors:
+                st = t.untyped_storage()
+                if st.data_ptr() <= addr < st.data_ptr() + st.nbytes():
+                    win = (st.data_ptr(), st.data_ptr() + st.nbytes())
+                    break
+        if win is not None and addr + n > win[1]:
+            raise AssertionError(f"a copy of {n} B at {addr:#x} runs past the allocation "
+                                 f"[{win[0]:#x}, {win[1]:#x}) it starts in")

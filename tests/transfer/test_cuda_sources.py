@@ -541,17 +541,102 @@ def test_emulated_per_layer_staging_is_one_2d_copy_per_layer(emu_lib):
 
 
 def test_strided_groups_only_what_one_2d_copy_can_move():
+    def w(*copies, win=0):  # copies inside one host window
+        return [(*c, win) for c in copies]
+
     assert ct.strided([]) == []
-    assert ct.strided([(0, 100, 8)]) == [(0, 8, 100, 8, 8, 1)]
-    assert ct.strided([(0, 100, 8), (8, 116, 8), (16, 132, 8)]) == [(0, 8, 100, 16, 8, 3)]
+    assert ct.strided(w((0, 100, 8))) == [(0, 8, 100, 8, 8, 1)]
+    assert ct.strided(w((0, 100, 8), (8, 116, 8), (16, 132, 8))) == [(0, 8, 100, 16, 8, 3)]
     # a pitch under the width (overlapping rows) or a size change breaks the group
-    assert ct.strided([(0, 100, 8), (4, 104, 8)]) == [(0, 8, 100, 8, 8, 1), (4, 8, 104, 8, 8, 1)]
-    assert ct.strided([(0, 0, 8), (8, 8, 4)])[0][5] == 1
-    assert ct.strided([(0, 0, 8), (16, 16, 8), (40, 32, 8)]) == [
+    assert ct.strided(w((0, 100, 8), (4, 104, 8))) == [(0, 8, 100, 8, 8, 1),
+                                                       (4, 8, 104, 8, 8, 1)]
+    assert ct.strided(w((0, 0, 8), (8, 8, 4)))[0][5] == 1
+    assert ct.strided(w((0, 0, 8), (16, 16, 8), (40, 32, 8))) == [
         (0, 16, 0, 16, 8, 2), (40, 8, 32, 8, 8, 1)]
     big = ct.MAX_PITCH + 1
-    assert all(c[5] == 1 for c in ct.strided([(0, 0, 8), (big, 8, 8)]))
-    assert all(c[5] == 1 for c in ct.strided([(100, 100, 8), (0, 200, 8)]))  # backwards
+    assert all(c[5] == 1 for c in ct.strided(w((0, 0, 8), (big, 8, 8))))
+    assert all(c[5] == 1 for c in ct.strided(w((100, 100, 8), (0, 200, 8))))  # backwards
+    # evenly spaced rows in two host windows (two allocations or registrations): the driver
+    # refuses one 2D copy over both (cudaErrorInvalidValue on an H100)
+    two = [(0, 100, 8, 0), (16, 116, 8, 0), (32, 132, 8, 32), (48, 148, 8, 32)]
+    assert ct.strided(two) == [(0, 16, 100, 16, 8, 2), (32, 16, 132, 16, 8, 2)]
+
+
+def test_copies_are_cut_where_a_host_window_ends():
+    """A span across a registration boundary becomes two copies, each tagged with its window;
+    coalescing never merges across windows."""
+    def window_of(addr):  # registrations [0, 64) and [64, 128)
+        return (0, 64) if addr < 64 else (64, 128)
+
+    assert ct.cut_at_windows([(40, 1000, 48)], window_of) == [(40, 1000, 24, 0),
+                                                              (64, 1024, 24, 64)]
+    assert ct.cut_at_windows([(0, 0, 64)], window_of) == [(0, 0, 64, 0)]
+    assert ct.coalesce([(0, 0, 64, 0), (64, 64, 8, 64)]) == [(0, 0, 64, 0), (64, 64, 8, 64)]
+    assert ct.coalesce([(0, 0, 8, 0), (8, 8, 8, 0), (16, 16, 0, 0)]) == [(0, 0, 16, 0)]
+
+
+def test_pinned_ranges_registry():
+    from lmc.memory import pinned_ranges as pr
+
+    base = 1 << 60  # far from any real registration of this process
+    pr.add(base, 100)
+    pr.add(base + 100, 50)
+    try:
+        assert pr.window(base) == (base, base + 100)
+        assert pr.window(base + 99) == (base, base + 100)
+        assert pr.window(base + 100) == (base + 100, base + 150)
+        assert pr.window(base + 150) is None and pr.window(base - 1) is None
+        with pytest.raises(ValueError, match="registered already"):
+            pr.add(base, 10)
+        with pytest.raises(ValueError, match="positive size"):
+            pr.add(base + 500, 0)
+    finally:
+        pr.remove(base)
+        pr.remove(base + 100)
+    assert pr.window(base) is None
+    pr.remove(base)  # unknown: nothing
+
+
+def test_emulated_staging_never_copies_across_registrations(emu_lib):
+    """A pool page-locked in steps: chunks on both sides of a step boundary, one chunk across
+    it. Per-layer and all-layer staged copies stay inside one registration each (the
+    emulator refuses any copy that does not, as the driver does) and move the right bytes."""
+    from lmc.memory import pinned_ranges as pr
+
+    caches = make_caches("vllm_flash", layers=4, blocks=16, block_size=4)
+    spec = spec_for("vllm_flash", caches)
+    per = spec.chunk_nbytes(16)
+    pool = torch.zeros(4 * per, dtype=torch.uint8)
+    bufs = [pool[i * per:(i + 1) * per].view(spec.dtype).view(spec.chunk_shape(16))
+            for i in range(3)]
+    cut = pool.data_ptr() + per + per // 3  # the boundary falls inside chunk 1
+    pr.add(pool.data_ptr(), cut - pool.data_ptr())
+    pr.add(cut, 3 * per - per // 3)
+    try:
+        backend = emu.HostBackend(emu_lib, caches=list(caches))
+        tr = ct.CudaTransfer(spec, caches, backend=backend, gather_mode="staged",
+                             scatter_mode="staged")
+        ref = TorchTransfer(spec, caches)
+        ranges = [(0, 16), (16, 32), (32, 48)]
+        want = [torch.empty(spec.chunk_shape(16)) for _ in range(3)]
+        ref.gather(ref.plan(torch.arange(48), ranges), want)
+        plan = tr.plan(torch.arange(48), ranges)
+        for layers in ([0], [3], [1, 2], None):
+            tr.gather(plan, bufs, layers=layers)
+            for b, w_ in zip(bufs, want, strict=True):
+                for lid in layers or range(4):
+                    assert_bits_equal(b[lid], w_[lid], f"layers {layers} gathered")
+        zeros = make_caches("vllm_flash", layers=4, blocks=16, block_size=4, zeros=True)
+        back = ct.CudaTransfer(spec, zeros, backend=emu.HostBackend(emu_lib, caches=list(zeros)),
+                               scatter_mode="staged")
+        p2 = back.plan(torch.arange(48), ranges)
+        for lid in range(4):
+            back.scatter(p2, bufs, layers=[lid])
+        assert_bits_equal(token_kv(spec, zeros, torch.arange(48)),
+                          token_kv(spec, caches, torch.arange(48)), "staged scatter")
+    finally:
+        pr.remove(pool.data_ptr())
+        pr.remove(cut)
 
 
 def test_helpers():
@@ -560,8 +645,8 @@ def test_helpers():
     assert ct.lanes_for(2048, 16) == 32 and ct.lanes_for(64, 16) == 4
     assert ct.lanes_for(12, 4) == 4 and ct.lanes_for(1, 1) == 1
     assert ct.layer_runs([0, 1, 2, 5, 6, 3]) == [(0, 3), (3, 2), (5, 1)]
-    assert ct.coalesce([(0, 100, 8), (8, 108, 8), (20, 116, 4), (24, 120, 0)]) == [
-        (0, 100, 16), (20, 116, 4)]
+    assert ct.coalesce([(0, 100, 8, 0), (8, 108, 8, 0), (20, 116, 4, 0), (24, 120, 0, 0)]) == [
+        (0, 100, 16, 0), (20, 116, 4, 0)]
 
 
 def test_emulated_errors_name_the_problem(emu_lib):
