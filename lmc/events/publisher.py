@@ -41,7 +41,7 @@ log = logging.getLogger(__name__)
 POLL_MS = 10
 DUMP_INTERVAL = 1.0
 COUNTERS = ("batches", "events", "dropped", "unknown", "untracked", "replays", "dumps",
-            "bad_requests", "reconciles")
+            "bad_requests", "reconciles", "refused", "no_info", "other_block_size")
 
 _PROM: Any = None
 _PROM_LOCK = threading.Lock()
@@ -214,6 +214,8 @@ class EventPublisher:
             elif op == "note_keys":  # (tokens, keys, chunk_size, tokens considered)
                 _, toks, keys, cs, n = item
                 t.note(toks, [(i * cs, min(i * cs + cs, n), k) for i, k in enumerate(keys)])
+            elif op == "info":  # (key, a callable making its ChunkInfo): the daemon's
+                t.add(item[1], item[2]())
             elif op == "stored":
                 out += t.stored(item[1], item[2])
             elif op == "removed":

@@ -52,15 +52,22 @@ def u32_tokens(tokens: Any) -> np.ndarray:
 
 
 class ChunkInfo:
-    __slots__ = ("hashes", "parent", "tokens", "start", "where")
+    __slots__ = ("hashes", "parent", "tokens", "start", "where", "lora", "salt")
 
     def __init__(self, hashes: tuple[int, ...], parent: int | None, tokens: np.ndarray,
-                 start: int) -> None:
+                 start: int, lora: str | None = None, salt: str | None = None) -> None:
         self.hashes = hashes
         self.parent = parent
+        self.lora = lora      # LoRA name, when the chunk's writer gave one
+        self.salt = salt      # cache_salt: the daemon's namespace of the chunk
         self.tokens = tokens  # the full blocks' tokens, uint32
         self.start = start    # token offset in its prompt (parents come first)
         self.where = 0        # bit per tier level holding it
+
+
+def _stored(info: ChunkInfo, block_size: int, medium: str) -> dict[str, Any]:
+    return wire.block_stored(info.hashes, info.parent, info.tokens.tolist(), block_size,
+                             medium, lora_name=info.lora, cache_salt=info.salt)
 
 
 class Tracker:
@@ -88,6 +95,15 @@ class Tracker:
             if info is not None:
                 self.seen.move_to_end(key)
         return info
+
+    def add(self, key: bytes, info: ChunkInfo) -> None:
+        """Remember one chunk whose blocks were worked out elsewhere (the daemon's: from a
+        client's verified block info); the first word on a key stands (keys are content
+        addresses: a later one describes the same tokens)."""
+        if self._info(key) is None:
+            self.seen[key] = info
+            while len(self.seen) > self.max_chunks:
+                self.seen.popitem(last=False)
 
     def note(self, tokens: Any, chunks: Sequence[tuple[int, int, bytes]]) -> None:
         """Remember the blocks of ``chunks`` (``(start, end, key)`` of ``tokens``)."""
@@ -142,8 +158,7 @@ class Tracker:
                 assert medium is not None
                 for h in info.hashes:
                     self.refs[(h, medium)] = self.refs.get((h, medium), 0) + 1
-                out.append(wire.block_stored(info.hashes, info.parent, info.tokens.tolist(),
-                                             self.bs, medium))
+                out.append(_stored(info, self.bs, medium))
         return out
 
     def removed(self, keys: Iterable[bytes], level: int) -> list[dict[str, Any]]:
@@ -192,6 +207,5 @@ class Tracker:
                 if info.hashes and self._in_medium(info, medium):
                     if len(batches[-1]) >= EVENTS_PER_BATCH:
                         batches.append([])
-                    batches[-1].append(wire.block_stored(
-                        info.hashes, info.parent, info.tokens.tolist(), self.bs, medium))
+                    batches[-1].append(_stored(info, self.bs, medium))
         return batches

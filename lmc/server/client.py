@@ -29,6 +29,8 @@ if TYPE_CHECKING:
     from lmc.memory.pool import MemoryObj
 
 Allocate = Callable[[Sequence[int], "torch.dtype", int], "MemoryObj | None"]
+BlockMeta = tuple[dict[str, Any], Sequence["list[Any] | None"]]
+"""A PUT's block info: the shared fields (``bs``, ``cs``, ``lora``) and an item per value."""
 CLIENT_LIMITS = P.Limits(max_meta=16 << 20)
 _SCRATCH = 1 << 20
 UNIX_SNDBUF = 4 << 20  # the kernel caps it at net.core.wmem_max (and doubles it)
@@ -118,6 +120,8 @@ class ClientConnection:
             granted = info.get("namespaces")  # a tenant token: the namespaces it may use
             self.namespaces: list[str] | None = (
                 [n for n in granted if isinstance(n, str)] if isinstance(granted, list) else None)
+            ev = info.get("kv_events")  # the daemon publishes KV events: {"block_size": n}
+            self.kv_events: dict[str, Any] | None = ev if isinstance(ev, dict) else None
             lim = info.get("limits") or {}
             self.limits = P.Limits(
                 max_meta=min(int(lim.get("max_meta", 1 << 20)), CLIENT_LIMITS.max_meta),
@@ -212,17 +216,22 @@ class ClientConnection:
         return self.call(P.STATS, {})[1]
 
     def put(self, ns: str, keys: Sequence[bytes], objs: Sequence[MemoryObj],
-            probe: bool = False) -> tuple[bytes, int]:
+            probe: bool = False, blocks: BlockMeta | None = None) -> tuple[bytes, int]:
         """Store values: one result byte per value (``protocol.STORED``...), and how many the
         server already held. Keys are content addresses, so with ``probe`` one EXISTS round
-        trip first spares the transfer of values the server has (they count as stored)."""
+        trip first spares the transfer of values the server has (they count as stored).
+        ``blocks``: block info for the daemon's KV events (``lmc.events.shared``): the
+        shared fields and one item (or None) per value; sent in each frame's metadata."""
         if probe and keys:
             present = self.contains(ns, keys)
             todo = [i for i, p in enumerate(present) if not p]
             if len(todo) < len(keys):
                 out = bytearray(len(keys))  # STORED == 0
                 if todo:
-                    sub, _ = self.put(ns, [keys[i] for i in todo], [objs[i] for i in todo])
+                    sub_blocks = None if blocks is None else (
+                        blocks[0], [blocks[1][i] for i in todo])
+                    sub, _ = self.put(ns, [keys[i] for i in todo], [objs[i] for i in todo],
+                                      blocks=sub_blocks)
                     for i, r in zip(todo, sub):
                         out[i] = r
                 return bytes(out), len(keys) - len(todo)
@@ -230,21 +239,29 @@ class ClientConnection:
         items = [encode_header(k, o.shape, o.dtype, o.num_tokens, v)
                  for k, o, v in zip(keys, objs, views)]
         frames: list[tuple[int, int]] = []
-        start, size = 0, 0
+        start, size, meta = 0, 0, 0
+        info = None if blocks is None else blocks[1]
+        meta_room = self.limits.max_meta // 2  # block info's tokens travel as metadata
         for i, v in enumerate(views):  # cut frames at max_batch values / max_payload bytes
+            item = None if info is None else info[i]
+            extra = 64 + (0 if item is None else len(item[1]))
             if i > start and (i - start >= self.limits.max_batch
-                              or size + v.nbytes > self.limits.max_payload):
+                              or size + v.nbytes > self.limits.max_payload
+                              or (info is not None and meta + extra > meta_room)):
                 frames.append((start, i))
-                start, size = i, 0
+                start, size, meta = i, 0, 0
             size += v.nbytes
+            meta += extra
         if start < len(views):
             frames.append((start, len(views)))
         results = bytearray(len(views))
 
         def requests():
             for a, b in frames:
-                yield ({"ns": ns, "items": items[a:b]}, views[a:b],
-                       sum(v.nbytes for v in views[a:b]))
+                m: dict[str, Any] = {"ns": ns, "items": items[a:b]}
+                if blocks is not None:
+                    m["blocks"] = {**blocks[0], "items": list(blocks[1][a:b])}
+                yield (m, views[a:b], sum(v.nbytes for v in views[a:b]))
 
         def on_reply(j: int, h: P.FrameHeader, meta: dict) -> None:
             a, b = frames[j]

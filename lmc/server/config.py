@@ -104,6 +104,20 @@ def _mode(v: Any, k: str) -> int:
     return parse_int(v, k, minimum=0)
 
 
+def _kv_events(v: Any, k: str) -> dict[str, Any] | None:
+    """The ``kv_events`` mapping: the engine's keys (vLLM's ``--kv-events-config`` and
+    lmc's), checked by :class:`lmc.events.config.EventsConfig`; null = off."""
+    if v is None or v == "":
+        return None
+    out = parse_mapping(v, k)
+    from lmc.events.config import EventsConfig
+    try:
+        EventsConfig.from_mapping(out)
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"{k}: {e}") from None
+    return out
+
+
 def _pos(v: Any, k: str) -> int:
     return parse_int(v, k, minimum=1)
 
@@ -197,6 +211,11 @@ class ServerConfig(Settings):
     drain_timeout: float = setting(10.0, _seconds(0),
                                    "seconds SIGTERM waits for in-flight requests", unit="duration")
     io_threads: int = setting(2, _pos, "threads for lower-tier (disk, Redis) calls")
+    # ---- KV events (docs/events.md): what this daemon holds, for routers
+    kv_events: dict[str, Any] | None = setting(
+        None, _kv_events, "publish KV events for the chunks held: the engine's kv_events "
+        "keys, e.g. {enable_kv_cache_events: true, endpoint: 'tcp://*:5557', block_size: 16} "
+        "(null = off)")
     # ---- operations
     metrics_host: str = setting("127.0.0.1", lambda v, k: parse_opt_str(v, k) or "127.0.0.1",
                                 "address of the /metrics and /healthz HTTP listener")

@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from lmc import units
+from lmc.events.config import EventsConfig
 from lmc.memory import invariants
 from lmc.memory.pool import MemoryPool, check_fits
 from lmc.server import fdcap
@@ -43,6 +44,7 @@ from lmc.server.activity import Activity
 from lmc.server.auth import Grant
 from lmc.server.client import UNIX_SNDBUF
 from lmc.server.config import ServerConfig
+from lmc.server.events import DaemonEvents
 from lmc.server.http import MetricsHTTP
 from lmc.server.ratelog import FirstSeen, IntervalLog, RateLimitedWarnings
 from lmc.server.session import IDLE, Session
@@ -116,6 +118,15 @@ class Daemon:
             raise
         log.info("storage ready in %s: tiers %s", units.seconds(time.perf_counter() - t0),
                  ", ".join(t.name for t in self.storage.tiers))
+        self.kv_events: DaemonEvents | None = None  # KV events for routers (lmc.server.events)
+        if config.kv_events is not None and EventsConfig.from_mapping(config.kv_events).enabled:
+            try:
+                self.kv_events = DaemonEvents(config.kv_events, self.storage)
+            except BaseException:
+                self.storage.close()
+                self.pool.close()
+                self.close_listeners()
+                raise
         self.activity = Activity(config.max_namespaces)
         self.store = NamespacedStore(self.storage, config.quotas, config.quota_default,
                                      config.max_namespaces,
@@ -187,7 +198,9 @@ class Daemon:
                 "media": tier_media(self.storage.tiers),
                 "requests": (self.activity.totals() if allowed is None else
                              _sum(self.activity.namespaces(allowed).values())),
-                "namespaces": self._namespaces(allowed)}
+                "namespaces": self._namespaces(allowed),
+                **({"kv_events": self.kv_events.stats()}
+                   if self.kv_events is not None and allowed is None else {})}
 
     def _namespaces(self, allowed: frozenset[str] | None) -> dict[str, dict[str, Any]]:
         """Every namespace that sent requests (its counts) and every quota-tracked one (its
@@ -443,7 +456,10 @@ class Daemon:
         if not path:
             return
         info = {"pid": os.getpid(), "port": self.port, "unix_socket": self.config.unix_socket,
-                "metrics_port": self.http.port if self.http else None}
+                "metrics_port": self.http.port if self.http else None,
+                "kv_events": None if self.kv_events is None else {
+                    "endpoint": self.kv_events.endpoint,
+                    "replay_endpoint": self.kv_events.replay_endpoint}}
         tmp = f"{path}.tmp{os.getpid()}"
         with open(tmp, "w") as f:
             json.dump(info, f)
@@ -522,6 +538,8 @@ class Daemon:
                 log.warning("write-behind not drained after %.0f s", self.storage.close_timeout)
         except Exception as e:
             log.error("flushing the storage failed: %s", e)
+        if self.kv_events is not None:
+            self.kv_events.close()
         self.storage.close()
         self.pool.close()
 

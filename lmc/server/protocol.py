@@ -145,7 +145,9 @@ def unpack_meta(buf: Any, limits: Limits, max_map: int = 64) -> dict[str, Any]:
         meta = msgpack.unpackb(
             buf, raw=False, strict_map_key=True, use_list=True,
             max_str_len=max(limits.max_namespace * 4, 4096),
-            max_bin_len=max(4096, limits.max_batch), max_array_len=limits.max_batch,
+            # bins: 16-byte keys, 48-byte value headers, a chunk's tokens (block info: up to
+            # 16k tokens); the whole frame's metadata is bounded by max_meta before this
+            max_bin_len=max(64 << 10, limits.max_batch), max_array_len=limits.max_batch,
             max_map_len=max_map, max_ext_len=0)
     except Exception as e:  # any decoding failure is the peer's fault, never ours
         raise ProtocolError(BAD_REQUEST, f"undecodable metadata ({type(e).__name__})") from None

@@ -210,6 +210,8 @@ class Session:
                                   "limits": self.limits.as_dict()}
         if self.grant is not None and not self.grant.admin:
             answer["namespaces"] = sorted(self.grant.namespaces)
+        if self.daemon.kv_events is not None:
+            answer["kv_events"] = self.daemon.kv_events.hello()
         await self._send(h.op, h.req_id, answer)
         return True
 
@@ -236,6 +238,8 @@ class Session:
         ns = self.granted_namespace(meta)
         items = P.get_put_items(meta, h.payload_len, self.limits)
         ikeys = self.store.internal_keys(ns, [it.key for it in items])
+        if self.daemon.kv_events is not None:  # block info checked before any payload
+            self.daemon.kv_events.check(ns, meta, items, ikeys)
         admitted, reserved = self.store.admit(ns, [it.payload_len for it in items])
         results = bytearray(len(items))
         self.state = READING

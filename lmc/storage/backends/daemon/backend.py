@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from lmc.config import CacheConfig
 from lmc.memory.pool import MemoryObj, MemoryPool
 from lmc.server import protocol as P
-from lmc.server.client import Address, Allocate, ClientConnection
+from lmc.server.client import Address, Allocate, BlockMeta, ClientConnection
 from lmc.server.probe import ProbePolicy
 from lmc.settings import parse_int, parse_opt_str
 from lmc.storage.breaker import CLOSED, OPEN, CircuitBreaker
@@ -53,6 +53,8 @@ from .tags import TAG_DTYPE, TAG_SHAPE, Tags, interleave, tag_key
 if TYPE_CHECKING:
     import torch
 
+    from lmc.events.notes import ChunkNotes
+
 log = logging.getLogger(__name__)
 WARN_INTERVAL = 60.0  # seconds between repeated failure lines (the README: counted per interval)
 T = TypeVar("T")
@@ -65,6 +67,11 @@ class ServerBackend(StorageBackend):
 
     medium = Medium.REMOTE
     capabilities = TierCapabilities(existence_without_reading=True, durable=True)
+    block_notes: ChunkNotes | None = None
+    """The seam for the daemon's KV events: set by :func:`lmc.events.notes.bind` (the engine's
+    chunk notes). When set and the daemon's HELLO says it publishes events at this block
+    size, each PUT carries the chunks' block info (``lmc.events.shared``); otherwise PUTs
+    are unchanged."""
 
     OPTIONS = {  # remote_options / ?name=value in the URL; defaults as in __init__
         "connections": BackendOption(4, lambda v, k: parse_int(v, k, minimum=1),
@@ -137,7 +144,12 @@ class ServerBackend(StorageBackend):
 
     # ------------------------------------------------------- connections
     def _connect(self) -> ClientConnection:
-        return ClientConnection(self.address, self._token, self.timeout, self._client_name)
+        conn = ClientConnection(self.address, self._token, self.timeout, self._client_name)
+        ev = getattr(conn, "kv_events", None)
+        if self.block_notes is not None and ev and ev.get("block_size") == \
+                self.block_notes.block_size:
+            self.block_notes.activate()  # note prompts from now on (their PUTs come later)
+        return conn
 
     def _acquire(self) -> ClientConnection:
         deadline = time.monotonic() + self.timeout
@@ -377,12 +389,32 @@ class ServerBackend(StorageBackend):
 
         def run(a: int, b: int) -> list[bool]:
             res, present = self._call(
-                "put", lambda c: c.put(self.namespace, keys[a:b], objs[a:b], probe), (b"", 0))
+                "put", lambda c: c.put(self.namespace, keys[a:b], objs[a:b], probe,
+                                       self._blocks(c, keys[a:b])), (b"", 0))
             if probe:
                 self.probe.saw(present, b - a)
             return [j < len(res) and res[j] == P.STORED for j in range(b - a)]
 
         return [ok for part in self._parallel(parts, run) for ok in part]
+
+    def _blocks(self, conn: ClientConnection, keys: Sequence[Key]) -> BlockMeta | None:
+        """Block info for the daemon's KV events, when it publishes at our block size."""
+        notes = self.block_notes
+        ev = getattr(conn, "kv_events", None)
+        if notes is None or ev is None:
+            return None
+        if ev.get("block_size") != notes.block_size:
+            if not getattr(self, "_told_block_size", False):
+                self._told_block_size = True
+                log.warning("server tier %s: the daemon publishes KV events at block size "
+                            "%s, this engine's is %d: its chunks are not published there",
+                            self.url, ev.get("block_size"), notes.block_size)
+            return None
+        notes.activate()
+        items = notes.items(keys)
+        if not any(items):
+            return None
+        return {"bs": notes.block_size, "cs": notes.chunk_size, "lora": None}, items
 
     def delete(self, keys: Sequence[Key]) -> int:
         if not keys:

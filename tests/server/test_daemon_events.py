@@ -1,0 +1,189 @@
+"""The daemon publishes KV events for what it holds: a real ``lmc server`` process with
+``kv_events`` on, a real ``CacheEngine`` whose ``lmc://`` tier sends block info with its
+PUTs, and a ZMQ subscriber decoding with lmc's wire decoder (and the router's index)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from lmc import CacheConfig
+from lmc.cache_engine import CacheEngine
+from lmc.events import wire
+from lmc.events.notes import bind
+from lmc.router.index import PrefixIndex
+from lmc.router.policy import PromptKeys
+from tests.events.helpers import Collector, request
+from tests.kvutil import make_caches, random_tokens, spec_for
+from tests.server.daemon_proc import DaemonProc
+
+CHUNK = 64
+BLOCK = 16
+EVENTS = {"enable_kv_cache_events": True, "endpoint": "tcp://127.0.0.1:*",
+          "replay_endpoint": "tcp://127.0.0.1:*", "block_size": BLOCK, "heartbeat": 0.3}
+
+
+def start(tmp: Path, *flags: str, events: dict[str, Any] | None = None) -> DaemonProc:
+    ev = {**EVENTS, **(events or {})}
+    return DaemonProc(tmp, ["--size", "64MiB", "--kv-events", json.dumps(ev), *flags]).start()
+
+
+def endpoints(d: DaemonProc) -> tuple[str, str]:
+    ev = d.info["kv_events"]
+    return ev["endpoint"], ev["replay_endpoint"]
+
+
+@contextlib.contextmanager
+def engine(url: str, ns: str = "lmc", notes: bool = True, pool: str = "4MiB"
+           ) -> Iterator[tuple[CacheEngine, Any]]:
+    """A CPU engine (chunk 64, block 16: 24 KiB a chunk) whose remote tier is the daemon."""
+    caches = make_caches("vllm_flash", blocks=256, block_size=BLOCK)
+    cfg = CacheConfig(chunk_size=CHUNK, local_cpu_size=pool, local_cpu_prefault="off",
+                      pin_memory="false", remote_url=f"{url}?ns={ns}")
+    eng = CacheEngine(cfg, spec_for("vllm_flash", caches), "daemon-events-test")
+    try:
+        if notes:
+            assert bind(eng) is not None
+        eng.lookup(random_tokens(CHUNK, seed=999))  # connects: HELLO says events are on
+        yield eng, caches
+    finally:
+        eng.close()
+
+
+def store(eng: CacheEngine, caches: Any, tokens: list[int]) -> None:
+    eng.store(tokens, caches, torch.arange(len(tokens)))
+    eng.flush()
+
+
+def stored(evs: list[wire.Event], medium: str | None = None) -> list[wire.Stored]:
+    return [e for e in evs if isinstance(e, wire.Stored) and medium in (None, e.medium)]
+
+
+def wait_for(sub: Collector, pred, timeout: float = 10.0) -> list[wire.Event]:
+    got: list[wire.Event] = []
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        got += sub.events(wait=0.5)
+        if pred(got):
+            return got
+    return got
+
+
+def cached(index: PrefixIndex, tokens: list[int], ns: str) -> tuple[int, int, int]:
+    m = index.match(PromptKeys(tokens, None, ns).at(BLOCK))
+    return m.gpu * BLOCK, m.cpu * BLOCK, m.storage * BLOCK
+
+
+def test_stored_chunks_are_published_with_blocks_the_daemon_derived(tmp_path):
+    d = start(tmp_path / "d")
+    try:
+        ep, rep = endpoints(d)
+        sub = Collector(ep)
+        with engine(d.url) as (eng, caches):
+            prompt = random_tokens(3 * CHUNK + 10, seed=1)  # 3 full chunks and a tail
+            store(eng, caches, prompt)
+            got = wait_for(sub, lambda g: len(stored(g)) >= 4)
+        ev = stored(got, wire.CPU)
+        assert [len(e.hashes) for e in ev] == [4, 4, 4], ev  # the tail's partial block: none
+        assert ev[0].parent is None and ev[1].parent == ev[0].hashes[-1] \
+            and ev[2].parent == ev[1].hashes[-1]
+        assert [t for e in ev for t in e.token_ids] == prompt[:3 * CHUNK]
+        assert all(e.block_size == BLOCK and e.cache_salt == "lmc" for e in ev)
+        assert len({h for e in ev for h in e.hashes}) == 12
+        index = PrefixIndex()
+        index.apply(got)
+        assert cached(index, prompt, "lmc") == (0, 3 * CHUNK, 3 * CHUNK)
+        assert cached(index, prompt, "other") == (0, 0, 0)  # the namespace is the salt
+        # a router that joins now gets the same from the state dump
+        frames = request(rep, [b"", b"dump"])
+        dumped = [e for f in frames[:-1] for e in wire.decode_batch(f[3])[1]]
+        assert isinstance(dumped[0], wire.Cleared)
+        assert [e.hashes for e in stored(dumped)] == [e.hashes for e in ev]
+        sub.close()
+        st = d.stats()
+        assert st["kv_events"]["kv_events.refused"] == 0
+    finally:
+        d.kill()
+
+
+def test_removed_on_eviction_and_delete_stays_on_disk(tmp_path):
+    # a 2 MiB pool holds ~80 chunks of 24 KiB: 40 prompts of 2 chunks evict the first ones
+    d = start(tmp_path / "d", "--size", "2MiB", "--disk", str(tmp_path / "disk"),
+              "--disk-size", "64MiB")
+    try:
+        ep, _ = endpoints(d)
+        sub = Collector(ep)
+        with engine(d.url, pool="8MiB") as (eng, caches):
+            first = random_tokens(2 * CHUNK, seed=100)
+            store(eng, caches, first)
+            got = wait_for(sub, lambda g: len(stored(g, wire.STORAGE)) >= 2)
+            index = PrefixIndex()
+            index.apply(got)
+            assert cached(index, first, "lmc") == (0, 2 * CHUNK, 2 * CHUNK)
+            for i in range(60):
+                store(eng, caches, random_tokens(2 * CHUNK, seed=200 + i))
+            got = wait_for(sub, lambda g: any(isinstance(e, wire.Removed) for e in g)
+                           and len(stored(g, wire.STORAGE)) >= 120, timeout=20)
+            index.apply(got)
+            removed = [e for e in got if isinstance(e, wire.Removed)]
+            assert removed and all(e.medium == wire.CPU for e in removed)
+            # evicted from the daemon's memory, still on its disk
+            assert cached(index, first, "lmc") == (0, 0, 2 * CHUNK)
+            # a delete takes every copy: gone from the router's view
+            eng.storage.tiers[-1].delete(eng.db.keys(first))
+            got = wait_for(sub, lambda g: any(isinstance(e, wire.Removed)
+                                              and e.medium == wire.STORAGE for e in g))
+            index.apply(got)
+            assert cached(index, first, "lmc") == (0, 0, 0)
+        sub.close()
+    finally:
+        d.kill()
+
+
+def test_an_old_client_is_stored_and_not_published(tmp_path):
+    d = start(tmp_path / "d")
+    try:
+        ep, _ = endpoints(d)
+        sub = Collector(ep)
+        with engine(d.url, notes=False) as (eng, caches):
+            prompt = random_tokens(2 * CHUNK, seed=3)
+            store(eng, caches, prompt)
+            assert eng.storage.tiers[-1].contains(eng.db.keys(prompt)) == [True, True]
+        assert not stored(sub.events(wait=1.0))
+        sub.close()
+        assert d.stats()["kv_events"]["kv_events.no_info"] >= 2
+    finally:
+        d.kill()
+
+
+def test_off_by_default_and_the_put_is_unchanged(tmp_path):
+    d = DaemonProc(tmp_path / "d", ["--size", "64MiB"]).start()
+    try:
+        assert d.info["kv_events"] is None
+        with engine(d.url) as (eng, caches):
+            tier = eng.storage.tiers[-1]
+            conn = tier._acquire()
+            try:
+                assert conn.kv_events is None
+            finally:
+                tier._release(conn, True)
+            prompt = random_tokens(2 * CHUNK, seed=4)
+            store(eng, caches, prompt)
+            assert tier.contains(eng.db.keys(prompt)) == [True, True]
+            assert not eng.db.notes.active and len(eng.db.notes) == 0  # nothing noted
+        assert "kv_events" not in d.stats()
+    finally:
+        d.kill()
+
+
+def test_bad_config_is_named(tmp_path):
+    with pytest.raises(RuntimeError, match="kv_events.*block_size"):
+        DaemonProc(tmp_path / "d", ["--size", "64MiB", "--kv-events",
+                                    json.dumps({**EVENTS, "block_size": -1})]).start()
