@@ -13,9 +13,10 @@ batch that grows), so they are measured from real work, not configured once:
   the host cannot see the copy's end without synchronising).
 * the engine's prefill: each step whose forward the connector saw (from ``start_load`` to
   ``wait_for_save``, steps that loaded nothing) is one observation of
-  ``seconds = c0 + c1 * tokens + c2 * attention``, where ``attention`` is
+  ``seconds = c0 + c1 * tokens + c2 * attention + c3 * saved``, where ``attention`` is
   ``sum(end**2 - start**2)`` over the step's requests (attention makes later tokens dearer;
-  the planner's prefill fit has the same form).
+  the planner's prefill fit has the same form) and ``saved`` the new tokens lmc saved
+  beside the forward (not part of a recompute: see :class:`PrefillSpeed`).
 
 Why a fit over a window kept per size bucket rather than one moving average: decode steps
 (a few tokens) far outnumber prefills (thousands), and an average of seconds per token
@@ -248,29 +249,54 @@ class TierSpeed:
         return TierRate(self.name, nbytes / seconds, self.prior.latency_s, self.overlaps, n)
 
 
+LEAN_MIN_TOKENS = 128  # a step this long that saved under half of it tells compute from saves
+
+
 class PrefillSpeed:
     """The engine's compute, from the steps the connector saw; :meth:`rate` the estimate
-    (``None`` until observed and no prior)."""
+    (``None`` until observed and no prior).
+
+    A step that saved new chunks also paid for lmc's saves (gathers beside the forward, the
+    commit): on an H100 a cold 16k-token prefill with lmc took 1.7x the engine alone, and a
+    fit over such steps put compute at 78k tokens/s against the engine's 168k -- so a hit was
+    loaded from disk where recomputing it was 3x faster. The tokens a step saved are a fourth
+    term, ``c3 * saved``, kept out of :meth:`rate`: recomputing a hit saves nothing (its
+    chunks are held already). The term is fitted only once some steps saved little (else it
+    cannot be told from compute, and the saves stay in, as before): two sizes of such
+    steps, of at least ``LEAN_MIN_TOKENS`` each."""
 
     def __init__(self, prior_tokens_per_s: float | None = None) -> None:
         self.prior = (PrefillRate(0.0, 1.0 / prior_tokens_per_s) if prior_tokens_per_s
                       else None)
-        self.fit = LinearFit(3)
+        self.fit = LinearFit(4)
+        self.save_s_per_token = 0.0  # c3 of the last rate(): stats
 
-    def observe(self, tokens: int, attention: float, seconds: float) -> None:
+    def observe(self, tokens: int, attention: float, seconds: float, saved: int = 0) -> None:
         """A step that computed ``tokens`` positions, ``attention`` = sum of
-        ``end**2 - start**2`` over its requests, in ``seconds``."""
+        ``end**2 - start**2`` over its requests, and saved ``saved`` new tokens, in
+        ``seconds``."""
         if tokens > 0:
-            self.fit.add(tokens, (1.0, float(tokens), float(attention)), seconds)
+            self.fit.add(tokens, (1.0, float(tokens), float(attention), float(max(0, saved))),
+                         seconds)
 
     def rate(self) -> PrefillRate | None:
         n = self.fit.count
         if n == 0:
             return self.prior
-        coef = self.fit.solve()
+        obs = self.fit.observations()
+        # prefill-sized steps that saved little (a decode's few tokens say nothing of c1)
+        lean = {int(math.log2(x[1])) for x, _, _ in obs
+                if x[1] >= LEAN_MIN_TOKENS and x[3] < 0.5 * x[1]}
+        coef: tuple[float, ...] | None = None
+        if len(lean) >= 2 and self.fit.num_buckets >= 4:
+            coef = self.fit.solve()
+        if coef is None and self.fit.num_buckets >= 3:  # the saves inseparable: as compute
+            coef = (*nonneg_lstsq([x[:3] for x, _, _ in obs], [y for _, y, _ in obs],
+                                  [w for _, _, w in obs]), 0.0)
         if coef is not None and (coef[1] > 0 or coef[2] > 0):
+            self.save_s_per_token = coef[3]
             return PrefillRate(coef[0], coef[1], coef[2], n)
-        obs = self.fit.observations()  # one size only: a plain rate through the origin
+        # one size only: a plain rate through the origin
         tokens = sum(x[1] for x, _, _ in obs)
         seconds = sum(y for _, y, _ in obs)
         if tokens <= 0 or seconds <= 0:
@@ -331,6 +357,7 @@ class Speeds:
         if p is not None:
             out.update({"speed.prefill.c0_s": p.c0, "speed.prefill.c1_s": p.c1,
                         "speed.prefill.c2_s": p.c2, "speed.prefill.observed": p.observed,
+                        "speed.prefill.save_s_per_token": self.prefill.save_s_per_token,
                         "speed.prefill.tokens_per_s_1k": p.tokens_per_s(1024),
                         "speed.prefill.tokens_per_s_8k": p.tokens_per_s(8192)})
         return out

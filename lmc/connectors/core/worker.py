@@ -137,7 +137,7 @@ class _StepClock:
         self.device = device
         self.keep = keep
         self._t0: Any = None
-        self._pending: list[tuple[Any, Any, tuple[int, float]]] = []
+        self._pending: list[tuple[Any, Any, tuple[int, float, int]]] = []
 
     def start(self) -> None:
         if self.cuda:
@@ -150,13 +150,13 @@ class _StepClock:
         else:
             self._t0 = time.perf_counter()
 
-    def stop(self, work: tuple[int, float] | None, minus: float = 0.0
-             ) -> list[tuple[int, float, float]]:
-        """End the step begun by :meth:`start` (``work``: its tokens and attention, or
-        ``None`` not to record it; ``minus``: host seconds of the step that were not its
-        compute, CPU only); answers the steps whose time is now known."""
+    def stop(self, work: tuple[int, float, int] | None, minus: float = 0.0
+             ) -> list[tuple[int, float, int, float]]:
+        """End the step begun by :meth:`start` (``work``: its tokens, attention and tokens
+        saved, or ``None`` not to record it; ``minus``: host seconds of the step that were not
+        its compute, CPU only); answers the steps whose time is now known."""
         t0, self._t0 = self._t0, None
-        done: list[tuple[int, float, float]] = []
+        done: list[tuple[int, float, int, float]] = []
         if t0 is not None and work is not None:
             if self.cuda:
                 if torch.cuda.is_current_stream_capturing():
@@ -166,10 +166,10 @@ class _StepClock:
                 self._pending.append((t0, ev, work))
                 del self._pending[: -self.keep]
             else:
-                done.append((work[0], work[1], time.perf_counter() - t0 - minus))
+                done.append((*work, time.perf_counter() - t0 - minus))
         while self._pending and self._pending[0][1].query():
             a, b, w = self._pending.pop(0)
-            done.append((w[0], w[1], a.elapsed_time(b) / 1e3))
+            done.append((*w, a.elapsed_time(b) / 1e3))
         return done
 
 
@@ -443,14 +443,15 @@ class WorkerConnector:
         # loads and the fetches before the forward; on a GPU the stream's waits are not
         # visible without a sync, so only steps that loaded nothing count
         cpu = self.device.type == "cpu"
+        saved = sum(st.num_tokens for _, st in self._stores or ())  # saved beside it
         work = None if meta.compute_tokens <= 0 or (meta.loads and not cpu) else \
-            (meta.compute_tokens, meta.compute_attention)
+            (meta.compute_tokens, meta.compute_attention, saved)
         minus = 0.0
         if meta.loads and cpu:
             waited0, fetch = self._step_waits
             minus = self.stats.load_wait_seconds - waited0 + fetch
-        for tokens, attention, seconds in self._clock.stop(work, minus):
-            speeds.prefill.observe(tokens, attention, seconds)
+        for tokens, attention, saved_tokens, seconds in self._clock.stop(work, minus):
+            speeds.prefill.observe(tokens, attention, seconds, saved=saved_tokens)
             self.stats.steps_timed += 1
         if self.device.type != "cpu" or not self._loads or not speeds.tiers:
             return
