@@ -11,6 +11,17 @@ defaults) is taken from its first batch on, best effort.
 A source is *fresh* while synced and heard from (a batch or a heartbeat) within
 ``stale_after`` seconds; the router scores only fresh sources (``lmc.router.app``).
 
+A publisher that restarts starts again at seq 0 (with ``AllBlocksCleared``); PUB delivers
+one publisher's batches in order, so a PUB batch numbered at or below the last one received
+can only come from a restarted publisher: the source is synced again from its dump
+(Dynamo 1.6.1 drops those batches as old until it is registered again).
+
+A *shared* source (:class:`SharedSource`, ``lmc router --shared-events``) is a store several
+instances read from, an ``lmc server`` daemon with ``kv_events`` on: its blocks count as
+cached for every instance that uses it (:func:`match_instance`), each medium weighted as an
+instance's own. Its events carry the daemon namespace as ``cache_salt``, so its blocks are
+matched with the prompt keyed under that salt.
+
 Bounds: a message is at most 64 MiB (``MAXMSGSIZE``: a larger one disconnects the
 publisher), each SUB queues at most 1,000 messages (then ZMQ drops: a gap, filled by replay),
 a replay or dump is read for at most ``REPLAY_TIMEOUT`` seconds and ``MAX_REPLAY`` batches.
@@ -22,11 +33,12 @@ import logging
 import threading
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from lmc.events import wire
 from lmc.ratelog import RateLimitedWarnings
-from lmc.router.index import PrefixIndex
+from lmc.router.index import Match, PrefixIndex, block_keys, match_union, root_key
 
 log = logging.getLogger(__name__)
 _warn = RateLimitedWarnings(limit=10, window=10.0, logger=log)
@@ -45,13 +57,121 @@ class Source:
         self.replay_endpoint = replay_endpoint
         self.index = PrefixIndex(max_blocks)
         self.next_seq: int | None = None
+        self.last_pub: int | None = None  # seq of the last PUB batch received
         self.synced = False
         self.last_heard = 0.0
-        self.counts = {"batches": 0, "gaps": 0, "replays": 0, "dumps": 0, "bad": 0}
+        self.counts = {"batches": 0, "gaps": 0, "replays": 0, "dumps": 0, "bad": 0,
+                       "restarts": 0}
 
     def fresh(self, stale_after: float, now: float | None = None) -> bool:
         now = time.monotonic() if now is None else now
         return self.synced and now - self.last_heard < stale_after
+
+
+DEFAULT_NAMESPACE = "lmc"
+"""The ``lmc://`` tier's default namespace (``remote_key_prefix``)."""
+MAX_SHARED_INSTANCES = 1024
+
+
+@dataclass(frozen=True)
+class SharedSpec:
+    """``ENDPOINT[,replay=ENDPOINT][,namespace=NS][,instances=URL|URL...]``: a shared store's
+    events, the namespace its users' ``lmc://`` tier writes (``?ns=``; default ``lmc``) and
+    the instances that use it (default: every instance)."""
+
+    endpoint: str
+    replay: str | None = None
+    namespace: str = DEFAULT_NAMESPACE
+    instances: tuple[str, ...] | None = None
+
+    @classmethod
+    def parse(cls, text: str) -> SharedSpec:
+        ep, *opts = text.split(",")
+        form = ("expected ENDPOINT[,replay=ENDPOINT][,namespace=NS][,instances=URL|URL], "
+                f"got {text[:200]!r}")
+        if not ep.startswith(("tcp://", "ipc://")):
+            raise ValueError(f"--shared-events: {ep[:80]!r} is not a tcp:// or ipc:// "
+                             f"endpoint; {form}")
+        kw: dict[str, str] = {}
+        for o in opts:
+            k, eq, v = o.partition("=")
+            if not eq or k not in ("replay", "namespace", "instances") or k in kw:
+                raise ValueError(f"--shared-events: {o[:60]!r}: {form}")
+            kw[k] = v
+        replay = kw.get("replay")
+        if replay is not None and not replay.startswith(("tcp://", "ipc://")):
+            raise ValueError(f"--shared-events: replay={replay[:80]!r} is not a tcp:// or "
+                             "ipc:// endpoint")
+        ns = kw.get("namespace", DEFAULT_NAMESPACE)
+        if len(ns.encode()) > 64:
+            raise ValueError("--shared-events: namespace= is longer than 64 bytes")
+        insts = None
+        if "instances" in kw:
+            insts = tuple(u.rstrip("/") for u in kw["instances"].split("|") if u)
+            if not insts or len(insts) > MAX_SHARED_INSTANCES:
+                raise ValueError(f"--shared-events: instances= must name 1 to "
+                                 f"{MAX_SHARED_INSTANCES} instance URLs")
+        return cls(ep, replay, ns, insts)
+
+
+class SharedSource(Source):
+    """A shared store's events (see the module docstring)."""
+
+    def __init__(self, spec: SharedSpec, max_blocks: int) -> None:
+        super().__init__(f"shared:{spec.endpoint}", spec.endpoint, spec.replay, max_blocks)
+        self.namespace = spec.namespace
+        self.instances = None if spec.instances is None else frozenset(spec.instances)
+
+    def serves(self, url: str) -> bool:
+        return self.instances is None or url.rstrip("/") in self.instances
+
+
+class SaltedKeys:
+    """A prompt's block keys per (salt, block size), each computed once per request."""
+
+    def __init__(self, tokens: Sequence[int], lora_name: str | None = None,
+                 cache_salt: str | None = None) -> None:
+        self.tokens = tokens
+        self.lora_name = lora_name
+        self.cache_salt = cache_salt  # the request's own (an instance's own events)
+        self._keys: dict[tuple[str | None, int], list[int]] = {}
+
+    def at(self, block_size: int, salt: str | None = None) -> list[int]:
+        k = (salt, block_size)
+        out = self._keys.get(k)
+        if out is None:
+            out = self._keys[k] = block_keys(self.tokens, block_size,
+                                             root_key(self.lora_name, salt))
+        return out
+
+
+def match_instance(url: str, own: Source | None, shared: Sequence[SharedSource],
+                   keys: SaltedKeys, stale_after: float, now: float | None = None
+                   ) -> Match | None:
+    """The prompt's cached prefix for instance ``url``: its own fresh events and those of
+    every fresh shared source it uses, block by block (a prefix may start in the
+    instance's GPU and go on in the shared store). None when none of them is fresh (the
+    policy then credits nothing). Sources of another block size than the largest group's
+    are left out (counted by nobody: a deployment has one block size)."""
+    now = time.monotonic() if now is None else now
+    parts: list[tuple[PrefixIndex, list[int]]] = []
+    fresh = False
+    if own is not None and own.fresh(stale_after, now):
+        fresh = True
+        if own.index.block_size:
+            parts.append((own.index, keys.at(own.index.block_size, keys.cache_salt)))
+    for s in shared:
+        if s.serves(url) and s.fresh(stale_after, now):
+            fresh = True
+            if s.index.block_size:
+                parts.append((s.index, keys.at(s.index.block_size, s.namespace)))
+    if not fresh:
+        return None
+    if not parts:
+        return Match()
+    sizes = [p[0].block_size for p in parts]
+    bs = max(set(sizes), key=sizes.count)
+    return match_union([p for p in parts if p[0].block_size == bs])
 
 
 class EventFeed:
@@ -190,6 +310,16 @@ class EventFeed:
             return
         seq = int.from_bytes(frames[1], "big")
         s.last_heard = time.monotonic()
+        restarted = s.last_pub is not None and seq <= s.last_pub
+        s.last_pub = seq
+        if restarted and s.replay_endpoint is not None:
+            log.info("events from %s: the publisher restarted (seq %d after %d); syncing "
+                     "anew", s.name, seq, s.next_seq or 0)
+            s.counts["restarts"] += 1
+            s.synced = False
+        elif restarted:  # no replay socket: from here on
+            s.counts["restarts"] += 1
+            s.next_seq = seq
         if not s.synced:
             if s.replay_endpoint is None:  # best effort: from here on
                 s.synced, s.next_seq = True, seq

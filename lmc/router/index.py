@@ -138,24 +138,34 @@ class PrefixIndex:
 
     def match(self, keys: Sequence[int]) -> Match:
         """``keys``: the prompt's :func:`block_keys` at this index's block size."""
-        m = Match(block_size=self.block_size)
-        media = self.media
-        gpu_run = cpu_run = True
-        for i, k in enumerate(keys):
-            bits = media.get(k, 0)
-            if not bits:
-                break
-            if gpu_run and bits & 1:
-                m.gpu = i + 1
-            else:
-                gpu_run = False
-            if cpu_run and bits & 3:
-                m.cpu = i + 1
-            else:
-                cpu_run = False
-            m.storage = i + 1
-        return m
+        return match_union([(self, keys)])
 
     @property
     def blocks(self) -> int:
         return len(self.media)
+
+
+def match_union(parts: Sequence[tuple[PrefixIndex, Sequence[int]]]) -> Match:
+    """A prompt's cached prefix where each block may be held by any of several indexes (an
+    instance's own events and a shared store it reads from), each with the prompt's keys
+    as that index roots them (a shared store's blocks carry its namespace as salt). All
+    indexes must have one block size (the caller groups them)."""
+    m = Match(block_size=parts[0][0].block_size if parts else 0)
+    gpu_run = cpu_run = True
+    n = min((len(keys) for _, keys in parts), default=0)
+    for i in range(n):
+        bits = 0
+        for index, keys in parts:
+            bits |= index.media.get(keys[i], 0)
+        if not bits:
+            break
+        if gpu_run and bits & 1:
+            m.gpu = i + 1
+        else:
+            gpu_run = False
+        if cpu_run and bits & 3:
+            m.cpu = i + 1
+        else:
+            cpu_run = False
+        m.storage = i + 1
+    return m

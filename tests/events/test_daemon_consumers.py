@@ -19,8 +19,8 @@ from tests.events.helpers import request, vllm_python
 from tests.events.test_dynamo_indexer import MODEL, WORKER, Indexer, dynamo_python
 from tests.events.test_vllm_decoder import DECODE, ours
 from tests.kvutil import random_tokens
-from tests.server.test_daemon_events import BLOCK, CHUNK, EVENTS, engine, store
 from tests.server.daemon_proc import DaemonProc, free_port
+from tests.server.test_daemon_events import BLOCK, CHUNK, EVENTS, engine, store
 
 pytestmark = pytest.mark.integration
 
