@@ -148,4 +148,8 @@ def attach(engine: Any, setting: EventsConfig | Mapping[str, Any] | None
     listener = EventsListener(publisher.offer)
     engine.db = NotingDatabase(old_db, publisher.offer)
     storage.add_listener(listener)
+    # an lmc:// tier describes its chunks to a daemon that publishes them (its HELLO says
+    # so; nothing is noted before): lmc.events.notes, wrapped around the noting database
+    from lmc.events.notes import bind
+    bind(engine, block_size)
     return EngineEvents(engine, publisher, listener, old_db)

@@ -119,6 +119,8 @@ def bind(engine: Any, block_size: int | None = None) -> ChunkNotes | None:
     tiers = [t for t in engine.storage.tiers if hasattr(t, "block_notes")]
     if not tiers:
         return None
+    if isinstance(engine.db, NotesDatabase):  # bound already (attach() binds too)
+        return engine.db.notes
     if block_size is None:
         ev = getattr(engine.config, "kv_events", None) or {}
         block_size = int(ev.get("block_size") or 0) or int(engine.spec.block_size)

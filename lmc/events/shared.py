@@ -20,14 +20,14 @@ client sends, per value, only what the daemon can verify, and the daemon derives
   multiple of ``bs``; ``len(tokens)`` equal to the value header's token count and at most
   ``cs``; and ``xxh3_128(prev || tokens)`` equal to the chunk's key (lmc's key chain), so
   the tokens published are the tokens the key names;
-* hashes (:func:`derive`), never the client's: block ``j`` of a chunk is keyed BLAKE2b of
-  ``prev``, the LoRA name and the chunk's tokens up to the end of the block, keyed with
-  the namespace; a full chunk's last block is keyed BLAKE2b of the chunk's own key, so
-  the next chunk's parent (``prev``) is known without its tokens. Equal blocks in one
+* hashes (:func:`derive`), never the client's: lmc's own key chain over the chunk's
+  blocks, seeded per namespace, LoRA and ``prev`` by keyed BLAKE2b under a secret of this
+  daemon run; a full chunk's last block is keyed BLAKE2b of the chunk's own key, so the
+  next chunk's parent (``prev``) is known without its tokens. Equal blocks in one
   namespace get equal hashes (a partial tail and the full chunk that replaces it share
-  them: the tracker reference-counts), and no tenant can produce another namespace's
-  hashes (the key is the namespace: BLAKE2 is a PRF), nor make the daemon publish under
-  another namespace's ``cache_salt`` (the daemon stamps the request's granted namespace).
+  them: the tracker reference-counts); no tenant can compute another namespace's hashes
+  (it knows no seed), nor make the daemon publish under another namespace's
+  ``cache_salt`` (the daemon stamps the request's granted namespace).
 
 Block info lies a tenant can still tell are about its own namespace only (a ``start`` of 0
 for a middle chunk publishes a prefix that exists nowhere: routers send that tenant's
@@ -37,6 +37,7 @@ requests to the daemon's users and miss). See docs/threats/daemon.md.
 from __future__ import annotations
 
 import hashlib
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -45,6 +46,7 @@ import numpy as np
 import xxhash
 
 from lmc.events.tracker import ChunkInfo
+from lmc.token_database import ChunkedTokenDatabase
 
 KEY = 16
 MAX_BLOCK = 1 << 16
@@ -129,32 +131,43 @@ def parse(raw: Any, keys: Sequence[bytes], num_tokens: Sequence[int]
     return out
 
 
-def _u64(d: bytes) -> int:
+def new_secret() -> bytes:
+    """The key of one publisher's block hashes (random per daemon run: a restart clears
+    what routers know of it anyway)."""
+    return os.urandom(32)
+
+
+def _tag(ns: str, lora: str | None) -> bytes:
+    nb, lb = ns.encode(), (lora or "").encode()
+    return len(nb).to_bytes(1, "little") + nb + lb
+
+
+def _chunk_hash(secret: bytes, tag: bytes, key: bytes) -> int:
+    d = hashlib.blake2b(b"\x01" + tag + b"\0" + key, digest_size=8, key=secret,
+                        person=_PERSON).digest()
     return int.from_bytes(d, "little")
 
 
-def _chunk_hash(ns_key: bytes, lora: str | None, key: bytes) -> int:
-    h = hashlib.blake2b(digest_size=8, key=ns_key, person=_PERSON)
-    h.update(b"\x01" + (lora or "").encode() + b"\0" + key)
-    return _u64(h.digest())
-
-
-def derive(ns: str, key: bytes, info: BlockInfo) -> ChunkInfo:
+def derive(secret: bytes, ns: str, key: bytes, info: BlockInfo) -> ChunkInfo:
     """The chunk's published blocks (full blocks only), in namespace ``ns``: hashes, parent,
-    tokens, and ``ns`` as the ``cache_salt`` (see the module docstring)."""
-    ns_key = ns.encode()
+    tokens, and ``ns`` as the ``cache_salt``. Block ``j``'s hash is the low 64 bits of lmc's
+    key chain (XXH3-128, native) over the chunk's blocks, seeded with keyed BLAKE2b of the
+    namespace, LoRA name and ``prev`` under this run's ``secret``; a full chunk's last block
+    is keyed BLAKE2b of the chunk's own key, so the next chunk's parent is known from its
+    ``prev`` alone. A tenant knows neither seed nor key, so it can aim no block of its own
+    at another namespace's hashes."""
+    tag = _tag(ns, info.lora)
+    seed = hashlib.blake2b(b"\x00" + tag + b"\0" + info.prev, digest_size=16, key=secret,
+                           person=_PERSON).digest()
     bs, n = info.block_size, len(info.tokens) // 4
     full = n // bs
-    h = hashlib.blake2b(digest_size=8, key=ns_key, person=_PERSON)
-    h.update(b"\x00" + (info.lora or "").encode() + b"\0" + info.prev)
-    mv = memoryview(info.tokens)
-    hashes: list[int] = []
-    for j in range(full):
-        h.update(mv[j * bs * 4:(j + 1) * bs * 4])
-        hashes.append(_u64(h.copy().digest()))
+    keys: list[bytes] = []
+    if full:
+        ChunkedTokenDatabase(bs, False, seed)._chain(seed, info.tokens, full * bs * 4, keys)
+    hashes: list[int] = np.frombuffer(b"".join(keys), dtype="<u8")[0::2].tolist()
     if full and n == info.chunk_size:  # the next chunk names this block by our key
-        hashes[-1] = _chunk_hash(ns_key, info.lora, key)
-    parent = None if info.start == 0 else _chunk_hash(ns_key, info.lora, info.prev)
+        hashes[-1] = _chunk_hash(secret, tag, key)
+    parent = None if info.start == 0 else _chunk_hash(secret, tag, info.prev)
     toks = np.frombuffer(info.tokens, dtype="<u4")[:full * bs].astype(np.uint32)
     return ChunkInfo(tuple(hashes), parent, toks, info.start, info.lora, ns)
 

@@ -52,6 +52,7 @@ class DaemonEvents:
         if not cfg.enabled:
             raise ValueError("kv_events: not enabled")
         self.block_size = cfg.block_size or DEFAULT_BLOCK
+        self.secret = shared.new_secret()  # keys this run's block hashes (lmc.events.shared)
         self.storage = storage
         media = tier_media(storage.infos, cfg.publish_remote)
         holder: list[EventPublisher] = []
@@ -110,7 +111,8 @@ class DaemonEvents:
             elif info.block_size != self.block_size:
                 other += 1
             else:
-                offer(("info", ikey, functools.partial(shared.derive, ns, it.key, info)))
+                offer(("info", ikey, functools.partial(shared.derive, self.secret, ns, it.key,
+                                                          info)))
         if missing:
             self.publisher.count("no_info", missing)
         if other:
