@@ -251,7 +251,7 @@ class NamespacedStore:
             reserved = sum(s for s, ok in zip(sizes, out) if ok)
             ledger.pending += reserved
         if victims:  # quotas bound memory: copies in the disk/Redis tiers stay (own limits)
-            self.l1.delete(victims)
+            self._drop(victims)
         return out, reserved
 
     def settle(self, ns: str, reserved: int) -> None:
@@ -334,7 +334,7 @@ class NamespacedStore:
                         ledger.drop(k)
                     victims += old
         if victims:
-            self.l1.delete(victims)
+            self._drop(victims)
 
     def delete(self, ns: str, ikeys: Sequence[bytes]) -> int:
         """How many of the (distinct) keys were present anywhere; every copy goes (the
@@ -505,7 +505,7 @@ class NamespacedStore:
                 return False
             ledger.hold(ikeys, objs)
         if victims:
-            self.l1.delete(victims)
+            self._drop(victims)
         return True
 
     def unhold(self, ns: str, objs: Sequence[MemoryObj | None]) -> None:
@@ -532,6 +532,18 @@ class NamespacedStore:
             return 0 if ledger is None else ledger.orphan + ledger.pinned + ledger.pending
 
     # ----------------------------------------------------------------- misc
+    def _drop(self, victims: Sequence[bytes]) -> None:
+        """Chunks leaving memory for a quota or a reclaimed ledger: deleted from the memory
+        tier, and told to the storage's listeners (the KV events' ``BlockRemoved``): the
+        tier reports its own evictions, not deletes made behind the manager's back."""
+        self.l1.delete(victims)
+        info = self.storage.infos[0]
+        for x in self.storage.listeners:
+            try:
+                x.on_removed(victims, info, "quota")
+            except Exception as e:  # a listener's failure is its own
+                log.warning("listener %r failed on_removed: %s", x, e)
+
     def _prune(self, ledger: _Ledger) -> None:
         keys = list(ledger.keys)
         for k, present in zip(keys, self.l1.contains(keys)):

@@ -187,3 +187,23 @@ def test_bad_config_is_named(tmp_path):
     with pytest.raises(RuntimeError, match="kv_events.*block_size"):
         DaemonProc(tmp_path / "d", ["--size", "64MiB", "--kv-events",
                                     json.dumps({**EVENTS, "block_size": -1})]).start()
+
+
+def test_removed_when_a_quota_takes_a_namespaces_oldest_chunks(tmp_path):
+    d = start(tmp_path / "d", "--quota", "lmc=256KiB")  # ~10 chunks of 24 KiB
+    try:
+        ep, _ = endpoints(d)
+        sub = Collector(ep)
+        with engine(d.url, pool="8MiB") as (eng, caches):
+            first = random_tokens(2 * CHUNK, seed=60)
+            store(eng, caches, first)
+            for i in range(10):
+                store(eng, caches, random_tokens(2 * CHUNK, seed=61 + i))
+            got = wait_for(sub, lambda g: any(isinstance(e, wire.Removed) for e in g))
+        index = PrefixIndex()
+        index.apply(got)
+        assert any(isinstance(e, wire.Removed) and e.medium == wire.CPU for e in got)
+        assert cached(index, first, "lmc") == (0, 0, 0)  # the quota took it: not routed
+        sub.close()
+    finally:
+        d.kill()
