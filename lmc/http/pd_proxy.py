@@ -10,88 +10,56 @@ generates. Its answer (streamed or not) goes back to the client as it comes.
 
 Instances are vLLM (``--kv-transfer-config`` with ``LMCConnector`` and a ``kv_role``) or
 the reference engine's server (``python -m lmc.reference.serve --kv-role ...``), the same
-API either way. Several ``--prefill``/``--decode`` URLs are used in turn (round robin).
-This is the flow, enough to run and test disaggregated serving; not a router (no load
-awareness, retries or health checks).
+API either way. Several ``--prefill``/``--decode`` instances are chosen among as ``lmc
+router`` chooses (:mod:`lmc.http.dispatch`, :mod:`lmc.router.policy`): each may be given
+as ``URL,events=tcp://host:port[,replay=tcp://host:port]`` (its KV events, vLLM's format),
+and ``--policy prefix`` sends the request's prefill and its decode each to the instance
+of its set with the longest cached prefix of the prompt (given as token ids), balanced
+against requests in flight; an instance whose events are stale, silent or absent is
+credited nothing. ``--policy round_robin`` takes turns (the default when no instance has
+``events=``, as before; ``prefix`` is the default when one has). No retries or health
+checks: a failing instance is a 502 naming it.
 
 Client connections, request time and size are bounded as in :mod:`lmc.http.json_api`
 (``--max-connections``, ``--read-timeout``, ``--max-body``); an instance's answer is read
 within ``--upstream-timeout`` per read and at most ``--max-body`` bytes (the producer's;
 the consumer's is streamed through). A producer that answers garbage (not JSON, not an
-object, ``kv_transfer_params`` not an object) or nothing is a 502 naming it. Threat model:
-docs/threats/http.md.
+object, ``kv_transfer_params`` not an object) or nothing is a 502 naming it. The relaying is
+:mod:`lmc.http.relay` (shared with ``lmc router``). Threat model: docs/threats/http.md.
 """
 
 from __future__ import annotations
 
 import argparse
-import http.client
-import itertools
 import json
 import logging
-import signal
 import sys
 import threading
-import urllib.parse
+from collections.abc import Sequence
 from typing import Any
 
+from lmc.http.dispatch import Front, InstanceSpec, Pick, Pool, cache_salt, prompt_tokens
 from lmc.http.json_api import (
-    BoundedHTTPServer,
     HttpError,
     HttpLimits,
-    JsonHandler,
     RateLimitedWarnings,
     add_limit_args,
     limits_from_args,
     listen_error,
 )
+from lmc.http.relay import (
+    TIMEOUT,
+    UPSTREAM_ERRORS,
+    RelayHandler,
+    Upstream,
+    encode,
+    read_bounded,
+    what,
+)
+from lmc.router.policy import POLICIES, Weights
 
 log = logging.getLogger(__name__)
 _warn = RateLimitedWarnings(limit=10, window=10.0, logger=log)
-TIMEOUT = 600.0  # default --upstream-timeout: seconds an instance may take per read
-UPSTREAM_ERRORS = (OSError, http.client.HTTPException)  # refused, reset, timed out, garbled
-
-
-class Upstream:
-    """One instance: ``http://host:port``."""
-
-    def __init__(self, url: str, timeout: float = TIMEOUT) -> None:
-        u = urllib.parse.urlsplit(url)
-        if u.scheme != "http" or not u.hostname or not u.port:
-            raise ValueError(f"{url!r}: expected http://host:port")
-        self.url, self.host, self.port = url.rstrip("/"), u.hostname, u.port
-        self.timeout = timeout
-
-    def post(self, path: str, data: bytes) -> tuple[http.client.HTTPConnection,
-                                                    http.client.HTTPResponse]:
-        """Send a JSON body; the caller closes the connection."""
-        conn = http.client.HTTPConnection(self.host, self.port, timeout=self.timeout)
-        try:
-            conn.request("POST", path, data, {"Content-Type": "application/json",
-                                              "Content-Length": str(len(data))})
-            return conn, conn.getresponse()
-        except BaseException:
-            conn.close()
-            raise
-
-    def get(self, path: str, limit: int) -> tuple[int, bytes]:
-        conn = http.client.HTTPConnection(self.host, self.port, timeout=30)
-        try:
-            conn.request("GET", path)
-            r = conn.getresponse()
-            return r.status, read_bounded(r, limit, self.url)
-        finally:
-            conn.close()
-
-
-def read_bounded(r: http.client.HTTPResponse, limit: int, url: str) -> bytes:
-    """An upstream answer's body, refused (502) past ``limit`` bytes."""
-    data = r.read(limit + 1)
-    if len(data) > limit:
-        raise HttpError(502, f"{url} answered more than {limit} bytes")
-    if r.length:  # its Content-Length promised more than came before it hung up
-        raise HttpError(502, f"{url} answer cut short: {len(data)} bytes, {r.length} missing")
-    return data
 
 
 def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
@@ -123,90 +91,101 @@ def producer_params(status: int, data: bytes, url: str) -> dict[str, Any] | None
     return params
 
 
-def encode(body: dict[str, Any]) -> bytes:
-    try:
-        return json.dumps(body).encode()
-    except RecursionError:
-        raise HttpError(400, "request body nested too deeply") from None
+def _spec(u: str | InstanceSpec, flag: str) -> InstanceSpec:
+    return u if isinstance(u, InstanceSpec) else InstanceSpec.parse(u, flag)
 
 
-class Proxy:
-    def __init__(self, prefill: list[str], decode: list[str], host: str = "127.0.0.1",
+class Proxy(Front):
+    def __init__(self, prefill: Sequence[str | InstanceSpec],
+                 decode: Sequence[str | InstanceSpec], host: str = "127.0.0.1",
                  port: int = 0, limits: HttpLimits | None = None,
-                 upstream_timeout: float = TIMEOUT) -> None:
+                 upstream_timeout: float = TIMEOUT, *, policy: str | None = None,
+                 weights: Weights | None = None, stale_after: float = 10.0,
+                 max_blocks: int = 1 << 21, tokenizer: Any = None) -> None:
         if not prefill or not decode:
             raise ValueError("pd-proxy needs at least one --prefill and one --decode URL")
         if not 0 < upstream_timeout <= 86400:
             raise ValueError(f"upstream timeout must be in (0, 86400] seconds, got "
                              f"{upstream_timeout}")
-        self.prefill = [Upstream(u, upstream_timeout) for u in prefill]
-        self.decode = [Upstream(u, upstream_timeout) for u in decode]
-        self._next_p = itertools.cycle(self.prefill)
-        self._next_d = itertools.cycle(self.decode)
+        p_specs = [_spec(u, "--prefill") for u in prefill]
+        d_specs = [_spec(u, "--decode") for u in decode]
+        if policy is None:  # without events, turns (as before events existed)
+            policy = "prefix" if any(s.events for s in p_specs + d_specs) else "round_robin"
+        self.policy = policy
+        kw: dict[str, Any] = {"policy": policy, "weights": weights,
+                              "upstream_timeout": upstream_timeout,
+                              "stale_after": stale_after, "max_blocks": max_blocks,
+                              "unique": False}
+        self.prefill = Pool(p_specs, what="prefill instance", flag="--prefill", **kw)
+        self.decode = Pool(d_specs, what="decode instance", flag="--decode", **kw)
+        self.tokenizer = tokenizer
         self._lock = threading.Lock()
         self.counts = {"requests": 0, "prefill_failures": 0, "decode_failures": 0}
-        handler = type("Handler", (_Handler,), {"proxy": self})
-        # each client connection opens one upstream connection at a time
-        self.httpd = BoundedHTTPServer((host, port), handler, limits or HttpLimits(),
-                                       fds_per_connection=2)
-        self.port = self.httpd.server_address[1]
-        self.url = f"http://{host}:{self.port}"
+        self.routed: dict[str, dict[str, dict[str, int]]] = {"prefill": {}, "decode": {}}
+        self.listen(type("Handler", (_Handler,), {"proxy": self}), host, port, limits,
+                    self.prefill.sources + self.decode.sources, stale_after)
 
-    def pick(self) -> tuple[Upstream, Upstream]:
+    def pick(self, tokens: list[int] | None = None, salt: str | None = None
+             ) -> tuple[Pick, Pick]:
+        """The prefill and the decode instance of a request, each counted in flight until
+        :meth:`done`."""
+        p = self.prefill.pick(tokens, salt)
+        d = self.decode.pick(tokens, salt)
         with self._lock:
             self.counts["requests"] += 1
-            return next(self._next_p), next(self._next_d)
+            for role, c in (("prefill", p), ("decode", d)):
+                per = self.routed[role].setdefault(c.instance.url, {})
+                per[c.reason] = per.get(c.reason, 0) + 1
+        return p, d
 
     def count(self, key: str) -> None:
         with self._lock:
             self.counts[key] += 1
 
-    def serve_forever(self) -> None:
-        self.httpd.serve_forever(poll_interval=0.2)
+    def state(self) -> dict[str, Any]:
+        with self._lock:
+            routed = {r: {u: dict(v) for u, v in per.items()} for r, per in self.routed.items()}
+            counts = dict(self.counts)
+        return {**counts, "prefill": [i.url for i in self.prefill.instances],
+                "decode": [i.url for i in self.decode.instances], "policy": self.policy,
+                "routed": routed, "instances": {"prefill": self.prefill.state(),
+                                                "decode": self.decode.state()}}
 
-    def close(self) -> None:
-        self.httpd.shutdown()
-        self.httpd.close_all()
-        self.httpd.server_close()
 
-
-class _Handler(JsonHandler):
+class _Handler(RelayHandler):
     proxy: Proxy
 
     def do_GET(self) -> None:
         if self.path == "/health":
             self._json(200, {"status": "ok"})
         elif self.path == "/lmc/pd-proxy":
-            self._json(200, {**self.proxy.counts,
-                             "prefill": [u.url for u in self.proxy.prefill],
-                             "decode": [u.url for u in self.proxy.decode]})
+            self._json(200, self.proxy.state())
         elif self.path == "/v1/models":
-            up = self.proxy.decode[0]
-            try:
-                status, data = up.get(self.path, self.server.limits.max_body)
-            except HttpError as e:
-                self._error(e.status, f"decode instance: {e}")
-                return
-            except UPSTREAM_ERRORS as e:
-                self._error(502, f"decode instance {up.url}: {_what(e)}")
-                return
-            self._relay_bytes(status if 100 <= status < 600 else 502, None, data)
+            self.relay_get(self.proxy.decode.instances[0].upstream, "decode instance")
         else:
             self._error(404, f"no such path {self.path[:200]}")
 
     def do_POST(self) -> None:
-        if self.path not in ("/v1/completions", "/v1/chat/completions"):
-            self._error(404, f"no such path {self.path[:200]}")
+        body = self.request_body()
+        if body is None:
             return
         try:
-            body = self.read_json()
-            if not isinstance(body, dict):
-                raise HttpError(400, "bad request body: the body must be a JSON object")
             p_data = encode(prefill_body(body))
         except HttpError as e:
             self._error(e.status, str(e))
             return
-        prefill, decode = self.proxy.pick()
+        proxy = self.proxy
+        tokens = prompt_tokens(body, proxy.tokenizer) if self.path == "/v1/completions" \
+            else None
+        p, d = proxy.pick(tokens, cache_salt(body))
+        try:
+            self._request(p.instance.upstream, d.instance.upstream, body, p_data)
+        finally:
+            proxy.prefill.done(p.instance)
+            proxy.decode.done(d.instance)
+
+    def _request(self, prefill: Upstream, decode: Upstream, body: dict[str, Any],
+                 p_data: bytes) -> None:
         try:
             params = self._prefill(prefill, p_data)
         except HttpError as e:
@@ -226,7 +205,7 @@ class _Handler(JsonHandler):
         try:
             conn, r = up.post(self.path, data)
         except UPSTREAM_ERRORS as e:
-            raise HttpError(502, f"prefill instance {up.url}: {_what(e)}") from None
+            raise HttpError(502, f"prefill instance {up.url}: {what(e)}") from None
         try:
             answer = read_bounded(r, limit, f"prefill instance {up.url}")
             if r.status != 200:  # the client sees the producer's refusal (a bad prompt, ...)
@@ -234,11 +213,11 @@ class _Handler(JsonHandler):
                     raise HttpError(502, f"prefill instance {up.url} answered status "
                                     f"{r.status}")
                 self.proxy.count("prefill_failures")
-                self._relay_bytes(r.status, r.getheader("Content-Type"), answer)
+                self.relay_bytes(r.status, answer, r.getheader("Content-Type"))
                 return _RELAYED
             return producer_params(r.status, answer, up.url)
         except UPSTREAM_ERRORS as e:
-            raise HttpError(502, f"prefill instance {up.url}: {_what(e)}") from None
+            raise HttpError(502, f"prefill instance {up.url}: {what(e)}") from None
         finally:
             conn.close()
 
@@ -248,41 +227,16 @@ class _Handler(JsonHandler):
             conn, r = up.post(self.path, data)
         except UPSTREAM_ERRORS as e:
             self.proxy.count("decode_failures")
-            self._error(502, f"decode instance {up.url}: {_what(e)}")
+            self._error(502, f"decode instance {up.url}: {what(e)}")
             return
         try:
-            if not 100 <= r.status < 600:
+            if self.relay_answer(r, f"decode instance {up.url}") is None:
                 self.proxy.count("decode_failures")
-                self._error(502, f"decode instance {up.url} answered status {r.status}")
-                return
-            self.send_response(r.status)
-            for h in ("Content-Type", "Cache-Control", "Content-Length"):
-                v = r.getheader(h)
-                if v and v.isprintable():
-                    self.send_header(h, v)
-            self.end_headers()
-            while chunk := r.read1(65536):
-                self.wfile.write(chunk)
-                self.wfile.flush()
-        except UPSTREAM_ERRORS as e:  # either side went away mid-answer: nothing to add
-            log.debug("decode answer from %s cut short: %s", up.url, _what(e))
         finally:
             conn.close()
 
-    def _relay_bytes(self, status: int, ctype: str | None, data: bytes) -> None:
-        self.send_response(status)
-        self.send_header("Content-Type", ctype if ctype and ctype.isprintable()
-                         else "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
-
 
 _RELAYED = object()
-
-
-def _what(e: BaseException) -> str:
-    return f"{type(e).__name__}: {str(e)[:200]}"
 
 
 def register_cli(sub: Any) -> None:
@@ -290,9 +244,16 @@ def register_cli(sub: Any) -> None:
     p = add_command(sub, "pd-proxy", "prefill on a kv_producer, decode on a kv_consumer, "
                     "behind one /v1/completions", __doc__)
     p.add_argument("--prefill", action="append", required=True, metavar="URL",
-                   help="a kv_producer instance (http://host:port); repeat for several")
+                   help="a kv_producer instance: http://host:port[,events=tcp://host:port"
+                   "[,replay=tcp://host:port]] (its KV events); repeat for several")
     p.add_argument("--decode", action="append", required=True, metavar="URL",
-                   help="a kv_consumer instance (http://host:port); repeat for several")
+                   help="a kv_consumer instance, as --prefill; repeat for several")
+    p.add_argument("--policy", choices=POLICIES, default=None,
+                   help="how to choose among several instances: the longest cached prefix "
+                   "(events=) against load, or in turn (default: prefix if an instance has "
+                   "events=, else round_robin)")
+    p.add_argument("--stale-after", type=float_in(0.5, 86400), default=10.0,
+                   metavar="SECONDS", help="events silent this long are not trusted")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int_in(0, 65535), default=8100, help="0: pick a free port")
     p.add_argument("--upstream-timeout", type=float_in(0, 86400, low_open=True), default=TIMEOUT, metavar="SECONDS",
@@ -307,7 +268,8 @@ def run(args: argparse.Namespace) -> int:
                             format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         proxy = Proxy(args.prefill, args.decode, args.host, args.port,
-                      limits_from_args(args), args.upstream_timeout)
+                      limits_from_args(args), args.upstream_timeout, policy=args.policy,
+                      stale_after=args.stale_after)
     except OSError as e:
         print(f"lmc pd-proxy: {listen_error(e, args.host, args.port)}", file=sys.stderr)
         return 2
@@ -315,12 +277,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"lmc pd-proxy: {e}", file=sys.stderr)
         return 2
     proxy.httpd.access_log = getattr(args, "access_log", True)
-    stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
-    threading.Thread(target=proxy.serve_forever, name="http", daemon=True).start()
-    print(f"pd-proxy at {proxy.url}: prefill {', '.join(u.url for u in proxy.prefill)}; "
-          f"decode {', '.join(u.url for u in proxy.decode)}", flush=True)
-    stop.wait()
-    proxy.close()
-    return 0
+    return proxy.run_until_signalled(
+        f"pd-proxy at {proxy.url} ({proxy.policy}): prefill "
+        f"{', '.join(i.url for i in proxy.prefill.instances)}; decode "
+        f"{', '.join(i.url for i in proxy.decode.instances)}")

@@ -25,7 +25,9 @@ to reported ones (the answer's ``usage.prompt_tokens_details.cached_tokens``), i
 health and event freshness per instance. ``GET /lmc/router``: the same as JSON.
 
 Client connections, request time and size are bounded as in :mod:`lmc.http.json_api`; an
-instance's answer is streamed through as it comes. Threat model: docs/threats/router.md.
+instance's answer is streamed through as it comes (:mod:`lmc.http.relay`, shared with
+``lmc pd-proxy``, as is the choosing: :mod:`lmc.http.dispatch`). Threat model:
+docs/threats/router.md.
 """
 
 from __future__ import annotations
@@ -34,71 +36,30 @@ import argparse
 import http.client
 import json
 import logging
-import signal
 import sys
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 
+from lmc.http.dispatch import Front, Instance, InstanceSpec, Pool, cache_salt, prompt_tokens
 from lmc.http.json_api import (
-    BoundedHTTPServer,
     HttpError,
     HttpLimits,
-    JsonHandler,
     RateLimitedWarnings,
     add_limit_args,
     limits_from_args,
 )
-from lmc.http.pd_proxy import TIMEOUT, UPSTREAM_ERRORS, Upstream, encode, read_bounded
-from lmc.router.feed import EventFeed, Source
-from lmc.router.index import Match
-from lmc.router.policy import POLICIES, Candidate, PromptKeys, Weights, choose
+from lmc.http.relay import TIMEOUT, UPSTREAM_ERRORS, RelayHandler, encode, what
+from lmc.router.policy import POLICIES, Weights
 
+__all__ = ["InstanceSpec", "Router", "cached_tokens", "prompt_tokens", "register_cli", "run"]
 log = logging.getLogger(__name__)
 _warn = RateLimitedWarnings(limit=10, window=10.0, logger=log)
-MAX_PROMPT_TOKENS = 1 << 20
 TAIL_BYTES = 64 << 10  # of an answer, kept to read its usage
 HEALTH_TIMEOUT = 5.0
-
-
-@dataclass(frozen=True)
-class InstanceSpec:
-    url: str
-    events: str | None = None
-    replay: str | None = None
-
-    @classmethod
-    def parse(cls, text: str) -> InstanceSpec:
-        """``URL[,events=ENDPOINT][,replay=ENDPOINT]``."""
-        url, *opts = text.split(",")
-        kw: dict[str, str] = {}
-        for o in opts:
-            k, eq, v = o.partition("=")
-            if not eq or k not in ("events", "replay") or k in kw:
-                raise ValueError(f"--instance {text[:200]!r}: expected URL[,events=tcp://host:"
-                                 f"port][,replay=tcp://host:port], got {o[:60]!r}")
-            if not v.startswith(("tcp://", "ipc://")):
-                raise ValueError(f"--instance: {k}={v[:80]!r} is not a tcp:// or ipc:// "
-                                 f"endpoint")
-            kw[k] = v
-        if "replay" in kw and "events" not in kw:
-            raise ValueError(f"--instance {text[:200]!r}: replay= needs events=")
-        return cls(url, kw.get("events"), kw.get("replay"))
-
-
-class Instance:
-    def __init__(self, spec: InstanceSpec, timeout: float, max_blocks: int) -> None:
-        self.upstream = Upstream(spec.url, timeout)
-        self.url = self.upstream.url
-        self.source = (Source(self.url, spec.events, spec.replay, max_blocks)
-                       if spec.events else None)
-        self.healthy = True
-        self.in_flight = 0
-        self.probe_failures = 0
 
 
 class _Metrics:
@@ -129,7 +90,7 @@ class _Metrics:
                           "events", ["instance"], registry=r)
 
 
-class Router:
+class Router(Front):
     def __init__(self, instances: Sequence[InstanceSpec], *, policy: str = "prefix",
                  weights: Weights | None = None, host: str = "127.0.0.1", port: int = 0,
                  limits: HttpLimits | None = None, upstream_timeout: float = TIMEOUT,
@@ -137,31 +98,19 @@ class Router:
                  tokenizer: Any = None, max_blocks: int = 1 << 21) -> None:
         if not instances:
             raise ValueError("lmc router needs at least one --instance")
-        if policy not in POLICIES:
-            raise ValueError(f"--policy {policy!r}: choose one of {', '.join(POLICIES)}")
-        if not 0 < upstream_timeout <= 86400:
-            raise ValueError(f"upstream timeout must be in (0, 86400] s, got {upstream_timeout}")
+        self.pool = Pool(instances, policy=policy, weights=weights,
+                         upstream_timeout=upstream_timeout, stale_after=stale_after,
+                         max_blocks=max_blocks)
         self.policy = policy
-        self.weights = weights or Weights()
-        self.instances = [Instance(s, upstream_timeout, max_blocks) for s in instances]
-        if len({i.url for i in self.instances}) < len(self.instances):
-            raise ValueError("an --instance URL is given twice")
+        self.weights = self.pool.weights
+        self.instances = self.pool.instances
         self.health_interval = health_interval
         self.stale_after = stale_after
         self.tokenizer = tokenizer
         self.metrics = _Metrics()
-        self._lock = threading.Lock()
-        self._turn = 0
         self._stop = threading.Event()
-        sources = [i.source for i in self.instances if i.source is not None]
-        self.feed = EventFeed(sources, stale_after) if sources else None
-        handler = type("Handler", (_Handler,), {"router": self})
-        self.httpd = BoundedHTTPServer((host, port), handler, limits or HttpLimits(),
-                                       fds_per_connection=2)
-        self.port = self.httpd.server_address[1]
-        self.url = f"http://{host}:{self.port}"
-        if self.feed is not None:
-            self.feed.start()
+        self.listen(type("Handler", (_Handler,), {"router": self}), host, port, limits,
+                    self.pool.sources, stale_after)
         for inst in self.instances:
             threading.Thread(target=self._check_health, args=(inst,),
                              name="lmc-router-health", daemon=True).start()
@@ -171,32 +120,12 @@ class Router:
              ) -> tuple[Instance, str, int]:
         """The instance for a prompt, why, and the cached tokens predicted there; counts
         it in flight (the caller calls :meth:`done`)."""
-        keys = PromptKeys(tokens, None, salt) if tokens is not None else None
-        now = time.monotonic()
-        with self._lock:
-            live = [i for i in self.instances if i.healthy and i.url not in exclude]
-            if not live:
-                raise HttpError(503, "no healthy instance to send the request to"
-                                + (" (the others failed it)" if exclude else ""))
-            cands = []
-            for inst in live:
-                s = inst.source
-                m = None
-                if keys is not None and s is not None and s.fresh(self.stale_after, now):
-                    bs = s.index.block_size
-                    m = s.index.match(keys.at(bs)) if bs else Match()
-                cands.append(Candidate(inst.in_flight, m))
-            c = choose(cands, None if tokens is None else len(tokens), self.weights,
-                       self._turn, self.policy)
-            self._turn += 1
-            inst = live[c.index]
-            inst.in_flight += 1
-        self.metrics.in_flight.labels(inst.url).set(inst.in_flight)
-        return inst, c.reason, min(c.match.tokens(), len(tokens or ()))
+        p = self.pool.pick(tokens, salt, exclude)
+        self.metrics.in_flight.labels(p.instance.url).set(p.instance.in_flight)
+        return p.instance, p.reason, p.predicted
 
     def done(self, inst: Instance) -> None:
-        with self._lock:
-            inst.in_flight -= 1
+        self.pool.done(inst)
         self.metrics.in_flight.labels(inst.url).set(inst.in_flight)
 
     def mark(self, inst: Instance, healthy: bool, why: str = "") -> None:
@@ -229,16 +158,7 @@ class Router:
 
     # ------------------------------------------------------------------ reporting
     def state(self) -> dict[str, Any]:
-        now = time.monotonic()
-        out = []
-        for i in self.instances:
-            s = i.source
-            out.append({"url": i.url, "healthy": i.healthy, "in_flight": i.in_flight,
-                        "events": None if s is None else {
-                            "endpoint": s.endpoint, "synced": s.synced,
-                            "fresh": s.fresh(self.stale_after, now),
-                            "blocks": s.index.blocks, **s.counts, **s.index.counts}})
-        return {"policy": self.policy, "instances": out}
+        return {"policy": self.policy, "instances": self.pool.state()}
 
     def prometheus(self) -> bytes:
         now = time.monotonic()
@@ -252,34 +172,9 @@ class Router:
                 m.gaps.labels(i.url).set(i.source.counts["gaps"])
         return generate_latest(m.registry)
 
-    def serve_forever(self) -> None:
-        self.httpd.serve_forever(poll_interval=0.2)
-
     def close(self) -> None:
         self._stop.set()
-        self.httpd.shutdown()
-        self.httpd.close_all()
-        self.httpd.server_close()
-        if self.feed is not None:
-            self.feed.close()
-
-
-def prompt_tokens(body: dict[str, Any], tokenizer: Any) -> list[int] | None:
-    """The prompt's token ids if the router can know them (see the module docstring); a
-    malformed prompt is left for the instance to refuse in its own words."""
-    prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (list, str)):
-        prompt = prompt[0]
-    if isinstance(prompt, list) and 0 < len(prompt) <= MAX_PROMPT_TOKENS and all(
-            isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 1 << 32
-            for t in prompt):
-        return prompt
-    if isinstance(prompt, str) and tokenizer is not None and len(prompt) <= 8 * MAX_PROMPT_TOKENS:
-        try:
-            return list(tokenizer.encode(prompt))
-        except Exception as e:  # a prompt the tokenizer cannot take: the instance says why
-            log.debug("tokenizer: %s", e)
-    return None
+        super().close()
 
 
 def cached_tokens(tail: bytes) -> int | None:
@@ -303,7 +198,7 @@ def cached_tokens(tail: bytes) -> int | None:
     return None
 
 
-class _Handler(JsonHandler):
+class _Handler(RelayHandler):
     router: Router
 
     def do_GET(self) -> None:
@@ -322,35 +217,22 @@ class _Handler(JsonHandler):
             self._json(200, r.state())
         elif self.path == "/v1/models":
             live = [i for i in r.instances if i.healthy] or r.instances
-            up = live[0].upstream
-            try:
-                status, data = up.get(self.path, self.server.limits.max_body)
-            except HttpError as e:
-                self._error(e.status, f"instance {up.url}: {e}")
-                return
-            except UPSTREAM_ERRORS as e:
-                self._error(502, f"instance {up.url}: {type(e).__name__}: {str(e)[:200]}")
-                return
-            self._relay_bytes(status if 100 <= status < 600 else 502, data)
+            self.relay_get(live[0].upstream, "instance")
         else:
             self._error(404, f"no such path {self.path[:200]}")
 
     def do_POST(self) -> None:
         r = self.router
-        if self.path not in ("/v1/completions", "/v1/chat/completions"):
-            self._error(404, f"no such path {self.path[:200]}")
+        body = self.request_body()
+        if body is None:
             return
         try:
-            body = self.read_json()
-            if not isinstance(body, dict):
-                raise HttpError(400, "bad request body: the body must be a JSON object")
             data = encode(body)
         except HttpError as e:
             self._error(e.status, str(e))
             return
         tokens = prompt_tokens(body, r.tokenizer) if self.path == "/v1/completions" else None
-        salt = body.get("cache_salt")
-        salt = salt if isinstance(salt, str) and len(salt) <= 1024 else None
+        salt = cache_salt(body)
         tried: set[str] = set()
         while True:
             try:
@@ -376,50 +258,19 @@ class _Handler(JsonHandler):
             conn, resp = inst.upstream.post(self.path, data)
         except UPSTREAM_ERRORS as e:
             m.failures.labels(inst.url).inc()
-            r.mark(inst, False, f"{type(e).__name__}: {str(e)[:100]}")
+            r.mark(inst, False, what(e)[:160])
             return False
         m.requests.labels(inst.url, reason).inc()
         m.prompt.labels(inst.url).inc(n_tokens)
         m.predicted.labels(inst.url).inc(predicted)
         try:
-            if not 100 <= resp.status < 600:
-                self._error(502, f"instance {inst.url} answered status {resp.status}")
-                return True
-            if resp.status != 200:  # a refusal: bounded, relayed as is
-                answer = read_bounded(resp, self.server.limits.max_body, f"instance {inst.url}")
-                self._relay_bytes(resp.status, answer, resp.getheader("Content-Type"))
-                return True
-            self.send_response(resp.status)
-            for h in ("Content-Type", "Cache-Control", "Content-Length"):
-                v = resp.getheader(h)
-                if v and v.isprintable():
-                    self.send_header(h, v)
-            self.end_headers()
-            tail = bytearray()
-            while chunk := resp.read1(65536):
-                self.wfile.write(chunk)
-                self.wfile.flush()
-                tail += chunk
-                if len(tail) > TAIL_BYTES:
-                    del tail[:-TAIL_BYTES]
-            n = cached_tokens(bytes(tail))
-            if n is not None:
-                m.reported.labels(inst.url).inc(n)
-        except HttpError as e:
-            self._error(e.status, str(e))
-        except (*UPSTREAM_ERRORS, http.client.HTTPException) as e:
-            log.debug("answer from %s cut short: %s", inst.url, e)
+            tail = self.relay_answer(resp, f"instance {inst.url}", TAIL_BYTES)
         finally:
             conn.close()
+        n = cached_tokens(tail) if tail and resp.status == 200 else None
+        if n is not None:
+            m.reported.labels(inst.url).inc(n)
         return True
-
-    def _relay_bytes(self, status: int, data: bytes, ctype: str | None = None) -> None:
-        self.send_response(status)
-        self.send_header("Content-Type", ctype if ctype and ctype.isprintable()
-                         else "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
 
 
 def register_cli(sub: Any) -> None:
@@ -472,12 +323,5 @@ def run(args: argparse.Namespace) -> int:
     except (ValueError, OSError, ImportError) as e:
         print(f"lmc router: {e}", file=sys.stderr)
         return 2
-    stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
-    threading.Thread(target=router.serve_forever, name="http", daemon=True).start()
-    print(f"router at {router.url} ({router.policy}): "
-          f"{', '.join(i.url for i in router.instances)}", flush=True)
-    stop.wait()
-    router.close()
-    return 0
+    return router.run_until_signalled(f"router at {router.url} ({router.policy}): "
+                                      f"{', '.join(i.url for i in router.instances)}")

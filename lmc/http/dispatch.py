@@ -1,0 +1,214 @@
+"""Which instance of a set gets a request: the choosing ``lmc router`` and ``lmc pd-proxy``
+share (one :class:`Pool` per set: the router's instances; the pd-proxy's prefill and its
+decode instances).
+
+An instance is ``URL[,events=ENDPOINT][,replay=ENDPOINT]`` (:class:`InstanceSpec`): its
+KV events (vLLM's format; lmc's tiers with ``kv_events`` on) feed a
+:class:`~lmc.router.index.PrefixIndex` through :class:`~lmc.router.feed.EventFeed`, which
+the owner of the pools runs (one thread for all). :meth:`Pool.pick` scores the healthy
+instances with :func:`lmc.router.policy.choose`: ``prefix`` weighs the prompt's cached
+prefix per medium against requests in flight; an instance whose events are stale or absent
+is credited nothing; ``round_robin`` takes turns. The prompt is known as token ids
+(:func:`prompt_tokens`: ids as given, or text through a tokenizer); otherwise the least
+loaded wins. Events can misroute a request, never fail it: the instance still answers it.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from lmc.http.json_api import BoundedHTTPServer, HttpError, HttpLimits
+from lmc.http.relay import TIMEOUT, Upstream
+from lmc.router.feed import EventFeed, Source
+from lmc.router.index import Match
+from lmc.router.policy import POLICIES, Candidate, PromptKeys, Weights, choose
+
+MAX_PROMPT_TOKENS = 1 << 20
+
+
+@dataclass(frozen=True)
+class InstanceSpec:
+    url: str
+    events: str | None = None
+    replay: str | None = None
+
+    @classmethod
+    def parse(cls, text: str, flag: str = "--instance") -> InstanceSpec:
+        """``URL[,events=ENDPOINT][,replay=ENDPOINT]``; ``flag`` names the option in errors."""
+        url, *opts = text.split(",")
+        kw: dict[str, str] = {}
+        for o in opts:
+            k, eq, v = o.partition("=")
+            if not eq or k not in ("events", "replay") or k in kw:
+                raise ValueError(f"{flag} {text[:200]!r}: expected URL[,events=tcp://host:"
+                                 f"port][,replay=tcp://host:port], got {o[:60]!r}")
+            if not v.startswith(("tcp://", "ipc://")):
+                raise ValueError(f"{flag}: {k}={v[:80]!r} is not a tcp:// or ipc:// "
+                                 f"endpoint")
+            kw[k] = v
+        if "replay" in kw and "events" not in kw:
+            raise ValueError(f"{flag} {text[:200]!r}: replay= needs events=")
+        return cls(url, kw.get("events"), kw.get("replay"))
+
+
+class Instance:
+    def __init__(self, spec: InstanceSpec, timeout: float, max_blocks: int) -> None:
+        self.upstream = Upstream(spec.url, timeout)
+        self.url = self.upstream.url
+        self.source = (Source(self.url, spec.events, spec.replay, max_blocks)
+                       if spec.events else None)
+        self.healthy = True
+        self.in_flight = 0
+        self.probe_failures = 0
+
+
+@dataclass
+class Pick:
+    instance: Instance
+    reason: str  # prefix | load | stale | no_tokens | round_robin (lmc.router.policy)
+    predicted: int  # prompt tokens the events say are cached there
+
+
+class Pool:
+    """A set of instances and the policy that chooses among them (module docstring)."""
+
+    def __init__(self, specs: Sequence[InstanceSpec], *, policy: str = "prefix",
+                 weights: Weights | None = None, upstream_timeout: float = TIMEOUT,
+                 stale_after: float = 10.0, max_blocks: int = 1 << 21,
+                 what: str = "instance", flag: str = "--instance",
+                 unique: bool = True) -> None:
+        if policy not in POLICIES:
+            raise ValueError(f"--policy {policy!r}: choose one of {', '.join(POLICIES)}")
+        if not 0 < upstream_timeout <= 86400:
+            raise ValueError(f"upstream timeout must be in (0, 86400] s, got {upstream_timeout}")
+        self.policy = policy
+        self.weights = weights or Weights()
+        self.stale_after = stale_after
+        self.what = what
+        self.instances = [Instance(s, upstream_timeout, max_blocks) for s in specs]
+        if unique and len({i.url for i in self.instances}) < len(self.instances):
+            raise ValueError(f"an {flag} URL is given twice")
+        self._lock = threading.Lock()
+        self._turn = 0
+
+    @property
+    def sources(self) -> list[Source]:
+        return [i.source for i in self.instances if i.source is not None]
+
+    def pick(self, tokens: Sequence[int] | None, salt: str | None,
+             exclude: frozenset[str] | set[str] = frozenset()) -> Pick:
+        """The instance for a prompt (token ids, or None if unknown), counted in flight
+        (the caller calls :meth:`done`). A 503 if no healthy one is left."""
+        keys = PromptKeys(tokens, None, salt) if tokens is not None else None
+        now = time.monotonic()
+        with self._lock:
+            live = [i for i in self.instances if i.healthy and i.url not in exclude]
+            if not live:
+                raise HttpError(503, f"no healthy {self.what} to send the request to"
+                                + (" (the others failed it)" if exclude else ""))
+            cands = []
+            for inst in live:
+                s = inst.source
+                m = None
+                if keys is not None and s is not None and s.fresh(self.stale_after, now):
+                    bs = s.index.block_size
+                    m = s.index.match(keys.at(bs)) if bs else Match()
+                cands.append(Candidate(inst.in_flight, m))
+            c = choose(cands, None if tokens is None else len(tokens), self.weights,
+                       self._turn, self.policy)
+            self._turn += 1
+            inst = live[c.index]
+            inst.in_flight += 1
+        return Pick(inst, c.reason, min(c.match.tokens(), len(tokens or ())))
+
+    def done(self, inst: Instance) -> None:
+        with self._lock:
+            inst.in_flight -= 1
+
+    def state(self, now: float | None = None) -> list[dict[str, Any]]:
+        """Each instance: health, load and what its events say (for ``GET /lmc/...``)."""
+        now = time.monotonic() if now is None else now
+        out = []
+        for i in self.instances:
+            s = i.source
+            out.append({"url": i.url, "healthy": i.healthy, "in_flight": i.in_flight,
+                        "events": None if s is None else {
+                            "endpoint": s.endpoint, "synced": s.synced,
+                            "fresh": s.fresh(self.stale_after, now),
+                            "blocks": s.index.blocks, **s.counts, **s.index.counts}})
+        return out
+
+
+class Front:
+    """What both fronts are besides their pools: the bounded HTTP server (each client
+    connection holds one upstream connection at a time) and one event feed for all their
+    instances' sources."""
+
+    httpd: BoundedHTTPServer
+    feed: EventFeed | None = None
+    port: int
+    url: str
+
+    def listen(self, handler: type, host: str, port: int, limits: HttpLimits | None,
+               sources: Sequence[Source], stale_after: float) -> None:
+        self.httpd = BoundedHTTPServer((host, port), handler, limits or HttpLimits(),
+                                       fds_per_connection=2)
+        self.port = self.httpd.server_address[1]
+        self.url = f"http://{host}:{self.port}"
+        try:
+            self.feed = EventFeed(sources, stale_after) if sources else None
+        except BaseException:
+            self.httpd.server_close()
+            raise
+        if self.feed is not None:
+            self.feed.start()
+
+    def serve_forever(self) -> None:
+        self.httpd.serve_forever(poll_interval=0.2)
+
+    def close(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.close_all()
+        self.httpd.server_close()
+        if self.feed is not None:
+            self.feed.close()
+
+    def run_until_signalled(self, banner: str) -> int:
+        """Serve, print ``banner`` (the line scripts wait for), stop at SIGTERM/SIGINT."""
+        stop = threading.Event()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: stop.set())
+        threading.Thread(target=self.serve_forever, name="http", daemon=True).start()
+        print(banner, flush=True)
+        stop.wait()
+        self.close()
+        return 0
+
+
+def prompt_tokens(body: dict[str, Any], tokenizer: Any = None) -> list[int] | None:
+    """The prompt's token ids if they can be known: ids as given (one prompt, at most
+    :data:`MAX_PROMPT_TOKENS`, each a uint32), or text through ``tokenizer``. A malformed
+    prompt is left for the instance to refuse in its own words."""
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (list, str)):
+        prompt = prompt[0]
+    if isinstance(prompt, list) and 0 < len(prompt) <= MAX_PROMPT_TOKENS and all(
+            isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 1 << 32
+            for t in prompt):
+        return prompt
+    if isinstance(prompt, str) and tokenizer is not None and len(prompt) <= 8 * MAX_PROMPT_TOKENS:
+        try:
+            return list(tokenizer.encode(prompt))
+        except Exception:  # a prompt the tokenizer cannot take: the instance says why
+            return None
+    return None
+
+
+def cache_salt(body: dict[str, Any]) -> str | None:
+    salt = body.get("cache_salt")
+    return salt if isinstance(salt, str) and len(salt) <= 1024 else None
