@@ -432,17 +432,23 @@ class CacheEngine:
         return LayerwiseRetrieve(self, tr, plan, chunks, objs, [names[i] for i in where], gate)
 
     # ------------------------------------------------------------- prefetch
-    def prefetch(self, tokens: Tokens) -> Future:
-        """Pull the prompt's chunks from lower tiers into L1 in the background (a hit in a
-        lower tier is promoted on read). Returns a future of the prefix tokens then in L1."""
+    def prefetch(self, tokens: Tokens, start: int = 0) -> Future:
+        """Pull the prompt's chunks from the one holding position ``start`` on from lower
+        tiers into L1 in the background (a hit in a lower tier is promoted on read). Returns
+        a future of the prefix tokens then in L1 (counted from that chunk's start; the
+        chunks before it are assumed there)."""
         self._check_open()
-        keys = self.db.keys(tokens)
+        if start < 0:
+            raise ValueError(f"prefetch start must be >= 0, got {start}")
+        cs = self.config.chunk_size
+        first = start // cs
+        keys = self.db.keys(tokens)[first:]
         n = self.db.num_tokens(tokens)
 
         def run() -> int:
             objs = self.storage.get_prefix(keys)
             Lease(objs).release()
-            return min(len(objs) * self.config.chunk_size, n)
+            return min((first + len(objs)) * cs, n)
 
         return self.executor().submit(run)
 

@@ -110,7 +110,8 @@ class LMCReferenceConnector(KVConnector):
             save=save)
         self.policy = LoadPolicy(self._costs,
                                  enabled=self.cache_config.load_policy == "auto")
-        self.scheduler = SchedulerConnector(self.connector_config, self._lookup, self.policy)
+        self.scheduler = SchedulerConnector(self.connector_config, self._lookup, self.policy,
+                                            prefetch=self._prefetch)
         self.engine = cache_engine
         self._owns_engine = cache_engine is None
         self._tiers = tiers
@@ -127,6 +128,13 @@ class LMCReferenceConnector(KVConnector):
         if self.engine is None:  # KV tensors not registered yet: nothing can be cached
             return LookupResult.miss(self.connector_config.chunk_size)
         return self.engine.lookup_result(token_ids)
+
+    def _prefetch(self, token_ids: Sequence[int], start: int) -> Any:
+        """What the load policy recomputes by choice, pulled into L1 while the request waits
+        (the worker's engine is in this process)."""
+        if self.engine is None:
+            return None
+        return self.engine.prefetch(token_ids, start)
 
     def _costs(self) -> Costs | None:
         """The load policy's view of the speeds: the worker's cache engine's estimates (in

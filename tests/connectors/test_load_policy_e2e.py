@@ -5,6 +5,7 @@ identical to no cache every time."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
@@ -80,8 +81,51 @@ def test_slow_tier_measured_then_recomputed_by_choice(tiny_dir: Path, tmp_path: 
     assert conn.cache.flush(30)
     assert (stat(conn, "cache.disk.write_bytes"), stat(conn, "cache.disk.put_chunks")) == written
     assert stat(conn, "worker.saved_tokens") == stored
-    assert not conn.cache.contains_chunks(P)[2:].any()
+    # what was recomputed by choice was prefetched into L1 meanwhile (read, never saved)
+    assert stat(conn, "scheduler.prefetches") == 1
+    wait_until(lambda: conn.cache.contains_chunks(P)[2:].all(), "the prefetch")
+    assert stat(conn, "cache.disk.write_bytes") == written[0]
     assert stat(conn, "cache.speed.prefill.observed") > 0
+    llm.close()
+
+
+def wait_until(cond, what: str, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, f"{what} did not happen in {timeout} s"
+        time.sleep(0.01)
+
+
+def test_a_waiting_request_is_decided_again_once_its_prefetch_lands(
+        tiny_dir: Path, tmp_path: Path, want: list) -> None:
+    """Chunks recomputed by choice are prefetched while the request waits for admission;
+    the next time the engine asks, the decision is made again and loads them from L1. Bounded:
+    at most ``max_redecisions`` re-decisions; admission ends it."""
+    llm, conn = slow_disk_llm(tiny_dir, tmp_path / "disk")
+    run(llm, [P[:64]])
+    run(llm, [P])
+    drop_from_l1(conn, P, 2)
+    run(llm, [P])  # the slow tier measured
+    drop_from_l1(conn, P, 2)
+    sched = conn.scheduler
+    before = sched.stats.prefetches
+    n = sched.get_num_new_matched_tokens("waiting", P, 0)
+    assert n == 2 * CS, "chunks 2-4 recomputed by choice (the link is slow)"
+    assert sched.stats.prefetches == before + 1
+    fut = sched._prefetching["waiting"][0]
+    assert fut.result(timeout=30) == len(P)  # every chunk in L1 now
+    # the request still waits: asked again, it is decided afresh and loads all from L1
+    decisions = stat(conn, "policy.decisions")
+    n = sched.get_num_new_matched_tokens("waiting", P, 0)
+    assert n == len(P) - 1
+    assert stat(conn, "policy.decisions") == decisions + 1
+    assert stat(conn, "policy.redecisions") == 1
+    assert sched.get_num_new_matched_tokens("waiting", P, 0) == len(P) - 1  # decided
+    sched.request_finished("waiting")
+    assert "waiting" not in sched._prefetching and "waiting" not in sched._redone
+    got = run(llm, [P])
+    assert got[0].num_cached_tokens == len(P) - 1
+    assert_same(got, want)
     llm.close()
 
 

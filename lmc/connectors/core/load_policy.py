@@ -230,6 +230,7 @@ class LoadPolicy:
         self.loaded_by_tier: dict[str, int] = {}
         self.recomputed_by_choice = 0
         self.recomputed_by_miss = 0  # prompt positions no tier held (computed anyway)
+        self.redecisions = 0  # decisions made again after a waiting request's prefetch
         self._prom = _counter()
 
     def decide(self, request_id: str, found: LookupResult, start: int, hit_end: int,
@@ -280,10 +281,24 @@ class LoadPolicy:
                           split.load_all_s * 1e3, split.load_none_s * 1e3)
         return end
 
+    def retract(self, found: LookupResult, start: int, end: int, hit_end: int,
+                total: int) -> None:
+        """Take back the token counts of a decision :meth:`decide` answered ``end`` to: it is
+        being made again (the chunks it recomputed by choice were prefetched into L1 while
+        the request waited). The Prometheus counters keep both: they count decisions."""
+        loaded = found.tokens_by_tier(start, end) if end > start else {}
+        with self._lock:
+            self.redecisions += 1
+            for name, n in loaded.items():
+                self.loaded_by_tier[name] = self.loaded_by_tier.get(name, 0) - n
+            self.recomputed_by_choice -= hit_end - end
+            self.recomputed_by_miss -= max(0, total - max(hit_end, start) - 1)
+
     def stats(self) -> dict[str, float]:
         with self._lock:
             out: dict[str, float] = {
                 "policy.enabled": float(self.enabled), "policy.decisions": self.decisions,
+                "policy.redecisions": self.redecisions,
                 "policy.decided_unknown": self.decided_unknown,
                 "policy.recomputed_by_choice": self.recomputed_by_choice,
                 "policy.recomputed_by_miss": self.recomputed_by_miss}

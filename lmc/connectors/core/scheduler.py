@@ -74,6 +74,8 @@ log = logging.getLogger(__name__)
 # token ids -> what the cache holds (a count where the backend cannot attribute tiers);
 # None: not known yet (a backend answering asynchronously)
 LookupFn = Callable[[Sequence[int]], "LookupResult | int | None"]
+# (tokens, first position) -> a future of the prefetch (``done()``), or None: see __init__
+PrefetchFn = Callable[[Sequence[int], int], Any]
 
 __all__ = [
     "ConnectorConfig",
@@ -146,6 +148,8 @@ class SchedulerStats:
     load_tokens: int = 0  # what was actually scheduled for loading
     saves: int = 0
     save_tokens: int = 0  # tokens of chunks planned for saving (present ones are skipped later)
+    prefetches: int = 0  # recomputed-by-choice chunks pulled into L1 while a request waited
+    redecisions: int = 0  # decisions made again once such a prefetch landed
     extra: dict[str, float] = field(default_factory=dict)
 
 
@@ -154,10 +158,21 @@ class SchedulerConnector:
     adapters pass request ids, token ids and counts, never engine objects."""
 
     def __init__(self, config: ConnectorConfig, lookup: LookupFn,
-                 policy: LoadPolicy | None = None) -> None:
+                 policy: LoadPolicy | None = None, prefetch: PrefetchFn | None = None,
+                 max_redecisions: int = 2) -> None:
+        """``prefetch(tokens, start)``: pull the prompt's chunks from position ``start`` on
+        into L1 in the background, answering something with ``done()`` (a future), or
+        ``None`` where it cannot; given, the chunks a policy recomputes by choice are
+        prefetched while the request waits, and its decision is made again (at most
+        ``max_redecisions`` times) once they are in."""
         self.config = config
         self._lookup = lookup
         self.policy = policy
+        self._prefetch = prefetch
+        self.max_redecisions = max_redecisions
+        # request id -> (prefetch future, the decision's inputs); -> re-decisions so far
+        self._prefetching: dict[str, tuple[Any, tuple[LookupResult, int, int, int, int]]] = {}
+        self._redone: dict[str, int] = {}
         self._hits: dict[str, LookupResult] = {}  # request id -> its lookup, until admitted
         self._ends: dict[str, int] = {}  # request id -> its decided load end, until admitted
         self._held: dict[str, int] = {}  # request id -> hit end, where the policy cut it
@@ -179,6 +194,7 @@ class SchedulerConnector:
         where loading stops paying (decided once, with the lookup)."""
         if not self.config.load:
             return 0
+        self._redecide_if_prefetched(request_id)
         found = self._hits.get(request_id)
         if found is None:
             found = self._do_lookup(token_ids)
@@ -197,8 +213,45 @@ class SchedulerConnector:
                 end = self._ends[request_id] = min(end, usable)  # never more than the hit
                 if end < usable:  # recomputed by choice: already stored, not saved again
                     self._held[request_id] = found.tokens
+                    self._start_prefetch(request_id, token_ids, found,
+                                         (found, start, end, max(usable, start), n))
             usable = end
         return max(0, usable - num_computed_tokens)
+
+    def _start_prefetch(self, request_id: str, token_ids: Sequence[int], found: LookupResult,
+                        decision: tuple[LookupResult, int, int, int, int]) -> None:
+        """Pull what the policy recomputes by choice into L1 while the request waits (once
+        per decision; at most ``max_redecisions`` decisions are remade)."""
+        if self._prefetch is None:
+            return
+        if self._redone.get(request_id, 0) >= self.max_redecisions:
+            return
+        end = decision[2]
+        try:
+            fut = self._prefetch(list(token_ids[: found.tokens]), end)
+        except Exception as e:  # a prefetch never fails a request
+            log.warning("lmc prefetch for request %s failed (%s: %s)", request_id,
+                        type(e).__name__, e)
+            return
+        if fut is not None:
+            self.stats.prefetches += 1
+            self._prefetching[request_id] = (fut, decision)
+
+    def _redecide_if_prefetched(self, request_id: str) -> None:
+        """A waiting request whose prefetch has landed is looked up and decided afresh: the
+        chunks it would have recomputed may now be in L1."""
+        entry = self._prefetching.get(request_id)
+        if entry is None or not entry[0].done():
+            return
+        del self._prefetching[request_id]
+        self._redone[request_id] = self._redone.get(request_id, 0) + 1
+        decision = entry[1]
+        self._hits.pop(request_id, None)
+        self._ends.pop(request_id, None)
+        self._held.pop(request_id, None)
+        if self.policy is not None:
+            self.policy.retract(*decision)
+        self.stats.redecisions += 1
 
     def match_remote(self, request_id: str, token_ids: Sequence[int],
                      num_computed_tokens: int, remote_tokens: int) -> int:
@@ -252,6 +305,8 @@ class SchedulerConnector:
         found = self._hits.pop(request_id, None)
         self._ends.pop(request_id, None)
         self._pending.pop(request_id, None)
+        self._prefetching.pop(request_id, None)  # admitted: its decision stands
+        self._redone.pop(request_id, None)
         remote = request_id in self._remote
         self._remote.discard(request_id)
         if num_external_tokens <= 0 or not self.config.load:
@@ -366,6 +421,8 @@ class SchedulerConnector:
         self._forget(request_id)
 
     def _forget(self, request_id: str) -> None:
+        self._prefetching.pop(request_id, None)
+        self._redone.pop(request_id, None)
         self._hits.pop(request_id, None)
         self._ends.pop(request_id, None)
         self._held.pop(request_id, None)
@@ -374,7 +431,8 @@ class SchedulerConnector:
 
     @property
     def num_tracked_requests(self) -> int:
-        return len(self._hits) + len(self._pending) + len(self._held)
+        return (len(self._hits) + len(self._pending) + len(self._held)
+                + len(self._prefetching) + len(self._redone))
 
     def policy_stats(self) -> dict[str, float]:
         """The load policy's counters (``policy.*``), empty without a policy."""
