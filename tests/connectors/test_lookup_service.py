@@ -319,3 +319,143 @@ def test_a_lookup_returning_garbage_is_a_miss_not_a_dead_server(sock_dir):
     finally:
         client.close()
         server.close()
+
+
+# ----------------------------------------------------------- speeds for the load policy
+def measured_costs():
+    """Costs as a real engine's Speeds measure them: a tier's reads and prefill steps."""
+    from lmc.connectors.core.load_policy import Costs
+    from lmc.storage.speeds import Speeds
+
+    sp = Speeds([("cpu", "memory", True), ("disk", "local_storage", False)])
+    for n in (1 << 20, 8 << 20, 32 << 20):
+        sp.tiers[1].observe(n, 0.002 + n / 1.5e9)
+    for tokens in (256, 1024, 4096):
+        sp.prefill.observe(tokens, float(tokens) ** 2, 0.001 + tokens * 6e-6)
+    return Costs.from_snapshot(sp.snapshot(), 131072.0, 32)
+
+
+def test_speeds_cross_the_socket_exactly(sock_dir):
+    """A scheduler whose rank 0 lives in another process decides with that rank's measured
+    speeds: every number arrives as measured (float64 on the wire)."""
+    want = measured_costs()
+    path = str(sock_dir / "speeds.sock")
+    server = LookupServer(path, prefix_answer(7, 7), costs=lambda: want)
+    client = Client([path], timeout=2)
+    try:
+        assert client.costs() == want
+        assert pair(client.lookup(list(range(10)))) == (7, 7)  # the same connection goes on
+    finally:
+        client.close()
+        server.close()
+
+
+def test_speeds_unknown_and_asked_at_most_once_a_second(sock_dir):
+    asked = []
+    state = {"costs": None}
+
+    def costs():
+        asked.append(1)
+        return state["costs"]
+
+    path = str(sock_dir / "speeds.sock")
+    server = LookupServer(path, prefix_answer(7, 7), costs=costs)
+    bare = LookupServer(str(sock_dir / "bare.sock"), prefix_answer(7, 7))  # no costs given
+    client = Client([path], timeout=2)
+    try:
+        assert client.costs() is None and len(asked) == 1  # nothing measured yet
+        state["costs"] = measured_costs()
+        assert client.costs() is None and len(asked) == 1  # the answer is reused for a second
+        client.speeds_max_age = 0.0
+        assert client.costs() == state["costs"] and len(asked) == 2
+        assert Client([bare.path], timeout=2).costs() is None
+    finally:
+        client.close()
+        server.close()
+        bare.close()
+
+
+def test_remote_speeds_are_the_fallback_of_local_costs():
+    from lmc.connectors.core.load_policy import LOCAL_COSTS, local_costs, register_local
+
+    want = measured_costs()
+    assert local_costs(["/nowhere"])() is None  # neither: the whole hit is loaded
+    assert local_costs(["/nowhere"], remote=lambda: want)() == want
+    register_local("/here", lambda: None)
+    try:
+        assert local_costs(["/here"], remote=lambda: want)() is None  # in process: its own
+    finally:
+        register_local("/here", None)
+    assert "/here" not in LOCAL_COSTS
+
+
+def speeds_reply(known=1, tiers=(("disk", 1.5e9, 0.002, 0, 3),), tail=(0.001, 6e-6, 0.0, 3,
+                                                                       131072.0, 32),
+                 magic=b"LMB2", name_len=None) -> bytes:
+    out = struct.pack("<4sBB", magic, known, len(tiers))
+    for name, bps, lat, ov, obs in tiers:
+        b = name.encode()
+        out += bytes([len(b) if name_len is None else name_len]) + b
+        out += struct.pack("<ddBI", bps, lat, ov, obs)
+    return out + struct.pack("<dddIdI", *tail)
+
+
+@pytest.mark.parametrize("reply,why", [
+    (speeds_reply(magic=b"LMA2"), "bad speeds answer magic"),
+    (speeds_reply(known=7), "known flag 7"),
+    (speeds_reply(tiers=()), "names 0 tiers"),
+    (speeds_reply(tiers=(("disk", float("nan"), 0.0, 0, 1),)), "bytes/s nan"),
+    (speeds_reply(tiers=(("disk", -5.0, 0.0, 0, 1),)), "bytes/s -5.0"),
+    (speeds_reply(tiers=(("disk", 1e9, float("inf"), 0, 1),)), "latency is inf"),
+    (speeds_reply(tiers=(("disk", 1e9, 0.0, 2, 1),)), "overlaps 2"),
+    (speeds_reply(tiers=(("d" * 65, 1e9, 0.0, 0, 1),)), "65 bytes, at most 64"),
+    (speeds_reply(tail=(0.0, float("nan"), 0.0, 1, 1.0, 1)), "prefill c1 is nan"),
+    (speeds_reply(tail=(0.0, -1.0, 0.0, 1, 1.0, 1)), "prefill c1 is -1.0"),
+    (speeds_reply(tail=(0.0, 1e-6, 0.0, 1, 0.0, 1)), "0.0 bytes per token"),
+    (speeds_reply(tail=(0.0, 1e-6, 0.0, 1, 1.0, 0)), "0 layers"),
+    (speeds_reply(tail=(0.0, 1e-6, 0.0, 1, 1.0, 1 << 20)), "1048576 layers"),
+    (speeds_reply()[:20], "peer closed the connection"),
+])
+def test_lying_speeds_are_unknown_never_used(sock_dir, caplog, reply, why):
+    """A rank answering speeds that are not numbers a decision can use (NaN, negative,
+    infinite, out of range, truncated) is 'unknown' -- the whole hit is loaded -- with a
+    warning naming the socket and the field; the connection is dropped and reopened."""
+    path = str(sock_dir / "liar.sock")
+    server = RawServer(path, reply)
+    client = Client([path], timeout=2)
+    try:
+        with caplog.at_level(logging.WARNING, logger="lmc.connectors.core.lookup_service"):
+            t0 = time.perf_counter()
+            assert client.costs() is None
+            assert time.perf_counter() - t0 < 1.5
+        assert client.stats.rank_failures == 1
+        assert why in caplog.text and path in caplog.text
+    finally:
+        client.close()
+        server.close()
+
+
+def test_a_speeds_request_with_a_count_closes_the_connection(sock_dir):
+    path = str(sock_dir / "s.sock")
+    server = LookupServer(path, prefix_answer(7, 7), costs=measured_costs)
+    try:
+        send_and_expect_close(path, struct.pack("<4sI", b"LMS2", 5) + b"\0" * 20)
+        assert server.errors == 1
+    finally:
+        server.close()
+
+
+def test_failing_costs_answer_unknown_and_the_server_lives(sock_dir):
+    def costs():
+        raise RuntimeError("speeds broke")
+
+    path = str(sock_dir / "s.sock")
+    server = LookupServer(path, prefix_answer(7, 7), costs=costs)
+    client = Client([path], timeout=2)
+    try:
+        assert client.costs() is None
+        assert server.errors == 1
+        assert pair(client.lookup(list(range(10)))) == (7, 7)
+    finally:
+        client.close()
+        server.close()

@@ -44,3 +44,41 @@ def test_worker_elsewhere_or_policy_off_loads_all(path: str) -> None:
     register_local(path, lambda: SLOW)
     assert side(path, enabled=False).get_num_new_matched_tokens(req, 0) == (1023, False)
     assert local_costs([path, "/elsewhere.sock"])() is None  # a rank in another process
+
+
+def test_worker_in_another_process_sends_its_speeds() -> None:
+    """vLLM with tensor-parallel workers in their own processes: the scheduler asks rank 0's
+    speeds over the lookup socket (a real LookupServer and LookupClient) and cuts the hit
+    as in-process; a rank that cannot say (no costs yet) leaves the whole hit loaded."""
+    import os
+    import time
+
+    from lmc.connectors.core.lookup_service import LookupClient, LookupServer
+    from lmc.storage.lookup import LookupResult
+
+    d = f"/tmp/lmc-t-{os.getpid()}-{time.monotonic_ns()}"
+    os.mkdir(d)
+    known = {"costs": None}
+
+    def lookup(tokens):
+        n = min(1024, len(tokens))
+        return LookupResult(n, 256, ("cpu", "disk"), tuple(0 if i == 0 else 1
+                                                            for i in range(-(-n // 256))))
+
+    server = LookupServer(f"{d}/rank0.sock", lookup, costs=lambda: known["costs"])
+    client = LookupClient([server.path], 2.0, use_local=False)
+    client.speeds_max_age = 0.0
+    try:
+        policy = LoadPolicy(local_costs([server.path], remote=client.costs))
+        s = SchedulerSide(ConnectorConfig(chunk_size=256), client, policy)
+        req = FakeRequest("a", list(range(2, 1026)))
+        assert s.get_num_new_matched_tokens(req, 0) == (1023, False)  # not measured yet
+        known["costs"] = SLOW
+        req = FakeRequest("b", list(range(2, 1026)))
+        assert s.get_num_new_matched_tokens(req, 0) == (256, False)  # L1's chunk only
+    finally:
+        client.close()
+        server.close()
+        for f in os.listdir(d):
+            os.unlink(os.path.join(d, f))
+        os.rmdir(d)

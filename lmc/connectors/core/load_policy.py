@@ -196,16 +196,17 @@ def register_local(path: str, costs: Callable[[], Costs | None] | None) -> None:
             LOCAL_COSTS[path] = costs
 
 
-def local_costs(paths: Sequence[str]) -> Callable[[], Costs | None]:
+def local_costs(paths: Sequence[str], remote: Callable[[], Costs | None] | None = None
+                ) -> Callable[[], Costs | None]:
     """The costs a scheduler whose ranks answer at ``paths`` decides with: rank 0's
-    engine's when every rank lives in this process, else ``None`` (the whole hit is
-    loaded: ranks in other processes do not send their speeds yet)."""
+    engine's when every rank lives in this process, else ``remote()`` (rank 0's speeds over
+    its lookup socket: ``LookupClient.costs``), else ``None`` (the whole hit is loaded)."""
     paths = list(paths)
 
     def costs() -> Costs | None:
         fns = [LOCAL_COSTS.get(p) for p in paths]
         if not fns or any(f is None for f in fns):
-            return None
+            return remote() if remote is not None else None
         return fns[0]()  # type: ignore[misc]
 
     return costs

@@ -27,6 +27,14 @@ Wire format (version 2; no pickle -- the bytes come from a socket; little-endian
   (*s* is 0 when the server does not attribute hits). Everything is bounded by the request:
   *s* never exceeds the chunks of the tokens asked about.
 
+* speeds request (what the load policy decides with, asked of rank 0 at most once a second
+  by a scheduler whose ranks live in other processes): ``b"LMS2"``, uint32 0;
+* speeds answer: ``b"LMB2"``, uint8 known (0: nothing measured yet, nothing follows), uint8
+  tier count *t*; then per tier its name (as above), float64 bytes/s, float64 latency,
+  uint8 overlaps, uint32 reads observed; then float64 c0, c1, c2 and uint32 steps observed of
+  the prefill fit, float64 KV bytes per token, uint32 layers a load pipelines over. Every
+  number is checked (finite, in range) before use.
+
 A rank that is missing, slow (connects and reads share one deadline), or answers something
 malformed counts as a miss for that lookup, with a warning naming the socket and what was
 wrong (once per outage); its connection is dropped and reopened at the next lookup, so a
@@ -38,6 +46,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
 import socket
 import struct
@@ -51,12 +60,20 @@ from typing import Any, Protocol
 import numpy as np
 import xxhash
 
+from lmc.connectors.core.load_policy import Costs
 from lmc.storage.lookup import MAX_TIERS, LookupResult, minimum
+from lmc.storage.speeds import PrefillRate, TierRate
 
 log = logging.getLogger(__name__)
 
 REQ_MAGIC = b"LMQ2"
 ANS_MAGIC = b"LMA2"
+SPEEDS_REQ_MAGIC = b"LMS2"
+SPEEDS_ANS_MAGIC = b"LMB2"
+_SPEEDS_HEAD = struct.Struct("<4sBB")
+_SPEEDS_TIER = struct.Struct("<ddBI")
+_SPEEDS_TAIL = struct.Struct("<dddIdI")
+MAX_LAYERS = 1 << 16
 _OLD_MAGICS = {b"LMCQ": "request", b"LMCA": "answer"}  # version 1 (before tier attribution)
 _REQ_HEAD = struct.Struct("<4sI")
 _ANS_HEAD = struct.Struct("<4sQIBI")
@@ -65,6 +82,8 @@ MAX_NAME = 64  # bytes of one tier name on the wire
 
 # What answers a lookup: the tokens (uint32 array) -> what this process's cache holds.
 LookupFn = Callable[[np.ndarray], LookupResult]
+# What answers a speeds request: this process's measured costs, None while unknown.
+CostsFn = Callable[[], "Costs | None"]
 
 # Socket path -> lookup function of an engine living in this process.
 LOCAL_ENGINES: dict[str, LookupFn] = {}
@@ -121,6 +140,71 @@ def encode_answer(result: LookupResult) -> bytes:
     return b"".join(parts)
 
 
+def encode_speeds_request() -> bytes:
+    return _REQ_HEAD.pack(SPEEDS_REQ_MAGIC, 0)
+
+
+def encode_speeds(costs: Costs | None) -> bytes:
+    """The speeds answer (module doc) for ``costs`` (``None``: not measured yet)."""
+    if costs is None:
+        return _SPEEDS_HEAD.pack(SPEEDS_ANS_MAGIC, 0, 0)
+    parts = [_SPEEDS_HEAD.pack(SPEEDS_ANS_MAGIC, 1, len(costs.tiers))]
+    for t in costs.tiers:
+        name = t.name.encode()
+        if len(name) > MAX_NAME:
+            raise ValueError(f"tier name {t.name!r} is longer than {MAX_NAME} bytes")
+        parts += [bytes([len(name)]), name,
+                  _SPEEDS_TIER.pack(t.bytes_per_s, t.latency_s, int(t.overlaps), t.observed)]
+    p = costs.prefill
+    parts.append(_SPEEDS_TAIL.pack(p.c0, p.c1, p.c2, p.observed, costs.bytes_per_token,
+                                   costs.num_layers))
+    return b"".join(parts)
+
+
+def _finite(v: float, what: str) -> float:
+    if not math.isfinite(v) or v < 0:
+        raise LookupProtocolError(f"speeds answer: {what} is {v}")
+    return v
+
+
+def read_speeds(sock: socket.socket) -> Costs | None:
+    """One speeds answer, every field checked (a peer's numbers steer decisions)."""
+    magic = _recv_exact(sock, 4)
+    _check_magic(magic, SPEEDS_ANS_MAGIC, "speeds answer")
+    _, known, n_tiers = _SPEEDS_HEAD.unpack(magic + _recv_exact(sock, _SPEEDS_HEAD.size - 4))
+    if known not in (0, 1):
+        raise LookupProtocolError(f"speeds answer: known flag {known}")
+    if not known:
+        return None
+    if not 1 <= n_tiers <= MAX_TIERS:
+        raise LookupProtocolError(f"speeds answer names {n_tiers} tiers (1 to {MAX_TIERS})")
+    tiers = []
+    for _ in range(n_tiers):
+        (k,) = _recv_exact(sock, 1)
+        if k > MAX_NAME:
+            raise LookupProtocolError(f"tier name of {k} bytes, at most {MAX_NAME}")
+        try:
+            name = _recv_exact(sock, k).decode()
+        except UnicodeDecodeError as e:
+            raise LookupProtocolError(f"tier name is not UTF-8: {e}") from None
+        bps, lat, overlaps, observed = _SPEEDS_TIER.unpack(_recv_exact(sock, _SPEEDS_TIER.size))
+        if overlaps not in (0, 1) or not (math.isfinite(bps) and bps > 0):
+            raise LookupProtocolError(f"speeds answer: tier {name!r} bytes/s {bps}, "
+                                      f"overlaps {overlaps}")
+        tiers.append(TierRate(name, bps, _finite(lat, f"tier {name!r} latency"),
+                              bool(overlaps), observed))
+    c0, c1, c2, observed, bpt, layers = _SPEEDS_TAIL.unpack(_recv_exact(sock,
+                                                                        _SPEEDS_TAIL.size))
+    for v, what in ((c0, "c0"), (c1, "c1"), (c2, "c2")):
+        _finite(v, f"prefill {what}")
+    if not (math.isfinite(bpt) and bpt > 0) or not 1 <= layers <= MAX_LAYERS:
+        raise LookupProtocolError(f"speeds answer: {bpt} bytes per token, {layers} layers")
+    try:
+        return Costs(tuple(tiers), PrefillRate(c0, c1, c2, observed), bpt, layers)
+    except ValueError as e:
+        raise LookupProtocolError(f"inconsistent speeds answer: {e}") from None
+
+
 def _check_magic(magic: bytes, want: bytes, what: str) -> None:
     if magic == want:
         return
@@ -131,8 +215,13 @@ def _check_magic(magic: bytes, want: bytes, what: str) -> None:
     raise LookupProtocolError(f"bad {what} magic {magic!r} (expected {want!r})")
 
 
-def read_request(sock: socket.socket) -> np.ndarray:
+def read_request(sock: socket.socket) -> np.ndarray | None:
+    """The tokens of a lookup request; ``None`` for a speeds request."""
     magic, n = _REQ_HEAD.unpack(_recv_exact(sock, _REQ_HEAD.size))
+    if magic == SPEEDS_REQ_MAGIC:
+        if n != 0:
+            raise LookupProtocolError(f"speeds request with a count of {n} (must be 0)")
+        return None
     _check_magic(magic, REQ_MAGIC, "lookup request")
     if n > MAX_TOKENS:
         raise LookupProtocolError(f"request of {n} tokens exceeds the limit of {MAX_TOKENS}")
@@ -187,9 +276,12 @@ class LookupServer:
     """Answers lookups for one process's cache on a Unix socket (one thread per
     connection; a scheduler keeps one connection per rank open)."""
 
-    def __init__(self, path: str, lookup: LookupFn) -> None:
+    def __init__(self, path: str, lookup: LookupFn, costs: CostsFn | None = None) -> None:
+        """``costs``: this process's measured speeds, for schedulers in other processes
+        (answered as "not known" without it)."""
         self.path = path
         self._lookup = lookup
+        self._costs = costs
         self._sock = self._bind(path)
         self._closed = threading.Event()
         self._conns: set[socket.socket] = set()
@@ -244,6 +336,14 @@ class LookupServer:
             log.exception("lmc lookup at %s failed; answering a miss", self.path)
             return encode_answer(LookupResult.miss())
 
+    def _speeds(self) -> bytes:
+        try:
+            return encode_speeds(self._costs() if self._costs is not None else None)
+        except Exception:  # the speeds never kill the server: "not known" (load all)
+            self.errors += 1
+            log.exception("lmc speeds at %s failed; answering 'not known'", self.path)
+            return encode_speeds(None)
+
     def _serve(self, conn: socket.socket) -> None:
         try:
             while not self._closed.is_set():
@@ -256,7 +356,7 @@ class LookupServer:
                     return
                 except (ConnectionError, OSError):
                     return
-                answer = self._answer(tokens)
+                answer = self._speeds() if tokens is None else self._answer(tokens)
                 self.requests += 1
                 conn.sendall(answer)
         except OSError:
@@ -316,6 +416,8 @@ class LookupClient:
         self._lock = threading.Lock()
         self.stats = LookupClientStats()
         self._warned: set[str] = set()
+        self.speeds_max_age = 1.0  # seconds a rank's speeds are reused before asking again
+        self._speeds: tuple[float, Costs | None] | None = None  # (when asked, answer)
 
     def lookup(self, tokens: Sequence[int] | np.ndarray) -> LookupResult:
         """What every rank can supply of ``tokens``; a miss where a rank cannot answer."""
@@ -363,6 +465,27 @@ class LookupClient:
             self.stats.rank_failures += 1
             log.warning("lmc lookup: %s; counted as a miss", e)
             return LookupResult.miss()
+
+    def costs(self) -> Costs | None:
+        """Rank 0's measured speeds (the load policy's input), asked over its socket at most
+        once per ``speeds_max_age``; ``None`` while unknown or when it cannot answer (the
+        whole hit is loaded then)."""
+        with self._lock:
+            now = time.perf_counter()
+            if self._speeds is not None and now - self._speeds[0] < self.speeds_max_age:
+                return self._speeds[1]
+            path = self.paths[0]
+            got: Costs | None = None
+            try:
+                deadline = now + self.timeout
+                sock = self._connect(path, deadline)
+                sock.settimeout(max(1e-3, deadline - time.perf_counter()))
+                sock.sendall(encode_speeds_request())
+                got = read_speeds(sock)
+            except (OSError, TimeoutError, ConnectionError, struct.error) as e:
+                self._fail(path, e)
+            self._speeds = (now, got)
+            return got
 
     def _drop(self, paths: Iterable[str]) -> None:
         for path in paths:

@@ -184,12 +184,12 @@ class LMCConnector(KVConnectorBase_V1):
                 ktc.kv_load_failure_policy = "recompute"
                 log.info("lmc: kv_load_failure_policy set to 'recompute' (a chunk lost or "
                          "corrupt after the lookup is recomputed, not a failed request)")
-            # load or recompute: decided from the workers' measured speeds where they live
-            # in this process (vLLM's uni-process executor), else the whole hit is loaded
-            policy = LoadPolicy(local_costs(paths),
+            # load or recompute: decided from rank 0's measured speeds, read directly where
+            # it lives in this process (vLLM's uni-process executor), else over its socket
+            client = LookupClient(paths, opts.lookup_timeout)
+            policy = LoadPolicy(local_costs(paths, remote=client.costs),
                                 enabled=settings.cache.load_policy == "auto")
-            self._scheduler = SchedulerSide(self.connector_config,
-                                            LookupClient(paths, opts.lookup_timeout), policy)
+            self._scheduler = SchedulerSide(self.connector_config, client, policy)
         else:
             rank = _tp_rank()
             cache = per_rank_disks(settings.cache, rank, tp_size)
@@ -232,11 +232,7 @@ class LMCConnector(KVConnectorBase_V1):
 
     def _local_costs(self) -> Costs | None:
         """This worker's measured speeds, for a scheduler in the same process."""
-        eng = self._worker.engine if self._worker is not None else None
-        if eng is None:
-            return None
-        layers = eng.spec.num_layers if self.connector_config.layerwise else 1
-        return Costs.from_snapshot(eng.speeds.snapshot(), eng.bytes_per_token, layers)
+        return self._worker.costs() if self._worker is not None else None
 
     def _backend_name(self, names: list[str]) -> str:
         from vllm.config import get_layers_from_vllm_config

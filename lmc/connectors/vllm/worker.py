@@ -25,6 +25,7 @@ import torch
 from lmc import metrics
 from lmc.cache_engine import CacheEngine
 from lmc.config import CacheConfig
+from lmc.connectors.core.load_policy import Costs
 from lmc.connectors.core.lookup_service import LookupServer, engine_lookup
 from lmc.connectors.core.metadata import ConnectorMetadata
 from lmc.connectors.core.worker import WorkerConnector
@@ -73,11 +74,21 @@ class WorkerSide:
         self.worker = WorkerConnector(self.engine, list(choice.tensors), self.block_size,
                                       layerwise=self.layerwise, remote_wait=self.remote_wait)
         self._layer_index = {name: i for i, name in enumerate(choice.names)}
-        self.server = LookupServer(self.socket_path, engine_lookup(lambda: self.engine))
+        self.server = LookupServer(self.socket_path, engine_lookup(lambda: self.engine),
+                                   costs=self.costs)
         atexit.register(self.close)  # flushes the write-behind queue if vLLM never calls
         log.info("lmc: %s, %d layers, block %d, %s; model %s, tp %d/%d; lookups at %s",
                  choice.detail, spec.num_layers, spec.block_size, spec.dtype, self.model_id,
                  self.tp_rank, self.tp_size, self.socket_path)
+
+    def costs(self) -> Costs | None:
+        """This rank's measured speeds, what the scheduler's load policy decides with
+        (directly in this process, over the lookup socket from another)."""
+        eng = self.engine
+        if eng is None:
+            return None
+        layers = eng.spec.num_layers if self.layerwise else 1
+        return Costs.from_snapshot(eng.speeds.snapshot(), eng.bytes_per_token, layers)
 
     # ----------------------------------------------------------------- per step
     def bind(self, meta: ConnectorMetadata) -> None:
