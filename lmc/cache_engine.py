@@ -49,6 +49,7 @@ from lmc.transfer.torch_copy import (
 )
 
 log = logging.getLogger(__name__)
+MAX_QUEUED_PREFETCHES = 64  # prefetches waiting for the prefetch thread; more are refused
 Keys = Sequence[ChunkKey] | None  # a prompt's chunk keys computed ahead (RequestKeys), or None
 
 
@@ -133,6 +134,10 @@ class CacheEngine:
         self._pins = PinTable(config.max_pinned_chunks, config.pin_timeout)
         self._lock = threading.RLock()
         self._worker: ThreadPoolExecutor | None = None
+        # prefetches run on a thread of their own: a slow tier's read must never hold up
+        # the layer-wise copies of the requests being served (the "lmc-io" thread)
+        self._prefetcher: ThreadPoolExecutor | None = None
+        self._prefetch_queued = 0
         self._closed = False
 
     # ------------------------------------------------------------- plumbing
@@ -149,7 +154,7 @@ class CacheEngine:
         self._pins.expire()
 
     def executor(self) -> ThreadPoolExecutor:
-        """One background thread, in order: layer-wise copies and prefetches."""
+        """One background thread, in order: layer-wise copies (prefetches have their own)."""
         with self._lock:
             if self._worker is None:
                 self._worker = ThreadPoolExecutor(1, thread_name_prefix="lmc-io")
@@ -446,11 +451,27 @@ class CacheEngine:
         n = self.db.num_tokens(tokens)
 
         def run() -> int:
-            objs = self.storage.get_prefix(keys)
-            Lease(objs).release()
-            return min((first + len(objs)) * cs, n)
+            try:
+                objs = self.storage.get_prefix(keys)
+                Lease(objs).release()
+                return min((first + len(objs)) * cs, n)
+            finally:
+                with self._lock:
+                    self._prefetch_queued -= 1
 
-        return self.executor().submit(run)
+        with self._lock:
+            if self._prefetch_queued >= MAX_QUEUED_PREFETCHES:  # bounded: refused, not queued
+                done: Future = Future()
+                done.set_result(min(first * cs, n))
+                return done
+            if self._prefetcher is None:
+                self._prefetcher = ThreadPoolExecutor(1, thread_name_prefix="lmc-prefetch")
+            self._prefetch_queued += 1
+            try:
+                return self._prefetcher.submit(run)
+            except RuntimeError:  # shut down meanwhile
+                self._prefetch_queued -= 1
+                raise
 
     # ----------------------------------------------------------------- misc
     def contains_chunks(self, tokens: Tokens) -> np.ndarray:
@@ -485,6 +506,8 @@ class CacheEngine:
         if self._closed:
             return
         self._closed = True
+        if self._prefetcher is not None:  # queued prefetches are dropped, a running one ends
+            self._prefetcher.shutdown(wait=True, cancel_futures=True)
         if self._worker is not None:
             self._worker.shutdown(wait=True)
         if self.events is not None:  # its last events, before the tiers close

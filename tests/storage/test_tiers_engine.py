@@ -89,6 +89,56 @@ def test_prefetch_pulls_a_prompt_into_l1_in_the_background(tmp_path):
         assert_bits_equal(token_kv(spec, dst, SLOTS), token_kv(spec, src, SLOTS), "prefetched")
 
 
+def test_prefetch_from_a_position_never_holds_up_layerwise_copies(tmp_path):
+    """A prefetch from chunk 2 on reads only those chunks; while it sits in a slow tier
+    (1 s per value) a layer-wise store and retrieve of another prompt complete at once
+    (the prefetch has its own thread, the layer-wise copies theirs); prefetches past the
+    bound are refused (answered at once), never queued."""
+    import threading
+
+    from lmc import cache_engine as ce
+
+    src = _caches()
+    spec = spec_for("vllm_flash", src)
+    toks = random_tokens(N)
+    _stored_on_disk(tmp_path, src, spec, toks)
+    gate = threading.Event()
+
+    class GatedDisk(DiskBackend):
+        def _read(self, key, entry):
+            gate.wait(10)
+            return super()._read(key, entry)
+
+    eng = CacheEngine(_cfg(), spec, "m",
+                      tiers=[lambda c, pool: GatedDisk(config=c, pool=pool, path=tmp_path)])
+    with eng:
+        fut = eng.prefetch(toks, 2 * CHUNK + 3)
+        time.sleep(0.1)
+        assert not fut.done()  # held in the slow tier
+        other = [t + 1 for t in random_tokens(N)]
+        t0 = time.perf_counter()
+        st = eng.store_layer(other, src, SLOTS)
+        for layer in range(spec.num_layers):
+            st.save(layer)
+        assert st.commit() == N
+        dst = _caches(zeros=True)
+        with eng.retrieve_layer(other, dst, SLOTS) as rt:
+            assert rt.num_tokens == N
+            rt.start()  # every layer's load queued on the layer-wise copy thread
+            for layer in range(spec.num_layers):
+                rt.wait(layer)
+        assert time.perf_counter() - t0 < 5, "layer-wise copies waited for the prefetch"
+        assert_bits_equal(token_kv(spec, dst, SLOTS), token_kv(spec, src, SLOTS), "copied")
+        queued = [eng.prefetch(toks, 2 * CHUNK) for _ in range(ce.MAX_QUEUED_PREFETCHES + 3)]
+        refused = [f for f in queued if f.done()]
+        assert len(refused) >= 3 and all(f.result() == 2 * CHUNK for f in refused)
+        gate.set()
+        assert fut.result(timeout=10) == N
+        assert eng.contains_chunks(toks)[2:].all() and not eng.contains_chunks(toks)[:2].any()
+        for f in queued:
+            f.result(timeout=30)
+
+
 def test_longest_prefix_across_tiers_one_batched_call_per_tier(tmp_path):
     """L1 holds chunks 0, 1, 3; the disk holds 2 (and 0-3); chunk 4 is nowhere: lookup and
     retrieve give four chunks, asking the disk once per prompt."""
