@@ -190,6 +190,43 @@ class Front:
         return 0
 
 
+def add_choice_args(p: Any, policy_default: str | None, policy_help: str) -> None:
+    """The flags of the choosing, the same in ``lmc router`` and ``lmc pd-proxy``."""
+    from lmc.cli import float_in, int_in
+    p.add_argument("--policy", choices=POLICIES, default=policy_default, help=policy_help)
+    d = Weights()
+    p.add_argument("--weight-gpu", type=float_in(0, 1), default=d.gpu,
+                   help="credit of a prefix block in the engine's own cache")
+    p.add_argument("--weight-cpu", type=float_in(0, 1), default=d.cpu,
+                   help="credit of a block in lmc's memory tier")
+    p.add_argument("--weight-storage", type=float_in(0, 1), default=d.storage,
+                   help="credit of a block on disk or a shared store")
+    p.add_argument("--load-weight", type=float_in(0, 1 << 24), default=d.load,
+                   metavar="TOKENS", help="prefill tokens one request in flight is worth")
+    p.add_argument("--tokenizer", metavar="FILE", help="tokenizer.json of the engines, to "
+                   "score text prompts")
+    p.add_argument("--stale-after", type=float_in(0.5, 86400), default=10.0, metavar="SECONDS",
+                   help="events silent this long are not trusted")
+    p.add_argument("--max-blocks", type=int_in(1, 1 << 28), default=1 << 21,
+                   help="blocks remembered per instance")
+
+
+def choice_from_args(args: Any) -> dict[str, Any]:
+    """Keywords of :class:`Pool` (and ``tokenizer``) from :func:`add_choice_args`' flags; a
+    tokenizer that cannot be loaded is a ``ValueError`` naming the file."""
+    tokenizer = None
+    if args.tokenizer:
+        try:
+            from lmc.reference.tokenizer import Tokenizer
+            tokenizer = Tokenizer(args.tokenizer)
+        except Exception as e:  # missing file, no `tokenizers`, not a tokenizer.json
+            raise ValueError(f"--tokenizer {args.tokenizer}: {str(e)[:200]}") from None
+    return {"policy": args.policy, "stale_after": args.stale_after,
+            "max_blocks": args.max_blocks, "tokenizer": tokenizer,
+            "weights": Weights(args.weight_gpu, args.weight_cpu, args.weight_storage,
+                               args.load_weight)}
+
+
 def prompt_tokens(body: dict[str, Any], tokenizer: Any = None) -> list[int] | None:
     """The prompt's token ids if they can be known: ids as given (one prompt, at most
     :data:`MAX_PROMPT_TOKENS`, each a uint32), or text through ``tokenizer``. A malformed

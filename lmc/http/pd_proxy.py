@@ -14,11 +14,12 @@ API either way. Several ``--prefill``/``--decode`` instances are chosen among as
 router`` chooses (:mod:`lmc.http.dispatch`, :mod:`lmc.router.policy`): each may be given
 as ``URL,events=tcp://host:port[,replay=tcp://host:port]`` (its KV events, vLLM's format),
 and ``--policy prefix`` sends the request's prefill and its decode each to the instance
-of its set with the longest cached prefix of the prompt (given as token ids), balanced
-against requests in flight; an instance whose events are stale, silent or absent is
-credited nothing. ``--policy round_robin`` takes turns (the default when no instance has
-``events=``, as before; ``prefix`` is the default when one has). No retries or health
-checks: a failing instance is a 502 naming it.
+of its set with the longest cached prefix of the prompt (token ids, or text with
+``--tokenizer``; the router's ``--weight-*``/``--load-weight``), balanced against requests
+in flight; an instance whose events are stale, silent or absent is credited nothing.
+``--policy round_robin`` takes turns (the default when no instance has ``events=``, as
+before; ``prefix`` is the default when one has). No retries or health checks: a failing
+instance is a 502 naming it.
 
 Client connections, request time and size are bounded as in :mod:`lmc.http.json_api`
 (``--max-connections``, ``--read-timeout``, ``--max-body``); an instance's answer is read
@@ -38,7 +39,16 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
-from lmc.http.dispatch import Front, InstanceSpec, Pick, Pool, cache_salt, prompt_tokens
+from lmc.http.dispatch import (
+    Front,
+    InstanceSpec,
+    Pick,
+    Pool,
+    add_choice_args,
+    cache_salt,
+    choice_from_args,
+    prompt_tokens,
+)
 from lmc.http.json_api import (
     HttpError,
     HttpLimits,
@@ -56,7 +66,7 @@ from lmc.http.relay import (
     read_bounded,
     what,
 )
-from lmc.router.policy import POLICIES, Weights
+from lmc.router.policy import Weights
 
 log = logging.getLogger(__name__)
 _warn = RateLimitedWarnings(limit=10, window=10.0, logger=log)
@@ -248,12 +258,9 @@ def register_cli(sub: Any) -> None:
                    "[,replay=tcp://host:port]] (its KV events); repeat for several")
     p.add_argument("--decode", action="append", required=True, metavar="URL",
                    help="a kv_consumer instance, as --prefill; repeat for several")
-    p.add_argument("--policy", choices=POLICIES, default=None,
-                   help="how to choose among several instances: the longest cached prefix "
-                   "(events=) against load, or in turn (default: prefix if an instance has "
-                   "events=, else round_robin)")
-    p.add_argument("--stale-after", type=float_in(0.5, 86400), default=10.0,
-                   metavar="SECONDS", help="events silent this long are not trusted")
+    add_choice_args(p, None, "how to choose among several instances: the longest cached "
+                    "prefix (events=) against load, or in turn (default: prefix if an "
+                    "instance has events=, else round_robin)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int_in(0, 65535), default=8100, help="0: pick a free port")
     p.add_argument("--upstream-timeout", type=float_in(0, 86400, low_open=True), default=TIMEOUT, metavar="SECONDS",
@@ -267,9 +274,13 @@ def run(args: argparse.Namespace) -> int:
         logging.basicConfig(level=logging.INFO,
                             format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
+        choice = choice_from_args(args)
+    except ValueError as e:
+        print(f"lmc pd-proxy: {e}", file=sys.stderr)
+        return 2
+    try:
         proxy = Proxy(args.prefill, args.decode, args.host, args.port,
-                      limits_from_args(args), args.upstream_timeout, policy=args.policy,
-                      stale_after=args.stale_after)
+                      limits_from_args(args), args.upstream_timeout, **choice)
     except OSError as e:
         print(f"lmc pd-proxy: {listen_error(e, args.host, args.port)}", file=sys.stderr)
         return 2

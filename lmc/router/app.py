@@ -44,7 +44,16 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 
-from lmc.http.dispatch import Front, Instance, InstanceSpec, Pool, cache_salt, prompt_tokens
+from lmc.http.dispatch import (
+    Front,
+    Instance,
+    InstanceSpec,
+    Pool,
+    add_choice_args,
+    cache_salt,
+    choice_from_args,
+    prompt_tokens,
+)
 from lmc.http.json_api import (
     HttpError,
     HttpLimits,
@@ -53,7 +62,7 @@ from lmc.http.json_api import (
     limits_from_args,
 )
 from lmc.http.relay import TIMEOUT, UPSTREAM_ERRORS, RelayHandler, encode, what
-from lmc.router.policy import POLICIES, Weights
+from lmc.router.policy import Weights
 
 __all__ = ["InstanceSpec", "Router", "cached_tokens", "prompt_tokens", "register_cli", "run"]
 log = logging.getLogger(__name__)
@@ -279,26 +288,12 @@ def register_cli(sub: Any) -> None:
                     "prefix (KV events), balanced against load", __doc__)
     p.add_argument("--instance", action="append", required=True, metavar="SPEC",
                    help="URL[,events=tcp://host:port][,replay=tcp://host:port]; repeat")
-    p.add_argument("--policy", choices=POLICIES, default="prefix")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int_in(0, 65535), default=8200, help="0: pick a free port")
-    d = Weights()
-    p.add_argument("--weight-gpu", type=float_in(0, 1), default=d.gpu,
-                   help="credit of a prefix block in the engine's own cache")
-    p.add_argument("--weight-cpu", type=float_in(0, 1), default=d.cpu,
-                   help="credit of a block in lmc's memory tier")
-    p.add_argument("--weight-storage", type=float_in(0, 1), default=d.storage,
-                   help="credit of a block on disk or a shared store")
-    p.add_argument("--load-weight", type=float_in(0, 1 << 24), default=d.load,
-                   metavar="TOKENS", help="prefill tokens one request in flight is worth")
-    p.add_argument("--tokenizer", metavar="FILE", help="tokenizer.json of the engines, to "
-                   "score text prompts")
+    add_choice_args(p, "prefix", "the longest cached prefix (events=) against load, or in "
+                    "turn")
     p.add_argument("--health-interval", type=float_in(0.1, 3600), default=2.0,
                    metavar="SECONDS")
-    p.add_argument("--stale-after", type=float_in(0.5, 86400), default=10.0, metavar="SECONDS",
-                   help="events silent this long are not trusted")
-    p.add_argument("--max-blocks", type=int_in(1, 1 << 28), default=1 << 21,
-                   help="blocks remembered per instance")
     p.add_argument("--upstream-timeout", type=float_in(0, 86400, low_open=True),
                    default=TIMEOUT, metavar="SECONDS",
                    help="how long an instance may take to answer (per read)")
@@ -309,17 +304,9 @@ def register_cli(sub: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     try:
         specs = [InstanceSpec.parse(t) for t in args.instance]
-        tokenizer = None
-        if args.tokenizer:
-            from lmc.reference.tokenizer import Tokenizer
-            tokenizer = Tokenizer(args.tokenizer)
-        router = Router(specs, policy=args.policy,
-                        weights=Weights(args.weight_gpu, args.weight_cpu, args.weight_storage,
-                                        args.load_weight),
-                        host=args.host, port=args.port, limits=limits_from_args(args),
+        router = Router(specs, host=args.host, port=args.port, limits=limits_from_args(args),
                         upstream_timeout=args.upstream_timeout,
-                        health_interval=args.health_interval, stale_after=args.stale_after,
-                        tokenizer=tokenizer, max_blocks=args.max_blocks)
+                        health_interval=args.health_interval, **choice_from_args(args))
     except (ValueError, OSError, ImportError) as e:
         print(f"lmc router: {e}", file=sys.stderr)
         return 2

@@ -1,5 +1,6 @@
 """``lmc pd-proxy``'s new inputs attacked (docs/threats/http.md, "Choosing by KV events"):
-a ``--policy`` that is none, instance specs with bad ``events=``/``replay=``, events
+a ``--policy`` that is none, instance specs with bad ``events=``/``replay=``, a
+``--tokenizer`` that is none, events
 endpoints where nothing listens, a replay socket that never answers, a publisher that lies
 (claims a prefix the instance does not hold) and then falls silent, and random bodies
 through a proxy whose events are live. Each bad option is refused by name before anything
@@ -109,6 +110,18 @@ def test_bad_instance_specs_are_refused_naming_the_flag(flag, spec, words):
     assert "Traceback" not in r.stderr
     if "host:port" not in words:
         assert flag in r.stderr
+
+
+@pytest.mark.parametrize("content", [None, b"\x00\xffnot a tokenizer", b"{}"],
+                         ids=["missing", "binary", "empty object"])
+def test_a_tokenizer_that_cannot_be_loaded_is_refused_by_name(tmp_path, content):
+    path = tmp_path / "tokenizer.json"
+    if content is not None:
+        path.write_bytes(content)
+    r = lmc_pd_proxy("--tokenizer", str(path), "--prefill", "http://127.0.0.1:1", "--decode",
+                     "http://127.0.0.1:2")
+    assert r.returncode == 2 and f"--tokenizer {path}" in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr
 
 
 # ------------------------------------------------------------------ events that fail
