@@ -3,9 +3,11 @@ a PUT (``lmc.events.shared`` for its form and checks).
 
 A tier's ``put`` sees chunk keys and values, not tokens. :func:`bind` gives every tier
 that asks for it (a ``block_notes`` attribute, the seam: ``None`` on the class, set here)
-one :class:`ChunkNotes`: the engine's token database is wrapped so each prompt it keys is
-remembered by chunk key (a reference to the prompt, not a copy; bounded to ``max_chunks``
-keys, oldest forgotten), and the tier asks :meth:`ChunkNotes.items` for the keys it PUTs.
+one :class:`ChunkNotes`: the engine's token database is wrapped so each chunk it keys is
+remembered by its key (the previous key, the chunk's tokens as bytes, its offset: a copy,
+so a growing conversation's every turn is not kept alive; at most ``max_chunks`` chunks,
+oldest forgotten: 64 MiB at 256-token chunks), and the tier asks
+:meth:`ChunkNotes.items` for the keys it PUTs.
 
 Nothing is noted until a tier calls :meth:`ChunkNotes.activate` (the ``lmc://`` tier does
 once the daemon's HELLO says it publishes events): before that the wrapper costs one
@@ -26,13 +28,6 @@ from lmc.token_database import Chunk, ChunkedTokenDatabase, ChunkKey, Tokens, to
 log = logging.getLogger(__name__)
 
 
-class _Prompt:
-    __slots__ = ("tokens", "keys", "n")
-
-    def __init__(self, tokens: Tokens, keys: Sequence[ChunkKey], n: int) -> None:
-        self.tokens, self.keys, self.n = tokens, keys, n
-
-
 class ChunkNotes:
     """Chunk key -> (prompt, index), bounded; what a tier needs to describe a chunk."""
 
@@ -46,7 +41,7 @@ class ChunkNotes:
         self.max_chunks = max_chunks
         self.active = False
         self._lock = threading.Lock()
-        self._by_key: OrderedDict[bytes, tuple[_Prompt, int]] = OrderedDict()
+        self._by_key: OrderedDict[bytes, tuple[bytes, bytes, int]] = OrderedDict()
 
     def activate(self) -> None:
         if not self.active:
@@ -55,15 +50,22 @@ class ChunkNotes:
                      "(block size %d)", self.block_size)
 
     def note(self, tokens: Tokens, keys: Sequence[ChunkKey], n: int) -> None:
-        """``keys`` are the chunk keys of ``tokens[:n]`` from the prompt's start."""
+        """``keys`` are the chunk keys of ``tokens[:n]`` from the prompt's start; the chunks
+        not noted yet are copied (the prompt is converted once, only if one is new)."""
         if not self.active or not keys:
             return
-        p = _Prompt(tokens, keys, n)
+        d = self._by_key
+        new = [i for i, k in enumerate(keys) if k not in d]  # a racy look: the lock below
+        if not new:
+            return
+        cs = self.chunk_size
+        data = tokens_to_bytes(tokens[:min(n, len(keys) * cs)])
         with self._lock:
-            d = self._by_key
-            for i, k in enumerate(keys):
+            for i in new:
+                k = keys[i]
                 if k not in d:
-                    d[k] = (p, i)
+                    d[k] = (bytes(keys[i - 1]) if i else self.namespace,
+                            data[i * cs * 4:(i + 1) * cs * 4], i * cs)
             while len(d) > self.max_chunks:
                 d.popitem(last=False)
 
@@ -71,17 +73,7 @@ class ChunkNotes:
         """Per key: ``[prev, tokens, start]`` (``lmc.events.shared``'s item) or None."""
         with self._lock:
             found = [self._by_key.get(bytes(k)) for k in keys]
-        out: list[list[Any] | None] = []
-        cs = self.chunk_size
-        for f in found:
-            if f is None:
-                out.append(None)
-                continue
-            p, i = f
-            start, end = i * cs, min(i * cs + cs, p.n)
-            prev = p.keys[i - 1] if i else self.namespace
-            out.append([bytes(prev), tokens_to_bytes(p.tokens[start:end]), start])
-        return out
+        return [None if f is None else list(f) for f in found]
 
     def __len__(self) -> int:
         return len(self._by_key)

@@ -207,3 +207,33 @@ def test_removed_when_a_quota_takes_a_namespaces_oldest_chunks(tmp_path):
         sub.close()
     finally:
         d.kill()
+
+
+def test_chunk_notes_are_bounded_copies():
+    import gc
+    import weakref
+
+    import xxhash
+
+    from lmc.events.notes import ChunkNotes
+    from lmc.token_database import ChunkedTokenDatabase
+
+    ns = b"\x05" * 16
+    db = ChunkedTokenDatabase(CHUNK, True, ns)
+    notes = ChunkNotes(ns, CHUNK, BLOCK, max_chunks=8)
+    notes.activate()
+    prompt = torch.tensor(random_tokens(3 * CHUNK + 5, seed=70))
+    keys = db.keys(prompt)
+    notes.note(prompt, keys, len(prompt))
+    ref = weakref.ref(prompt)
+    items = notes.items(keys)
+    del prompt
+    gc.collect()
+    assert ref() is None  # the notes hold copies, not the prompt
+    for i, (prev, toks, start) in enumerate(items):  # each one describes its chunk exactly
+        assert start == i * CHUNK and xxhash.xxh3_128_digest(prev + toks) == keys[i]
+    assert len(items[-1][1]) == 5 * 4
+    for s in range(20):
+        notes.note(random_tokens(CHUNK, seed=80 + s), db.keys(random_tokens(CHUNK, seed=80 + s)),
+                   CHUNK)
+    assert len(notes) == 8 and notes.items(keys) == [None] * 4  # oldest forgotten
