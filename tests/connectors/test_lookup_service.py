@@ -459,3 +459,47 @@ def test_failing_costs_answer_unknown_and_the_server_lives(sock_dir):
     finally:
         client.close()
         server.close()
+
+
+def test_prefetch_messages_are_bounded_and_refusals_are_none(sock_dir):
+    from concurrent.futures import Future
+
+    from lmc.connectors.core.lookup_service import encode_prefetch
+
+    got = []
+
+    def prefetch(tokens, start):
+        got.append((list(tokens), start))
+        f: Future = Future()
+        f.set_result(len(tokens))
+        return f
+
+    def broken(tokens, start):
+        raise RuntimeError("no room")
+
+    path = str(sock_dir / "p.sock")
+    server = LookupServer(path, prefix_answer(7, 7), prefetch=prefetch)
+    bare = LookupServer(str(sock_dir / "bare.sock"), prefix_answer(7, 7))
+    failing = LookupServer(str(sock_dir / "f.sock"), prefix_answer(7, 7), prefetch=broken)
+    client = Client([path], timeout=2)
+    try:
+        assert client.prefetch(list(range(10)), 4) is not None
+        assert got == [(list(range(10)), 4)]
+        assert pair(client.lookup(list(range(10)))) == (7, 7)  # the connection goes on
+        assert Client([bare.path], timeout=2).prefetch([1, 2, 3], 0) is None  # refused
+        assert Client([failing.path], timeout=2).prefetch([1, 2, 3], 0) is None
+        assert failing.errors == 1
+        with pytest.raises(ValueError, match="position 11 of 10"):
+            encode_prefetch(list(range(10)), 11)
+        # a raw request starting past its tokens, or over the token limit: the server hangs up
+        send_and_expect_close(path, struct.pack("<4sII", b"LMP2", 2, 3) + b"\0" * 8)
+        send_and_expect_close(path, struct.pack("<4sII", b"LMP2", (1 << 24) + 1, 0))
+        assert server.errors == 2
+        # in this process: the engines' own futures, no socket
+        local = LookupClient([path], 2)
+        p = local.prefetch(list(range(5)), 2)
+        assert p is not None and p.futures and p.done()
+    finally:
+        client.close()
+        for s in (server, bare, failing):
+            s.close()

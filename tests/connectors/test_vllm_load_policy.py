@@ -82,3 +82,54 @@ def test_worker_in_another_process_sends_its_speeds() -> None:
         for f in os.listdir(d):
             os.unlink(os.path.join(d, f))
         os.rmdir(d)
+
+
+def test_a_waiting_request_prefetches_over_the_socket_and_is_decided_again() -> None:
+    """What rank 0 would recompute by choice is prefetched into every rank's L1 over the
+    lookup socket; once a lookup sees it there, the waiting request is decided again and
+    loads the whole hit."""
+    import os
+    import time
+    from concurrent.futures import Future
+
+    from lmc.connectors.core.lookup_service import LookupClient, LookupServer
+    from lmc.storage.lookup import LookupResult
+
+    d = f"/tmp/lmc-t-{os.getpid()}-{time.monotonic_ns()}"
+    os.mkdir(d)
+    state = {"l1_chunks": 1}
+    asked: list[tuple[int, int]] = []
+
+    def lookup(tokens):
+        n = min(1024, len(tokens))
+        return LookupResult(n, 256, ("cpu", "disk"),
+                            tuple(0 if i < state["l1_chunks"] else 1
+                                  for i in range(-(-n // 256))))
+
+    def prefetch(tokens, start):
+        asked.append((len(tokens), start))
+        f: Future = Future()
+        f.set_result(len(tokens))
+        return f
+
+    servers = [LookupServer(f"{d}/rank{r}.sock", lookup, costs=lambda: SLOW,
+                            prefetch=prefetch) for r in range(2)]
+    client = LookupClient([s.path for s in servers], 2.0, use_local=False)
+    try:
+        policy = LoadPolicy(local_costs([s.path for s in servers], remote=client.costs))
+        side_ = SchedulerSide(ConnectorConfig(chunk_size=256), client, policy)
+        req = FakeRequest("w", list(range(2, 1026)))
+        assert side_.get_num_new_matched_tokens(req, 0) == (256, False)
+        assert asked == [(1024, 256), (1024, 256)]  # both ranks, from the cut on
+        assert side_.get_num_new_matched_tokens(req, 0) == (256, False)  # not landed yet
+        state["l1_chunks"] = 4  # the prefetch has landed on every rank
+        time.sleep(0.05)
+        assert side_.get_num_new_matched_tokens(req, 0) == (1023, False)
+        assert side_.core.stats.redecisions == 1 and side_.core.stats.prefetches == 1
+    finally:
+        client.close()
+        for s in servers:
+            s.close()
+        for f in os.listdir(d):
+            os.unlink(os.path.join(d, f))
+        os.rmdir(d)

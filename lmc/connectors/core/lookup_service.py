@@ -35,6 +35,11 @@ Wire format (version 2; no pickle -- the bytes come from a socket; little-endian
   the prefill fit, float64 KV bytes per token, uint32 layers a load pipelines over. Every
   number is checked (finite, in range) before use.
 
+* prefetch request (the chunks a waiting request would recompute by choice, pulled into
+  every rank's L1 while it waits): ``b"LMP2"``, uint32 token count *n*, uint32 first
+  position, *n* uint32 token ids; answer ``b"LMF2"``, uint8 accepted (0: the rank has no
+  engine yet, or refused it).
+
 A rank that is missing, slow (connects and reads share one deadline), or answers something
 malformed counts as a miss for that lookup, with a warning naming the socket and what was
 wrong (once per outage); its connection is dropped and reopened at the next lookup, so a
@@ -68,6 +73,9 @@ log = logging.getLogger(__name__)
 
 REQ_MAGIC = b"LMQ2"
 ANS_MAGIC = b"LMA2"
+PREFETCH_MAGIC = b"LMP2"
+PREFETCH_ANS_MAGIC = b"LMF2"
+_U32 = struct.Struct("<I")
 SPEEDS_REQ_MAGIC = b"LMS2"
 SPEEDS_ANS_MAGIC = b"LMB2"
 _SPEEDS_HEAD = struct.Struct("<4sBB")
@@ -84,6 +92,12 @@ MAX_NAME = 64  # bytes of one tier name on the wire
 LookupFn = Callable[[np.ndarray], LookupResult]
 # What answers a speeds request: this process's measured costs, None while unknown.
 CostsFn = Callable[[], "Costs | None"]
+
+# What answers a prefetch: (tokens, first position) -> a future (``done()``), or None.
+PrefetchFn = Callable[[np.ndarray, int], Any]
+
+# Socket path -> prefetch function of an engine living in this process.
+LOCAL_PREFETCH: dict[str, PrefetchFn] = {}
 
 # Socket path -> lookup function of an engine living in this process.
 LOCAL_ENGINES: dict[str, LookupFn] = {}
@@ -215,17 +229,40 @@ def _check_magic(magic: bytes, want: bytes, what: str) -> None:
     raise LookupProtocolError(f"bad {what} magic {magic!r} (expected {want!r})")
 
 
-def read_request(sock: socket.socket) -> np.ndarray | None:
-    """The tokens of a lookup request; ``None`` for a speeds request."""
+@dataclass(frozen=True)
+class Request:
+    """One request read off the socket: ``kind`` "lookup", "speeds" or "prefetch"."""
+
+    kind: str
+    tokens: np.ndarray | None = None
+    start: int = 0
+
+
+def encode_prefetch(tokens: Sequence[int] | np.ndarray, start: int) -> bytes:
+    frame = encode_request(tokens)
+    n = (len(frame) - _REQ_HEAD.size) // 4
+    if not 0 <= start <= n:
+        raise ValueError(f"prefetch from position {start} of {n} tokens")
+    return _REQ_HEAD.pack(PREFETCH_MAGIC, n) + _U32.pack(start) + frame[_REQ_HEAD.size:]
+
+
+def read_request(sock: socket.socket) -> Request:
     magic, n = _REQ_HEAD.unpack(_recv_exact(sock, _REQ_HEAD.size))
     if magic == SPEEDS_REQ_MAGIC:
         if n != 0:
             raise LookupProtocolError(f"speeds request with a count of {n} (must be 0)")
-        return None
-    _check_magic(magic, REQ_MAGIC, "lookup request")
+        return Request("speeds")
+    start = 0
+    if magic == PREFETCH_MAGIC:
+        (start,) = _U32.unpack(_recv_exact(sock, _U32.size))
+        if start > n:
+            raise LookupProtocolError(f"prefetch from position {start} of {n} tokens")
+    else:
+        _check_magic(magic, REQ_MAGIC, "lookup request")
     if n > MAX_TOKENS:
         raise LookupProtocolError(f"request of {n} tokens exceeds the limit of {MAX_TOKENS}")
-    return np.frombuffer(_recv_exact(sock, 4 * n), dtype="<u4")
+    tokens = np.frombuffer(_recv_exact(sock, 4 * n), dtype="<u4")
+    return Request("prefetch" if magic == PREFETCH_MAGIC else "lookup", tokens, start)
 
 
 def read_answer(sock: socket.socket, num_tokens: int) -> LookupResult:
@@ -276,12 +313,15 @@ class LookupServer:
     """Answers lookups for one process's cache on a Unix socket (one thread per
     connection; a scheduler keeps one connection per rank open)."""
 
-    def __init__(self, path: str, lookup: LookupFn, costs: CostsFn | None = None) -> None:
+    def __init__(self, path: str, lookup: LookupFn, costs: CostsFn | None = None,
+                 prefetch: PrefetchFn | None = None) -> None:
         """``costs``: this process's measured speeds, for schedulers in other processes
-        (answered as "not known" without it)."""
+        (answered as "not known" without it); ``prefetch``: pulls chunks into this
+        process's L1 in the background (refused without it)."""
         self.path = path
         self._lookup = lookup
         self._costs = costs
+        self._prefetch = prefetch
         self._sock = self._bind(path)
         self._closed = threading.Event()
         self._conns: set[socket.socket] = set()
@@ -290,6 +330,8 @@ class LookupServer:
         self.errors = 0
         with _LOCAL_LOCK:
             LOCAL_ENGINES[path] = lookup
+            if prefetch is not None:
+                LOCAL_PREFETCH[path] = prefetch
         self._thread = threading.Thread(target=self._accept_loop, name="lmc-lookup",
                                         daemon=True)
         self._thread.start()
@@ -336,6 +378,16 @@ class LookupServer:
             log.exception("lmc lookup at %s failed; answering a miss", self.path)
             return encode_answer(LookupResult.miss())
 
+    def _prefetched(self, req: Request) -> bytes:
+        ok = 0
+        if self._prefetch is not None and req.tokens is not None:
+            try:
+                ok = int(self._prefetch(req.tokens, req.start) is not None)
+            except Exception:  # a prefetch never kills the server: refused
+                self.errors += 1
+                log.exception("lmc prefetch at %s failed; refused", self.path)
+        return PREFETCH_ANS_MAGIC + bytes([ok])
+
     def _speeds(self) -> bytes:
         try:
             return encode_speeds(self._costs() if self._costs is not None else None)
@@ -348,7 +400,7 @@ class LookupServer:
         try:
             while not self._closed.is_set():
                 try:
-                    tokens = read_request(conn)
+                    req = read_request(conn)
                 except LookupProtocolError as e:
                     self.errors += 1
                     log.warning("lmc lookup server %s: %s; closing the connection", self.path,
@@ -356,7 +408,13 @@ class LookupServer:
                     return
                 except (ConnectionError, OSError):
                     return
-                answer = self._speeds() if tokens is None else self._answer(tokens)
+                if req.kind == "speeds":
+                    answer = self._speeds()
+                elif req.kind == "prefetch":
+                    answer = self._prefetched(req)
+                else:
+                    assert req.tokens is not None  # a lookup carries its tokens
+                    answer = self._answer(req.tokens)
                 self.requests += 1
                 conn.sendall(answer)
         except OSError:
@@ -372,6 +430,7 @@ class LookupServer:
         self._closed.set()
         with _LOCAL_LOCK:
             LOCAL_ENGINES.pop(self.path, None)
+            LOCAL_PREFETCH.pop(self.path, None)
         with contextlib.suppress(OSError):
             self._sock.shutdown(socket.SHUT_RDWR)
         self._sock.close()
@@ -487,6 +546,36 @@ class LookupClient:
             self._speeds = (now, got)
             return got
 
+    def prefetch(self, tokens: Sequence[int] | np.ndarray, start: int
+                 ) -> RemotePrefetch | None:
+        """Ask every rank to pull the chunks of ``tokens`` from position ``start`` on into
+        its L1 (each rank holds its own share of the KV); ``None`` where any cannot. The
+        answer is done once a lookup sees those chunks in L1 (or they are gone)."""
+        frame = encode_prefetch(tokens, start)
+        with self._lock:
+            local = [LOCAL_PREFETCH.get(p) for p in self.paths] if self.use_local else [None]
+            if all(fn is not None for fn in local):
+                arr = np.frombuffer(frame, dtype="<u4", offset=_REQ_HEAD.size + _U32.size)
+                futs = [fn(arr, start) for fn in local if fn is not None]
+                if any(f is None for f in futs):
+                    return None
+                return RemotePrefetch(self, tokens, start, futures=futs)
+            deadline = time.perf_counter() + self.timeout
+            for path in self.paths:
+                try:
+                    sock = self._connect(path, deadline)
+                    sock.settimeout(max(1e-3, deadline - time.perf_counter()))
+                    sock.sendall(frame)
+                    magic = _recv_exact(sock, 4)
+                    _check_magic(magic, PREFETCH_ANS_MAGIC, "prefetch answer")
+                    (ok,) = _recv_exact(sock, 1)
+                except (OSError, TimeoutError, ConnectionError) as e:
+                    self._fail(path, e)
+                    return None
+                if ok != 1:
+                    return None
+        return RemotePrefetch(self, tokens, start)
+
     def _drop(self, paths: Iterable[str]) -> None:
         for path in paths:
             sock = self._socks.pop(path, None)
@@ -522,3 +611,38 @@ class LookupClient:
             for sock in self._socks.values():
                 sock.close()
             self._socks.clear()
+
+
+class RemotePrefetch:
+    """A prefetch asked of every rank. ``done()``: its futures finished (ranks in this
+    process), else a lookup -- at most every ``poll_s`` -- finds the chunks from ``start``
+    in L1 or no longer held; after ``timeout_s`` it is done whatever became of it."""
+
+    def __init__(self, client: LookupClient, tokens: Sequence[int] | np.ndarray, start: int,
+                 futures: Sequence[Any] = (), poll_s: float = 0.02, timeout_s: float = 30.0
+                 ) -> None:
+        self.client = client
+        self.tokens = np.asarray(tokens)
+        self.start = start
+        self.futures = list(futures)
+        self.poll_s = poll_s
+        self._deadline = time.monotonic() + timeout_s
+        self._last = time.monotonic()
+        self._done = False
+
+    def done(self) -> bool:
+        if self._done:
+            return True
+        if self.futures:
+            self._done = all(f.done() for f in self.futures)
+            return self._done
+        now = time.monotonic()
+        if now >= self._deadline:
+            self._done = True
+        elif now - self._last >= self.poll_s:
+            self._last = now
+            got = self.client.lookup(self.tokens)
+            first = self.start // got.chunk_size
+            self._done = (got.tokens <= self.start or not got.sources  # gone / cannot tell
+                          or not any(got.sources[first:]))
+        return self._done

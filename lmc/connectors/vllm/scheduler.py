@@ -34,7 +34,8 @@ class SchedulerSide:
         """``policy``: how much of each hit to load (``None``: all of it); the answer to
         ``get_num_new_matched_tokens`` is the part it chose."""
         self.client = client
-        self.core = SchedulerConnector(config, self._lookup, policy)
+        self.core = SchedulerConnector(config, self._lookup, policy,
+                                       prefetch=getattr(client, "prefetch", None))
         self.tracker = RequestTracker(config.save_decode)
         self._start: dict[str, int] = {}  # request id -> tokens it had before the lookup
         self._async: set[str] = set()  # matched as prefill/decode (asynchronous) loads

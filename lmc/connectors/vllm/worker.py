@@ -75,11 +75,17 @@ class WorkerSide:
                                       layerwise=self.layerwise, remote_wait=self.remote_wait)
         self._layer_index = {name: i for i, name in enumerate(choice.names)}
         self.server = LookupServer(self.socket_path, engine_lookup(lambda: self.engine),
-                                   costs=self.costs)
+                                   costs=self.costs, prefetch=self.prefetch)
         atexit.register(self.close)  # flushes the write-behind queue if vLLM never calls
         log.info("lmc: %s, %d layers, block %d, %s; model %s, tp %d/%d; lookups at %s",
                  choice.detail, spec.num_layers, spec.block_size, spec.dtype, self.model_id,
                  self.tp_rank, self.tp_size, self.socket_path)
+
+    def prefetch(self, tokens: Any, start: int) -> Any:
+        """Pull a waiting request's chunks from position ``start`` on into this rank's L1
+        (the scheduler's load policy chose to recompute them for now); None: no engine."""
+        eng = self.engine
+        return None if eng is None else eng.prefetch(tokens, start)
 
     def costs(self) -> Costs | None:
         """This rank's measured speeds, what the scheduler's load policy decides with
