@@ -124,5 +124,7 @@ def bind(engine: Any, block_size: int | None = None) -> ChunkNotes | None:
         return None
     engine.db = NotesDatabase(db, notes)
     for t in tiers:
+        while "inner" in vars(t):  # a wrapper tier (lmc.storage.wrappers): the tier it wraps
+            t = vars(t)["inner"]
         t.block_notes = notes
     return notes

@@ -41,12 +41,16 @@ def endpoints(d: DaemonProc) -> tuple[str, str]:
 
 
 @contextlib.contextmanager
-def engine(url: str, ns: str = "lmc", notes: bool = True, pool: str = "4MiB"
-           ) -> Iterator[tuple[CacheEngine, Any]]:
-    """A CPU engine (chunk 64, block 16: 24 KiB a chunk) whose remote tier is the daemon."""
+def engine(url: str, ns: str = "lmc", notes: bool = True, pool: str = "4MiB",
+           wrapped: bool = False) -> Iterator[tuple[CacheEngine, Any]]:
+    """A CPU engine (chunk 64, block 16: 24 KiB a chunk) whose remote tier is the daemon
+    (``wrapped``: inside a counting wrapper tier)."""
     caches = make_caches("vllm_flash", blocks=256, block_size=BLOCK)
+    where: dict[str, Any] = {"remote_url": f"{url}?ns={ns}"}
+    if wrapped:
+        where = {"tiers": ["memory", {"wrap": "counting", "tier": f"{url}?ns={ns}"}]}
     cfg = CacheConfig(chunk_size=CHUNK, local_cpu_size=pool, local_cpu_prefault="off",
-                      pin_memory="false", remote_url=f"{url}?ns={ns}")
+                      pin_memory="false", **where)
     eng = CacheEngine(cfg, spec_for("vllm_flash", caches), "daemon-events-test")
     try:
         if notes:
@@ -142,6 +146,21 @@ def test_removed_on_eviction_and_delete_stays_on_disk(tmp_path):
                                               and e.medium == wire.STORAGE for e in g))
             index.apply(got)
             assert cached(index, first, "lmc") == (0, 0, 0)
+        sub.close()
+    finally:
+        d.kill()
+
+
+def test_a_wrapped_lmc_tier_sends_block_info_too(tmp_path):
+    d = start(tmp_path / "d")
+    try:
+        sub = Collector(endpoints(d)[0])
+        with engine(d.url, wrapped=True) as (eng, caches):
+            assert type(eng.storage.tiers[-1]).__name__ == "CountingTier"
+            prompt = random_tokens(2 * CHUNK, seed=5)
+            store(eng, caches, prompt)
+            got = wait_for(sub, lambda g: len(stored(g)) >= 2)
+        assert [t for e in stored(got) for t in e.token_ids] == prompt
         sub.close()
     finally:
         d.kill()
