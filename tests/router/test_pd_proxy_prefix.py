@@ -12,6 +12,7 @@ makes "routed to where it is cached" visible in its reported ``cached_tokens``."
 from __future__ import annotations
 
 import os
+import random
 import re
 import subprocess
 import sys
@@ -33,11 +34,14 @@ N = 256  # prompt tokens cached: 4 chunks of 64, 16 engine blocks of 16
 
 
 @pytest.fixture(scope="module")
-def fleet(tmp_path_factory):
-    work = tmp_path_factory.mktemp("pdfleet")
-    ckpt = make_tiny_checkpoint(work / "tiny", hidden=64, layers=2, vocab=512,
-                                max_position_embeddings=2048)
-    with instances(ckpt, work, 3) as insts:
+def ckpt(tmp_path_factory):
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("pdtiny") / "tiny", hidden=64,
+                                layers=2, vocab=512, max_position_embeddings=2048)
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory, ckpt):
+    with instances(ckpt, tmp_path_factory.mktemp("pdfleet"), 3) as insts:
         yield insts
 
 
@@ -113,6 +117,30 @@ def test_a_prefix_cached_on_prefill_instance_c_is_prefilled_on_c(fleet):
         complete(p.url, base + [1, 2], stream=True)  # streamed: relayed as it came
         assert routed(p, "prefill") == {(c.url, "prefix"): 1}
         assert p.counts["prefill_failures"] == 0 and p.counts["decode_failures"] == 0
+    finally:
+        p.close()
+
+
+def test_text_prompts_are_scored_with_the_engines_tokenizer(fleet, ckpt):
+    """``--tokenizer``: a text prompt whose start decode instance C cached (as text) is
+    decoded on C, from its cache."""
+    from lmc.reference.tokenizer import Tokenizer
+    a, b, c = fleet
+    tok = Tokenizer(ckpt / "tokenizer.json")
+    rng = random.Random(51)
+    text = " ".join(rng.choice(["alpha", "beta", "gamma", "delta", "kappa", "omega"]) +
+                    str(rng.randrange(100)) for _ in range(200))
+    assert len(tok.encode(text)) > N
+    p = running([a], [b, c], tokenizer=tok)  # policy: prefix, as an instance has events
+    try:
+        assert p.policy == "prefix"
+        synced([p.decode])
+        status, _ = http(c.url + "/v1/completions", {"prompt": text, "max_tokens": 1})
+        assert status == 200
+        indexed(p.decode, c.url, tok.encode(text))
+        answer = complete(p.url, text + " and then", return_token_ids=False)
+        assert routed(p, "decode") == {(c.url, "prefix"): 1}
+        assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] >= N
     finally:
         p.close()
 
