@@ -36,7 +36,7 @@ import sys
 import threading
 import time
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -186,41 +186,64 @@ class PoolAgent:
 
     # ------------------------------------------------------------ reads
     def read(self, peer: PeerInfo, pairs: Sequence[tuple[int, int, int]], deadline: float,
-             hold: Sequence[MemoryObj] = ()) -> None:
+             hold: Sequence[MemoryObj] = (), groups: Sequence[int] | None = None,
+             on_group: Callable[[int], None] | None = None) -> None:
         """READ ``(local_addr, remote_addr, nbytes)`` spans from ``peer`` by ``deadline``
         (``time.monotonic``); raises :class:`TransferFailed`. ``hold``: the destination
-        objects, kept referenced if the transfer cannot be stopped after a timeout."""
+        objects, kept referenced if the transfer cannot be stopped after a timeout.
+        ``groups``: sizes (in spans) of consecutive groups posted as transfers of their own,
+        all at once; ``on_group(i)`` is called, in order, as soon as groups ``0..i`` have
+        landed, while the later ones are still moving (a reader verifies what landed)."""
+        sizes = [len(pairs)] if not groups else [k for k in groups if k > 0]
+        if sum(sizes) != len(pairs):
+            raise ValueError(f"READ groups of {sum(sizes)} spans for {len(pairs)} spans")
         with self._lock:
             if self.closed:
                 raise TransferFailed("the agent is closed")
             self._drain_quarantine()
             a = self.agent
-            local = a.get_xfer_descs([(la, n, 0) for la, _, n in pairs], "DRAM")
-            remote = a.get_xfer_descs([(ra, n, 0) for _, ra, n in pairs], "DRAM")
+            handles: list[Any] = []
+            states: list[str] = []
             try:
-                h = a.initialize_xfer("READ", local, remote, peer.agent)
-            except Exception as e:
-                raise TransferFailed(f"READ from {peer.agent} not started: {e}") from e
-            try:
-                state = a.transfer(h)
+                at = 0
+                for k in sizes:
+                    part = pairs[at: at + k]
+                    at += k
+                    local = a.get_xfer_descs([(la, n, 0) for la, _, n in part], "DRAM")
+                    remote = a.get_xfer_descs([(ra, n, 0) for _, ra, n in part], "DRAM")
+                    try:
+                        h = a.initialize_xfer("READ", local, remote, peer.agent)
+                    except Exception as e:
+                        raise TransferFailed(f"READ from {peer.agent} not started: {e}") from e
+                    handles.append(h)
+                    states.append(a.transfer(h))
+                landed = 0
                 spin = 0
-                while state not in ("DONE", "ERR"):
-                    if time.monotonic() > deadline:
-                        self._abandon(h, hold)
-                        h = None
-                        raise TransferFailed(f"READ from {peer.agent} missed its deadline")
-                    spin += 1
-                    if spin > 64:  # a slow peer: stop burning a core on it
-                        time.sleep(5e-5)
-                    state = a.check_xfer_state(h)
-                if state == "ERR":
-                    raise TransferFailed(f"READ from {peer.agent} failed")
+                while landed < len(handles):
+                    for i in range(landed, len(handles)):
+                        if states[i] not in ("DONE", "ERR"):
+                            states[i] = a.check_xfer_state(handles[i])
+                        if states[i] == "ERR":
+                            raise TransferFailed(f"READ from {peer.agent} failed")
+                    while landed < len(handles) and states[landed] == "DONE":
+                        if on_group is not None:
+                            on_group(landed)
+                        landed += 1
+                    if landed < len(handles):
+                        if time.monotonic() > deadline:
+                            for i in range(landed, len(handles)):
+                                self._abandon(handles[i], hold)
+                            del handles[landed:]
+                            raise TransferFailed(f"READ from {peer.agent} missed its deadline")
+                        spin += 1
+                        if spin > 64:  # a slow peer: stop burning a core on it
+                            time.sleep(5e-5)
             except TransferFailed:
                 raise
             except Exception as e:  # nixl raises its own types for a dead peer
                 raise TransferFailed(f"READ from {peer.agent}: {e}") from e
             finally:
-                if h is not None:
+                for h in handles:
                     self._release(h, hold)
 
     def read_versions(self, peer: PeerInfo, slots: Sequence[int], deadline: float

@@ -4,7 +4,7 @@ JSON line of what the reader got, then ends with ``os._exit`` (NIXL's exit-time 
 :mod:`lmc.p2p.agent`). Threat model: ``docs/threats/p2p.md``.
 
 ``python -m tests.p2p.attack_proc SCENARIO DIRECTORY_URL WORKDIR``; scenarios: ``forged``,
-``window``, ``lying_size``, ``overwrite``, ``renamed``.
+``grouped``, ``window``, ``lying_size``, ``overwrite``, ``renamed``.
 """
 
 from __future__ import annotations
@@ -94,6 +94,41 @@ def forged(url: str, _: str) -> dict:
     out["stats"] = {k: reader.stats()[k] for k in ("verify_failures", "hits", "distrusted",
                                                    "distrusted_agents")}
     for t in (reader, plain, liar, owner):
+        t.close()
+    return out
+
+
+def grouped(url: str, _: str) -> dict:
+    """Forged records inside pulls READ in groups and verified as each group lands (the
+    grouping threshold lowered to 0 so every multi-chunk pull is grouped): one get of six
+    keys, two of them advertised newest by a liar without the secret -- the honest four are
+    served exact, the two lies are misses, none is wrong."""
+    from lmc.storage.backends import p2p
+
+    p2p.READ_GROUP_BYTES = 0
+    owner, liar = _tier(url, "g-owner", SECRET), _tier(url, "g-liar")
+    reader = _tier(url, "g-reader", SECRET)
+    keys = [key_of(f"grouped-k{i}") for i in range(6)]
+    for i, k in enumerate(keys):
+        _store(owner, k, f"grouped{i}".encode())
+    for i in (1, 3):
+        _store(liar, keys[i], f"lie{i}".encode())
+    got = reader.get(keys)
+    out: dict = {"got": []}
+    for i, o in enumerate(got):
+        if o is None:
+            out["got"].append("miss")
+            continue
+        try:
+            check_hit(o, key_of(f"grouped{i}"))
+            out["got"].append("exact")
+        except AssertionError:
+            out["got"].append("WRONG")
+        finally:
+            o.release()
+    out["groups"] = p2p.read_groups([1 << 20] * 4)
+    out["stats"] = {k: reader.stats()[k] for k in ("verify_failures", "hits")}
+    for t in (reader, liar, owner):
         t.close()
     return out
 

@@ -52,6 +52,15 @@ def test_forged_and_unkeyed_records_are_never_served(tmp_path):
     assert r["liar_skipped"] == "exact" and r["stats"]["distrusted_agents"] == 1, r
 
 
+def test_forged_chunks_in_grouped_pulls_are_misses(tmp_path):
+    """Pulls READ in groups, each group verified as it lands while the next moves: a liar's
+    records inside a six-key get are misses, the honest owner's chunks exact, none wrong."""
+    r = _attack(tmp_path, "grouped")
+    assert r["groups"] == [1, 1, 1, 1], r
+    assert r["got"] == ["exact", "miss", "exact", "miss", "exact", "exact"], r
+    assert r["stats"]["verify_failures"] == 2, r
+
+
 def test_reads_outside_the_export_window_are_refused(tmp_path):
     """The owner's published metadata covers its export window (64 KiB here) and version
     table only: its pool, and any span crossing the window's ends, cannot be READ."""

@@ -314,3 +314,16 @@ def test_namespaces_never_leak_and_bounds_hold(ops):
                 assert agent in members, (ns, agent)
                 assert model[members[agent]][2].get(b"k%d" % key) == rec
     assert d.stats()["peers"] == len(model)
+
+
+def test_read_groups_split_big_pulls_by_bytes():
+    from lmc.storage.backends.p2p import READ_GROUP_BYTES, read_groups
+
+    assert read_groups([]) == [0]
+    assert read_groups([1 << 20] * 8) == [8]  # under the threshold: one READ
+    mib8 = [8 << 20] * 32  # bench_p2p's pull: four groups of eight
+    assert read_groups(mib8) == [8, 8, 8, 8]
+    assert sum(read_groups([READ_GROUP_BYTES, 1, 1, 1])) == 4
+    for sizes in ([READ_GROUP_BYTES] * 3, [5 << 20] * 7 + [40 << 20], [64 << 20] * 2):
+        g = read_groups(sizes)
+        assert sum(g) == len(sizes) and all(k > 0 for k in g) and len(g) <= 4, (sizes, g)
