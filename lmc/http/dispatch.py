@@ -24,9 +24,8 @@ from typing import Any
 
 from lmc.http.json_api import BoundedHTTPServer, HttpError, HttpLimits
 from lmc.http.relay import TIMEOUT, Upstream
-from lmc.router.feed import EventFeed, Source
-from lmc.router.index import Match
-from lmc.router.policy import POLICIES, Candidate, PromptKeys, Weights, choose
+from lmc.router.feed import EventFeed, SaltedKeys, SharedSource, SharedSpec, Source, match_instance
+from lmc.router.policy import POLICIES, Candidate, Weights, choose
 
 MAX_PROMPT_TOKENS = 1 << 20
 
@@ -81,7 +80,7 @@ class Pool:
                  weights: Weights | None = None, upstream_timeout: float = TIMEOUT,
                  stale_after: float = 10.0, max_blocks: int = 1 << 21,
                  what: str = "instance", flag: str = "--instance",
-                 unique: bool = True) -> None:
+                 unique: bool = True, shared: Sequence[SharedSpec] = ()) -> None:
         if policy not in POLICIES:
             raise ValueError(f"--policy {policy!r}: choose one of {', '.join(POLICIES)}")
         if not 0 < upstream_timeout <= 86400:
@@ -93,18 +92,21 @@ class Pool:
         self.instances = [Instance(s, upstream_timeout, max_blocks) for s in specs]
         if unique and len({i.url for i in self.instances}) < len(self.instances):
             raise ValueError(f"an {flag} URL is given twice")
+        # shared stores (lmc server with kv_events): their prefixes count for their users
+        self.shared = [SharedSource(s, max_blocks) for s in shared]
         self._lock = threading.Lock()
         self._turn = 0
 
     @property
     def sources(self) -> list[Source]:
-        return [i.source for i in self.instances if i.source is not None]
+        return [i.source for i in self.instances if i.source is not None] + \
+            list(self.shared)
 
     def pick(self, tokens: Sequence[int] | None, salt: str | None,
              exclude: frozenset[str] | set[str] = frozenset()) -> Pick:
         """The instance for a prompt (token ids, or None if unknown), counted in flight
         (the caller calls :meth:`done`). A 503 if no healthy one is left."""
-        keys = PromptKeys(tokens, None, salt) if tokens is not None else None
+        keys = SaltedKeys(tokens, None, salt) if tokens is not None else None
         now = time.monotonic()
         with self._lock:
             live = [i for i in self.instances if i.healthy and i.url not in exclude]
@@ -113,11 +115,8 @@ class Pool:
                                 + (" (the others failed it)" if exclude else ""))
             cands = []
             for inst in live:
-                s = inst.source
-                m = None
-                if keys is not None and s is not None and s.fresh(self.stale_after, now):
-                    bs = s.index.block_size
-                    m = s.index.match(keys.at(bs)) if bs else Match()
+                m = None if keys is None else match_instance(
+                    inst.url, inst.source, self.shared, keys, self.stale_after, now)
                 cands.append(Candidate(inst.in_flight, m))
             c = choose(cands, None if tokens is None else len(tokens), self.weights,
                        self._turn, self.policy)

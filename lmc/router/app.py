@@ -62,6 +62,7 @@ from lmc.http.json_api import (
     limits_from_args,
 )
 from lmc.http.relay import TIMEOUT, UPSTREAM_ERRORS, RelayHandler, encode, what
+from lmc.router.feed import SharedSpec
 from lmc.router.policy import Weights
 
 __all__ = ["InstanceSpec", "Router", "cached_tokens", "prompt_tokens", "register_cli", "run"]
@@ -104,12 +105,13 @@ class Router(Front):
                  weights: Weights | None = None, host: str = "127.0.0.1", port: int = 0,
                  limits: HttpLimits | None = None, upstream_timeout: float = TIMEOUT,
                  health_interval: float = 2.0, stale_after: float = 10.0,
-                 tokenizer: Any = None, max_blocks: int = 1 << 21) -> None:
+                 tokenizer: Any = None, max_blocks: int = 1 << 21,
+                 shared: Sequence[SharedSpec] = ()) -> None:
         if not instances:
             raise ValueError("lmc router needs at least one --instance")
         self.pool = Pool(instances, policy=policy, weights=weights,
                          upstream_timeout=upstream_timeout, stale_after=stale_after,
-                         max_blocks=max_blocks)
+                         max_blocks=max_blocks, shared=shared)
         self.policy = policy
         self.weights = self.pool.weights
         self.instances = self.pool.instances
@@ -292,6 +294,11 @@ def register_cli(sub: Any) -> None:
     p.add_argument("--port", type=int_in(0, 65535), default=8200, help="0: pick a free port")
     add_choice_args(p, "prefix", "the longest cached prefix (events=) against load, or in "
                     "turn")
+    p.add_argument("--shared-events", action="append", default=[], metavar="SPEC",
+                   help="ENDPOINT[,replay=ENDPOINT][,namespace=NS][,instances=URL|URL]: "
+                   "a shared lmc server's KV events (its kv_events); a prefix it holds "
+                   "counts as cached for every instance using it (namespace: their lmc:// "
+                   "tier's ?ns=, default lmc); repeat")
     p.add_argument("--health-interval", type=float_in(0.1, 3600), default=2.0,
                    metavar="SECONDS")
     p.add_argument("--upstream-timeout", type=float_in(0, 86400, low_open=True),
@@ -304,9 +311,11 @@ def register_cli(sub: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     try:
         specs = [InstanceSpec.parse(t) for t in args.instance]
+        shared = [SharedSpec.parse(t) for t in args.shared_events]
         router = Router(specs, host=args.host, port=args.port, limits=limits_from_args(args),
                         upstream_timeout=args.upstream_timeout,
-                        health_interval=args.health_interval, **choice_from_args(args))
+                        health_interval=args.health_interval, shared=shared,
+                        **choice_from_args(args))
     except (ValueError, OSError, ImportError) as e:
         print(f"lmc router: {e}", file=sys.stderr)
         return 2
