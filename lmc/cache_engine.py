@@ -125,6 +125,10 @@ class CacheEngine:
                 self.storage.close()
                 self.pool.close()
                 raise
+        if tp_rank == 0:  # a shared daemon publishing events learns each chunk's blocks
+            from lmc.events.notes import bind  # (a no-op without such a tier; attach binds)
+
+            bind(self)
         self._transfer_pref = transfer
         # bound to the cache's geometry, not its block count: a re-created cache (vLLM's
         # allocation after profiling, sleep/wake) of the same model is accepted

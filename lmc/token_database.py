@@ -143,6 +143,14 @@ class ChunkedTokenDatabase:
         self._chain(self.namespace, data, end, out)
         return out
 
+    def chain_keys(self, prev: bytes, data: bytes, end: int) -> list[ChunkKey]:
+        """The chained keys of ``data[:end]`` (little-endian uint32 tokens) from ``prev``:
+        the same chain as a prompt's, from another starting point (the daemon derives its
+        event block hashes this way, from a seed of its own)."""
+        out: list[ChunkKey] = []
+        self._chain(prev, data, end, out)
+        return out
+
     def _chain(self, prev: bytes, data: bytes, end: int, out: list[ChunkKey]) -> bytes:
         """Append the chained keys of ``data[:end]`` (chunk by chunk) to ``out``; returns the
         last key (the chain's state)."""

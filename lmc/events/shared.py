@@ -163,7 +163,8 @@ def derive(secret: bytes, ns: str, key: bytes, info: BlockInfo) -> ChunkInfo:
     full = n // bs
     keys: list[bytes] = []
     if full:
-        ChunkedTokenDatabase(bs, False, seed)._chain(seed, info.tokens, full * bs * 4, keys)
+        keys = ChunkedTokenDatabase(bs, False, seed).chain_keys(seed, info.tokens,
+                                                                 full * bs * 4)
     hashes: list[int] = np.frombuffer(b"".join(keys), dtype="<u8")[0::2].tolist()
     if full and n == info.chunk_size:  # the next chunk names this block by our key
         hashes[-1] = _chunk_hash(secret, tag, key)

@@ -54,7 +54,9 @@ def engine(url: str, ns: str = "lmc", notes: bool = True, pool: str = "4MiB",
     eng = CacheEngine(cfg, spec_for("vllm_flash", caches), "daemon-events-test")
     try:
         if notes:
-            assert bind(eng) is not None
+            assert bind(eng) is not None  # bound by the engine already: the same notes
+        else:  # an lmc before block info: its tier has no notes to send
+            eng.storage.tiers[-1].block_notes = None
         eng.lookup(random_tokens(CHUNK, seed=999))  # connects: HELLO says events are on
         yield eng, caches
     finally:
