@@ -78,7 +78,8 @@ def test_several_instances_route_a_cached_prefix_back(tmp_path):
     except ImportError:
         missing("pyzmq is not installed (pip install pyzmq; .ci/run does it)")
     block = _swap_ports(_block("## Several instances"),
-                        ["7451", "8000", "8001", "8002", "5557", "5558", "5567", "5568"])
+                        ["7451", "8000", "8001", "8002", "5557", "5558", "5567", "5568",
+                         "5577", "5578"])
     block = block.replace("/tmp/lmc-model", str(tmp_path / "model"))
     lines = block.rstrip("\n").split("\n")
     assert lines[-1].startswith("curl -s http://127.0.0.1:")  # the last line asks the router
