@@ -27,7 +27,7 @@ from lmc.storage.backends.disk.backend import BLOCK, LOCK, MARKER, DiskBackend
 from tests.kvutil import assert_bits_equal, make_caches, random_tokens, spec_for, token_kv
 
 CHUNK = 16
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]  # the repository root
 
 
 # ------------------------------------------------------------------ helpers

@@ -24,7 +24,7 @@ from lmc.config import CacheConfig
 from lmc.memory.pool import MemoryPool
 from lmc.storage.backends.disk.backend import LOCK, MARKER, DirectoryInUse, DiskBackend
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]  # the repository root
 CAPACITY = 8 << 20
 
 _WRITER = textwrap.dedent("""
