@@ -13,7 +13,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -63,7 +63,7 @@ def lmc_config(path: Path, pub: int, rep: int, pool: str = "64MiB",
 
 
 def start(ckpt: Path, work: Path, name: str, pool: str = "64MiB", extra: str = "",
-          num_blocks: int = 256) -> Instance:
+          num_blocks: int = 256, serve_args: Sequence[str] = ()) -> Instance:
     pub, rep = free_port(), free_port()
     cfg = lmc_config(work / f"{name}.yaml", pub, rep, pool, extra)
     ready = work / f"{name}.json"
@@ -71,7 +71,8 @@ def start(ckpt: Path, work: Path, name: str, pool: str = "64MiB", extra: str = "
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     proc = subprocess.Popen(
         [sys.executable, "-m", "lmc.reference.serve", "--model", str(ckpt), "--port", "0",
-         "--lmc-config", str(cfg), "--num-blocks", str(num_blocks), "--ready-file", str(ready)],
+         "--lmc-config", str(cfg), "--num-blocks", str(num_blocks), "--ready-file", str(ready),
+         *serve_args],
         cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=open(log, "w"))  # noqa: SIM115
     return Instance(proc, "", f"tcp://127.0.0.1:{pub}", f"tcp://127.0.0.1:{rep}", log)
 

@@ -5,9 +5,11 @@ the events real ZMQ from the engines' lmc). A prompt whose prefix decode instanc
 B serves it from its cache with the tokens a single instance computes; the same for a prefill
 instance; ``round_robin`` (the default without events) takes turns whatever is cached.
 
-The instances have no ``kv_role``: the prefill answers no ``kv_transfer_params`` and the
-decode instance prefills itself (from its cache when it holds the prefix), which is what
-makes "routed to where it is cached" visible in its reported ``cached_tokens``."""
+The instances share no tier: a prefill instance answers ``kv_transfer_params`` (``kv_both``),
+and a decode instance waits ``--remote-prefill-wait`` (1 s here; 30 s by default, which made
+every uncached decode of these tests 30 s long) for chunks that never come, then prefills
+itself -- from its own cache when it holds the prefix, which is what makes "routed to where
+it is cached" visible in its reported ``cached_tokens``."""
 
 from __future__ import annotations
 
@@ -41,7 +43,8 @@ def ckpt(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory, ckpt):
-    with instances(ckpt, tmp_path_factory.mktemp("pdfleet"), 3) as insts:
+    with instances(ckpt, tmp_path_factory.mktemp("pdfleet"), 3,
+                   serve_args=["--remote-prefill-wait", "1"]) as insts:
         yield insts
 
 
