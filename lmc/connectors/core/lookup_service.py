@@ -143,15 +143,29 @@ def encode_request(tokens: Sequence[int] | np.ndarray) -> bytes:
 
 
 def encode_answer(result: LookupResult) -> bytes:
-    names = [t.encode() for t in result.tiers]
-    bad = next((t for t, b in zip(result.tiers, names) if len(b) > MAX_NAME), None)
-    if bad is not None:
-        raise ValueError(f"tier name {bad!r} is longer than {MAX_NAME} bytes")
-    parts = [_ANS_HEAD.pack(ANS_MAGIC, result.tokens, result.chunk_size, len(names),
+    parts = [_ANS_HEAD.pack(ANS_MAGIC, result.tokens, result.chunk_size, len(result.tiers),
                             len(result.sources))]
-    parts += [bytes([len(b)]) + b for b in names]
+    parts += [_encode_name(t) for t in result.tiers]
     parts.append(result.sources)
     return b"".join(parts)
+
+
+def _encode_name(name: str) -> bytes:
+    """A tier name on the wire: uint8 length, at most :data:`MAX_NAME` bytes of UTF-8."""
+    b = name.encode()
+    if len(b) > MAX_NAME:
+        raise ValueError(f"tier name {name!r} is longer than {MAX_NAME} bytes")
+    return bytes([len(b)]) + b
+
+
+def _read_name(sock: socket.socket) -> str:
+    (k,) = _recv_exact(sock, 1)
+    if k > MAX_NAME:
+        raise LookupProtocolError(f"tier name of {k} bytes, at most {MAX_NAME}")
+    try:
+        return _recv_exact(sock, k).decode()
+    except UnicodeDecodeError as e:
+        raise LookupProtocolError(f"tier name is not UTF-8: {e}") from None
 
 
 def encode_speeds_request() -> bytes:
@@ -164,10 +178,7 @@ def encode_speeds(costs: Costs | None) -> bytes:
         return _SPEEDS_HEAD.pack(SPEEDS_ANS_MAGIC, 0, 0)
     parts = [_SPEEDS_HEAD.pack(SPEEDS_ANS_MAGIC, 1, len(costs.tiers))]
     for t in costs.tiers:
-        name = t.name.encode()
-        if len(name) > MAX_NAME:
-            raise ValueError(f"tier name {t.name!r} is longer than {MAX_NAME} bytes")
-        parts += [bytes([len(name)]), name,
+        parts += [_encode_name(t.name),
                   _SPEEDS_TIER.pack(t.bytes_per_s, t.latency_s, int(t.overlaps), t.observed)]
     p = costs.prefill
     parts.append(_SPEEDS_TAIL.pack(p.c0, p.c1, p.c2, p.observed, costs.bytes_per_token,
@@ -194,13 +205,7 @@ def read_speeds(sock: socket.socket) -> Costs | None:
         raise LookupProtocolError(f"speeds answer names {n_tiers} tiers (1 to {MAX_TIERS})")
     tiers = []
     for _ in range(n_tiers):
-        (k,) = _recv_exact(sock, 1)
-        if k > MAX_NAME:
-            raise LookupProtocolError(f"tier name of {k} bytes, at most {MAX_NAME}")
-        try:
-            name = _recv_exact(sock, k).decode()
-        except UnicodeDecodeError as e:
-            raise LookupProtocolError(f"tier name is not UTF-8: {e}") from None
+        name = _read_name(sock)
         bps, lat, overlaps, observed = _SPEEDS_TIER.unpack(_recv_exact(sock, _SPEEDS_TIER.size))
         if overlaps not in (0, 1) or not (math.isfinite(bps) and bps > 0):
             raise LookupProtocolError(f"speeds answer: tier {name!r} bytes/s {bps}, "
@@ -280,15 +285,7 @@ def read_answer(sock: socket.socket, num_tokens: int) -> LookupResult:
     if n_src > -(-num_tokens // cs):
         raise LookupProtocolError(f"answer has {n_src} chunk sources for a request of "
                                   f"{num_tokens} tokens in chunks of {cs}")
-    tiers = []
-    for _ in range(n_tiers):
-        (k,) = _recv_exact(sock, 1)
-        if k > MAX_NAME:
-            raise LookupProtocolError(f"tier name of {k} bytes, at most {MAX_NAME}")
-        try:
-            tiers.append(_recv_exact(sock, k).decode())
-        except UnicodeDecodeError as e:
-            raise LookupProtocolError(f"tier name is not UTF-8: {e}") from None
+    tiers = [_read_name(sock) for _ in range(n_tiers)]
     sources = _recv_exact(sock, n_src)
     try:
         return LookupResult(tokens, cs, tuple(tiers), sources)
