@@ -29,6 +29,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 from lmc.transfer import cuda_copy as ct
 from lmc.transfer.completion import Completion
@@ -827,3 +829,37 @@ def test_emulated_forced_modes_override_the_calibration(emu_lib, monkeypatch):
     monkeypatch.setenv("LMC_CUDA_GATHER_MODE", "fast")
     with pytest.raises(ValueError, match="gather_mode must be one of"):
         ct.CudaTransfer(spec, caches, backend=be)
+
+
+@given(st.lists(st.integers(1, 64), min_size=1, max_size=6),
+       st.lists(st.tuples(st.integers(0, 300), st.integers(0, 80)), min_size=1, max_size=12))
+def test_copies_cut_at_windows_cover_the_spans_and_never_cross_one(sizes, spans):
+    """Any registrations (consecutive windows of any sizes) and any host spans inside them:
+    the pieces tile each span exactly, each piece and every 2D copy built from them stays
+    inside one window, and coalescing keeps every byte once."""
+    starts = [sum(sizes[:i]) for i in range(len(sizes))]
+    end = sum(sizes)
+
+    def window_of(addr):
+        i = max(j for j, s in enumerate(starts) if s <= addr)
+        return starts[i], starts[i] + sizes[i]
+
+    spans = [(h % end, 10_000 + 100 * i, min(n, end - h % end))
+             for i, (h, n) in enumerate(spans)]
+    pieces = ct.cut_at_windows(spans, window_of)
+    it = iter(pieces)
+    for h, other, n in spans:
+        covered = 0
+        while covered < n:
+            ph, po, pn, win = next(it)
+            assert (ph, po) == (h + covered, other + covered) and pn > 0
+            lo, hi = window_of(ph)
+            assert win == lo and ph + pn <= hi
+            covered += pn
+        assert covered == n
+    assert next(it, None) is None
+    merged = ct.coalesce(pieces)
+    assert sum(p[2] for p in merged) == sum(n for _, _, n in spans)
+    for d, dp, _s, _sp, width, height in ct.strided(merged):
+        _lo, hi = window_of(d)
+        assert d + (height - 1) * dp + width <= hi, "a 2D copy leaves its window"
