@@ -140,6 +140,8 @@ class Bench:
         deadline = time.monotonic() + 120
         while not eng.flush(1) and time.monotonic() < deadline:
             pass
+        while eng.prefetches_pending() and time.monotonic() < deadline:
+            time.sleep(0.01)  # the last run's prefetch (cancelled at admission) has ended
         time.sleep(SETTLE_S)  # a layered read promotes from its own thread when it ends
         if where == "lower":
             eng.storage.l1.delete(keys)

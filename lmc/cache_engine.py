@@ -8,11 +8,12 @@ layer-wise forms a connector uses to overlap copies with compute. All methods ar
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
 from collections.abc import Hashable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -50,6 +51,7 @@ from lmc.transfer.torch_copy import (
 
 log = logging.getLogger(__name__)
 MAX_QUEUED_PREFETCHES = 64  # prefetches waiting for the prefetch thread; more are refused
+PREFETCH_PIECE = 4  # chunks per read of a prefetch: a cancelled one stops within a piece
 Keys = Sequence[ChunkKey] | None  # a prompt's chunk keys computed ahead (RequestKeys), or None
 
 
@@ -445,7 +447,11 @@ class CacheEngine:
         """Pull the prompt's chunks from the one holding position ``start`` on from lower
         tiers into L1 in the background (a hit in a lower tier is promoted on read). Returns
         a future of the prefix tokens then in L1 (counted from that chunk's start; the
-        chunks before it are assumed there)."""
+        chunks before it are assumed there).
+
+        ``cancel()`` on the future stops the pull before its next chunk (the request it was
+        for was admitted with its decision: the link is for other loads now); it is read
+        ``PREFETCH_PIECE`` chunks at a time for that."""
         self._check_open()
         if start < 0:
             raise ValueError(f"prefetch start must be >= 0, got {start}")
@@ -453,29 +459,47 @@ class CacheEngine:
         first = start // cs
         keys = self.db.keys(tokens)[first:]
         n = self.db.num_tokens(tokens)
+        out: Future = Future()
 
-        def run() -> int:
+        def run() -> None:
             try:
-                objs = self.storage.get_prefix(keys)
-                Lease(objs).release()
-                return min((first + len(objs)) * cs, n)
+                got = 0
+                for i in range(0, len(keys), PREFETCH_PIECE):
+                    if out.cancelled():
+                        return
+                    piece = keys[i:i + PREFETCH_PIECE]
+                    objs = self.storage.get_prefix(piece)
+                    Lease(objs).release()
+                    got += len(objs)
+                    if len(objs) < len(piece):
+                        break
+                with contextlib.suppress(InvalidStateError):  # cancelled meanwhile
+                    out.set_result(min((first + got) * cs, n))
+            except BaseException as e:
+                with contextlib.suppress(InvalidStateError):
+                    out.set_exception(e)
             finally:
                 with self._lock:
                     self._prefetch_queued -= 1
 
         with self._lock:
             if self._prefetch_queued >= MAX_QUEUED_PREFETCHES:  # bounded: refused, not queued
-                done: Future = Future()
-                done.set_result(min(first * cs, n))
-                return done
+                out.set_result(min(first * cs, n))
+                return out
             if self._prefetcher is None:
                 self._prefetcher = ThreadPoolExecutor(1, thread_name_prefix="lmc-prefetch")
             self._prefetch_queued += 1
             try:
-                return self._prefetcher.submit(run)
+                self._prefetcher.submit(run)
             except RuntimeError:  # shut down meanwhile
                 self._prefetch_queued -= 1
                 raise
+            return out
+
+    def prefetches_pending(self) -> int:
+        """Prefetches queued or running (benchmarks wait for none before timing a load)."""
+        with self._lock:
+            return self._prefetch_queued
 
     # ----------------------------------------------------------------- misc
     def contains_chunks(self, tokens: Tokens) -> np.ndarray:

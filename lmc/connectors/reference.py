@@ -129,6 +129,11 @@ class LMCReferenceConnector(KVConnector):
             return LookupResult.miss(self.connector_config.chunk_size)
         return self.engine.lookup_result(token_ids)
 
+    def set_step_budget(self, max_num_batched_tokens: int) -> None:
+        """The engine chunks prefills longer than this: the load policy's rule knows that
+        only the first step's compute hides a load."""
+        self.policy.step_tokens = max(0, int(max_num_batched_tokens))
+
     def _prefetch(self, token_ids: Sequence[int], start: int) -> Any:
         """What the load policy recomputes by choice, pulled into L1 while the request waits
         (the worker's engine is in this process)."""

@@ -123,6 +123,11 @@ class KVConnector(ABC):
         its K/V; they are freed as soon as this returns. May return ``kv_transfer_params``
         for the request's output (a prefill/decode producer's answer)."""
 
+    def set_step_budget(self, max_num_batched_tokens: int) -> None:  # noqa: B027
+        """Once at start: the scheduler's token budget per step (prompts longer than it are
+        prefilled in chunks over several steps). A connector that decides how much of a hit
+        to load needs it: only the first chunk's compute can hide a load."""
+
     # ------------------------------------------------------------------- worker side
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:  # noqa: B027

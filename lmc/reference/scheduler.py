@@ -57,6 +57,8 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len
         self.connector = connector
+        if connector is not None:
+            connector.set_step_budget(max_num_batched_tokens)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}

@@ -102,6 +102,49 @@ def test_in_between_matches_the_issues_estimate() -> None:
     assert 0.25 < s.ttft_s < 0.36
 
 
+def test_chunked_prefill_hides_a_load_under_the_first_step_only() -> None:
+    """With a per-step budget ``B`` a layered load overlaps only the first step's compute,
+    the later steps follow it: TTFT(N) = max(O(N), C(B)) + C(S - N - B) (+ one layer), so a
+    tier slower than compute is loaded only as far as one step hides it, ``N ~ B * r_l /
+    r_c``, and a faster tier still wholly. The prediction is the formula at every split."""
+    r_c = 40_000.0
+    r_l = 10_000.0  # a quarter of the compute
+    tier = TierRate("disk", r_l * BPT, overlaps=True)
+    c = Costs((TierRate("L1", 1e15), tier), PrefillRate(0.004, 1.0 / r_c, 0.0), BPT, 32)
+    total, hit, budget = 16_384, 16_383, 2048
+    s = choose_split(c, bytes([1] * 64), CS, 0, hit, total, step_tokens=budget)
+    assert abs(s.end - budget * r_l / r_c) <= CS
+    for n in range(0, hit + 1, CS):
+        o = n / r_l + n * BPT / 1e15  # the read, then the copy into the KV
+        first = min(total, n + budget)
+        steps = -(-(total - first) // budget)
+        later = steps * 0.004 + (total - first) / r_c
+        c1 = 0.004 + (first - n) / r_c
+        want = max(o, c1) + min(o, c1) / 32 + later
+        assert ttft_s(c, [0, n], 0, n, total, step_tokens=budget) == pytest.approx(want)
+    # without the budget the same tier is loaded to N* = S r_l / (r_l + r_c): far more
+    whole = choose_split(c, bytes([1] * 64), CS, 0, hit, total)
+    assert whole.end > 4 * s.end
+    # a tier far faster than compute: the whole hit either way
+    fast = Costs((TierRate("L1", 1e15), TierRate("d", 20 * r_c * BPT)),
+                 PrefillRate(0.004, 1.0 / r_c), BPT, 32)
+    assert choose_split(fast, bytes([1] * 64), CS, 0, hit, total, step_tokens=budget).end == hit
+    # a budget larger than the prompt changes nothing
+    big = choose_split(c, bytes([1] * 64), CS, 0, hit, total, step_tokens=1 << 20)
+    assert big == whole
+
+
+def test_policy_takes_the_engines_step_budget() -> None:
+    with pytest.raises(ValueError, match="step_tokens"):
+        LoadPolicy(lambda: None, step_tokens=-1)
+    tier = TierRate("disk", 10_000.0 * BPT, overlaps=True)
+    c = Costs((TierRate("L1", 1e15), tier), PrefillRate(0.0, 1 / 40_000.0), BPT, 32)
+    found = LookupResult(16_384, CS, ("L1", "disk"), bytes([1] * 64))
+    chunked = LoadPolicy(lambda: c, step_tokens=2048).decide("a", found, 0, 16_383, 16_384)
+    whole = LoadPolicy(lambda: c).decide("b", found, 0, 16_383, 16_384)
+    assert chunked <= 1024 < 2048 < whole
+
+
 def test_serial_tier_loads_only_what_costs_less_than_its_compute() -> None:
     """A tier read before the forward (whole chunks): TTFT(N) = load(N) + compute(S - N),
     so a chunk is loaded iff it reads faster than it computes (the copy from L1 made

@@ -81,9 +81,11 @@ def test_slow_tier_measured_then_recomputed_by_choice(tiny_dir: Path, tmp_path: 
     assert conn.cache.flush(30)
     assert (stat(conn, "cache.disk.write_bytes"), stat(conn, "cache.disk.put_chunks")) == written
     assert stat(conn, "worker.saved_tokens") == stored
-    # what was recomputed by choice was prefetched into L1 meanwhile (read, never saved)
+    # what was recomputed by choice was to be prefetched while the request waited; it was
+    # admitted at once, so the prefetch was cancelled (whatever it pulled was read, never
+    # written)
     assert stat(conn, "scheduler.prefetches") == 1
-    wait_until(lambda: conn.cache.contains_chunks(P)[2:].all(), "the prefetch")
+    wait_until(lambda: conn.cache.prefetches_pending() == 0, "the prefetch's end")
     assert stat(conn, "cache.disk.write_bytes") == written[0]
     assert stat(conn, "cache.speed.prefill.observed") > 0
     llm.close()
@@ -190,4 +192,26 @@ def test_tier_failing_after_the_decision_is_a_miss_recomputed(tiny_dir: Path, tm
     assert stat(conn, "worker.load_failures") == 1
     rate = eng.speeds.snapshot().tiers[1]
     assert rate.observed >= 1 and made[0].inner is not None
+    llm.close()
+
+
+def test_chunked_prefill_budget_reaches_the_rule(tiny_dir: Path, tmp_path: Path,
+                                                 want: list) -> None:
+    """The engine's per-step budget is the policy's (only the first chunk hides a load),
+    and a prompt prefilled over several steps after a split decision is still the same."""
+    cfg = {"chunk_size": CS, "local_cpu_size": "32MiB",
+           "tiers": ["memory", {"wrap": "rate_limit", "bytes_per_second": LINK,
+                                "tier": {"backend": "disk", "path": str(tmp_path / "d")}}]}
+    conn = LMCReferenceConnector(cfg, model_dir=tiny_dir)
+    llm = LLM(tiny_dir, kv_connector=conn, num_blocks=128, block_size=BLOCK,
+              max_num_batched_tokens=48)
+    assert conn.policy.step_tokens == 48
+    run(llm, [P[:64]])
+    assert_same(run(llm, [P]), want)  # prefilled in 48-token steps, chunks stored
+    drop_from_l1(conn, P, 2)
+    assert_same(run(llm, [P]), want)  # the slow tier read once (its speed measured)
+    drop_from_l1(conn, P, 2)
+    got = run(llm, [P])
+    assert got[0].num_cached_tokens == 2 * CS  # the slow chunks recomputed, in steps
+    assert_same(got, want)
     llm.close()

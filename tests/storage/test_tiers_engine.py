@@ -89,6 +89,50 @@ def test_prefetch_pulls_a_prompt_into_l1_in_the_background(tmp_path):
         assert_bits_equal(token_kv(spec, dst, SLOTS), token_kv(spec, src, SLOTS), "prefetched")
 
 
+def test_a_cancelled_prefetch_stops_before_its_next_piece(tmp_path):
+    """A prefetch reads ``PREFETCH_PIECE`` chunks at a time; cancelled (its request was
+    admitted), it reads no further piece: the tier's bandwidth is for other loads."""
+    import threading
+
+    from lmc import cache_engine as ce
+
+    src = make_caches("vllm_flash", blocks=64, block_size=4, seed=5)
+    spec = spec_for("vllm_flash", src)
+    n = 3 * ce.PREFETCH_PIECE * CHUNK
+    toks = random_tokens(n)
+    slots = torch.arange(n) + 8
+    with CacheEngine(_cfg(tmp_path, local_cpu_size="8MiB"), spec, "m") as eng:
+        eng.store(toks, src, slots)
+        assert eng.flush(10)
+    gate = threading.Semaphore(0)
+
+    class GatedDisk(DiskBackend):
+        def _read(self, key, entry):
+            assert gate.acquire(timeout=10)
+            return super()._read(key, entry)
+
+    eng = CacheEngine(_cfg(local_cpu_size="8MiB"), spec, "m",
+                      tiers=[lambda c, pool: GatedDisk(config=c, pool=pool, path=tmp_path)])
+    with eng:
+        fut = eng.prefetch(toks)
+        piece = ce.PREFETCH_PIECE
+        for _ in range(piece):
+            gate.release()
+        deadline = time.monotonic() + 10
+        while not eng.contains_chunks(toks)[:piece].all():
+            assert time.monotonic() < deadline, "the first piece never landed"
+            time.sleep(0.005)
+        assert fut.cancel() and fut.cancelled()
+        for _ in range(3 * piece):
+            gate.release()
+        while eng.prefetches_pending():
+            assert time.monotonic() < deadline, "the cancelled prefetch never ended"
+            time.sleep(0.005)
+        held = eng.contains_chunks(toks)
+        # the second piece was already asked for when the cancel came; the third never
+        assert held[:piece].all() and not held[2 * piece:].any()
+
+
 def test_prefetch_from_a_position_never_holds_up_layerwise_copies(tmp_path):
     """A prefetch from chunk 2 on reads only those chunks; while it sits in a slow tier
     (1 s per value) a layer-wise store and retrieve of another prompt complete at once

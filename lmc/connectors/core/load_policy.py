@@ -12,7 +12,9 @@ of tiers that return whole chunks, which finish before the forward starts; ``C(N
 compute of ``[N, S)``; ``min(...) / L`` is the pipeline's one layer (the first layer's load
 before any compute, or the last layer's compute after the last load). A connector that does
 not load layer-wise has ``L = 1``: load then compute. Each tier touched adds its latency
-once.
+once. Under chunked prefill (a per-step budget of ``B`` tokens) only the first step's
+compute, ``C`` of ``[N, N + B)``, hides the load; the later steps follow it, each with the
+step's fixed cost.
 
 :func:`choose_split` evaluates that at every chunk boundary of the hit (a prefix: chunk
 ``i`` cannot be loaded without the chunks before it; each chunk from the fastest tier
@@ -114,9 +116,11 @@ class Split:
         return self.hit_end - self.end
 
 
-def ttft_s(costs: Costs, by_tier: Sequence[int], start: int, end: int, total: int) -> float:
+def ttft_s(costs: Costs, by_tier: Sequence[int], start: int, end: int, total: int,
+           step_tokens: int = 0) -> float:
     """Predicted TTFT of loading ``[start, end)`` (``by_tier[t]`` positions from tier
-    ``t``) and computing ``[end, total)`` (see the module doc)."""
+    ``t``) and computing ``[end, total)`` (see the module doc). ``step_tokens``: the most
+    positions one step computes for a request (chunked prefill; 0: the rest in one step)."""
     copy = costs.tiers[0]
     bpt = costs.bytes_per_token
     overlapped = serial = 0.0
@@ -135,19 +139,27 @@ def ttft_s(costs: Costs, by_tier: Sequence[int], start: int, end: int, total: in
             serial += s
     if loaded:
         overlapped += copy.latency_s + loaded * bpt / copy.bytes_per_s
-    compute = costs.prefill.seconds(end, total)
+    first = total if step_tokens <= 0 else min(total, end + step_tokens)
+    compute = costs.prefill.seconds(end, first)
+    # chunked prefill: the steps after the first start once every load is done; k steps
+    # over [first, total) cost one step's fixed cost k times (the other terms telescope)
+    later = 0.0
+    if first < total:
+        steps = -(-(total - first) // step_tokens)
+        later = costs.prefill.seconds(first, total) + (steps - 1) * costs.prefill.c0
     lo, hi = sorted((overlapped, compute))
-    return serial + hi + lo / costs.num_layers
+    return serial + hi + lo / costs.num_layers + later
 
 
 def choose_split(costs: Costs, sources: bytes | Sequence[int], chunk_size: int, start: int,
-                 hit_end: int, total: int, *, align: int = 1,
+                 hit_end: int, total: int, *, align: int = 1, step_tokens: int = 0,
                  margin: float = DEFAULT_MARGIN, slack_s: float = DEFAULT_SLACK_S) -> Split:
     """The rule (module doc): positions ``[start, hit_end)`` can be loaded, chunk ``i`` of
     the prompt from tier ``sources[i]``; the engine has ``[0, start)`` and must compute up
     to ``total``. Candidates are ``hit_end`` and every position from ``start`` on where a
     lower-tier chunk begins (chunk boundaries rounded down to ``align``). ``load_none_s`` is
-    predicted whatever the candidates."""
+    predicted whatever the candidates. ``step_tokens``: the engine's per-step token budget
+    under chunked prefill (0: none) -- a load overlaps only the first step's compute."""
     if not 0 <= start <= hit_end <= total:
         raise ValueError(f"choose_split: need 0 <= start <= hit_end <= total, got {start}, "
                          f"{hit_end}, {total}")
@@ -173,9 +185,10 @@ def choose_split(costs: Costs, sources: bytes | Sequence[int], chunk_size: int, 
                 raise ValueError(f"choose_split: source {t} names no tier of {ntiers}")
             counts[t] += step
             pos += step
-        best.append((n, tuple(counts), ttft_s(costs, counts, start, n, total)))
+        best.append((n, tuple(counts), ttft_s(costs, counts, start, n, total, step_tokens)))
     least = min(x[2] for x in best)
-    none = best[0][2] if cands[0] == start else ttft_s(costs, [0] * ntiers, start, start, total)
+    none = best[0][2] if cands[0] == start else ttft_s(costs, [0] * ntiers, start, start, total,
+                                                     step_tokens)
     end, by_tier, predicted = max((x for x in best if x[2] <= least * (1 + margin) + slack_s),
                                   key=lambda x: x[0])
     return Split(start, end, hit_end, by_tier, predicted, best[-1][2], none)
@@ -218,11 +231,16 @@ class LoadPolicy:
     load_all``) always loads the whole hit; counters are kept either way."""
 
     def __init__(self, costs: Callable[[], Costs | None], *, enabled: bool = True,
-                 margin: float = DEFAULT_MARGIN, slack_s: float = DEFAULT_SLACK_S) -> None:
-        if not (margin >= 0 and slack_s >= 0):
-            raise ValueError(f"margin and slack_s must be >= 0, got {margin}, {slack_s}")
+                 margin: float = DEFAULT_MARGIN, slack_s: float = DEFAULT_SLACK_S,
+                 step_tokens: int = 0) -> None:
+        """``step_tokens``: the engine's token budget per step when it chunks long prefills
+        (vLLM's ``max_num_batched_tokens``; 0: a prompt's rest is computed in one step)."""
+        if not (margin >= 0 and slack_s >= 0 and step_tokens >= 0):
+            raise ValueError(f"margin, slack_s and step_tokens must be >= 0, got {margin}, "
+                             f"{slack_s}, {step_tokens}")
         self._costs = costs
         self.enabled = enabled
+        self.step_tokens = step_tokens
         self.margin = margin
         self.slack_s = slack_s
         self._lock = threading.Lock()
@@ -245,7 +263,7 @@ class LoadPolicy:
                 if costs is not None and len(costs.tiers) == len(found.tiers):
                     split = choose_split(costs, found.sources, found.chunk_size, start,
                                          hit_end, total, align=align, margin=self.margin,
-                                         slack_s=self.slack_s)
+                                         slack_s=self.slack_s, step_tokens=self.step_tokens)
             except Exception as e:  # the decision never fails a request: load all
                 log.warning("lmc load policy failed for request %s (%s: %s): loading the "
                             "whole hit", request_id, type(e).__name__, e)

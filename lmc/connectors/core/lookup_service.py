@@ -627,6 +627,14 @@ class RemotePrefetch:
         self._last = time.monotonic()
         self._done = False
 
+    def cancel(self) -> bool:
+        """Stop the prefetches of ranks in this process before their next chunk; ranks in
+        other processes finish theirs (the socket has no cancel message)."""
+        for f in self.futures:
+            f.cancel()
+        self._done = True
+        return True
+
     def done(self) -> bool:
         if self._done:
             return True

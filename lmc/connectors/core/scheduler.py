@@ -52,6 +52,7 @@ Two decisions shape every adapter:
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -74,7 +75,7 @@ log = logging.getLogger(__name__)
 # token ids -> what the cache holds (a count where the backend cannot attribute tiers);
 # None: not known yet (a backend answering asynchronously)
 LookupFn = Callable[[Sequence[int]], "LookupResult | int | None"]
-# (tokens, first position) -> a future of the prefetch (``done()``), or None: see __init__
+# (tokens, first position) -> a future of the prefetch (``done()``, ``cancel()``), or None
 PrefetchFn = Callable[[Sequence[int], int], Any]
 
 __all__ = [
@@ -237,6 +238,14 @@ class SchedulerConnector:
             self.stats.prefetches += 1
             self._prefetching[request_id] = (fut, decision)
 
+    def _cancel_prefetch(self, request_id: str) -> None:
+        """The request no longer waits: the rest of its prefetch would only take the tier's
+        bandwidth from other loads (what it already pulled stays in L1)."""
+        entry = self._prefetching.pop(request_id, None)
+        if entry is not None:
+            with contextlib.suppress(Exception):
+                entry[0].cancel()
+
     def _redecide_if_prefetched(self, request_id: str) -> None:
         """A waiting request whose prefetch has landed is looked up and decided afresh: the
         chunks it would have recomputed may now be in L1."""
@@ -305,7 +314,7 @@ class SchedulerConnector:
         found = self._hits.pop(request_id, None)
         self._ends.pop(request_id, None)
         self._pending.pop(request_id, None)
-        self._prefetching.pop(request_id, None)  # admitted: its decision stands
+        self._cancel_prefetch(request_id)  # admitted: its decision stands
         self._redone.pop(request_id, None)
         remote = request_id in self._remote
         self._remote.discard(request_id)
@@ -421,7 +430,7 @@ class SchedulerConnector:
         self._forget(request_id)
 
     def _forget(self, request_id: str) -> None:
-        self._prefetching.pop(request_id, None)
+        self._cancel_prefetch(request_id)
         self._redone.pop(request_id, None)
         self._hits.pop(request_id, None)
         self._ends.pop(request_id, None)

@@ -187,8 +187,12 @@ class LMCConnector(KVConnectorBase_V1):
             # load or recompute: decided from rank 0's measured speeds, read directly where
             # it lives in this process (vLLM's uni-process executor), else over its socket
             client = LookupClient(paths, opts.lookup_timeout)
+            sched = vllm_config.scheduler_config
             policy = LoadPolicy(local_costs(paths, remote=client.costs),
-                                enabled=settings.cache.load_policy == "auto")
+                                enabled=settings.cache.load_policy == "auto",
+                                step_tokens=(int(sched.max_num_batched_tokens)
+                                             if getattr(sched, "enable_chunked_prefill", True)
+                                             else 0))
             self._scheduler = SchedulerSide(self.connector_config, client, policy)
         else:
             rank = _tp_rank()
