@@ -17,6 +17,10 @@ Both key pages by SGLang's own page hashes in a namespace of their own, because 
 neither plug-in the tokens (:mod:`lmc.connectors.sglang.pages`). ``lmc.<key>`` entries of the
 extra config override any ``CacheConfig`` key of ``lmc.config_file``; ``lmc.model_id`` names
 the model in the key namespace (default: SGLang's model path).
+
+The storage backend's hit count (``batch_exists``) is the load policy's: the held pages that
+beat recomputing at the measured tier speeds and the ``load_policy_priors`` prefill rate
+(:mod:`lmc.connectors.sglang.policy`).
 """
 
 from __future__ import annotations
@@ -46,6 +50,7 @@ from lmc.connectors.sglang.pages import (
     page_namespace,
     per_rank_config,
 )
+from lmc.connectors.sglang.policy import PageHitPolicy
 
 log = logging.getLogger(__name__)
 
@@ -83,6 +88,7 @@ class LMCHiCacheStorage(HiCacheStorage):
         self.is_writer = bool(c.is_storage_writer)
         self.engine: CacheEngine | None = None
         self.pages: PageStore | None = None
+        self.hit_policy: PageHitPolicy | None = None
         self._pool: Any = None
         self.registered_pools: dict[Any, Any] = {}
         self.stats_counts: dict[str, int] = {}
@@ -109,13 +115,20 @@ class LMCHiCacheStorage(HiCacheStorage):
             tp = (0, 1) if c.is_mla_model else (c.tp_rank, c.tp_size)
             config = per_rank_config(self.cache_config, c.tp_rank, c.tp_size, c.pp_rank,
                                      c.pp_size)
-            self.engine = CacheEngine(config, spec, self.model_id, *tp)
-            self.pages = PageStore(self.engine, ns, int(mem_pool_host.page_size), views)
+            engine = CacheEngine(config, spec, self.model_id, *tp)
+            try:
+                pages = PageStore(engine, ns, int(mem_pool_host.page_size), views)
+                policy = PageHitPolicy(engine, config, int(mem_pool_host.page_size))
+            except BaseException:
+                engine.close()
+                raise
+            self.engine, self.pages, self.hit_policy = engine, pages, policy
             self._pool = mem_pool_host
         log.info("lmc HiCache backend: model %s, %s host pool (%s, %d layers, page %d), "
-                 "tp %d/%d pp %d/%d, writer=%s", self.model_id, type(mem_pool_host).__name__,
-                 mem_pool_host.layout, spec.num_layers, mem_pool_host.page_size,
-                 c.tp_rank, c.tp_size, c.pp_rank, c.pp_size, self.is_writer)
+                 "tp %d/%d pp %d/%d, writer=%s, load policy %s", self.model_id,
+                 type(mem_pool_host).__name__, mem_pool_host.layout, spec.num_layers,
+                 mem_pool_host.page_size, c.tp_rank, c.tp_size, c.pp_rank, c.pp_size,
+                 self.is_writer, policy.describe())
 
     def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: Any) -> None:
         """Only the KV pool: side pools (Mamba, SWA, DSA indexer, ...) are refused at attach
@@ -144,9 +157,13 @@ class LMCHiCacheStorage(HiCacheStorage):
 
     # ------------------------------------------------------- zero-copy v1 path
     def batch_exists(self, keys: list[str], extra_info: Any = None) -> int:
-        """Leading pages present in any lmc tier."""
+        """Leading pages SGLang should read from lmc: of those some tier holds, the ones
+        the load policy loads (:mod:`lmc.connectors.sglang.policy`: a page in a tier slower
+        than recomputing is not reported, so SGLang recomputes it and never fetches it)."""
         try:
-            return self._ready().prefix_hits(list(keys))
+            found = self._ready().lookup(list(keys))
+            policy = self.hit_policy
+            return policy.pages(found) if policy is not None else 0
         except Exception as e:
             self._failed("exists", e)
             return 0
@@ -220,7 +237,12 @@ class LMCHiCacheStorage(HiCacheStorage):
         return all(out)
 
     def exists(self, key: str) -> bool:
-        return self.batch_exists([key]) == 1
+        """Whether some tier holds the page (presence, not a hit count: no policy)."""
+        try:
+            return self._ready().prefix_hits([key]) == 1
+        except Exception as e:
+            self._failed("exists", e)
+            return False
 
     # ----------------------------------------------------------------- v2 path
     def _kv_only(self, transfers: list[PoolTransfer] | None) -> None:
@@ -257,8 +279,12 @@ class LMCHiCacheStorage(HiCacheStorage):
         return None
 
     def stats(self) -> dict[str, Any]:
-        """This backend's counters and its engine's (diagnostics; Prometheus has them too)."""
+        """This backend's counters, its load policy's (``policy.*``: decisions, tokens
+        loaded by tier, recomputed by choice) and its engine's (diagnostics; Prometheus has
+        them too)."""
         out: dict[str, Any] = dict(self.stats_counts)
+        if self.hit_policy is not None:
+            out.update(self.hit_policy.stats())
         if self.engine is not None and not self._closed:
             out.update(self.engine.stats())
         return out

@@ -37,6 +37,7 @@ from lmc.config import CacheConfig
 from lmc.layerwise import CopyLease
 from lmc.memory.pool import Lease, MemoryObj
 from lmc.storage.integrity import Geometry, expect_geometry
+from lmc.storage.lookup import LookupResult
 from lmc.storage.tier import Key
 from lmc.transfer.kv_spec import KVSpec
 from lmc.transfer.torch_copy import KVTransfer, TransferPlan
@@ -247,15 +248,21 @@ class PageStore:
     def keys(self, hashes: Sequence[str]) -> list[Key]:
         return page_keys(self.namespace, hashes)
 
-    def prefix_hits(self, hashes: Sequence[str]) -> int:
-        """Leading pages present in any tier (counted in lmc's lookup metrics, in tokens)."""
+    def lookup(self, hashes: Sequence[str]) -> LookupResult:
+        """The leading pages present in some tier and, per page, the index of the fastest
+        tier holding it (one batched pass over the tiers; counted in lmc's lookup metrics,
+        in tokens): what the load policy decides from (:mod:`lmc.connectors.sglang.policy`)."""
+        eng, ps = self.engine, self.page_size
         if not hashes:
-            return 0
+            return LookupResult.miss(ps, eng.tier_names)
         t0 = time.perf_counter()
-        n = self.engine.storage.prefix_hits(self.keys(hashes))
-        self.engine.metrics.lookup(len(hashes) * self.page_size, n * self.page_size,
-                                   time.perf_counter() - t0)
-        return n
+        sources = eng.storage.prefix_sources(self.keys(hashes))
+        eng.metrics.lookup(len(hashes) * ps, len(sources) * ps, time.perf_counter() - t0)
+        return LookupResult(len(sources) * ps, ps, eng.tier_names, bytes(sources))
+
+    def prefix_hits(self, hashes: Sequence[str]) -> int:
+        """Leading pages present in any tier."""
+        return self.lookup(hashes).tokens // self.page_size
 
     def _plan(self, tr: KVTransfer, slots: torch.Tensor, pages: Sequence[int]) -> TransferPlan:
         ps = self.page_size
@@ -334,12 +341,19 @@ class PageStore:
             hashes = hashes[: unmapped.index(True)]
         objs = self.fetch(hashes) if hashes else []
         if objs:
+            nbytes = sum(o.nbytes for o in objs)
             with CopyLease(objs) as lease:
                 arrays = [o.array for o in objs] if tr.device.type == "cpu" else None
                 plan = self._plan(tr, slots, range(len(objs)))
+                t1 = time.perf_counter()
                 lease.attach(tr.scatter(plan, [o.tensor for o in objs], arrays=arrays)).wait()
-            self.engine.metrics.transfer("retrieve", len(objs) * self.page_size,
-                                         sum(o.nbytes for o in objs), time.perf_counter() - t0)
+                copied = time.perf_counter() - t1
+            if tr.device.type == "cpu" and self.engine.speeds.tiers:
+                # L1's speed is the copy into the pool (the load policy's rule); a host
+                # pool's copy ends when wait() returns, a device pool's copy is not timed
+                self.engine.speeds.tiers[0].observe(nbytes, copied)
+            self.engine.metrics.transfer("retrieve", len(objs) * self.page_size, nbytes,
+                                         time.perf_counter() - t0)
         return [True] * len(objs) + [False] * (len(unmapped) - len(objs))
 
     def _check_page(self, i: int, t: torch.Tensor, what: str) -> None:
