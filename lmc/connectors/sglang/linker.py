@@ -9,7 +9,7 @@ Selected with::
         "linker_extra_config":{"lmc.config_file":"configs/sglang.yaml"}}'
 
 SGLang owns matching, slot allocation and locks; the linker answers ``lookup`` (restorable
-page prefixes), copies stored pages into the slots SGLang allocated and persists finished
+page prefixes, as many as the load policy loads: :mod:`lmc.connectors.sglang.policy`), copies stored pages into the slots SGLang allocated and persists finished
 tree nodes. The flow per prefill batch:
 
 1. ``load(rid, transfers)`` acquires the request's pages from lmc's tiers at once (a lower-tier
@@ -58,6 +58,7 @@ from lmc.connectors.sglang.pages import (
     page_namespace,
     per_rank_config,
 )
+from lmc.connectors.sglang.policy import PageHitPolicy
 from lmc.layerwise import LayerwiseRetrieve
 from lmc.memory.pool import Lease, MemoryObj
 
@@ -124,7 +125,13 @@ class LMCCacheLinker(UnifiedCacheLinker):
         pp_rank, pp_size = int(getattr(params, "pp_rank", 0)), int(getattr(params, "pp_size", 1))
         self.engine = CacheEngine(per_rank_config(cache_config, tp_rank, tp_size, pp_rank,
                                                   pp_size), spec, self.model_id, *tp)
-        self.pages = PageStore(self.engine, ns, self.page_size, caches)
+        try:
+            self.pages = PageStore(self.engine, ns, self.page_size, caches)
+            self.hit_policy = PageHitPolicy(self.engine, cache_config, self.page_size,
+                                            num_layers=self.num_layers)
+        except BaseException:
+            self.engine.close()
+            raise
         self.offload_owner = not replicated or tp_rank == 0  # one writer for replicated KV
         self.layer_done_counter = LayerWiseLoadCounter(self.num_layers)
         self.counts: dict[str, int] = {}
@@ -154,9 +161,10 @@ class LMCCacheLinker(UnifiedCacheLinker):
 
     # ------------------------------------------------------------------ lookup / load
     def lookup(self, rid: str, transfers: list[PoolTransfer]) -> list[int]:
-        """Every restorable prefix length in pages: 1..n for the n leading stored pages."""
+        """Every restorable prefix length in pages: 1..n for the n leading stored pages the
+        load policy loads (the rest are recomputed, never read)."""
         try:
-            n = self.pages.prefix_hits(list(self._kv(transfers).keys or []))
+            n = self.hit_policy.pages(self.pages.lookup(list(self._kv(transfers).keys or [])))
         except Exception as e:
             self._count("lookup_errors")
             log.warning("lmc linker lookup failed (%s: %s): a miss", type(e).__name__, e)
@@ -334,6 +342,7 @@ class LMCCacheLinker(UnifiedCacheLinker):
     def stats(self) -> dict[str, Any]:
         with self._lock:
             out: dict[str, Any] = dict(self.counts)
+        out.update(self.hit_policy.stats())
         if not self._closed:
             out.update(self.engine.stats())
         return out

@@ -1,4 +1,4 @@
-"""How many of the pages lmc holds a HiCache query reports: the load policy's count.
+"""How many of the pages lmc holds SGLang is told about: the load policy's count.
 
 SGLang asks its storage backend ``batch_exists(keys)`` for the leading pages it can read
 (``batch_exists_v2`` for hybrid models), then reads exactly that many pages into its host
@@ -30,6 +30,11 @@ left out: with the prior's linear compute (``c0 = c2 = 0``) the rest costs the s
 whatever the split, so the best split does not depend on it, and each batch's reads pay
 their tier's latency once as SGLang's per-batch reads do. A batch answered short ends the
 hit: a later batch of L1 pages behind recomputed slow ones is not loaded (a prefix).
+
+**The layer-wise linker** (``LMCCacheLinker.lookup``) is told the same count with the rule's
+other shape: its ``load`` reads every page from lmc's tiers when SGLang queues the load
+(lower tiers: before the forward, not overlapping), then copies them into the device pool
+layer by layer under the forward (L1's copy, overlapping, over ``num_layers`` layers).
 
 **SGLang's prefetch** (``hicache_storage_prefetch_policy``: ``best_effort`` schedules the
 request with whatever has landed, ``wait_complete`` waits for every reported page,
@@ -67,11 +72,16 @@ class PageHitPolicy:
     """The pages to report for one HiCache query, by the load policy (module docstring).
     Decision counters are :meth:`stats` (``policy.*``)."""
 
-    def __init__(self, engine: CacheEngine, config: CacheConfig, page_size: int) -> None:
-        if page_size < 1:
-            raise ValueError(f"page_size must be >= 1, got {page_size}")
+    def __init__(self, engine: CacheEngine, config: CacheConfig, page_size: int,
+                 num_layers: int = 1) -> None:
+        """``num_layers``: the layers a load pipelines over under the forward (1: none, the
+        HiCache backend; the model's layers for the linker)."""
+        if page_size < 1 or num_layers < 1:
+            raise ValueError(f"page_size and num_layers must be >= 1, got {page_size}, "
+                             f"{num_layers}")
         self.engine = engine
         self.page_size = page_size
+        self.num_layers = num_layers
         self.bytes_per_token = engine.spec.chunk_nbytes(page_size) / page_size
         self.policy = LoadPolicy(self._costs, enabled=config.load_policy == "auto")
         self._queries = itertools.count(1)
@@ -80,13 +90,14 @@ class PageHitPolicy:
             log.info(NO_PRIOR)
 
     def _costs(self) -> Costs | None:
-        """The engine's current speeds as SGLang's path pays them: one layer, no tier
-        overlapping the compute; ``None`` (load every page) while the compute is unknown."""
+        """The engine's current speeds as SGLang's paths pay them: no lower tier's read
+        overlaps the compute (the module docstring); ``None`` (load every page) while the
+        compute is unknown."""
         snap = self.engine.speeds.snapshot()
         if snap.prefill is None or not snap.tiers:
             return None
         tiers = tuple(dataclasses.replace(t, overlaps=False) for t in snap.tiers)
-        return Costs(tiers, snap.prefill, self.bytes_per_token, num_layers=1)
+        return Costs(tiers, snap.prefill, self.bytes_per_token, num_layers=self.num_layers)
 
     def describe(self) -> str:
         """The policy in a few words, for the backend's start-up line."""
@@ -99,7 +110,8 @@ class PageHitPolicy:
 
     def pages(self, found: LookupResult) -> int:
         """Of the ``found.tokens // page_size`` leading pages lmc holds (``found`` from
-        :meth:`PageStore.lookup`), how many to report: never more than are held."""
+        :meth:`~lmc.connectors.sglang.pages.PageStore.lookup`), how many to report: never
+        more than are held."""
         held = found.tokens // self.page_size
         if held == 0:
             return 0
