@@ -27,7 +27,8 @@ once and every held page is reported, as before) and no prompt length or positio
 asks in batches of up to 128 pages, each from the end of the previous one, and stops at a
 batch it is not given whole). Each batch is decided on its own with the rest of the prompt
 left out: with the prior's linear compute (``c0 = c2 = 0``) the rest costs the same
-whatever the split, so the best split does not depend on it, and each batch's reads pay
+whatever the split, so the best split does not depend on it (only the 3% near-tie band,
+relative to a smaller total, narrows a little), and each batch's reads pay
 their tier's latency once as SGLang's per-batch reads do. A batch answered short ends the
 hit: a later batch of L1 pages behind recomputed slow ones is not loaded (a prefix).
 
