@@ -325,6 +325,19 @@ def report(res: dict[str, Any]) -> str:
                      f"{r['load_all_s'] * 1e3:.0f} ms | {r['chosen_s'] * 1e3:.0f} ms "
                      f"({r['chosen_tokens']:.0f}) | {r['best_s'] * 1e3:.0f} ms ({r['best_n']}) "
                      f"| {bar} | {ok} |")
+    sp = res.get("speeds", {})
+    if "speed.prefill.c1_s" in sp:
+        # what the rule believed the engine computes at each length, against the engine
+        # alone as measured (the GPU's 3.3x came from an estimate at half the engine's speed)
+        lines.append("")
+        for n in sorted({r["tokens"] for r in res["rows"]}):
+            est = sp["speed.prefill.c0_s"] + sp["speed.prefill.c1_s"] * n \
+                + sp["speed.prefill.c2_s"] * n * n
+            meas = statistics.median(r["no_cache_s"] for r in res["rows"] if r["tokens"] == n)
+            lines.append(f"lmc's compute estimate, {n} tokens: {est * 1e3:.0f} ms, the engine "
+                         f"alone {meas * 1e3:.0f} ms (ratio {est / meas:.2f}; saves "
+                         f"{sp.get('speed.prefill.save_s_per_token', 0) * 1e6:.2f} us/token "
+                         f"kept apart)")
     return "\n".join(lines)
 
 

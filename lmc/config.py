@@ -243,9 +243,18 @@ def _speed_priors(value: Any, key: str) -> dict[str, float]:
         where = f"{key}.{name}"
         if not isinstance(name, str) or not name:
             raise ConfigError(f"{key}: keys are tier names or media, got {name!r}")
-        out[name] = float(parse_int(v, where, minimum=1) if name == "prefill"
-                          else parse_positive_size(v, where))
+        n = parse_int(v, where, minimum=1) if name == "prefill" else parse_positive_size(v, where)
+        top = MAX_PREFILL_PRIOR if name == "prefill" else MAX_SPEED_PRIOR
+        if n > top:  # also keeps a 400-digit integer from overflowing a float
+            shown = repr(v) if len(repr(v)) <= 24 else repr(v)[:20] + "..."
+            raise ConfigError(f"{where}: {shown} is beyond any machine (at most {top:.0e} "
+                              f"{'tokens' if name == 'prefill' else 'bytes'} per second)")
+        out[name] = float(n)
     return out
+
+
+MAX_PREFILL_PRIOR = 10**12  # tokens per second
+MAX_SPEED_PRIOR = 1 << 60  # bytes per second
 
 
 def _check_backend(e: TierEntry) -> None:

@@ -74,7 +74,10 @@ def parse_size(value: Any, key: str = "size") -> int:
     if isinstance(value, str):
         m = _NUMBER_UNIT.match(value)
         if m and m.group(2).lower() in _SIZE_UNITS:
-            return int(float(m.group(1)) * _SIZE_UNITS[m.group(2).lower()])
+            n = float(m.group(1)) * _SIZE_UNITS[m.group(2).lower()]
+            if not math.isfinite(n):
+                raise ConfigError(f"{key}: size {value!r} is not a finite number of bytes")
+            return int(n)
     raise ConfigError(
         f"{key}: cannot parse size {value!r}; use bytes or a number with one of "
         "B, kB, MB, GB, TB, KiB, MiB, GiB, TiB (e.g. '4GiB', '512MB')"

@@ -45,6 +45,9 @@ class PrefillSlice:
     query_len: int
     context_slots: torch.Tensor  # [context_len] slots of positions 0..context_len-1
     mask: torch.Tensor | None  # [query_len, context_len] bool; None means plain causal
+    # a chunk after cached context, causal: (first query row, rows, mask [rows, keys]) per
+    # block of queries, each over the keys it can see (see build_attention_metadata)
+    causal_blocks: tuple[tuple[int, int, torch.Tensor], ...] = ()
 
 
 @dataclass
@@ -99,12 +102,8 @@ def build_attention_metadata(
             decode_rows.append(row)
             decode_slots.append(context_slots)
         else:
-            mask = None
-            if start > 0:
-                query_pos = torch.arange(start, context_len)
-                mask = torch.arange(context_len)[None, :] <= query_pos[:, None]
-                mask = mask.to(device)
-            prefills.append(PrefillSlice(row, n, context_slots.to(device), mask))
+            prefills.append(PrefillSlice(row, n, context_slots.to(device), None,
+                                         causal_blocks(start, n, device)))
         row += n
 
     decode_rows_t = decode_slots_t = decode_mask = None
@@ -129,6 +128,28 @@ def build_attention_metadata(
     )
 
 
+QUERY_BLOCK = 512  # rows per SDPA call of a chunk that follows cached context
+
+
+def causal_blocks(start: int, n: int, device: torch.device | str
+                  ) -> tuple[tuple[int, int, torch.Tensor], ...]:
+    """Causal attention of ``n`` queries at positions ``start..start+n-1`` over keys
+    ``0..start+n-1``, cut into blocks of queries: each block attends only to the keys up
+    to its last position, masked within its own rows. One masked call over every key would
+    compute the whole ``n x (start + n)`` rectangle (a masked SDPA skips nothing), 1.6-1.8x
+    the work of the causal part on the CPU; a flash kernel, as real engines run, skips it.
+    Empty for a chunk with nothing before it (plain causal)."""
+    if start <= 0:
+        return ()
+    out = []
+    for b0 in range(0, n, QUERY_BLOCK):
+        b1 = min(n, b0 + QUERY_BLOCK)
+        keys = start + b1
+        mask = torch.arange(keys)[None, :] <= torch.arange(start + b0, start + b1)[:, None]
+        out.append((b0, b1 - b0, mask.to(device)))
+    return tuple(out)
+
+
 def write_kv(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """Scatter new ``key/value [num_tokens, kv_heads, head_size]`` into their slots."""
     _, _, _, kv_heads, head_size = kv_cache.shape
@@ -149,6 +170,15 @@ def attend(query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata)
         q = query[p.query_start : p.query_start + p.query_len].transpose(0, 1)  # [H, n, D]
         k = k_rows.index_select(0, p.context_slots).transpose(0, 1)
         v = v_rows.index_select(0, p.context_slots).transpose(0, 1)
+        if p.causal_blocks:
+            kq, vq = k[None].to(q.dtype), v[None].to(q.dtype)
+            for b0, rows, mask in p.causal_blocks:
+                keys = mask.shape[1]
+                o = F.scaled_dot_product_attention(
+                    q[None, :, b0:b0 + rows], kq[:, :, :keys], vq[:, :, :keys],
+                    attn_mask=mask, enable_gqa=gqa)
+                out[p.query_start + b0:p.query_start + b0 + rows] = o[0].transpose(0, 1)
+            continue
         o = F.scaled_dot_product_attention(
             q[None], k[None].to(q.dtype), v[None].to(q.dtype),
             attn_mask=p.mask, is_causal=p.mask is None, enable_gqa=gqa,

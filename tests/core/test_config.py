@@ -126,3 +126,20 @@ def test_remote_options_from_yaml_env_and_overrides(tmp_path):
 def test_bad_remote_options_are_named(value, needle):
     with pytest.raises(ValueError, match=re.escape(needle)):
         CacheConfig(remote_url="redis://h:1", remote_options=value)
+
+
+@pytest.mark.parametrize("priors,needle", [
+    ({"prefill": 10**400}, r"load_policy_priors\.prefill: 1000.*\.\.\. is beyond any machine"),
+    ({"remote": 10**400}, r"load_policy_priors\.remote: .* is beyond any machine"),
+    ({"local_storage": "1e999GiB"}, r"load_policy_priors\.local_storage: cannot parse size"),
+    ({"disk": "1e400 B"}, r"load_policy_priors\.disk"),
+])
+def test_speed_priors_beyond_any_machine_are_refused_by_name(priors, needle):
+    """A huge number is a ConfigError naming the key, never an OverflowError's traceback."""
+    with pytest.raises(ValueError, match=needle):
+        CacheConfig(load_policy_priors=priors)
+
+
+def test_a_size_that_overflows_a_float_is_refused_by_name():
+    with pytest.raises(ValueError, match="local_cpu_size"):
+        CacheConfig(local_cpu_size="1e308TiB")
