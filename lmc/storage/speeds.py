@@ -12,7 +12,8 @@ batch that grows), so they are measured from real work, not configured once:
   engine's KV, observed by the connector's worker on the CPU (on a GPU the prior stays:
   the host cannot see the copy's end without synchronising).
 * the engine's prefill: each step whose forward the connector saw (from ``start_load`` to
-  ``wait_for_save``, steps that loaded nothing) is one observation of
+  ``wait_for_save``, less its waits for loads: the host's on the CPU, the engine stream's
+  on a GPU, bracketed by events) is one observation of
   ``seconds = c0 + c1 * tokens + c2 * attention + c3 * saved``, where ``attention`` is
   ``sum(end**2 - start**2)`` over the step's requests (attention makes later tokens dearer;
   the planner's prefill fit has the same form) and ``saved`` the new tokens lmc saved

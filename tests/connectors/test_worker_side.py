@@ -216,3 +216,64 @@ def test_a_finished_request_id_reused_for_another_prompt_gets_fresh_keys() -> No
         assert engine.lookup(second) == 16
         assert engine.lookup(first) == 16
         assert engine.db.keys(second)[1] != engine.db.keys(first)[1]
+
+
+class _Timeline:
+    """A GPU stream's clock for :class:`_StepClock`: each recorded event takes the
+    timeline's current time (ms); ``advance`` is work or a stall on the stream."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+        self.done = True
+
+    def advance(self, ms: float) -> None:
+        self.now += ms
+
+    def event(self) -> object:
+        line = self
+
+        class Event:
+            t: float
+
+            def record(self, stream: object) -> None:
+                self.t = line.now
+
+            def query(self) -> bool:
+                return line.done
+
+            def elapsed_time(self, other: Event) -> float:
+                return other.t - self.t
+
+        return Event()
+
+
+def test_a_gpu_step_that_loads_is_timed_without_its_stalls() -> None:
+    """On a GPU the stream's waits for loads (the fetch before the forward, each layer's
+    wait) are bracketed by events and taken out of the step's time; the result is read
+    once the events have completed (a later step), never by waiting."""
+    from lmc.connectors.core.worker import _StepClock
+
+    line = _Timeline()
+    clock = _StepClock(torch.device("cuda"), event=line.event, stream=lambda: None,
+                       capturing=lambda: False)
+    clock.start()
+    with clock.stall():
+        line.advance(5.0)  # the fetch
+    for _ in range(4):
+        line.advance(10.0)  # a layer's compute
+        with clock.stall():
+            line.advance(2.5)  # the stream waits for the next layer's copy
+    line.done = False
+    assert clock.stop((1024, 1024.0**2, 0)) == []  # not completed yet: nothing read
+    line.done = True
+    clock.start()
+    line.advance(7.0)
+    got = clock.stop((512, 512.0**2, 512))
+    assert got == [(1024, 1024.0**2, 0, pytest.approx(0.040)),
+                   (512, 512.0**2, 512, pytest.approx(0.007))]
+    # a step whose stall bracket could not be closed is no observation
+    clock.start()
+    with clock.stall():
+        line.advance(1.0)
+        clock._event = lambda: (_ for _ in ()).throw(RuntimeError("no event"))
+    assert clock.stop((8, 64.0, 0)) == []

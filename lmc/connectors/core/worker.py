@@ -65,7 +65,7 @@ import queue
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
@@ -130,25 +130,67 @@ class _ActiveLoad:
 class _StepClock:
     """Times each step's forward without making the host wait: on the CPU the host's clock
     (the forward runs on it); on a GPU two events on the engine's stream, whose elapsed
-    time is read once both have completed (a later step), at most ``keep`` pending."""
+    time is read once both have completed (a later step), at most ``keep`` pending.
 
-    def __init__(self, device: torch.device, keep: int = 8) -> None:
+    A step that loads also waits for its loads: on the CPU the host's waits are subtracted
+    (``minus``); on a GPU each wait is bracketed by two events on the engine's stream
+    (:meth:`stall`), whose distance is exactly how long the stream stood still for it --
+    the work queued before the wait, then the load's copy or the host's late arrival -- and
+    the sum is subtracted when the step is read. So steps that load are observations of
+    the compute too, on either device: without them a GPU saw only cold prefills, which
+    also save (an H100 measured lmc's compute at half the engine's)."""
+
+    def __init__(self, device: torch.device, keep: int = 8, event: Any = None,
+                 stream: Any = None, capturing: Any = None) -> None:
+        """``event``, ``stream``, ``capturing``: the timing-event factory, the engine's
+        stream and the graph-capture check (torch's by default; injectable for tests of
+        the arithmetic)."""
         self.cuda = device.type == "cuda"
         self.device = device
         self.keep = keep
+        self._event = event or (lambda: torch.cuda.Event(enable_timing=True))
+        self._stream = stream or (lambda: current_stream(device))
+        self._capturing = capturing or torch.cuda.is_current_stream_capturing
         self._t0: Any = None
-        self._pending: list[tuple[Any, Any, tuple[int, float, int]]] = []
+        self._stalls: list[tuple[Any, Any]] = []
+        self._pending: list[tuple[Any, Any, tuple[int, float, int], list[tuple[Any, Any]]]] = []
+
+    def _record(self) -> Any:
+        ev = self._event()
+        ev.record(self._stream())
+        return ev
 
     def start(self) -> None:
+        self._stalls = []
         if self.cuda:
-            if torch.cuda.is_current_stream_capturing():  # a graph capture: not a step
+            if self._capturing():  # a graph capture: not a step
                 self._t0 = None
                 return
-            ev = torch.cuda.Event(enable_timing=True)
-            ev.record(current_stream(self.device))
-            self._t0 = ev
+            self._t0 = self._record()
         else:
             self._t0 = time.perf_counter()
+
+    @contextlib.contextmanager
+    def stall(self) -> Iterator[None]:
+        """Bracket a wait of the engine's stream (GPU; nothing on the CPU, whose host waits
+        the caller subtracts itself)."""
+        if self.cuda and self._t0 is not None and self._capturing():
+            self._t0 = None  # nothing of a capture is timed
+        if not self.cuda or self._t0 is None:
+            yield
+            return
+        try:
+            a = self._record()
+        except Exception:  # timing never fails a step
+            yield
+            return
+        try:
+            yield
+        finally:
+            try:
+                self._stalls.append((a, self._record()))
+            except Exception:
+                self._t0 = None  # the step's stalls are incomplete: not an observation
 
     def stop(self, work: tuple[int, float, int] | None, minus: float = 0.0
              ) -> list[tuple[int, float, int, float]]:
@@ -156,20 +198,20 @@ class _StepClock:
         saved, or ``None`` not to record it; ``minus``: host seconds of the step that were not
         its compute, CPU only); answers the steps whose time is now known."""
         t0, self._t0 = self._t0, None
+        stalls, self._stalls = self._stalls, []
         done: list[tuple[int, float, int, float]] = []
         if t0 is not None and work is not None:
             if self.cuda:
-                if torch.cuda.is_current_stream_capturing():
+                if self._capturing():
                     return done
-                ev = torch.cuda.Event(enable_timing=True)
-                ev.record(current_stream(self.device))
-                self._pending.append((t0, ev, work))
+                self._pending.append((t0, self._record(), work, stalls))
                 del self._pending[: -self.keep]
             else:
                 done.append((*work, time.perf_counter() - t0 - minus))
         while self._pending and self._pending[0][1].query():
-            a, b, w = self._pending.pop(0)
-            done.append((*w, a.elapsed_time(b) / 1e3))
+            a, b, w, st = self._pending.pop(0)
+            waited = sum(x.elapsed_time(y) for x, y in st)
+            done.append((*w, max(0.0, a.elapsed_time(b) - waited) / 1e3))
         return done
 
 
@@ -313,7 +355,8 @@ class WorkerConnector:
             return
         t_start = time.perf_counter()
         try:
-            self._start_loads(meta)
+            with self._clock.stall():  # the fetch (and a load that is not layer-wise)
+                self._start_loads(meta)
         finally:
             self._step_waits = (self._step_waits[0], time.perf_counter() - t_start)
 
@@ -380,15 +423,16 @@ class WorkerConnector:
         if not self._layer_futures:
             return
         t0 = time.perf_counter()
-        try:
-            self._layer_futures[layer].result()
-        except Exception as e:  # _load_layer catches LoadError; anything else fails all loads
-            log.exception("lmc: layer %d load task failed", layer)
-            for a in self._loads:
-                if not a.failed:
-                    a.failed = True
-                    self._fail(a.spec, a.spec.start, f"{type(e).__name__}: {e}")
-        self._wait_loads(layer, current_stream(self.device))
+        with self._clock.stall():
+            try:
+                self._layer_futures[layer].result()
+            except Exception as e:  # _load_layer catches LoadError; anything else fails all
+                log.exception("lmc: layer %d load task failed", layer)
+                for a in self._loads:
+                    if not a.failed:
+                        a.failed = True
+                        self._fail(a.spec, a.spec.start, f"{type(e).__name__}: {e}")
+            self._wait_loads(layer, current_stream(self.device))
         self.stats.load_wait_seconds += time.perf_counter() - t0
 
     def save_layer(self, layer: int) -> None:
@@ -432,19 +476,18 @@ class WorkerConnector:
         self._finish(commit=True)
 
     def _observe_step(self) -> None:
-        """The forward just ended (its work is queued, on a GPU): record its time as a
-        prefill observation if it loaded nothing (a load's waits would count as compute);
-        on the CPU, a step whose loads all came from L1 records the copy's speed."""
+        """The forward just ended (its work is queued, on a GPU): record its time, less
+        its waits for loads, as a prefill observation; on the CPU, a step whose loads all
+        came from L1 records the copy's speed."""
         meta = self._meta
         speeds = getattr(self.engine, "speeds", None)
         if meta is None or speeds is None:
             return
-        # a step that loaded: on the CPU its compute is its time less the host's waits for
-        # loads and the fetches before the forward; on a GPU the stream's waits are not
-        # visible without a sync, so only steps that loaded nothing count
+        # a step that loaded: its compute is its time less the waits for loads and the
+        # fetches before the forward (the host's on the CPU, the stream's on a GPU)
         cpu = self.device.type == "cpu"
         saved = sum(st.num_tokens for _, st in self._stores or ())  # saved beside it
-        work = None if meta.compute_tokens <= 0 or (meta.loads and not cpu) else \
+        work = None if meta.compute_tokens <= 0 else \
             (meta.compute_tokens, meta.compute_attention, saved)
         minus = 0.0
         if meta.loads and cpu:
