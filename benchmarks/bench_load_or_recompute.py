@@ -167,6 +167,8 @@ def measure(b: Bench, plain: LLM, prompt: list[int], where: str, reps: int, swee
     """No cache, load all, chosen and each swept N, interleaved rep by rep (the machine's
     load is shared alike)."""
     n = len(prompt)
+    # the estimates the row's decisions start from (they go on learning during it)
+    before = {k: v for k, v in b.eng.stats().items() if k.startswith("speed.")}
     all_ = LoadPolicy(lambda: None, enabled=False)
     times: dict[str, list[float]] = {"no_cache": [], "load_all": [], "chosen": []}
     times.update({f"n{k}": [] for k in sweep})
@@ -197,7 +199,8 @@ def measure(b: Bench, plain: LLM, prompt: list[int], where: str, reps: int, swee
             "chosen_tokens": statistics.median(chosen_tokens),
             "chosen_tokens_reps": chosen_tokens,
             "sweep": {k: med[f"n{k}"] for k in sweep}, "best_n": best_n,
-            "best_s": med[f"n{best_n}"]}
+            "best_s": med[f"n{best_n}"], "speeds_before": before,
+            "speeds_after": {k: v for k, v in b.eng.stats().items() if k.startswith("speed.")}}
 
 
 def inside(args: argparse.Namespace) -> dict[str, Any]:
@@ -256,7 +259,7 @@ def inside(args: argparse.Namespace) -> dict[str, Any]:
                     shape_link(rate_c * bpt * factor)
                     log(f"link at {factor}x the compute: "
                         f"{rate_c * bpt * factor / 2**20:.1f} MiB/s")
-                for n in lengths * 2:  # the link's speed as lmc sees it, from real loads
+                for n in lengths * 3:  # the link's speed as lmc sees it, from real loads
                     b.run(prompts[n], "lower", LoadPolicy(lambda: None, enabled=False))
                 for n in lengths:
                     sweep = sorted({round(n * i / args.grid / args.chunk_size) * args.chunk_size

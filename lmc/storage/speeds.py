@@ -229,13 +229,35 @@ class TierSpeed:
         self.failures += 1
         self.fit.add(0, (1.0, 0.0), seconds)
 
+    def _bounded(self, latency: float, s_per_byte: float) -> tuple[float, float]:
+        """The fit's (latency, seconds per byte), unless it misses a recent read by over
+        20% with a latency over half the quickest of them: then the prior's latency and the
+        rate refitted through it. While a tier's speed changes, its size buckets hold reads
+        of the old speed and the new, and a line through both can put the intercept
+        anywhere (a Redis link turned 4x faster read as 333 ms of latency, so a small load
+        looked dear and was not made). A recent failure's time is latency by definition (a
+        failing tier must look slow): then the fit stands."""
+        obs = [(x[1], y, w) for x, y, w in self.fit.observations() if w >= RECENT_WEIGHT]
+        if not obs or any(b <= 0 or y <= 0 for b, y, _ in obs):
+            return latency, s_per_byte
+        worst = max(abs(latency + b * s_per_byte - y) / y for b, y, _ in obs)
+        if worst <= 0.2 or latency <= 0.5 * min(y for _, y, _ in obs):
+            return latency, s_per_byte
+        lat = min(self.prior.latency_s, 0.5 * min(y for _, y, _ in obs))
+        num = sum(w * b * (y - lat) for b, y, w in obs)
+        den = sum(w * b * b for b, _, w in obs)
+        if num <= 0 or den <= 0:
+            return latency, s_per_byte
+        return lat, num / den
+
     def rate(self) -> TierRate:
         n = self.fit.count
         if n == 0:
             return self.prior
         coef = self.fit.solve()
         if coef is not None and coef[1] > 0:
-            return TierRate(self.name, 1.0 / coef[1], coef[0], self.overlaps, n)
+            lat, spb = self._bounded(coef[0], coef[1])
+            return TierRate(self.name, 1.0 / spb, lat, self.overlaps, n)
         # reads of one size only (or all failed): latency from the prior, rate from the rest
         obs = self.fit.observations()
         weight = sum(w for _, _, w in obs)
@@ -250,6 +272,7 @@ class TierSpeed:
         return TierRate(self.name, nbytes / seconds, self.prior.latency_s, self.overlaps, n)
 
 
+RECENT_WEIGHT = 0.1  # an observation weighing less (> 3 half-lives old) bounds nothing
 LEAN_MIN_TOKENS = 128  # a step this long that saved under half of it tells compute from saves
 
 

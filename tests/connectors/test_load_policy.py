@@ -419,3 +419,28 @@ def test_prometheus_carries_the_speeds_and_the_decisions() -> None:
     after = (sample("lmc_load_policy_tokens_total", outcome="recomputed_by_choice", tier=""),
              sample("lmc_load_policy_tokens_total", outcome="loaded", tier="L1"))
     assert (after[0] - before[0], after[1] - before[1]) == (511, 512)
+
+
+def test_a_tier_changing_speed_never_reads_as_a_long_latency() -> None:
+    """Reads of the old speed and the new share the size buckets while a link changes: a
+    line through both can put the intercept anywhere (a shaped Redis link turned 4x faster
+    read as 333 ms of latency and chose not to load). A latency over half the quickest
+    recent read that the line misses by over 20% is the prior's, the rate refitted through
+    it."""
+    t = TierSpeed("redis", 1 << 30, overlaps=True)
+    slow, fast = 14 * 2**20, 55 * 2**20
+    for n in (4 << 20, 8 << 20, 12 << 20, 16 << 20) * 4:
+        t.observe(n, n / slow)
+    for n in (16 << 20, 16 << 20):
+        t.observe(n, n / fast)
+    r = t.rate()
+    quickest = min(y for x, y, w in t.fit.observations() if w >= 0.1)
+    assert r.latency_s <= quickest / 2
+    for n in (4 << 20, 16 << 20):  # a prediction between the two speeds, never beyond both
+        predicted = r.latency_s + n / r.bytes_per_s
+        assert n / fast * 0.9 <= predicted <= n / slow * 1.1
+    # a consistent tier keeps the fit's own latency
+    ok = TierSpeed("disk", 1 << 30, overlaps=True)
+    for n in (1 << 20, 4 << 20, 16 << 20) * 3:
+        ok.observe(n, 0.002 + n / 1e9)
+    assert ok.rate().latency_s == pytest.approx(0.002, rel=1e-6)
