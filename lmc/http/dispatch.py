@@ -15,6 +15,7 @@ loaded wins. Events can misroute a request, never fail it: the instance still an
 
 from __future__ import annotations
 
+import logging
 import signal
 import threading
 import time
@@ -22,11 +23,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from lmc.http.json_api import BoundedHTTPServer, HttpError, HttpLimits
+from lmc.http.health import DEFAULT_INTERVAL, HealthChecks
+from lmc.http.json_api import BoundedHTTPServer, HttpError, HttpLimits, printable
 from lmc.http.relay import TIMEOUT, Upstream
 from lmc.router.feed import EventFeed, SaltedKeys, SharedSource, SharedSpec, Source, match_instance
 from lmc.router.policy import POLICIES, Candidate, Weights, choose
 
+log = logging.getLogger(__name__)
 MAX_PROMPT_TOKENS = 1 << 20
 
 
@@ -129,6 +132,20 @@ class Pool:
         with self._lock:
             inst.in_flight -= 1
 
+    def mark(self, inst: Instance, healthy: bool, why: str = "") -> None:
+        """Set ``inst``'s health (its checks: :mod:`lmc.http.health`); a change is one INFO
+        line naming it and why (the instance's words escaped: it may lie)."""
+        with self._lock:
+            changed, inst.healthy = inst.healthy != healthy, healthy
+        if changed:
+            log.info("%s %s is %s%s", self.what, inst.url,
+                     "healthy again" if healthy else "unhealthy",
+                     f": {printable(why, 160)}" if why else "")
+
+    def healthy(self) -> int:
+        """How many instances are healthy now."""
+        return sum(i.healthy for i in self.instances)
+
     def state(self, now: float | None = None) -> list[dict[str, Any]]:
         """Each instance: health, load and what its events say (for ``GET /lmc/...``)."""
         now = time.monotonic() if now is None else now
@@ -145,13 +162,21 @@ class Pool:
 
 class Front:
     """What both fronts are besides their pools: the bounded HTTP server (each client
-    connection holds one upstream connection at a time) and one event feed for all their
-    instances' sources."""
+    connection holds one upstream connection at a time), one event feed for all their
+    instances' sources and the health checks of all their instances."""
 
     httpd: BoundedHTTPServer
     feed: EventFeed | None = None
+    health: HealthChecks | None = None
     port: int
     url: str
+
+    def check_health(self, pools: Sequence[Pool], interval: float | None,
+                     name: str) -> None:
+        """Probe every instance of ``pools`` every ``interval`` s (None: never; the
+        instances are then taken as healthy whatever happens)."""
+        if interval is not None:
+            self.health = HealthChecks(pools, interval, name).start()
 
     def listen(self, handler: type, host: str, port: int, limits: HttpLimits | None,
                sources: Sequence[Source], stale_after: float) -> None:
@@ -171,6 +196,8 @@ class Front:
         self.httpd.serve_forever(poll_interval=0.2)
 
     def close(self) -> None:
+        if self.health is not None:
+            self.health.close()
         self.httpd.shutdown()
         self.httpd.close_all()
         self.httpd.server_close()
@@ -208,6 +235,9 @@ def add_choice_args(p: Any, policy_default: str | None, policy_help: str) -> Non
                    help="events silent this long are not trusted")
     p.add_argument("--max-blocks", type=int_in(1, 1 << 28), default=1 << 21,
                    help="blocks remembered per instance")
+    p.add_argument("--health-interval", type=float_in(0.1, 3600), default=DEFAULT_INTERVAL,
+                   metavar="SECONDS", help="GET /health of each instance this often; one "
+                   "that fails it gets no requests until it answers again")
 
 
 def choice_from_args(args: Any) -> dict[str, Any]:
@@ -222,6 +252,7 @@ def choice_from_args(args: Any) -> dict[str, Any]:
             raise ValueError(f"--tokenizer {args.tokenizer}: {str(e)[:200]}") from None
     return {"policy": args.policy, "stale_after": args.stale_after,
             "max_blocks": args.max_blocks, "tokenizer": tokenizer,
+            "health_interval": args.health_interval,
             "weights": Weights(args.weight_gpu, args.weight_cpu, args.weight_storage,
                                args.load_weight)}
 

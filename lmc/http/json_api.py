@@ -103,7 +103,7 @@ def listen_error(e: OSError, host: str, port: int, flag: str = "--port") -> str:
     return f"cannot listen on {host}:{port}: {why}{hint}"
 
 
-def _printable(text: str, limit: int = 200) -> str:
+def printable(text: str, limit: int = 200) -> str:
     """A client's request line in a log line: control characters escaped, cut short."""
     text = text[:limit]
     return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
@@ -257,7 +257,7 @@ class JsonHandler(BaseHTTPRequestHandler):
         finally:
             if self._status is not None and getattr(self.server, "access_log", True):
                 access_log.info('%s - "%s" %d %s', self.address_string(),
-                                _printable(getattr(self, "requestline", "") or "-"),
+                                printable(getattr(self, "requestline", "") or "-"),
                                 self._status, units.seconds(time.monotonic() - t0))
 
     def address_string(self) -> str:

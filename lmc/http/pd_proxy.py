@@ -18,8 +18,20 @@ of its set with the longest cached prefix of the prompt (token ids, or text with
 ``--tokenizer``; the router's ``--weight-*``/``--load-weight``), balanced against requests
 in flight; an instance whose events are stale, silent or absent is credited nothing.
 ``--policy round_robin`` takes turns (the default when no instance has ``events=``, as
-before; ``prefix`` is the default when one has). No retries or health checks: a failing
-instance is a 502 naming it.
+before; ``prefix`` is the default when one has).
+
+Health, as ``lmc router``'s (:mod:`lmc.http.health`): ``GET /health`` of every instance
+every ``--health-interval`` seconds; an unhealthy one is not chosen until it answers again,
+and a role with no healthy instance left is a 503 naming it (``GET /health`` of the proxy
+too). An instance that refuses a request's connection (down since its last check) is marked
+unhealthy at once and the request goes to another healthy instance of its role, once;
+nothing has reached the client then. Any other failure is a 502 naming the instance, never
+retried (a prefill may have run; a decode may have started streaming).
+
+``GET /metrics`` (Prometheus, :mod:`lmc.http.route_metrics`, the router's series named
+``lmc_pd_proxy_*`` with a ``role`` label): requests per role, instance and reason, failures,
+retries, predicted and reported cached tokens, in flight, health, event freshness.
+``GET /lmc/pd-proxy``: counts, routing and each instance's state as JSON.
 
 Client connections, request time and size are bounded as in :mod:`lmc.http.json_api`
 (``--max-connections``, ``--read-timeout``, ``--max-body``); an instance's answer is read
@@ -66,6 +78,7 @@ from lmc.http.relay import (
     read_bounded,
     what,
 )
+from lmc.http.route_metrics import CONTENT_TYPE, RoutingMetrics
 from lmc.router.policy import Weights
 
 log = logging.getLogger(__name__)
@@ -105,13 +118,23 @@ def _spec(u: str | InstanceSpec, flag: str) -> InstanceSpec:
     return u if isinstance(u, InstanceSpec) else InstanceSpec.parse(u, flag)
 
 
+ROLES = ("prefill", "decode")
+TAIL_BYTES = 64 << 10  # of a decode answer, kept to read its usage
+
+
 class Proxy(Front):
+    """The proxy (module docstring). ``health_interval`` None (the default here; the
+    command line's is :data:`~lmc.http.health.DEFAULT_INTERVAL`) probes nothing: every
+    instance is then taken as healthy, and one refusing a connection is still passed over
+    for that request, but not marked."""
+
     def __init__(self, prefill: Sequence[str | InstanceSpec],
                  decode: Sequence[str | InstanceSpec], host: str = "127.0.0.1",
                  port: int = 0, limits: HttpLimits | None = None,
                  upstream_timeout: float = TIMEOUT, *, policy: str | None = None,
                  weights: Weights | None = None, stale_after: float = 10.0,
-                 max_blocks: int = 1 << 21, tokenizer: Any = None) -> None:
+                 max_blocks: int = 1 << 21, tokenizer: Any = None,
+                 health_interval: float | None = None) -> None:
         if not prefill or not decode:
             raise ValueError("pd-proxy needs at least one --prefill and one --decode URL")
         if not 0 < upstream_timeout <= 86400:
@@ -128,29 +151,45 @@ class Proxy(Front):
                               "unique": False}
         self.prefill = Pool(p_specs, what="prefill instance", flag="--prefill", **kw)
         self.decode = Pool(d_specs, what="decode instance", flag="--decode", **kw)
+        self.pools = {"prefill": self.prefill, "decode": self.decode}
         self.tokenizer = tokenizer
+        self.stale_after = stale_after
+        self.health_interval = health_interval
+        self.metrics = RoutingMetrics("lmc_pd_proxy", ("role",))
         self._lock = threading.Lock()
-        self.counts = {"requests": 0, "prefill_failures": 0, "decode_failures": 0}
+        self.counts = {"requests": 0, "prefill_failures": 0, "decode_failures": 0,
+                       "retries": 0}
         self.routed: dict[str, dict[str, dict[str, int]]] = {"prefill": {}, "decode": {}}
         self.listen(type("Handler", (_Handler,), {"proxy": self}), host, port, limits,
                     self.prefill.sources + self.decode.sources, stale_after)
+        self.check_health([self.prefill, self.decode], health_interval, "lmc-pd-health")
 
     def pick(self, tokens: list[int] | None = None, salt: str | None = None
              ) -> tuple[Pick, Pick]:
         """The prefill and the decode instance of a request, each counted in flight until
-        :meth:`done`."""
+        :meth:`done`; a 503 naming the role if one has no healthy instance."""
         p = self.prefill.pick(tokens, salt)
-        d = self.decode.pick(tokens, salt)
-        with self._lock:
-            self.counts["requests"] += 1
-            for role, c in (("prefill", p), ("decode", d)):
-                per = self.routed[role].setdefault(c.instance.url, {})
-                per[c.reason] = per.get(c.reason, 0) + 1
+        try:
+            d = self.decode.pick(tokens, salt)
+        except BaseException:
+            self.prefill.done(p.instance)
+            raise
         return p, d
+
+    def sent(self, role: str, c: Pick, n_tokens: int) -> None:
+        """``c``'s instance took the request (its connection was made)."""
+        with self._lock:
+            per = self.routed[role].setdefault(c.instance.url, {})
+            per[c.reason] = per.get(c.reason, 0) + 1
+        self.metrics.sent((role, c.instance.url), c.reason, n_tokens, c.predicted)
 
     def count(self, key: str) -> None:
         with self._lock:
             self.counts[key] += 1
+
+    def missing(self) -> list[str]:
+        """The roles with no healthy instance now."""
+        return [r for r in ROLES if not self.pools[r].healthy()]
 
     def state(self) -> dict[str, Any]:
         with self._lock:
@@ -158,20 +197,32 @@ class Proxy(Front):
             counts = dict(self.counts)
         return {**counts, "prefill": [i.url for i in self.prefill.instances],
                 "decode": [i.url for i in self.decode.instances], "policy": self.policy,
-                "routed": routed, "instances": {"prefill": self.prefill.state(),
-                                                "decode": self.decode.state()}}
+                "health_interval": self.health_interval, "routed": routed,
+                "instances": {"prefill": self.prefill.state(),
+                              "decode": self.decode.state()}}
+
+    def prometheus(self) -> bytes:
+        return self.metrics.scrape([((r, i.url), i) for r in ROLES
+                                    for i in self.pools[r].instances], self.stale_after)
 
 
 class _Handler(RelayHandler):
     proxy: Proxy
 
     def do_GET(self) -> None:
+        proxy = self.proxy
         if self.path == "/health":
-            self._json(200, {"status": "ok"})
+            missing = proxy.missing()
+            self._json(503 if missing else 200, {"status": "ok"} if not missing else {
+                "status": "no healthy " + " and no healthy ".join(
+                    f"{r} instance" for r in missing)})
+        elif self.path == "/metrics":
+            self.relay_bytes(200, proxy.prometheus(), CONTENT_TYPE)
         elif self.path == "/lmc/pd-proxy":
-            self._json(200, self.proxy.state())
+            self._json(200, proxy.state())
         elif self.path == "/v1/models":
-            self.relay_get(self.proxy.decode.instances[0].upstream, "decode instance")
+            live = [i for i in proxy.decode.instances if i.healthy] or proxy.decode.instances
+            self.relay_get(live[0].upstream, "decode instance")
         else:
             self._error(404, f"no such path {self.path[:200]}")
 
@@ -185,19 +236,65 @@ class _Handler(RelayHandler):
             self._error(e.status, str(e))
             return
         proxy = self.proxy
+        proxy.count("requests")
         tokens = prompt_tokens(body, proxy.tokenizer) if self.path == "/v1/completions" \
             else None
-        p, d = proxy.pick(tokens, cache_salt(body))
+        salt = cache_salt(body)
         try:
-            self._request(p.instance.upstream, d.instance.upstream, body, p_data)
+            p, d = proxy.pick(tokens, salt)
+        except HttpError as e:  # no healthy instance of a role
+            self._error(e.status, str(e))
+            return
+        self._held = {"prefill": p, "decode": d}
+        self._tokens, self._salt = tokens, salt
+        try:
+            self._request(body, p_data)
         finally:
-            proxy.prefill.done(p.instance)
-            proxy.decode.done(d.instance)
+            for role, c in self._held.items():
+                proxy.pools[role].done(c.instance)
 
-    def _request(self, prefill: Upstream, decode: Upstream, body: dict[str, Any],
-                 p_data: bytes) -> None:
+    def _connect(self, role: str, data: bytes) -> tuple[Upstream, Any, Any]:
+        """Post ``data`` to the held ``role`` instance. One that refuses the connection
+        (down since its last health check) is marked unhealthy and the request goes to
+        another healthy one, once: nothing has reached the client yet. Raises
+        :class:`HttpError` (502 naming the instance, 503 naming the role)."""
+        proxy = self.proxy
+        pool = proxy.pools[role]
+        for attempt in (0, 1):
+            c = self._held[role]
+            up = c.instance.upstream
+            try:
+                conn, r = up.post(self.path, data)
+            except UPSTREAM_ERRORS as e:
+                proxy.metrics.failures.labels(role, up.url).inc()
+                failed = HttpError(502, f"{role} instance {up.url}: {what(e)}")
+                if not isinstance(e, ConnectionRefusedError):
+                    raise failed from None
+                if proxy.health is not None:  # else nothing would bring it back
+                    pool.mark(c.instance, False, what(e))
+                if attempt:  # the second refusal: the role may have none left
+                    if proxy.health is not None and not pool.healthy():
+                        raise HttpError(503, f"no healthy {role} instance left: {up.url} "
+                                        f"and the one tried before refused the "
+                                        f"connection") from None
+                    raise failed from None
+                try:
+                    nxt = pool.pick(self._tokens, self._salt, {up.url})
+                except HttpError:
+                    raise HttpError(503, f"no healthy {role} instance left: {up.url} "
+                                    f"refused the connection") from None
+                pool.done(c.instance)
+                self._held[role] = nxt
+                proxy.count("retries")
+                proxy.metrics.retries.labels(role).inc()
+                continue
+            proxy.sent(role, c, len(self._tokens or ()))
+            return up, conn, r
+        raise AssertionError("unreachable")
+
+    def _request(self, body: dict[str, Any], p_data: bytes) -> None:
         try:
-            params = self._prefill(prefill, p_data)
+            params = self._prefill(p_data)
         except HttpError as e:
             self.proxy.count("prefill_failures")
             self._error(e.status, str(e))
@@ -206,16 +303,13 @@ class _Handler(RelayHandler):
             return
         if not params:
             _warn("prefill instance %s answered no kv_transfer_params (not a kv_producer?): "
-                  "the decode instance prefills itself", prefill.url)
-        self._decode(decode, encode({**body, "kv_transfer_params": params}))
+                  "the decode instance prefills itself", self._held["prefill"].instance.url)
+        self._decode(encode({**body, "kv_transfer_params": params}))
 
-    def _prefill(self, up: Upstream, data: bytes) -> Any:
+    def _prefill(self, data: bytes) -> Any:
         """The producer's parameters, or ``_RELAYED`` once its refusal went to the client."""
         limit = self.server.limits.max_body
-        try:
-            conn, r = up.post(self.path, data)
-        except UPSTREAM_ERRORS as e:
-            raise HttpError(502, f"prefill instance {up.url}: {what(e)}") from None
+        up, conn, r = self._connect("prefill", data)
         try:
             answer = read_bounded(r, limit, f"prefill instance {up.url}")
             if r.status != 200:  # the client sees the producer's refusal (a bad prompt, ...)
@@ -225,23 +319,33 @@ class _Handler(RelayHandler):
                 self.proxy.count("prefill_failures")
                 self.relay_bytes(r.status, answer, r.getheader("Content-Type"))
                 return _RELAYED
-            return producer_params(r.status, answer, up.url)
+            params = producer_params(r.status, answer, up.url)
+            self.proxy.metrics.answered(("prefill", up.url), answer[-TAIL_BYTES:])
+            return params
         except UPSTREAM_ERRORS as e:
+            self.proxy.metrics.failures.labels("prefill", up.url).inc()
             raise HttpError(502, f"prefill instance {up.url}: {what(e)}") from None
+        except HttpError:
+            self.proxy.metrics.failures.labels("prefill", up.url).inc()
+            raise
         finally:
             conn.close()
 
-    def _decode(self, up: Upstream, data: bytes) -> None:
+    def _decode(self, data: bytes) -> None:
         """Relay the consumer's answer as it comes (streamed or not)."""
         try:
-            conn, r = up.post(self.path, data)
-        except UPSTREAM_ERRORS as e:
+            up, conn, r = self._connect("decode", data)
+        except HttpError as e:
             self.proxy.count("decode_failures")
-            self._error(502, f"decode instance {up.url}: {what(e)}")
+            self._error(e.status, str(e))
             return
         try:
-            if self.relay_answer(r, f"decode instance {up.url}") is None:
+            tail = self.relay_answer(r, f"decode instance {up.url}", TAIL_BYTES)
+            if tail is None:
                 self.proxy.count("decode_failures")
+                self.proxy.metrics.failures.labels("decode", up.url).inc()
+            elif r.status == 200:
+                self.proxy.metrics.answered(("decode", up.url), tail)
         finally:
             conn.close()
 

@@ -13,13 +13,14 @@ prompt's cached prefix per medium is weighed against requests in flight (see
 as token ids is scored as is; text needs ``--tokenizer`` (the engines' ``tokenizer.json``);
 chat requests are balanced by load.
 
-Health: ``GET /health`` of each instance every ``--health-interval`` seconds; an instance
-that fails it, or refuses a connection, gets nothing until it answers again. A request whose
+Health: ``GET /health`` of each instance every ``--health-interval`` seconds
+(:mod:`lmc.http.health`, shared with ``lmc pd-proxy``); an instance that fails it, or
+refuses a connection, gets nothing until it answers again. A request whose
 instance fails before answering is sent to the next best one (at most once per instance). An
 instance whose events are stale (not synced, or silent for ``--stale-after`` seconds; lmc's
 publisher sends a heartbeat every 2 s) is scored as if it cached nothing.
 
-``GET /metrics`` (Prometheus): requests per instance and reason (``prefix``, ``load``,
+``GET /metrics`` (Prometheus, :mod:`lmc.http.route_metrics`, ``lmc_router_*``): requests per instance and reason (``prefix``, ``load``,
 ``stale``, ``no_tokens``, ``round_robin``), predicted cached tokens (the index's prefix) next
 to reported ones (the answer's ``usage.prompt_tokens_details.cached_tokens``), in flight,
 health and event freshness per instance. ``GET /lmc/router``: the same as JSON.
@@ -33,16 +34,10 @@ docs/threats/router.md.
 from __future__ import annotations
 
 import argparse
-import http.client
-import json
 import logging
 import sys
-import threading
-import time
 from collections.abc import Sequence
 from typing import Any
-
-from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 
 from lmc.http.dispatch import (
     Front,
@@ -54,6 +49,7 @@ from lmc.http.dispatch import (
     choice_from_args,
     prompt_tokens,
 )
+from lmc.http.health import DEFAULT_INTERVAL
 from lmc.http.json_api import (
     HttpError,
     HttpLimits,
@@ -62,6 +58,7 @@ from lmc.http.json_api import (
     limits_from_args,
 )
 from lmc.http.relay import TIMEOUT, UPSTREAM_ERRORS, RelayHandler, encode, what
+from lmc.http.route_metrics import CONTENT_TYPE, RoutingMetrics, cached_tokens
 from lmc.router.feed import SharedSpec
 from lmc.router.policy import Weights
 
@@ -69,42 +66,13 @@ __all__ = ["InstanceSpec", "Router", "cached_tokens", "prompt_tokens", "register
 log = logging.getLogger(__name__)
 _warn = RateLimitedWarnings(limit=10, window=10.0, logger=log)
 TAIL_BYTES = 64 << 10  # of an answer, kept to read its usage
-HEALTH_TIMEOUT = 5.0
-
-
-class _Metrics:
-    def __init__(self) -> None:
-        r = self.registry = CollectorRegistry()
-        self.requests = Counter("lmc_router_requests", "Requests routed, by instance and why "
-                                "(prefix, load, stale, no_tokens, round_robin)",
-                                ["instance", "reason"], registry=r)
-        self.prompt = Counter("lmc_router_prompt_tokens", "Prompt tokens routed",
-                              ["instance"], registry=r)
-        self.predicted = Counter("lmc_router_predicted_cached_tokens", "Prompt tokens the "
-                                 "events said the instance had cached", ["instance"],
-                                 registry=r)
-        self.reported = Counter("lmc_router_reported_cached_tokens", "Prompt tokens the "
-                                "instance reported cached (usage.prompt_tokens_details)",
-                                ["instance"], registry=r)
-        self.failures = Counter("lmc_router_upstream_failures", "Requests an instance failed "
-                                "before answering", ["instance"], registry=r)
-        self.in_flight = Gauge("lmc_router_in_flight", "Requests in flight", ["instance"],
-                               registry=r)
-        self.healthy = Gauge("lmc_router_instance_healthy", "1 if the instance answers its "
-                             "health check", ["instance"], registry=r)
-        self.fresh = Gauge("lmc_router_events_fresh", "1 if the instance's events are synced "
-                           "and recent", ["instance"], registry=r)
-        self.blocks = Gauge("lmc_router_indexed_blocks", "Blocks the router knows the "
-                            "instance caches", ["instance"], registry=r)
-        self.gaps = Gauge("lmc_router_event_gaps", "Sequence gaps seen in the instance's "
-                          "events", ["instance"], registry=r)
 
 
 class Router(Front):
     def __init__(self, instances: Sequence[InstanceSpec], *, policy: str = "prefix",
                  weights: Weights | None = None, host: str = "127.0.0.1", port: int = 0,
                  limits: HttpLimits | None = None, upstream_timeout: float = TIMEOUT,
-                 health_interval: float = 2.0, stale_after: float = 10.0,
+                 health_interval: float | None = DEFAULT_INTERVAL, stale_after: float = 10.0,
                  tokenizer: Any = None, max_blocks: int = 1 << 21,
                  shared: Sequence[SharedSpec] = ()) -> None:
         if not instances:
@@ -118,13 +86,10 @@ class Router(Front):
         self.health_interval = health_interval
         self.stale_after = stale_after
         self.tokenizer = tokenizer
-        self.metrics = _Metrics()
-        self._stop = threading.Event()
+        self.metrics = RoutingMetrics("lmc_router")
         self.listen(type("Handler", (_Handler,), {"router": self}), host, port, limits,
                     self.pool.sources, stale_after)
-        for inst in self.instances:
-            threading.Thread(target=self._check_health, args=(inst,),
-                             name="lmc-router-health", daemon=True).start()
+        self.check_health([self.pool], health_interval, "lmc-router-health")
 
     # ------------------------------------------------------------------ choosing
     def pick(self, tokens: list[int] | None, salt: str | None, exclude: set[str]
@@ -140,73 +105,14 @@ class Router(Front):
         self.metrics.in_flight.labels(inst.url).set(inst.in_flight)
 
     def mark(self, inst: Instance, healthy: bool, why: str = "") -> None:
-        if inst.healthy != healthy:
-            log.info("instance %s is %s%s", inst.url, "healthy again" if healthy else
-                     "unhealthy", f": {why}" if why else "")
-        inst.healthy = healthy
-        self.metrics.healthy.labels(inst.url).set(1 if healthy else 0)
-
-    def _check_health(self, inst: Instance) -> None:
-        """``GET /health`` every ``health_interval`` (one thread per instance, so a hung one
-        delays only itself), each within ``HEALTH_TIMEOUT``."""
-        while not self._stop.is_set():
-            conn = http.client.HTTPConnection(inst.upstream.host, inst.upstream.port,
-                                              timeout=HEALTH_TIMEOUT)
-            try:
-                conn.request("GET", "/health")
-                resp = conn.getresponse()
-                resp.read(4096)
-                self.mark(inst, resp.status == 200, f"/health answered {resp.status}")
-                inst.probe_failures = 0
-            except UPSTREAM_ERRORS as e:
-                # refused: down now; a timeout may be a busy moment: down at the second
-                inst.probe_failures += 1
-                if isinstance(e, ConnectionRefusedError) or inst.probe_failures >= 2:
-                    self.mark(inst, False, f"{type(e).__name__}: {str(e)[:100]}")
-            finally:
-                conn.close()
-            self._stop.wait(self.health_interval)
+        self.pool.mark(inst, healthy, why)
 
     # ------------------------------------------------------------------ reporting
     def state(self) -> dict[str, Any]:
         return {"policy": self.policy, "instances": self.pool.state()}
 
     def prometheus(self) -> bytes:
-        now = time.monotonic()
-        m = self.metrics
-        for i in self.instances:
-            m.healthy.labels(i.url).set(1 if i.healthy else 0)
-            m.in_flight.labels(i.url).set(i.in_flight)
-            if i.source is not None:
-                m.fresh.labels(i.url).set(1 if i.source.fresh(self.stale_after, now) else 0)
-                m.blocks.labels(i.url).set(i.source.index.blocks)
-                m.gaps.labels(i.url).set(i.source.counts["gaps"])
-        return generate_latest(m.registry)
-
-    def close(self) -> None:
-        self._stop.set()
-        super().close()
-
-
-def cached_tokens(tail: bytes) -> int | None:
-    """``usage.prompt_tokens_details.cached_tokens`` from the end of an answer (a JSON body,
-    or the last server-sent event carrying usage)."""
-    for line in reversed(tail.split(b"\n")):
-        line = line.strip()
-        if line.startswith(b"data:"):
-            line = line[5:].strip()
-        if b"cached_tokens" not in line or not line.startswith(b"{"):
-            continue
-        try:
-            obj = json.loads(line)
-        except (ValueError, RecursionError):
-            continue
-        usage = obj.get("usage") if isinstance(obj, dict) else None
-        details = usage.get("prompt_tokens_details") if isinstance(usage, dict) else None
-        n = details.get("cached_tokens") if isinstance(details, dict) else None
-        if isinstance(n, int) and not isinstance(n, bool) and 0 <= n < 1 << 40:
-            return n
-    return None
+        return self.metrics.scrape([((i.url,), i) for i in self.instances], self.stale_after)
 
 
 class _Handler(RelayHandler):
@@ -218,12 +124,7 @@ class _Handler(RelayHandler):
             ok = any(i.healthy for i in r.instances)
             self._json(200 if ok else 503, {"status": "ok" if ok else "no healthy instance"})
         elif self.path == "/metrics":
-            data = r.prometheus()
-            self.send_response(200)
-            self.send_header("Content-Type", "text/plain; version=0.0.4")
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
+            self.relay_bytes(200, r.prometheus(), CONTENT_TYPE)
         elif self.path == "/lmc/router":
             self._json(200, r.state())
         elif self.path == "/v1/models":
@@ -258,6 +159,7 @@ class _Handler(RelayHandler):
             if answered:
                 return
             tried.add(inst.url)
+            r.metrics.retries.inc()
 
     def _forward(self, inst: Instance, data: bytes, reason: str, predicted: int,
                  n_tokens: int) -> bool:
@@ -271,16 +173,12 @@ class _Handler(RelayHandler):
             m.failures.labels(inst.url).inc()
             r.mark(inst, False, what(e)[:160])
             return False
-        m.requests.labels(inst.url, reason).inc()
-        m.prompt.labels(inst.url).inc(n_tokens)
-        m.predicted.labels(inst.url).inc(predicted)
+        m.sent((inst.url,), reason, n_tokens, predicted)
         try:
             tail = self.relay_answer(resp, f"instance {inst.url}", TAIL_BYTES)
         finally:
             conn.close()
-        n = cached_tokens(tail) if tail and resp.status == 200 else None
-        if n is not None:
-            m.reported.labels(inst.url).inc(n)
+        m.answered((inst.url,), tail if resp.status == 200 else None)
         return True
 
 
@@ -299,8 +197,6 @@ def register_cli(sub: Any) -> None:
                    "a shared lmc server's KV events (its kv_events); a prefix it holds "
                    "counts as cached for every instance using it (namespace: their lmc:// "
                    "tier's ?ns=, default lmc); repeat")
-    p.add_argument("--health-interval", type=float_in(0.1, 3600), default=2.0,
-                   metavar="SECONDS")
     p.add_argument("--upstream-timeout", type=float_in(0, 86400, low_open=True),
                    default=TIMEOUT, metavar="SECONDS",
                    help="how long an instance may take to answer (per read)")
@@ -314,7 +210,7 @@ def run(args: argparse.Namespace) -> int:
         shared = [SharedSpec.parse(t) for t in args.shared_events]
         router = Router(specs, host=args.host, port=args.port, limits=limits_from_args(args),
                         upstream_timeout=args.upstream_timeout,
-                        health_interval=args.health_interval, shared=shared,
+                        shared=shared,
                         **choice_from_args(args))
     except (ValueError, OSError, ImportError) as e:
         print(f"lmc router: {e}", file=sys.stderr)
