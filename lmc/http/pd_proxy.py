@@ -61,6 +61,7 @@ from lmc.http.dispatch import (
     choice_from_args,
     prompt_tokens,
 )
+from lmc.http.health import DEFAULT_INTERVAL
 from lmc.http.json_api import (
     HttpError,
     HttpLimits,
@@ -123,8 +124,8 @@ TAIL_BYTES = 64 << 10  # of a decode answer, kept to read its usage
 
 
 class Proxy(Front):
-    """The proxy (module docstring). ``health_interval`` None (the default here; the
-    command line's is :data:`~lmc.http.health.DEFAULT_INTERVAL`) probes nothing: every
+    """The proxy (module docstring). Each instance's ``GET /health`` is probed every
+    ``health_interval`` seconds (the router's default); ``None`` probes nothing: every
     instance is then taken as healthy, and one refusing a connection is still passed over
     for that request, but not marked."""
 
@@ -134,7 +135,7 @@ class Proxy(Front):
                  upstream_timeout: float = TIMEOUT, *, policy: str | None = None,
                  weights: Weights | None = None, stale_after: float = 10.0,
                  max_blocks: int = 1 << 21, tokenizer: Any = None,
-                 health_interval: float | None = None) -> None:
+                 health_interval: float | None = DEFAULT_INTERVAL) -> None:
         if not prefill or not decode:
             raise ValueError("pd-proxy needs at least one --prefill and one --decode URL")
         if not 0 < upstream_timeout <= 86400:

@@ -120,14 +120,16 @@ def test_pd_proxy_logs_each_request_once(caplog):
     import threading
     threading.Thread(target=proxy.serve_forever, daemon=True).start()
     try:
+        # nothing listens on either port: no healthy prefill instance is left (a refused
+        # connection marks one down at once): 503
         status, _ = _post(proxy.url + "/v1/completions", {"prompt": "hi", "max_tokens": 1})
-        assert status == 502
+        assert status == 503
         _get(proxy.url + "/no/such\x01path".replace("\x01", "%01"))
     finally:
         proxy.close()
     lines = [r.getMessage() for r in caplog.records if r.name == "lmc.http.access"]
     assert len(lines) == 2, lines
-    assert '"POST /v1/completions HTTP/1.1" 502' in lines[0]
+    assert '"POST /v1/completions HTTP/1.1" 503' in lines[0]
 
 
 def test_access_log_lines_are_escaped_and_bounded(caplog):

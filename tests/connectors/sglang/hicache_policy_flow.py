@@ -75,13 +75,7 @@ B = A[: 2 * PAGE] + list(range(8000, 8000 + PAGE))
 C = list(range(9000, 9000 + 3 * PAGE))
 
 
-class Records(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.INFO)
-        self.messages: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.messages.append(record.getMessage())
+Records = sglang_env.LogLines
 
 
 def cfg() -> CacheConfig:

@@ -30,13 +30,7 @@ from lmc.connectors.sglang.policy import NO_PRIOR  # noqa: E402
 PAGES, PAGE, LAYERS = flow.PAGES, flow.PAGE, flow.LAYERS
 
 
-class Records(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.INFO)
-        self.messages: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.messages.append(record.getMessage())
+Records = flow.sglang_env.LogLines
 
 
 def scenario(name: str, expected, extra: dict, loads: bool, records: Records) -> None:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import logging
 import sys
 import types
 from enum import Enum
@@ -112,3 +113,14 @@ def apply_cpu_shim() -> None:
     host_mha.MHATokenToKVPoolHost.get_dummy_flat_data_page = dummy_page
     fixtures.get_device = lambda *a, **k: "cpu"
     _SHIM_APPLIED = True
+
+
+class LogLines(logging.Handler):
+    """The messages logged at ``level`` or above (what a test reads of lmc's log)."""
+
+    def __init__(self, level: int = logging.INFO) -> None:
+        super().__init__(level)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
