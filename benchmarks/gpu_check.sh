@@ -209,6 +209,14 @@ if pol:
                      f"{r['load_all_s'] * 1e3:.0f} / chosen {r['chosen_s'] * 1e3:.0f} "
                      f"({r['chosen_tokens']:.0f} loaded) / sweep best {r['best_s'] * 1e3:.0f} "
                      f"ms (N={r['best_n']}); {bar}", ok if not where else ""))
+    sp = pol.get("speeds", {})
+    if "speed.prefill.c1_s" in sp:  # what the rule believed of the compute (run 4: 0.46x)
+        for n in sorted({r["tokens"] for r in pol["rows"]}):
+            est = (sp["speed.prefill.c0_s"] + sp["speed.prefill.c1_s"] * n
+                   + sp["speed.prefill.c2_s"] * n * n)
+            meas = min(r["no_cache_s"] for r in pol["rows"] if r["tokens"] == n)
+            rows.append((f"lmc's compute estimate / engine alone, {n} tokens{where}",
+                         f"{est * 1e3:.0f} / {meas * 1e3:.0f} ms = {est / meas:.2f}", ""))
 else:
     rows.append(("load or recompute on CUDA", "skipped (no CUDA device)", ""))
 pool = load("pool.json")

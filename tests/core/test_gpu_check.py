@@ -96,6 +96,8 @@ def test_gpu_check_dry_run_runs_every_step(tmp_path):
     assert "Every step ran." in out
     section = (tmp_path / "gpu_check_section.md").read_text()
     assert "| TTFT L1 hit" in section and "| L1 hit / ideal" in section
+    if (tmp_path / "policy.json").exists():  # the load-or-recompute stand-in ran (root, tc)
+        assert "| lmc's compute estimate / engine alone, 512 tokens [CPU stand-in]" in section
     pool = json.loads((tmp_path / "pool.json").read_text())
     assert pool["pinned"] - pool["asked"] < 2 << 20
     assert results.read_bytes() == before, "a dry run appended to RESULTS.md"
