@@ -64,7 +64,7 @@ $PY -c "import lmc, sys; print('lmc from', lmc.__file__, 'python', sys.version.s
 
 step "GPU tests: pytest -m gpu"
 timeout "$(lim 200)" $PY -m pytest -q -m gpu -p no:cacheprovider --junitxml="$RES/gpu_tests.xml" \
-    tests/core tests/memory tests/transfer tests/reference tests/connectors/test_vllm_gpu_layouts.py 2>&1 \
+    tests/core tests/memory tests/transfer tests/reference tests/connectors/vllm/test_vllm_gpu_layouts.py 2>&1 \
     | tee "$RES/gpu_tests.log" | tail -25
 [ "${PIPESTATUS[0]}" = 0 ] || fails+=("gpu tests")
 

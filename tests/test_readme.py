@@ -62,7 +62,7 @@ NOT_RUN = {
     "make ": "the Makefile targets are checked; CI runs `make test` itself, `make demo` is "
              "`lmc demo` (tests/test_cli_demo.py, tests/test_cli_plain_install.py)",
     "python -m vllm.": "needs a model and a vLLM server; its JSON is checked here, the "
-                       "connector runs in tests/connectors/test_vllm_integration.py",
+                       "connector runs in tests/connectors/vllm/test_vllm_integration.py",
     "python -m sglang.": "needs SGLang; its JSON is checked here, the adapters run in "
                          "tests/connectors/",
     "python -m lmc.reference.serve ": "a long-running server; tests/p2p/test_pd_proxy.py runs "

@@ -19,7 +19,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 GPU_PATHS = ["tests/core", "tests/memory", "tests/transfer", "tests/reference",
-             "tests/connectors/test_vllm_gpu_layouts.py"]
+             "tests/connectors/vllm/test_vllm_gpu_layouts.py"]
 BLOCKER = """
 import sys
 class _Block:

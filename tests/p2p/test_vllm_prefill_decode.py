@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 
 from lmc.reference import make_tiny_checkpoint
-from tests.connectors.test_vllm_integration import _env, _vllm_python
+from tests.connectors.vllm.test_vllm_integration import _env, _vllm_python
 from tests.server.daemon_proc import ROOT, DaemonProc
 
 from .conftest import require_nixl

@@ -1,6 +1,6 @@
 """Drive one vLLM process through the connector scenarios; write what it saw as JSON.
 
-Run by ``tests/connectors/test_vllm_integration.py`` with the vLLM venv's python (the test
+Run by ``tests/connectors/vllm/test_vllm_integration.py`` with the vLLM venv's python (the test
 asserts; this script only reports). Modes:
 
 * ``mp0`` (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, one process): first a plain vLLM without the

@@ -12,11 +12,11 @@ from pathlib import Path
 
 import pytest
 
-from tests.connectors.test_vllm_integration import _env, _vllm_python
+from tests.connectors.vllm.test_vllm_integration import _env, _vllm_python
 
 pytestmark = pytest.mark.integration
 
-SCRIPT = Path(__file__).resolve().parent / "vllm_scripts" / "vllm_gpu_layouts.py"
+SCRIPT = Path(__file__).resolve().parents[1] / "vllm_scripts" / "vllm_gpu_layouts.py"
 LAYOUTS = ("LBNHC", "LBHNC", "LHBNC", "BLHNC", "BLNHC", "BHLNC")
 
 

@@ -23,7 +23,7 @@ from lmc.connectors.vllm.layout import (
 from lmc.connectors.vllm.scheduler import SchedulerSide
 from lmc.storage.lookup import LookupResult
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 # ---------------------------------------------------------------------------- settings

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent / "sglang_scripts"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "sglang_scripts"))
 from runner import run_script  # noqa: E402
 
 pytestmark = pytest.mark.integration

@@ -42,7 +42,7 @@ from tests.requirements import missing
 
 pytestmark = pytest.mark.integration
 
-SCRIPTS = Path(__file__).resolve().parent / "vllm_scripts"
+SCRIPTS = Path(__file__).resolve().parents[1] / "vllm_scripts"
 DEFAULT_PYTHON = "/work/venv-vllm/bin/python"
 RUN_TIMEOUT = 420
 

@@ -10,7 +10,7 @@ from lmc.connectors.core.load_policy import Costs, LoadPolicy, local_costs, regi
 from lmc.connectors.core.scheduler import ConnectorConfig
 from lmc.connectors.vllm.scheduler import SchedulerSide
 from lmc.storage.speeds import PrefillRate, TierRate
-from tests.connectors.test_vllm_parts import FakeClient, FakeRequest
+from tests.connectors.vllm.test_vllm_parts import FakeClient, FakeRequest
 
 SLOW = Costs((TierRate("cpu", 8e9), TierRate("disk", 1e6, overlaps=False)),
              PrefillRate(0.0, 1e-4), 4096, 8)
