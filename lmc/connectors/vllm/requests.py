@@ -23,13 +23,16 @@ log = logging.getLogger(__name__)
 
 
 def cacheable(request: Any) -> bool:
-    """Whether a request's KV is a function of its token ids alone: not for prompt
-    embeddings, multimodal inputs (placeholder tokens stand for different images) or LoRA
-    adapters (different weights), which lmc leaves to the engine."""
+    """Whether a request's KV is a function of its token ids alone, shareable with any
+    request: not for prompt embeddings, multimodal inputs (placeholder tokens stand for
+    different images) or LoRA adapters (different weights), and not with a ``cache_salt``
+    (vLLM keeps salted prefixes apart so that one user cannot time another's prompts; lmc's
+    keys carry no salt, so it would share them) -- lmc leaves those to the engine."""
     return (getattr(request, "prompt_token_ids", None) is not None
             and getattr(request, "prompt_embeds", None) is None
             and not getattr(request, "mm_features", None)
-            and getattr(request, "lora_request", None) is None)
+            and getattr(request, "lora_request", None) is None
+            and getattr(request, "cache_salt", None) is None)
 
 
 @dataclass

@@ -91,6 +91,7 @@ class FakeRequest:
     lora_request: Any = None
     prompt_embeds: Any = None
     output: list[int] = field(default_factory=list)
+    cache_salt: str | None = None
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -205,7 +206,9 @@ def test_resumed_request_gets_its_new_block_table():
 def test_uncacheable_requests_are_left_alone():
     s = side(hit=512)
     for req in (FakeRequest("mm", [0] * 600, mm_features=["image"]),
-                FakeRequest("lora", [0] * 600, lora_request=object())):
+                FakeRequest("lora", [0] * 600, lora_request=object()),
+                # salted: vLLM keeps it from other users' prefixes; lmc's keys carry no salt
+                FakeRequest("salted", [0] * 600, cache_salt="tenant-a")):
         assert s.get_num_new_matched_tokens(req, 0) == (0, False)
         s.update_state_after_alloc(req, 0)
     meta = s.build_meta(Output([NewReq("mm", ([1, 2, 3, 4, 5],), 0)],
