@@ -3,7 +3,6 @@ declaration, never guessed from config keys (docs/design.md, "The tier kit")."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
@@ -24,6 +23,7 @@ from lmc.storage.tier import (
     tier_capabilities,
     tier_medium,
 )
+from tests.connectors.vllm.test_vllm_parts import FakeRequest
 
 CS = 256
 
@@ -90,21 +90,6 @@ def test_chain_media_reads_the_declaration_not_the_config_keys(tmp_path):
 
 
 # ------------------------------------------------------------------- vLLM's hit sources
-@dataclass
-class _Request:
-    request_id: str
-    prompt_token_ids: list[int]
-    num_computed_tokens: int = 0
-    mm_features: list[Any] = field(default_factory=list)
-    lora_request: Any = None
-    prompt_embeds: Any = None
-    output: list[int] = field(default_factory=list)
-
-    @property
-    def all_token_ids(self) -> list[int]:
-        return self.prompt_token_ids + self.output
-
-
 class _Client:
     """Answers every chunk present, chunk ``i`` in tier ``sources[i]`` (or unattributed)."""
 
@@ -122,7 +107,7 @@ class _Client:
 
 def _admitted(tiers: tuple[str, ...], sources: tuple[int, ...], n_chunks: int):
     side = SchedulerSide(ConnectorConfig(chunk_size=CS), _Client(tiers, sources))
-    req = _Request("r", list(range(3, 3 + n_chunks * CS + 1)))
+    req = FakeRequest("r", list(range(3, 3 + n_chunks * CS + 1)))
     n, _ = side.get_num_new_matched_tokens(req, 0)
     side.update_state_after_alloc(req, n)
     return side, req, n
