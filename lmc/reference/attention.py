@@ -145,8 +145,10 @@ def causal_blocks(start: int, n: int, device: torch.device | str
     for b0 in range(0, n, QUERY_BLOCK):
         b1 = min(n, b0 + QUERY_BLOCK)
         keys = start + b1
-        mask = torch.arange(keys)[None, :] <= torch.arange(start + b0, start + b1)[:, None]
-        out.append((b0, b1 - b0, mask.to(device)))
+        # built where it is used: no host tensor copied to the device per block and step
+        mask = (torch.arange(keys, device=device)[None, :]
+                <= torch.arange(start + b0, start + b1, device=device)[:, None])
+        out.append((b0, b1 - b0, mask))
     return tuple(out)
 
 

@@ -51,6 +51,7 @@ DEFAULT_PRIOR_BYTES_PER_S = {
     "peer": 4 << 30,
 }
 """Tier speeds assumed before a tier's first read, by declared medium."""
+RECENT_WEIGHT = 0.1  # a tier read weighing less (> 3 half-lives old) bounds no latency
 
 
 _GAUGES: tuple[Any, Any, Any] | None = None
@@ -241,9 +242,10 @@ class TierSpeed:
         if not obs or any(b <= 0 or y <= 0 for b, y, _ in obs):
             return latency, s_per_byte
         worst = max(abs(latency + b * s_per_byte - y) / y for b, y, _ in obs)
-        if worst <= 0.2 or latency <= 0.5 * min(y for _, y, _ in obs):
+        half_quickest = 0.5 * min(y for _, y, _ in obs)
+        if worst <= 0.2 or latency <= half_quickest:
             return latency, s_per_byte
-        lat = min(self.prior.latency_s, 0.5 * min(y for _, y, _ in obs))
+        lat = min(self.prior.latency_s, half_quickest)
         num = sum(w * b * (y - lat) for b, y, w in obs)
         den = sum(w * b * b for b, _, w in obs)
         if num <= 0 or den <= 0:
@@ -272,7 +274,6 @@ class TierSpeed:
         return TierRate(self.name, nbytes / seconds, self.prior.latency_s, self.overlaps, n)
 
 
-RECENT_WEIGHT = 0.1  # an observation weighing less (> 3 half-lives old) bounds nothing
 LEAN_MIN_TOKENS = 128  # a step this long that saved under half of it tells compute from saves
 
 

@@ -444,3 +444,19 @@ def test_a_tier_changing_speed_never_reads_as_a_long_latency() -> None:
     for n in (1 << 20, 4 << 20, 16 << 20) * 3:
         ok.observe(n, 0.002 + n / 1e9)
     assert ok.rate().latency_s == pytest.approx(0.002, rel=1e-6)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.integers(1 << 16, 1 << 28), st.floats(1e6, 1e10),
+                          st.floats(0.0, 0.05)), min_size=2, max_size=40))
+def test_a_tier_fit_over_any_reads_stays_within_what_they_took(reads) -> None:
+    """Reads of any sizes, speeds and latencies, in any order (a tier changing speed as
+    often as it likes): the estimate is a positive finite rate, and its latency is never
+    more than 1.2x the quickest recent read took (a latency the reads cannot have had)."""
+    t = TierSpeed("t", 1 << 30, overlaps=True)
+    for nbytes, rate, lat in reads:
+        t.observe(nbytes, lat + nbytes / rate)
+    r = t.rate()
+    assert 0 < r.bytes_per_s < math.inf and r.latency_s >= 0
+    recent = [y for _, y, w in t.fit.observations() if w >= 0.1]
+    assert r.latency_s <= 1.2 * min(recent) + 1e-12
