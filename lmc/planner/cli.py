@@ -29,7 +29,7 @@ PLAN_SUMMARY = "size the cache tiers for a trace: hit rate and predicted TTFT pe
 # Bounds of the numeric options (docs/threats/cli.md): past them a run would overflow a
 # C integer, allocate without end, or mean nothing.
 MAX_SIZE = 1 << 50  # 1 PiB per tier
-MAX_CHUNK = 1 << 20  # tokens per chunk (and --align, --lengths, --load-tokens)
+MAX_CHUNK = 1 << 20  # tokens per chunk (and --align, --lengths, --load-tokens, a step)
 MAX_KV_BYTES_PER_TOKEN = 1 << 30
 MAX_JOBS = 1024
 MAX_REPS = 1000
@@ -116,6 +116,10 @@ def register_cli(sub: Any) -> None:
     p.add_argument("--align", type=int_in(1, MAX_CHUNK), default=1, metavar="N",
                    help="round hits down to N tokens (an engine loading whole blocks: vLLM's "
                         "block size; the reference engine: 1)")
+    p.add_argument("--step-tokens", type=int_in(0, MAX_CHUNK), default=0, metavar="N",
+                   help="the engine's token budget per step under chunked prefill (vLLM's "
+                        "max_num_batched_tokens, the reference engine's): TTFT is predicted "
+                        "as lmc's load policy decides for it (default 0: no chunked prefill)")
     p.add_argument("--tokenizer", metavar="PATH",
                    help="tokenizer.json, or a checkpoint directory holding one: turns text "
                         "prompts into ids (the engine's own, so keys match what it caches)")
@@ -217,7 +221,7 @@ def _plan(args: argparse.Namespace) -> int:
     results = run_grid(trace, points, bytes_per_token=bpt, align=args.align,
                        jobs=args.jobs or None)
     t_sim = time.perf_counter() - t1
-    table, base = report.rows(results, trace, profile)
+    table, base = report.rows(results, trace, profile, args.step_tokens)
     knees = {k.point for c in report.series(table).values() if (k := report.knee(c))}
     best = report.smallest_reaching(table, args.target_hit_rate) \
         if args.target_hit_rate else None
@@ -229,6 +233,7 @@ def _plan(args: argparse.Namespace) -> int:
             "trace": args.trace, "requests": len(trace), "prompt_tokens": trace.prompt_tokens,
             "distinct_chunks": trace.num_keys, "kv_bytes_per_token": bpt, "chunk_size": chunk,
             "no_cache_ttft_mean_s": base, "profile": args.profile if profile else None,
+            "step_tokens": args.step_tokens,
             "results": [r.to_json() for r in table],
             "knees": [r.to_json() for r in table if r.point in knees],
             "target_hit_rate": args.target_hit_rate,
@@ -241,6 +246,8 @@ def _plan(args: argparse.Namespace) -> int:
           f"{trace.num_keys:,} distinct chunks of {chunk} tokens, "
           f"{units.size(bpt)} of KV per token")
     print(report.format_table(table, base, knees))
+    if profile is not None:
+        print(report.step_budget(args.step_tokens))
     if args.target_hit_rate:
         print(f"smallest configuration reaching {100 * args.target_hit_rate:.0f}%: "
               + (report.describe(best) if best else "none in this grid (try larger sizes)"))

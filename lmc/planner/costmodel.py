@@ -23,6 +23,16 @@ tier's measured cost is what a hit adds to TTFT through the connector, layer-wis
 already in it, so the rule sees them as additive (``num_layers = 1``: TTFT = loads +
 compute). The sim gives hits by tier, not their order along the prompt; they are taken as
 lying fastest tier first (L1, disk, remote), the usual shape of a shared prefix.
+
+**Chunked prefill.** An engine with a per-step token budget (``lmc plan --step-tokens``:
+vLLM's ``max_num_batched_tokens``, the reference engine's, which reaches lmc through
+``KVConnector.set_step_budget``) computes a long rest in several steps, each paying the
+per-step cost ``c0``; only the first hides a load. The rule is told the budget
+(``choose_split(step_tokens=...)``, as :class:`~lmc.connectors.core.load_policy.LoadPolicy`
+is), and the compute of a request that loads its whole hit, or nothing, is the rule's own
+model with nothing loaded (:meth:`Profile.compute_s`), so both ends and every split are
+priced alike. The profile itself is measured in one step per prompt (the fit is one step's
+cost); the budget is applied when predicting, so one profile serves every budget.
 """
 
 from __future__ import annotations
@@ -31,13 +41,15 @@ import json
 import math
 import os
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from lmc.connectors.core.load_policy import Costs, choose_split
+from lmc.connectors.core.load_policy import Costs, Split, choose_split
+from lmc.connectors.core.load_policy import ttft_s as rule_ttft_s
 from lmc.storage.speeds import PrefillRate, TierRate
 from lmc.workloads.inputs import InputError, parse_json, read_text
 
@@ -88,10 +100,30 @@ class Profile:
         end = np.asarray(end, dtype=np.float64)
         return c0 + c1 * (end - start) + c2 * (end * end - start * start)
 
-    def ttft_s(self, num_tokens: Any, hits: dict[str, Any], *, policy: bool = True) -> Any:
+    def compute_s(self, start: Any, end: Any, step_tokens: int = 0) -> Any:
+        """Seconds to compute ``[start, end)`` (``start < end``) in steps of at most
+        ``step_tokens`` positions (chunked prefill, each step paying the per-step cost; 0:
+        one step, :meth:`prefill_s`). Under a budget this is the load-or-recompute rule's
+        own model with nothing loaded, asked once per distinct ``(start, end)``."""
+        if step_tokens <= 0:
+            return self.prefill_s(start, end)
+        s, e = np.broadcast_arrays(np.asarray(start, dtype=np.int64),
+                                   np.asarray(end, dtype=np.int64))
+        if s.size == 0:
+            return np.zeros(s.shape, dtype=np.float64)
+        pairs, inv = np.unique(np.stack([s.ravel(), e.ravel()], axis=1), axis=0,
+                               return_inverse=True)
+        costs = self.costs([])
+        each = np.array([rule_ttft_s(costs, (0,), int(a), int(a), int(b), step_tokens)
+                         for a, b in pairs], dtype=np.float64)
+        return each[inv.reshape(-1)].reshape(s.shape)
+
+    def ttft_s(self, num_tokens: Any, hits: dict[str, Any], *, policy: bool = True,
+               step_tokens: int = 0) -> Any:
         """Predicted TTFT per request: ``hits`` maps a tier to hit tokens per request. With
         ``policy`` (lmc's default, ``load_policy: auto``) each request loads only the part
-        of its hit the load-or-recompute rule chooses (see the module doc); without, all."""
+        of its hit the load-or-recompute rule chooses (see the module doc); without, all.
+        ``step_tokens``: the engine's per-step token budget (chunked prefill; 0: none)."""
         n = np.asarray(num_tokens, dtype=np.float64)
         loaded = np.zeros_like(n)
         load = np.zeros_like(n)
@@ -100,21 +132,40 @@ class Profile:
             loaded += tok
             load += self.tier(tier).seconds(tok * self.kv_bytes_per_token,
                                             np.ceil(tok / self.chunk_size))
-        full = self.prefill_s(loaded, n) + load
+        full = self.compute_s(loaded, n, step_tokens) + load
         if not policy or not hits or not np.any(loaded > 0):
             return full
-        names = list(hits)
-        costs = self.costs(names)
-        cols = [np.broadcast_to(np.asarray(hits[t], dtype=np.int64), n.shape) for t in names]
         out = np.array(full, dtype=np.float64, copy=True)
-        cs = self.chunk_size
-        for i in np.flatnonzero(loaded > 0):
-            counts = [int(c[i]) for c in cols]
-            sources = b"".join(bytes([t + 1]) * -(-k // cs) for t, k in enumerate(counts) if k)
-            split = choose_split(costs, sources, cs, 0, int(loaded[i]), int(n[i]))
-            if split.end < loaded[i]:  # the whole hit keeps its exact (per-chunk) cost
+        for i, split in self._splits(n, hits, step_tokens):
+            if split.end < split.hit_end:  # the whole hit keeps its exact (per-chunk) cost
                 out[i] = split.ttft_s
         return out
+
+    def loaded_tokens(self, num_tokens: Any, hits: dict[str, Any], *,
+                      step_tokens: int = 0) -> Any:
+        """Per request, the hit tokens the rule loads (the rest of the hit is recomputed
+        by choice): what lmc's connectors report as the hit for the same speeds."""
+        n = np.asarray(num_tokens, dtype=np.float64)
+        out = np.zeros(n.shape, dtype=np.int64)
+        for i, split in self._splits(n, hits, step_tokens):
+            out[i] = split.end
+        return out
+
+    def _splits(self, n: np.ndarray, hits: dict[str, Any], step_tokens: int
+                ) -> Iterator[tuple[int, Split]]:
+        """``(index, the rule's split)`` for every request with a hit, its hit's chunks in
+        ``hits``' tier order (module doc)."""
+        names = list(hits)
+        if not names:
+            return
+        costs = self.costs(names)
+        cols = [np.broadcast_to(np.asarray(hits[t], dtype=np.int64), n.shape) for t in names]
+        cs = self.chunk_size
+        for i in np.flatnonzero(sum(cols) > 0):
+            counts = [int(c[i]) for c in cols]
+            sources = b"".join(bytes([t + 1]) * -(-k // cs) for t, k in enumerate(counts) if k)
+            yield int(i), choose_split(costs, sources, cs, 0, sum(counts), int(n[i]),
+                                       step_tokens=step_tokens)
 
     def costs(self, tiers: list[str]) -> Costs:
         """The rule's view of this profile for hits from ``tiers`` (their order along a

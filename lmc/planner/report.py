@@ -42,21 +42,33 @@ class Row:
                 "ttft_saved_mean_s": self.saved_mean, "sim_seconds": self.sim_s}
 
 
-def rows(results: Sequence[SimResult], trace: KeyedTrace, profile: Profile | None
-         ) -> tuple[list[Row], float | None]:
-    """One row per result, and the no-cache mean TTFT (``None`` without a profile)."""
+def rows(results: Sequence[SimResult], trace: KeyedTrace, profile: Profile | None,
+         step_tokens: int = 0) -> tuple[list[Row], float | None]:
+    """One row per result, and the no-cache mean TTFT (``None`` without a profile), for an
+    engine computing at most ``step_tokens`` positions a step (chunked prefill; 0: none)."""
     n = as_numpy(trace.num_tokens)
-    base = float(np.mean(profile.prefill_s(0, n))) if profile is not None and len(n) else None
+    base = (float(np.mean(profile.compute_s(0, n, step_tokens)))
+            if profile is not None and len(n) else None)
     out = []
     for r in results:
         hit = {t: r.hit_rate(t) for t in TIERS if t in r.hit_tokens}
         mean = p95 = saved = None
         if profile is not None and len(n):
-            ttft = profile.ttft_s(n, {t: as_numpy(a) for t, a in r.per_request.items()})
+            ttft = profile.ttft_s(n, {t: as_numpy(a) for t, a in r.per_request.items()},
+                                  step_tokens=step_tokens)
             mean, p95 = float(np.mean(ttft)), float(np.percentile(ttft, 95))
             saved = base - mean if base is not None else None
         out.append(Row(r.point, hit, r.hit_rate(), mean, p95, saved, r.seconds))
     return out, base
+
+
+def step_budget(step_tokens: int) -> str:
+    """The line naming the per-step token budget the TTFT column was predicted for."""
+    if step_tokens <= 0:
+        return ("chunked prefill: none (--step-tokens 0): each prompt's rest computed in one "
+                "step")
+    return (f"chunked prefill: {step_tokens:,} tokens per step (--step-tokens): a load hides "
+            "under the first step's compute only, as lmc's load policy decides")
 
 
 def as_numpy(a: Any) -> np.ndarray:

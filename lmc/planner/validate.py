@@ -11,6 +11,12 @@ from elsewhere then moves a request's figure only if it lands on most passes. Th
 calibration's rounds are taken between the passes, so the profile and the replay are
 measured under the same conditions (on a shared machine the load from elsewhere drifts by
 tens of percent between minutes).
+
+``step_tokens`` (``lmc plan --step-tokens``) is the replay engine's per-step token budget
+(its ``max_num_batched_tokens``, which its scheduler hands lmc's connector through
+``KVConnector.set_step_budget``), so a validation of a chunked-prefill prediction measures
+an engine that chunks; the calibration rounds stay unchunked (the profile's fit is one
+step's cost, and the prediction applies the budget).
 """
 
 from __future__ import annotations
@@ -96,10 +102,12 @@ def warmup_request(length: int, vocab: int, seed: int = 99) -> TraceRequest:
 
 def replay_pass(model: Path, reqs: Sequence[TraceRequest], point: GridPoint, *,
                 disk_tier: Callable[[str, int], TierFactory] | None = None,
-                max_model_len: int = 2048) -> tuple[list[float], list[dict[str, int]]]:
+                max_model_len: int = 2048, step_tokens: int = 0
+                ) -> tuple[list[float], list[dict[str, int]]]:
     """One pass on a fresh engine and cache: each request's TTFT and loaded tokens per tier.
     ``point``'s disk size, if any, is a disk tier in a fresh directory
-    (``disk_tier(path, capacity)`` builds it; default: lmc's own from the config)."""
+    (``disk_tier(path, capacity)`` builds it; default: lmc's own from the config).
+    ``step_tokens``: the engine's per-step budget (0: ``max_model_len``, no chunking)."""
     from lmc.config import CacheConfig
     from lmc.connectors.reference import LMCReferenceConnector
     from lmc.reference import LLM
@@ -119,8 +127,9 @@ def replay_pass(model: Path, reqs: Sequence[TraceRequest], point: GridPoint, *,
         elif point.disk:
             kw.update(local_disk=d, local_disk_size=point.disk)
         conn = LMCReferenceConnector(CacheConfig(**kw), model_dir=model, tiers=tiers)
-        llm = LLM(model, block_size=16, max_num_batched_tokens=max_model_len, max_num_seqs=1,
-                  max_model_len=max_model_len, kv_connector=conn)
+        # the engine's scheduler passes its budget to the connector (set_step_budget)
+        llm = LLM(model, block_size=16, max_num_batched_tokens=step_tokens or max_model_len,
+                  max_num_seqs=1, max_model_len=max_model_len, kv_connector=conn)
         try:
             for r in reqs:
                 before = conn.stats()
@@ -145,10 +154,12 @@ def replay_pass(model: Path, reqs: Sequence[TraceRequest], point: GridPoint, *,
 def validate(model: Path, reqs: Sequence[TraceRequest], points: Sequence[GridPoint], *,
              passes: int = 3, lengths: Sequence[int] = (128, 256, 512, 1024),
              load_tokens: int = 768, disk_tier: Callable[[str, int], TierFactory] | None = None,
-             max_model_len: int = 2048) -> tuple[Profile, list[Comparison]]:
+             max_model_len: int = 2048, step_tokens: int = 0
+             ) -> tuple[Profile, list[Comparison]]:
     """Calibrate and replay, interleaved: a calibration round, then one pass of the trace
     per point, then another round, ``passes`` times. Each point's TTFTs are the per-request
-    medians over the passes; its hits are the first pass's (every pass must agree)."""
+    medians over the passes; its hits are the first pass's (every pass must agree).
+    ``step_tokens``: the replay engine's per-step budget, predicted for alike (module doc)."""
     cal = Calibrator(model, lengths=lengths, load_tokens=load_tokens)
     runs: list[list[tuple[list[float], list[dict[str, int]]]]] = [[] for _ in points]
     try:
@@ -156,7 +167,8 @@ def validate(model: Path, reqs: Sequence[TraceRequest], points: Sequence[GridPoi
         for _ in range(passes):
             for i, point in enumerate(points):
                 runs[i].append(replay_pass(model, reqs, point, disk_tier=disk_tier,
-                                           max_model_len=max_model_len))
+                                           max_model_len=max_model_len,
+                                           step_tokens=step_tokens))
             cal.round()
         prof = cal.profile()
     finally:
@@ -166,19 +178,21 @@ def validate(model: Path, reqs: Sequence[TraceRequest], points: Sequence[GridPoi
         if any(h != rs[0][1] for _, h in rs):
             raise RuntimeError(f"replay at {point}: the passes loaded different tokens")
         ttfts = [statistics.median(t) for t in zip(*(t for t, _ in rs))]
-        out.append(compare(prof, reqs, point, ttfts, rs[0][1]))
+        out.append(compare(prof, reqs, point, ttfts, rs[0][1], step_tokens=step_tokens))
     return prof, out
 
 
 def compare(profile: Profile, reqs: Sequence[TraceRequest], point: GridPoint,
-            ttfts: Sequence[float], hits: Sequence[dict[str, int]], skip: int = 1
-            ) -> Comparison:
-    """The planner's prediction for ``reqs`` at ``point`` beside a :func:`replay`'s figures,
-    over the requests after the first ``skip`` (the warm-up)."""
+            ttfts: Sequence[float], hits: Sequence[dict[str, int]], skip: int = 1, *,
+            step_tokens: int = 0) -> Comparison:
+    """The planner's prediction for ``reqs`` at ``point`` (an engine computing at most
+    ``step_tokens`` positions a step) beside a :func:`replay`'s figures, over the requests
+    after the first ``skip`` (the warm-up)."""
     kt = key_trace(list(reqs))
     sim = simulate(kt, point, bytes_per_token=profile.kv_bytes_per_token)
     n = as_numpy(kt.num_tokens)
-    pred = profile.ttft_s(n, {t: as_numpy(a) for t, a in sim.per_request.items()})
+    pred = profile.ttft_s(n, {t: as_numpy(a) for t, a in sim.per_request.items()},
+                          step_tokens=step_tokens)
     total = int(n[skip:].sum())
     got = {t: sum(h.get(t, 0) for h in hits[skip:]) for t in sim.per_request}
     want = {t: int(as_numpy(a)[skip:].sum()) for t, a in sim.per_request.items()}
