@@ -68,7 +68,7 @@ def step_budget(step_tokens: int) -> str:
         return ("chunked prefill: none (--step-tokens 0): each prompt's rest computed in one "
                 "step")
     return (f"chunked prefill: {step_tokens:,} tokens per step (--step-tokens): a load hides "
-            "under the first step's compute only, as lmc's load policy decides")
+            "under the first step only")
 
 
 def as_numpy(a: Any) -> np.ndarray:
