@@ -182,6 +182,22 @@ if tt:
                     ("ideal_s", "link-bound ideal (copy + one-token step)")):
         if tt.get(k) is not None:
             rows.append((f"TTFT {name}{where}", f"{tt[k] * 1e3:.1f} ms", ""))
+    cold = tt.get("lmc_cold_reps") or []
+    if len(cold) > 1:
+        rows.append((f"lmc cold, first / next prompts{where}",
+                     f"{cold[0] * 1e3:.1f} / " + " / ".join(f"{t * 1e3:.1f}" for t in cold[1:])
+                     + " ms", ""))
+    if tt.get("l1_hit_reps"):
+        rows.append((f"L1 hits, in order{where}",
+                     " / ".join(f"{t * 1e3:.1f}" for t in tt["l1_hit_reps"]) + " ms", ""))
+    for what, key in (("cold", "lmc_cold_calls"), ("L1 hit", "l1_hit_calls")):
+        runs = tt.get(key) or []
+        if runs:  # on a GPU the reference engine is host-bound: this is TTFT lmc adds
+            tot = [sum(c.values()) * 1e3 for c in runs]
+            top = max(runs[0], key=runs[0].get) if runs[0] else "-"
+            rows.append((f"engine thread in lmc's calls, {what} (first / next){where}",
+                         " / ".join(f"{t:.1f}" for t in tot) + f" ms (first's largest: {top})",
+                         ""))
     if tt.get("l1_load_s") is not None:
         rows.append((f"L1 hit: I/O thread on loads / forward waited{where}",
                      f"{tt['l1_load_s'] * 1e3:.1f} / {tt['l1_wait_s'] * 1e3:.1f} ms", ""))

@@ -12,13 +12,14 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Iterator, Sequence
 from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
 import torch
 
+from lmc import units
 from lmc.config import CacheConfig
 from lmc.layerwise import CopyLease, LayerwiseRetrieve, LayerwiseStore
 from lmc.memory.pool import LazyTensors, Lease, MemoryObj, MemoryPool, PoolArrays
@@ -48,6 +49,7 @@ from lmc.transfer.torch_copy import (
     TransferPlan,
     make_transfer,
 )
+from lmc.transfer.warm import pinned_buffer, warm_up
 
 log = logging.getLogger(__name__)
 MAX_QUEUED_PREFETCHES = 64  # prefetches waiting for the prefetch thread; more are refused
@@ -136,7 +138,7 @@ class CacheEngine:
         # allocation after profiling, sleep/wake) of the same model is accepted
         bound = spec.geometry_only()
         self._transfers = TransferCache(
-            lambda caches: make_transfer(bound, caches, transfer), capacity=4)
+            lambda caches: self._bind(make_transfer(bound, caches, transfer)), capacity=4)
         self._pins = PinTable(config.max_pinned_chunks, config.pin_timeout)
         self._lock = threading.RLock()
         self._worker: ThreadPoolExecutor | None = None
@@ -151,6 +153,38 @@ class CacheEngine:
         """The (cached) transfer object bound to these cache tensors; validates new ones.
         Caches the caller has dropped are unbound, never kept alive (:mod:`lmc.transfer.bound_caches`)."""
         return self._transfers.get(kv_caches)
+
+    def _bind(self, tr: KVTransfer) -> KVTransfer:
+        """A new cache's transfer, its first-use costs paid now (:mod:`lmc.transfer.warm`):
+        a registration, not the first request, waits for kernels to load. A warm-up that
+        fails is logged and left to the first copy, which turns a failure into a miss."""
+        try:
+            secs = warm_up(tr, self._pool_buffer)
+        except Exception as e:  # noqa: BLE001 - never worth failing a registration
+            log.warning("lmc: warming the copies on %s failed (%s: %s): the first request "
+                        "pays their first-use costs", tr.device, type(e).__name__, e)
+            return tr
+        if secs is not None:
+            paths = getattr(tr, "paths", {})
+            log.info("lmc: copies to and from %s ready in %s (kernels loaded; paths: %s)",
+                     tr.device, units.seconds(secs),
+                     ", ".join(f"{d} {s.replace('_', ' ')} {m}"
+                               for (d, s), m in sorted(paths.items())))
+        return tr
+
+    @contextlib.contextmanager
+    def _pool_buffer(self, shape: tuple[int, ...], dtype: torch.dtype) -> Iterator[torch.Tensor]:
+        """A chunk of L1's pool for a warm-up copy (its registrations are what real copies
+        use), torch's pinned memory when the pool has no room."""
+        obj = self.pool.allocate(shape, dtype)
+        if obj is None:
+            with pinned_buffer(shape, dtype) as t:
+                yield t
+            return
+        try:
+            yield obj.tensor
+        finally:
+            obj.release()
 
     def _check_open(self) -> None:
         """Every public call passes here: a closed engine refuses it, and pins past
