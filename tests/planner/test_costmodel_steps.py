@@ -6,6 +6,7 @@ the rule's model (each step paying the per-step cost), and the tokens it loads a
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 
 import numpy as np
 import pytest
@@ -93,6 +94,11 @@ def _policy_costs(prof: Profile, names: list[str]) -> Costs:
     return Costs(tuple(rates), PrefillRate(*FIT), float(BPT), 1)
 
 
+def fixed(costs: Costs) -> Callable[[], Costs]:
+    """Deterministic rates: the speeds a LoadPolicy decides with never move."""
+    return lambda: costs
+
+
 def test_planner_loads_what_load_policy_decides() -> None:
     """For disk speeds around the compute's, budgets from none to past the prompt and hits
     of every mix, the planner's loaded tokens equal LoadPolicy's decision for the same
@@ -109,7 +115,7 @@ def test_planner_loads_what_load_policy_decides() -> None:
         per_budget = {}
         for budget in (0, 256, 512, 2048, 1 << 20):
             planned = prof.loaded_tokens(n, hits, step_tokens=budget)
-            policy = LoadPolicy(lambda c=costs: c, step_tokens=budget)  # type: ignore[misc]
+            policy = LoadPolicy(fixed(costs), step_tokens=budget)
             decided = []
             for i, mix in enumerate(mixes):
                 hit = sum(mix)
