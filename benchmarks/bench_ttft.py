@@ -153,14 +153,24 @@ def worker_stat(conn: LMCReferenceConnector, key: str) -> float:
     return conn.stats().get(f"worker.{key}", 0.0)
 
 
-def settle_promotions(conn: LMCReferenceConnector, keys: list[bytes], timeout: float = 30.0
-                      ) -> None:
-    """Wait until a lower-tier hit's chunks are in L1. A layer-wise read promotes its chunks
-    once verified, from the read's own thread, which may be after the request returned: a
-    repetition that empties L1 before that would find part of the prompt in L1 again."""
+def settle_promotions(conn: LMCReferenceConnector, keys: list[bytes],
+                      reads_before: float | None = None, timeout: float = 30.0) -> None:
+    """Wait until a lower-tier hit's read has ended and its chunks are in L1. A layer-wise
+    read promotes its chunks once verified, from the read's own thread, which may be after
+    the request returned: a repetition that empties L1 before that would find part of the
+    prompt in L1 again. L1 holding every chunk is not enough -- the request's own save of
+    its last chunk may land first, and that chunk's promotion after the next clear.
+    ``reads_before``: the disk tier's ``get_hits`` before the request (None: L1 only)."""
     l1, deadline = conn.engine.storage.l1, time.monotonic() + timeout
-    while l1.prefix_hits(keys) < len(keys) and time.monotonic() < deadline:
+
+    def read_ended() -> bool:  # the read's end counts its hits, then promotes them
+        return reads_before is None or \
+            conn.engine.stats().get("cache.disk.get_hits", 0.0) - reads_before >= len(keys)
+
+    while (not read_ended() or l1.prefix_hits(keys) < len(keys)) \
+            and time.monotonic() < deadline:
         time.sleep(0.005)
+    time.sleep(0.02)  # the promotion runs right after the count, on the read's thread
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -235,7 +245,9 @@ def main(argv: list[str] | None = None) -> int:
         log("warm-up prefill (not measured) ...")
         ttft(llm, [0] + tokens(2, n - 1))
         log("full prefill, engine alone ...")
-        res["prefill_s"], _ = ttft(llm, prompt)
+        with CpuTimes() as cpu:
+            res["prefill_s"], _ = ttft(llm, prompt)
+        res["prefill_cpu"] = cpu.times
         log("one-token step over the prompt, engine alone ...")
         res["step_s"] = one_token_step(llm, prompt)
         del llm
@@ -266,8 +278,9 @@ def main(argv: list[str] | None = None) -> int:
             p = prompt if r == args.cold_reps - 1 else [0] + tokens(500 + r, n - 1)
             log(f"lmc cold (prefill + saves), {r + 1} of {args.cold_reps} ...")
             calls.take()
-            cold.append(ttft(llm, p)[0])
-            cold_calls.append(calls.take())
+            with CpuTimes() as cpu:
+                cold.append(ttft(llm, p)[0])
+            cold_calls.append({**calls.take(), **cpu.times})
             conn.engine.storage.flush(timeout=120)  # the disk's queue holds one prompt
         res["lmc_cold_s"] = statistics.median(cold)
         res["lmc_cold_reps"] = cold
@@ -278,8 +291,9 @@ def main(argv: list[str] | None = None) -> int:
         for _ in range(args.reps):  # where a hit's time goes: the forward's waits on loads
             w0, l0 = worker_stat(conn, "load_wait_seconds"), worker_stat(conn, "load_seconds")
             calls.take()
-            l1.append(ttft(llm, prompt))
-            l1_calls.append(calls.take())
+            with CpuTimes() as cpu:
+                l1.append(ttft(llm, prompt))
+            l1_calls.append({**calls.take(), **cpu.times})
             l1_wait.append(worker_stat(conn, "load_wait_seconds") - w0)
             l1_load.append(worker_stat(conn, "load_seconds") - l0)
         res["l1_hit_calls"] = l1_calls
@@ -299,12 +313,13 @@ def main(argv: list[str] | None = None) -> int:
         for _ in range(args.reps):
             conn.engine.storage.l1.clear()
             before = worker_stat(conn, "tokens_from_disk")
+            reads = conn.engine.stats().get("cache.disk.get_hits", 0.0)
             t, c = ttft(llm, prompt)
             got = worker_stat(conn, "tokens_from_disk") - before
             assert c == n - 1 and got == n - 1, (f"disk hit: {c} tokens loaded, {got} counted "
                                                  f"from disk, of {n - 1}", conn.stats())
             disk_t.append(t)
-            settle_promotions(conn, conn.engine.db.keys(prompt))
+            settle_promotions(conn, conn.engine.db.keys(prompt), reads)
         res["disk_hit_s"] = statistics.median(disk_t)
         res["disk_hit_reps"] = disk_t
 
@@ -352,6 +367,22 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+class CpuTimes:
+    """CPU seconds of the engine's thread and of the whole process over a ``with`` block
+    (keys ``cpu.engine_thread`` and ``cpu.process``): where the engine's thread spent less
+    CPU than its wall time it waited (the device, a lock, the GIL held by another thread);
+    the process's minus the engine's is what lmc's background threads ran meanwhile."""
+
+    def __enter__(self) -> CpuTimes:
+        self.t0, self.p0 = time.thread_time(), time.process_time()
+        self.times: dict[str, float] = {}
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.times = {"cpu.engine_thread": time.thread_time() - self.t0,
+                      "cpu.process": time.process_time() - self.p0}
+
+
 class EngineThreadCalls:
     """Seconds the engine's thread spends inside each of the connector's calls, per run:
     wrapped on the connector instance. On a GPU the reference engine is bound by its host
@@ -382,10 +413,16 @@ class EngineThreadCalls:
 
 
 def describe_calls(calls: dict[str, float], top: int = 3) -> str:
-    """``12.3 ms (save_kv_layer 8.1, wait_for_save 3.0, ...)``: the total and the largest."""
-    parts = sorted(calls.items(), key=lambda kv: -kv[1])[:top]
-    return (f"{sum(calls.values()) * 1e3:.1f} ms ("
-            + ", ".join(f"{k} {v * 1e3:.1f}" for k, v in parts) + ")")
+    """``12.3 ms (save_kv_layer 8.1, wait_for_save 3.0, ...; CPU: engine thread 40.2,
+    process 51.0)``: the calls' total, the largest, and the run's CPU times."""
+    own = {k: v for k, v in calls.items() if not k.startswith("cpu.")}
+    parts = sorted(own.items(), key=lambda kv: -kv[1])[:top]
+    cpu = ""
+    if "cpu.engine_thread" in calls:
+        cpu = (f"; CPU: engine thread {calls['cpu.engine_thread'] * 1e3:.1f}, process "
+               f"{calls['cpu.process'] * 1e3:.1f}")
+    return (f"{sum(own.values()) * 1e3:.1f} ms ("
+            + ", ".join(f"{k} {v * 1e3:.1f}" for k, v in parts) + cpu + ")")
 
 
 class LayerWaits:
@@ -506,6 +543,10 @@ def report(r: dict[str, Any]) -> None:
               + ", ".join(f"{k.removeprefix('copy_path.')}={v}"
                           for k, v in sorted(r.get("copy_stats", {}).items())
                           if k.startswith("copy_path.")))
+    if r.get("prefill_cpu"):
+        print(f"engine alone, full prefill: CPU of the engine thread "
+              f"{r['prefill_cpu']['cpu.engine_thread'] * 1e3:.1f} ms, of the process "
+              f"{r['prefill_cpu']['cpu.process'] * 1e3:.1f} ms")
     if len(r.get("lmc_cold_reps", ())) > 1:
         first, rest = r["lmc_cold_reps"][0], statistics.median(r["lmc_cold_reps"][1:])
         print(f"lmc cold: first {first * 1e3:.1f} ms, then {rest * 1e3:.1f} ms (median of "

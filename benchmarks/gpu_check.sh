@@ -193,11 +193,20 @@ if tt:
     for what, key in (("cold", "lmc_cold_calls"), ("L1 hit", "l1_hit_calls")):
         runs = tt.get(key) or []
         if runs:  # on a GPU the reference engine is host-bound: this is TTFT lmc adds
-            tot = [sum(c.values()) * 1e3 for c in runs]
-            top = max(runs[0], key=runs[0].get) if runs[0] else "-"
+            own = [{k: v for k, v in c.items() if not k.startswith("cpu.")} for c in runs]
+            tot = [sum(c.values()) * 1e3 for c in own]
+            top = max(own[0], key=own[0].get) if own[0] else "-"
             rows.append((f"engine thread in lmc's calls, {what} (first / next){where}",
                          " / ".join(f"{t:.1f}" for t in tot) + f" ms (first's largest: {top})",
                          ""))
+    cpu_rows = [("engine alone", tt.get("prefill_cpu"))] + [
+        (f"{what} {i + 1}", c) for what, key in (("cold", "lmc_cold_calls"),
+                                                  ("L1 hit", "l1_hit_calls"))
+        for i, c in enumerate((tt.get(key) or [])[:2])]
+    cpu_txt = [f"{name} {c['cpu.engine_thread'] * 1e3:.0f}/{c['cpu.process'] * 1e3:.0f}"
+               for name, c in cpu_rows if c and "cpu.engine_thread" in c]
+    if cpu_txt:  # engine thread's CPU well under its wall time: it waited
+        rows.append((f"CPU ms, engine thread / process{where}", ", ".join(cpu_txt), ""))
     if tt.get("l1_load_s") is not None:
         rows.append((f"L1 hit: I/O thread on loads / forward waited{where}",
                      f"{tt['l1_load_s'] * 1e3:.1f} / {tt['l1_wait_s'] * 1e3:.1f} ms", ""))
