@@ -212,6 +212,7 @@ def test_plan_names_a_tokenizer_of_braces(tmp_path):
     (("plan", "t.jsonl", *PLAN, "--chunk-size", "0"), "--chunk-size: expected a whole number in"),
     (("plan", "t.jsonl", *PLAN, "--chunk-size", "-256"), "--chunk-size"),
     (("plan", "t.jsonl", *PLAN, "--align", "0"), "--align"),
+    (("plan", "t.jsonl", *PLAN, "--step-tokens", "-1"), "--step-tokens"),
     (("plan", "t.jsonl", *PLAN, "--jobs", "-1"), "--jobs"),
     (("plan", "t.jsonl", "--no-ttft", "--kv-bytes-per-token", "-5"), "--kv-bytes-per-token"),
     (("plan", "t.jsonl", *PLAN, "--limit", "0"), "--limit"),
