@@ -14,6 +14,7 @@ scheduler step hashes only the chunks its new tokens completed.
 from __future__ import annotations
 
 import array
+import hashlib
 import json
 import sys
 from collections.abc import Sequence
@@ -87,6 +88,84 @@ def namespace_digest(
     return xxhash.xxh3_128_digest(json.dumps(doc, sort_keys=True).encode())
 
 
+_TAG_PERSON = b"lmc-key-tag"  # BLAKE2b personalisations: these digests are no chain key's
+_ROOT_PERSON = b"lmc-key-root"
+
+
+def _field(kind: bytes, value: str | None, what: str) -> bytes:
+    """One field of a tag: absent and empty are different (length-prefixed, so no value can
+    end where another begins)."""
+    if value is None:
+        return kind + b"\xff"
+    if not isinstance(value, str):
+        raise TypeError(f"{what} must be a string or None, got {type(value).__name__}")
+    raw = value.encode("utf-8", "surrogatepass")  # any str: lone surrogates are data too
+    return kind + b"\x01" + len(raw).to_bytes(8, "little") + raw
+
+
+def request_tag(lora_name: str | None = None, cache_salt: str | None = None) -> bytes | None:
+    """The part of a request's key root that is the request's own: its LoRA adapter and its
+    ``cache_salt``; ``None`` for a request with neither (its keys are the namespace's chain,
+    exactly as before tags existed, so stored KV stays valid).
+
+    Why these fields: they are what vLLM's prefix cache folds into its block hashes besides
+    the tokens (multimodal inputs and prompt embeddings are not cached by lmc at all). An
+    adapter changes the weights, hence the KV of the same tokens; a salt is its user's wish to
+    share KV only with requests of the same salt (a hit shows in the time to first token).
+
+    * **LoRA identity is the adapter's name**, as the requests name it (vLLM's
+      ``lora_request.lora_name``). vLLM's own cache also folds in the adapter's local path;
+      lmc leaves the path out so that instances that load the same adapter from different
+      places share. The operator must ensure that one name means the same weights on every
+      instance sharing lmc's tiers (re-pointing a name at new weights needs a new name, or
+      another ``tenant``).
+    * **The salt is never recoverable from a key:** it enters only through BLAKE2b
+      (preimage-resistant, unlike the xxh3 of the chain), so the tag, the root and every
+      key are digests of it. A salt of any length and content is accepted (it is hashed,
+      never stored); an empty salt is a salt, apart from no salt.
+
+    The tag is the same on every tensor-parallel rank (it travels in the connector's
+    metadata and lookups, 16 bytes); each rank's root is :func:`request_root` of it.
+    ``TypeError`` names a field that is not a string.
+    """
+    if lora_name is None and cache_salt is None:
+        return None
+    if lora_name is not None and isinstance(lora_name, str) and not lora_name:
+        raise ValueError("a LoRA adapter's name must not be empty")
+    data = _field(b"L", lora_name, "the LoRA adapter's name") + \
+        _field(b"S", cache_salt, "cache_salt")
+    return hashlib.blake2b(data, digest_size=KEY_BYTES, person=_TAG_PERSON).digest()
+
+
+def request_root(namespace: bytes, tag: bytes | None) -> bytes:
+    """Where a request's key chain starts: the namespace digest itself without a tag (the
+    keys of every untagged request are unchanged), else a BLAKE2b digest of the namespace and
+    the tag (:func:`request_tag`), so a tagged chain shares no key with an untagged one or
+    with another tag's (a chain key is an xxh3 output: equal to a BLAKE2b one by chance
+    only, 2^-128)."""
+    if tag is None:
+        return namespace
+    if len(tag) != KEY_BYTES or len(namespace) != KEY_BYTES:
+        raise ValueError(f"a key tag and a namespace are {KEY_BYTES} bytes, got "
+                         f"{len(tag)} and {len(namespace)}")
+    return hashlib.blake2b(bytes(namespace) + bytes(tag), digest_size=KEY_BYTES,
+                           person=_ROOT_PERSON).digest()
+
+
+class RootedKeys(list):
+    """A request's chunk keys from a root other than the namespace (a tagged request): a
+    plain list of keys that also says so, for the listeners that describe chunks by their
+    tokens (KV events), which must not take them for the namespace's."""
+
+    root: bytes = b""
+
+
+def _rooted(keys: list[ChunkKey], root: bytes) -> list[ChunkKey]:
+    out = RootedKeys(keys)
+    out.root = root
+    return out
+
+
 def tokens_to_bytes(tokens: Tokens) -> bytes:
     """Little-endian uint32 bytes of the token ids: the only form that is hashed."""
     if isinstance(tokens, torch.Tensor):
@@ -129,10 +208,13 @@ class ChunkedTokenDatabase:
     def num_tokens(self, tokens: Tokens) -> int:
         return tokens.shape[0] if hasattr(tokens, "shape") else len(tokens)
 
-    def keys(self, tokens: Tokens, limit: int | None = None) -> list[ChunkKey]:
+    def keys(self, tokens: Tokens, limit: int | None = None, root: bytes | None = None
+             ) -> list[ChunkKey]:
         """Keys of the chunks of ``tokens`` (the partial tail included when configured).
 
-        ``limit`` caps the number of tokens considered (a prefix of the prompt).
+        ``limit`` caps the number of tokens considered (a prefix of the prompt). ``root``: where
+        the chain starts (a tagged request's, :func:`request_root`); the namespace when None
+        or equal to it. A chain from another root is a :class:`RootedKeys`.
         """
         if limit is not None and limit < self.num_tokens(tokens):
             tokens = tokens[:limit]
@@ -140,8 +222,9 @@ class ChunkedTokenDatabase:
         n = len(data) // 4
         end = n * 4 if self.save_unfull_chunk else (n // self.chunk_size) * self.chunk_size * 4
         out: list[ChunkKey] = []
-        self._chain(self.namespace, data, end, out)
-        return out
+        start = self.namespace if root is None else bytes(root)
+        self._chain(start, data, end, out)
+        return out if start == self.namespace else _rooted(out, start)
 
     def chain_keys(self, prev: bytes, data: bytes, end: int) -> list[ChunkKey]:
         """The chained keys of ``data[:end]`` (little-endian uint32 tokens) from ``prev``:
@@ -167,9 +250,10 @@ class ChunkedTokenDatabase:
             append(prev)
         return prev
 
-    def request_keys(self) -> RequestKeys:
-        """A key cache for one growing request (see :class:`RequestKeys`)."""
-        return RequestKeys(self)
+    def request_keys(self, root: bytes | None = None) -> RequestKeys:
+        """A key cache for one growing request (see :class:`RequestKeys`), its chain from
+        ``root`` (the namespace when None)."""
+        return RequestKeys(self, root)
 
     def num_chunks(self, num_tokens: int) -> int:
         """Chunks (hence keys) of a prompt of ``num_tokens`` tokens."""
@@ -243,10 +327,13 @@ class RequestKeys:
     ``RequestKeys`` when the request ends.
     """
 
-    __slots__ = ("db", "_full", "_hashed", "restarts")
+    __slots__ = ("db", "root", "_full", "_hashed", "restarts")
 
-    def __init__(self, db: ChunkedTokenDatabase) -> None:
+    def __init__(self, db: ChunkedTokenDatabase, root: bytes | None = None) -> None:
+        if root is not None and len(root) != KEY_BYTES:
+            raise ValueError(f"a key root must be {KEY_BYTES} bytes, got {len(root)}")
         self.db = db
+        self.root = db.namespace if root is None else bytes(root)
         self._full: list[ChunkKey] = []   # keys of the complete chunks hashed so far
         self._hashed = 0                   # tokens those chunks cover
         self.restarts = 0                  # calls whose tokens did not match (diagnostics)
@@ -262,21 +349,21 @@ class RequestKeys:
             self._full, self._hashed = [], 0
         if full_end > self._hashed:
             data = tokens_to_bytes(tokens[self._hashed: full_end])
-            prev = self._full[-1] if self._full else db.namespace
+            prev = self._full[-1] if self._full else self.root
             db._chain(prev, data, len(data), self._full)
             self._hashed = full_end
         out = self._full[: full_end // cs]
         if db.save_unfull_chunk and n > full_end:
-            prev = out[-1] if out else db.namespace
+            prev = out[-1] if out else self.root
             out.append(xxhash.xxh3_128_digest(prev + tokens_to_bytes(tokens[full_end:n])))
-        return out
+        return out if self.root == db.namespace else _rooted(out, self.root)
 
     def _matches(self, tokens: Tokens, end: int) -> bool:
         """Whether the full chunk ending at ``end`` hashes to the key kept for it."""
         if end <= 0:
             return True
         i = end // self.db.chunk_size - 1
-        prev = self._full[i - 1] if i else self.db.namespace
+        prev = self._full[i - 1] if i else self.root
         chunk = tokens_to_bytes(tokens[end - self.db.chunk_size: end])
         return xxhash.xxh3_128_digest(prev + chunk) == self._full[i]
 

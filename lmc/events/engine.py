@@ -8,6 +8,10 @@
   :class:`lmc.storage.tier.TierListener`) and queues them;
 * the engine's token database is replaced by a :class:`NotingDatabase`, the same keys plus a
   note of each prompt it cuts into chunks, so the publisher learns each chunk's tokens;
+  a tagged request's chunks (a LoRA adapter or a ``cache_salt``: keys from a root of their
+  own, :class:`~lmc.token_database.RootedKeys`) are never noted, hence never published: the
+  tracker's block hashes chain from the namespace and would claim them for the base model,
+  and vLLM's events would carry the salt itself in ``extra_keys``;
 * the :class:`~lmc.events.publisher.EventPublisher` thread does the rest.
 
 On the data path each hook is one bounded ``deque.append`` of the arguments (no hashing, no
@@ -26,7 +30,7 @@ from lmc.events.publisher import EventPublisher
 from lmc.events.tracker import MEDIUM_OF, Tracker
 from lmc.memory.pool import MemoryObj
 from lmc.storage.tier import Key, Medium, TierInfo, TierListener
-from lmc.token_database import Chunk, ChunkedTokenDatabase, ChunkKey, Tokens
+from lmc.token_database import Chunk, ChunkedTokenDatabase, ChunkKey, RootedKeys, Tokens
 
 log = logging.getLogger(__name__)
 Offer = Callable[[tuple[Any, ...]], None]
@@ -61,13 +65,15 @@ class NotingDatabase(ChunkedTokenDatabase):
     def process_tokens(self, tokens: Tokens, mask: Any = None,
                        keys: Sequence[ChunkKey] | None = None) -> list[Chunk]:
         out = super().process_tokens(tokens, mask, keys)
-        if out and keys is not None:  # without keys, keys() below noted them
+        # without keys, keys() below noted them; a tagged request's (RootedKeys) never
+        if out and keys is not None and not isinstance(keys, RootedKeys):
             self._offer(("note", tokens, out))
         return out
 
-    def keys(self, tokens: Tokens, limit: int | None = None) -> list[ChunkKey]:
-        out = super().keys(tokens, limit)
-        if out:
+    def keys(self, tokens: Tokens, limit: int | None = None, root: bytes | None = None
+             ) -> list[ChunkKey]:
+        out = super().keys(tokens, limit, root)
+        if out and not isinstance(out, RootedKeys):
             n = self.num_tokens(tokens)
             self._offer(("note_keys", tokens, out, self.chunk_size,
                          n if limit is None else min(limit, n)))

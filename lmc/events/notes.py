@@ -9,6 +9,10 @@ so a growing conversation's every turn is not kept alive; at most ``max_chunks``
 oldest forgotten: 64 MiB at 256-token chunks), and the tier asks
 :meth:`ChunkNotes.items` for the keys it PUTs.
 
+A tagged request's chunks (LoRA, ``cache_salt``: :class:`~lmc.token_database.RootedKeys`)
+are never noted: their chain starts from a root the daemon cannot check, and describing them
+would put them in the daemon's events as the base model's. Their PUTs carry no block info.
+
 Nothing is noted until a tier calls :meth:`ChunkNotes.activate` (the ``lmc://`` tier does
 once the daemon's HELLO says it publishes events): before that the wrapper costs one
 attribute test per call. Then each keyed prompt costs a dict insert per new chunk, under a
@@ -23,7 +27,14 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
-from lmc.token_database import Chunk, ChunkedTokenDatabase, ChunkKey, Tokens, tokens_to_bytes
+from lmc.token_database import (
+    Chunk,
+    ChunkedTokenDatabase,
+    ChunkKey,
+    RootedKeys,
+    Tokens,
+    tokens_to_bytes,
+)
 
 log = logging.getLogger(__name__)
 
@@ -88,16 +99,19 @@ class NotesDatabase(ChunkedTokenDatabase):
         self.inner = inner
         self.notes = notes
 
-    def keys(self, tokens: Tokens, limit: int | None = None) -> list[ChunkKey]:
-        out = self.inner.keys(tokens, limit)
-        if self.notes.active and out:
+    def keys(self, tokens: Tokens, limit: int | None = None, root: bytes | None = None
+             ) -> list[ChunkKey]:
+        out = self.inner.keys(tokens, limit, root)
+        if self.notes.active and out and not isinstance(out, RootedKeys):
             n = self.num_tokens(tokens)
             self.notes.note(tokens, out, n if limit is None else min(limit, n))
         return out
 
     def process_tokens(self, tokens: Tokens, mask: Any = None,
                        keys: Sequence[ChunkKey] | None = None) -> list[Chunk]:
-        if keys is not None and self.notes.active:
+        if isinstance(keys, RootedKeys):  # a tagged request's: never described (below)
+            pass
+        elif keys is not None and self.notes.active:
             self.notes.note(tokens, keys, self.num_tokens(tokens))
         elif keys is None and self.notes.active:
             keys = self.keys(tokens)

@@ -20,7 +20,10 @@ evictions and can be left torn by a crashed writer.
 Wire format (version 2; no pickle -- the bytes come from a socket; little-endian):
 
 * request: ``b"LMQ2"``, uint32 token count *n* (at most :data:`MAX_TOKENS`), *n* uint32
-  token ids;
+  token ids; a tagged request's (a LoRA adapter, a ``cache_salt``:
+  :func:`lmc.token_database.request_tag`) is ``b"LMT2"``, *n*, the 16-byte tag, then the
+  ids: the rank looks the tokens up in the chain of its own root for that tag (a server
+  whose lookup function takes no tag answers a miss);
 * answer: ``b"LMA2"``, uint64 hit tokens, uint32 chunk size, uint8 tier count *t* (at most
   :data:`~lmc.storage.lookup.MAX_TIERS`), uint32 source count *s*; then *t* names (uint8 length, at
   most :data:`MAX_NAME` bytes of UTF-8); then *s* uint8 tier indices, one per hit chunk
@@ -68,10 +71,13 @@ import xxhash
 from lmc.connectors.core.load_policy import Costs
 from lmc.storage.lookup import MAX_TIERS, LookupResult, minimum
 from lmc.storage.speeds import PrefillRate, TierRate
+from lmc.token_database import request_root
 
 log = logging.getLogger(__name__)
 
 REQ_MAGIC = b"LMQ2"
+TAGGED_REQ_MAGIC = b"LMT2"
+TAG_BYTES = 16
 ANS_MAGIC = b"LMA2"
 PREFETCH_MAGIC = b"LMP2"
 PREFETCH_ANS_MAGIC = b"LMF2"
@@ -88,8 +94,9 @@ _ANS_HEAD = struct.Struct("<4sQIBI")
 MAX_TOKENS = 1 << 24  # a bound on what a peer can make the other side allocate
 MAX_NAME = 64  # bytes of one tier name on the wire
 
-# What answers a lookup: the tokens (uint32 array) -> what this process's cache holds.
-LookupFn = Callable[[np.ndarray], LookupResult]
+# What answers a lookup: the tokens (uint32 array) -> what this process's cache holds; a
+# function that also takes a key tag, ``fn(tokens, tag)``, answers tagged requests too.
+LookupFn = Callable[..., LookupResult]
 # What answers a speeds request: this process's measured costs, None while unknown.
 CostsFn = Callable[[], "Costs | None"]
 
@@ -109,15 +116,29 @@ class LookupProtocolError(ConnectionError):
 
 
 class SupportsLookup(Protocol):
-    def lookup_result(self, tokens: Any) -> LookupResult: ...
+    db: Any
+
+    def lookup_result(self, tokens: Any, *, keys: Any = None) -> LookupResult: ...
+
+
+def _call(fn: LookupFn, tokens: np.ndarray, tag: bytes | None) -> LookupResult:
+    """``fn``'s answer; a tag is passed only where there is one (plain lookup functions
+    take the tokens alone)."""
+    return fn(tokens) if tag is None else fn(tokens, tag)
 
 
 def engine_lookup(get_engine: Callable[[], SupportsLookup | None]) -> LookupFn:
     """A server's lookup function over a cache engine that may not exist yet (vLLM and
     SGLang create it once the KV tensors are known): a miss until it does."""
-    def answer(tokens: np.ndarray) -> LookupResult:
+    def answer(tokens: np.ndarray, tag: bytes | None = None) -> LookupResult:
         engine = get_engine()
-        return LookupResult.miss() if engine is None else engine.lookup_result(tokens)
+        if engine is None:
+            return LookupResult.miss()
+        if tag is None:
+            return engine.lookup_result(tokens)
+        db = engine.db  # a tagged request: its keys chain from this rank's root for the tag
+        return engine.lookup_result(tokens, keys=db.keys(tokens,
+                                                           root=request_root(db.namespace, tag)))
     return answer
 
 
@@ -131,7 +152,10 @@ def socket_path(directory: str | os.PathLike, engine_id: str, group: int, rank: 
 
 
 # ------------------------------------------------------------------------- wire format
-def encode_request(tokens: Sequence[int] | np.ndarray) -> bytes:
+def encode_request(tokens: Sequence[int] | np.ndarray, tag: bytes | None = None) -> bytes:
+    """A lookup request; with ``tag`` (16 bytes) a tagged one."""
+    if tag is not None and (not isinstance(tag, bytes) or len(tag) != TAG_BYTES):
+        raise ValueError(f"a key tag must be {TAG_BYTES} bytes, got {tag!r:.40}")
     arr = np.asarray(tokens)
     if arr.ndim != 1:
         raise ValueError(f"tokens must be 1-D, got shape {arr.shape}")
@@ -139,7 +163,10 @@ def encode_request(tokens: Sequence[int] | np.ndarray) -> bytes:
         raise ValueError(f"{arr.size} tokens exceed the lookup limit of {MAX_TOKENS}")
     if arr.size and (arr.dtype.kind not in "iu" or arr.min() < 0 or arr.max() > 0xFFFFFFFF):
         raise ValueError("token ids must be integers in [0, 2**32)")
-    return _REQ_HEAD.pack(REQ_MAGIC, arr.size) + arr.astype("<u4", copy=False).tobytes()
+    body = arr.astype("<u4", copy=False).tobytes()
+    if tag is not None:
+        return _REQ_HEAD.pack(TAGGED_REQ_MAGIC, arr.size) + tag + body
+    return _REQ_HEAD.pack(REQ_MAGIC, arr.size) + body
 
 
 def encode_answer(result: LookupResult) -> bytes:
@@ -241,6 +268,7 @@ class Request:
     kind: str
     tokens: np.ndarray | None = None
     start: int = 0
+    tag: bytes | None = None  # a tagged lookup's key tag
 
 
 def encode_prefetch(tokens: Sequence[int] | np.ndarray, start: int) -> bytes:
@@ -258,7 +286,13 @@ def read_request(sock: socket.socket) -> Request:
             raise LookupProtocolError(f"speeds request with a count of {n} (must be 0)")
         return Request("speeds")
     start = 0
-    if magic == PREFETCH_MAGIC:
+    tag = None
+    if magic == TAGGED_REQ_MAGIC:
+        if n > MAX_TOKENS:  # before reading anything more
+            raise LookupProtocolError(f"request of {n} tokens exceeds the limit of "
+                                      f"{MAX_TOKENS}")
+        tag = _recv_exact(sock, TAG_BYTES)
+    elif magic == PREFETCH_MAGIC:
         (start,) = _U32.unpack(_recv_exact(sock, _U32.size))
         if start > n:
             raise LookupProtocolError(f"prefetch from position {start} of {n} tokens")
@@ -267,7 +301,7 @@ def read_request(sock: socket.socket) -> Request:
     if n > MAX_TOKENS:
         raise LookupProtocolError(f"request of {n} tokens exceeds the limit of {MAX_TOKENS}")
     tokens = np.frombuffer(_recv_exact(sock, 4 * n), dtype="<u4")
-    return Request("prefetch" if magic == PREFETCH_MAGIC else "lookup", tokens, start)
+    return Request("prefetch" if magic == PREFETCH_MAGIC else "lookup", tokens, start, tag)
 
 
 def read_answer(sock: socket.socket, num_tokens: int) -> LookupResult:
@@ -367,9 +401,9 @@ class LookupServer:
             threading.Thread(target=self._serve, args=(conn,), name="lmc-lookup-conn",
                              daemon=True).start()
 
-    def _answer(self, tokens: np.ndarray) -> bytes:
+    def _answer(self, tokens: np.ndarray, tag: bytes | None = None) -> bytes:
         try:
-            return encode_answer(self._lookup(tokens))
+            return encode_answer(_call(self._lookup, tokens, tag))
         except Exception:  # a failing cache is a miss, never a dead server
             self.errors += 1
             log.exception("lmc lookup at %s failed; answering a miss", self.path)
@@ -411,7 +445,7 @@ class LookupServer:
                     answer = self._prefetched(req)
                 else:
                     assert req.tokens is not None  # a lookup carries its tokens
-                    answer = self._answer(req.tokens)
+                    answer = self._answer(req.tokens, req.tag)
                 self.requests += 1
                 conn.sendall(answer)
         except OSError:
@@ -475,25 +509,29 @@ class LookupClient:
         self.speeds_max_age = 1.0  # seconds a rank's speeds are reused before asking again
         self._speeds: tuple[float, Costs | None] | None = None  # (when asked, answer)
 
-    def lookup(self, tokens: Sequence[int] | np.ndarray) -> LookupResult:
-        """What every rank can supply of ``tokens``; a miss where a rank cannot answer."""
+    def lookup(self, tokens: Sequence[int] | np.ndarray, tag: bytes | None = None
+               ) -> LookupResult:
+        """What every rank can supply of ``tokens``; a miss where a rank cannot answer.
+        ``tag``: a tagged request's key tag (each rank looks up its own root's chain)."""
         t0 = time.perf_counter()
         with self._lock:
             self.stats.lookups += 1
             try:
-                return self._lookup(tokens, t0)
+                return self._lookup(tokens, t0, tag)
             finally:
                 self.stats.seconds += time.perf_counter() - t0
 
-    def _lookup(self, tokens: Sequence[int] | np.ndarray, t0: float) -> LookupResult:
-        frame = encode_request(tokens)
-        n = (len(frame) - _REQ_HEAD.size) // 4
+    def _lookup(self, tokens: Sequence[int] | np.ndarray, t0: float,
+                tag: bytes | None = None) -> LookupResult:
+        frame = encode_request(tokens, tag)
+        head = _REQ_HEAD.size + (0 if tag is None else TAG_BYTES)
+        n = (len(frame) - head) // 4
         local = [LOCAL_ENGINES.get(p) for p in self.paths] if self.use_local else [None]
         found = [fn for fn in local if fn is not None]
         if len(found) == len(local):
             self.stats.local_calls += 1
-            arr = np.frombuffer(frame, dtype="<u4", offset=_REQ_HEAD.size)
-            return minimum(fn(arr).clipped(n) for fn in found)
+            arr = np.frombuffer(frame, dtype="<u4", offset=head)
+            return minimum(_call(fn, arr, tag).clipped(n) for fn in found)
         deadline = t0 + self.timeout
         sent: list[tuple[str, socket.socket]] = []
         for path in self.paths:  # send to every rank first: they work in parallel

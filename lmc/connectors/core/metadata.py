@@ -26,7 +26,9 @@ class LoadSpec:
     ``[start, end)`` are written: positions before ``start`` are the engine's own (a local
     prefix-cache hit) and positions from ``end`` on are computed by the engine (the last
     prompt token always is). ``mask_start`` is ``start`` rounded down to a chunk boundary:
-    chunks before it are neither fetched nor written.
+    chunks before it are neither fetched nor written. ``key_tag``: the request's own part of
+    its key root (:func:`lmc.token_database.request_tag`: its LoRA adapter, its
+    ``cache_salt``), ``None`` for a plain request; every key of the load chains from it.
     """
 
     request_id: str
@@ -35,6 +37,7 @@ class LoadSpec:
     start: int
     end: int
     mask_start: int
+    key_tag: bytes | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -48,13 +51,14 @@ class SaveSpec:
     ``token_ids`` is cut at the end of the last complete chunk (or at the end of the prompt,
     for its partial last chunk); ``start`` is the chunk-aligned first position to save. Every
     position in ``[start, len(token_ids))`` has its K/V in ``block_ids`` once the step's
-    forward has written it.
+    forward has written it. ``key_tag``: as :class:`LoadSpec`'s.
     """
 
     request_id: str
     token_ids: tuple[int, ...]
     block_ids: tuple[int, ...]
     start: int
+    key_tag: bytes | None = None
 
     @property
     def end(self) -> int:
@@ -119,7 +123,8 @@ class StepRequest:
 
     ``num_computed_tokens`` counts the positions whose K/V are in the cache before this
     step's forward, the ones the connector loads during the step included; the forward
-    computes ``num_scheduled_tokens`` positions from there.
+    computes ``num_scheduled_tokens`` positions from there. ``key_tag``: the request's
+    key tag (:class:`LoadSpec`), read by the scheduler side where a view has one.
     """
 
     request_id: str
@@ -128,3 +133,4 @@ class StepRequest:
     block_ids: Sequence[int]
     num_computed_tokens: int
     num_scheduled_tokens: int
+    key_tag: bytes | None = None

@@ -48,6 +48,11 @@ Two decisions shape every adapter:
   cached while the engine re-asks), and the worker keeps each request's chunk keys across
   steps (:class:`~lmc.token_database.RequestKeys`), so chunked prefill and decode saves
   hash only the chunks each step completes.
+* **Tagged requests.** A request whose KV depends on more than its tokens in a way lmc can
+  name (a LoRA adapter, a ``cache_salt``) carries a key tag
+  (:func:`lmc.token_database.request_tag`) through its lookup, its load and save specs:
+  every key of it chains from the tag's root, apart from every other tag's and the plain
+  chain. Adapters that cannot carry one leave such requests to the engine.
 """
 
 from __future__ import annotations
@@ -75,6 +80,9 @@ log = logging.getLogger(__name__)
 # token ids -> what the cache holds (a count where the backend cannot attribute tiers);
 # None: not known yet (a backend answering asynchronously)
 LookupFn = Callable[[Sequence[int]], "LookupResult | int | None"]
+# (token ids, key tag) -> the same, for a tagged request (LoRA, cache_salt: its keys chain
+# from a root of its own, lmc.token_database.request_tag)
+TaggedLookupFn = Callable[[Sequence[int], bytes], "LookupResult | int | None"]
 # (tokens, first position) -> a future of the prefetch (``done()``, ``cancel()``), or None
 PrefetchFn = Callable[[Sequence[int], int], Any]
 
@@ -87,6 +95,7 @@ __all__ = [
     "SaveSpec",
     "SchedulerConnector",
     "StepRequest",
+    "TaggedLookupFn",
     "WorkerConnector",
 ]
 
@@ -135,6 +144,7 @@ class _PendingLoad:
     end: int
     mask_start: int
     sources: dict[str, int]  # positions of [start, end) by tier, L1 first ({}: unknown)
+    key_tag: bytes | None = None  # the request's key tag (LoRA, cache_salt), None: plain
 
 
 @dataclass
@@ -160,14 +170,18 @@ class SchedulerConnector:
 
     def __init__(self, config: ConnectorConfig, lookup: LookupFn,
                  policy: LoadPolicy | None = None, prefetch: PrefetchFn | None = None,
-                 max_redecisions: int = 2) -> None:
-        """``prefetch(tokens, start)``: pull the prompt's chunks from position ``start`` on
+                 max_redecisions: int = 2, tagged_lookup: TaggedLookupFn | None = None
+                 ) -> None:
+        """``tagged_lookup(tokens, tag)``: the lookup of a tagged request (a LoRA adapter, a
+        ``cache_salt``: :func:`lmc.token_database.request_tag`); without it such a request
+        is a miss (never the plain chain's hit). ``prefetch(tokens, start)``: pull the prompt's chunks from position ``start`` on
         into L1 in the background, answering something with ``done()`` (a future), or
         ``None`` where it cannot; given, the chunks a policy recomputes by choice are
         prefetched while the request waits, and its decision is made again (at most
         ``max_redecisions`` times) once they are in."""
         self.config = config
         self._lookup = lookup
+        self._tagged_lookup = tagged_lookup
         self.policy = policy
         self._prefetch = prefetch
         self.max_redecisions = max_redecisions
@@ -186,19 +200,22 @@ class SchedulerConnector:
 
     # ------------------------------------------------------------------ lookups
     def get_num_new_matched_tokens(self, request_id: str, token_ids: Sequence[int],
-                                   num_computed_tokens: int) -> int | None:
+                                   num_computed_tokens: int, key_tag: bytes | None = None
+                                   ) -> int | None:
         """Tokens past ``num_computed_tokens`` that lmc can supply, clamped so the last
         token is computed by the engine and rounded down to ``align``. The lookup runs once
         per admission and is cached until ``update_state_after_alloc`` (an engine may ask
         again while the request waits for blocks). ``None`` means "not known yet" (a
         lookup backend that answers asynchronously). With a load policy the answer ends
-        where loading stops paying (decided once, with the lookup)."""
+        where loading stops paying (decided once, with the lookup). ``key_tag``: the
+        request's (LoRA, ``cache_salt``), looked up in its own chain; such a request is not
+        prefetched (a prefetch is the plain chain's)."""
         if not self.config.load:
             return 0
         self._redecide_if_prefetched(request_id)
         found = self._hits.get(request_id)
         if found is None:
-            found = self._do_lookup(token_ids)
+            found = self._do_lookup(token_ids, key_tag)
             if found is None:
                 return None
             self._hits[request_id] = found
@@ -214,8 +231,9 @@ class SchedulerConnector:
                 end = self._ends[request_id] = min(end, usable)  # never more than the hit
                 if end < usable:  # recomputed by choice: already stored, not saved again
                     self._held[request_id] = found.tokens
-                    self._start_prefetch(request_id, token_ids, found,
-                                         (found, start, end, max(usable, start), n))
+                    if key_tag is None:
+                            self._start_prefetch(request_id, token_ids, found,
+                                             (found, start, end, max(usable, start), n))
             usable = end
         return max(0, usable - num_computed_tokens)
 
@@ -281,12 +299,16 @@ class SchedulerConnector:
             self._remote.discard(request_id)
         return n
 
-    def _do_lookup(self, token_ids: Sequence[int]) -> LookupResult | None:
+    def _do_lookup(self, token_ids: Sequence[int], key_tag: bytes | None = None
+                   ) -> LookupResult | None:
         self.stats.lookups += 1
         self.stats.lookup_tokens += len(token_ids)
         cs = self.config.chunk_size
+        if key_tag is not None and self._tagged_lookup is None:
+            return LookupResult.miss(cs)  # the adapter cannot look a tagged chain up
         try:
-            found = self._lookup(token_ids)
+            found = self._lookup(token_ids) if key_tag is None else \
+                self._tagged_lookup(token_ids, key_tag)  # type: ignore[misc]
         except Exception as e:  # a failing cache is a miss, never an engine error
             self.stats.lookup_errors += 1
             log.warning("lmc lookup failed (%s: %s): treated as a miss", type(e).__name__, e)
@@ -306,11 +328,13 @@ class SchedulerConnector:
 
     def update_state_after_alloc(self, request_id: str, token_ids: Sequence[int],
                                  num_computed_tokens: int, num_external_tokens: int,
-                                 block_ids: Sequence[int] | None = None) -> None:
+                                 block_ids: Sequence[int] | None = None,
+                                 key_tag: bytes | None = None) -> None:
         """The engine admitted the request and will have lmc load ``num_external_tokens``
         positions from ``num_computed_tokens`` on (the engine's clamped answer).
         ``block_ids``: the request's blocks, needed now for an asynchronous load (it is
-        not scheduled until the load is in, so no step would carry its blocks)."""
+        not scheduled until the load is in, so no step would carry its blocks).
+        ``key_tag``: the request's, as it was looked up (the load's keys chain from it)."""
         found = self._hits.pop(request_id, None)
         self._ends.pop(request_id, None)
         self._pending.pop(request_id, None)
@@ -330,7 +354,8 @@ class SchedulerConnector:
             self.stats.loads += 1
             self.stats.load_tokens += end - start
             self._async_ready.append(LoadSpec(request_id, tuple(token_ids[:stop]),
-                                              tuple(block_ids), start, end, start - start % cs))
+                                              tuple(block_ids), start, end, start - start % cs,
+                                              key_tag))
             return
         cs = self.config.chunk_size
         start, end = num_computed_tokens, num_computed_tokens + num_external_tokens
@@ -342,7 +367,7 @@ class SchedulerConnector:
         if sum(sources.values()) != end - start:  # not attributed, or not what was looked up
             sources = {}
         self._pending[request_id] = _PendingLoad(tuple(token_ids[:stop]), start, end,
-                                                 start - start % cs, sources)
+                                                 start - start % cs, sources, key_tag)
 
     def load_sources(self, request_id: str) -> dict[str, int]:
         """The admitted load's positions by the tier holding them (L1 first), from the
@@ -388,7 +413,7 @@ class SchedulerConnector:
         self.stats.loads += 1
         self.stats.load_tokens += p.end - p.start
         return LoadSpec(req.request_id, p.token_ids, tuple(req.block_ids), p.start, p.end,
-                        p.mask_start)
+                        p.mask_start, p.key_tag)
 
     def plan_save(self, req: ScheduledView | StepRequest) -> SaveSpec | None:
         """The chunks that become complete in this step, or None."""
@@ -417,7 +442,7 @@ class SchedulerConnector:
         self.stats.saves += 1
         self.stats.save_tokens += stop - start
         return SaveSpec(req.request_id, tuple(req.token_ids[:stop]), tuple(req.block_ids),
-                        start)
+                        start, getattr(req, "key_tag", None))
 
     # ------------------------------------------------------------------ lifecycle
     def request_finished(self, request_id: str) -> None:

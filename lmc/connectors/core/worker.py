@@ -35,7 +35,10 @@ loaded and saved over many steps (chunked prefill saves a chunk or more per step
 step hashes only the chunks its new tokens completed, not the whole prefix again. Keys are
 dropped when the metadata reports the request finished (``ConnectorMetadata.forget``, before
 any work of the step, so a reused request id starts afresh), and at most
-``max_tracked_requests`` are kept (least recently used go first).
+``max_tracked_requests`` are kept (least recently used go first). A tagged request's keys
+(its spec's ``key_tag``: LoRA, ``cache_salt``) chain from this rank's root for the tag
+(:func:`lmc.token_database.request_root`), in the step's loads and saves and in the
+asynchronous loads alike.
 Loaded tokens are counted by the tier they came from as the load fetches them, so the
 statistics cost no second hash and no second question to any tier.
 
@@ -76,7 +79,7 @@ import torch
 from lmc.cache_engine import CacheEngine
 from lmc.connectors.core.metadata import ConnectorMetadata, LoadSpec, SaveSpec
 from lmc.layerwise import LayerwiseRetrieve, LayerwiseStore, LoadError
-from lmc.token_database import ChunkKey, RequestKeys
+from lmc.token_database import ChunkKey, RequestKeys, request_root
 from lmc.transfer.completion import current_stream
 from lmc.transfer.kv_spec import KVCaches
 
@@ -297,12 +300,18 @@ class WorkerConnector:
         log.warning("lmc load for request %s failed from position %d (%s): %d block(s) will "
                     "be recomputed", spec.request_id, position, why, len(blocks))
 
-    def _request_keys(self, request_id: str, token_ids: tuple[int, ...]) -> list[ChunkKey]:
-        """The chunk keys of ``token_ids`` (a prefix of the request's sequence), hashing only
-        what this request has not hashed before."""
+    def _root(self, key_tag: bytes | None) -> bytes:
+        """This rank's key root for a request's tag (the namespace for a plain request)."""
+        return request_root(self.engine.db.namespace, key_tag)
+
+    def _request_keys(self, request_id: str, token_ids: tuple[int, ...],
+                      key_tag: bytes | None = None) -> list[ChunkKey]:
+        """The chunk keys of ``token_ids`` (a prefix of the request's sequence) from the
+        request's root (``key_tag``), hashing only what this request has not hashed before."""
+        root = self._root(key_tag)
         rk = self._keys.get(request_id)
-        if rk is None:
-            rk = self._keys[request_id] = self.engine.db.request_keys()
+        if rk is None or rk.root != root:  # new, or an id reused with another tag
+            rk = self._keys[request_id] = self.engine.db.request_keys(root)
             while len(self._keys) > self.max_tracked_requests:
                 self._keys.popitem(last=False)
         else:
@@ -370,7 +379,7 @@ class WorkerConnector:
                     spec.token_ids, self.kv_caches,
                     self._slots(spec.block_ids, n, spec.start, spec.end),
                     prefix_mask(n, spec.mask_start),
-                    keys=self._request_keys(spec.request_id, spec.token_ids))
+                    keys=self._request_keys(spec.request_id, spec.token_ids, spec.key_tag))
             except Exception as e:
                 log.exception("lmc: preparing the load of request %s failed", spec.request_id)
                 self._fail(spec, spec.start, f"{type(e).__name__}: {e}")
@@ -461,7 +470,7 @@ class WorkerConnector:
                 st = self.engine.store_layer(
                     spec.token_ids, self.kv_caches, self._slots(spec.block_ids, n, spec.start, n),
                     prefix_mask(n, spec.start),
-                    keys=self._request_keys(spec.request_id, spec.token_ids))
+                    keys=self._request_keys(spec.request_id, spec.token_ids, spec.key_tag))
             except Exception:
                 log.exception("lmc: planning the save of request %s failed", spec.request_id)
                 self.stats.save_failures += 1
@@ -557,7 +566,8 @@ class WorkerConnector:
                 return
             if spec is not None:
                 try:
-                    keys = self.engine.db.keys(spec.token_ids)  # (kept keys are the step's)
+                    keys = self.engine.db.keys(  # (kept keys are the step's)
+                        spec.token_ids, root=self._root(spec.key_tag))
                 except Exception:
                     log.exception("lmc: hashing request %s failed", spec.request_id)
                     keys = None

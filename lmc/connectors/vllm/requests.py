@@ -18,27 +18,41 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lmc.connectors.core.metadata import StepRequest
+from lmc.token_database import request_tag
 
 log = logging.getLogger(__name__)
 
 
 def cacheable(request: Any) -> bool:
-    """Whether a request's KV is a function of its token ids alone, shareable with any
-    request: not for prompt embeddings, multimodal inputs (placeholder tokens stand for
-    different images) or LoRA adapters (different weights), and not with a ``cache_salt``
-    (vLLM keeps salted prefixes apart so that one user cannot time another's prompts; lmc's
-    keys carry no salt, so it would share them) -- lmc leaves those to the engine."""
+    """Whether a request's KV is a function of its token ids and of what its key tag names
+    (:func:`key_tag`): not for prompt embeddings or multimodal inputs (placeholder tokens
+    stand for different images), which lmc leaves to the engine. LoRA and salted requests
+    are cached, each in the chain of its own tag."""
     return (getattr(request, "prompt_token_ids", None) is not None
             and getattr(request, "prompt_embeds", None) is None
-            and not getattr(request, "mm_features", None)
-            and getattr(request, "lora_request", None) is None
-            and getattr(request, "cache_salt", None) is None)
+            and not getattr(request, "mm_features", None))
+
+
+def key_tag(request: Any) -> bytes | None:
+    """The request's key tag: its LoRA adapter's name and its ``cache_salt``, as vLLM's
+    prefix cache folds them into its block hashes (:func:`lmc.token_database.request_tag`
+    says why these and what an operator must ensure of adapter names); ``None`` for a plain
+    request. ``ValueError``/``TypeError`` name a field lmc cannot key by (a LoRA request
+    without a name, a salt that is not a string): such a request is left to the engine."""
+    lora = getattr(request, "lora_request", None)
+    name = None
+    if lora is not None:
+        name = getattr(lora, "lora_name", None)
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"a LoRA request without a name (lora_name={name!r:.60})")
+    return request_tag(name, getattr(request, "cache_salt", None))
 
 
 @dataclass
 class _Tracked:
     request: Any
     block_ids: list[int] = field(default_factory=list)
+    key_tag: bytes | None = None
 
 
 class RequestTracker:
@@ -51,8 +65,8 @@ class RequestTracker:
     def __len__(self) -> int:
         return len(self._reqs)
 
-    def admit(self, request: Any) -> None:
-        self._reqs[request.request_id] = _Tracked(request)
+    def admit(self, request: Any, tag: bytes | None = None) -> None:
+        self._reqs[request.request_id] = _Tracked(request, key_tag=tag)
 
     def drop(self, request_id: str) -> None:
         self._reqs.pop(request_id, None)
@@ -92,7 +106,7 @@ class RequestTracker:
         return StepRequest(request_id=rid, token_ids=req.all_token_ids,
                            num_prompt_tokens=req.num_prompt_tokens,
                            block_ids=tuple(t.block_ids), num_computed_tokens=computed,
-                           num_scheduled_tokens=scheduled)
+                           num_scheduled_tokens=scheduled, key_tag=t.key_tag)
 
     def forget(self, request_ids: Iterable[str]) -> None:
         for rid in request_ids:

@@ -19,7 +19,7 @@ from lmc.connectors.core.lookup_service import LookupClient
 from lmc.connectors.core.metadata import ConnectorMetadata
 from lmc.connectors.core.pd_params import producer_params, remote_prefill_tokens
 from lmc.connectors.core.scheduler import ConnectorConfig, SchedulerConnector
-from lmc.connectors.vllm.requests import RequestTracker, cacheable
+from lmc.connectors.vllm.requests import RequestTracker, cacheable, key_tag
 from lmc.storage.lookup import LookupResult
 from lmc.storage.tier import Medium
 
@@ -35,18 +35,45 @@ class SchedulerSide:
         ``get_num_new_matched_tokens`` is the part it chose."""
         self.client = client
         self.core = SchedulerConnector(config, self._lookup, policy,
-                                       prefetch=getattr(client, "prefetch", None))
+                                       prefetch=getattr(client, "prefetch", None),
+                                       tagged_lookup=self._tagged_lookup)
         self.tracker = RequestTracker(config.save_decode)
         self._start: dict[str, int] = {}  # request id -> tokens it had before the lookup
         self._async: set[str] = set()  # matched as prefill/decode (asynchronous) loads
         self.pd_requests = 0  # requests that arrived with a producer's kv_transfer_params
+        # request id -> its key tag (LoRA, cache_salt; None: plain), False: not keyable
+        self._tags: dict[str, bytes | None | bool] = {}
+        self.untagged_refusals = 0  # requests left to the engine: a field lmc cannot key by
 
     def _lookup(self, token_ids: Sequence[int]) -> LookupResult:
         return self.client.lookup(token_ids)
 
+    def _tagged_lookup(self, token_ids: Sequence[int], tag: bytes) -> LookupResult:
+        return self.client.lookup(token_ids, tag)
+
+    def _tag(self, request: Any) -> tuple[bool, bytes | None]:
+        """(lmc caches it, its key tag), worked out once per request."""
+        rid = request.request_id
+        got = self._tags.get(rid, True)
+        if got is True:
+            if not cacheable(request):
+                got = False
+            else:
+                try:
+                    got = key_tag(request)
+                except (TypeError, ValueError) as e:
+                    self.untagged_refusals += 1
+                    log.warning("lmc leaves request %s to the engine: %s", rid, e)
+                    got = False
+            self._tags[rid] = got
+        if got is False:
+            return False, None
+        return True, got if isinstance(got, bytes) else None
+
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int
                                    ) -> tuple[int | None, bool]:
-        if not cacheable(request):
+        ok, tag = self._tag(request)
+        if not ok:
             return 0, False
         rid = request.request_id
         self._start[rid] = num_computed_tokens
@@ -59,15 +86,16 @@ class SchedulerSide:
                 self._async.add(rid)
                 return n, True
         hit = self.core.get_num_new_matched_tokens(rid, list(request.all_token_ids),
-                                                   num_computed_tokens)
+                                                   num_computed_tokens, tag)
         return hit, False  # loads from lmc's own tiers are synchronous (layer-wise, in-step)
 
     def update_state_after_alloc(self, request: Any, num_external_tokens: int,
                                  blocks: Any = None) -> None:
         rid = request.request_id
-        if not cacheable(request):
+        ok, tag = self._tag(request)
+        if not ok:
             return
-        self.tracker.admit(request)
+        self.tracker.admit(request, tag)
         start = self._start.pop(rid, request.num_computed_tokens)
         block_ids = None
         if rid in self._async:
@@ -78,7 +106,7 @@ class SchedulerSide:
                 params["do_remote_prefill"] = False  # one transfer per request
                 self.pd_requests += 1
         self.core.update_state_after_alloc(rid, list(request.all_token_ids), start,
-                                           num_external_tokens, block_ids)
+                                           num_external_tokens, block_ids, tag)
 
     def hit_sources(self, request: Any, num_external_tokens: int) -> tuple[int, int]:
         """(tokens from L1, tokens from lower tiers) of the load just admitted; all lower
@@ -122,6 +150,7 @@ class SchedulerSide:
         self.core.request_finished(rid)
         self.tracker.drop(rid)
         self._start.pop(rid, None)
+        self._tags.pop(rid, None)
         self._async.discard(rid)
         params = getattr(request, "kv_transfer_params", None)
         if not (self.core.config.save and isinstance(params, dict)
@@ -135,6 +164,7 @@ class SchedulerSide:
         out.update(self.core.policy_stats())
         out["scheduler.tracked_requests"] = len(self.tracker)
         out["scheduler.pd_requests"] = self.pd_requests
+        out["scheduler.untagged_refusals"] = self.untagged_refusals
         return out
 
     def close(self) -> None:
