@@ -131,10 +131,12 @@ class FakeClient:
 
     def __init__(self, hit: int = 0, l1: int = 0) -> None:
         self.hit, self.l1, self.calls = hit, l1, 0
+        self.tags: list[bytes | None] = []  # the key tag of each lookup
         self.stats = LookupClientStats()
 
-    def lookup(self, tokens):
+    def lookup(self, tokens, tag=None):
         self.calls += 1
+        self.tags.append(tag)
         hit = min(self.hit, len(tokens))
         chunks = -(-hit // 256)
         sources = [0 if i * 256 < self.l1 else 1 for i in range(chunks)]
@@ -206,14 +208,41 @@ def test_resumed_request_gets_its_new_block_table():
 def test_uncacheable_requests_are_left_alone():
     s = side(hit=512)
     for req in (FakeRequest("mm", [0] * 600, mm_features=["image"]),
-                FakeRequest("lora", [0] * 600, lora_request=object()),
-                # salted: vLLM keeps it from other users' prefixes; lmc's keys carry no salt
-                FakeRequest("salted", [0] * 600, cache_salt="tenant-a")):
+                FakeRequest("embeds", [0] * 600, prompt_embeds=[[0.0]]),
+                # a LoRA request lmc cannot name (no adapter name): not keyable
+                FakeRequest("lora", [0] * 600, lora_request=object())):
         assert s.get_num_new_matched_tokens(req, 0) == (0, False)
         s.update_state_after_alloc(req, 0)
     meta = s.build_meta(Output([NewReq("mm", ([1, 2, 3, 4, 5],), 0)],
                                num_scheduled_tokens={"mm": 600}))
     assert meta.is_empty and s.client.calls == 0
+
+
+def test_salted_and_lora_requests_carry_their_tag_everywhere():
+    """Looked up, loaded and saved in their own chains (tests/connectors/vllm/
+    test_vllm_tagged.py runs them against a real engine)."""
+    from lmc.token_database import request_tag
+
+    @dataclass
+    class LoRA:
+        lora_name: str
+
+    s = side(hit=512)
+    salted = FakeRequest("s", list(range(2, 702)), cache_salt="tenant-a")
+    lora = FakeRequest("l", list(range(2, 702)), lora_request=LoRA("x"), cache_salt="t")
+    for req in (salted, lora):
+        assert s.get_num_new_matched_tokens(req, 0) == (512, False)
+        s.update_state_after_alloc(req, 512)
+    assert s.client.tags == [request_tag(None, "tenant-a"), request_tag("x", "t")]
+    meta = s.build_meta(Output([NewReq("s", (blocks(1, 700),), 512),
+                                NewReq("l", (blocks(9, 700),), 512)],
+                               num_scheduled_tokens={"s": 188, "l": 188}))
+    tags = {ld.request_id: ld.key_tag for ld in meta.loads}
+    assert tags == {"s": request_tag(None, "tenant-a"), "l": request_tag("x", "t")}
+    assert {sv.request_id: sv.key_tag for sv in meta.saves} == tags
+    for req in (salted, lora):
+        s.request_finished(req)
+    assert not s._tags  # nothing kept past the request
 
 
 def test_roles():
