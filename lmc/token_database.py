@@ -4,6 +4,9 @@
 namespace digest. A key therefore names the whole prefix up to the end of its chunk, so equal
 prefixes give equal keys in every process and on every machine (no Python ``hash()`` anywhere),
 and a change of model, KV shape, dtype, sharding, chunk size or tenant gives disjoint keys.
+A request with a LoRA adapter or a ``cache_salt`` starts its chain from a root of its own,
+:func:`request_root` of the namespace and its :func:`request_tag`; a request with neither
+starts from the namespace, so its keys are exactly what they always were.
 
 The prompt is converted to bytes once (the optional C helper ``lmc._tokens`` or
 ``array.fromlist`` for lists, a dtype cast for tensors and arrays) and hashed with one call per

@@ -304,11 +304,12 @@ class SchedulerConnector:
         self.stats.lookups += 1
         self.stats.lookup_tokens += len(token_ids)
         cs = self.config.chunk_size
-        if key_tag is not None and self._tagged_lookup is None:
+        tagged = self._tagged_lookup
+        if key_tag is not None and tagged is None:
             return LookupResult.miss(cs)  # the adapter cannot look a tagged chain up
         try:
-            found = self._lookup(token_ids) if key_tag is None else \
-                self._tagged_lookup(token_ids, key_tag)  # type: ignore[misc]
+            found = self._lookup(token_ids) if key_tag is None or tagged is None else \
+                tagged(token_ids, key_tag)
         except Exception as e:  # a failing cache is a miss, never an engine error
             self.stats.lookup_errors += 1
             log.warning("lmc lookup failed (%s: %s): treated as a miss", type(e).__name__, e)
