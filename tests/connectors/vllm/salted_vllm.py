@@ -1,5 +1,7 @@
-"""Drive one vLLM process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) through salted requests with
-and without lmc; write what it saw as JSON. Run by ``test_vllm_salted.py`` with the vLLM venv's
+"""Drive vLLM through salted requests with and without lmc; write what it saw as JSON. Modes:
+``mp0`` (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, one process: a plain vLLM first, for the
+reference tokens, then lmc's), ``mp1`` (the default multi-process engine: lookups and their
+tags cross the Unix socket; lmc only). Run by ``test_vllm_salted.py`` with the vLLM venv's
 python (the test asserts; this script only reports).
 
 vLLM's own prefix cache is off, so ``num_cached_tokens`` counts lmc's hits alone."""
@@ -43,15 +45,18 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", required=True)
     ap.add_argument("--out", required=True)
+    ap.add_argument("--mode", choices=("mp0", "mp1"), default="mp0")
     args = ap.parse_args()
     from vllm import LLM
     from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
     out: dict[str, Any] = {}
-    plain = LLM(**engine_kwargs(args.model))
-    out["baseline"] = {salt or "": generate(plain, salt) for salt in ("tenant-a", "tenant-b", None)}
-    del plain
-    gc.collect()
-    cleanup_dist_env_and_memory()
+    if args.mode == "mp0":
+        plain = LLM(**engine_kwargs(args.model))
+        out["baseline"] = {salt or "": generate(plain, salt)
+                           for salt in ("tenant-a", "tenant-b", None)}
+        del plain
+        gc.collect()
+        cleanup_dist_env_and_memory()
     ktc = {"kv_connector": "LMCConnector", "kv_connector_module_path": "lmc.connectors.vllm",
            "kv_role": "kv_both",
            "kv_connector_extra_config": {"lmc.chunk_size": 256, "lmc.local_cpu_size": "64MiB",

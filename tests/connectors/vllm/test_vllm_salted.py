@@ -18,24 +18,31 @@ SCRIPT = Path(__file__).resolve().parent / "salted_vllm.py"
 
 
 @pytest.fixture(scope="module")
-def salted(tmp_path_factory: pytest.TempPathFactory) -> dict:
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
+    """Both modes: one process (with the plain vLLM's reference tokens), then the default
+    multi-process engine (tags over the lookup socket)."""
     py = _vllm_python()
     work = tmp_path_factory.mktemp("vllm-salted")
     model = make_tiny_checkpoint(work / "tiny", max_position_embeddings=4096)
-    out = work / "salted.json"
-    _run([py, str(SCRIPT), "--model", str(model), "--out", str(out)], work / "salted.log",
-         _env(VLLM_ENABLE_V1_MULTIPROCESSING="0"))
-    return json.loads(out.read_text())
+    got = {}
+    for mode, env in (("mp0", {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}), ("mp1", {})):
+        out = work / f"{mode}.json"
+        _run([py, str(SCRIPT), "--mode", mode, "--model", str(model), "--out", str(out)],
+             work / f"{mode}.log", _env(**env))
+        got[mode] = json.loads(out.read_text())
+    return got
 
 
-def test_salted_outputs_equal_vllm_without_lmc(salted):
-    base = salted["baseline"]
-    for name, r in salted["runs"].items():
+@pytest.mark.parametrize("mode", ["mp0", "mp1"])
+def test_salted_outputs_equal_vllm_without_lmc(runs, mode):
+    base = runs["mp0"]["baseline"]
+    for name, r in runs[mode]["runs"].items():
         assert r["tokens"] == base[r["salt"] or ""]["tokens"], name
 
 
-def test_a_salt_hits_only_its_own_kv(salted):
-    runs = salted["runs"]
+@pytest.mark.parametrize("mode", ["mp0", "mp1"])
+def test_a_salt_hits_only_its_own_kv(runs, mode):
+    runs = runs[mode]["runs"]
     assert runs["A_store"]["cached"] == 0
     assert runs["B_probe"]["cached"] == 0, "salt B was served salt A's KV"
     assert runs["none_probe"]["cached"] == 0, "an unsalted request was served salted KV"
