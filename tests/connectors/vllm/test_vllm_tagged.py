@@ -8,6 +8,8 @@ must see a miss unless it sends the same salt and adapter -- whatever salt it cr
 
 from __future__ import annotations
 
+import socket
+import struct
 from dataclasses import dataclass
 from typing import Any
 
@@ -16,6 +18,8 @@ import torch
 
 from lmc import CacheConfig, CacheEngine
 from lmc.connectors.core.lookup_service import (
+    MAX_TOKENS,
+    TAGGED_REQ_MAGIC,
     LookupClient,
     LookupServer,
     encode_request,
@@ -26,6 +30,7 @@ from lmc.connectors.core.scheduler import ConnectorConfig
 from lmc.connectors.core.worker import WorkerConnector, slot_mapping
 from lmc.connectors.vllm.lookup import socket_paths
 from lmc.connectors.vllm.scheduler import SchedulerSide
+from lmc.storage.lookup import LookupResult
 from lmc.token_database import request_root, request_tag
 from tests import lookup_sockets
 from tests.connectors.vllm.test_vllm_parts import FakeRequest, NewReq, Output
@@ -216,3 +221,28 @@ def test_a_tagged_lookup_on_the_wire_carries_only_a_digest():
     assert salt.encode() not in frame and frame[:4] == b"LMT2"
     with pytest.raises(ValueError, match="key tag must be 16 bytes"):
         encode_request([1, 2, 3], b"short")
+
+
+def test_malformed_tagged_lookups_close_the_connection_and_the_server_lives(sock_dir):
+    """A tagged request claiming too many tokens is refused before its tag is read; one whose
+    sender stops inside its tag is dropped; a plain lookup function (no tag parameter) answers a
+    tagged lookup with a miss, never a dead server; the server then still answers."""
+    (path,) = socket_paths(sock_dir, "malformed", 0, 1)
+    server = LookupServer(path, lambda tokens: LookupResult(len(tokens), CS))
+    try:
+        head = struct.pack("<4sI", TAGGED_REQ_MAGIC, MAX_TOKENS + 1)
+        lookup_sockets.send_and_expect_close(path, head + b"t" * 16)
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:  # ends inside the tag
+            s.connect(path)
+            s.sendall(struct.pack("<4sI", TAGGED_REQ_MAGIC, 2) + b"short")
+            s.shutdown(socket.SHUT_WR)
+            s.settimeout(2)
+            assert s.recv(16) == b""
+        client = LookupClient([path], 5.0, use_local=False)
+        tag = request_tag(None, "s")
+        assert client.lookup([1] * 20, tag).tokens == 0  # cannot key by a tag: a miss
+        assert client.lookup([1] * 20).tokens == 20      # alive, plain lookups unchanged
+        assert server.errors >= 2
+        client.close()
+    finally:
+        server.close()
