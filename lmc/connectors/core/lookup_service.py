@@ -53,6 +53,7 @@ process, the client calls it directly (:data:`LOCAL_ENGINES`).
 from __future__ import annotations
 
 import contextlib
+import inspect
 import logging
 import math
 import os
@@ -121,10 +122,21 @@ class SupportsLookup(Protocol):
     def lookup_result(self, tokens: Any, *, keys: Any = None) -> LookupResult: ...
 
 
+def takes_tag(fn: LookupFn) -> bool:
+    """Whether a lookup function answers tagged lookups (has a second parameter)."""
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):  # no signature to read: plain
+        return False
+    return len(params) >= 2 or any(p.kind is p.VAR_POSITIONAL for p in params)
+
+
 def _call(fn: LookupFn, tokens: np.ndarray, tag: bytes | None) -> LookupResult:
-    """``fn``'s answer; a tag is passed only where there is one (plain lookup functions
-    take the tokens alone)."""
-    return fn(tokens) if tag is None else fn(tokens, tag)
+    """``fn``'s answer; a tag is passed only where there is one, and a plain lookup function
+    (tokens alone: it cannot key by a tag) answers a tagged lookup with a miss."""
+    if tag is None:
+        return fn(tokens)
+    return fn(tokens, tag) if takes_tag(fn) else LookupResult.miss()
 
 
 def engine_lookup(get_engine: Callable[[], SupportsLookup | None]) -> LookupFn:
