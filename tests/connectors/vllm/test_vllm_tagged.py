@@ -242,7 +242,8 @@ def test_malformed_tagged_lookups_close_the_connection_and_the_server_lives(sock
         tag = request_tag(None, "s")
         assert client.lookup([1] * 20, tag).tokens == 0  # cannot key by a tag: a miss
         assert client.lookup([1] * 20).tokens == 20      # alive, plain lookups unchanged
-        assert server.errors >= 2
+        # the oversized count; a sender that hangs up and a tag it cannot key by are not
+        assert server.errors == 1
         client.close()
     finally:
         server.close()
