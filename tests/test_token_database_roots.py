@@ -11,6 +11,8 @@ import numpy as np
 import pytest
 import torch
 import xxhash
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from lmc.token_database import (
     KEY_BYTES,
@@ -167,3 +169,32 @@ def test_a_huge_salt_is_hashed_not_kept():
     tag = request_tag(None, "s" * (8 << 20))
     assert tag is not None and len(tag) == KEY_BYTES
     assert tag != request_tag(None, "s" * ((8 << 20) - 1))
+
+
+_field = st.one_of(st.none(), st.text(max_size=40))
+
+
+@settings(max_examples=200, deadline=None)
+@given(a=st.tuples(_field, _field), b=st.tuples(_field, _field),
+       cut=st.integers(min_value=0, max_value=len(TOKENS)))
+def test_keys_equal_exactly_when_the_fields_do(a, b, cut):
+    """Against the plain model "two requests share keys iff their (LoRA, salt) are equal":
+    any two field pairs (names never empty), whole prompts and a request grown in two
+    steps (RequestKeys), and no tagged chain ever meets the plain one."""
+    a = (a[0] or None, a[1])
+    b = (b[0] or None, b[1])
+    ka, kb = keys_for(*a), keys_for(*b)
+    plain = reference_chain(NS, TOKENS, CS)
+    if a == b:
+        assert ka == kb
+    else:
+        assert not set(ka) & set(kb)
+    for fields, keys in ((a, ka), (b, kb)):
+        if fields == (None, None):
+            assert keys == plain
+        else:
+            assert not set(keys) & set(plain)
+        d = db()
+        rk = d.request_keys(request_root(d.namespace, request_tag(*fields)))
+        rk.keys(TOKENS[:cut])
+        assert list(rk.keys(TOKENS)) == keys

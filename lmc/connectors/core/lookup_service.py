@@ -131,12 +131,16 @@ def takes_tag(fn: LookupFn) -> bool:
     return len(params) >= 2 or any(p.kind is p.VAR_POSITIONAL for p in params)
 
 
-def _call(fn: LookupFn, tokens: np.ndarray, tag: bytes | None) -> LookupResult:
-    """``fn``'s answer; a tag is passed only where there is one, and a plain lookup function
-    (tokens alone: it cannot key by a tag) answers a tagged lookup with a miss."""
-    if tag is None:
-        return fn(tokens)
-    return fn(tokens, tag) if takes_tag(fn) else LookupResult.miss()
+def with_tags(fn: LookupFn) -> Callable[[np.ndarray, bytes | None], LookupResult]:
+    """``fn`` as ``(tokens, tag)``, its signature read once (when a server is made, not per
+    lookup): a plain lookup function (tokens alone: it cannot key by a tag) answers a tagged
+    lookup with a miss."""
+    if takes_tag(fn):
+        return fn
+
+    def plain(tokens: np.ndarray, tag: bytes | None) -> LookupResult:
+        return fn(tokens) if tag is None else LookupResult.miss()
+    return plain
 
 
 def engine_lookup(get_engine: Callable[[], SupportsLookup | None]) -> LookupFn:
@@ -362,7 +366,7 @@ class LookupServer:
         (answered as "not known" without it); ``prefetch``: pulls chunks into this
         process's L1 in the background (refused without it)."""
         self.path = path
-        self._lookup = lookup
+        self._lookup = lookup = with_tags(lookup)
         self._costs = costs
         self._prefetch = prefetch
         self._sock = self._bind(path)
@@ -415,7 +419,7 @@ class LookupServer:
 
     def _answer(self, tokens: np.ndarray, tag: bytes | None = None) -> bytes:
         try:
-            return encode_answer(_call(self._lookup, tokens, tag))
+            return encode_answer(self._lookup(tokens, tag))
         except Exception:  # a failing cache is a miss, never a dead server
             self.errors += 1
             log.exception("lmc lookup at %s failed; answering a miss", self.path)
@@ -543,7 +547,7 @@ class LookupClient:
         if len(found) == len(local):
             self.stats.local_calls += 1
             arr = np.frombuffer(frame, dtype="<u4", offset=head)
-            return minimum(_call(fn, arr, tag).clipped(n) for fn in found)
+            return minimum(fn(arr, tag).clipped(n) for fn in found)
         deadline = t0 + self.timeout
         sent: list[tuple[str, socket.socket]] = []
         for path in self.paths:  # send to every rank first: they work in parallel

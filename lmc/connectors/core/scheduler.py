@@ -231,8 +231,8 @@ class SchedulerConnector:
                 end = self._ends[request_id] = min(end, usable)  # never more than the hit
                 if end < usable:  # recomputed by choice: already stored, not saved again
                     self._held[request_id] = found.tokens
-                    if key_tag is None:
-                            self._start_prefetch(request_id, token_ids, found,
+                    if key_tag is None:  # (a prefetch is the plain chain's)
+                        self._start_prefetch(request_id, token_ids, found,
                                              (found, start, end, max(usable, start), n))
             usable = end
         return max(0, usable - num_computed_tokens)

@@ -41,8 +41,8 @@ class SchedulerSide:
         self._start: dict[str, int] = {}  # request id -> tokens it had before the lookup
         self._async: set[str] = set()  # matched as prefill/decode (asynchronous) loads
         self.pd_requests = 0  # requests that arrived with a producer's kv_transfer_params
-        # request id -> its key tag (LoRA, cache_salt; None: plain), False: not keyable
-        self._tags: dict[str, bytes | None | bool] = {}
+        # request id -> (lmc caches it, its key tag: LoRA, cache_salt; None for a plain one)
+        self._tags: dict[str, tuple[bool, bytes | None]] = {}
         self.untagged_refusals = 0  # requests left to the engine: a field lmc cannot key by
 
     def _lookup(self, token_ids: Sequence[int]) -> LookupResult:
@@ -54,21 +54,17 @@ class SchedulerSide:
     def _tag(self, request: Any) -> tuple[bool, bytes | None]:
         """(lmc caches it, its key tag), worked out once per request."""
         rid = request.request_id
-        got = self._tags.get(rid, True)
-        if got is True:
-            if not cacheable(request):
-                got = False
-            else:
+        got = self._tags.get(rid)
+        if got is None:
+            got = (False, None)
+            if cacheable(request):
                 try:
-                    got = key_tag(request)
+                    got = (True, key_tag(request))
                 except (TypeError, ValueError) as e:
                     self.untagged_refusals += 1
                     log.warning("lmc leaves request %s to the engine: %s", rid, e)
-                    got = False
             self._tags[rid] = got
-        if got is False:
-            return False, None
-        return True, got if isinstance(got, bytes) else None
+        return got
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int
                                    ) -> tuple[int | None, bool]:

@@ -33,6 +33,7 @@ from lmc.connectors.vllm.scheduler import SchedulerSide
 from lmc.storage.lookup import LookupResult
 from lmc.token_database import request_root, request_tag
 from tests import lookup_sockets
+from tests.connectors.test_worker_side import step
 from tests.connectors.vllm.test_vllm_parts import FakeRequest, NewReq, Output
 from tests.kvutil import assert_bits_equal, make_caches, random_tokens, spec_for, token_kv
 
@@ -97,16 +98,6 @@ class Instance:
     def kv(self, caches: Any, n: int) -> torch.Tensor:
         slots = torch.from_numpy(slot_mapping(tuple(range(64)), BS, n, 0, n))
         return token_kv(self.spec, caches, slots)
-
-
-def step(w: WorkerConnector, meta: ConnectorMetadata) -> set[int]:
-    w.bind(meta)
-    w.start_load()
-    for layer in range(LAYERS):
-        w.wait_for_layer(layer)
-        w.save_layer(layer)
-    w.wait_for_save()
-    return w.take_load_errors()
 
 
 @pytest.fixture(params=["socket", "in-process"])
