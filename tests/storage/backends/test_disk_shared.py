@@ -6,6 +6,7 @@ Threat model: ``docs/threats/tiers.md``."""
 
 from __future__ import annotations
 
+import fcntl
 import gc
 import json
 import os
@@ -138,6 +139,66 @@ def test_a_forked_child_does_not_keep_the_directory_locked(tmp_path):
     finally:
         child.kill()
         child.join(10)
+
+
+def _hold_like_a_forked_child(d: Path, pid: int) -> int:
+    """What a child forked a moment ago holds: another open copy of the lock, written by this
+    process (``pid``), that no tier here owns. Returns its fd (closing it lets go)."""
+    fd = os.open(d / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    os.pwrite(fd, f"{pid}\n".encode(), 0)
+    return fd
+
+
+def test_a_lock_a_just_forked_child_still_holds_is_waited_for(tmp_path):
+    """Between fork and the child's at-fork handler, the child's inherited copy still holds the
+    lock the parent just let go; a tier opened in that window waits for it, not fails."""
+    import threading
+
+    fd = _hold_like_a_forked_child(tmp_path, os.getpid())
+    threading.Timer(0.2, os.close, args=(fd,)).start()
+    _tier(tmp_path).close()
+
+
+def test_a_lock_a_forked_child_never_lets_go_is_refused_naming_it(tmp_path, monkeypatch):
+    from lmc.storage.backends.disk import backend
+
+    monkeypatch.setattr(backend, "FORK_RELEASE_WAIT_S", 0.2)
+    fd = _hold_like_a_forked_child(tmp_path, os.getpid())
+    try:
+        with pytest.raises(DirectoryInUse, match="a process forked from this one"):
+            _tier(tmp_path)
+    finally:
+        os.close(fd)
+
+
+def test_another_tier_in_this_process_is_refused_without_waiting(tmp_path, monkeypatch):
+    """Only an inherited copy is waited for: a tier of this process is refused at once."""
+    from lmc.storage.backends.disk import backend
+
+    monkeypatch.setattr(backend, "FORK_RELEASE_WAIT_S", 60.0)
+    a = _tier(tmp_path)
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(DirectoryInUse, match="another disk tier in this process"):
+            _tier(tmp_path)
+        assert time.monotonic() - t0 < 30  # not the 60 s wait for a forked child
+    finally:
+        a.close()
+
+
+def test_another_process_is_refused_without_waiting(tmp_path, monkeypatch):
+    from lmc.storage.backends.disk import backend
+
+    monkeypatch.setattr(backend, "FORK_RELEASE_WAIT_S", 60.0)
+    fd = _hold_like_a_forked_child(tmp_path, 1)  # the lock file names another process
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(DirectoryInUse, match="another lmc process \\(PID 1\\)"):
+            _tier(tmp_path)
+        assert time.monotonic() - t0 < 30
+    finally:
+        os.close(fd)
 
 
 # ------------------------------------------------------------ crashes in a PID namespace

@@ -34,7 +34,8 @@ second tier on the same directory, in this process or another, is refused at sta
 a message naming the holder's PID and the fix (a directory per instance). The kernel drops
 the lock when its holder exits, however it exits (SIGKILL included), so a crash never leaves
 the directory locked; a child forked by the holder drops its inherited copy at once, so a
-long-lived child does not keep the directory locked after its parent closed the tier.
+long-lived child does not keep the directory locked after its parent closed the tier (a tier
+opened in the instant before the child ran its at-fork handler waits for that, 2 s at most).
 
 Why one file per chunk rather than segment files, measured here (virtio disk, ext4 mounted
 with ``discard``, O_DIRECT, 1 GiB per case, see ``benchmarks/bench_disk.py``): for chunks of
@@ -139,33 +140,64 @@ class DirectoryInUse(RuntimeError):
     """Another disk tier (in this or another process) holds the directory's lock."""
 
 
+#: How long a tier waits for a lock that only a just-forked child of this process still holds
+#: (its inherited copy, closed by the child's at-fork handler once the child runs).
+FORK_RELEASE_WAIT_S = 2.0
+
+
 def lock_directory(path: str) -> int:
     """Take the directory's exclusive lock; returns the fd that holds it (closing it releases
-    the lock). Raises :class:`DirectoryInUse` naming the holder and the fix."""
+    the lock). Raises :class:`DirectoryInUse` naming the holder and the fix.
+
+    A lock written by this process that no open tier here holds is a copy inherited by a
+    child forked just now, which drops it as soon as it runs: that case waits
+    (:data:`FORK_RELEASE_WAIT_S` at most) instead of failing at once."""
     lock = os.path.join(path, LOCK)
     fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        try:
-            holder = _read_holder(fd)
-        finally:
-            os.close(fd)
-        who = ("another disk tier in this process" if holder == str(os.getpid())
-               else f"another lmc process (PID {holder})")
+        holder = _take(fd, path)
+    except BaseException:
+        os.close(fd)
+        raise
+    if holder is not None:
+        os.close(fd)
+        if holder != str(os.getpid()):
+            who = f"another lmc process (PID {holder})"
+        elif _held_here(path):
+            who = "another disk tier in this process"
+        else:
+            who = ("a process forked from this one (it inherited the lock and has not let "
+                   "it go)")
         raise DirectoryInUse(
             f"local_disk {path!r} is in use by {who}, which holds {lock!r}. Two processes "
             f"cannot share one disk tier: each would keep local_disk_size and together they "
             f"would exceed it. Give each process its own directory (e.g. "
             f"{os.path.join(path, '<instance>')!r}, each with its own local_disk_size)"
-        ) from None
-    except BaseException:
-        os.close(fd)
-        raise
+        )
     pid = f"{os.getpid()}\n".encode()
     os.pwrite(fd, pid, 0)  # write, then cut: the file is never empty once a holder wrote it
     os.ftruncate(fd, len(pid))
     return fd
+
+
+def _take(fd: int, path: str) -> str | None:
+    """Lock ``fd``; ``None`` once taken, else the holder's PID as its lock file says."""
+    deadline = time.monotonic() + FORK_RELEASE_WAIT_S
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return None
+        except BlockingIOError:
+            holder = _read_holder(fd)
+        inherited = holder == str(os.getpid()) and not _held_here(path)
+        if not inherited or time.monotonic() > deadline:
+            return holder
+        time.sleep(0.005)
+
+
+def _held_here(path: str) -> bool:
+    """Whether an open tier of this process holds ``path``'s lock."""
+    return any(lock.path == path and lock.fd >= 0 for lock in list(_HELD))
 
 
 def _read_holder(fd: int) -> str:
@@ -183,6 +215,7 @@ class _DirLock:
     """The fd holding a directory's lock; ``release`` is idempotent."""
 
     def __init__(self, path: str) -> None:
+        self.path = path
         self.fd = lock_directory(path)
         _HELD.add(self)
 
