@@ -477,11 +477,14 @@ class CacheEngine:
         return LayerwiseRetrieve(self, tr, plan, chunks, objs, [names[i] for i in where], gate)
 
     # ------------------------------------------------------------- prefetch
-    def prefetch(self, tokens: Tokens, start: int = 0) -> Future:
+    def prefetch(self, tokens: Tokens, start: int = 0, *, root: bytes | None = None
+                 ) -> Future:
         """Pull the prompt's chunks from the one holding position ``start`` on from lower
         tiers into L1 in the background (a hit in a lower tier is promoted on read). Returns
         a future of the prefix tokens then in L1 (counted from that chunk's start; the
-        chunks before it are assumed there).
+        chunks before it are assumed there). ``root``: where the prompt's key chain starts
+        (a tagged request's, :func:`lmc.token_database.request_root`; the namespace when
+        None), so a tagged request pulls its own chain's chunks and never another's.
 
         ``cancel()`` on the future stops the pull before its next chunk (the request it was
         for was admitted with its decision: the link is for other loads now); it is read
@@ -491,7 +494,7 @@ class CacheEngine:
             raise ValueError(f"prefetch start must be >= 0, got {start}")
         cs = self.config.chunk_size
         first = start // cs
-        keys = self.db.keys(tokens)[first:]
+        keys = self.db.keys(tokens, root=root)[first:]
         n = self.db.num_tokens(tokens)
         out: Future = Future()
 

@@ -28,6 +28,7 @@ import torch
 from lmc.cache_engine import CacheEngine
 from lmc.config import CacheConfig
 from lmc.connectors.core.load_policy import Costs, LoadPolicy
+from lmc.connectors.core.lookup_service import engine_root
 from lmc.connectors.core.metadata import ConnectorMetadata
 from lmc.connectors.core.model_id import model_identity
 from lmc.connectors.core.pd_params import (
@@ -134,12 +135,14 @@ class LMCReferenceConnector(KVConnector):
         only the first step's compute hides a load."""
         self.policy.step_tokens = max(0, int(max_num_batched_tokens))
 
-    def _prefetch(self, token_ids: Sequence[int], start: int) -> Any:
+    def _prefetch(self, token_ids: Sequence[int], start: int, key_tag: bytes | None = None
+                  ) -> Any:
         """What the load policy recomputes by choice, pulled into L1 while the request waits
-        (the worker's engine is in this process)."""
+        (the worker's engine is in this process), from the root of the request's key tag
+        (``None``: the plain chain)."""
         if self.engine is None:
             return None
-        return self.engine.prefetch(token_ids, start)
+        return self.engine.prefetch(token_ids, start, root=engine_root(self.engine, key_tag))
 
     def _costs(self) -> Costs | None:
         """The load policy's view of the speeds: the worker's cache engine's estimates (in

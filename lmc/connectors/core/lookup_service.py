@@ -40,7 +40,12 @@ Wire format (version 2; no pickle -- the bytes come from a socket; little-endian
 
 * prefetch request (the chunks a waiting request would recompute by choice, pulled into
   every rank's L1 while it waits): ``b"LMP2"``, uint32 token count *n*, uint32 first
-  position, *n* uint32 token ids; answer ``b"LMF2"``, uint8 accepted (0: the rank has no
+  position, *n* uint32 token ids; a tagged request's is ``b"LMU2"``, *n*, the first
+  position, the 16-byte tag, then the ids (the count is checked before anything more is
+  read): the rank pulls the chunks of its own root's chain for that tag, never the plain
+  chain's or another tag's (a server whose prefetch function takes no tag refuses it, and
+  an lmc from before ``LMU2`` hangs up on it: the prefetch is refused, the request only
+  loses the wait's head start); answer ``b"LMF2"``, uint8 accepted (0: the rank has no
   engine yet, or refused it).
 
 A rank that is missing, slow (connects and reads share one deadline), or answers something
@@ -81,6 +86,7 @@ TAGGED_REQ_MAGIC = b"LMT2"
 TAG_BYTES = 16
 ANS_MAGIC = b"LMA2"
 PREFETCH_MAGIC = b"LMP2"
+TAGGED_PREFETCH_MAGIC = b"LMU2"
 PREFETCH_ANS_MAGIC = b"LMF2"
 _U32 = struct.Struct("<I")
 SPEEDS_REQ_MAGIC = b"LMS2"
@@ -101,11 +107,14 @@ LookupFn = Callable[..., LookupResult]
 # What answers a speeds request: this process's measured costs, None while unknown.
 CostsFn = Callable[[], "Costs | None"]
 
-# What answers a prefetch: (tokens, first position) -> a future (``done()``), or None.
-PrefetchFn = Callable[[np.ndarray, int], Any]
+# What answers a prefetch: (tokens, first position) -> a future (``done()``), or None; a
+# function that also takes a key tag, ``fn(tokens, start, tag)``, answers tagged ones too.
+PrefetchFn = Callable[..., Any]
+# A prefetch function as the server and LOCAL_PREFETCH call it: (tokens, start, tag or None).
+TaggedPrefetchFn = Callable[[np.ndarray, int, "bytes | None"], Any]
 
 # Socket path -> prefetch function of an engine living in this process.
-LOCAL_PREFETCH: dict[str, PrefetchFn] = {}
+LOCAL_PREFETCH: dict[str, TaggedPrefetchFn] = {}
 
 # Socket path -> lookup function of an engine living in this process.
 LOCAL_ENGINES: dict[str, LookupFn] = {}
@@ -122,13 +131,33 @@ class SupportsLookup(Protocol):
     def lookup_result(self, tokens: Any, *, keys: Any = None) -> LookupResult: ...
 
 
-def takes_tag(fn: LookupFn) -> bool:
-    """Whether a lookup function answers tagged lookups (has a second parameter)."""
+class SupportsPrefetch(Protocol):
+    db: Any
+
+    def prefetch(self, tokens: Any, start: int = 0, *, root: bytes | None = None) -> Any: ...
+
+
+def _takes_args(fn: Callable[..., Any], n: int) -> bool:
+    """Whether ``fn`` can be called with ``n`` positional arguments (its signature read)."""
     try:
         params = list(inspect.signature(fn).parameters.values())
     except (TypeError, ValueError):  # no signature to read: plain
         return False
-    return len(params) >= 2 or any(p.kind is p.VAR_POSITIONAL for p in params)
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    return len(positional) >= n or any(p.kind is p.VAR_POSITIONAL for p in params)
+
+
+def takes_tag(fn: LookupFn) -> bool:
+    """Whether a lookup function answers tagged lookups (has a second parameter)."""
+    return _takes_args(fn, 2)
+
+
+def engine_root(engine: SupportsLookup | SupportsPrefetch, tag: bytes | None
+                ) -> bytes | None:
+    """Where a request's keys chain from on this rank: ``None`` (the namespace) for a plain
+    request, else the rank's root for the tag (:func:`lmc.token_database.request_root` of
+    this engine's namespace: the tag is the same on every rank, the namespace is not)."""
+    return None if tag is None else request_root(engine.db.namespace, tag)
 
 
 def with_tags(fn: LookupFn) -> Callable[[np.ndarray, bytes | None], LookupResult]:
@@ -143,6 +172,18 @@ def with_tags(fn: LookupFn) -> Callable[[np.ndarray, bytes | None], LookupResult
     return plain
 
 
+def prefetch_with_tags(fn: PrefetchFn) -> TaggedPrefetchFn:
+    """``fn`` as ``(tokens, start, tag)``, its signature read once: a plain prefetch function
+    (tokens and start: it cannot key by a tag) refuses a tagged prefetch (``None``), never
+    pulling the plain chain for it."""
+    if _takes_args(fn, 3):
+        return fn
+
+    def plain(tokens: np.ndarray, start: int, tag: bytes | None) -> Any:
+        return fn(tokens, start) if tag is None else None
+    return plain
+
+
 def engine_lookup(get_engine: Callable[[], SupportsLookup | None]) -> LookupFn:
     """A server's lookup function over a cache engine that may not exist yet (vLLM and
     SGLang create it once the KV tensors are known): a miss until it does."""
@@ -152,10 +193,21 @@ def engine_lookup(get_engine: Callable[[], SupportsLookup | None]) -> LookupFn:
             return LookupResult.miss()
         if tag is None:
             return engine.lookup_result(tokens)
-        db = engine.db  # a tagged request: its keys chain from this rank's root for the tag
-        return engine.lookup_result(tokens, keys=db.keys(tokens,
-                                                           root=request_root(db.namespace, tag)))
+        # a tagged request: its keys chain from this rank's root for the tag
+        return engine.lookup_result(tokens, keys=engine.db.keys(tokens,
+                                                                root=engine_root(engine, tag)))
     return answer
+
+
+def engine_prefetch(get_engine: Callable[[], SupportsPrefetch | None]) -> TaggedPrefetchFn:
+    """A server's prefetch function over a cache engine that may not exist yet: refused
+    (``None``) until it does; a tagged prefetch pulls this rank's chain for the tag."""
+    def pull(tokens: Any, start: int, tag: bytes | None = None) -> Any:
+        engine = get_engine()
+        if engine is None:
+            return None
+        return engine.prefetch(tokens, start, root=engine_root(engine, tag))
+    return pull
 
 
 def socket_path(directory: str | os.PathLike, engine_id: str, group: int, rank: int) -> str:
@@ -284,15 +336,28 @@ class Request:
     kind: str
     tokens: np.ndarray | None = None
     start: int = 0
-    tag: bytes | None = None  # a tagged lookup's key tag
+    tag: bytes | None = None  # a tagged lookup's or prefetch's key tag
 
 
-def encode_prefetch(tokens: Sequence[int] | np.ndarray, start: int) -> bytes:
-    frame = encode_request(tokens)
-    n = (len(frame) - _REQ_HEAD.size) // 4
+def encode_prefetch(tokens: Sequence[int] | np.ndarray, start: int,
+                    tag: bytes | None = None) -> bytes:
+    """A prefetch request; with ``tag`` (16 bytes) a tagged one (``LMU2``)."""
+    frame = encode_request(tokens, tag)
+    head = _REQ_HEAD.size + (0 if tag is None else TAG_BYTES)
+    n = (len(frame) - head) // 4
     if not 0 <= start <= n:
         raise ValueError(f"prefetch from position {start} of {n} tokens")
-    return _REQ_HEAD.pack(PREFETCH_MAGIC, n) + _U32.pack(start) + frame[_REQ_HEAD.size:]
+    if tag is None:
+        return _REQ_HEAD.pack(PREFETCH_MAGIC, n) + _U32.pack(start) + frame[head:]
+    return _REQ_HEAD.pack(TAGGED_PREFETCH_MAGIC, n) + _U32.pack(start) + tag + frame[head:]
+
+
+def _read_start(sock: socket.socket, n: int) -> int:
+    """A prefetch's first position, which must lie within its ``n`` tokens."""
+    (start,) = _U32.unpack(_recv_exact(sock, _U32.size))
+    if start > n:
+        raise LookupProtocolError(f"prefetch from position {start} of {n} tokens")
+    return int(start)
 
 
 def read_request(sock: socket.socket) -> Request:
@@ -303,21 +368,23 @@ def read_request(sock: socket.socket) -> Request:
         return Request("speeds")
     start = 0
     tag = None
+    if magic in (TAGGED_REQ_MAGIC, TAGGED_PREFETCH_MAGIC) and n > MAX_TOKENS:
+        # before reading anything more
+        raise LookupProtocolError(f"request of {n} tokens exceeds the limit of {MAX_TOKENS}")
     if magic == TAGGED_REQ_MAGIC:
-        if n > MAX_TOKENS:  # before reading anything more
-            raise LookupProtocolError(f"request of {n} tokens exceeds the limit of "
-                                      f"{MAX_TOKENS}")
+        tag = _recv_exact(sock, TAG_BYTES)
+    elif magic == TAGGED_PREFETCH_MAGIC:
+        start = _read_start(sock, n)
         tag = _recv_exact(sock, TAG_BYTES)
     elif magic == PREFETCH_MAGIC:
-        (start,) = _U32.unpack(_recv_exact(sock, _U32.size))
-        if start > n:
-            raise LookupProtocolError(f"prefetch from position {start} of {n} tokens")
+        start = _read_start(sock, n)
     else:
         _check_magic(magic, REQ_MAGIC, "lookup request")
     if n > MAX_TOKENS:
         raise LookupProtocolError(f"request of {n} tokens exceeds the limit of {MAX_TOKENS}")
     tokens = np.frombuffer(_recv_exact(sock, 4 * n), dtype="<u4")
-    return Request("prefetch" if magic == PREFETCH_MAGIC else "lookup", tokens, start, tag)
+    kind = "prefetch" if magic in (PREFETCH_MAGIC, TAGGED_PREFETCH_MAGIC) else "lookup"
+    return Request(kind, tokens, start, tag)
 
 
 def read_answer(sock: socket.socket, num_tokens: int) -> LookupResult:
@@ -364,11 +431,13 @@ class LookupServer:
                  prefetch: PrefetchFn | None = None) -> None:
         """``costs``: this process's measured speeds, for schedulers in other processes
         (answered as "not known" without it); ``prefetch``: pulls chunks into this
-        process's L1 in the background (refused without it)."""
+        process's L1 in the background (refused without it), ``fn(tokens, start, tag)``
+        for tagged prefetches too (a plain ``fn(tokens, start)`` refuses those)."""
         self.path = path
         self._lookup = lookup = with_tags(lookup)
         self._costs = costs
-        self._prefetch = prefetch
+        self._prefetch = prefetch = (prefetch_with_tags(prefetch) if prefetch is not None
+                                     else None)
         self._sock = self._bind(path)
         self._closed = threading.Event()
         self._conns: set[socket.socket] = set()
@@ -429,7 +498,7 @@ class LookupServer:
         ok = 0
         if self._prefetch is not None and req.tokens is not None:
             try:
-                ok = int(self._prefetch(req.tokens, req.start) is not None)
+                ok = int(self._prefetch(req.tokens, req.start, req.tag) is not None)
             except Exception:  # a prefetch never kills the server: refused
                 self.errors += 1
                 log.exception("lmc prefetch at %s failed; refused", self.path)
@@ -597,20 +666,22 @@ class LookupClient:
             self._speeds = (now, got)
             return got
 
-    def prefetch(self, tokens: Sequence[int] | np.ndarray, start: int
-                 ) -> RemotePrefetch | None:
+    def prefetch(self, tokens: Sequence[int] | np.ndarray, start: int,
+                 tag: bytes | None = None) -> RemotePrefetch | None:
         """Ask every rank to pull the chunks of ``tokens`` from position ``start`` on into
         its L1 (each rank holds its own share of the KV); ``None`` where any cannot. The
-        answer is done once a lookup sees those chunks in L1 (or they are gone)."""
-        frame = encode_prefetch(tokens, start)
+        answer is done once a lookup sees those chunks in L1 (or they are gone). ``tag``: a
+        tagged request's key tag (each rank pulls its own root's chain for it, ``LMU2``)."""
+        frame = encode_prefetch(tokens, start, tag)
+        head = _REQ_HEAD.size + _U32.size + (0 if tag is None else TAG_BYTES)
         with self._lock:
             local = [LOCAL_PREFETCH.get(p) for p in self.paths] if self.use_local else [None]
             if all(fn is not None for fn in local):
-                arr = np.frombuffer(frame, dtype="<u4", offset=_REQ_HEAD.size + _U32.size)
-                futs = [fn(arr, start) for fn in local if fn is not None]
+                arr = np.frombuffer(frame, dtype="<u4", offset=head)
+                futs = [fn(arr, start, tag) for fn in local if fn is not None]
                 if any(f is None for f in futs):
                     return None
-                return RemotePrefetch(self, tokens, start, futures=futs)
+                return RemotePrefetch(self, tokens, start, futures=futs, tag=tag)
             deadline = time.perf_counter() + self.timeout
             for path in self.paths:
                 try:
@@ -625,7 +696,7 @@ class LookupClient:
                     return None
                 if ok != 1:
                     return None
-        return RemotePrefetch(self, tokens, start)
+        return RemotePrefetch(self, tokens, start, tag=tag)
 
     def _drop(self, paths: Iterable[str]) -> None:
         for path in paths:
@@ -666,15 +737,17 @@ class LookupClient:
 
 class RemotePrefetch:
     """A prefetch asked of every rank. ``done()``: its futures finished (ranks in this
-    process), else a lookup -- at most every ``poll_s`` -- finds the chunks from ``start``
-    in L1 or no longer held; after ``timeout_s`` it is done whatever became of it."""
+    process), else a lookup -- at most every ``poll_s``, in the request's own chain
+    (``tag``) -- finds the chunks from ``start`` in L1 or no longer held; after
+    ``timeout_s`` it is done whatever became of it."""
 
     def __init__(self, client: LookupClient, tokens: Sequence[int] | np.ndarray, start: int,
-                 futures: Sequence[Any] = (), poll_s: float = 0.02, timeout_s: float = 30.0
-                 ) -> None:
+                 futures: Sequence[Any] = (), poll_s: float = 0.02, timeout_s: float = 30.0,
+                 tag: bytes | None = None) -> None:
         self.client = client
         self.tokens = np.asarray(tokens)
         self.start = start
+        self.tag = tag
         self.futures = list(futures)
         self.poll_s = poll_s
         self._deadline = time.monotonic() + timeout_s
@@ -700,7 +773,7 @@ class RemotePrefetch:
             self._done = True
         elif now - self._last >= self.poll_s:
             self._last = now
-            got = self.client.lookup(self.tokens)
+            got = self.client.lookup(self.tokens, self.tag)
             first = self.start // got.chunk_size
             self._done = (got.tokens <= self.start or not got.sources  # gone / cannot tell
                           or not any(got.sources[first:]))

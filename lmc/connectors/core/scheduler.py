@@ -52,7 +52,8 @@ Two decisions shape every adapter:
   name (a LoRA adapter, a ``cache_salt``) carries a key tag
   (:func:`lmc.token_database.request_tag`) through its lookup, its load and save specs:
   every key of it chains from the tag's root, apart from every other tag's and the plain
-  chain. Adapters that cannot carry one leave such requests to the engine.
+  chain; its prefetch too (the tag goes to ``prefetch``, each rank pulls its own root's
+  chain). Adapters that cannot carry one leave such requests to the engine.
 """
 
 from __future__ import annotations
@@ -83,8 +84,9 @@ LookupFn = Callable[[Sequence[int]], "LookupResult | int | None"]
 # (token ids, key tag) -> the same, for a tagged request (LoRA, cache_salt: its keys chain
 # from a root of its own, lmc.token_database.request_tag)
 TaggedLookupFn = Callable[[Sequence[int], bytes], "LookupResult | int | None"]
-# (tokens, first position) -> a future of the prefetch (``done()``, ``cancel()``), or None
-PrefetchFn = Callable[[Sequence[int], int], Any]
+# (tokens, first position, key tag or None) -> a future of the prefetch (``done()``,
+# ``cancel()``), or None; a tagged request's (the tag) pulls its own chain, never the plain one
+PrefetchFn = Callable[[Sequence[int], int, "bytes | None"], Any]
 
 __all__ = [
     "ConnectorConfig",
@@ -174,11 +176,12 @@ class SchedulerConnector:
                  ) -> None:
         """``tagged_lookup(tokens, tag)``: the lookup of a tagged request (a LoRA adapter, a
         ``cache_salt``: :func:`lmc.token_database.request_tag`); without it such a request
-        is a miss (never the plain chain's hit). ``prefetch(tokens, start)``: pull the prompt's chunks from position ``start`` on
-        into L1 in the background, answering something with ``done()`` (a future), or
-        ``None`` where it cannot; given, the chunks a policy recomputes by choice are
-        prefetched while the request waits, and its decision is made again (at most
-        ``max_redecisions`` times) once they are in."""
+        is a miss (never the plain chain's hit). ``prefetch(tokens, start, key_tag)``: pull
+        the prompt's chunks from position ``start`` on into L1 in the background, in the
+        chain of the request's ``key_tag`` (``None``: the plain chain), answering something
+        with ``done()`` (a future), or ``None`` where it cannot; given, the chunks a policy
+        recomputes by choice are prefetched while the request waits, and its decision is
+        made again (at most ``max_redecisions`` times) once they are in."""
         self.config = config
         self._lookup = lookup
         self._tagged_lookup = tagged_lookup
@@ -208,8 +211,7 @@ class SchedulerConnector:
         again while the request waits for blocks). ``None`` means "not known yet" (a
         lookup backend that answers asynchronously). With a load policy the answer ends
         where loading stops paying (decided once, with the lookup). ``key_tag``: the
-        request's (LoRA, ``cache_salt``), looked up in its own chain; such a request is not
-        prefetched (a prefetch is the plain chain's)."""
+        request's (LoRA, ``cache_salt``), looked up and prefetched in its own chain."""
         if not self.config.load:
             return 0
         self._redecide_if_prefetched(request_id)
@@ -231,23 +233,24 @@ class SchedulerConnector:
                 end = self._ends[request_id] = min(end, usable)  # never more than the hit
                 if end < usable:  # recomputed by choice: already stored, not saved again
                     self._held[request_id] = found.tokens
-                    if key_tag is None:  # (a prefetch is the plain chain's)
-                        self._start_prefetch(request_id, token_ids, found,
-                                             (found, start, end, max(usable, start), n))
+                    self._start_prefetch(request_id, token_ids, found,
+                                         (found, start, end, max(usable, start), n), key_tag)
             usable = end
         return max(0, usable - num_computed_tokens)
 
     def _start_prefetch(self, request_id: str, token_ids: Sequence[int], found: LookupResult,
-                        decision: tuple[LookupResult, int, int, int, int]) -> None:
+                        decision: tuple[LookupResult, int, int, int, int],
+                        key_tag: bytes | None = None) -> None:
         """Pull what the policy recomputes by choice into L1 while the request waits (once
-        per decision; at most ``max_redecisions`` decisions are remade)."""
+        per decision; at most ``max_redecisions`` decisions are remade), from the chain of
+        the request's ``key_tag`` (the one its lookup found the hit in)."""
         if self._prefetch is None:
             return
         if self._redone.get(request_id, 0) >= self.max_redecisions:
             return
         end = decision[2]
         try:
-            fut = self._prefetch(list(token_ids[: found.tokens]), end)
+            fut = self._prefetch(list(token_ids[: found.tokens]), end, key_tag)
         except Exception as e:  # a prefetch never fails a request
             log.warning("lmc prefetch for request %s failed (%s: %s)", request_id,
                         type(e).__name__, e)

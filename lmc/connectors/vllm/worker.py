@@ -26,7 +26,7 @@ from lmc import metrics
 from lmc.cache_engine import CacheEngine
 from lmc.config import CacheConfig
 from lmc.connectors.core.load_policy import Costs
-from lmc.connectors.core.lookup_service import LookupServer, engine_lookup
+from lmc.connectors.core.lookup_service import LookupServer, engine_lookup, engine_prefetch
 from lmc.connectors.core.metadata import ConnectorMetadata
 from lmc.connectors.core.worker import WorkerConnector
 from lmc.connectors.vllm.layout import LayoutChoice
@@ -81,11 +81,12 @@ class WorkerSide:
                  choice.detail, spec.num_layers, spec.block_size, spec.dtype, self.model_id,
                  self.tp_rank, self.tp_size, self.socket_path)
 
-    def prefetch(self, tokens: Any, start: int) -> Any:
+    def prefetch(self, tokens: Any, start: int, tag: bytes | None = None) -> Any:
         """Pull a waiting request's chunks from position ``start`` on into this rank's L1
-        (the scheduler's load policy chose to recompute them for now); None: no engine."""
-        eng = self.engine
-        return None if eng is None else eng.prefetch(tokens, start)
+        (the scheduler's load policy chose to recompute them for now), from this rank's
+        root for the request's key ``tag`` (LoRA, ``cache_salt``; None: the plain chain);
+        None: no engine."""
+        return engine_prefetch(lambda: self.engine)(tokens, start, tag)
 
     def costs(self) -> Costs | None:
         """This rank's measured speeds, what the scheduler's load policy decides with
