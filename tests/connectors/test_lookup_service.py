@@ -503,3 +503,114 @@ def test_prefetch_messages_are_bounded_and_refusals_are_none(sock_dir):
         client.close()
         for s in (server, bare, failing):
             s.close()
+
+
+def recording_prefetch(got: list, tagged: bool = True):
+    """A prefetch function that notes what it was asked (``tagged``: it takes the key tag)."""
+    from concurrent.futures import Future
+
+    def done(n: int) -> Future:
+        f: Future = Future()
+        f.set_result(n)
+        return f
+
+    if tagged:
+        def fn(tokens, start, tag):
+            got.append((list(tokens), start, tag))
+            return done(len(tokens))
+        return fn
+
+    def plain(tokens, start):
+        got.append((list(tokens), start, "plain function"))
+        return done(len(tokens))
+    return plain
+
+
+TAG = bytes(range(16))
+
+
+def test_a_tagged_prefetch_frame_is_count_start_tag_tokens():
+    from lmc.connectors.core.lookup_service import encode_prefetch
+    from lmc.token_database import request_tag
+
+    frame = encode_prefetch([7, 8, 9], 1, TAG)
+    assert frame == struct.pack("<4sII", b"LMU2", 3, 1) + TAG + struct.pack("<3I", 7, 8, 9)
+    salted = encode_prefetch([7, 8, 9], 0, request_tag(None, "my-secret-salt-value"))
+    assert b"my-secret-salt-value" not in salted  # a digest only
+    assert encode_prefetch([7, 8, 9], 1)[:4] == b"LMP2"  # untagged: the old message
+    with pytest.raises(ValueError, match="key tag must be 16 bytes"):
+        encode_prefetch([1, 2, 3], 0, b"short")
+    with pytest.raises(ValueError, match="position 4 of 3"):
+        encode_prefetch([1, 2, 3], 4, TAG)
+
+
+@pytest.mark.parametrize("use_local", [False, True], ids=["socket", "in-process"])
+def test_a_tagged_prefetch_reaches_every_rank_with_its_tag(sock_dir, use_local):
+    got: list = []
+    paths = [str(sock_dir / f"r{i}.sock") for i in range(2)]
+    servers = [LookupServer(p, prefix_answer(7, 7), prefetch=recording_prefetch(got))
+               for p in paths]
+    client = LookupClient(paths, 2, use_local=use_local)
+    try:
+        p = client.prefetch(list(range(10)), 4, TAG)
+        assert p is not None and p.tag == TAG and bool(p.futures) == use_local
+        assert got == [(list(range(10)), 4, TAG)] * 2  # both ranks, the tag with it
+        got.clear()
+        assert client.prefetch(list(range(10)), 4) is not None  # plain: no tag
+        assert got == [(list(range(10)), 4, None)] * 2
+        assert pair(client.lookup(list(range(10)))) == (7, 7)  # the connection goes on
+    finally:
+        client.close()
+        for s in servers:
+            s.close()
+
+
+@pytest.mark.parametrize("use_local", [False, True], ids=["socket", "in-process"])
+def test_a_plain_prefetch_function_refuses_a_tagged_prefetch(sock_dir, use_local):
+    """A server whose prefetch function takes no tag cannot key by one: a tagged prefetch is
+    refused (``None``), never pulled in the plain chain; plain prefetches go on."""
+    got: list = []
+    path = str(sock_dir / "plain.sock")
+    server = LookupServer(path, prefix_answer(7, 7), prefetch=recording_prefetch(got, False))
+    client = LookupClient([path], 2, use_local=use_local)
+    try:
+        assert client.prefetch(list(range(10)), 4, TAG) is None
+        assert got == [] and server.errors == 0
+        assert client.prefetch(list(range(10)), 4) is not None
+        assert got == [(list(range(10)), 4, "plain function")]
+    finally:
+        client.close()
+        server.close()
+
+
+def test_malformed_tagged_prefetches_close_the_connection_and_the_server_lives(sock_dir):
+    """A tagged prefetch claiming too many tokens is refused before its start and tag are
+    read; one starting past its tokens is refused; one whose sender stops inside its tag is
+    dropped; one left half-sent holds only its own connection. None reaches the prefetch
+    function; the server then still answers."""
+    got: list = []
+    path = str(sock_dir / "m.sock")
+    server = LookupServer(path, prefix_answer(7, 7), prefetch=recording_prefetch(got))
+    try:
+        # the count alone: the server hangs up without waiting for the start or the tag
+        send_and_expect_close(path, struct.pack("<4sI", b"LMU2", (1 << 24) + 1))
+        send_and_expect_close(path, struct.pack("<4sII", b"LMU2", 2, 3) + TAG + b"\0" * 8)
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:  # ends inside the tag
+            s.connect(path)
+            s.sendall(struct.pack("<4sII", b"LMU2", 2, 0) + b"short")
+            s.shutdown(socket.SHUT_WR)
+            s.settimeout(2)
+            assert s.recv(16) == b""
+        assert server.errors == 2  # the oversized count and the start; a hang-up is not one
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as half:
+            half.connect(path)
+            half.sendall(struct.pack("<4sII", b"LMU2", 2, 0) + TAG[:8])  # and nothing more
+            client = Client([path], timeout=2)
+            t0 = time.perf_counter()
+            assert client.prefetch([1, 2, 3], 1, TAG) is not None
+            assert time.perf_counter() - t0 < 1.0  # not held up by the half-open one
+            assert pair(client.lookup([1] * 10)) == (7, 7)
+            client.close()
+        assert got == [([1, 2, 3], 1, TAG)], "only the well-formed prefetch was made"
+    finally:
+        server.close()
