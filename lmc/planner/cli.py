@@ -219,7 +219,7 @@ def _plan(args: argparse.Namespace) -> int:
     points = grid(args.l1, args.disk, args.remote, args.policy)
     t1 = time.perf_counter()
     results = run_grid(trace, points, bytes_per_token=bpt, align=args.align,
-                       jobs=args.jobs or None)
+                       jobs=args.jobs or None, step_tokens=args.step_tokens)
     t_sim = time.perf_counter() - t1
     table, base = report.rows(results, trace, profile, args.step_tokens)
     knees = {k.point for c in report.series(table).values() if (k := report.knee(c))}

@@ -11,7 +11,10 @@ Each request goes through the calls the engine's connector makes (``lmc/connecto
    stored (present ones refreshed and skipped, new ones allocated, evicting) and reach the
    lower tiers by the write policy; then the load's chunks are released.
 
-Requests run one at a time (an engine with ``max_num_seqs=1``, the whole prompt in one step):
+With ``step_tokens`` (chunked prefill) steps 2 and 3 repeat per step: a step saves the
+chunks it completed, the load is released after the first, the queues drain after each.
+
+Requests run one at a time (an engine with ``max_num_seqs=1``):
 the planner predicts the cache's answer to the traffic, not the scheduler's interleaving.
 With concurrent requests a chunk can be evicted between a lookup and its load, or held
 against eviction a little longer; docs/planner.md states how far that moves the figures.
@@ -73,11 +76,17 @@ class SimResult:
 
 
 def simulate(trace: KeyedTrace, point: GridPoint, *, bytes_per_token: int, align: int = 1,
-             eviction_policy: str = "lru", queue_bytes: int = 1 << 30) -> SimResult:
+             eviction_policy: str = "lru", queue_bytes: int = 1 << 30,
+             step_tokens: int = 0) -> SimResult:
     """Replay ``trace`` through ``point``'s tiers (see the module doc). The write-behind
-    queues drain at the end of each request: a writer slower than one allocation."""
+    queues drain at the end of each request: a writer slower than one allocation.
+    ``step_tokens`` (chunked prefill, 0: none): a prompt is computed at most that many
+    tokens a step and saved a step at a time, the queues draining after each step, as the
+    engine's writer threads catch up while the next step computes."""
     if align < 1:
         raise ValueError(f"align must be >= 1, got {align}")
+    if step_tokens < 0:
+        raise ValueError(f"step_tokens must be >= 0, got {step_tokens}")
     t0 = time.perf_counter()
     cache = SimCache(point.l1, point.disk, point.remote, point.policy,
                      bytes_per_token=bytes_per_token, eviction_policy=eviction_policy,
@@ -113,11 +122,28 @@ def simulate(trace: KeyedTrace, point: GridPoint, *, bytes_per_token: int, align
                 if got > 0:
                     per[lvl][i] += got
                     totals[lvl] += got
-        start = end - end % cs
-        store(keys[start // cs:], sizes[start // cs:])
-        for o in held:
-            o.release()
-        drain()
+        if step_tokens <= 0 or n - end <= step_tokens:
+            start = end - end % cs
+            store(keys[start // cs:], sizes[start // cs:])
+            for o in held:
+                o.release()
+            drain()
+            continue
+        # chunked prefill: each step saves the chunks it completed (the scheduler's
+        # plan_save; the prompt's partial tail with its last step), the load's chunks are
+        # held through the first step only, and the writer catches up between steps
+        computed = end
+        while computed < n:
+            top = min(n, computed + step_tokens)
+            stop = n if top == n else top - top % cs
+            a, b = computed // cs, -(-stop // cs)
+            if b > a:
+                store(keys[a:b], sizes[a:b])
+            for o in held:
+                o.release()
+            held = ()
+            drain()
+            computed = top
     return SimResult(point, len(trace), trace.prompt_tokens,
                      {lvl: totals[j] for j, lvl in enumerate(levels)},
                      {lvl: per[j] for j, lvl in enumerate(levels)},
@@ -149,13 +175,13 @@ def grid(l1: Iterable[int], disk: Iterable[int] = (0,), remote: Iterable[int] = 
 
 
 def run_grid(trace: KeyedTrace, points: Sequence[GridPoint], *, bytes_per_token: int,
-             align: int = 1, eviction_policy: str = "lru", jobs: int | None = None
-             ) -> list[SimResult]:
+             align: int = 1, eviction_policy: str = "lru", jobs: int | None = None,
+             step_tokens: int = 0) -> list[SimResult]:
     """:func:`simulate` for each point; ``jobs`` > 1 forks workers that share the keyed
     trace copy-on-write (the keys are computed once, before the fork)."""
     global _SHARED
     kw = {"bytes_per_token": bytes_per_token, "align": align,
-          "eviction_policy": eviction_policy}
+          "eviction_policy": eviction_policy, "step_tokens": step_tokens}
     jobs = min(len(points), jobs if jobs else (os.cpu_count() or 1))
     if jobs <= 1 or len(points) <= 1:
         return [simulate(trace, p, **kw) for p in points]  # type: ignore[arg-type]

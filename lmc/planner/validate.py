@@ -189,7 +189,8 @@ def compare(profile: Profile, reqs: Sequence[TraceRequest], point: GridPoint,
     ``step_tokens`` positions a step) beside a :func:`replay`'s figures, over the requests
     after the first ``skip`` (the warm-up)."""
     kt = key_trace(list(reqs))
-    sim = simulate(kt, point, bytes_per_token=profile.kv_bytes_per_token)
+    sim = simulate(kt, point, bytes_per_token=profile.kv_bytes_per_token,
+                   step_tokens=step_tokens)
     n = as_numpy(kt.num_tokens)
     pred = profile.ttft_s(n, {t: as_numpy(a) for t, a in sim.per_request.items()},
                           step_tokens=step_tokens)
