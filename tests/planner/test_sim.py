@@ -76,6 +76,32 @@ def test_write_policies_promotion_and_the_write_queue_bound():
     assert list(r.per_request["remote"]) == [0] * 5 + [2 * CS - 1] * 2
 
 
+def test_step_budget_offers_each_steps_chunks_to_the_write_queue():
+    """Chunked prefill saves a step's completed chunks and the writer catches up between
+    steps, so a queue of 4 chunks (half an 8-chunk L1) that drops from a 6-chunk prompt
+    offered at once keeps everything offered 1, 2 chunks a step, and drops only the fifth
+    chunk at 5 a step (chunks 0-3 queued, 4 dropped; 5 comes with the next step)."""
+    a, b = _prompt(1, 6 * CS), _prompt(2, 8 * CS)  # b evicts a from L1; a's rerun reads disk
+    kt = key_trace([_req(0, a), _req(1, b), _req(2, a)])
+    point = GridPoint(8 * 4096, 64 * 8192, 0, "write_through")
+
+    def run(step: int) -> tuple[list[int], float]:
+        r = simulate(kt, point, bytes_per_token=BPT, step_tokens=step)
+        assert list(r.per_request["L1"]) == [0, 0, 0]
+        return list(r.per_request["disk"]), r.tier_stats["disk.queue_dropped"]
+
+    assert run(0) == ([0, 0, 4 * CS], 2 + 4)  # a drops 2 chunks, b 4
+    assert run(6 * CS) == ([0, 0, 4 * CS], 2 + 2)  # a in one step; b's first step drops 2
+    assert run(CS) == run(2 * CS) == ([0, 0, 6 * CS - 1], 0)
+    assert run(5 * CS) == ([0, 0, 4 * CS], 1 + 1)  # a's chunk 4, b's chunk 4
+    serial = run_grid(kt, [point], bytes_per_token=BPT, step_tokens=CS)
+    forked = run_grid(kt, [point, GridPoint(8 * 4096)], bytes_per_token=BPT, step_tokens=CS,
+                      jobs=2)
+    assert serial[0].hit_tokens == forked[0].hit_tokens == {"L1": 0, "disk": 6 * CS - 1}
+    with pytest.raises(ValueError, match="step_tokens"):
+        simulate(kt, point, bytes_per_token=BPT, step_tokens=-1)
+
+
 def test_write_on_evict_writes_nothing_that_was_never_evicted():
     a = _prompt(1, 2 * CS)
     kt = key_trace([_req(0, a), _req(1, a)])
