@@ -153,6 +153,13 @@ def worker_stat(conn: LMCReferenceConnector, key: str) -> float:
     return conn.stats().get(f"worker.{key}", 0.0)
 
 
+def disk_reads(conn: LMCReferenceConnector) -> float:
+    """Chunks the disk tier (the first lower tier) has served so far, as its manager counts
+    them (``<tier>.get_hits``; absent until the first read)."""
+    storage = conn.engine.storage
+    return storage.stats().get(f"{storage.lower[0].name}.get_hits", 0.0)
+
+
 def settle_promotions(conn: LMCReferenceConnector, keys: list[bytes],
                       reads_before: float | None = None, timeout: float = 30.0) -> None:
     """Wait until a lower-tier hit's read has ended and its chunks are in L1. A layer-wise
@@ -160,15 +167,16 @@ def settle_promotions(conn: LMCReferenceConnector, keys: list[bytes],
     the request returned: a repetition that empties L1 before that would find part of the
     prompt in L1 again. L1 holding every chunk is not enough -- the request's own save of
     its last chunk may land first, and that chunk's promotion after the next clear.
-    ``reads_before``: the disk tier's ``get_hits`` before the request (None: L1 only)."""
+    ``reads_before``: :func:`disk_reads` before the request (None: L1 only)."""
     l1, deadline = conn.engine.storage.l1, time.monotonic() + timeout
 
     def read_ended() -> bool:  # the read's end counts its hits, then promotes them
-        return reads_before is None or \
-            conn.engine.stats().get("cache.disk.get_hits", 0.0) - reads_before >= len(keys)
+        return reads_before is None or disk_reads(conn) - reads_before >= len(keys)
 
-    while (not read_ended() or l1.prefix_hits(keys) < len(keys)) \
-            and time.monotonic() < deadline:
+    while not (read_ended() and l1.prefix_hits(keys) >= len(keys)):
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"a lower-tier read of {len(keys)} chunks did not end and "
+                               f"promote in {timeout:.0f} s")
         time.sleep(0.005)
     time.sleep(0.02)  # the promotion runs right after the count, on the read's thread
 
@@ -313,7 +321,7 @@ def main(argv: list[str] | None = None) -> int:
         for _ in range(args.reps):
             conn.engine.storage.l1.clear()
             before = worker_stat(conn, "tokens_from_disk")
-            reads = conn.engine.stats().get("cache.disk.get_hits", 0.0)
+            reads = disk_reads(conn)
             t, c = ttft(llm, prompt)
             got = worker_stat(conn, "tokens_from_disk") - before
             assert c == n - 1 and got == n - 1, (f"disk hit: {c} tokens loaded, {got} counted "
