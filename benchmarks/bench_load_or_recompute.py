@@ -51,7 +51,7 @@ from lmc.connectors.reference import LMCReferenceConnector  # noqa: E402
 from lmc.reference import LLM  # noqa: E402
 
 BLOCK = 16
-SETTLE_S = 0.3  # before each measured run: the last one's background work is done
+SETTLE_S = 0.3  # before each measured run: the last one's background work is done (--settle)
 
 
 def log(msg: str) -> None:
@@ -142,7 +142,7 @@ class Bench:
             pass
         while eng.prefetches_pending() and time.monotonic() < deadline:
             time.sleep(0.01)  # the last run's prefetch (cancelled at admission) has ended
-        time.sleep(SETTLE_S)  # a layered read promotes from its own thread when it ends
+        time.sleep(self.args.settle)  # a layered read promotes from its own thread at its end
         if where == "lower":
             eng.storage.l1.delete(keys)
             assert eng.storage.l1.prefix_hits(keys) == 0
@@ -179,7 +179,7 @@ def measure(b: Bench, plain: LLM, prompt: list[int], where: str, reps: int, swee
         # promotions and the link's queue settle while the next run starts)
         for name in order[rep % len(order):] + order[: rep % len(order)]:
             if name == "no_cache":
-                time.sleep(SETTLE_S)
+                time.sleep(b.args.settle)
                 times[name].append(ttft(plain, prompt)[0])
                 continue
             policy = all_ if name == "load_all" else b.auto if name == "chosen" \
@@ -364,6 +364,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=None,
                     help="torch threads (default: 1 on the CPU, where the engine shares a "
                     "busy machine and spinning threads only add noise; torch's on CUDA)")
+    ap.add_argument("--settle", type=float, default=SETTLE_S,
+                    help="seconds of quiet before each measured run (the last run's promotions "
+                    "and prefetches end); the dry run's tiny model needs less")
     ap.add_argument("--json", help="also write the figures here")
     ap.add_argument("--inside", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)

@@ -122,7 +122,7 @@ if [ "$DRY" = 1 ] && [ "$HAS_CUDA" != 1 ]; then
     if [ "$(id -u)" = 0 ] && command -v tc >/dev/null && command -v redis-server >/dev/null; then
         echo "dry run: the same figures on the CPU, a tiny model, Redis over a tc-shaped link"
         timeout "$(lim 240)" $PY benchmarks/bench_load_or_recompute.py --device cpu --tokens 256,512 \
-            --hidden 256 --layers 2 --kv-heads 2 --heads 2 --reps 1 --grid 2 \
+            --hidden 256 --layers 2 --kv-heads 2 --heads 2 --reps 1 --grid 2 --settle 0.05 \
             --json "$RES/policy.json" || fails+=("bench_load_or_recompute (cpu)")
     else
         echo "dry run: the CPU stand-in of load or recompute needs root, tc and redis-server: skipped"
