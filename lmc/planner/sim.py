@@ -122,19 +122,13 @@ def simulate(trace: KeyedTrace, point: GridPoint, *, bytes_per_token: int, align
                 if got > 0:
                     per[lvl][i] += got
                     totals[lvl] += got
-        if step_tokens <= 0 or n - end <= step_tokens:
-            start = end - end % cs
-            store(keys[start // cs:], sizes[start // cs:])
-            for o in held:
-                o.release()
-            drain()
-            continue
-        # chunked prefill: each step saves the chunks it completed (the scheduler's
-        # plan_save; the prompt's partial tail with its last step), the load's chunks are
-        # held through the first step only, and the writer catches up between steps
+        # the prompt's steps (one without step_tokens): each saves the chunks it completed
+        # (the scheduler's plan_save; the partial tail with the last step), the load's
+        # chunks are held through the first step only, the queues drain after each step
+        # (the writer catches up while the next step computes)
         computed = end
-        while computed < n:
-            top = min(n, computed + step_tokens)
+        while True:
+            top = n if step_tokens <= 0 else min(n, computed + step_tokens)
             stop = n if top == n else top - top % cs
             a, b = computed // cs, -(-stop // cs)
             if b > a:
@@ -144,6 +138,8 @@ def simulate(trace: KeyedTrace, point: GridPoint, *, bytes_per_token: int, align
             held = ()
             drain()
             computed = top
+            if computed >= n:
+                break
     return SimResult(point, len(trace), trace.prompt_tokens,
                      {lvl: totals[j] for j, lvl in enumerate(levels)},
                      {lvl: per[j] for j, lvl in enumerate(levels)},

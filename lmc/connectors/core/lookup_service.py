@@ -360,30 +360,26 @@ def _read_start(sock: socket.socket, n: int) -> int:
     return int(start)
 
 
+# what each request magic asks for (the speeds request has no tokens: read apart)
+_REQ_KINDS = {REQ_MAGIC: "lookup", TAGGED_REQ_MAGIC: "lookup", PREFETCH_MAGIC: "prefetch",
+              TAGGED_PREFETCH_MAGIC: "prefetch"}
+_TAGGED = (TAGGED_REQ_MAGIC, TAGGED_PREFETCH_MAGIC)  # a 16-byte key tag before the tokens
+
+
 def read_request(sock: socket.socket) -> Request:
     magic, n = _REQ_HEAD.unpack(_recv_exact(sock, _REQ_HEAD.size))
     if magic == SPEEDS_REQ_MAGIC:
         if n != 0:
             raise LookupProtocolError(f"speeds request with a count of {n} (must be 0)")
         return Request("speeds")
-    start = 0
-    tag = None
-    if magic in (TAGGED_REQ_MAGIC, TAGGED_PREFETCH_MAGIC) and n > MAX_TOKENS:
-        # before reading anything more
+    if magic not in _REQ_KINDS:
+        _check_magic(magic, REQ_MAGIC, "lookup request")  # raises, naming what came
+    kind = _REQ_KINDS[magic]
+    if n > MAX_TOKENS:  # before reading anything more
         raise LookupProtocolError(f"request of {n} tokens exceeds the limit of {MAX_TOKENS}")
-    if magic == TAGGED_REQ_MAGIC:
-        tag = _recv_exact(sock, TAG_BYTES)
-    elif magic == TAGGED_PREFETCH_MAGIC:
-        start = _read_start(sock, n)
-        tag = _recv_exact(sock, TAG_BYTES)
-    elif magic == PREFETCH_MAGIC:
-        start = _read_start(sock, n)
-    else:
-        _check_magic(magic, REQ_MAGIC, "lookup request")
-    if n > MAX_TOKENS:
-        raise LookupProtocolError(f"request of {n} tokens exceeds the limit of {MAX_TOKENS}")
+    start = _read_start(sock, n) if kind == "prefetch" else 0
+    tag = _recv_exact(sock, TAG_BYTES) if magic in _TAGGED else None
     tokens = np.frombuffer(_recv_exact(sock, 4 * n), dtype="<u4")
-    kind = "prefetch" if magic in (PREFETCH_MAGIC, TAGGED_PREFETCH_MAGIC) else "lookup"
     return Request(kind, tokens, start, tag)
 
 
