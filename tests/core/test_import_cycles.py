@@ -134,7 +134,8 @@ def test_layerwise_copies_know_the_engine_only_through_their_protocol():
 # time, only folders of its own rank or below. Ranks, lowest first:
 RANKS: list[tuple[str, ...]] = [
     ("lmc.units", "lmc.ratelog", "lmc.settings", "lmc.config", "lmc.metrics",
-     "lmc.token_database", "lmc._tokens"),
+     "lmc.token_database", "lmc._tokens", "lmc.strict_json", "lmc.bounded_io",
+     "lmc.user_cache"),
     ("lmc.memory",),
     ("lmc.transfer",),
     ("lmc.storage",),
