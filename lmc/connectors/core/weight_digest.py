@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import xxhash
 
 SEGMENT = 256 << 20  # hashed alone, in parallel with others; part of the digest's definition
-BLOCK = 8 << 20  # one read: the bounded buffer each hashing thread holds
+BLOCK = 1 << 20  # one read: the bounded buffer each thread holds (1 MiB: still in cache when hashed)
 DIGEST_FORMAT = f"xxh3_128/segments-{SEGMENT}"
 MAX_THREADS = 8
 

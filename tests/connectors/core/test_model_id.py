@@ -174,7 +174,7 @@ def test_a_long_digest_reports_progress_and_one_line_at_the_end(tmp_path, monkey
     ckpt = tmp_path / "p"
     ckpt.mkdir()
     (ckpt / "config.json").write_text("{}")
-    (ckpt / "w.safetensors").write_bytes(os.urandom(4 * weight_digest.BLOCK))
+    (ckpt / "w.safetensors").write_bytes(os.urandom(32 << 20))
     import lmc.connectors.core.model_id as mid
 
     monkeypatch.setattr(mid, "Progress", lambda total, say: weight_digest.Progress(total, say,
