@@ -36,7 +36,7 @@ import xxhash
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from lmc.connectors.core import weight_digest  # noqa: E402
+from lmc.connectors.core import digest_cache, weight_digest  # noqa: E402
 from lmc.connectors.core.digest_cache import DigestCache  # noqa: E402
 from lmc.connectors.core.model_id import model_identity  # noqa: E402
 
@@ -148,6 +148,7 @@ def run(work: Path, total: int, files: int, reps: int) -> int:
     root, cache_dir = work / "ckpt", work / "digests"
     t0 = time.perf_counter()
     paths = write_checkpoint(root, total, files)
+    time.sleep(digest_cache.RACY_NS / 1e9 + 0.1)  # files changed this recently are not cached
     threads = weight_digest.threads_for(total)
     load = os.getloadavg()[0]
     print(f"checkpoint: {total / GB:.2f} GB in {files} file(s), written in "

@@ -5,7 +5,9 @@ weight file's real path to the digest of its bytes and the state it had when has
 mtime and ctime in nanoseconds, inode and device. An entry is used only while all of them
 match the file now: rewriting a file, touching it, copying another over it or renaming one
 into its place changes one of them (ctime cannot be set by a user: even a write that puts
-the old mtime back moves it).
+the old mtime back moves it). A file changed less than :data:`RACY_NS` before its digest would
+be stored is not stored: where timestamps are coarse (seconds), a same-size rewrite within the
+same tick would otherwise look unchanged.
 
 The file decides which KV a model is served, so whoever can write it could name the wrong
 weights: it lives in a folder only this user can write (``0700``), is written ``0600``
@@ -51,6 +53,7 @@ CACHE_FORMAT = 1
 MAX_ENTRIES = 4096
 MAX_FILE_BYTES = 4 << 20
 MAX_PATH_CHARS = 4096
+RACY_NS = 3_000_000_000  # a file changed this recently is hashed again next time
 _FIELDS = ("size", "mtime_ns", "ctime_ns", "ino", "dev")
 _ENTRY_KEYS = frozenset(_FIELDS) | {"digest", "stored"}
 _HEX32 = re.compile(r"[0-9a-f]{32}")
@@ -122,22 +125,30 @@ class DigestCache:
         return check_document(doc)
 
     # ----------------------------------------------------------------- writing
-    def put(self, results: dict[str, tuple[FileState, str]]) -> None:
-        """Record digests (merged with what other processes recorded meanwhile)."""
+    def put(self, results: dict[str, tuple[FileState, str]]) -> int:
+        """Record digests (merged with what other processes recorded meanwhile); returns how
+        many were recorded. A file changed within :data:`RACY_NS` of now is not: on a file
+        system with coarse timestamps a rewrite in the same tick, same size, would keep
+        every field of its state (git's "racily clean" entries)."""
         if self.path is None or not results:
-            return
+            return 0
+        now_ns = time.time_ns()
+        fresh = {p: r for p, r in results.items() if len(p) <= MAX_PATH_CHARS
+                 and max(r[0].mtime_ns, r[0].ctime_ns) <= now_ns - RACY_NS}
+        if not fresh:
+            return 0
         try:
             with self._locked(".lock", fcntl.LOCK_EX):
                 entries = self._entries()
-                now = time.time()
-                for state, digest in results.values():
-                    if len(state.path) <= MAX_PATH_CHARS:
-                        entries[state.path] = {**{k: getattr(state, k) for k in _FIELDS},
-                                               "digest": digest, "stored": now}
+                for state, digest in fresh.values():
+                    entries[state.path] = {**{k: getattr(state, k) for k in _FIELDS},
+                                           "digest": digest, "stored": now_ns / 1e9}
                 self._write(_pruned(entries))
         except OSError as e:
             log.warning("weight digests not cached (%s): the next start hashes them again",
                         e.strerror or e)
+            return 0
+        return len(fresh)
 
     def _write(self, entries: dict[str, dict[str, Any]]) -> None:
         assert self.path is not None

@@ -120,10 +120,16 @@ def weight_digests(states: list[FileState], name: str, cache: DigestCache) -> di
             out.update(cache.lookup([s]) or _hash(cache, [s], progress))
     dt = time.monotonic() - t0
     others = len(states) - len(missing)
+    if cache.path is None:
+        where = ": no (cache folder unusable)"
+    elif progress.uncached:
+        where = (f" in {cache.path}, but for {progress.uncached} file(s) changed in the last "
+                 "seconds (hashed again next time)")
+    else:
+        where = f" in {cache.path}"
     log.info("model identity of %s: hashed %s of weights in %s (%s)%s; digests cached%s",
              name, size(progress.done), seconds(dt), rate(progress.done / max(dt, 1e-9)),
-             f", {others} more files' digests from the cache" if others else "",
-             f" in {cache.path}" if cache.path is not None else ": no (cache folder unusable)")
+             f", {others} more files' digests from the cache" if others else "", where)
     return out
 
 
@@ -131,7 +137,7 @@ def _hash(cache: DigestCache, states: list[FileState], progress: Progress) -> di
     if not states:
         return {}
     results = digest_files([s.path for s in states], progress)
-    cache.put(results)
+    progress.uncached += len(results) - cache.put(results)
     return {path: digest for path, (_, digest) in results.items()}
 
 

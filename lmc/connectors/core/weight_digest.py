@@ -73,6 +73,7 @@ class Progress:
                  every: float = 10.0) -> None:
         self.total, self.say, self.every = total, say, every
         self.done = 0
+        self.uncached = 0  # files hashed but too freshly changed to cache (digest_cache)
         self.start = self._last = time.monotonic()
         self._lock = threading.Lock()
 

@@ -29,7 +29,10 @@ WEIGHTS = 24 << 20
 
 @pytest.fixture(autouse=True)
 def own_cache(tmp_path, monkeypatch):
+    """Each test its own cache folder; files written a moment ago are cached (the racy
+    window is tested on its own below)."""
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    monkeypatch.setattr(digest_cache, "RACY_NS", 0)
     digest_cache._warned.clear()
 
 
@@ -66,6 +69,24 @@ def test_a_warm_start_reads_no_weights(tmp_path):
     mode = stat.S_IMODE(cache_file(tmp_path).stat().st_mode)
     assert mode == 0o600, oct(mode)
     assert stat.S_IMODE(cache_file(tmp_path).parent.stat().st_mode) == 0o700
+
+
+def test_a_file_changed_moments_before_it_is_hashed_is_not_cached(tmp_path, monkeypatch,
+                                                                  caplog):
+    """Where timestamps are coarse, a same-size rewrite in the same tick keeps every field of
+    a file's state: a digest is stored only for a file unchanged for RACY_NS."""
+    monkeypatch.setattr(digest_cache, "RACY_NS", 3_600 * 10**9)  # an hour: everything is new
+    ckpt = checkpoint(tmp_path / "m")
+    with caplog.at_level(logging.INFO, "lmc.connectors.core.model_id"):
+        first = model_identity(ckpt)
+    assert "but for 1 file(s) changed in the last seconds" in caplog.text
+    again, n = read_by(lambda: model_identity(ckpt))
+    assert again == first and n >= WEIGHTS
+    assert not cache_file(tmp_path).exists()
+    monkeypatch.setattr(digest_cache, "RACY_NS", 0)
+    model_identity(ckpt)
+    _, n = read_by(lambda: model_identity(ckpt))
+    assert n < WEIGHTS // 20
 
 
 def test_a_touch_a_rewrite_or_a_replacement_is_read_again(tmp_path):
@@ -113,6 +134,7 @@ def test_several_processes_on_one_checkpoint_read_each_file_once(tmp_path):
 
 def _rank(ckpt: str, xdg: str, barrier, results) -> None:
     os.environ["XDG_CACHE_HOME"] = xdg
+    digest_cache.RACY_NS = 0  # the files were written a moment ago
     barrier.wait()
     ident, n = read_by(lambda: model_identity(ckpt))
     results.put((ident, n))

@@ -16,15 +16,17 @@ from pathlib import Path
 
 import pytest
 
-from lmc.connectors.core import weight_digest
+from lmc.connectors.core import digest_cache, weight_digest
 from lmc.connectors.core.model_id import engine_model_id, model_identity
 from lmc.reference import make_tiny_checkpoint
 
 
 @pytest.fixture(autouse=True)
 def own_cache(tmp_path, monkeypatch):
-    """Each test its own lmc cache folder (the digests of the weights live there)."""
+    """Each test its own lmc cache folder (the digests of the weights live there); files
+    written a moment ago are cached (``test_digest_cache.py`` tests that window)."""
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    monkeypatch.setattr(digest_cache, "RACY_NS", 0)
 
 
 @pytest.fixture(scope="module")
