@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from lmc.blend.connector import BlendConnector
 from lmc.blend.verdict import VERDICT_NAME, read_verdict
 from lmc.cli import main
+from lmc.connectors.reference.blend import BlendConnector
 from lmc.reference import LLM
 from tests.blend.helpers import LMC, rag_prompt, tokens
 
@@ -55,14 +55,14 @@ def test_a_failing_verdict_keeps_blending_off(model: Path, capsys: pytest.Captur
     assert rc == 1 and "verdict: FAIL" in capsys.readouterr().out
     ids, spans = rag_prompt([tokens(1, 30), tokens(2, 30)], tokens(3, 5))
     plain = LLM(model, num_blocks=96).generate(ids, max_tokens=3, ignore_eos=True)[0]
-    with caplog.at_level(logging.INFO, logger="lmc.blend.connector"):
+    with caplog.at_level(logging.INFO, logger="lmc.connectors.reference.blend"):
         llm, conn = _blend(model)
     assert conn.blender is None and "blending off" in caplog.text and "failed" in caplog.text
     with llm:  # the segments are computed as plain prompt tokens: the same output
         out = llm.generate(ids, max_tokens=3, ignore_eos=True, segments=spans)[0]
     assert out.token_ids == plain.token_ids
     caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="lmc.blend.connector"):
+    with caplog.at_level(logging.WARNING, logger="lmc.connectors.reference.blend"):
         forced = LLM(model, num_blocks=96, lmc_config=LMC, blend={"override": True})
     assert forced.kv_connector.blender is not None and "forced on" in caplog.text
     forced.close()
@@ -80,7 +80,7 @@ def test_verdicts_for_other_weights_or_dtypes_or_garbage_are_not_trusted(
     for why, doc in cases.items():
         (model / VERDICT_NAME).write_text(json.dumps(doc))
         caplog.clear()
-        with caplog.at_level(logging.INFO, logger="lmc.blend.connector"):
+        with caplog.at_level(logging.INFO, logger="lmc.connectors.reference.blend"):
             llm, conn = _blend(model)
         llm.close()
         assert conn.blender is None and why in caplog.text, (why, caplog.text)
@@ -143,7 +143,7 @@ def test_a_verdict_for_the_original_does_not_pass_for_changed_weights(
                  "--min-agreement", "0"]) == 0
     changed = _fine_tuned(model, tmp_path / "b")
     assert (changed / VERDICT_NAME).is_file()
-    with caplog.at_level(logging.INFO, logger="lmc.blend.connector"):
+    with caplog.at_level(logging.INFO, logger="lmc.connectors.reference.blend"):
         llm, conn = _blend(changed)
     llm.close()
     assert conn.blender is None and "is for" in caplog.text, caplog.text
@@ -157,7 +157,7 @@ def test_a_verdict_nested_200_kb_deep_is_no_verdict_never_a_crash(
     """docs/blending.md: "no verdict, never a crash" (the reader raised RecursionError out of
     register_kv_caches)."""
     (model / VERDICT_NAME).write_text("[" * 200_000)
-    with caplog.at_level(logging.INFO, logger="lmc.blend.connector"):
+    with caplog.at_level(logging.INFO, logger="lmc.connectors.reference.blend"):
         llm, conn = _blend(model)
     llm.close()
     assert conn.blender is None
@@ -198,7 +198,7 @@ def test_with_a_secret_only_a_verdict_it_signed_enables_blending(
     def gate_says(doc: dict, secret: str | None = SECRET) -> tuple[bool, list[str]]:
         path.write_text(json.dumps(doc))
         caplog.clear()
-        with caplog.at_level(logging.INFO, logger="lmc.blend.connector"):
+        with caplog.at_level(logging.INFO, logger="lmc.connectors.reference.blend"):
             llm, conn = _blend_with_secret(model, secret)
         llm.close()
         return conn.blender is not None, [r.getMessage() for r in caplog.records

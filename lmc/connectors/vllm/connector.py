@@ -189,7 +189,9 @@ class LMCConnector(KVConnectorBase_V1):
             cache = per_rank_disks(settings.cache, rank, tp_size)
             model_id = _model_id(vllm_config, opts.model_id, cache.model_revision)
             self._worker = WorkerSide(cache, model_id, rank, tp_size, block_size, opts.layerwise,
-                                      paths[rank], remote_wait=opts.remote_prefill_wait)
+                                      paths[rank], remote_wait=opts.remote_prefill_wait,
+                                      model_shape=getattr(vllm_config.model_config,
+                                                          "hf_text_config", None))
 
     @property
     def requires_kv_delivery(self) -> bool:
