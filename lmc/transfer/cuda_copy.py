@@ -73,6 +73,7 @@ from lmc.transfer.completion import Completion, EventCompletion
 from lmc.transfer.kv_layouts import PlaneStrides
 from lmc.transfer.kv_spec import KVCaches, KVSpec
 from lmc.transfer.torch_copy import ChunkPlan, KVTransfer, TransferPlan
+from lmc.user_cache import cache_dir
 
 KERNEL_SOURCE = Path(__file__).with_name("csrc") / "kv_transfer.cu"
 VECTOR_WIDTHS = (16, 8, 4, 2, 1)
@@ -438,8 +439,7 @@ PATHS_FILE_BYTES = 1 << 20  # a device's entry is ~1 KB: a larger file is not lm
 def paths_cache_file() -> Path:
     """Where calibrations are kept: the user's cache dir (``$XDG_CACHE_HOME`` or
     ``~/.cache``), ``lmc/copy_paths.json``."""
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "lmc" / "copy_paths.json"
+    return cache_dir() / "copy_paths.json"
 
 
 @functools.cache
