@@ -217,6 +217,9 @@ class LMCReferenceConnector(KVConnector):
         elif self.engine.spec.namespace_fields() != spec.namespace_fields():
             raise ValueError(f"the given CacheEngine's KV spec {self.engine.spec} does not "
                              f"match the engine's KV cache {spec}")
+        # first-use costs at registration, never the first request's (as vLLM's worker):
+        # the pool's first touch ends here, the compute floor is measured here
+        self.engine.pool.wait_ready()
         if self.engine.speeds.prefill.floor is None and self._model_dir is not None:
             self.engine.speeds.prefill.floor = _compute_floor(
                 self._model_dir, next(iter(kv_caches.values())).device, spec.dtype)
