@@ -140,12 +140,12 @@ RANKS: list[tuple[str, ...]] = [
     ("lmc.transfer",),
     ("lmc.storage",),
     ("lmc.cache_engine", "lmc.layerwise", "lmc.events"),
-    ("lmc.http.json_api",),
+    ("lmc.http",),  # what every HTTP front shares
     # the built-in engine knows lmc only by name (connector_api.CONNECTOR_MODULES); its
     # segment blending builds on the API
     ("lmc.reference", "lmc.blend"),
     ("lmc.connectors",),
-    ("lmc.server", "lmc.p2p", "lmc.http", "lmc.router", "lmc.blend.gate", "lmc.planner",
+    ("lmc.server", "lmc.p2p", "lmc.router", "lmc.blend.gate", "lmc.planner",
      "lmc.workloads", "lmc.testing", "lmc.demo", "lmc.cli", "lmc.config_cli", "lmc"),
 ]
 # the network tiers speak their servers' protocols: client code that lives with the server

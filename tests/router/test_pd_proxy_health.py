@@ -24,8 +24,8 @@ from typing import Any
 import pytest
 
 from lmc.http.json_api import HttpLimits
-from lmc.http.pd_proxy import Proxy
 from lmc.reference import make_tiny_checkpoint
+from lmc.router.pd_proxy import Proxy
 from tests.http_attack_kit import LIMITS, exchange, read_answer
 from tests.router.helpers import ROOT, Instance, free_port, http, start, wait_ready
 
