@@ -25,10 +25,10 @@ matched with the prompt keyed under that salt.
 
 Bounds: a message is at most 64 MiB (``MAXMSGSIZE``: a larger one disconnects the
 publisher), each SUB queues at most 1,000 messages (then ZMQ drops: a gap, filled by replay),
-a replay or dump is read for at most ``REPLAY_TIMEOUT`` seconds and ``MAX_REPLAY`` batches (:mod:`lmc.router.sync`)
-(applied as they come, into an index bounded as the live one), and at most 1,000 batches /
-64 MiB per source wait for a request under way; a failed request is retried
-``RETRY`` seconds later at the earliest.
+a replay or dump is read for at most ``REPLAY_TIMEOUT`` seconds and ``MAX_REPLAY`` batches
+(:mod:`lmc.router.sync`: applied as they come, into an index bounded as the live one), and
+at most 1,000 batches / 64 MiB per source wait for a request under way; a failed request is
+retried ``RETRY`` seconds later at the earliest.
 """
 
 from __future__ import annotations
