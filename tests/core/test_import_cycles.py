@@ -141,7 +141,7 @@ RANKS: list[tuple[str, ...]] = [
     ("lmc.cache_engine", "lmc.layerwise", "lmc.events"),
     ("lmc.connectors",),
     ("lmc.server", "lmc.p2p", "lmc.http", "lmc.router", "lmc.blend", "lmc.planner",
-     "lmc.workloads", "lmc.reference", "lmc.testing", "lmc.demo", "lmc.cli", "lmc.config_cli",
+     "lmc.workloads", "lmc.reference", "lmc.models", "lmc.testing", "lmc.demo", "lmc.cli", "lmc.config_cli",
      "lmc"),
 ]
 # the network tiers speak their servers' protocols: client code that lives with the server
