@@ -21,7 +21,6 @@ import numpy as np
 import pytest
 import torch
 
-from lmc.models import ChatTemplate
 from lmc.models.texts import bundled_text
 from lmc.reference import LLM
 from lmc.reference.tokenizer import Tokenizer
@@ -173,15 +172,20 @@ def test_bf16_is_close_to_fp32(model_dir: Path, text_ids: list[int],
     assert perplexity(got, ids) == pytest.approx(perplexity(ref, ids), rel=0.05)
 
 
-def test_greedy_chat_answer_matches_the_gguf_forward(model_dir: Path, gguf_model) -> None:
-    template = ChatTemplate.from_model_dir(model_dir)
-    assert template is not None
+def test_chat_answer_matches_the_gguf_forward(model_dir: Path, gguf_model) -> None:
+    """``LLM.chat`` renders the checkpoint's template and stops at the end of the turn; the
+    answer is the independent forward's greedy tokens."""
     with LLM(model_dir, max_model_len=2048) as llm:
-        assert llm.tokenizer is not None
-        prompt = llm.tokenizer.encode(template.render(QUESTION), add_special_tokens=False)
-        out = llm.generate([prompt], max_tokens=24)[0]
+        out = llm.chat(QUESTION, max_tokens=24)[0]
+        prompt = llm.encode_chat(QUESTION)
+        again = llm.chat([QUESTION, QUESTION + [
+            {"role": "assistant", "content": out.text},
+            {"role": "user", "content": "And of Germany?"}]], max_tokens=24)
     assert out.text == "The capital of France is Paris."
     assert out.finish_reason == "stop" and out.token_ids[-1] == 2  # <|im_end|> ends the turn
+    assert out.prompt_token_ids == prompt and prompt[:2] == [1, 9690]  # <|im_start|>system
+    assert again[0].token_ids == out.token_ids
+    assert again[1].text == "The capital of Germany is Berlin."
     ids = list(prompt)
     with torch.no_grad():
         for _ in out.token_ids:
