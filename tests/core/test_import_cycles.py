@@ -142,8 +142,9 @@ RANKS: list[tuple[str, ...]] = [
     ("lmc.cache_engine", "lmc.layerwise", "lmc.events"),
     ("lmc.http",),  # what every HTTP front shares
     # the built-in engine knows lmc only by name (connector_api.CONNECTOR_MODULES); its
-    # segment blending builds on the API
-    ("lmc.reference", "lmc.blend"),
+    # segment blending builds on the API; the models it runs come from lmc.models (its
+    # checkpoints and chat templates)
+    ("lmc.reference", "lmc.blend", "lmc.models"),
     ("lmc.connectors",),
     ("lmc.server", "lmc.p2p", "lmc.router", "lmc.blend.gate", "lmc.planner",
      "lmc.workloads", "lmc.testing", "lmc.demo", "lmc.cli", "lmc.config_cli", "lmc"),
