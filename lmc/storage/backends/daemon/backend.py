@@ -149,8 +149,8 @@ class ServerBackend(StorageBackend):
         conn = ClientConnection(self.address, self._token, self.timeout, self._client_name)
         ev = getattr(conn, "kv_events", None)
         if self.block_notes is not None:  # keep noting while a daemon publishes at our size
-            self.block_notes.told(self.block_notes_slot, bool(ev) and ev.get("block_size")
-                                  == self.block_notes.block_size)
+            self.block_notes.told(self.block_notes_slot, bool(ev) and ev is not None
+                                  and ev.get("block_size") == self.block_notes.block_size)
         return conn
 
     def _acquire(self) -> ClientConnection:
