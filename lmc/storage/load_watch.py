@@ -33,6 +33,7 @@ in flight: the last piece, whose progress a ``get`` cannot show, always finishes
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -102,6 +103,8 @@ def read_watched(get: Callable[[list[Key]], list[MemoryObj | None]],
     ``get`` on ``executor``, stopping by ``watch``'s rule; a miss also ends the read (the
     fetch keeps only a prefix). Answers an object or ``None`` per key. A piece abandoned in
     flight is handed, once it returns, to ``abandon(keys, objs)`` (which owns them)."""
+    if not keys or math.isinf(watch.limit(chunk_index[0])):
+        return get(keys)  # compute unknown: nothing to stop for, one read as unwatched
     out: list[MemoryObj | None] = [None] * len(keys)
     n = len(keys)
     done = 0
