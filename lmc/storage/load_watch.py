@@ -27,7 +27,12 @@ them (vLLM's and the reference engine's load-error path).
 Pieces: the first is one chunk (the tier's rate is learnt from it), each later one a
 quarter of what remains (one chunk at least), so a fast tier is read in a few calls and a
 slowdown is seen within a quarter of the rest. A stop needs chunks left after the piece
-in flight: the last piece, whose progress a ``get`` cannot show, always finishes.
+in flight: the last piece, whose progress a ``get`` cannot show, always finishes. The
+cost, measured: 8 chunks (32 MiB) from an ``lmc server`` on loopback in single-chunk
+pieces took 49 ms against 40 ms as one batch over its 4 connections. Bigger pieces once
+the rest looks cheap (a rest 8x slower than the last piece still beating recomputing)
+won that back but let a link that slows 4,000x inside that last piece run to its end;
+two pieces in flight would keep both (not done yet).
 """
 
 from __future__ import annotations
