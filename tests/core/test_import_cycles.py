@@ -135,7 +135,7 @@ def test_layerwise_copies_know_the_engine_only_through_their_protocol():
 RANKS: list[tuple[str, ...]] = [
     ("lmc.units", "lmc.ratelog", "lmc.settings", "lmc.config", "lmc.metrics",
      "lmc.token_database", "lmc._tokens", "lmc.strict_json", "lmc.bounded_io",
-     "lmc.user_cache"),
+     "lmc.user_cache", "lmc.priority"),
     ("lmc.memory",),
     ("lmc.transfer",),
     ("lmc.storage",),
