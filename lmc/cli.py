@@ -32,6 +32,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "plan": ("lmc.planner.cli", "size the cache tiers for a trace: hit rate and predicted "
              "TTFT per configuration"),
     "blend-check": ("lmc.blend.gate", "measure blending's quality for a model; write its verdict"),
+    "model": ("lmc.models.cli", "get a real model's checkpoint (offline, from a package); "
+              "list those converted"),
 }
 COMMAND_MODULES = tuple(dict.fromkeys(module for module, _ in COMMANDS.values()))
 

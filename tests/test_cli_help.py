@@ -92,7 +92,8 @@ def test_closed_stdout_is_quiet(argv):
 
 @pytest.mark.parametrize("argv", [["--help"], ["--version"], ["stats", "--help"],
                                   ["demo", "--help"], ["bench", "--help"], ["config", "--keys"],
-                                  ["workload", "chat", "--help"], ["replay", "--help"]])
+                                  ["workload", "chat", "--help"], ["replay", "--help"],
+                                  ["model", "list"], ["model", "get", "--help"]])
 def test_help_and_light_commands_do_not_import_torch(argv):
     """torch takes seconds to import: ``lmc --help`` and the commands that never touch a
     tensor answer without it (``lmc`` imports its public names lazily)."""

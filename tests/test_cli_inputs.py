@@ -316,3 +316,37 @@ def test_range_types_take_only_what_is_in_range(text, lo, width):
             assert "expected" in str(e)
             continue
         assert ok(value), (text, value)
+
+
+# ------------------------------------------------------------ memory the reading takes
+def _lmc_under_3_gib(*args: str | Path, cwd: Path) -> subprocess.CompletedProcess:
+    """``lmc`` in a process whose address space is capped at 3 GiB (``RLIMIT_AS``)."""
+    code = ("import resource, sys; resource.setrlimit(resource.RLIMIT_AS, (3 << 30, 3 << 30)); "
+            "from lmc.cli import main; sys.exit(main(sys.argv[1:]))")
+    return subprocess.run([sys.executable, "-c", code, *map(str, args)], cwd=cwd,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True,
+                          text=True, timeout=300)
+
+
+def test_sharegpt_reads_a_small_file_under_a_3_gib_address_space(tmp_path):
+    """The 4 GiB bound used to be one ``f.read(4 GiB + 1)``, which reserves the whole buffer
+    before reading: a 100-byte file failed with MemoryError under a 3 GiB limit."""
+    path = tmp_path / "sg.json"
+    path.write_text(json.dumps([{"id": "a", "conversations": [
+        {"from": "human", "value": "Hi?"}, {"from": "gpt", "value": "Hello."}]}]))
+    assert path.stat().st_size < 200
+    out = _lmc_under_3_gib("workload", "sharegpt", path, "-o", tmp_path / "o.jsonl",
+                           cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert (tmp_path / "o.jsonl").read_text().count("\n") == 1
+
+
+def test_sharegpt_past_the_bound_is_named_by_its_size_not_read(tmp_path):
+    """A 5 GiB file (sparse: no disk used) is refused by its size, under the same limit,
+    with the named error: not read into memory first."""
+    path = tmp_path / "huge.json"
+    with open(path, "wb") as f:
+        f.truncate(5 << 30)
+    out = _lmc_under_3_gib("workload", "sharegpt", path, "-o", tmp_path / "o.jsonl",
+                           cwd=tmp_path)
+    refused(out, str(path), "larger than 4,294,967,296 bytes")

@@ -22,11 +22,11 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from lmc.blend.connector import BlendConnector, BlendSettings, dtype_name
-from lmc.blend.keys import encode_pieces
 from lmc.blend.quality import Capture, compare, run_prompt
 from lmc.blend.rag_workload import make_rag_workload, read_jsonl
 from lmc.blend.verdict import RatioResult, Verdict, default_verdict_path
+from lmc.connectors.reference.blend import BlendConnector, BlendSettings, dtype_name
+from lmc.reference.segments import encode_pieces
 from lmc.units import size
 
 DEFAULT_RATIOS = (0.0, 0.05, 0.15, 0.3, 0.5, 1.0)
@@ -66,7 +66,7 @@ def run_check(model_dir: str | Path, prompts: Sequence[Prompt], ratios: Sequence
     pool = max(64 << 20, 2 * seg_tokens * per_token + CHUNK_SIZE * per_token * 4)
     fulls = [run_prompt(full_llm, ids, None, gen_tokens) for ids, _ in prompts]
     say(f"full prefill of {len(prompts)} prompts done; lmc pool {size(pool)}")
-    quiet = logging.getLogger("lmc.blend.connector")
+    quiet = logging.getLogger("lmc.connectors.reference.blend")
     level = quiet.level
     quiet.setLevel(logging.ERROR)  # the check itself runs forced on: not news to the user
     try:

@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from lmc.blend.keys import DEFAULT_SEPARATOR, Span, encode_pieces
+from lmc.reference.segments import DEFAULT_SEPARATOR, Span, encode_pieces
 
 MAX_LINE_BYTES = 1 << 20
 MAX_PROMPTS = 10_000

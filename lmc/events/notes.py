@@ -13,10 +13,15 @@ A tagged request's chunks (LoRA, ``cache_salt``: :class:`~lmc.token_database.Roo
 are never noted: their chain starts from a root the daemon cannot check, and describing them
 would put them in the daemon's events as the base model's. Their PUTs carry no block info.
 
-Nothing is noted until a tier calls :meth:`ChunkNotes.activate` (the ``lmc://`` tier does
-once the daemon's HELLO says it publishes events): before that the wrapper costs one
-attribute test per call. Then each keyed prompt costs a dict insert per new chunk, under a
-lock (the tier reads from its own threads).
+Notes are taken from the moment they are bound, before any tier has spoken to its daemon:
+a tier opens its connection (and so learns from the HELLO whether the daemon publishes)
+only at its first call, which may be the very PUT of a chunk keyed earlier -- a chunk
+stored before any lookup must still be published. Each tier then tells the notes what its
+HELLO said (:meth:`ChunkNotes.told`); once every bound tier has said its daemon does not
+publish at this block size, noting stops and what was noted is dropped (the wrapper then
+costs one attribute test per call), and starts again if a daemon later says it does.
+While active, each keyed prompt costs a dict insert per new chunk, under a lock (the tier
+reads from its own threads).
 """
 
 from __future__ import annotations
@@ -43,22 +48,42 @@ class ChunkNotes:
     """Chunk key -> (prompt, index), bounded; what a tier needs to describe a chunk."""
 
     def __init__(self, namespace: bytes, chunk_size: int, block_size: int,
-                 max_chunks: int = 1 << 16) -> None:
+                 max_chunks: int = 1 << 16, tiers: int = 1) -> None:
         if block_size < 1 or chunk_size % block_size:
             raise ValueError(f"block size {block_size} must divide chunk_size {chunk_size}")
         self.namespace = namespace
         self.chunk_size = chunk_size
         self.block_size = block_size
         self.max_chunks = max_chunks
-        self.active = False
+        self.active = True  # until every tier's daemon has said it does not publish
         self._lock = threading.Lock()
         self._by_key: OrderedDict[bytes, tuple[bytes, bytes, int]] = OrderedDict()
+        self._unheard = set(range(tiers))  # tiers whose daemon has not said yet
+        self._wanting: set[int] = set()  # tiers whose daemon publishes at our block size
+        self._told_on = False
 
-    def activate(self) -> None:
-        if not self.active:
-            self.active = True
+    def told(self, tier: int, publishes: bool) -> None:
+        """Tier number ``tier``'s daemon said (in a HELLO) whether it publishes events at
+        this block size; notes are kept while any tier's does or has not said yet."""
+        with self._lock:
+            self._unheard.discard(tier)
+            (self._wanting.add if publishes else self._wanting.discard)(tier)
+            active = bool(self._unheard or self._wanting)
+            if not active:
+                self._by_key.clear()
+            was, self.active = self.active, active
+        if publishes and not self._told_on:
+            self._told_on = True
             log.info("KV events: the shared store publishes; its PUTs carry block info "
                      "(block size %d)", self.block_size)
+        elif was and not active:
+            log.info("KV events: no shared store publishes at block size %d; chunks are "
+                     "not noted", self.block_size)
+
+    def activate(self) -> None:
+        """Note from now on whatever the tiers said (a test's, or a single tier's, way)."""
+        with self._lock:
+            self.active = True
 
     def note(self, tokens: Tokens, keys: Sequence[ChunkKey], n: int) -> None:
         """``keys`` are the chunk keys of ``tokens[:n]`` from the prompt's start; the chunks
@@ -132,13 +157,14 @@ def bind(engine: Any, block_size: int | None = None) -> ChunkNotes | None:
         block_size = int(ev.get("block_size") or 0) or int(engine.spec.block_size)
     db: ChunkedTokenDatabase = engine.db
     try:
-        notes = ChunkNotes(db.namespace, db.chunk_size, block_size)
+        notes = ChunkNotes(db.namespace, db.chunk_size, block_size, tiers=len(tiers))
     except ValueError as e:
         log.warning("KV events: no block info for the shared store: %s", e)
         return None
     engine.db = NotesDatabase(db, notes)
-    for t in tiers:
+    for i, t in enumerate(tiers):
         while "inner" in vars(t):  # a wrapper tier (lmc.storage.wrappers): the tier it wraps
             t = vars(t)["inner"]
         t.block_notes = notes
+        t.block_notes_slot = i
     return notes

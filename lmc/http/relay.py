@@ -28,6 +28,7 @@ import logging
 import urllib.parse
 from typing import Any
 
+from lmc.bounded_io import read_at_most
 from lmc.http.json_api import HttpError, JsonHandler
 
 log = logging.getLogger(__name__)
@@ -75,8 +76,9 @@ class Upstream:
 
 
 def read_bounded(r: http.client.HTTPResponse, limit: int, url: str) -> bytes:
-    """An upstream answer's body, refused (502) past ``limit`` bytes."""
-    data = r.read(limit + 1)
+    """An upstream answer's body, refused (502) past ``limit`` bytes; read in pieces, so an
+    answer holds what arrived, never the limit reserved up front."""
+    data = read_at_most(r, limit)
     if len(data) > limit:
         raise HttpError(502, f"{url} answered more than {limit} bytes")
     if r.length:  # its Content-Length promised more than came before it hung up

@@ -49,7 +49,9 @@ Engine guarantees:
 
 from __future__ import annotations
 
+import importlib
 from abc import ABC, abstractmethod
+from types import ModuleType
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
@@ -163,3 +165,19 @@ class KVConnector(ABC):
 
     def shutdown(self) -> None:  # noqa: B027 - optional hook
         """Release resources; called by ``LLM.close``."""
+
+
+# Connectors the engine can build by name, as vLLM names its connectors by module path: a
+# module is imported only when its connector is asked for, so the engine carries none of
+# them. A connector module offers ``build_connector(config, *, model_dir, **options) ->
+# KVConnector`` and ``check_config(config)`` (the config checked before the model loads).
+CONNECTOR_MODULES = {"lmc": "lmc.connectors.reference"}
+
+
+def connector_module(name: str) -> ModuleType:
+    """The module that builds the connector called ``name``."""
+    path = CONNECTOR_MODULES.get(name)
+    if path is None:
+        raise ValueError(f"unknown KV connector {name!r} (known: "
+                         f"{', '.join(sorted(CONNECTOR_MODULES))})")
+    return importlib.import_module(path)

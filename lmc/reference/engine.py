@@ -20,7 +20,7 @@ from typing import Any, cast
 import torch
 
 from lmc.reference.block_manager import BlockManager
-from lmc.reference.connector_api import KVConnector
+from lmc.reference.connector_api import KVConnector, connector_module
 from lmc.reference.kv_cache import bytes_per_block
 from lmc.reference.loader import load_model, resolve_dtype
 from lmc.reference.model_runner import ModelRunner
@@ -29,6 +29,7 @@ from lmc.reference.request import Request, SamplingParams
 from lmc.reference.sampling import sample_tokens
 from lmc.reference.scheduler import Scheduler, one_line
 from lmc.reference.scheduler_output import SchedulerOutput
+from lmc.reference.segments import check_spans, encode_pieces, split_text
 from lmc.reference.tokenizer import Tokenizer, load_eos_token_ids
 
 logger = logging.getLogger(__name__)
@@ -56,14 +57,15 @@ class LLM:
             request alone always fits.
         kv_cache_memory: byte cap for the default ``num_blocks``.
         kv_connector: optional ``KVConnector``; absent means no external KV at all. A
-            connector with a ``blender`` (``lmc.blend.connector.BlendConnector``) blends
-            prompts that mark segments.
-        lmc_config: shorthand for ``kv_connector=LMCReferenceConnector(lmc_config,
-            model_dir=model_dir)``: a ``CacheConfig``, a YAML path or a dict of keys.
+            connector with a ``blender`` (see ``model_runner.Blender``) blends prompts that
+            mark segments.
+        lmc_config: shorthand for the connector registered as ``"lmc"``
+            (``connector_api.CONNECTOR_MODULES``), built for this checkpoint: a
+            ``CacheConfig``, a YAML path or a dict of keys.
         blend: with ``lmc_config``: reuse marked segments anywhere in a prompt (segment
-            caching with selective recompute, ``lmc.blend``): ``True``, or the keyword
-            arguments of ``BlendConnector``'s ``blend`` settings as a dict. Enabled only for
-            a model with a passing ``lmc blend-check`` verdict (or an explicit override).
+            caching with selective recompute, ``lmc.blend``): ``True``, or the blend
+            settings as a dict. Enabled only for a model with a passing ``lmc blend-check``
+            verdict (or an explicit override).
     """
 
     def __init__(
@@ -113,16 +115,8 @@ class LLM:
         if lmc_config is not None:
             if kv_connector is not None:
                 raise ValueError("pass kv_connector or lmc_config, not both")
-            if blend:
-                from lmc.blend.connector import BlendConnector
-
-                settings = blend if isinstance(blend, dict) else {}
-                kv_connector = BlendConnector(lmc_config, model_dir=self.model_dir,
-                                              blend=settings)
-            else:
-                from lmc.connectors.reference import LMCReferenceConnector
-
-                kv_connector = LMCReferenceConnector(lmc_config, model_dir=self.model_dir)
+            kv_connector = connector_module("lmc").build_connector(
+                lmc_config, model_dir=self.model_dir, blend=blend)
         self.kv_connector = kv_connector
         self.scheduler = Scheduler(
             self.block_manager, block_size, max_num_batched_tokens, max_num_seqs,
@@ -157,8 +151,6 @@ class LLM:
         (checked against the prompt), or, for a text prompt with ``separator``, the pieces
         between separators but the last (each piece tokenized alone; the separators are
         not part of the prompt)."""
-        from lmc.blend.keys import check_spans, encode_pieces, split_text
-
         if separator is not None:
             if segments is not None:
                 raise ValueError("pass segments or segment_separator, not both")

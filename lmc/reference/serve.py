@@ -62,6 +62,8 @@ from lmc.http.json_api import (
     limits_from_args,
     listen_error,
 )
+from lmc.reference.connector_api import connector_module
+from lmc.reference.engine import LLM
 from lmc.reference.request import SEED_MAX, SEED_MIN, SamplingParams
 from lmc.reference.tokenizer import check_unicode
 
@@ -543,30 +545,20 @@ def wants_lmc(args: argparse.Namespace) -> bool:
 
 
 def check_lmc_config(args: argparse.Namespace) -> Any:
-    """The lmc config, checked as far as it can be before the slow work (keys, every
-    tier's options and URL, the disk tier's directory, the pool against the host's
-    memory); None without lmc. Raises ``ValueError``/``OSError`` naming the mistake."""
+    """The lmc config, checked as far as it can be before the slow work (the lmc
+    connector's ``check_config``); None without lmc. Raises ``ValueError``/``OSError``
+    naming the mistake."""
     if not wants_lmc(args):
         return None
-    from lmc.connectors.reference import load_cache_config
-    from lmc.memory.pool import check_fits
-    from lmc.storage.chain import check_chain
-
-    cfg = load_cache_config(args.lmc_config)
-    check_chain(cfg)
-    check_fits(cfg.local_cpu_size, cfg.local_cpu_prefault != "off")
-    return cfg
+    return connector_module("lmc").check_config(args.lmc_config)
 
 
-def build_llm(args: argparse.Namespace, cache_config: Any = None) -> Any:
-    from lmc.reference import LLM
+def build_llm(args: argparse.Namespace, cache_config: Any = None) -> LLM:
     connector = None
     if wants_lmc(args):
-        from lmc.connectors.reference import LMCReferenceConnector
-        connector = LMCReferenceConnector(cache_config or args.lmc_config,
-                                          model_dir=args.model, kv_role=args.kv_role,
-                                          remote_prefill_wait=args.remote_prefill_wait,
-                                          engine_id=args.engine_id)
+        connector = connector_module("lmc").build_connector(
+            cache_config or args.lmc_config, model_dir=args.model, kv_role=args.kv_role,
+            remote_prefill_wait=args.remote_prefill_wait, engine_id=args.engine_id)
     return LLM(args.model, dtype=args.dtype, num_blocks=args.num_blocks,
                max_num_batched_tokens=args.max_num_batched_tokens, kv_connector=connector)
 

@@ -36,8 +36,10 @@ tiers' hooks are unset and each store pays one truthiness check.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from typing import Any, cast
 
@@ -46,6 +48,7 @@ import torch
 from lmc.memory.pool import MemoryObj, MemoryPool
 from lmc.metrics import TierMetrics
 from lmc.storage.layered_read import LayeredRead, LayerGate
+from lmc.storage.load_watch import LoadWatch, read_watched
 from lmc.storage.speeds import Speeds
 from lmc.storage.tier import (
     DELETED,
@@ -177,6 +180,10 @@ class StorageManager:
         self.speeds: Speeds | None = None
         """Load-speed estimates fed by every lower-tier read (set by the owner)."""
         """What listeners are told of each tier (name, declared medium, level)."""
+        self._fetch_pool: ThreadPoolExecutor | None = None
+        self._fetch_lock = threading.Lock()
+        self._fetch_cv = threading.Condition()
+        self._fetching = 0  # watched reads' pieces running (abandoned ones included)
         self._listeners: tuple[TierListener, ...] = ()
         self._store_listeners: tuple[TierListener, ...] = ()  # those that observe stores
         if self.queues and write_policy == "write_on_evict":
@@ -313,15 +320,17 @@ class StorageManager:
         Lower-tier hits are promoted into L1 on the way."""
         return self.fetch_prefix(keys)[0]
 
-    def fetch_prefix(self, keys: Sequence[Key]) -> tuple[list[MemoryObj], list[int]]:
+    def fetch_prefix(self, keys: Sequence[Key], watch: LoadWatch | None = None
+                     ) -> tuple[list[MemoryObj], list[int]]:
         """``get_prefix``, and for each object the index in ``tiers`` of the tier it came
         from (queued chunks count as L1): a load's per-tier attribution without asking any
-        tier a second time."""
+        tier a second time. ``watch``: whole-chunk reads stop by its rule
+        (:mod:`lmc.storage.load_watch`)."""
         found: list[MemoryObj | None] = list(self.l1.get(keys)) if keys else []
         where = [0] * len(found)
         if self.lower and None in found:
             try:
-                self._fill_from_lower(keys, found, where)
+                self._fill_from_lower(keys, found, where, watch=watch)
             except BaseException:  # the caller never sees these: their references are ours
                 for o in found:
                     if o is not None:
@@ -335,18 +344,19 @@ class StorageManager:
                 o.release()
         return out, where[: len(out)]
 
-    def fetch_prefix_layered(self, keys: Sequence[Key]
+    def fetch_prefix_layered(self, keys: Sequence[Key], watch: LoadWatch | None = None
                              ) -> tuple[list[MemoryObj], list[int], LayerGate]:
         """:meth:`fetch_prefix` for a layer-wise retrieve: tiers offering ``get_layers``
         answer at once and fill their objects layer by layer afterwards; the gate says
         which layer has landed and whether the chunks verified (:mod:`lmc.storage.layered_read`).
-        Such chunks are promoted into L1 only once verified."""
+        Such chunks are promoted into L1 only once verified. ``watch``: as for
+        :meth:`fetch_prefix` (tiers reading whole chunks only)."""
         found: list[MemoryObj | None] = list(self.l1.get(keys)) if keys else []
         where = [0] * len(found)
         parts: list[tuple[LayeredRead, int] | None] = [None] * len(found)
         if self.lower and any(o is None for o in found):
             try:
-                self._fill_from_lower(keys, found, where, parts)
+                self._fill_from_lower(keys, found, where, parts, watch=watch)
             except BaseException:
                 for o in found:
                     if o is not None:
@@ -362,11 +372,13 @@ class StorageManager:
 
     def _fill_from_lower(self, keys: Sequence[Key], found: list[MemoryObj | None],
                          where: list[int],
-                         parts: list[tuple[LayeredRead, int] | None] | None = None) -> None:
+                         parts: list[tuple[LayeredRead, int] | None] | None = None,
+                         watch: LoadWatch | None = None) -> None:
         """Fill L1's misses in ``found`` from the queues, then tier by tier (promoting);
         ``where[i]`` becomes the index in ``tiers`` of the tier that supplied ``found[i]``.
         With ``parts``, tiers that read layer by layer may answer (``parts[i]``: the read
-        filling ``found[i]``)."""
+        filling ``found[i]``). With ``watch``, whole-chunk reads go in pieces and stop by
+        its rule; nothing is read after a stop."""
         self._from_queues(keys, found)
         for level, tier in enumerate(self.lower):
             todo = [i for i, o in enumerate(found) if o is None]
@@ -379,12 +391,52 @@ class StorageManager:
                     if o is not None:
                         found[i], where[i], parts[i] = o, level + 1, (read, j)  # type: ignore
                 continue
-            got = self._get_lower(level, tier, [keys[i] for i in todo])
+            if watch is None:
+                got = self._get_lower(level, tier, [keys[i] for i in todo])
+            else:
+                got = read_watched(partial(self._get_piece, level, tier),
+                                   partial(self._abandoned, level),
+                                   [keys[i] for i in todo], todo, watch, self._fetcher(),
+                                   tier.name)
             hit = [(i, o) for i, o in zip(todo, got) if o is not None]
             for i, o in hit:
                 found[i] = o
                 where[i] = level + 1
             self._promote(level, [keys[i] for i, _ in hit], [o for _, o in hit])
+            if watch is not None and watch.stopped_at is not None:
+                break
+
+    def _get_piece(self, level: int, tier: StorageBackend, keys: list[Key]
+                   ) -> list[MemoryObj | None]:
+        """One piece of a watched read (on a fetch thread; ``close`` waits for these)."""
+        with self._fetch_cv:
+            self._fetching += 1
+        try:
+            return self._get_lower(level, tier, keys)
+        finally:
+            with self._fetch_cv:
+                self._fetching -= 1
+                self._fetch_cv.notify_all()
+
+    def _fetcher(self) -> ThreadPoolExecutor:
+        """The threads watched reads run their pieces on (a piece abandoned in flight
+        keeps one busy until it returns)."""
+        with self._fetch_lock:
+            if self._fetch_pool is None:
+                self._fetch_pool = ThreadPoolExecutor(2, thread_name_prefix="lmc-fetch")
+            return self._fetch_pool
+
+    def _abandoned(self, level: int, keys: list[Key], objs: list[MemoryObj | None]) -> None:
+        """A watched read's piece that landed after its load stopped: its chunks are good,
+        so they go into L1 for the next request; this read's references end here."""
+        hit = [(k, o) for k, o in zip(keys, objs) if o is not None]
+        try:
+            self._promote(level, [k for k, _ in hit], [o for _, o in hit])
+        except Exception as e:  # noqa: BLE001 - a callback thread: never raise
+            log.warning("promoting chunks read after a stopped load failed: %s", e)
+        finally:
+            for _, o in hit:
+                o.release()
 
     def _from_queues(self, keys: Sequence[Key], found: list[MemoryObj | None]) -> None:
         """Fill misses from chunks waiting in write-behind queues (and put them back in L1)."""
@@ -578,7 +630,8 @@ class StorageManager:
 
     def close(self, drain: bool = True) -> None:
         """Drain the write-behind queues (bounded by ``close_timeout`` in all), then close the
-        tiers, lowest first."""
+        tiers, lowest first; then wait (within the same bound) for reads abandoned by loads
+        that stopped, which hold pool memory until they return."""
         deadline = time.monotonic() + self.close_timeout
         for q in self.queues:
             q.close(drain, max(0.0, deadline - time.monotonic()))
@@ -587,3 +640,10 @@ class StorageManager:
                 tier.close()
             except Exception as e:
                 log.warning("tier %s failed to close: %s", tier.name, e)
+        with self._fetch_lock:
+            pool, self._fetch_pool = self._fetch_pool, None
+        if pool is not None:
+            with self._fetch_cv:
+                idle = self._fetch_cv.wait_for(lambda: self._fetching == 0,
+                                               max(0.0, deadline - time.monotonic()))
+            pool.shutdown(wait=idle)

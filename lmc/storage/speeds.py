@@ -295,6 +295,16 @@ class PrefillSpeed:
                       else None)
         self.fit = LinearFit(4)
         self.save_s_per_token = 0.0  # c3 of the last rate(): stats
+        self.floor: PrefillRate | None = None
+        """The fastest the engine could compute (its model's arithmetic at the device's
+        measured matmul rate; set by a connector at registration). Only a load watching
+        itself (:mod:`lmc.storage.load_watch`) uses it, and only before anything was
+        measured: never a decision to recompute, only a limit on how long a load that
+        turns out slow may go on."""
+
+    def estimate(self) -> PrefillRate | None:
+        """What a running load compares itself with: :meth:`rate`, else :attr:`floor`."""
+        return self.rate() or self.floor
 
     def observe(self, tokens: int, attention: float, seconds: float, saved: int = 0) -> None:
         """A step that computed ``tokens`` positions, ``attention`` = sum of

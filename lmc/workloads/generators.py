@@ -55,7 +55,7 @@ WORDS_PER_TOKEN = 0.75  # English BPE rule of thumb, used only when no tokenizer
 MAX_COUNT = 100_000  # conversations, groups, prompts per group, documents, rounds, turns
 MAX_SEGMENT_TOKENS = 1 << 20  # a system prompt, a document, a question
 MAX_TRACE_TOKENS = 1 << 30  # prompt tokens of the whole trace, estimated before generating
-# lmc.blend.keys.DEFAULT_SEPARATOR, spelled here so `lmc workload` does not import torch
+# lmc.reference.segments.DEFAULT_SEPARATOR, spelled here so `lmc workload` does not import torch
 # (lmc.blend does); a test keeps them equal
 RAG_SEPARATOR = " # # "
 

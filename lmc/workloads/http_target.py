@@ -34,6 +34,7 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from lmc.bounded_io import read_at_most
 from lmc.workloads.dispatch import Dispatcher
 from lmc.workloads.inputs import InputError, parse_json, printable
 from lmc.workloads.replay import Progress, ReplayResult, RequestRecord
@@ -68,7 +69,7 @@ class Endpoint:
         try:
             conn.request("GET", self.prefix + path)
             resp = conn.getresponse()
-            body = resp.read(MAX_PAGE_BYTES + 1)
+            body = read_at_most(resp, MAX_PAGE_BYTES)
             if len(body) > MAX_PAGE_BYTES:
                 raise OSError(f"{self.url}{path} answered more than {MAX_PAGE_BYTES >> 20} MiB")
             return resp.status, body

@@ -80,7 +80,7 @@ def _reference_llm(spec: str, args: argparse.Namespace, cleanup: list[Callable[[
         cleanup.append(lambda: shutil.rmtree(disk, ignore_errors=True))
         cfg = CacheConfig.load(overrides={**DEMO_CONFIG, "local_disk": disk})
     if args.blend:
-        from lmc.blend.connector import BlendConnector
+        from lmc.connectors.reference.blend import BlendConnector
 
         settings: dict[str, Any] = {"override": args.blend_override}
         if args.blend_ratio is not None:

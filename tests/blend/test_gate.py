@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from lmc.blend.connector import BlendConnector
 from lmc.blend.verdict import VERDICT_NAME, read_verdict
 from lmc.cli import main
+from lmc.connectors.reference.blend import BlendConnector
 from lmc.reference import LLM
 from tests.blend.helpers import LMC, rag_prompt, tokens
 
@@ -55,14 +55,14 @@ def test_a_failing_verdict_keeps_blending_off(model: Path, capsys: pytest.Captur
     assert rc == 1 and "verdict: FAIL" in capsys.readouterr().out
     ids, spans = rag_prompt([tokens(1, 30), tokens(2, 30)], tokens(3, 5))
     plain = LLM(model, num_blocks=96).generate(ids, max_tokens=3, ignore_eos=True)[0]
-    with caplog.at_level(logging.INFO, logger="lmc.blend.connector"):
+    with caplog.at_level(logging.INFO, logger="lmc.connectors.reference.blend"):
         llm, conn = _blend(model)
     assert conn.blender is None and "blending off" in caplog.text and "failed" in caplog.text
     with llm:  # the segments are computed as plain prompt tokens: the same output
         out = llm.generate(ids, max_tokens=3, ignore_eos=True, segments=spans)[0]
     assert out.token_ids == plain.token_ids
     caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="lmc.blend.connector"):
+    with caplog.at_level(logging.WARNING, logger="lmc.connectors.reference.blend"):
         forced = LLM(model, num_blocks=96, lmc_config=LMC, blend={"override": True})
     assert forced.kv_connector.blender is not None and "forced on" in caplog.text
     forced.close()
@@ -80,7 +80,7 @@ def test_verdicts_for_other_weights_or_dtypes_or_garbage_are_not_trusted(
     for why, doc in cases.items():
         (model / VERDICT_NAME).write_text(json.dumps(doc))
         caplog.clear()
-        with caplog.at_level(logging.INFO, logger="lmc.blend.connector"):
+        with caplog.at_level(logging.INFO, logger="lmc.connectors.reference.blend"):
             llm, conn = _blend(model)
         llm.close()
         assert conn.blender is None and why in caplog.text, (why, caplog.text)

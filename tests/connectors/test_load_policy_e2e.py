@@ -113,10 +113,13 @@ def test_slow_tier_measured_then_recomputed_by_choice(tiny_dir: Path, tmp_path: 
     assert_same(run(llm, [P]), want)  # loads chunks 0-1, stores 2-4
     assert stat(conn, "worker.steps_timed") > 0
     drop_from_l1(conn, P, 2)
-    # the disk tier has never been read: its prior says fast, so the whole hit is loaded,
-    # through the 2 MiB/s link, and the read is measured
+    # the disk tier has never been read: its prior says fast, so the whole hit is to be
+    # loaded; through the 2 MiB/s link the load sees itself slower than recomputing (the
+    # tiny model computes in milliseconds) and stops, and its pieces measured the link
     got = run(llm, [P])
-    assert got[0].num_cached_tokens == len(P) - 1
+    assert 2 * CS <= got[0].num_cached_tokens < len(P) - 1
+    assert got[0].num_cached_tokens % CS == 0
+    assert stat(conn, "worker.loads_stopped") == 1
     assert_same(got, want)
     rate = conn.cache.speeds.snapshot().tiers[1]
     assert rate.observed >= 1 and not rate.overlaps

@@ -139,18 +139,19 @@ RANKS: list[tuple[str, ...]] = [
     ("lmc.transfer",),
     ("lmc.storage",),
     ("lmc.cache_engine", "lmc.layerwise", "lmc.events"),
+    ("lmc.http.json_api",),
+    # the built-in engine knows lmc only by name (connector_api.CONNECTOR_MODULES); its
+    # segment blending builds on the API
+    ("lmc.reference", "lmc.blend"),
     ("lmc.connectors",),
-    ("lmc.server", "lmc.p2p", "lmc.http", "lmc.router", "lmc.blend", "lmc.planner",
-     "lmc.workloads", "lmc.reference", "lmc.testing", "lmc.demo", "lmc.cli", "lmc.config_cli",
-     "lmc"),
+    ("lmc.server", "lmc.p2p", "lmc.http", "lmc.router", "lmc.blend.gate", "lmc.planner",
+     "lmc.workloads", "lmc.testing", "lmc.demo", "lmc.cli", "lmc.config_cli", "lmc"),
 ]
 # the network tiers speak their servers' protocols: client code that lives with the server
 ALLOWED_UPWARD = {
     ("lmc.storage.backends.daemon", "lmc.server"),
     ("lmc.storage.backends.p2p", "lmc.p2p"),
     ("lmc.storage.backends.p2p", "lmc.server.client"),
-    # an adapter imports its engine's plug-in contract, as the vLLM adapter imports vllm
-    ("lmc.connectors.reference", "lmc.reference"),
 }
 
 

@@ -42,9 +42,11 @@ def endpoints(d: DaemonProc) -> tuple[str, str]:
 
 @contextlib.contextmanager
 def engine(url: str, ns: str = "lmc", notes: bool = True, pool: str = "4MiB",
-           wrapped: bool = False) -> Iterator[tuple[CacheEngine, Any]]:
+           wrapped: bool = False, lookup_first: bool = True
+           ) -> Iterator[tuple[CacheEngine, Any]]:
     """A CPU engine (chunk 64, block 16: 24 KiB a chunk) whose remote tier is the daemon
-    (``wrapped``: inside a counting wrapper tier)."""
+    (``wrapped``: inside a counting wrapper tier; ``lookup_first``: a lookup opens the
+    tier's first connection before the test stores)."""
     caches = make_caches("vllm_flash", blocks=256, block_size=BLOCK)
     where: dict[str, Any] = {"remote_url": f"{url}?ns={ns}"}
     if wrapped:
@@ -57,7 +59,8 @@ def engine(url: str, ns: str = "lmc", notes: bool = True, pool: str = "4MiB",
             assert bind(eng) is not None  # bound by the engine already: the same notes
         else:  # an lmc before block info: its tier has no notes to send
             eng.storage.tiers[-1].block_notes = None
-        eng.lookup(random_tokens(CHUNK, seed=999))  # connects: HELLO says events are on
+        if lookup_first:
+            eng.lookup(random_tokens(CHUNK, seed=999))  # connects: HELLO says events are on
         yield eng, caches
     finally:
         eng.close()
@@ -115,6 +118,24 @@ def test_stored_chunks_are_published_with_blocks_the_daemon_derived(tmp_path):
         sub.close()
         st = d.stats()
         assert st["kv_events"]["kv_events.refused"] == 0
+    finally:
+        d.kill()
+
+
+def test_a_store_before_any_lookup_is_published(tmp_path):
+    """The tier's first connection (and the HELLO that says the daemon publishes) is opened
+    by the write-behind PUT of chunks keyed before it: they are published all the same."""
+    d = start(tmp_path / "d")
+    try:
+        sub = Collector(endpoints(d)[0])
+        with engine(d.url, lookup_first=False) as (eng, caches):
+            assert not eng.storage.tiers[-1]._idle  # no connection yet
+            prompt = random_tokens(2 * CHUNK, seed=6)
+            store(eng, caches, prompt)
+            got = wait_for(sub, lambda g: len(stored(g)) >= 2)
+        assert [t for e in stored(got) for t in e.token_ids] == prompt
+        sub.close()
+        assert d.stats()["kv_events"]["kv_events.no_info"] == 0
     finally:
         d.kill()
 

@@ -247,9 +247,9 @@ def test_rag_queries_mark_their_documents_as_segments(ckpt, tok):
     """Token mode: each document's span holds exactly that document's tokens, wherever the
     query puts it; the ids and spans are what the engine itself makes of the text trace
     (pieces tokenized alone, the system prompt a prefix rather than a segment)."""
-    from lmc.blend.keys import DEFAULT_SEPARATOR
     from lmc.blend.rag_workload import make_rag_workload
     from lmc.reference import LLM
+    from lmc.reference.segments import DEFAULT_SEPARATOR
 
     assert g.RAG_SEPARATOR == DEFAULT_SEPARATOR
     spec = g.RagSpec(documents=5, doc_words=20, k=3, queries=8, output_len=2, seed=SEED)

@@ -79,6 +79,7 @@ import torch
 from lmc.cache_engine import CacheEngine
 from lmc.connectors.core.metadata import ConnectorMetadata, LoadSpec, SaveSpec
 from lmc.layerwise import LayerwiseRetrieve, LayerwiseStore, LoadError
+from lmc.storage.load_watch import LoadWatch
 from lmc.token_database import ChunkKey, RequestKeys, request_root
 from lmc.transfer.completion import current_stream
 from lmc.transfer.kv_spec import KVCaches
@@ -97,6 +98,8 @@ class WorkerStats:
     load_tokens: int = 0  # positions the scheduler asked to load
     loaded_tokens: int = 0  # positions fully loaded (all layers)
     load_failures: int = 0
+    loads_stopped: int = 0  # loads that stopped themselves: finishing cost more than compute
+    stopped_tokens: int = 0  # positions those loads left to the engine to recompute
     load_seconds: float = 0.0
     load_wait_seconds: float = 0.0
     saves: int = 0
@@ -113,8 +116,9 @@ class WorkerStats:
     @property
     def recomputed_after_failure(self) -> int:
         """Positions the scheduler planned to load that the engine recomputed (a load
-        failed or came up short: a miss after the decision)."""
-        return max(0, self.load_tokens - self.loaded_tokens)
+        failed or came up short: a miss after the decision), those of loads that stopped
+        themselves apart (``stopped_tokens``)."""
+        return max(0, self.load_tokens - self.loaded_tokens - self.stopped_tokens)
 
     def as_dict(self) -> dict[str, Any]:
         out = {k: v for k, v in vars(self).items() if k != "tokens_by_tier"}
@@ -300,6 +304,34 @@ class WorkerConnector:
         log.warning("lmc load for request %s failed from position %d (%s): %d block(s) will "
                     "be recomputed", spec.request_id, position, why, len(blocks))
 
+    def _watch(self, total: int) -> LoadWatch | None:
+        """The stop rule of a load of a ``total``-token prompt (:mod:`lmc.storage.load_watch`):
+        recomputing from a position costs the engine's compute from there to the end (the
+        step already running computes past the hit either way, then is discarded for the
+        request, so that step cancels out); ``None`` under ``load_policy: load_all`` and
+        while nothing says how fast the engine computes (then the load is not watched)."""
+        if self.engine.config.load_policy != "auto":  # load_all: every load finishes
+            return None
+        speeds = getattr(self.engine, "speeds", None)
+        rate = speeds.prefill.estimate() if speeds is not None else None
+        if rate is None:
+            return None
+        return LoadWatch(lambda pos: rate.seconds(pos, total))
+
+    def _stopped(self, spec: LoadSpec, position: int, watch: LoadWatch) -> None:
+        """A load that stopped itself at ``position`` (chunk-aligned): the positions from
+        there are recomputed like a failed load's, told at INFO (it is lmc's choice)."""
+        bs = self.block_size
+        blocks = spec.block_ids[position // bs: -(-spec.end // bs)]
+        with self._lock:
+            self.stats.loads_stopped += 1
+            self.stats.stopped_tokens += spec.end - position
+            first = self._failed.get(spec.request_id)
+            self._failed[spec.request_id] = position if first is None else min(first, position)
+            self._error_blocks.update(blocks)
+        log.info("lmc load of request %s stopped at position %d of %d (%s): %d block(s) "
+                 "recomputed", spec.request_id, position, spec.end, watch.reason, len(blocks))
+
     def _root(self, key_tag: bytes | None) -> bytes:
         """This rank's key root for a request's tag (the namespace for a plain request)."""
         return request_root(self.engine.db.namespace, key_tag)
@@ -374,19 +406,23 @@ class WorkerConnector:
             self.stats.loads += 1
             self.stats.load_tokens += spec.num_tokens
             n = len(spec.token_ids)
+            watch = self._watch(n)
             try:
                 rt = self.engine.retrieve_layer(
                     spec.token_ids, self.kv_caches,
                     self._slots(spec.block_ids, n, spec.start, spec.end),
                     prefix_mask(n, spec.mask_start),
-                    keys=self._request_keys(spec.request_id, spec.token_ids, spec.key_tag))
+                    keys=self._request_keys(spec.request_id, spec.token_ids, spec.key_tag),
+                    watch=watch)
             except Exception as e:
                 log.exception("lmc: preparing the load of request %s failed", spec.request_id)
                 self._fail(spec, spec.start, f"{type(e).__name__}: {e}")
                 self._loads.append(_ActiveLoad(spec, None, failed=True))
                 continue
             covered = spec.mask_start + rt.num_tokens
-            if covered < spec.end:  # a chunk was evicted or lost since the lookup
+            if watch is not None and watch.stopped_at is not None and covered < spec.end:
+                self._stopped(spec, covered, watch)
+            elif covered < spec.end:  # a chunk was evicted or lost since the lookup
                 self._fail(spec, covered, "chunks missing from every tier")
             self._count_tiers(spec, rt)
             self._loads.append(_ActiveLoad(spec, rt))

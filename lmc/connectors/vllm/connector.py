@@ -199,7 +199,9 @@ class LMCConnector(KVConnectorBase_V1):
             cache = per_rank_disks(settings.cache, rank, tp_size)
             self._worker = WorkerSide(cache, _model_id(vllm_config, opts.model_id),
                                       rank, tp_size, block_size, opts.layerwise, paths[rank],
-                                      remote_wait=opts.remote_prefill_wait)
+                                      remote_wait=opts.remote_prefill_wait,
+                                      model_shape=getattr(vllm_config.model_config,
+                                                          "hf_text_config", None))
 
     @property
     def requires_kv_delivery(self) -> bool:

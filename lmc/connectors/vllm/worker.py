@@ -25,6 +25,7 @@ import torch
 from lmc import metrics
 from lmc.cache_engine import CacheEngine
 from lmc.config import CacheConfig
+from lmc.connectors.core.compute_floor import compute_floor
 from lmc.connectors.core.load_policy import Costs
 from lmc.connectors.core.lookup_service import LookupServer, engine_lookup, engine_prefetch
 from lmc.connectors.core.metadata import ConnectorMetadata
@@ -45,7 +46,9 @@ class WorkerSide:
 
     def __init__(self, cache_config: CacheConfig, model_id: str, tp_rank: int, tp_size: int,
                  block_size: int, layerwise: bool, socket_path: str,
-                 remote_wait: float = 30.0) -> None:
+                 remote_wait: float = 30.0, model_shape: Any = None) -> None:
+        """``model_shape``: the model's Hugging Face config (its compute floor is measured at
+        registration: :mod:`lmc.connectors.core.compute_floor`)."""
         self.cache_config = cache_config
         self.model_id = model_id
         self.tp_rank = tp_rank
@@ -54,6 +57,7 @@ class WorkerSide:
         self.layerwise = layerwise
         self.socket_path = socket_path
         self.remote_wait = remote_wait
+        self.model_shape = model_shape
         self.engine: CacheEngine | None = None
         self.worker: WorkerConnector | None = None
         self.server: LookupServer | None = None
@@ -71,6 +75,9 @@ class WorkerSide:
         # vLLM reports "ready" once the caches are registered: that must mean stores run at
         # full speed, so the pool's first-touch work finishes here (this thread helps it)
         self.engine.pool.wait_ready()
+        if self.model_shape is not None and choice.tensors:
+            self.engine.speeds.prefill.floor = compute_floor(
+                self.model_shape, choice.tensors[0].device, spec.dtype)
         self.worker = WorkerConnector(self.engine, list(choice.tensors), self.block_size,
                                       layerwise=self.layerwise, remote_wait=self.remote_wait)
         self._layer_index = {name: i for i, name in enumerate(choice.names)}

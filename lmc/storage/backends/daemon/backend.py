@@ -69,9 +69,11 @@ class ServerBackend(StorageBackend):
     capabilities = TierCapabilities(existence_without_reading=True, durable=True)
     block_notes: ChunkNotes | None = None
     """The seam for the daemon's KV events: set by :func:`lmc.events.notes.bind` (the engine's
-    chunk notes). When set and the daemon's HELLO says it publishes events at this block
-    size, each PUT carries the chunks' block info (``lmc.events.shared``); otherwise PUTs
-    are unchanged."""
+    chunk notes, taken from then on). When set and the daemon's HELLO says it publishes
+    events at this block size, each PUT carries the chunks' block info
+    (``lmc.events.shared``); otherwise PUTs are unchanged, and each HELLO tells the notes
+    what it said (:meth:`~lmc.events.notes.ChunkNotes.told`)."""
+    block_notes_slot = 0  # this tier's number among those sharing the notes
 
     OPTIONS = {  # remote_options / ?name=value in the URL; defaults as in __init__
         "connections": BackendOption(4, lambda v, k: parse_int(v, k, minimum=1),
@@ -146,9 +148,9 @@ class ServerBackend(StorageBackend):
     def _connect(self) -> ClientConnection:
         conn = ClientConnection(self.address, self._token, self.timeout, self._client_name)
         ev = getattr(conn, "kv_events", None)
-        if self.block_notes is not None and ev and ev.get("block_size") == \
-                self.block_notes.block_size:
-            self.block_notes.activate()  # note prompts from now on (their PUTs come later)
+        if self.block_notes is not None:  # keep noting while a daemon publishes at our size
+            self.block_notes.told(self.block_notes_slot, bool(ev) and ev.get("block_size")
+                                  == self.block_notes.block_size)
         return conn
 
     def _acquire(self) -> ClientConnection:
@@ -410,7 +412,6 @@ class ServerBackend(StorageBackend):
                             "%s, this engine's is %d: its chunks are not published there",
                             self.url, ev.get("block_size"), notes.block_size)
             return None
-        notes.activate()
         items = notes.items(keys)
         if not any(items):
             return None

@@ -30,7 +30,7 @@ from lmc.blend.rope_shift import check_placeable
 from lmc.blend.store import SegmentStore
 from lmc.blend.verdict import default_verdict_path, read_verdict
 from lmc.connectors.core.metadata import ConnectorMetadata
-from lmc.connectors.reference import ConfigLike, LMCReferenceConnector
+from lmc.connectors.reference.connector import ConfigLike, LMCReferenceConnector
 from lmc.reference.config import ModelConfig
 from lmc.reference.connector_api import ConnectorRequest
 from lmc.reference.scheduler_output import SchedulerOutput

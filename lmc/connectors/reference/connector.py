@@ -19,14 +19,17 @@ the prompt from the producer's pool in the background).
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from lmc.cache_engine import CacheEngine
 from lmc.config import CacheConfig
+from lmc.connectors.core.compute_floor import compute_floor
 from lmc.connectors.core.load_policy import Costs, LoadPolicy
 from lmc.connectors.core.lookup_service import engine_root
 from lmc.connectors.core.metadata import ConnectorMetadata
@@ -42,6 +45,7 @@ from lmc.reference.connector_api import ConnectorRequest, KVConnector
 from lmc.reference.scheduler_output import SchedulerOutput
 from lmc.storage.chain import TierSpec
 from lmc.storage.lookup import LookupResult
+from lmc.storage.speeds import PrefillRate
 from lmc.transfer.kv_spec import KVSpec
 from lmc.transfer.torch_copy import TransferFactory
 
@@ -106,6 +110,7 @@ class LMCReferenceConnector(KVConnector):
             else:
                 raise ValueError("LMCReferenceConnector needs model_dir or model_id")
         self.model_id = model_id
+        self._model_dir = model_dir
         self.connector_config = ConnectorConfig.from_cache_config(
             self.cache_config, save_decode=save_decode, layerwise=layerwise, load=load,
             save=save)
@@ -212,6 +217,12 @@ class LMCReferenceConnector(KVConnector):
         elif self.engine.spec.namespace_fields() != spec.namespace_fields():
             raise ValueError(f"the given CacheEngine's KV spec {self.engine.spec} does not "
                              f"match the engine's KV cache {spec}")
+        # first-use costs at registration, never the first request's (as vLLM's worker):
+        # the pool's first touch ends here, the compute floor is measured here
+        self.engine.pool.wait_ready()
+        if self.engine.speeds.prefill.floor is None and self._model_dir is not None:
+            self.engine.speeds.prefill.floor = _compute_floor(
+                self._model_dir, next(iter(kv_caches.values())).device, spec.dtype)
         if self.worker is not None:
             self.worker.close()
         self.worker = WorkerConnector(self.engine, list(kv_caches.values()), spec.block_size,
@@ -264,3 +275,14 @@ class LMCReferenceConnector(KVConnector):
             self.worker.close()
         if self.engine is not None and self._owns_engine:
             self.engine.close()
+
+
+def _compute_floor(model_dir: str | os.PathLike, device: torch.device, dtype: torch.dtype
+                   ) -> PrefillRate | None:
+    """The checkpoint's compute floor (:mod:`lmc.connectors.core.compute_floor`), from its
+    ``config.json``; ``None`` without one."""
+    try:
+        cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return compute_floor(cfg, device, dtype)
