@@ -104,8 +104,10 @@ class Collector:
         self.ctx.term()
 
 
-def request(endpoint: str, frames: list[bytes], timeout: float = 3.0) -> list[list[bytes]]:
-    """Frames answered to a DEALER request, up to and including the end marker."""
+def request(endpoint: str, frames: list[bytes], timeout: float = HANG_S
+            ) -> list[list[bytes]]:
+    """Frames answered to a DEALER request, up to and including the end marker (or
+    ``timeout`` seconds of silence: a hang guard unless the test expects no answer)."""
     ctx = zmq.Context()
     ctx.setsockopt(zmq.LINGER, 0)  # never a term() that waits
     d = ctx.socket(zmq.DEALER)
