@@ -33,13 +33,18 @@ import os
 import threading
 import time
 import weakref
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
 from prometheus_client import Gauge
 
+from lmc.lazy_import import LazyModule
 from lmc.memory import pinned_ranges
 from lmc.metrics import pool_gauge
+
+if TYPE_CHECKING:
+    import torch
+else:  # imported at the first buffer (lmc.lazy_import says why)
+    torch = LazyModule("torch", globals())
 
 log = logging.getLogger(__name__)
 MADV_HUGEPAGE = 14
