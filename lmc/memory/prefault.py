@@ -32,14 +32,19 @@ import logging
 import threading
 import time
 import weakref
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
 from prometheus_client import Gauge
 
+from lmc.lazy_import import LazyModule
 from lmc.memory import pinned_ranges
 from lmc.metrics import pool_gauge
 from lmc.priority import lower_thread_priority
+
+if TYPE_CHECKING:
+    import torch
+else:  # imported at the first buffer (lmc.lazy_import says why)
+    torch = LazyModule("torch", globals())
 
 log = logging.getLogger(__name__)
 MADV_HUGEPAGE = 14

@@ -49,11 +49,12 @@ import logging
 import os
 import stat
 from collections.abc import Iterable, Sequence
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from lmc.storage.serde import TAG_SIZE, CorruptValue
+
+if TYPE_CHECKING:  # annotations only: `lmc config` checks a secret without torch's seconds
+    import torch
 
 log = logging.getLogger(__name__)
 

@@ -41,10 +41,9 @@ import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
-import torch
-
+from lmc.lazy_import import LazyModule
 from lmc.memory.pool import MemoryObj, MemoryPool
 from lmc.metrics import TierMetrics
 from lmc.storage.layered_read import LayeredRead, LayerGate
@@ -63,6 +62,11 @@ from lmc.storage.tier import (
     tier_medium,
 )
 from lmc.storage.write_behind import WriteBehind
+
+if TYPE_CHECKING:
+    import torch
+else:  # imported at first use (lmc.lazy_import says why)
+    torch = LazyModule("torch", globals())
 
 log = logging.getLogger(__name__)
 WRITE_POLICIES = ("write_through", "write_on_evict")
