@@ -183,7 +183,7 @@ def test_an_instance_refusing_the_connection_is_marked_at_once_and_the_request_r
         fleet, role, monkeypatch):
     """The checks (every hour) saw A alive; A dies; the request chosen for A goes to B,
     answered, and A is unhealthy without waiting for a check."""
-    from lmc.http import health
+    from lmc.router import health
 
     probed: list[str] = []
     probe = health.probe
