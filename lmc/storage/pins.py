@@ -182,6 +182,12 @@ class PinTable:
             o.release()
         return len(out)
 
+    def keys(self) -> list[Hashable]:
+        """Every key pinned with its key named, whoever pins it."""
+        with self._lock:
+            return [k for p in self._owners.values() if p.keys and p.objs is not None
+                    for k in p.keys]
+
     def deadline_of(self, owner: Hashable) -> float | None:
         """When ``owner``'s pins expire (the table's clock), or None when it holds none."""
         with self._lock:
