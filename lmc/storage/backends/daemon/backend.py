@@ -137,7 +137,7 @@ class ServerBackend(StorageBackend):
         self._count_lock = threading.Lock()
         self.counts = {"calls": 0, "failures": 0, "skipped_open": 0, "hits": 0, "misses": 0,
                        "stored": 0, "not_stored": 0, "corrupt": 0, "alloc_failures": 0,
-                       "bytes_in": 0, "bytes_out": 0}
+                       "bytes_in": 0, "bytes_out": 0, "cleared": 0}
 
     def _count(self, **kv: int) -> None:
         with self._count_lock:
