@@ -72,7 +72,7 @@ class NamespacePins:
         return self._keys.get(ns, frozenset())
 
     def _note(self, ns: str, table: PinTable) -> None:
-        keys = frozenset(k for k in table.keys() if isinstance(k, bytes))
+        keys = frozenset(k for k in table.pinned_keys() if isinstance(k, bytes))
         with self._lock:
             self._keys[ns] = keys
 

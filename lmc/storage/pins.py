@@ -182,7 +182,7 @@ class PinTable:
             o.release()
         return len(out)
 
-    def keys(self) -> list[Hashable]:
+    def pinned_keys(self) -> list[Hashable]:
         """Every key pinned with its key named, whoever pins it."""
         with self._lock:
             return [k for p in self._owners.values() if p.keys and p.objs is not None
