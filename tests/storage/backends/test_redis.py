@@ -661,3 +661,28 @@ def test_reads_and_writes_stay_inside_the_object(redis_server, tiers, secret, pi
     assert same_bytes(got.tensor, want)
     assert bool((after.tensor == 0xAB).all()), "a read or write spilled past the object"
     release([got, after])
+
+
+def test_a_fresh_tiers_first_lookup_does_not_pay_the_connection_set_up(redis_server, tiers):
+    """Every new connection to the server takes 1 s to open (a real relay holds it), twice
+    ``remote_timeout``: the tier makes its data connections at start-up, so a fresh tier's
+    first lookup finds one made and hits (it used to connect inside the lookup's 0.5 s and
+    miss: the README's Redis config lost a fresh engine's first hit in 3 of 6 runs)."""
+    from tests.slow_link import SlowConnects
+
+    writer = tiers(redis_server.url)
+    keys, objs = chunks(writer, 3)
+    assert writer.put(keys, objs) == 3
+    link = SlowConnects(("127.0.0.1", redis_server.port), delay=1.0)
+    try:
+        fresh = tiers(f"redis://127.0.0.1:{link.port}/0", remote_timeout=0.5,
+                      remote_key_prefix=writer.prefix.decode().rstrip(":"),
+                      tier_kw={"connections": 1})
+        assert fresh.contains(keys) == [True] * 3, fresh.stats()
+        got = fresh.get(keys)
+        assert all(g is not None and same_bytes(g.tensor, o.tensor) for g, o in zip(got, objs))
+        release(got)
+        assert fresh.stats().get("errors_timeout", 0) == 0
+    finally:
+        link.close()
+        release(objs)
