@@ -686,3 +686,42 @@ def test_a_fresh_tiers_first_lookup_does_not_pay_the_connection_set_up(redis_ser
     finally:
         link.close()
         release(objs)
+
+
+def test_a_miss_the_server_caused_is_said_once_in_a_plain_script(own_redis):
+    """A script with no logging set up, its Redis frozen: the lookups miss within their
+    deadline, and stderr says why once for the start-up check and once for the calls (later
+    failures are counted)."""
+    import subprocess
+    import sys
+    import textwrap
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[3]
+
+    own_redis.pause()
+    script = textwrap.dedent(f"""
+        import os
+        from lmc.config import CacheConfig
+        from lmc.memory.pool import MemoryPool
+        from lmc.storage.tier import create_backend
+        pool = MemoryPool(8 << 20, pin_memory="false")
+        cfg = CacheConfig(remote_url="{own_redis.url}", remote_timeout=0.5)
+        tier = create_backend("{own_redis.url}", cfg, pool,
+                              breaker_threshold=50)  # every call reaches the frozen server
+        for _ in range(3):
+            assert tier.contains([bytes(16)]) == [False]
+        print("timeouts", tier.stats().get("errors_timeout"), flush=True)
+        os._exit(0)
+    """)
+    try:
+        proc = subprocess.run([sys.executable, "-c", script], cwd=root, capture_output=True,
+                              text=True, timeout=HANG_S,
+                              env={**os.environ, "PYTHONPATH": str(root)})
+    finally:
+        own_redis.resume()
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "timeouts 3" in proc.stdout, proc.stdout
+    said = [ln for ln in proc.stderr.splitlines() if "a call to" in ln and "failed" in ln]
+    assert len(said) == 1 and f"127.0.0.1:{own_redis.port}" in said[0], proc.stderr[-3000:]
+    assert sum("did not answer at start-up" in ln for ln in proc.stderr.splitlines()) == 1
