@@ -297,6 +297,10 @@ class CacheConfig(Settings):
         True, parse_bool, "also key and store the last partial chunk of a prompt")
     tenant: str | None = setting(
         None, parse_opt_str, "salt mixed into every key: tenants never share KV")
+    model_revision: str | None = setting(
+        None, parse_opt_str, "the checkpoint's revision as you name it (a tag, a commit): "
+        "replaces the digest of every weight byte in the model identity, so start-up reads no "
+        "weights; weights changed without a new revision are served the old ones' KV")
     eviction_policy: str = setting(
         "lru", lambda v, k: parse_choice(v, k, _policy_names()),
         "which unreferenced chunk the L1 tier evicts first (lmc.storage.eviction's registered policies)")

@@ -19,6 +19,7 @@ from lmc import CacheConfig
 from lmc.cache_engine import CacheEngine
 from lmc.events import wire
 from lmc.events.engine import EngineEvents, attach
+from tests.deadlines import HANG_S
 from tests.kvutil import make_caches, spec_for
 from tests.requirements import missing
 
@@ -65,18 +66,25 @@ class Collector:
         self.sock.connect(endpoint)
         self.batches: list[tuple[bytes, int, list[wire.Event]]] = []
         self.raw: list[bytes] = []
-        time.sleep(0.3)  # PUB/SUB: the subscription must reach the publisher first
+        # PUB/SUB: what is published before the subscription reaches the publisher is
+        # lost; the first batch received (a heartbeat while idle) proves it arrived
+        assert self.sock.poll(int(HANG_S * 1000)), f"nothing from {endpoint} in {HANG_S} s"
+        self._pending = self._take()[1]
+
+    def _take(self) -> tuple[int, list[wire.Event]]:
+        topic, seq, payload = self.sock.recv_multipart()
+        evs = wire.decode_batch(payload)[1]
+        n = int.from_bytes(seq, "big")
+        self.batches.append((topic, n, evs))
+        self.raw.append(payload)
+        return n, evs
 
     def events(self, wait: float = 1.0, after: int = 0) -> list[wire.Event]:
         """Events of the batches arriving until a heartbeat numbered ``after`` or later
         (or ``wait`` seconds of silence)."""
-        out: list[wire.Event] = []
+        out, self._pending = self._pending, []
         while self.sock.poll(int(wait * 1000)):
-            topic, seq, payload = self.sock.recv_multipart()
-            evs = wire.decode_batch(payload)[1]
-            n = int.from_bytes(seq, "big")
-            self.batches.append((topic, n, evs))
-            self.raw.append(payload)
+            n, evs = self._take()
             out += evs
             if not evs and n >= after:  # a heartbeat sent after what we wait for
                 break
@@ -96,8 +104,10 @@ class Collector:
         self.ctx.term()
 
 
-def request(endpoint: str, frames: list[bytes], timeout: float = 3.0) -> list[list[bytes]]:
-    """Frames answered to a DEALER request, up to and including the end marker."""
+def request(endpoint: str, frames: list[bytes], timeout: float = HANG_S
+            ) -> list[list[bytes]]:
+    """Frames answered to a DEALER request, up to and including the end marker (or
+    ``timeout`` seconds of silence: a hang guard unless the test expects no answer)."""
     ctx = zmq.Context()
     ctx.setsockopt(zmq.LINGER, 0)  # never a term() that waits
     d = ctx.socket(zmq.DEALER)

@@ -13,6 +13,7 @@ from lmc.events import wire
 from lmc.router.feed import EventFeed, Source
 from lmc.router.index import Match, PrefixIndex, block_keys
 from lmc.router.policy import Candidate, Weights, choose
+from tests.deadlines import HANG_S
 from tests.events.helpers import BLOCK, CHUNK, engine_with_events, request, store
 from tests.kvutil import random_tokens
 from tests.router.helpers import free_port
@@ -54,8 +55,13 @@ def test_late_start_gaps_and_lost_history_all_end_in_the_true_index(tmp_path, bu
             start = src.next_seq
             for step in (lambda: store(eng, caches, b), lambda: store(eng, caches, c),
                          eng.storage.clear_l1):
+                seq = ev.publisher.stats()["seq"]
                 step()
-                time.sleep(0.3)  # each its own batch
+                end = time.monotonic() + HANG_S
+                # each its own batch: sent, and nothing left queued for the next one
+                while (st := ev.publisher.stats())["seq"] == seq or st["queued"]:
+                    assert time.monotonic() < end, "the step's events were never published"
+                    time.sleep(0.01)
             later = replayed(ev.replay_endpoint, 0)
             newest = later[-1]
             assert newest[0] > start + 1  # batches start..newest-1 "were lost"
