@@ -101,7 +101,10 @@ def test_several_instances_route_a_cached_prefix_back(tmp_path):
         prompt = " ".join(["a long system prompt every request repeats"] * 60)
         first = _get(base + "/v1/completions", {"model": "m", "prompt": prompt + " one",
                                                 "max_tokens": 2})
-        time.sleep(3)  # the first instance's events reach the router
+        deadline = time.monotonic() + 60  # the first instance's events reach the router
+        while not any(i["events"]["blocks"] for i in _get(router)["instances"]):
+            assert time.monotonic() < deadline, _get(router)
+            time.sleep(0.2)
         again = [_get(base + "/v1/completions", {"model": "m", "prompt": prompt + f" {q}",
                                                  "max_tokens": 2}) for q in ("two", "three")]
         metrics = urllib.request.urlopen(base + "/metrics", timeout=30).read().decode()

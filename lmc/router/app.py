@@ -45,6 +45,7 @@ from lmc.http.json_api import (
     RateLimitedWarnings,
     add_limit_args,
     limits_from_args,
+    listen_error,
 )
 from lmc.router.dispatch import (
     Front,
@@ -212,7 +213,11 @@ def run(args: argparse.Namespace) -> int:
                         upstream_timeout=args.upstream_timeout,
                         shared=shared,
                         **choice_from_args(args))
-    except (ValueError, OSError, ImportError) as e:
+    except OSError as e:  # the port (a file, e.g. a tokenizer, names itself)
+        why = str(e) if e.filename else listen_error(e, args.host, args.port)
+        print(f"lmc router: {why}", file=sys.stderr)
+        return 2
+    except (ValueError, ImportError) as e:
         print(f"lmc router: {e}", file=sys.stderr)
         return 2
     return router.run_until_signalled(f"router at {router.url} ({router.policy}): "

@@ -27,12 +27,13 @@ from lmc.settings import ConfigError
 from lmc.storage.serde import encode_header
 from lmc.storage.tier import create_backend
 from lmc.testing.harness import SHAPE, check_hit, fill, key_of
+from tests.deadlines import SLACK_S
 
 from .mooncake_cluster import ROOT, MooncakeMaster, Peer, quiet_env, require_mooncake
 
 pytestmark = pytest.mark.integration
 TIMEOUT = 1.0   # remote_timeout of every tier here
-SLACK = 1.0     # scheduling on a loaded 2-core machine
+SLACK = SLACK_S  # scheduling on a loaded machine (tests/deadlines.py)
 SECRET = "faults-suite-secret-0123456789ab"
 
 

@@ -48,7 +48,7 @@ from lmc.storage.tier import (
     register_backend,
 )
 
-from .tags import TAG_DTYPE, TAG_SHAPE, Tags, interleave, tag_key
+from .tags import TAG_SHAPE, Tags, interleave, tag_dtype, tag_key
 
 if TYPE_CHECKING:
     import torch
@@ -149,8 +149,8 @@ class ServerBackend(StorageBackend):
         conn = ClientConnection(self.address, self._token, self.timeout, self._client_name)
         ev = getattr(conn, "kv_events", None)
         if self.block_notes is not None:  # keep noting while a daemon publishes at our size
-            self.block_notes.told(self.block_notes_slot, ev is not None and ev.get("block_size")
-                                  == self.block_notes.block_size)
+            publishes = isinstance(ev, dict) and ev.get("block_size") == self.block_notes.block_size
+            self.block_notes.told(self.block_notes_slot, publishes)
         return conn
 
     def _acquire(self) -> ClientConnection:
@@ -300,7 +300,7 @@ class ServerBackend(StorageBackend):
         """The codec's word on a value the client received (its checksum verified as it
         arrived): the engine's geometry and, with a secret, the companion tag. Raises
         :class:`CorruptValue`."""
-        if tag is not None and (tuple(tag.shape) != TAG_SHAPE or tag.dtype != TAG_DTYPE):
+        if tag is not None and (tuple(tag.shape) != TAG_SHAPE or tag.dtype != tag_dtype()):
             raise CorruptValue(f"integrity tag has shape {tuple(tag.shape)} of {tag.dtype}")
         self.codec.admit(key, obj, None if tag is None else tag.byte_view(), geometry)
 

@@ -37,12 +37,16 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-
+from lmc.lazy_import import LazyModule
 from lmc.memory.pool import MemoryObj, MemoryPool
 from lmc.storage.backends.p2p.wire import PeerInfo
+
+if TYPE_CHECKING:
+    import torch
+else:  # imported at first use (lmc.lazy_import says why)
+    torch = LazyModule("torch", globals())
 
 log = logging.getLogger(__name__)
 SCRATCH_SLOTS = 4096

@@ -41,11 +41,10 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from lmc.config import CacheConfig
+from lmc.lazy_import import LazyModule
 from lmc.memory.pool import MemoryObj, MemoryPool
 from lmc.ratelog import RateLimitedWarnings
 from lmc.settings import parse_duration, parse_int, parse_opt_str, parse_size
@@ -66,6 +65,11 @@ from lmc.storage.tier import (
     register_backend,
 )
 
+if TYPE_CHECKING:
+    import torch
+else:  # imported at first use (lmc.lazy_import says why)
+    torch = LazyModule("torch", globals())
+
 log = logging.getLogger(__name__)
 LOCATION_TTL = 1.0  # seconds a located record serves a following get without asking again
 MAX_DISTRUSTED = 4096  # (owner, version) records remembered as failing their checks
@@ -73,7 +77,7 @@ AGENT_STRIKES = 3  # records of one owner failing verification before all its re
 AGENT_DISTRUST_S = 60.0  # ... skipped for this long (a liar re-advertising cannot shadow
 MAX_DISTRUSTED_AGENTS = 1024  # the honest holders of a key)
 MAX_LEARNED = 8  # chunk geometries an engine's stores may teach the tier
-Shape = tuple[int, int, int, torch.dtype]  # layers, planes, row width, dtype: all but tokens
+Shape = tuple[int, int, int, "torch.dtype"]  # layers, planes, row width, dtype: all but tokens
 
 
 def shape_class(shape: Sequence[int], dtype: torch.dtype) -> Shape:
