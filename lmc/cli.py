@@ -25,7 +25,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "workload": ("lmc.workloads.cli", "write a workload trace (chat, prefix, docqa, rag, sharegpt)"),
     "replay": ("lmc.workloads.replay_cli", "replay a trace on the reference engine or an "
                "OpenAI-compatible server: TTFT, throughput, hits per tier"),
-    "pd-proxy": ("lmc.http.pd_proxy", "prefill on a kv_producer, decode on a kv_consumer, "
+    "pd-proxy": ("lmc.router.pd_proxy", "prefill on a kv_producer, decode on a kv_consumer, "
                  "behind one /v1/completions"),
     "router": ("lmc.router.app", "route requests to the instance with the longest cached "
                "prefix (KV events), balanced against load"),

@@ -297,6 +297,10 @@ class CacheConfig(Settings):
         True, parse_bool, "also key and store the last partial chunk of a prompt")
     tenant: str | None = setting(
         None, parse_opt_str, "salt mixed into every key: tenants never share KV")
+    model_revision: str | None = setting(
+        None, parse_opt_str, "the checkpoint's revision as you name it (a tag, a commit): "
+        "replaces the digest of every weight byte in the model identity, so start-up reads no "
+        "weights; weights changed without a new revision are served the old ones' KV")
     eviction_policy: str = setting(
         "lru", lambda v, k: parse_choice(v, k, _policy_names()),
         "which unreferenced chunk the L1 tier evicts first (lmc.storage.eviction's registered policies)")
@@ -389,8 +393,9 @@ class CacheConfig(Settings):
         "publish the tiers' chunks as KV-cache events in vLLM's wire format, for KV-aware "
         "routers (lmc/events/config.py): a mapping of vLLM's --kv-events-config keys "
         "(enable_kv_cache_events, endpoint, replay_endpoint, topic, buffer_steps, hwm, "
-        "max_queue_size) and lmc's (block_size, pod, model_name, heartbeat, max_chunks, "
-        "publish_remote); unset = off", hashed=False)
+        "max_queue_size; unset endpoints bind loopback) and lmc's (block_size, pod, "
+        "model_name, heartbeat, max_chunks, publish_remote, buffer_max_bytes, pub_max_bytes, "
+        "replay_max_bytes); unset = off", hashed=False)
 
     def __post_init__(self) -> None:
         super().__post_init__()

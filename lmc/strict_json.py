@@ -4,16 +4,20 @@ Why one helper: Python's ``json`` recurses once per nesting level, so ~100 KB of
 raises ``RecursionError`` (or, in a thread with a small stack, crashes the process), and it
 silently keeps one of two values given for one key. Every file lmc reads that another person
 or process wrote (the command line's inputs, a blending verdict, the weight-digest cache, a
-calibration) goes through :func:`parse_json`, so each refuses the same things with an
+calibration, a checkpoint's config files) goes through :func:`parse_json` (a whole file:
+:func:`load_json_file`, bounded in bytes), so each refuses the same things with an
 :class:`InputError` naming where, never a traceback. The CLI's inputs module
-(:mod:`lmc.workloads.inputs`) adds the file reading around it.
+(:mod:`lmc.workloads.inputs`) adds line-by-line reading around it.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import re
 from typing import Any
+
+from lmc.bounded_io import known_size, read_at_most
 
 MAX_JSON_DEPTH = 32  # a trace line needs 2 levels, a ShareGPT file 4, a verdict 3
 
@@ -125,3 +129,21 @@ def parse_json(text: str, where: str, *, document: bool = False,
     if text.count("[") + text.count("{") > max_depth and _deeper_than(obj, max_depth):
         raise too_deep()
     return obj
+
+
+def load_json_file(path: str | os.PathLike[str], limit: int) -> Any:
+    """The JSON document in the file at ``path``: at most ``limit`` bytes (a larger file is
+    refused by its size, unread), UTF-8 (a BOM dropped), parsed by :func:`parse_json`. An
+    :class:`InputError` names the file and what was wrong; ``OSError`` as raised by opening."""
+    with open(path, "rb") as f:
+        if known_size(f) > limit:
+            raise InputError(f"{path}: larger than {limit:,} bytes")
+        raw = read_at_most(f, limit)
+    if len(raw) > limit:
+        raise InputError(f"{path}: larger than {limit:,} bytes")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise InputError(f"{path}: not UTF-8 text (byte 0x{raw[e.start]:02x} at offset "
+                         f"{e.start})") from None
+    return parse_json(text.removeprefix("\ufeff"), str(path), document=True)

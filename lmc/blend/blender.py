@@ -64,7 +64,7 @@ class SegmentBlender:
                 segments: Mapping[str, Sequence[tuple[int, int]]], runner: Any
                 ) -> BatchBlend | None:
         plans: list[tuple[ScheduledRequest, int, list[tuple[int, int, torch.Tensor]]]] = []
-        missing: list[tuple[Sequence[int], torch.Tensor]] = []
+        missing: list[tuple[Sequence[int], torch.Tensor, bytes | None]] = []
         for sched, row_start in zip(output.scheduled_requests, row_starts, strict=True):
             spans = segments.get(sched.request_id)
             if not spans:
@@ -76,15 +76,16 @@ class SegmentBlender:
             if not usable:
                 continue
             table = torch.as_tensor(sched.block_ids, dtype=torch.long)
+            tag = getattr(sched, "key_tag", None)  # LoRA / cache_salt: its own segments
             segs = []
             for s, e in usable:
                 tokens = sched.token_ids[s:e]
                 slots = slots_for_positions(table, torch.arange(s, e), runner.block_size)
-                if self._load(tokens, runner.kv_caches, slots):
+                if self._load(tokens, runner.kv_caches, slots, tag):
                     self.stats.segments_hit += 1
                     self.stats.tokens_reused += e - s
                 else:
-                    missing.append((tokens, slots))
+                    missing.append((tokens, slots, tag))
                 segs.append((s, e, slots))
             plans.append((sched, row_start, segs))
         if not plans:
@@ -113,8 +114,8 @@ class SegmentBlender:
                            positions - sched.num_computed_tokens, k, torch.stack(values), slots,
                            self.ratio)
 
-    def _compute_alone(self, missing: list[tuple[Sequence[int], torch.Tensor]], runner: Any
-                       ) -> None:
+    def _compute_alone(self, missing: list[tuple[Sequence[int], torch.Tensor, bytes | None]],
+                       runner: Any) -> None:
         """One forward computing each missing segment alone at positions ``0..len-1`` into
         its slots, then each is stored."""
         device = runner.device
@@ -123,7 +124,7 @@ class SegmentBlender:
         slot_parts: list[torch.Tensor] = []
         prefills: list[PrefillSlice] = []
         row = 0
-        for tokens, slots in missing:
+        for tokens, slots, _ in missing:
             n = len(tokens)
             ids.extend(tokens)
             positions.append(torch.arange(n))
@@ -134,20 +135,20 @@ class SegmentBlender:
                                  row)
         runner.model(torch.tensor(ids, dtype=torch.long, device=device),
                      torch.cat(positions).to(device), runner.kv_caches, meta)
-        for tokens, slots in missing:
+        for tokens, slots, tag in missing:
             self.stats.segments_computed += 1
             self.stats.tokens_computed_alone += len(tokens)
             try:
-                self.stats.tokens_stored += self.store.save(tokens, runner.kv_caches, slots)
+                self.stats.tokens_stored += self.store.save(tokens, runner.kv_caches, slots, tag)
             except Exception as e:  # not stored: it is computed alone again next time
                 logger.warning("blend: storing a %d-token segment failed: %s", len(tokens),
                                one_line(e))
 
-    def _load(self, tokens: Sequence[int], kv_caches: list[torch.Tensor], slots: torch.Tensor
-              ) -> bool:
+    def _load(self, tokens: Sequence[int], kv_caches: list[torch.Tensor], slots: torch.Tensor,
+              key_tag: bytes | None = None) -> bool:
         """Load a segment; a failing store is a miss (the segment is computed alone)."""
         try:
-            return self.store.load(tokens, kv_caches, slots)
+            return self.store.load(tokens, kv_caches, slots, key_tag)
         except Exception as e:
             logger.warning("blend: loading a %d-token segment failed, computing it: %s",
                            len(tokens), one_line(e))

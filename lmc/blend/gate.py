@@ -7,8 +7,10 @@ and prints per ratio: each layer's KV deviation from full prefill, the KL diverg
 next-token distribution, and how many of the first N greedy tokens agree. A ratio passes
 when the mean KL is at most ``--kl-max`` and the agreement at least ``--min-agreement``; the
 verdict passes at the smallest passing ratio below 1 (at 1 blending saves nothing) and is
-written next to the model's config.json (``lmc_blend_verdict.json``, or ``--verdict``). The
-blend connector blends a model only with a passing verdict for its weights and KV dtype.
+written next to the model's config.json (``lmc_blend_verdict.json``, or ``--verdict``), signed
+when an integrity secret is configured (``--config``, ``LMC_INTEGRITY_SECRET``). The blend
+connector blends a model only with a passing verdict for its weights and KV dtype (and, with
+a secret, only a verdict that secret signed).
 Exit status: 0 passed, 1 failed, 2 bad input.
 """
 
@@ -25,8 +27,10 @@ from typing import Any
 from lmc.blend.quality import Capture, compare, run_prompt
 from lmc.blend.rag_workload import make_rag_workload, read_jsonl
 from lmc.blend.verdict import RatioResult, Verdict, default_verdict_path
+from lmc.config import CacheConfig
 from lmc.connectors.reference.blend import BlendConnector, BlendSettings, dtype_name
 from lmc.reference.segments import encode_pieces
+from lmc.storage.integrity import Integrity
 from lmc.units import size
 
 DEFAULT_RATIOS = (0.0, 0.05, 0.15, 0.3, 0.5, 1.0)
@@ -153,11 +157,15 @@ def register_cli(sub: Any) -> None:
     p.add_argument("--device", default="cpu")
     p.add_argument("--verdict", metavar="PATH",
                    help="where to write the verdict (default: next to DIR/config.json)")
+    p.add_argument("--config", metavar="FILE",
+                   help="lmc config whose integrity_secret (or _file) signs the verdict, as the "
+                   "engines that read it must have (LMC_INTEGRITY_SECRET works too)")
     p.set_defaults(func=_main)
 
 
 def _main(args: argparse.Namespace) -> int:
     try:
+        integrity = Integrity.from_config(CacheConfig.load(args.config))  # before minutes of work
         model_dir = Path(args.model)
         if not (model_dir / "config.json").is_file():
             raise ValueError(f"{model_dir} is not a checkpoint directory: no config.json")
@@ -182,13 +190,14 @@ def _main(args: argparse.Namespace) -> int:
                             device=args.device, gen_tokens=args.tokens, kl_max=args.kl_max,
                             min_agreement=args.min_agreement,
                             say=lambda line: print(line) if not line.startswith("full") else None)
-        verdict.write(path)
-    except (ValueError, OSError) as e:
+        verdict.write(path, integrity)
+    except (ValueError, OSError, ImportError) as e:
         print(f"lmc blend-check: {e}", file=sys.stderr)
         return 2
+    signed = " (signed with the integrity secret)" if integrity is not None else ""
     if verdict.passed:
-        print(f"verdict: PASS at recompute ratio {verdict.ratio:.2f}; written to {path}")
+        print(f"verdict: PASS at recompute ratio {verdict.ratio:.2f}; written to {path}{signed}")
         return 0
     print(f"verdict: FAIL (no ratio below 1 within KL <= {args.kl_max} and agreement >= "
-          f"{args.min_agreement}); written to {path}: blending stays off for this model")
+          f"{args.min_agreement}); written to {path}{signed}: blending stays off for this model")
     return 1

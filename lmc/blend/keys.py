@@ -15,7 +15,13 @@ from __future__ import annotations
 
 import xxhash
 
-from lmc.token_database import KEY_BYTES, ChunkedTokenDatabase, ChunkKey, Tokens
+from lmc.token_database import (
+    KEY_BYTES,
+    ChunkedTokenDatabase,
+    ChunkKey,
+    Tokens,
+    request_root,
+)
 
 SEGMENT_DOMAIN = b"lmc.blend.segment/1"
 
@@ -33,15 +39,23 @@ class SegmentKeys:
     ``namespace`` is the cache's namespace digest (``CacheEngine.db.namespace``); chunks are
     ``chunk_size`` tokens like prefix chunks, the partial tail included (a segment rarely
     ends on a chunk boundary and its tail is as reusable as its head).
+
+    A request's key tag (its LoRA adapter and ``cache_salt``:
+    :func:`lmc.token_database.request_tag`) roots its segments' chains as it roots its prefix
+    chains (:func:`lmc.token_database.request_root` of the segment namespace): an adapter's
+    KV differs from the base model's, and a salt asks to share only with the same salt, so
+    segments are shared exactly where prefixes are.
     """
 
     def __init__(self, namespace: bytes, chunk_size: int) -> None:
+        self.namespace = segment_namespace(namespace)
         self.db = ChunkedTokenDatabase(chunk_size, save_unfull_chunk=True,
-                                       namespace=segment_namespace(namespace))
+                                       namespace=self.namespace)
 
     @property
     def chunk_size(self) -> int:
         return self.db.chunk_size
 
-    def keys(self, tokens: Tokens) -> list[ChunkKey]:
-        return self.db.keys(tokens)
+    def keys(self, tokens: Tokens, key_tag: bytes | None = None) -> list[ChunkKey]:
+        """The segment's keys; ``key_tag``: the request's (None: an untagged request)."""
+        return self.db.keys(tokens, root=request_root(self.namespace, key_tag))

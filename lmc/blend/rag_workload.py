@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from lmc.reference.segments import DEFAULT_SEPARATOR, Span, encode_pieces
+from lmc.strict_json import InputError, parse_json
 
 MAX_LINE_BYTES = 1 << 20
 MAX_PROMPTS = 10_000
@@ -113,9 +114,12 @@ def read_jsonl(path: str | os.PathLike) -> Iterator[list[str]]:
             if not raw.strip():
                 continue
             try:
-                obj = json.loads(raw)
-            except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
-                raise ValueError(f"{path}:{n}: not valid JSON: {e}") from None
+                obj = parse_json(raw.decode("utf-8"), f"{path}:{n}")
+            except UnicodeDecodeError as e:
+                raise ValueError(f"{path}:{n}: not UTF-8 text ({e.reason} at byte {e.start})") \
+                    from None
+            except InputError as e:  # names path:line and what is wrong
+                raise ValueError(str(e)) from None
             yield _pieces(obj, f"{path}:{n}")
 
 

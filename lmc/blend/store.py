@@ -28,19 +28,20 @@ class SegmentStore:
         self.engine = engine
         self.keys = SegmentKeys(engine.db.namespace, engine.db.chunk_size)
 
-    def load(self, tokens: Sequence[int], kv_caches: list[torch.Tensor], slots: torch.Tensor
-             ) -> bool:
-        """Write the segment's stored KV into ``slots``; whether all of it was there."""
-        keys = self.keys.keys(list(tokens))
+    def load(self, tokens: Sequence[int], kv_caches: list[torch.Tensor], slots: torch.Tensor,
+             key_tag: bytes | None = None) -> bool:
+        """Write the segment's stored KV into ``slots``; whether all of it was there.
+        ``key_tag``: the request's (LoRA, ``cache_salt``), as in :class:`SegmentKeys`."""
+        keys = self.keys.keys(list(tokens), key_tag)
         return self.engine.retrieve(list(tokens), kv_caches, slots, keys=keys) == len(tokens)
 
-    def save(self, tokens: Sequence[int], kv_caches: list[torch.Tensor], slots: torch.Tensor
-             ) -> int:
+    def save(self, tokens: Sequence[int], kv_caches: list[torch.Tensor], slots: torch.Tensor,
+             key_tag: bytes | None = None) -> int:
         """Store the segment's canonical KV found at ``slots``; returns tokens newly stored."""
-        keys = self.keys.keys(list(tokens))
+        keys = self.keys.keys(list(tokens), key_tag)
         return self.engine.store(list(tokens), kv_caches, slots, keys=keys)
 
-    def contains(self, tokens: Sequence[int]) -> bool:
+    def contains(self, tokens: Sequence[int], key_tag: bytes | None = None) -> bool:
         """Whether every chunk of the segment is stored now (no pin: a hint)."""
-        keys = self.keys.keys(list(tokens))
+        keys = self.keys.keys(list(tokens), key_tag)
         return self.engine.lookup(list(tokens), keys=keys) == len(tokens)

@@ -2,9 +2,18 @@
 dtype, and whether blending passed. It lies next to the model's ``config.json`` by default
 (``lmc_blend_verdict.json``) and is what the blend connector reads before it blends.
 
-A verdict binds the model identity (the checkpoint's fingerprint, so new weights need a new
-check) and the KV dtype. Reading is strict: a file that is not a verdict is an error naming
-what is wrong, and the connector treats it as no verdict.
+A verdict binds the model identity (every byte of the weights, so new weights need a new
+check) and the KV dtype. Reading is strict: at most :data:`MAX_VERDICT_BYTES`, JSON parsed by
+:mod:`lmc.strict_json` (no nesting past 32 levels, no key twice), fields typed and ranged; a
+file that is not a verdict is an error naming what is wrong, and the connector treats it as
+no verdict (blending off), never a crash.
+
+Who may write one. Without an integrity secret, a verdict is trusted as a file next to the
+model: whoever can write there can turn blending on (``passed: true, ratio: 0.0``), as they
+could replace the weights. With ``integrity_secret`` (or ``_file``) configured, ``lmc
+blend-check`` signs the verdict (``tag``: keyed BLAKE2b over its canonical JSON,
+:meth:`lmc.storage.integrity.Integrity.document_tag`) and the connector refuses one that is
+unsigned, altered or signed with another secret (:class:`VerdictRefused`).
 """
 
 from __future__ import annotations
@@ -15,11 +24,28 @@ import os
 import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+from lmc.strict_json import load_json_file
+
+if TYPE_CHECKING:
+    from lmc.storage.integrity import Integrity
 
 VERDICT_NAME = "lmc_blend_verdict.json"
 VERDICT_FORMAT = 1
 MAX_VERDICT_BYTES = 1 << 20
+TAG_KIND = b"lmc-verdict/1"
+
+
+class VerdictRefused(ValueError):
+    """A verdict whose signature an integrity secret requires is missing or does not verify."""
+
+
+def canonical(doc: dict[str, Any]) -> bytes:
+    """The bytes a verdict's tag covers: its fields but the tag, sorted, compact, ASCII (so
+    re-indenting the file keeps the tag valid, and changing any value does not)."""
+    return json.dumps({k: v for k, v in doc.items() if k != "tag"}, sort_keys=True,
+                      separators=(",", ":"), ensure_ascii=True, allow_nan=False).encode()
 
 
 def default_verdict_path(model_dir: str | os.PathLike) -> Path:
@@ -50,16 +76,20 @@ class Verdict:
     generated_tokens: int = 0
     format: int = VERDICT_FORMAT
 
-    def to_json(self) -> str:
-        return json.dumps(asdict(self), indent=2, allow_nan=False) + "\n"
+    def to_json(self, integrity: Integrity | None = None) -> str:
+        """The file's text; signed (a ``tag`` field) when ``integrity`` is given."""
+        doc: dict[str, Any] = asdict(self)
+        if integrity is not None:
+            doc["tag"] = integrity.document_tag(TAG_KIND, canonical(doc))
+        return json.dumps(doc, indent=2, allow_nan=False) + "\n"
 
-    def write(self, path: str | os.PathLike) -> Path:
-        """Atomically (a reader never sees half a verdict)."""
+    def write(self, path: str | os.PathLike, integrity: Integrity | None = None) -> Path:
+        """Atomically (a reader never sees half a verdict); signed with ``integrity``."""
         path = Path(path)
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".verdict-", suffix=".tmp")
         try:
             with os.fdopen(fd, "w") as f:
-                f.write(self.to_json())
+                f.write(self.to_json(integrity))
             os.replace(tmp, path)
         except BaseException:
             Path(tmp).unlink(missing_ok=True)
@@ -67,20 +97,29 @@ class Verdict:
         return path
 
 
-def read_verdict(path: str | os.PathLike) -> Verdict | None:
+def read_verdict(path: str | os.PathLike, integrity: Integrity | None = None
+                 ) -> Verdict | None:
     """The verdict at ``path``; None when there is none; ``ValueError`` naming the problem
-    when the file is not a verdict."""
+    when the file is not a verdict (:class:`VerdictRefused` when ``integrity`` is given and
+    its tag is missing or does not verify)."""
     path = Path(path)
     if not path.is_file():
         return None
-    if path.stat().st_size > MAX_VERDICT_BYTES:
-        raise ValueError(f"{path}: larger than {MAX_VERDICT_BYTES} bytes, not a verdict")
-    try:
-        raw = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"{path}: not valid JSON: {e}") from None
+    raw = load_json_file(path, MAX_VERDICT_BYTES)  # InputError (a ValueError) names it
     if not isinstance(raw, dict):
         raise ValueError(f"{path}: expected a JSON object")
+    tag = raw.pop("tag", None)
+    if integrity is not None:
+        if tag is None:
+            raise VerdictRefused(f"{path}: unsigned, and an integrity secret is configured "
+                                 "(sign it: run lmc blend-check with the same secret)")
+        try:
+            content = canonical(raw)
+        except ValueError as e:  # NaN or infinity: never written by blend-check
+            raise ValueError(f"{path}: {e}") from None
+        if not integrity.document_tag_valid(TAG_KIND, content, tag):
+            raise VerdictRefused(f"{path}: its tag does not verify (the file was altered, or "
+                                 "signed with another secret)")
     if raw.get("format") != VERDICT_FORMAT:
         raise ValueError(f"{path}: format {raw.get('format')!r}, expected {VERDICT_FORMAT}")
     try:

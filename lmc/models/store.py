@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from lmc.models.registry import CONVERTER_VERSION, KnownModel
+from lmc.user_cache import cache_dir
 
 MANIFEST = "lmc-model.json"
 MAX_MANIFEST = 1 << 20
@@ -29,8 +30,7 @@ MAX_MANIFEST = 1 << 20
 
 def cache_root() -> Path:
     """``$XDG_CACHE_HOME/lmc``, else ``~/.cache/lmc`` (the reference engine's too)."""
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "lmc"
+    return cache_dir()
 
 
 def models_root(root: str | Path | None = None) -> Path:

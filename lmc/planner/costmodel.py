@@ -51,14 +51,14 @@ import numpy as np
 from lmc.connectors.core.load_policy import Costs, Split, choose_split
 from lmc.connectors.core.load_policy import ttft_s as rule_ttft_s
 from lmc.storage.speeds import PrefillRate, TierRate
+from lmc.user_cache import cache_dir
 from lmc.workloads.inputs import InputError, parse_json, read_text
 
 PROFILE_VERSION = 2  # 2: measured with lmc attached (1 measured the engine alone)
 
 
 def default_profile_path() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "lmc" / "plan-profile.json"
+    return cache_dir() / "plan-profile.json"
 
 
 class MissingProfile(FileNotFoundError):

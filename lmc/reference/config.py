@@ -7,11 +7,14 @@ and the file, so a bad checkpoint fails at load time instead of producing garbag
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from lmc.strict_json import load_json_file
+
+MAX_CONFIG_BYTES = 16 << 20  # config.json is kilobytes; a larger file is not one
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
 
@@ -133,10 +136,7 @@ class ModelConfig:
         path = Path(path)
         if not path.is_file():
             raise FileNotFoundError(f"no config.json at {path}")
-        try:
-            raw = json.loads(path.read_text())
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"{path}: not valid JSON: {exc}") from exc
+        raw = load_json_file(path, MAX_CONFIG_BYTES)  # InputError (a ValueError) names it
         if not isinstance(raw, dict):
             raise ValueError(f"{path}: expected a JSON object")
         return cls.from_dict(raw, source=str(path))

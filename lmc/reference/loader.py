@@ -9,7 +9,6 @@ weights, not two.
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,10 +18,12 @@ from safetensors import safe_open
 
 from lmc.reference.config import ModelConfig
 from lmc.reference.model import CausalLM
+from lmc.strict_json import load_json_file
 
 logger = logging.getLogger(__name__)
 
 INDEX_FILE = "model.safetensors.index.json"
+MAX_INDEX_BYTES = 64 << 20  # a shard index names each tensor once: megabytes at most
 
 # Keys some checkpoints carry that the model recomputes itself.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -53,7 +54,8 @@ def safetensors_files(model_dir: str | Path) -> list[Path]:
     model_dir = Path(model_dir)
     index = model_dir / INDEX_FILE
     if index.is_file():
-        weight_map = json.loads(index.read_text()).get("weight_map")
+        doc = load_json_file(index, MAX_INDEX_BYTES)
+        weight_map = doc.get("weight_map") if isinstance(doc, dict) else None
         if not isinstance(weight_map, dict) or not weight_map:
             raise ValueError(f"{index}: missing or empty 'weight_map'")
         files = [model_dir / name for name in sorted(set(weight_map.values()))]

@@ -31,6 +31,7 @@ from safetensors.torch import save_file
 
 from lmc.reference.config import ModelConfig
 from lmc.reference.model import CausalLM
+from lmc.user_cache import cache_dir
 
 # Bump when the generator's output changes, so cached default checkpoints are remade.
 TINY_FORMAT_VERSION = 1
@@ -282,8 +283,7 @@ def _write_weights(path: Path, weights: dict[str, torch.Tensor], shards: int) ->
 
 def cache_root() -> Path:
     """``$XDG_CACHE_HOME/lmc``, else ``~/.cache/lmc``."""
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "lmc"
+    return cache_dir()
 
 
 def cached_checkpoint(name: str, progress: Callable[[str], None] | None = None,

@@ -9,10 +9,10 @@ what users expect.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from lmc.reference.config import ModelConfig
+from lmc.strict_json import load_json_file
 
 
 def check_unicode(text: str, what: str = "text") -> None:
@@ -55,7 +55,8 @@ def load_eos_token_ids(model_dir: str | Path, config: ModelConfig) -> frozenset[
     ids = set(config.eos_token_ids)
     gen_path = Path(model_dir) / "generation_config.json"
     if gen_path.is_file():
-        value = json.loads(gen_path.read_text()).get("eos_token_id")
+        doc = load_json_file(gen_path, 1 << 20)
+        value = doc.get("eos_token_id") if isinstance(doc, dict) else None
         values = value if isinstance(value, list) else [value]
         ids.update(v for v in values if isinstance(v, int) and not isinstance(v, bool))
     return frozenset(ids)

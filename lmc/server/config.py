@@ -19,7 +19,6 @@ from typing import Any
 
 from lmc.config import CacheConfig, parse_remote_url
 from lmc.server.auth import Authenticator, TokenSpec, nonempty_secret, parse_tokens, secret_file
-from lmc.server.protocol import Limits
 from lmc.settings import (
     ConfigError,
     Settings,
@@ -35,8 +34,8 @@ from lmc.settings import (
     parse_size,
     setting,
 )
+from lmc.storage.backends.daemon.protocol import DEFAULT_PORT, Limits
 
-DEFAULT_PORT = 7451
 LOOPBACK = ("127.0.0.1", "::1", "localhost")
 
 

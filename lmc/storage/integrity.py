@@ -2,7 +2,7 @@
 
 Tiers using it: Redis and the ``lmc://`` daemon (keyed tags and geometry), the disk tier
 (geometry only: its directory is one process's), the SGLang page store (geometry of a page).
-Peers: ``lmc/storage/backends/p2p.py`` and ``docs/threats/p2p.md`` say what they verify. Threat
+Peers: ``lmc/storage/backends/p2p/backend.py`` and ``docs/threats/p2p.md`` say what they verify. Threat
 model of the others: ``docs/threats/tiers.md``.
 
 Why: the ``lmc.storage.serde`` checksums catch accidents, not intent. Anyone who can write to a shared
@@ -63,6 +63,7 @@ MIN_SECRET_BYTES = 16
 _AEAD_NONCE = bytes(12)  # each one-time key authenticates one value: a constant nonce is safe
 _MASTER_PERSON = b"lmc-int-master"
 _VALUE_PERSON = b"lmc-int-value"
+_DOCUMENT_PERSON = b"lmc-int-doc"
 SECRET_HINT = 'e.g. python3 -c "import secrets; print(secrets.token_hex(32))"'
 
 
@@ -87,6 +88,7 @@ class Integrity:
         raw = check_secret(secret, setting)
         self._aead = _aead()
         self._master = hashlib.blake2b(raw, digest_size=32, person=_MASTER_PERSON).digest()
+        self._documents = hashlib.blake2b(raw, digest_size=32, person=_DOCUMENT_PERSON).digest()
 
     def __repr__(self) -> str:  # never shows the secret
         return "Integrity(<secret>)"
@@ -123,6 +125,19 @@ class Integrity:
         if not hmac.compare_digest(want, tag[NONCE_SIZE:]):
             raise CorruptValue("integrity tag does not verify (forged or altered value, a "
                                "value copied from another key, or a different secret)")
+
+
+    def document_tag(self, kind: bytes, content: bytes) -> str:
+        """A keyed BLAKE2b tag (hex) over a small document's canonical bytes (a blending
+        verdict): only a holder of the secret can make one. ``kind`` (at most 16 bytes) keeps
+        one kind of document's tag from vouching for another's. Speed is no concern here
+        (kilobytes, once at start-up), unlike values' tags."""
+        return hashlib.blake2b(content, key=self._documents, digest_size=32,
+                               person=kind).hexdigest()
+
+    def document_tag_valid(self, kind: bytes, content: bytes, tag: Any) -> bool:
+        return isinstance(tag, str) and tag.isascii() and hmac.compare_digest(
+            self.document_tag(kind, content), tag)
 
 
 def check_secret(secret: bytes | str, setting: str = "integrity_secret") -> bytes:

@@ -634,16 +634,15 @@ class StorageManager:
 
     def close(self, drain: bool = True) -> None:
         """Drain the write-behind queues (bounded by ``close_timeout`` in all), then close the
-        tiers, lowest first; then wait (within the same bound) for reads abandoned by loads
-        that stopped, which hold pool memory until they return."""
+        tiers, lowest first, waiting (within the same bound) before L1 for reads abandoned by
+        loads that stopped, which hold pool memory until they return."""
         deadline = time.monotonic() + self.close_timeout
         for q in self.queues:
             q.close(drain, max(0.0, deadline - time.monotonic()))
-        for tier in reversed(self.tiers):
-            try:
-                tier.close()
-            except Exception as e:
-                log.warning("tier %s failed to close: %s", tier.name, e)
+        for tier in reversed(self.lower):
+            self._close_tier(tier)
+        # the lower tiers' close woke their reads: an abandoned piece lands (and is promoted
+        # into L1, still open) before L1 closes
         with self._fetch_lock:
             pool, self._fetch_pool = self._fetch_pool, None
         if pool is not None:
@@ -651,3 +650,11 @@ class StorageManager:
                 idle = self._fetch_cv.wait_for(lambda: self._fetching == 0,
                                                max(0.0, deadline - time.monotonic()))
             pool.shutdown(wait=idle)
+        self._close_tier(self.tiers[0])
+
+    @staticmethod
+    def _close_tier(tier: StorageBackend) -> None:
+        try:
+            tier.close()
+        except Exception as e:
+            log.warning("tier %s failed to close: %s", tier.name, e)

@@ -68,10 +68,12 @@ import numpy as np
 import torch
 
 from lmc.memory import pinned_ranges
+from lmc.strict_json import load_json_file
 from lmc.transfer.completion import Completion, EventCompletion
 from lmc.transfer.kv_layouts import PlaneStrides
 from lmc.transfer.kv_spec import KVCaches, KVSpec
 from lmc.transfer.torch_copy import ChunkPlan, KVTransfer, TransferPlan
+from lmc.user_cache import cache_dir
 
 KERNEL_SOURCE = Path(__file__).with_name("csrc") / "kv_transfer.cu"
 VECTOR_WIDTHS = (16, 8, 4, 2, 1)
@@ -431,11 +433,13 @@ def choose_paths(timings: Mapping[tuple[str, str, str], PathTiming]
     return out
 
 
+PATHS_FILE_BYTES = 1 << 20  # a device's entry is ~1 KB: a larger file is not lmc's
+
+
 def paths_cache_file() -> Path:
     """Where calibrations are kept: the user's cache dir (``$XDG_CACHE_HOME`` or
     ``~/.cache``), ``lmc/copy_paths.json``."""
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "lmc" / "copy_paths.json"
+    return cache_dir() / "copy_paths.json"
 
 
 @functools.cache
@@ -454,7 +458,7 @@ def load_paths(device_name: str, path: Path | None = None) -> dict[tuple[str, st
     or malformed file, which is logged and then overwritten by the next calibration)."""
     path = path or paths_cache_file()
     try:
-        data = json.loads(path.read_text())
+        data = load_json_file(path, PATHS_FILE_BYTES)
     except FileNotFoundError:
         return None
     except (OSError, ValueError) as e:
@@ -480,7 +484,7 @@ def save_paths(device_name: str, choice: Mapping[tuple[str, str], str],
     """Record a calibration (atomically: a crash never leaves half a file)."""
     path = path or paths_cache_file()
     try:
-        data = json.loads(path.read_text())
+        data = load_json_file(path, PATHS_FILE_BYTES)
         if not isinstance(data, dict):
             data = {}
     except (OSError, ValueError):

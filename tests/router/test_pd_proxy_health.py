@@ -24,8 +24,8 @@ from typing import Any
 import pytest
 
 from lmc.http.json_api import HttpLimits
-from lmc.http.pd_proxy import Proxy
 from lmc.reference import make_tiny_checkpoint
+from lmc.router.pd_proxy import Proxy
 from tests.deadlines import AT_ONCE_S, HANG_S, SLACK_S
 from tests.http_attack_kit import LIMITS, exchange, read_answer
 from tests.router.helpers import ROOT, Instance, free_port, http, start, wait_ready
@@ -183,7 +183,7 @@ def test_an_instance_refusing_the_connection_is_marked_at_once_and_the_request_r
         fleet, role, monkeypatch):
     """The checks (every hour) saw A alive; A dies; the request chosen for A goes to B,
     answered, and A is unhealthy without waiting for a check."""
-    from lmc.http import health
+    from lmc.router import health
 
     probed: list[str] = []
     probe = health.probe

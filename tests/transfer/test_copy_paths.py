@@ -136,6 +136,8 @@ def test_the_cache_file_round_trips_per_device(tmp_path):
     '{"GPU": {"kernel": "%K", "choice": {"gather/per_layer": "direct", '
     '"gather/all_layers": "direct", "scatter/per_layer": "direct", '
     '"scatter/all_layers": {"$ne": 1}}}}',
+    "[" * 200_000,  # raised RecursionError out of the binding (not a ValueError)
+    '{"GPU": 1, "GPU": 2}',
 ], ids=lambda s: s[:24])
 def test_a_corrupt_foreign_or_stale_cache_file_is_ignored(tmp_path, content):
     """Whatever the file holds (a half-written file, another kernel's entry, a mode that is

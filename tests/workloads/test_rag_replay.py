@@ -114,3 +114,21 @@ def test_a_trace_with_bad_segments_fails_naming_file_line_and_field(tmp_path, mo
                  "--blend-override"]) == 2
     err = capsys.readouterr().err
     assert f"{path}:3: {message}" in err and "Traceback" not in err
+
+
+def test_replay_blend_with_a_verdict_nested_deep_runs_with_blending_off(tmp_path, model,
+                                                                        capsys):
+    """A verdict of 200 KB of brackets made ``lmc replay --blend`` exit 1 with a
+    RecursionError traceback; it is no verdict (docs/blending.md)."""
+    import shutil
+
+    from lmc.blend.verdict import VERDICT_NAME
+
+    own = shutil.copytree(model, tmp_path / "m")
+    (own / VERDICT_NAME).write_text("[" * 200_000)
+    trace = _rag(tmp_path, own, "--tokenizer", str(own))
+    capsys.readouterr()
+    assert main(["replay", trace, "--target", f"reference:{own}", "--fast", "--blend",
+                 "--limit", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "blending off (no passing lmc blend-check verdict" in out and "2 ok, 0 failed" in out

@@ -28,12 +28,13 @@ import torch
 from lmc.blend.blender import DEFAULT_RATIO, SegmentBlender, check_ratio
 from lmc.blend.rope_shift import check_placeable
 from lmc.blend.store import SegmentStore
-from lmc.blend.verdict import default_verdict_path, read_verdict
+from lmc.blend.verdict import VerdictRefused, default_verdict_path, read_verdict
 from lmc.connectors.core.metadata import ConnectorMetadata
 from lmc.connectors.reference.connector import ConfigLike, LMCReferenceConnector
 from lmc.reference.config import ModelConfig
 from lmc.reference.connector_api import ConnectorRequest
 from lmc.reference.scheduler_output import SchedulerOutput
+from lmc.storage.integrity import Integrity
 
 logger = logging.getLogger(__name__)
 
@@ -79,6 +80,7 @@ class BlendConnector(LMCReferenceConnector):
         super().__init__(config, model_dir=model_dir, **kwargs)
         self.model_dir = Path(model_dir)
         self.verdict_path = Path(self.settings.verdict or default_verdict_path(model_dir))
+        self.integrity = Integrity.from_config(self.cache_config)  # verdicts must be signed
         self.blender: SegmentBlender | None = None
         self._save_limits: dict[str, int] = {}  # blended request -> end of its prefix saves
 
@@ -87,10 +89,13 @@ class BlendConnector(LMCReferenceConnector):
         """The ratio to blend with, or None when blending stays off (logged either way)."""
         want = dtype_name(dtype)
         try:
-            verdict = read_verdict(self.verdict_path)
+            verdict = read_verdict(self.verdict_path, self.integrity)
             why = None if verdict is not None else f"no verdict at {self.verdict_path}"
+            unusable = False  # a verdict there that cannot be used is a WARNING, not news
+        except VerdictRefused as e:
+            verdict, why, unusable = None, f"verdict refused: {e}", True
         except (ValueError, OSError) as e:
-            verdict, why = None, f"unreadable verdict: {e}"
+            verdict, why, unusable = None, f"unreadable verdict: {e}", True
         if verdict is not None:
             if verdict.model_id != self.model_id:
                 why = (f"the verdict at {self.verdict_path} is for {verdict.model_id}, not "
@@ -113,8 +118,9 @@ class BlendConnector(LMCReferenceConnector):
                            "passing quality verdict (%s): outputs may differ from full "
                            "prefill", self.model_id, ratio, why)
             return ratio
-        logger.info("blending off for %s: %s (run `lmc blend-check --model %s`)",
-                    self.model_id, why, self.model_dir)
+        (logger.warning if unusable else logger.info)(
+            "blending off for %s: %s (run `lmc blend-check --model %s`)", self.model_id, why,
+            self.model_dir)
         return None
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:

@@ -8,7 +8,8 @@ picklable metadata, exactly as they would across vLLM's process boundary.
 
 The ``CacheEngine`` is created when the engine registers its KV tensors (the ``KVSpec`` is
 read off them); the model identity in the key namespace comes from the checkpoint
-directory (:func:`lmc.connectors.core.model_id.model_identity`).
+directory (:func:`lmc.connectors.core.model_id.model_identity`: every byte of the weights,
+or the ``model_revision`` setting).
 
 ``kv_role`` as in vLLM: ``kv_producer`` saves only and answers a request sent with
 ``kv_transfer_params={"do_remote_decode": True}`` with the parameters a consumer needs
@@ -73,8 +74,10 @@ class LMCReferenceConnector(KVConnector):
 
     Args:
         config: the cache configuration (see :func:`load_cache_config`).
-        model_dir: the checkpoint directory, for the model identity.
-        model_id: an explicit identity instead (engines sharing KV must agree on it).
+        model_dir: the checkpoint directory, for the model identity (its weights' bytes,
+            or ``model_revision`` of the config).
+        model_id: an explicit identity instead (engines sharing KV must agree on it; the
+            caller answers for the weights behind it).
         layerwise: overlap each layer's load with the previous layer's compute.
         save_decode: also save chunks completed by generated tokens.
         tiers: extra storage tiers below L1, passed to the ``CacheEngine``.
@@ -104,7 +107,7 @@ class LMCReferenceConnector(KVConnector):
         self.cache_config = load_cache_config(config)
         if model_id is None:
             if model_dir is not None:
-                model_id = model_identity(model_dir)
+                model_id = model_identity(model_dir, revision=self.cache_config.model_revision)
             elif cache_engine is not None:
                 model_id = cache_engine.model_id
             else:

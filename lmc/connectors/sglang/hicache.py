@@ -16,7 +16,8 @@
 Both key pages by SGLang's own page hashes in a namespace of their own, because SGLang gives
 neither plug-in the tokens (:mod:`lmc.connectors.sglang.pages`). ``lmc.<key>`` entries of the
 extra config override any ``CacheConfig`` key of ``lmc.config_file``; ``lmc.model_id`` names
-the model in the key namespace (default: SGLang's model path).
+the model in the key namespace, used as given (default: the checkpoint SGLang loaded, by its
+bytes or ``lmc.model_revision``: :mod:`lmc.connectors.sglang.model`).
 
 The storage backend's hit count (``batch_exists``) is the load policy's: the held pages that
 beat recomputing at the measured tier speeds and the ``load_policy_priors`` prefill rate
@@ -41,6 +42,7 @@ from sglang.srt.mem_cache.hicache_storage import (
 
 from lmc.cache_engine import CacheEngine
 from lmc.connectors.sglang.linker import LMCCacheLinker
+from lmc.connectors.sglang.model import running_model, sglang_model_id
 from lmc.connectors.sglang.pages import (
     PageStore,
     UnsupportedPool,
@@ -81,10 +83,9 @@ class LMCHiCacheStorage(HiCacheStorage):
         self.storage_config = c
         self.extra_config = dict(c.extra_config or {})
         self.cache_config, opts = load_settings({**self.extra_config, **dict(kwargs or {})})
-        self.model_id = str(opts.get("model_id") or c.model_name or "")
-        if not self.model_id:
-            raise ValueError("LMCHiCacheStorage needs a model identity for its key namespace: "
-                             "SGLang passed no model_name; set lmc.model_id in the extra config")
+        path, revision = running_model()
+        self.model_id = sglang_model_id(opts, self.cache_config, path or c.model_name, revision,
+                                        "LMCHiCacheStorage", "the extra config")
         self.is_writer = bool(c.is_storage_writer)
         self.engine: CacheEngine | None = None
         self.pages: PageStore | None = None

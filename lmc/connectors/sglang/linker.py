@@ -50,6 +50,7 @@ from sglang.srt.mem_cache.unified_cache.unified_cache_linker import (
 )
 
 from lmc.cache_engine import CacheEngine
+from lmc.connectors.sglang.model import sglang_model_id
 from lmc.connectors.sglang.pages import (
     PageStore,
     UnsupportedPool,
@@ -110,11 +111,10 @@ class LMCCacheLinker(UnifiedCacheLinker):
         cache_config, opts = load_settings(extra_config)
         tp_rank, tp_size = _rank(params)
         replicated = spec.use_mla
-        self.model_id = str(opts.get("model_id") or getattr(server_args, "model_path", "")
-                            or "")
-        if not self.model_id:
-            raise ValueError("LMCCacheLinker needs a model identity for its key namespace: "
-                             "set lmc.model_id in linker_extra_config")
+        self.model_id = sglang_model_id(opts, cache_config,
+                                        getattr(server_args, "model_path", None),
+                                        getattr(server_args, "revision", None),
+                                        "LMCCacheLinker", "linker_extra_config")
         ns = page_namespace(self.model_id, spec, page_size=self.page_size, tp_rank=tp_rank,
                             tp_size=tp_size, pp_rank=int(getattr(params, "pp_rank", 0)),
                             pp_size=int(getattr(params, "pp_size", 1)),

@@ -42,8 +42,9 @@ class VllmOptions(Settings):
         True, parse_bool, "overlap each layer's load with the previous layer's compute")
     save_decode: bool = setting(False, parse_bool, "also save chunks completed by generated tokens")
     model_id: str | None = setting(
-        None, parse_opt_str, "identity for the key namespace (default: derived from the "
-        "checkpoint)")
+        None, parse_opt_str, "identity for the key namespace, used as given: engines with one "
+        "name share KV whatever their weights (default: the digest of the checkpoint's bytes, "
+        "or lmc.model_revision)")
     recompute_on_load_error: bool = setting(
         True, parse_bool, "switch vLLM's kv_load_failure_policy from 'fail' to 'recompute', so "
         "a lost or corrupt chunk costs a recompute, not a failed request")

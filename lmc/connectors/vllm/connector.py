@@ -38,7 +38,6 @@ request).
 from __future__ import annotations
 
 import logging
-import os
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -57,7 +56,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from lmc.connectors.core.load_policy import Costs, LoadPolicy, local_costs, register_local
 from lmc.connectors.core.lookup_service import LookupClient
 from lmc.connectors.core.metadata import ConnectorMetadata
-from lmc.connectors.core.model_id import model_identity
+from lmc.connectors.core.model_id import engine_model_id
 from lmc.connectors.core.scheduler import ConnectorConfig
 from lmc.connectors.vllm.config import load_settings, per_rank_disks
 from lmc.connectors.vllm.layout import (
@@ -110,22 +109,13 @@ class LMCConnectorMetadata(KVConnectorMetadata):
         self.meta = meta
 
 
-def _model_id(vllm_config: VllmConfig, explicit: str | None) -> str:
-    """The key namespace's model identity: the checkpoint's fingerprint where the files are
-    local (a Hugging Face name resolves through the local cache), else name@revision."""
-    if explicit:
-        return explicit
+def _model_id(vllm_config: VllmConfig, explicit: str | None, revision: str | None) -> str:
+    """The key namespace's model identity (:mod:`lmc.connectors.core.model_id`'s rule): the
+    operator's ``lmc.vllm.model_id``, else the checkpoint's bytes (a hub name resolves through
+    the local cache; ``lmc.model_revision`` stands in for the bytes), else name@revision."""
     mc = vllm_config.model_config
-    path = mc.model
-    if not os.path.isdir(path):
-        try:
-            from huggingface_hub import snapshot_download
-            path = snapshot_download(mc.model, revision=mc.revision, local_files_only=True)
-        except Exception:
-            log.warning("lmc: %s is not a local checkpoint; the key namespace uses its name "
-                        "and revision (set lmc.vllm.model_id to pin it)", mc.model)
-            return f"{mc.model}@{mc.revision or 'main'}"
-    return model_identity(path)
+    return engine_model_id(str(mc.model), explicit=explicit, revision=revision,
+                           hub_revision=mc.revision, setting="lmc.vllm.model_id")
 
 
 def _tp_rank() -> int:
@@ -197,9 +187,9 @@ class LMCConnector(KVConnectorBase_V1):
         else:
             rank = _tp_rank()
             cache = per_rank_disks(settings.cache, rank, tp_size)
-            self._worker = WorkerSide(cache, _model_id(vllm_config, opts.model_id),
-                                      rank, tp_size, block_size, opts.layerwise, paths[rank],
-                                      remote_wait=opts.remote_prefill_wait,
+            model_id = _model_id(vllm_config, opts.model_id, cache.model_revision)
+            self._worker = WorkerSide(cache, model_id, rank, tp_size, block_size, opts.layerwise,
+                                      paths[rank], remote_wait=opts.remote_prefill_wait,
                                       model_shape=getattr(vllm_config.model_config,
                                                           "hf_text_config", None))
 

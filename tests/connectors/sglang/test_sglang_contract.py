@@ -20,6 +20,7 @@ CHECKS = (
       for lay in ("layer_first", "page_first", "page_first_direct")),
     "cross-layout:",
     "namespaces:",
+    "identity:",
     "refusals:",
     "errors on the data path",
     "linker: concrete UnifiedCacheLinker",

@@ -281,6 +281,43 @@ def check_namespaces() -> None:
            "share one namespace and only the storage writer writes")
 
 
+def check_identity() -> None:
+    """Issue 33: SGLang names the model (its served name or path); lmc keys by the weights
+    that name means. A copy of the checkpoint elsewhere (same folder name) shares every page;
+    the same path after 256 KiB at 30% of model.safetensors changed shares none (the name
+    alone kept serving the old weights' pages)."""
+    import shutil
+    from pathlib import Path
+
+    from lmc.reference import make_tiny_checkpoint
+
+    work = Path(tempfile.mkdtemp(prefix="lmc-identity-"))
+    os.environ["XDG_CACHE_HOME"] = str(work / "xdg")
+    try:
+        orig = make_tiny_checkpoint(work / "a" / "m")
+        copy = Path(shutil.copytree(orig, work / "b" / "m"))
+        dev = mha_pool()
+        keys = get_hash_str(list(range(700, 700 + 2 * PS)), None, page_size=PS)
+
+        def pages(model: Path) -> set:
+            b = backend(host_pool(dev, "layer_first"), model=str(model))
+            try:
+                return set(b.pages.keys(keys))
+            finally:
+                b.close()
+
+        before = pages(orig)
+        assert pages(copy) == before, "a copy of the same weights elsewhere shares no page"
+        weights = orig / "model.safetensors"
+        with open(weights, "r+b") as f:
+            f.seek(int(weights.stat().st_size * 0.3))
+            f.write(os.urandom(256 << 10))
+        assert pages(orig).isdisjoint(before), "changed weights under one name share pages"
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    passed("identity: pages are keyed by the bytes of the weights SGLang names, not the name")
+
+
 def check_refusals() -> None:
     dev = mha_pool()
     b = backend(host_pool(dev, "layer_first"))
@@ -388,6 +425,7 @@ def main() -> None:
             base += 100
     check_cross_layout(runs)
     check_namespaces()
+    check_identity()
     check_refusals()
     check_never_none()
     check_linker_contract()

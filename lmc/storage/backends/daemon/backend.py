@@ -5,7 +5,7 @@
 the shared token. Every call is one batched, pipelined conversation; large batches are split
 over up to ``connections`` connections in parallel (an option: ``ServerBackend.OPTIONS``).
 Values travel from and into pool memory without intermediate copies (see
-``lmc.server.client``).
+``lmc.storage.backends.daemon.client``).
 
 Failure is a miss, never an exception: a call that fails or times out (``remote_timeout``
 of inactivity) answers misses, and a circuit breaker then keeps calls off the network until
@@ -30,10 +30,10 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from lmc.config import CacheConfig
 from lmc.memory.pool import MemoryObj, MemoryPool
-from lmc.server import protocol as P
-from lmc.server.client import Address, Allocate, BlockMeta, ClientConnection
-from lmc.server.probe import ProbePolicy
 from lmc.settings import parse_int, parse_opt_str
+from lmc.storage.backends.daemon import protocol as P
+from lmc.storage.backends.daemon.client import Address, Allocate, BlockMeta, ClientConnection
+from lmc.storage.backends.daemon.probe import ProbePolicy
 from lmc.storage.breaker import CLOSED, OPEN, CircuitBreaker
 from lmc.storage.codec import ValueCodec
 from lmc.storage.integrity import Geometry, Integrity
@@ -149,8 +149,8 @@ class ServerBackend(StorageBackend):
         conn = ClientConnection(self.address, self._token, self.timeout, self._client_name)
         ev = getattr(conn, "kv_events", None)
         if self.block_notes is not None:  # keep noting while a daemon publishes at our size
-            self.block_notes.told(self.block_notes_slot, bool(ev) and ev.get("block_size")
-                                  == self.block_notes.block_size)
+            publishes = isinstance(ev, dict) and ev.get("block_size") == self.block_notes.block_size
+            self.block_notes.told(self.block_notes_slot, publishes)
         return conn
 
     def _acquire(self) -> ClientConnection:
