@@ -103,8 +103,10 @@ def default_model() -> Path:
     """The random-weight checkpoint calibration uses when no ``--model`` is given."""
     from lmc.reference.tiny import cached_checkpoint
 
-    return cached_checkpoint("plan-calibrate-h512-l4-kv4", max_position_embeddings=8192,
-                             **DEFAULT_MODEL)
+    m = DEFAULT_MODEL
+    return cached_checkpoint("plan-calibrate-h512-l4-kv4", hidden=m["hidden"],
+                             layers=m["layers"], heads=m["heads"], kv_heads=m["kv_heads"],
+                             max_position_embeddings=8192)
 
 
 class LMCEngine:
