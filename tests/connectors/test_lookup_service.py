@@ -260,6 +260,15 @@ def head(tokens=10, cs=CS, tiers=0, sources=0, magic=b"LMA2") -> bytes:
     (head(tiers=1) + b"\x02\xff\xfe", "not UTF-8"),
     (head(tokens=10, tiers=1, sources=1) + b"\x03cpu\x01", "source 1 names no tier"),
     (head()[:10], "peer closed the connection"),
+    # a hybrid model's answer: points bounded by the request, the hit one of them
+    (head(magic=b"LMH2") + struct.pack("<II", 0, 0), "0 points"),
+    (head(magic=b"LMH2") + struct.pack("<II", 0, 2), "2 points"),  # 10 tokens: 1 chunk
+    (head(magic=b"LMH2", cs=4) + struct.pack("<II", 5, 1) + struct.pack("<Q", 10),
+     "slack 5"),
+    (head(magic=b"LMH2") + struct.pack("<II", 0, 1) + struct.pack("<Q", 11),
+     "a point past the request"),
+    (head(magic=b"LMH2") + struct.pack("<II", 0, 1) + struct.pack("<Q", 8),
+     "no servable end"),
 ])
 def test_a_malformed_answer_is_a_miss_that_says_why(sock_dir, caplog, reply, why):
     path = str(sock_dir / "raw.sock")
@@ -275,6 +284,31 @@ def test_a_malformed_answer_is_a_miss_that_says_why(sock_dir, caplog, reply, why
     finally:
         client.close()
         server.close()
+
+
+def test_a_hybrid_answer_crosses_the_socket_with_its_points(sock_dir):
+    """A hybrid model's hit is servable only at some ends (lmc.hybrid.rules): the points
+    and slack reach the scheduler, and the minimum over ranks keeps the common ones."""
+    paths = [str(sock_dir / f"h{i}.sock") for i in range(2)]
+    hits = [LookupResult(150, CS, TIERS, bytes(10), (64, 144, 150), CS),
+            LookupResult(144, CS, TIERS, bytes(9), (64, 144), CS)]
+
+    def fixed(r: LookupResult):
+        return lambda tokens: r
+
+    servers = [LookupServer(p, fixed(r)) for p, r in zip(paths, hits)]
+    client = Client(paths, timeout=2)
+    try:
+        one = Client(paths[:1], timeout=2)
+        assert one.lookup(list(range(150))) == hits[0]
+        one.close()
+        got = client.lookup(list(range(150)))
+        assert (got.tokens, got.points, got.slack) == (144, (64, 144), CS)
+        assert got.servable_end(140) == 140 and got.servable_end(100) == 64
+    finally:
+        client.close()
+        for s in servers:
+            s.close()
 
 
 def test_an_old_client_request_is_refused_clearly(sock_dir, caplog):

@@ -28,7 +28,10 @@ Wire format (version 2; no pickle -- the bytes come from a socket; little-endian
   :data:`~lmc.storage.lookup.MAX_TIERS`), uint32 source count *s*; then *t* names (uint8 length, at
   most :data:`MAX_NAME` bytes of UTF-8); then *s* uint8 tier indices, one per hit chunk
   (*s* is 0 when the server does not attribute hits). Everything is bounded by the request:
-  *s* never exceeds the chunks of the tokens asked about.
+  *s* never exceeds the chunks of the tokens asked about. A hybrid model's answer (hits
+  servable only at some ends, :mod:`lmc.hybrid.rules`) is ``b"LMH2"`` with the same
+  fields, then uint32 slack and uint32 point count *p* (at most the chunks asked about)
+  and *p* uint64 points, ascending.
 
 * speeds request (what the load policy decides with, asked of rank 0 at most once a second
   by a scheduler whose ranks live in other processes): ``b"LMS2"``, uint32 0;
@@ -85,6 +88,7 @@ REQ_MAGIC = b"LMQ2"
 TAGGED_REQ_MAGIC = b"LMT2"
 TAG_BYTES = 16
 ANS_MAGIC = b"LMA2"
+HYBRID_ANS_MAGIC = b"LMH2"  # an answer with servable points (a hybrid model's)
 PREFETCH_MAGIC = b"LMP2"
 TAGGED_PREFETCH_MAGIC = b"LMU2"
 PREFETCH_ANS_MAGIC = b"LMF2"
@@ -98,6 +102,7 @@ MAX_LAYERS = 1 << 16
 _OLD_MAGICS = {b"LMCQ": "request", b"LMCA": "answer"}  # version 1 (before tier attribution)
 _REQ_HEAD = struct.Struct("<4sI")
 _ANS_HEAD = struct.Struct("<4sQIBI")
+_POINTS_HEAD = struct.Struct("<II")
 MAX_TOKENS = 1 << 24  # a bound on what a peer can make the other side allocate
 MAX_NAME = 64  # bytes of one tier name on the wire
 
@@ -238,10 +243,14 @@ def encode_request(tokens: Sequence[int] | np.ndarray, tag: bytes | None = None)
 
 
 def encode_answer(result: LookupResult) -> bytes:
-    parts = [_ANS_HEAD.pack(ANS_MAGIC, result.tokens, result.chunk_size, len(result.tiers),
+    magic = HYBRID_ANS_MAGIC if result.points else ANS_MAGIC
+    parts = [_ANS_HEAD.pack(magic, result.tokens, result.chunk_size, len(result.tiers),
                             len(result.sources))]
     parts += [_encode_name(t) for t in result.tiers]
     parts.append(result.sources)
+    if result.points:
+        parts.append(_POINTS_HEAD.pack(result.slack, len(result.points)))
+        parts.append(struct.pack(f"<{len(result.points)}Q", *result.points))
     return b"".join(parts)
 
 
@@ -386,7 +395,8 @@ def read_request(sock: socket.socket) -> Request:
 def read_answer(sock: socket.socket, num_tokens: int) -> LookupResult:
     """One answer to a request of ``num_tokens`` tokens, every field checked against it."""
     magic = _recv_exact(sock, 4)  # alone first: another version's answer may be shorter
-    _check_magic(magic, ANS_MAGIC, "lookup answer")
+    if magic != HYBRID_ANS_MAGIC:
+        _check_magic(magic, ANS_MAGIC, "lookup answer")
     _, tokens, cs, n_tiers, n_src = _ANS_HEAD.unpack(magic + _recv_exact(sock, _ANS_HEAD.size - 4))
     if tokens > num_tokens:
         raise LookupProtocolError(f"answer of {tokens} hit tokens for a request of "
@@ -400,8 +410,19 @@ def read_answer(sock: socket.socket, num_tokens: int) -> LookupResult:
                                   f"{num_tokens} tokens in chunks of {cs}")
     tiers = [_read_name(sock) for _ in range(n_tiers)]
     sources = _recv_exact(sock, n_src)
+    points: tuple[int, ...] = ()
+    slack = 0
+    if magic == HYBRID_ANS_MAGIC:
+        slack, n_pts = _POINTS_HEAD.unpack(_recv_exact(sock, _POINTS_HEAD.size))
+        if not 1 <= n_pts <= -(-num_tokens // cs) or slack > cs:
+            raise LookupProtocolError(f"hybrid answer with {n_pts} points and slack {slack} "
+                                      f"for a request of {num_tokens} tokens in chunks of {cs}")
+        points = struct.unpack(f"<{n_pts}Q", _recv_exact(sock, 8 * n_pts))
+        if max(points) > num_tokens:
+            raise LookupProtocolError(f"hybrid answer with a point past the request's "
+                                      f"{num_tokens} tokens")
     try:
-        return LookupResult(tokens, cs, tuple(tiers), sources)
+        return LookupResult(tokens, cs, tuple(tiers), sources, points, slack)
     except ValueError as e:
         raise LookupProtocolError(f"inconsistent answer: {e}") from None
 
