@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import dataclasses
 
-import pytest
 import torch
 
 from lmc import CacheConfig, CacheEngine
