@@ -174,6 +174,28 @@ def ttft_table(r: dict) -> list[Row]:
     return out
 
 
+def ticker_table(r: dict) -> list[Row]:
+    """The launch-and-wait ticker (bench_launch_ticker.py): its rate beside lmc's cold saves
+    against beside plain copies (and plain copies + writes) of the same bytes."""
+    rounds = r["rounds"]
+
+    def rate(kind: str) -> float:
+        return statistics.median(x[kind]["rate_per_s"] for x in rounds)
+
+    ratios = [x["lmc"]["rate_per_s"] / x["plain"]["rate_per_s"] for x in rounds]
+    out: list[Row] = [
+        (f"engine ticker beside lmc saves ({r['prompts']} x {r['tokens']} tokens per round)",
+         f"{rate('lmc'):,.0f} /s", f"beside plain copies {rate('plain'):,.0f} /s",
+         f"**{statistics.median(ratios):.2f}**", spread(ratios), "≥ 0.9")]
+    if "plain_writes" in rounds[0]:
+        pw = [x["lmc"]["rate_per_s"] / x["plain_writes"]["rate_per_s"] for x in rounds]
+        out.append(("engine ticker beside lmc saves, vs copies + O_DIRECT writes",
+                    f"{rate('lmc'):,.0f} /s", f"beside copies + writes "
+                    f"{rate('plain_writes'):,.0f} /s", f"**{statistics.median(pw):.2f}**",
+                    spread(pw), "–"))
+    return out
+
+
 SUITES = {
     "core": Suite("core", "Core data path", "bench_core.py", (),
                   ("--quick", "--tokens", "256", "--reps", "2"), core_table),
@@ -190,6 +212,9 @@ SUITES = {
                   ("--tokens", "512", "--hidden", "128", "--layers", "2", "--kv-heads", "2",
                    "--reps", "2", "--suffixes", "1", "--chunk-size", "128", "--threads", "1"),
                   ttft_table),
+    "ticker": Suite("ticker", "Launch-and-wait engine thread beside cold saves",
+                    "bench_launch_ticker.py", ("--writes",), ("--quick", "--writes"),
+                    ticker_table),
 }
 
 

@@ -25,7 +25,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "workload": ("lmc.workloads.cli", "write a workload trace (chat, prefix, docqa, rag, sharegpt)"),
     "replay": ("lmc.workloads.replay_cli", "replay a trace on the reference engine or an "
                "OpenAI-compatible server: TTFT, throughput, hits per tier"),
-    "pd-proxy": ("lmc.http.pd_proxy", "prefill on a kv_producer, decode on a kv_consumer, "
+    "pd-proxy": ("lmc.router.pd_proxy", "prefill on a kv_producer, decode on a kv_consumer, "
                  "behind one /v1/completions"),
     "router": ("lmc.router.app", "route requests to the instance with the longest cached "
                "prefix (KV events), balanced against load"),
@@ -178,7 +178,9 @@ def main(argv: list[str] | None = None) -> int:
     """Ordinary ways out (Ctrl-C, a closed pipe such as ``lmc stats | head``) end with a
     line or silently, never a traceback."""
     try:
-        args = _parse(build_parser(only=_command(argv)), argv)
+        parser = build_parser(only=_command(argv))
+        _refuse_unknown_command(parser, _command(argv))
+        args = _parse(parser, argv)
         if args.version:
             from lmc import __version__
 
@@ -206,6 +208,20 @@ def main(argv: list[str] | None = None) -> int:
         # the reader went away: point stdout at /dev/null so the final flush is quiet too
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 141
+
+
+def _refuse_unknown_command(parser: argparse.ArgumentParser, command: str) -> None:
+    """A mistyped command (``lmc sever``) is refused naming the closest one: argparse alone
+    lists every choice and leaves the reader to spot the typo."""
+    if not command:
+        return
+    known = next((list(a.choices) for a in parser._actions
+                  if isinstance(a, argparse._SubParsersAction)), [])
+    if command in known:
+        return
+    near = difflib.get_close_matches(command, known, n=1, cutoff=0.6)
+    hint = f" (did you mean {near[0]!r}?)" if near else ""
+    parser.error(f"unknown command {command!r}{hint}; commands: {', '.join(known)}")
 
 
 def _parse(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:

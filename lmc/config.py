@@ -399,8 +399,9 @@ class CacheConfig(Settings):
         "publish the tiers' chunks as KV-cache events in vLLM's wire format, for KV-aware "
         "routers (lmc/events/config.py): a mapping of vLLM's --kv-events-config keys "
         "(enable_kv_cache_events, endpoint, replay_endpoint, topic, buffer_steps, hwm, "
-        "max_queue_size) and lmc's (block_size, pod, model_name, heartbeat, max_chunks, "
-        "publish_remote); unset = off", hashed=False)
+        "max_queue_size; unset endpoints bind loopback) and lmc's (block_size, pod, "
+        "model_name, heartbeat, max_chunks, publish_remote, buffer_max_bytes, pub_max_bytes, "
+        "replay_max_bytes); unset = off", hashed=False)
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -44,6 +44,8 @@ class _EngineCollectors:
         self.pool_used = Gauge("lmc_pool_used_bytes", "Bytes in use in the memory pool")
         self.pool_capacity = Gauge("lmc_pool_capacity_bytes", "Size of the memory pool")
         self.children: dict[str, tuple] = {}
+        for op in ("store", "retrieve", "lookup"):  # made now, not by a request's first call
+            self.of(op)
 
     def of(self, op: str) -> tuple:
         """Labelled children cached: ``labels()`` costs a lock and a dict lookup per call."""

@@ -157,6 +157,12 @@ def parse_opt_str(value: Any, key: str) -> str | None:
     raise ConfigError(f"{key}: expected a string, got {value!r}")
 
 
+def parse_opt_path(value: Any, key: str) -> str | None:
+    """A path, ``~`` expanded (a YAML file has no shell to do it), or ``None``."""
+    s = parse_opt_str(value, key)
+    return None if s is None else os.path.expanduser(s)
+
+
 def parse_mapping(value: Any, key: str) -> dict[str, Any]:
     """A mapping, or (from an environment variable) its YAML/JSON text; ``None`` is empty."""
     if value is None or value == "":

@@ -18,10 +18,15 @@ from pathlib import Path
 from lmc.http.json_api import HttpLimits
 from lmc.reference import LLM, make_tiny_checkpoint
 from lmc.reference.serve import Server
+from tests.deadlines import HANG_S
 
 PROMPT = [5, 17, 99, 3, 250, 7, 41, 12]
 NORMAL = {"prompt": PROMPT, "max_tokens": 4, "ignore_eos": True, "return_token_ids": True}
 LIMITS = HttpLimits(max_connections=16, read_timeout=1.0, max_body=256 << 10)
+"""A short read timeout: the tests that a request is dropped at it wait for it."""
+PATIENT = HttpLimits(max_connections=16, read_timeout=HANG_S, max_body=256 << 10)
+"""A read timeout only a hang reaches: "answered at once, not at the read timeout" is then
+told apart from the timeout whatever this machine's load (tests/deadlines.py)."""
 
 
 def tiny_model(folder: Path) -> Path:
@@ -35,8 +40,8 @@ def expected_tokens(ckpt: Path) -> list[int]:
 
 
 @contextlib.contextmanager
-def running_server(ckpt: Path) -> Iterator[Server]:
-    srv = Server(LLM(ckpt, num_blocks=32), limits=LIMITS)
+def running_server(ckpt: Path, limits: HttpLimits = LIMITS) -> Iterator[Server]:
+    srv = Server(LLM(ckpt, num_blocks=32), limits=limits)
     threading.Thread(target=srv.serve_forever, daemon=True).start()
     try:
         yield srv
@@ -44,7 +49,7 @@ def running_server(ckpt: Path) -> Iterator[Server]:
         srv.close()
 
 
-def exchange(port: int, data: bytes, timeout: float = 10.0) -> tuple[int, bytes]:
+def exchange(port: int, data: bytes, timeout: float = HANG_S) -> tuple[int, bytes]:
     """Send ``data`` on a fresh socket, read the answer to EOF: ``(status, body)``."""
     with socket.create_connection(("127.0.0.1", port), timeout=timeout) as s:
         s.sendall(data)
@@ -59,7 +64,7 @@ def read_answer(s: socket.socket) -> tuple[int, bytes]:
     return int(head.split(b" ", 2)[1]), body
 
 
-def post(port: int, body: bytes | dict, timeout: float = 30.0) -> tuple[int, bytes]:
+def post(port: int, body: bytes | dict, timeout: float = HANG_S) -> tuple[int, bytes]:
     data = body if isinstance(body, bytes) else json.dumps(body).encode()
     return exchange(port, b"POST /v1/completions HTTP/1.0\r\nContent-Length: %d\r\n\r\n%s"
                     % (len(data), data), timeout)
@@ -87,10 +92,10 @@ def flood_then_serve(proc: subprocess.Popen, port: int, log: Path, want: list[in
                 s.sendall(b"POST /v1/comp")
                 socks.append(s)
         for _ in range(3):
-            status, raw = post(port, NORMAL, timeout=10)
+            status, raw = post(port, NORMAL)
             assert status == 200 and json.loads(raw)["choices"][0]["token_ids"] == want, raw
         for body in bad_bodies:
-            assert post(port, body, timeout=10)[0] == 400
+            assert post(port, body)[0] == 400
         assert proc.poll() is None
         text = log.read_text()
         assert "Too many open files" not in text and "Traceback" not in text, text[-3000:]

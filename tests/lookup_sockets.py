@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.deadlines import HANG_S
+
 
 @pytest.fixture
 def sock_dir() -> Iterator[Path]:
@@ -29,7 +31,7 @@ def send_and_expect_close(path: str, payload: bytes) -> None:
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
         s.connect(path)
         s.sendall(payload)
-        s.settimeout(2)
+        s.settimeout(HANG_S)
         # closed by the server (a reset when our unread bytes were pending)
         with contextlib.suppress(ConnectionResetError):
             assert s.recv(16) == b""

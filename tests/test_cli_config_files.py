@@ -6,17 +6,19 @@ a process, as a person would."""
 
 from __future__ import annotations
 
+import json
 import os
-import re
 import stat
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 import yaml
 
 from lmc.settings import parse_size
+from tests.deadlines import HANG_S
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))
@@ -99,21 +101,72 @@ def test_every_shipped_engine_config_passes_lmc_config(path):
     assert out.returncode == 0, out.stderr
 
 
-def _substituted(path: Path, tmp_path: Path) -> Path:
-    """A daemon example with its /etc/lmc token files made under ``tmp_path``."""
-    text = path.read_text()
-    for name in re.findall(r"/etc/lmc/([\w.-]+\.token)", text):
-        (tmp_path / name).write_text(f"secret-of-{name}-0123456789\n")
-    out = tmp_path / path.name
-    out.write_text(text.replace("/etc/lmc/", f"{tmp_path}/"))
-    return out
+def _prepared_home(path: Path, tmp_path: Path) -> dict[str, str]:
+    """An ordinary user's environment (a fresh HOME) in which ``path``'s own preparation
+    commands (its comment lines that make directories or files) have been run as written."""
+    home = tmp_path / "home"
+    home.mkdir()
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith("LMC_") or k == "LMC_DEBUG_INVARIANTS"}
+    env.update(HOME=str(home), PYTHONPATH=str(ROOT))
+    for line in path.read_text().splitlines():
+        cmd = line.removeprefix("#").strip()
+        if line.startswith("#   ") and cmd.startswith("mkdir "):
+            subprocess.run(["bash", "-c", cmd], env=env, check=True, timeout=60)
+    return env
 
 
 @pytest.mark.parametrize("path", SERVER_CONFIGS, ids=lambda p: p.name)
 def test_every_shipped_daemon_config_passes_lmc_config(path, tmp_path):
-    out = lmc_config("--config", str(_substituted(path, tmp_path)))
+    """As it is, after the preparation its comment gives, in an ordinary user's home (it
+    named token files under /etc, which only root may make)."""
+    env = _prepared_home(path, tmp_path)
+    out = subprocess.run([sys.executable, "-m", "lmc.cli", "config", "--config",
+                          str(path.relative_to(ROOT))], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert "an lmc server (daemon) config" in out.stdout.splitlines()[0]
+
+
+@pytest.mark.parametrize("path", SERVER_CONFIGS, ids=lambda p: p.name)
+def test_every_shipped_daemon_config_runs_as_an_ordinary_user(path, tmp_path):
+    """``lmc server --config FILE`` starts and serves, as the comment says to run it (any
+    free ports and a disk directory of the test's own: other runs share this machine)."""
+    from lmc.storage.backends.daemon.client import Address, ClientConnection
+
+    env = _prepared_home(path, tmp_path)
+    data = yaml.safe_load(path.read_text())
+    assert parse_size(data.get("size", "1GiB")) <= SMALL_MACHINE_POOL, path.name
+    assert parse_size(data.get("disk_size", "16GiB")) <= SMALL_MACHINE_DISK, path.name
+    ready = tmp_path / "ready.json"
+    extra = ["--disk", str(tmp_path / "disk")] if data.get("disk") else []
+    proc = subprocess.Popen([sys.executable, "-m", "lmc.cli", "server", "--config",
+                             str(path.relative_to(ROOT)), "--port", "0", "--metrics-port", "0",
+                             "--ready-file", str(ready), *extra], cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + HANG_S
+        while not ready.exists():
+            assert proc.poll() is None, proc.communicate()[0][-3000:]
+            assert time.monotonic() < deadline, "the daemon never became ready"
+            time.sleep(0.1)
+        info = json.loads(ready.read_text())
+        tokens = [t.get("token_file") for t in data.get("tokens") or []]
+        secret = None
+        if tokens:  # the first tenant's token, as its engines would present it
+            first = str(tokens[0])
+            if first.startswith("~/"):  # in the prepared home
+                first = str(Path(env["HOME"]) / first[2:])
+            secret = Path(first).read_text().strip()
+        conn = ClientConnection(Address.parse(f"lmc://127.0.0.1:{info['port']}"), secret,
+                                timeout=HANG_S)
+        conn.ping()
+        conn.close()
+    finally:
+        proc.terminate()
+        out = proc.communicate(timeout=HANG_S)[0]
+    assert proc.returncode == 0, out[-3000:]
+    assert "Traceback" not in out, out[-3000:]
 
 
 def _world_writable_parent(path: str) -> bool:
@@ -137,3 +190,19 @@ def test_examples_run_as_an_ordinary_user_on_a_small_machine(path):
     if data.get("local_disk"):
         assert _world_writable_parent(data["local_disk"]), (path.name, data["local_disk"])
         assert parse_size(data.get("local_disk_size", "16GiB")) <= SMALL_MACHINE_DISK, path.name
+
+
+@pytest.mark.parametrize("path", CONFIGS + SERVER_CONFIGS, ids=lambda p: p.name)
+def test_lmc_config_never_imports_torch(path, tmp_path):
+    """``lmc config`` reads YAML and the backends' declared options: no tensor is made, so
+    torch (3-5 s to import on an idle 2-core machine, 8-34 s on a busy one) is not loaded.
+    Checked by what Python imported (``-X importtime``), not by how long it took."""
+    env = _prepared_home(path, tmp_path)
+    out = subprocess.run([sys.executable, "-X", "importtime", "-m", "lmc.cli", "config",
+                          "--config", str(path.relative_to(ROOT))], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    imported = {line.rsplit("|", 1)[1].strip() for line in out.stderr.splitlines()
+                if line.startswith("import time:")}
+    assert "lmc.config" in imported  # the check itself ran
+    assert "torch" not in imported, "lmc config imported torch"

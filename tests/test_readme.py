@@ -389,8 +389,23 @@ def test_replay_example_is_sized_to_finish_in_about_a_minute(tmp_path):
 
 
 def test_readme_says_what_make_test_skips_and_the_folder_name_trap():
-    assert "20 minutes on 2 cores" in README
+    assert "50 minutes on a busy 2-core" in README
     for what in ("vLLM", "SGLang", "NIXL", "redis-server", "CI=true"):
         assert what in README.split("**What `make test` runs.**", 1)[1].split("\n\n", 1)[0]
     note = README.split("**The folder name.**", 1)[1].split("\n\n", 1)[0]
     assert "cannot import name 'CacheConfig' from 'lmc' (unknown location)" in note
+
+
+def test_the_readme_counts_the_tests_collected():
+    """"about N tests" stays within a tenth of what pytest collects (it said 1,600 while
+    3,139 were collected)."""
+    said = re.search(r"The whole suite \(about ([\d,]+) tests", README)
+    assert said, "the README no longer says how many tests make test runs"
+    out = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q",
+                          "-p", "no:cacheprovider"], cwd=ROOT, capture_output=True, text=True,
+                         timeout=600, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    got = re.search(r"^(\d+) tests collected", out.stdout, re.M)
+    assert got, out.stdout[-2000:] + out.stderr[-2000:]
+    n, readme = int(got.group(1)), int(said.group(1).replace(",", ""))
+    assert abs(n - readme) <= n / 10, f"the README says about {readme} tests; {n} are collected"
+

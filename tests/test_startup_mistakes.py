@@ -67,6 +67,10 @@ def test_server_disk_it_cannot_make_names_the_flag_before_the_prefault(tmp_path)
     rc, out, _ = run([*LMC, "server", "--port", "0", "--size", "64MiB", "--disk",
                       "/proc/lmc-disk"])
     clean_failure(rc, out, "--disk '/proc/lmc-disk'", "cannot create")
+    # why, in words: mkdir under /proc says "No such file or directory" of a parent that is
+    # there, which is what the message used to end with
+    assert "/proc is the kernel's proc filesystem" in out, out
+    assert "No such file or directory" not in out, out
     assert "pre-faulting" not in out  # checked before the pool was built
 
 
@@ -110,6 +114,24 @@ def test_reference_server_checks_its_tiers_before_loading(ckpt, tmp_path, key, v
     rc, out, _ = run([*SERVE, "--model", str(ckpt), "--port", "0", "--lmc-config", str(cfg)])
     clean_failure(rc, out, needle)
     assert "loading" not in out  # the model was never loaded
+
+
+# ------------------------------------------------------------------- lmc router
+def test_router_taken_port_names_the_address(taken_port):
+    rc, out, _ = run([*LMC, "router", "--instance", "http://127.0.0.1:1", "--port",
+                      str(taken_port)])
+    clean_failure(rc, out, f"cannot listen on 127.0.0.1:{taken_port}", "already in use",
+                  "--port")
+    assert "Errno" not in out, out
+
+
+# ------------------------------------------------------------------- lmc itself
+@pytest.mark.parametrize("typo, meant", [("sever", "server"), ("confg", "config"),
+                                         ("pd_proxy", "pd-proxy")])
+def test_a_mistyped_command_names_the_closest(typo, meant):
+    rc, out, _ = run([*LMC, typo, "--port", "0"])
+    clean_failure(rc, out, f"unknown command {typo!r} (did you mean {meant!r}?)")
+    assert len(out.strip().splitlines()) <= 2, out
 
 
 # ------------------------------------------------------------------- lmc pd-proxy

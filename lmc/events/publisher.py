@@ -4,9 +4,15 @@ PUB socket, keeps the last ``buffer_steps`` for replay and answers a ROUTER sock
 The data path only appends to a bounded queue (:meth:`EventPublisher.offer`: a length check
 and a ``deque.append``, no lock, no I/O); past ``max_queue_size`` items a new one is dropped
 and counted (``dropped``), and the tracker is later reconciled against the tiers
-(``contains``) so a lost removal cannot leave a router believing in a block that is gone. A
-subscriber that is slow or absent costs nothing here: PUB drops at its high-water mark, the
-ROUTER drops replies to a peer that does not read (both ZMQ's own behaviour, never a block).
+(``contains``) so a lost removal cannot leave a router believing in a block that is gone.
+
+What peers can make this process hold is bounded in bytes. The replay buffer keeps at most
+``buffer_steps`` batches and ``buffer_max_bytes``. A batch goes to the PUB socket zero-copy
+and tracked: ZMQ holds at most ``pub_max_bytes`` of batches for subscribers that have not
+taken them yet (past it a batch is not sent on PUB, counted ``pub_dropped``: subscribers see
+a gap and replay it), and ZMTP heartbeats drop a subscriber that stopped reading, which
+frees what ZMQ held for it. Replies to the replay socket are bounded across all peers
+together (``replay_max_bytes``, peers, requests per peer: :mod:`lmc.events.replay`).
 
 Sequence numbers start at 0 with an ``AllBlocksCleared`` (a restarted publisher clears what
 routers remember of it, then re-announces what survived) and go up by one per batch; an empty
@@ -21,11 +27,13 @@ started late or missed more than the buffer applies the dump and then the PUB ba
 that seq. A dump is built at most once per second. Any other request gets the end marker
 with ``error: ...`` as its payload (an answer, not a crash); requests are capped at 64 bytes
 by the socket (``MAXMSGSIZE``), so a larger one disconnects its sender.
+
+Endpoints follow vLLM's bind-or-connect rule, but unset ones bind on loopback and an
+``ipc://`` path another live process listens at is refused (:mod:`lmc.events.endpoints`).
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import threading
 import time
@@ -35,13 +43,16 @@ from typing import Any
 
 from lmc.events import wire
 from lmc.events.config import EventsConfig
+from lmc.events.endpoints import IpcClaim, connectable, offset_endpoint
+from lmc.events.replay import HEARTBEAT_IVL_MS, HEARTBEAT_TIMEOUT_MS, ReplayServer
 from lmc.events.tracker import EVENTS_PER_BATCH, Tracker
 
 log = logging.getLogger(__name__)
 POLL_MS = 10
-DUMP_INTERVAL = 1.0
 COUNTERS = ("batches", "events", "dropped", "unknown", "untracked", "replays", "dumps",
-            "bad_requests", "reconciles", "refused", "no_info", "other_block_size")
+            "bad_requests", "reconciles", "refused", "no_info", "other_block_size",
+            "pub_dropped", "replay_refused", "replay_limited", "replay_abandoned",
+            "replay_dropped")
 
 _PROM: Any = None
 _PROM_LOCK = threading.Lock()
@@ -58,29 +69,6 @@ def _prometheus() -> Any:
                             "published (unknown tokens, past max_chunks), replay and dump "
                             "requests, refused requests, reconciles", ["what"])
         return _PROM
-
-
-def offset_endpoint(endpoint: str, dp_rank: int) -> str:
-    """vLLM's rule: a tcp port goes up by the data-parallel rank (port 0 stays 0); an
-    inproc name gets ``_dp<rank>``."""
-    if not dp_rank:
-        return endpoint
-    if endpoint.startswith("inproc://"):
-        return f"{endpoint}_dp{dp_rank}"
-    if endpoint.startswith("tcp://"):
-        base, _, port = endpoint.rpartition(":")
-        if port.isdigit() and int(port):
-            return f"{base}:{int(port) + dp_rank}"
-    return endpoint
-
-
-def binds(endpoint: str) -> bool:
-    """vLLM binds an endpoint with a wildcard host or a local transport, else connects."""
-    return "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
-
-
-def _connectable(endpoint: str) -> str:
-    return endpoint.replace("//0.0.0.0:", "//127.0.0.1:")
 
 
 class EventPublisher:
@@ -105,37 +93,50 @@ class EventPublisher:
         self._lost = False
         self.seq = 0
         self.buffer: deque[tuple[int, bytes]] = deque(maxlen=cfg.buffer_steps)
+        self.buffer_bytes = 0
+        self._pub_sent: deque[tuple[Any, int]] = deque()  # (tracker, bytes) ZMQ may hold
+        self.pub_held = 0
+        self.pub_peak = 0
         self._zmq = zmq
         self._ctx = zmq.Context()
         self._ctx.setsockopt(zmq.LINGER, 0)  # a socket left open never holds term()
+        self._claims: list[IpcClaim] = []
         self.pub = self._ctx.socket(zmq.PUB)
         self.pub.setsockopt(zmq.SNDHWM, cfg.hwm)
         self.pub.setsockopt(zmq.LINGER, 0)
+        self.pub.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS)
+        self.pub.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
+        self.pub.copy_threshold = 0  # zero-copy means it (lmc.events.replay: tracked bytes)
         self.rep = None
+        self.replay: ReplayServer | None = None
+        self.replay_endpoint: str | None = None
+        ep = offset_endpoint(cfg.pub_address, cfg.dp_rank)
+        rep_ep = (None if cfg.replay_address is None
+                  else offset_endpoint(cfg.replay_address, cfg.dp_rank))
         try:
-            ep = offset_endpoint(cfg.endpoint, cfg.dp_rank)
-            (self.pub.bind if binds(ep) else self.pub.connect)(ep)
-            self.endpoint = _connectable(self.pub.getsockopt_string(zmq.LAST_ENDPOINT) or ep)
-            self.replay_endpoint: str | None = None
-            if cfg.replay_endpoint:
+            bind = cfg.pub_binds
+            if bind:
+                self._claims.append(IpcClaim(ep))
+            (self.pub.bind if bind else self.pub.connect)(ep)
+            self.endpoint = connectable(self.pub.getsockopt_string(zmq.LAST_ENDPOINT) or ep)
+            if rep_ep is not None:
                 self.rep = self._ctx.socket(zmq.ROUTER)
-                self.rep.setsockopt(zmq.MAXMSGSIZE, 64)
-                self.rep.setsockopt(zmq.SNDHWM, cfg.buffer_steps + 16)
-                self.rep.setsockopt(zmq.LINGER, 0)
-                self.rep.bind(offset_endpoint(cfg.replay_endpoint, cfg.dp_rank))
-                self.replay_endpoint = _connectable(
+                ReplayServer.configure(zmq, self.rep)
+                self._claims.append(IpcClaim(rep_ep))
+                self.rep.bind(rep_ep)
+                self.replay_endpoint = connectable(
                     self.rep.getsockopt_string(zmq.LAST_ENDPOINT))
-        except zmq.ZMQError as e:
+                self.replay = ReplayServer(zmq, self.rep, self, cfg.replay_max_bytes)
+        except (zmq.ZMQError, ValueError) as e:
             self._close_sockets()
-            raise ValueError(f"kv_events: cannot open {cfg.endpoint} / {cfg.replay_endpoint}: "
+            raise ValueError(f"kv_events: cannot open {ep} / {rep_ep or 'no replay'}: "
                              f"{e}") from None
-        self._last_dump = 0.0
         self._stop = threading.Event()
         self._send([wire.all_blocks_cleared()])
         self._thread = threading.Thread(target=self._run, name="lmc-kv-events", daemon=True)
         self._thread.start()
-        log.info("KV events: publishing on %s (replay %s), topic %r", self.endpoint,
-                 self.replay_endpoint or "off", topic)
+        log.info("KV events: publishing on %s (replay %s), topic %r%s", self.endpoint,
+                 self.replay_endpoint or "off", topic, cfg.loopback_note())
 
     # ------------------------------------------------------------------ data path
     def offer(self, item: tuple[Any, ...]) -> None:
@@ -151,7 +152,21 @@ class EventPublisher:
         self._prom.labels(what).inc(n)
 
     def stats(self) -> dict[str, int]:
-        return {**self.counts, "queued": len(self._q), "seq": self.seq}
+        out = {**self.counts, "queued": len(self._q), "seq": self.seq,
+               "buffer_bytes": self.buffer_bytes, "pub_bytes_held": self.pub_held,
+               "pub_bytes_peak": self.pub_peak}
+        if self.replay is not None:
+            out.update(self.replay.stats())
+        return out
+
+    # ------------------------------------------------------------------ replay's source
+    def snapshot(self) -> list[list[dict[str, Any]]]:
+        """A state dump's batches (``AllBlocksCleared`` alone without a tracker)."""
+        return self.tracker.snapshot() if self.tracker is not None else \
+            [[wire.all_blocks_cleared()]]
+
+    def encode(self, events: list[dict[str, Any]]) -> bytes:
+        return wire.encode_batch(events, self.cfg.dp_rank)
 
     # ------------------------------------------------------------------ the thread
     def _run(self) -> None:
@@ -162,11 +177,15 @@ class EventPublisher:
         last_sent = time.monotonic()
         dropped_seen = warned_at = 0
         last_warned = float("-inf")
+        more = False
         while not self._stop.is_set():
             try:
-                ready = dict(poller.poll(0 if self._q else POLL_MS))
-                if self.rep is not None and ready.get(self.rep):
-                    self._answer()
+                ready = dict(poller.poll(0 if self._q or more else POLL_MS))
+                self._sweep_pub()
+                if self.replay is not None:
+                    if ready.get(self.rep):
+                        self.replay.on_readable()
+                    more = self.replay.pump()
                 events = self._drain()
                 if self._lost and self.tracker is not None and self._reconcile is not None:
                     self._lost = False
@@ -228,55 +247,48 @@ class EventPublisher:
         payload = wire.encode_batch(events, self.cfg.dp_rank)
         seq = self.seq
         self.seq += 1
-        self.buffer.append((seq, payload))
-        # at the high-water mark PUB drops (as it does for slow SUBs); never waits
-        with contextlib.suppress(self._zmq.Again):
-            self.pub.send_multipart([self.topic, wire.seq_bytes(seq), payload],
-                                    flags=self._zmq.NOBLOCK)
+        self._keep(seq, payload)
+        self._publish(seq, payload)
         self.counts["batches"] += 1
         self.counts["events"] += len(events)
         self._prom.labels("batches").inc()
         if events:
             self._prom.labels("events").inc(len(events))
 
-    def _reply(self, frames: list[bytes]) -> None:
-        assert self.rep is not None
-        with contextlib.suppress(self._zmq.ZMQError):  # a peer gone or not reading: its loss
-            self.rep.send_multipart(frames, flags=self._zmq.NOBLOCK)
+    def _keep(self, seq: int, payload: bytes) -> None:
+        """Into the replay buffer, the oldest batches going past ``buffer_steps`` batches
+        or ``buffer_max_bytes`` (the newest always stays)."""
+        buf = self.buffer
+        if len(buf) == buf.maxlen:
+            self.buffer_bytes -= len(buf[0][1])
+        buf.append((seq, payload))
+        self.buffer_bytes += len(payload)
+        while self.buffer_bytes > self.cfg.buffer_max_bytes and len(buf) > 1:
+            self.buffer_bytes -= len(buf.popleft()[1])
 
-    def _answer(self) -> None:
-        assert self.rep is not None
-        frames = self.rep.recv_multipart()
-        ident = frames[0]
-        body = frames[1:]
-        end = [ident, b"", b"", wire.END_SEQ]
-        if len(body) == 2 and body[0] == b"" and len(body[1]) == 8:
-            start = int.from_bytes(body[1], "big")
-            self.count("replays", 1)
-            for seq, payload in list(self.buffer):
-                if seq >= start:
-                    self._reply([ident, b"", self.topic, wire.seq_bytes(seq), payload])
-            self._reply(end + [b""])
+    def _publish(self, seq: int, payload: bytes) -> None:
+        """On PUB, zero-copy and tracked (the payload is the buffer's own bytes), while what
+        ZMQ holds for subscribers is within ``pub_max_bytes``; at ZMQ's high-water mark PUB
+        drops for that subscriber itself (as for any slow SUB): never a wait."""
+        self._sweep_pub()
+        n = len(payload) + 256
+        if self.pub_held and self.pub_held + n > self.cfg.pub_max_bytes:
+            self.count("pub_dropped", 1)
             return
-        if len(body) == 2 and body[0] == b"" and body[1] == b"dump":
-            now = time.monotonic()
-            if now - self._last_dump < DUMP_INTERVAL:
-                self.count("bad_requests", 1)
-                self._reply(end + [b"error: one dump per second; retry"])
-                return
-            self._last_dump = now
-            self.count("dumps", 1)
-            last = wire.seq_bytes(self.seq - 1)
-            batches = self.tracker.snapshot() if self.tracker is not None else \
-                [[wire.all_blocks_cleared()]]
-            for events in batches:
-                self._reply([ident, b"", self.topic, last,
-                             wire.encode_batch(events, self.cfg.dp_rank)])
-            self._reply(end + [b""])
+        zmq = self._zmq
+        try:
+            self.pub.send_multipart([self.topic, wire.seq_bytes(seq)], flags=zmq.SNDMORE)
+            tracker = self.pub.send(payload, zmq.NOBLOCK, copy=False, track=True)
+        except zmq.Again:
             return
-        self.count("bad_requests", 1)
-        self._reply(end + [b"error: expected [b'', start_seq as 8 bytes big-endian] or "
-                           b"[b'', b'dump']"])
+        self._pub_sent.append((tracker, n))
+        self.pub_held += n
+        self.pub_peak = max(self.pub_peak, self.pub_held)
+
+    def _sweep_pub(self) -> None:
+        sent = self._pub_sent
+        while sent and sent[0][0].done:
+            self.pub_held -= sent.popleft()[1]
 
     # ------------------------------------------------------------------ closing
     def _close_sockets(self) -> None:
@@ -284,6 +296,8 @@ class EventPublisher:
         if self.rep is not None:
             self.rep.close(0)
         self._ctx.term()
+        for claim in self._claims:  # after the sockets: their paths are free now
+            claim.release()
 
     def close(self) -> None:
         """Publish what is queued (bounded by one drain), then close the sockets."""

@@ -1,2 +1,2 @@
-"""lmc's small HTTP servers: the bounded JSON request handling they share (``json_api``) and the
-prefill/decode proxy (``pd_proxy``)."""
+"""What every lmc HTTP front shares (the reference engine's server, ``lmc router``, ``lmc
+pd-proxy``): the bounded JSON request handling (``json_api``)."""

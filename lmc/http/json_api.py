@@ -41,6 +41,8 @@ from lmc.ratelog import RateLimitedWarnings  # also imported from here by both s
 
 log = logging.getLogger("lmc.http")
 access_log = logging.getLogger("lmc.http.access")
+QUIET_PATHS = frozenset({"/health", "/healthz", "/metrics"})
+"""Paths whose GETs are logged at DEBUG (probes and scrapes), not INFO."""
 FD_RESERVE = 64  # descriptors kept free of client connections for files and upstreams
 _BUSY = (b"HTTP/1.0 503 Service Unavailable\r\nContent-Type: application/json\r\n"
          b"Connection: close\r\n\r\n"
@@ -160,7 +162,7 @@ class BoundedHTTPServer(ThreadingHTTPServer):
     """A thread per connection, at most ``cap`` of them (see the module docstring)."""
 
     daemon_threads = True
-    access_log = True  # one INFO line per request answered (lmc.http.access)
+    access_log = True  # one INFO line per request answered (lmc.http.access; probes DEBUG)
     block_on_close = False  # a stuck client must not hold close()
     request_queue_size = 128  # a burst waits in the backlog, not in SYN retries
 
@@ -256,9 +258,15 @@ class JsonHandler(BaseHTTPRequestHandler):
             self._handle_one()
         finally:
             if self._status is not None and getattr(self.server, "access_log", True):
-                access_log.info('%s - "%s" %d %s', self.address_string(),
-                                printable(getattr(self, "requestline", "") or "-"),
-                                self._status, units.seconds(time.monotonic() - t0))
+                # a health check or a scrape is routine: the fronts probe every instance's
+                # /health every 2 s, which at INFO buried the requests (a change of health
+                # is the server's own line, and the front's)
+                routine = (getattr(self, "command", "") == "GET"
+                           and getattr(self, "path", "") in QUIET_PATHS)
+                access_log.log(logging.DEBUG if routine else logging.INFO,
+                               '%s - "%s" %d %s', self.address_string(),
+                               printable(getattr(self, "requestline", "") or "-"),
+                               self._status, units.seconds(time.monotonic() - t0))
 
     def address_string(self) -> str:
         host, port = self.client_address[:2]

@@ -29,17 +29,22 @@ import ctypes.util
 import dataclasses
 import errno
 import logging
-import os
 import threading
 import time
 import weakref
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
 from prometheus_client import Gauge
 
+from lmc.lazy_import import LazyModule
 from lmc.memory import pinned_ranges
 from lmc.metrics import pool_gauge
+from lmc.priority import lower_thread_priority
+
+if TYPE_CHECKING:
+    import torch
+else:  # imported at the first buffer (lmc.lazy_import says why)
+    torch = LazyModule("torch", globals())
 
 log = logging.getLogger(__name__)
 MADV_HUGEPAGE = 14
@@ -416,9 +421,7 @@ def _background(ref: weakref.ref[Prefaulter]) -> None:
     at a lower priority (nice +5: about a third of a busy core), so an engine loading its
     model meanwhile is hardly slowed; a store that needs pages sooner populates them in its
     own thread (``ensure``)."""
-    with contextlib.suppress(AttributeError, OSError):  # yield the CPU to the engine's work
-        tid = threading.get_native_id()
-        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + 5))
+    lower_thread_priority()  # yield the CPU to the engine's work (lmc.priority)
     while True:
         p = ref()
         if p is None:

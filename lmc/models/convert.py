@@ -52,6 +52,7 @@ def convert_gguf(gguf_path: Path, digest: str, model: KnownModel, dtype: str, ou
     say(f"writing model.safetensors ({nbytes / 1e6:.0f} MB, {dtype}) ...")
     save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
     del weights
+    say(f"wrote model.safetensors in {time.perf_counter() - t0:.1f} s; tokenizer and config ...")
     _write_json(out / "config.json", config)
     _write_json(out / "generation_config.json", {
         "bos_token_id": config["bos_token_id"], "eos_token_id": config["eos_token_id"],

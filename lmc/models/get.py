@@ -48,14 +48,18 @@ def get_model(name: str = DEFAULT_MODEL, dtype: str | None = None, *,
     target = store.checkpoint_path(model, dtype, root)
     for stale in store.reclaim_temporaries(target):
         say(f"removed {stale.name}, left by a conversion that did not finish")
+    # a file named by the caller is checked even when nothing is to be converted from it
+    source = Path(gguf) if gguf is not None else None
+    digest = verify(source, model.source, say) if source is not None else None
     problem = store.check_folder(target, model, dtype)[1] if target.exists() else "absent"
     if problem is None and not force:
         return Checkpoint(target, model, dtype, False, time.perf_counter() - t0)
     if problem not in ("absent", None):
         say(f"{target} is not usable ({problem}): converting again")
-    source = Path(gguf) if gguf is not None else locate(model)
+    if source is None or digest is None:
+        source = locate(model)
+        digest = verify(source, model.source, say)
     say(f"converting {model.name} to {dtype} from {source}")
-    digest = verify(source, model.source, say)
     from lmc.models.convert import convert_gguf
 
     with store.staging(target) as tmp:

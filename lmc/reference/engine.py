@@ -19,6 +19,7 @@ from typing import Any, cast
 
 import torch
 
+from lmc.models.chat import ChatTemplate
 from lmc.reference.block_manager import BlockManager
 from lmc.reference.connector_api import KVConnector, connector_module
 from lmc.reference.kv_cache import bytes_per_block
@@ -35,6 +36,7 @@ from lmc.reference.tokenizer import Tokenizer, load_eos_token_ids
 logger = logging.getLogger(__name__)
 
 Prompt = str | Sequence[int]
+Messages = Sequence[dict[str, Any]]  # one conversation: {"role", "content"} dicts
 MAX_ERRORS = 4096  # failed requests' errors kept for pop_error
 
 
@@ -96,6 +98,9 @@ class LLM:
         tok_path = self.model_dir / "tokenizer.json"
         self.tokenizer = Tokenizer(tok_path) if tok_path.is_file() else None
         self.eos_token_ids = load_eos_token_ids(self.model_dir, self.config)
+        # the checkpoint's own template (tokenizer_config.json), or None: LLM.chat, and the
+        # server's /v1/chat/completions, render conversations with it
+        self.chat_template = ChatTemplate.from_model_dir(self.model_dir)
 
         max_len = max_model_len or self.config.max_position_embeddings
         if num_blocks is None:
@@ -144,6 +149,17 @@ class LLM:
         if bad:
             raise ValueError(f"token id(s) out of range [0, {self.config.vocab_size}): {bad[:5]}")
         return ids
+
+    def encode_chat(self, messages: Messages, add_generation_prompt: bool = True) -> list[int]:
+        """A conversation's prompt ids: the checkpoint's chat template rendered, then
+        tokenized with no special tokens added (the template writes them). ``ValueError``
+        (``ChatTemplateError``) naming a bad message, or when the checkpoint has no
+        template or tokenizer."""
+        if self.chat_template is None or self.tokenizer is None:
+            raise ValueError(f"{self.model_dir} has no chat template (tokenizer_config.json's "
+                             "chat_template) and tokenizer.json; send prompts instead")
+        text = self.chat_template.render(messages, add_generation_prompt)
+        return self.tokenizer.encode(text, add_special_tokens=False)
 
     def encode_segments(self, prompt: Prompt, segments: Sequence[Sequence[int]] | None = None,
                         separator: str | None = None) -> tuple[list[int], list[tuple[int, int]]]:
@@ -371,6 +387,24 @@ class LLM:
         if errors:
             raise RuntimeError("; ".join(f"request {i}: {e}" for i, e in errors))
         return [results[i] for i in ids]
+
+    def chat(
+        self,
+        conversations: Messages | Sequence[Messages],
+        max_tokens: int = 16,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        seed: int | None = None,
+        **kwargs: Any,
+    ) -> list[RequestOutput]:
+        """Answer one conversation (a list of ``{"role", "content"}`` dicts) or several (a
+        list of them), each rendered by the checkpoint's chat template (:meth:`encode_chat`);
+        generation stops at the end of the assistant's turn (the checkpoint's EOS ids, e.g.
+        ``<|im_end|>``). Other keywords as :meth:`generate`; outputs in order."""
+        single = bool(conversations) and isinstance(conversations[0], dict)
+        batch = [conversations] if single else list(conversations)
+        prompts = [self.encode_chat(cast(Messages, c)) for c in batch]
+        return self.generate(prompts, max_tokens, temperature, top_p, seed, **kwargs)
 
     def close(self) -> None:
         if self.kv_connector is not None:

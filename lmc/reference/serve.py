@@ -4,6 +4,11 @@
 Enough for ``lmc pd-proxy`` and ``lmc replay --target`` to drive the reference engine the
 way they drive vLLM, not a production server:
 
+* ``POST /v1/chat/completions``: ``messages`` (system, user and assistant turns), rendered
+  by the checkpoint's chat template (``tokenizer_config.json``; ``LLM.encode_chat``); the
+  answer ends with the assistant's turn (the checkpoint's EOS, e.g. ``<|im_end|>``). The
+  same sampling fields, streaming (``chat.completion.chunk`` deltas) and usage as below;
+  ``max_completion_tokens`` or ``max_tokens``.
 * ``POST /v1/completions``: ``prompt`` is text (needs the checkpoint's ``tokenizer.json``)
   or a list of token ids; ``max_tokens``, ``temperature``, ``top_p``, ``seed``,
   ``ignore_eos``, ``stream`` (server-sent events; ``stream_options.include_usage`` adds a
@@ -28,7 +33,7 @@ goes on serving the rest. Connections, the time to send a request and its size a
 bounded (``--max-connections``, ``--read-timeout``, ``--max-body``: see
 :mod:`lmc.http.json_api`; threat model: docs/threats/http.md). A process whose lmc config has a P2P tier holds a NIXL
 agent: it is closed on SIGTERM/SIGINT with the engine, and the exit is clean (see
-:mod:`lmc.p2p.agent`).
+:mod:`lmc.storage.backends.p2p.agent`).
 """
 
 from __future__ import annotations
@@ -36,7 +41,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import math
 import os
 import queue
 import signal
@@ -64,18 +68,21 @@ from lmc.http.json_api import (
 )
 from lmc.reference.connector_api import connector_module
 from lmc.reference.engine import LLM
-from lmc.reference.request import SEED_MAX, SEED_MIN, SamplingParams
-from lmc.reference.tokenizer import check_unicode
+from lmc.reference.openai_api import (
+    BadRequest,
+    Completion,
+    TextStream,
+    parse_chat,
+    parse_completion,
+)
+from lmc.reference.request import SamplingParams
+
+__all__ = ["BadRequest", "Completion", "EngineLoop", "Server", "main", "parse_chat",
+           "parse_completion"]
+ROUTES = {"/v1/completions": parse_completion, "/v1/chat/completions": parse_chat}
 
 log = logging.getLogger(__name__)
 _warn = RateLimitedWarnings(limit=10, window=10.0, logger=log)
-
-
-class BadRequest(ValueError):
-    """A request the server refuses (HTTP 400), with a message naming the field."""
-
-
-INT64_MAX = 2**63 - 1
 
 
 @dataclass
@@ -226,101 +233,6 @@ def _what(e: BaseException) -> str:
     return f"{type(e).__name__}: {str(e)[:300]}"
 
 
-def _finite(body: dict, key: str, default: float) -> float:
-    v = body.get(key)
-    if v is None:
-        return default
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-        raise BadRequest(f"{key} must be a finite number, got {_show(v)}")
-    return float(v)
-
-
-def _integer(body: dict, key: str, lo: int, hi: int) -> int | None:
-    v = body.get(key)
-    if v is None:
-        return None
-    if isinstance(v, float) and math.isfinite(v) and v.is_integer():
-        v = int(v)  # 16.0 is 16
-    if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
-        raise BadRequest(f"{key} must be an integer in [{lo}, {hi}], got {_show(v)}")
-    return v
-
-
-def _flag(body: dict, key: str) -> bool:
-    v = body.get(key)
-    if v is not None and not isinstance(v, bool):
-        raise BadRequest(f"{key} must be true or false, got {_show(v)}")
-    return bool(v)
-
-
-def _show(v: Any) -> str:
-    """A client's value in an error message, cut short (it may be megabytes)."""
-    r = repr(v)
-    return r if len(r) <= 80 else r[:77] + "..."
-
-
-def _prompt(body: dict) -> str | list[int]:
-    prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]  # a batch of one
-    if isinstance(prompt, list):
-        if not prompt or not all(isinstance(t, int) and not isinstance(t, bool)
-                                 for t in prompt):
-            raise BadRequest("prompt must be a string or a non-empty list of token ids "
-                             "(one prompt per request)")
-        return prompt
-    if not isinstance(prompt, str) or not prompt:
-        raise BadRequest("prompt must be a string or a non-empty list of token ids")
-    try:
-        check_unicode(prompt, "prompt")
-    except ValueError as e:
-        raise BadRequest(str(e)) from None
-    return prompt
-
-
-@dataclass
-class Completion:
-    """A validated ``/v1/completions`` body."""
-
-    prompt: str | list[int]
-    sampling: dict[str, Any]  # SamplingParams keywords
-    kv_transfer_params: dict | None = None
-    stream: bool = False
-    include_usage: bool = False
-    return_token_ids: bool = False
-    model: str | None = None
-
-
-def parse_completion(body: Any) -> Completion:
-    """Check every field the server reads, so a request is refused (400, naming the
-    field) before it reaches the engine or a stream starts."""
-    if not isinstance(body, dict):
-        raise BadRequest("the body must be a JSON object")
-    max_tokens = _integer(body, "max_tokens", 1, INT64_MAX)
-    temperature = _finite(body, "temperature", 0.0)
-    if temperature < 0:
-        raise BadRequest(f"temperature must be >= 0, got {temperature!r}")
-    top_p = _finite(body, "top_p", 1.0)
-    if not 0 < top_p <= 1:
-        raise BadRequest(f"top_p must be in (0, 1], got {top_p!r}")
-    kw = {"max_tokens": 16 if max_tokens is None else max_tokens,
-          "temperature": temperature, "top_p": top_p,
-          "seed": _integer(body, "seed", SEED_MIN, SEED_MAX),
-          "ignore_eos": _flag(body, "ignore_eos")}
-    kv = body.get("kv_transfer_params")
-    if kv is not None and not isinstance(kv, dict):
-        raise BadRequest(f"kv_transfer_params must be an object, got {_show(kv)}")
-    opts = body.get("stream_options")
-    if opts is not None and not isinstance(opts, dict):
-        raise BadRequest(f"stream_options must be an object, got {_show(opts)}")
-    model = body.get("model")
-    if model is not None and not isinstance(model, str):
-        raise BadRequest(f"model must be a string, got {_show(model)}")
-    return Completion(_prompt(body), kw, kv, _flag(body, "stream"),
-                      _flag(opts or {}, "include_usage"), _flag(body, "return_token_ids"),
-                      model)
-
-
 class Server:
     """The engine, its loop and the HTTP server (``port`` 0 picks a free one); ``limits``
     bound what clients may hold (:class:`lmc.http.json_api.HttpLimits`). The port is bound
@@ -423,19 +335,22 @@ class _Handler(JsonHandler):
             self._error(404, f"no such path {self.path[:200]}")
 
     def do_POST(self) -> None:
-        if self.path != "/v1/completions":
-            self._error(404, f"no such path {self.path[:200]} (POST /v1/completions only)")
+        parse = ROUTES.get(self.path)
+        if parse is None:
+            self._error(404, f"no such path {self.path[:200]} (POST {' or '.join(ROUTES)})")
             return
         if self.app.loop is None:
             self._error(503, "the model is still loading")
             return
         try:
-            req = parse_completion(self.read_json())
+            req = parse(self.read_json())
             params = SamplingParams(**req.sampling)
+            if req.messages is not None:  # the checkpoint's chat template, on this thread
+                req.prompt = self.app.llm.encode_chat(req.messages)
         except HttpError as e:
             self._error(e.status, str(e))
             return
-        except ValueError as e:  # BadRequest, or SamplingParams' own checks
+        except ValueError as e:  # BadRequest, SamplingParams' own checks, the template's
             self._error(400, str(e))
             return
         limit = self.app.llm.max_model_len
@@ -468,9 +383,26 @@ class _Handler(JsonHandler):
         return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c,
                 "prompt_tokens_details": {"cached_tokens": out.num_cached_tokens}}
 
-    def _head(self, req: Completion) -> dict[str, Any]:
-        return {"id": f"cmpl-{uuid.uuid4().hex}", "created": int(time.time()),
+    def _head(self, req: Completion, chunk: bool = False) -> dict[str, Any]:
+        kind = ("chat.completion" if req.chat else "text_completion") + (
+            ".chunk" if chunk and req.chat else "")
+        return {"id": f"{'chatcmpl' if req.chat else 'cmpl'}-{uuid.uuid4().hex}",
+                "object": kind, "created": int(time.time()),
                 "model": req.model or self.app.model_name}
+
+    @staticmethod
+    def _choice(req: Completion, text: str | None, finish: str | None, *,
+                first: bool = False, whole: bool = False) -> dict[str, Any]:
+        """One choice of an answer (``whole``: ``text`` is all of it) or of a stream's chunk
+        (``text`` the new piece, None in the last): a chat's carries a message or a delta,
+        the first of them the assistant's role."""
+        if not req.chat:
+            return {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+        body: dict[str, Any] = {} if text is None else {"content": text}
+        if first or whole:
+            body = {"role": "assistant", **body}
+        return {"index": 0, "message" if whole else "delta": body, "logprobs": None,
+                "finish_reason": finish}
 
     @property
     def _loop(self) -> EngineLoop:
@@ -485,13 +417,11 @@ class _Handler(JsonHandler):
             self._error(job.status, job.error)
             return
         out = job.output
-        choice: dict[str, Any] = {"index": 0, "text": self._text(out.token_ids),
-                                  "logprobs": None, "finish_reason": out.finish_reason}
+        choice = self._choice(req, self._text(out.token_ids), out.finish_reason, whole=True)
         if req.return_token_ids:
             choice["prompt_token_ids"] = out.prompt_token_ids
             choice["token_ids"] = out.token_ids
-        self._json(200, {**self._head(req), "object": "text_completion", "choices": [choice],
-                         "usage": self._usage(out),
+        self._json(200, {**self._head(req), "choices": [choice], "usage": self._usage(out),
                          "kv_transfer_params": out.kv_transfer_params})
 
     def _stream(self, req: Completion, job: _Job) -> None:
@@ -507,20 +437,22 @@ class _Handler(JsonHandler):
         self.send_header("Content-Type", "text/event-stream")
         self.send_header("Cache-Control", "no-cache")
         self.end_headers()
-        head = {**self._head(req), "object": "text_completion"}
+        head = self._head(req, chunk=True)
+        text = TextStream(self._text)
 
         def send(obj: Any) -> None:
             self.wfile.write(b"data: " + (obj if isinstance(obj, bytes)
                                           else json.dumps(obj).encode()) + b"\n\n")
             self.wfile.flush()
         try:
+            first = True
             while not (job.done.is_set() and tokens.empty()):
                 try:
                     t = tokens.get(timeout=0.05)
                 except queue.Empty:
                     continue
-                choice = {"index": 0, "text": self._text([t]), "logprobs": None,
-                          "finish_reason": None}
+                choice = self._choice(req, text.push(t), None, first=first)
+                first = False
                 if req.return_token_ids:
                     choice["token_ids"] = [t]
                 send({**head, "choices": [choice]})
@@ -529,8 +461,10 @@ class _Handler(JsonHandler):
                                 "code": job.status}})
             else:
                 out = job.output
-                send({**head, "choices": [{"index": 0, "text": "", "logprobs": None,
-                                           "finish_reason": out.finish_reason}],
+                rest = text.flush()
+                if rest:
+                    send({**head, "choices": [self._choice(req, rest, None, first=first)]})
+                send({**head, "choices": [self._choice(req, None, out.finish_reason)],
                       "kv_transfer_params": out.kv_transfer_params})
                 if req.include_usage:
                     send({**head, "choices": [], "usage": self._usage(out)})

@@ -14,20 +14,20 @@ as token ids is scored as is; text needs ``--tokenizer`` (the engines' ``tokeniz
 chat requests are balanced by load.
 
 Health: ``GET /health`` of each instance every ``--health-interval`` seconds
-(:mod:`lmc.http.health`, shared with ``lmc pd-proxy``); an instance that fails it, or
+(:mod:`lmc.router.health`, shared with ``lmc pd-proxy``); an instance that fails it, or
 refuses a connection, gets nothing until it answers again. A request whose
 instance fails before answering is sent to the next best one (at most once per instance). An
 instance whose events are stale (not synced, or silent for ``--stale-after`` seconds; lmc's
 publisher sends a heartbeat every 2 s) is scored as if it cached nothing.
 
-``GET /metrics`` (Prometheus, :mod:`lmc.http.route_metrics`, ``lmc_router_*``): requests per instance and reason (``prefix``, ``load``,
+``GET /metrics`` (Prometheus, :mod:`lmc.router.metrics`, ``lmc_router_*``): requests per instance and reason (``prefix``, ``load``,
 ``stale``, ``no_tokens``, ``round_robin``), predicted cached tokens (the index's prefix) next
 to reported ones (the answer's ``usage.prompt_tokens_details.cached_tokens``), in flight,
 health and event freshness per instance. ``GET /lmc/router``: the same as JSON.
 
 Client connections, request time and size are bounded as in :mod:`lmc.http.json_api`; an
-instance's answer is streamed through as it comes (:mod:`lmc.http.relay`, shared with
-``lmc pd-proxy``, as is the choosing: :mod:`lmc.http.dispatch`). Threat model:
+instance's answer is streamed through as it comes (:mod:`lmc.router.relay`, shared with
+``lmc pd-proxy``, as is the choosing: :mod:`lmc.router.dispatch`). Threat model:
 docs/threats/router.md.
 """
 
@@ -39,7 +39,15 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from lmc.http.dispatch import (
+from lmc.http.json_api import (
+    HttpError,
+    HttpLimits,
+    RateLimitedWarnings,
+    add_limit_args,
+    limits_from_args,
+    listen_error,
+)
+from lmc.router.dispatch import (
     Front,
     Instance,
     InstanceSpec,
@@ -49,18 +57,11 @@ from lmc.http.dispatch import (
     choice_from_args,
     prompt_tokens,
 )
-from lmc.http.health import DEFAULT_INTERVAL
-from lmc.http.json_api import (
-    HttpError,
-    HttpLimits,
-    RateLimitedWarnings,
-    add_limit_args,
-    limits_from_args,
-)
-from lmc.http.relay import TIMEOUT, UPSTREAM_ERRORS, RelayHandler, encode, what
-from lmc.http.route_metrics import CONTENT_TYPE, RoutingMetrics, cached_tokens
 from lmc.router.feed import SharedSpec
+from lmc.router.health import DEFAULT_INTERVAL
+from lmc.router.metrics import CONTENT_TYPE, RoutingMetrics, cached_tokens
 from lmc.router.policy import Weights
+from lmc.router.relay import TIMEOUT, UPSTREAM_ERRORS, RelayHandler, encode, what
 
 __all__ = ["InstanceSpec", "Router", "cached_tokens", "prompt_tokens", "register_cli", "run"]
 log = logging.getLogger(__name__)
@@ -212,7 +213,11 @@ def run(args: argparse.Namespace) -> int:
                         upstream_timeout=args.upstream_timeout,
                         shared=shared,
                         **choice_from_args(args))
-    except (ValueError, OSError, ImportError) as e:
+    except OSError as e:  # the port (a file, e.g. a tokenizer, names itself)
+        why = str(e) if e.filename else listen_error(e, args.host, args.port)
+        print(f"lmc router: {why}", file=sys.stderr)
+        return 2
+    except (ValueError, ImportError) as e:
         print(f"lmc router: {e}", file=sys.stderr)
         return 2
     return router.run_until_signalled(f"router at {router.url} ({router.policy}): "

@@ -13,8 +13,9 @@ A source is *fresh* while synced and heard from (a batch or a heartbeat) within
 
 A publisher that restarts starts again at seq 0 (with ``AllBlocksCleared``); PUB delivers
 one publisher's batches in order, so a PUB batch numbered at or below the last one received
-can only come from a restarted publisher: the source is synced again from its dump
-(Dynamo 1.6.1 drops those batches as old until it is registered again).
+can only come from a restarted publisher: the source is synced again from its dump into a
+fresh index (block size included: a publisher restarted with another block size is indexed
+at its new one; Dynamo 1.6.1 drops those batches as old until it is registered again).
 
 A *shared* source (:class:`SharedSource`, ``lmc router --shared-events``) is a store several
 instances read from, an ``lmc server`` daemon with ``kv_events`` on: its blocks count as
@@ -24,7 +25,10 @@ matched with the prompt keyed under that salt.
 
 Bounds: a message is at most 64 MiB (``MAXMSGSIZE``: a larger one disconnects the
 publisher), each SUB queues at most 1,000 messages (then ZMQ drops: a gap, filled by replay),
-a replay or dump is read for at most ``REPLAY_TIMEOUT`` seconds and ``MAX_REPLAY`` batches.
+a replay or dump is read for at most ``REPLAY_TIMEOUT`` seconds and ``MAX_REPLAY`` batches
+(:mod:`lmc.router.sync`: applied as they come, into an index bounded as the live one), and
+at most 1,000 batches / 64 MiB per source wait for a request under way; a failed request is
+retried ``RETRY`` seconds later at the earliest.
 """
 
 from __future__ import annotations
@@ -36,15 +40,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from lmc.events import wire
 from lmc.ratelog import RateLimitedWarnings
 from lmc.router.index import Match, PrefixIndex, block_keys, match_union, root_key
+from lmc.router.sync import MAX_MESSAGE, SourceSync
 
 log = logging.getLogger(__name__)
 _warn = RateLimitedWarnings(limit=10, window=10.0, logger=log)
-REPLAY_TIMEOUT = 2.0
-MAX_REPLAY = 1 << 16
-MAX_MESSAGE = 64 << 20
 
 
 class Source:
@@ -175,7 +176,9 @@ def match_instance(url: str, own: Source | None, shared: Sequence[SharedSource],
 
 
 class EventFeed:
-    """The thread that keeps every :class:`Source` current (see the module docstring)."""
+    """The thread that keeps every :class:`Source` current (see the module docstring): one
+    poll over every SUB socket and every replay request under way; no source waits on
+    another (:mod:`lmc.router.sync`)."""
 
     def __init__(self, sources: Sequence[Source], stale_after: float = 10.0) -> None:
         try:
@@ -189,6 +192,7 @@ class EventFeed:
         self.ctx = zmq.Context()
         self.ctx.setsockopt(zmq.LINGER, 0)  # a socket left open never holds term()
         self._subs: dict[Any, Source] = {}
+        self.syncs = {id(s): SourceSync(s, zmq, self.ctx) for s in self.sources}
         for s in self.sources:
             sock = self.ctx.socket(zmq.SUB)
             sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE)
@@ -204,103 +208,6 @@ class EventFeed:
     def start(self) -> None:
         self._thread.start()
 
-    # ------------------------------------------------------------------ replay side
-    def _request(self, s: Source, body: bytes) -> list[tuple[int, bytes]] | None:
-        """Ask ``s``'s replay socket; the batches answered, or None (no answer, an error)."""
-        zmq = self.zmq
-        if not s.replay_endpoint:
-            return None
-        d = self.ctx.socket(zmq.DEALER)
-        d.setsockopt(zmq.LINGER, 0)
-        d.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE)
-        d.connect(s.replay_endpoint)
-        out: list[tuple[int, bytes]] = []
-        deadline = time.monotonic() + REPLAY_TIMEOUT
-        try:
-            d.send_multipart([b"", body])
-            while len(out) <= MAX_REPLAY:
-                left = deadline - time.monotonic()
-                if left <= 0 or not d.poll(int(left * 1000)):
-                    _warn("events from %s: replay socket %s did not answer in %.0f s",
-                          s.name, s.replay_endpoint, REPLAY_TIMEOUT)
-                    return None
-                frames = d.recv_multipart()
-                if len(frames) != 4 or len(frames[2]) != 8:
-                    s.counts["bad"] += 1
-                    return None
-                if frames[2] == wire.END_SEQ:
-                    if frames[3]:
-                        _warn("events from %s: replay refused: %s", s.name,
-                              frames[3][:200].decode("utf-8", "replace"))
-                        return None
-                    return out
-                out.append((int.from_bytes(frames[2], "big"), frames[3]))
-            s.counts["bad"] += 1
-            return None
-        finally:
-            d.close(0)
-
-    def _dump(self, s: Source) -> bool:
-        """Sync ``s`` from its state dump; a publisher without dumps (vLLM's own answers an
-        unknown request with the end marker alone) is replayed from its oldest batch."""
-        s.counts["dumps"] += 1
-        got = self._request(s, b"dump")
-        if got is None:
-            s.synced = False
-            return False
-        dumped = bool(got)
-        if not dumped:
-            got = self._request(s, wire.seq_bytes(0))
-            if got is None:
-                s.synced = False
-                return False
-        s.index.clear()
-        try:
-            for _, payload in got:
-                s.index.apply(wire.decode_batch(payload)[1])
-        except wire.WireError as e:
-            s.counts["bad"] += 1
-            _warn("events from %s: bad dump: %s", s.name, e)
-            s.synced = False
-            return False
-        # a dump's batches all carry the seq it covers; a replay's the last one's
-        s.next_seq = got[-1][0] + 1 if got else None
-        s.synced = True
-        s.last_heard = time.monotonic()
-        log.info("events from %s: synced (%d blocks)", s.name, s.index.blocks)
-        return True
-
-    def _fill(self, s: Source, upto: int) -> bool:
-        """Apply the batches ``[next_seq, upto)`` from the replay socket; False if it
-        no longer holds them all."""
-        s.counts["replays"] += 1
-        got = self._request(s, wire.seq_bytes(s.next_seq or 0))
-        if not got:
-            return False
-        for seq, payload in got:
-            if s.next_seq is None or seq < s.next_seq:
-                continue
-            if seq > s.next_seq:
-                return False
-            if not self._apply(s, seq, payload):
-                return False
-            if s.next_seq >= upto:
-                return True
-        return (s.next_seq or 0) >= upto
-
-    def _apply(self, s: Source, seq: int, payload: bytes) -> bool:
-        try:
-            events = wire.decode_batch(payload)[1]
-        except wire.WireError as e:
-            s.counts["bad"] += 1
-            _warn("events from %s: batch %d refused: %s", s.name, seq, e)
-            return False
-        s.index.apply(events)
-        s.next_seq = seq + 1
-        s.counts["batches"] += 1
-        return True
-
-    # ------------------------------------------------------------------ the thread
     def on_message(self, s: Source, frames: list[bytes]) -> None:
         """One PUB message of ``s`` (also the tests' way in)."""
         if len(frames) != 3 or len(frames[1]) != 8:
@@ -309,57 +216,52 @@ class EventFeed:
                   s.name, len(frames))
             return
         seq = int.from_bytes(frames[1], "big")
-        s.last_heard = time.monotonic()
-        restarted = s.last_pub is not None and seq <= s.last_pub
-        s.last_pub = seq
-        if restarted and s.replay_endpoint is not None:
+        now = time.monotonic()
+        s.last_heard = now
+        sync = self.syncs[id(s)]
+        if s.last_pub is not None and seq <= s.last_pub:
+            s.counts["restarts"] += 1
             log.info("events from %s: the publisher restarted (seq %d after %d); syncing "
-                     "anew", s.name, seq, s.next_seq or 0)
-            s.counts["restarts"] += 1
-            s.synced = False
-        elif restarted:  # no replay socket: from here on
-            s.counts["restarts"] += 1
-            s.next_seq = seq
-        if not s.synced:
-            if s.replay_endpoint is None:  # best effort: from here on
-                s.synced, s.next_seq = True, seq
-            elif not self._dump(s):
-                return
-        if s.next_seq is None:  # synced from an empty replay buffer: from here on
-            s.next_seq = seq
-        if seq < s.next_seq:
-            return  # already applied (the dump covered it)
-        if seq > s.next_seq:
-            s.counts["gaps"] += 1
-            if not self._fill(s, seq) and not self._dump(s):
-                return
-            if seq < (s.next_seq or 0):
-                return
-        if not self._apply(s, seq, frames[2]) and not self._dump(s):
-            return
+                     "anew", s.name, seq, s.last_pub)
+            if s.replay_endpoint is None:  # no replay socket: from here on
+                s.next_seq = seq
+            else:
+                sync.restarted(now)
+        s.last_pub = seq
+        sync.on_batch(seq, frames[2], now)
 
-    def _run(self) -> None:
+    def step(self, timeout_ms: int = 200) -> None:
+        """One round of the loop: wait up to ``timeout_ms`` for any socket, take what came,
+        time out and retry replay requests (the thread's body; tests drive it directly)."""
         zmq = self.zmq
         poller = zmq.Poller()
         for sock in self._subs:
             poller.register(sock, zmq.POLLIN)
-        last_retry = 0.0
+        asking = {}
+        for sync in self.syncs.values():
+            if sync.request is not None and sync.sock is not None:
+                poller.register(sync.sock, zmq.POLLIN)
+                asking[sync.sock] = sync
+        ready = dict(poller.poll(timeout_ms))
+        for sock in ready:
+            if sock in asking:
+                asking[sock].on_readable(time.monotonic())
+                continue
+            s = self._subs[sock]
+            for _ in range(256):
+                try:
+                    frames = sock.recv_multipart(flags=zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                self.on_message(s, frames)
+        now = time.monotonic()
+        for sync in self.syncs.values():
+            sync.check(now)
+
+    def _run(self) -> None:
         while not self._stop.is_set():
             try:
-                for sock, _ in poller.poll(200):
-                    s = self._subs[sock]
-                    for _ in range(256):
-                        try:
-                            frames = sock.recv_multipart(flags=zmq.NOBLOCK)
-                        except zmq.Again:
-                            break
-                        self.on_message(s, frames)
-                now = time.monotonic()
-                if now - last_retry > 5.0:  # a source not synced yet (its publisher down)
-                    last_retry = now
-                    for s in self.sources:
-                        if not s.synced and s.replay_endpoint:
-                            self._dump(s)
+                self.step()
             except Exception as e:  # a source's garbage must not end the feed
                 _warn("events: %s: %s", type(e).__name__, str(e)[:200])
 
@@ -367,6 +269,8 @@ class EventFeed:
         self._stop.set()
         if self._thread.is_alive():
             self._thread.join(5)
+        for sync in self.syncs.values():
+            sync.close()
         for sock in self._subs:
             sock.close(0)
         self.ctx.term()

@@ -74,8 +74,11 @@ class PrefixIndex:
         self.counts = {"orphans": 0, "overflow": 0, "other_block_size": 0}
 
     def clear(self) -> None:
+        """Everything gone (``AllBlocksCleared``: a publisher's start or reset), its block
+        size too: a publisher restarted with another one is indexed at the new one."""
         self.key_of.clear()
         self.media.clear()
+        self.block_size = 0
 
     def stored(self, ev: wire.Stored) -> None:
         bs = ev.block_size

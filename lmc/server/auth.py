@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import hmac
+import os
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -59,6 +60,12 @@ class TokenSpec:
             return tok
         assert self.token is not None
         return self.token
+
+
+def secret_file(v: Any, where: str) -> str | None:
+    """A token file's path, ``~`` expanded (a YAML file has no shell to do it)."""
+    path = nonempty_secret(v, where)
+    return None if path is None else os.path.expanduser(path)
 
 
 def nonempty_secret(v: Any, where: str) -> str | None:
@@ -111,7 +118,7 @@ def parse_tokens(v: Any, key: str, max_namespace: int = 64) -> tuple[TokenSpec, 
             raise ValueError(f"{key}[{i}]: unknown key(s) {sorted(unknown)} (expected token or "
                              "token_file, namespaces or admin, and an optional name)")
         token = nonempty_secret(raw.get("token"), f"{key}[{i}].token")
-        token_file = nonempty_secret(raw.get("token_file"), f"{key}[{i}].token_file")
+        token_file = secret_file(raw.get("token_file"), f"{key}[{i}].token_file")
         if (token is None) == (token_file is None):
             raise ValueError(f"{key}[{i}]: give exactly one of token and token_file")
         admin = raw.get("admin", False)

@@ -18,8 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from lmc.config import CacheConfig, parse_remote_url
-from lmc.server.auth import Authenticator, TokenSpec, nonempty_secret, parse_tokens
-from lmc.server.protocol import Limits
+from lmc.server.auth import Authenticator, TokenSpec, nonempty_secret, parse_tokens, secret_file
 from lmc.settings import (
     ConfigError,
     Settings,
@@ -29,13 +28,14 @@ from lmc.settings import (
     parse_duration,
     parse_int,
     parse_mapping,
+    parse_opt_path,
     parse_opt_str,
     parse_positive_size,
     parse_size,
     setting,
 )
+from lmc.storage.backends.daemon.protocol import DEFAULT_PORT, Limits
 
-DEFAULT_PORT = 7451
 LOOPBACK = ("127.0.0.1", "::1", "localhost")
 
 
@@ -139,12 +139,12 @@ class ServerConfig(Settings):
                         "TCP address; anything but loopback must be asked for explicitly")
     port: int | None = setting(DEFAULT_PORT, _opt_port,
                                "TCP port (0 = any free port, null = no TCP)")
-    unix_socket: str | None = setting(None, parse_opt_str, "path of a Unix socket to listen on")
+    unix_socket: str | None = setting(None, parse_opt_path, "path of a Unix socket to listen on")
     unix_socket_mode: int = setting("0600", _mode, "file mode of the Unix socket (octal)")
     token: str | None = setting(None, nonempty_secret,
                                 "admin token every client must present first (never logged); "
                                 "an admin token grants every namespace")
-    token_file: str | None = setting(None, nonempty_secret,
+    token_file: str | None = setting(None, secret_file,
                                      "file holding the admin token (keeps it out of argv "
                                      "and YAML)")
     tokens: tuple[TokenSpec, ...] = setting(None, parse_tokens,
@@ -162,7 +162,7 @@ class ServerConfig(Settings):
     hugepages: bool = setting(True, parse_bool, "back the pool with transparent huge pages")
     eviction_policy: str = setting("lru", lambda v, k: parse_choice(v, k, ("lru", "fifo")),
                                    "which unreferenced chunk the memory tier evicts first")
-    disk: str | None = setting(None, parse_opt_str,
+    disk: str | None = setting(None, parse_opt_path,
                                "directory of a disk tier behind memory (persists across restarts)")
     disk_size: int = setting("16GiB", parse_positive_size, "bytes the disk tier may use",
                              unit="size")
@@ -223,7 +223,7 @@ class ServerConfig(Settings):
                                        "port of /metrics and /healthz (0 = any, null = off)")
     log_level: str = setting("INFO", lambda v, k: parse_choice(
         str(v).upper(), k, ("DEBUG", "INFO", "WARNING", "ERROR")), "logging level")
-    ready_file: str | None = setting(None, parse_opt_str,
+    ready_file: str | None = setting(None, parse_opt_path,
                                      "write {pid, port, unix_socket, metrics_port} JSON here "
                                      "once listening (for supervisors and tests)")
 

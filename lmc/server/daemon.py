@@ -42,7 +42,6 @@ from lmc.server import fdcap
 from lmc.server import metrics as M
 from lmc.server.activity import Activity
 from lmc.server.auth import Grant
-from lmc.server.client import UNIX_SNDBUF
 from lmc.server.config import ServerConfig
 from lmc.server.events import DaemonEvents
 from lmc.server.http import MetricsHTTP
@@ -51,6 +50,7 @@ from lmc.server.session import IDLE, Session
 from lmc.server.store import NamespacedStore
 from lmc.server.views import tier_media
 from lmc.storage import chain
+from lmc.storage.backends.daemon.client import UNIX_SNDBUF
 from lmc.storage.manager import StorageManager
 
 log = logging.getLogger(__name__)

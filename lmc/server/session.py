@@ -21,16 +21,15 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from lmc.p2p import daemon_ops as p2p_ops
 from lmc.server import metrics as M
-from lmc.server import protocol as P
 from lmc.server.auth import OPEN, Grant
+from lmc.server.p2p import ops as p2p_ops
 from lmc.server.reader import FrameReader, PeerClosed
 from lmc.server.store import Checksum, checksum_of
 from lmc.server.text import safe
-from lmc.server.views import byte_view
 from lmc.server.writer import send_buffers
-from lmc.storage.serde import encode_header, payload_checksum
+from lmc.storage.backends.daemon import protocol as P
+from lmc.storage.serde import byte_view, encode_header, payload_checksum
 
 if TYPE_CHECKING:
     from lmc.memory.pool import MemoryObj
@@ -379,7 +378,7 @@ class Session:
         return True
 
     async def _p2p(self, h: P.FrameHeader, meta: dict[str, Any]) -> bool:
-        """A P2P directory op: answered by :mod:`lmc.p2p.daemon_ops` from this session's
+        """A P2P directory op: answered by :mod:`lmc.server.p2p.ops` from this session's
         public side (store, limits, granted namespace); the connection always stays open."""
         await self._send(h.op, h.req_id, p2p_ops.answer(self, h, meta))
         return True

@@ -36,12 +36,11 @@ from typing import Any
 import torch
 
 from lmc.memory.pool import MemoryObj
-from lmc.p2p.directory import PeerDirectory
 from lmc.server import metrics as M
+from lmc.server.p2p.directory import PeerDirectory
 from lmc.server.ratelog import IntervalLog
-from lmc.server.views import byte_view
 from lmc.storage.manager import StorageManager
-from lmc.storage.serde import payload_checksum
+from lmc.storage.serde import byte_view, payload_checksum
 
 log = logging.getLogger(__name__)
 _PERSON = b"lmc-server-ns"
@@ -205,7 +204,7 @@ class NamespacedStore:
             logging.INFO, f"max_namespaces ({max_namespaces}) reached: the least recently used "
             "namespace's ledger was reclaimed and its chunks left memory")
         self._lock = threading.Lock()
-        self.p2p = PeerDirectory()  # who holds which chunk in its own pool (lmc/p2p)
+        self.p2p = PeerDirectory()  # who holds which chunk in its own pool (lmc/server/p2p)
 
     # ------------------------------------------------------------------ keys
     @staticmethod

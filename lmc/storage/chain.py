@@ -128,9 +128,37 @@ def check_directory(path: str, where: str) -> None:
         tempfile.TemporaryDirectory(dir=probe, prefix=".lmc-check-").cleanup()
     except OSError as e:
         why = e.strerror or str(e)
+        fs = filesystem_type(probe)
+        if fs in VIRTUAL_FILESYSTEMS:  # the kernel's: mkdir says ENOENT of a parent that is there
+            why = f"{probe} is the kernel's {fs} filesystem, which holds no files of yours"
         at = "" if probe == p else f" (its nearest existing parent {probe})"
         raise ConfigError(f"{where} {path!r}: cannot create or write a directory there{at}: "
                           f"{why}") from None
+
+
+VIRTUAL_FILESYSTEMS = frozenset({"proc", "sysfs", "cgroup", "cgroup2", "debugfs", "tracefs",
+                                 "securityfs", "configfs", "devpts", "bpf", "pstore",
+                                 "efivarfs", "fusectl", "mqueue", "hugetlbfs"})
+
+
+def filesystem_type(path: Path) -> str | None:
+    """The type of the filesystem holding ``path`` (``/proc/self/mounts``' longest mount
+    point above it), or ``None`` where that cannot be read."""
+    try:
+        mounts = Path("/proc/self/mounts").read_text().splitlines()
+    except OSError:
+        return None
+    best, kind = "", None
+    target = str(path.resolve())
+    for line in mounts:
+        parts = line.split()
+        if len(parts) < 3:
+            continue
+        point = parts[1].replace("\\040", " ")
+        inside = target == point or target.startswith(point.rstrip("/") + "/")
+        if inside and len(point) >= len(best):
+            best, kind = point, parts[2]
+    return kind
 
 
 def create_tier(entry: TierEntry, config: CacheConfig, pool: TierPool) -> StorageBackend:

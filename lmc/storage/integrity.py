@@ -2,7 +2,7 @@
 
 Tiers using it: Redis and the ``lmc://`` daemon (keyed tags and geometry), the disk tier
 (geometry only: its directory is one process's), the SGLang page store (geometry of a page).
-Peers: ``lmc/storage/backends/p2p.py`` and ``docs/threats/p2p.md`` say what they verify. Threat
+Peers: ``lmc/storage/backends/p2p/backend.py`` and ``docs/threats/p2p.md`` say what they verify. Threat
 model of the others: ``docs/threats/tiers.md``.
 
 Why: the ``lmc.storage.serde`` checksums catch accidents, not intent. Anyone who can write to a shared
@@ -49,11 +49,12 @@ import logging
 import os
 import stat
 from collections.abc import Iterable, Sequence
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from lmc.storage.serde import TAG_SIZE, CorruptValue
+
+if TYPE_CHECKING:  # annotations only: `lmc config` checks a secret without torch's seconds
+    import torch
 
 log = logging.getLogger(__name__)
 

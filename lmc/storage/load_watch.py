@@ -27,12 +27,18 @@ them (vLLM's and the reference engine's load-error path).
 Pieces: the first is one chunk (the tier's rate is learnt from it), each later one a
 quarter of what remains (one chunk at least), so a fast tier is read in a few calls and a
 slowdown is seen within a quarter of the rest. A stop needs chunks left after the piece
-in flight: the last piece, whose progress a ``get`` cannot show, always finishes.
+in flight: the last piece, whose progress a ``get`` cannot show, always finishes. The
+cost, measured: 8 chunks (32 MiB) from an ``lmc server`` on loopback in single-chunk
+pieces took 49 ms against 40 ms as one batch over its 4 connections. Bigger pieces once
+the rest looks cheap (a rest 8x slower than the last piece still beating recomputing)
+won that back but let a link that slows 4,000x inside that last piece run to its end;
+two pieces in flight would keep both (not done yet).
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -102,6 +108,8 @@ def read_watched(get: Callable[[list[Key]], list[MemoryObj | None]],
     ``get`` on ``executor``, stopping by ``watch``'s rule; a miss also ends the read (the
     fetch keeps only a prefix). Answers an object or ``None`` per key. A piece abandoned in
     flight is handed, once it returns, to ``abandon(keys, objs)`` (which owns them)."""
+    if not keys or math.isinf(watch.limit(chunk_index[0])):
+        return get(keys)  # compute unknown: nothing to stop for, one read as unwatched
     out: list[MemoryObj | None] = [None] * len(keys)
     n = len(keys)
     done = 0

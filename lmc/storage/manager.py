@@ -41,10 +41,9 @@ import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
-import torch
-
+from lmc.lazy_import import LazyModule
 from lmc.memory.pool import MemoryObj, MemoryPool
 from lmc.metrics import TierMetrics
 from lmc.storage.layered_read import LayeredRead, LayerGate
@@ -63,6 +62,11 @@ from lmc.storage.tier import (
     tier_medium,
 )
 from lmc.storage.write_behind import WriteBehind
+
+if TYPE_CHECKING:
+    import torch
+else:  # imported at first use (lmc.lazy_import says why)
+    torch = LazyModule("torch", globals())
 
 log = logging.getLogger(__name__)
 WRITE_POLICIES = ("write_through", "write_on_evict")
@@ -639,16 +643,15 @@ class StorageManager:
 
     def close(self, drain: bool = True) -> None:
         """Drain the write-behind queues (bounded by ``close_timeout`` in all), then close the
-        tiers, lowest first; then wait (within the same bound) for reads abandoned by loads
-        that stopped, which hold pool memory until they return."""
+        tiers, lowest first, waiting (within the same bound) before L1 for reads abandoned by
+        loads that stopped, which hold pool memory until they return."""
         deadline = time.monotonic() + self.close_timeout
         for q in self.queues:
             q.close(drain, max(0.0, deadline - time.monotonic()))
-        for tier in reversed(self.tiers):
-            try:
-                tier.close()
-            except Exception as e:
-                log.warning("tier %s failed to close: %s", tier.name, e)
+        for tier in reversed(self.lower):
+            self._close_tier(tier)
+        # the lower tiers' close woke their reads: an abandoned piece lands (and is promoted
+        # into L1, still open) before L1 closes
         with self._fetch_lock:
             pool, self._fetch_pool = self._fetch_pool, None
         if pool is not None:
@@ -656,3 +659,11 @@ class StorageManager:
                 idle = self._fetch_cv.wait_for(lambda: self._fetching == 0,
                                                max(0.0, deadline - time.monotonic()))
             pool.shutdown(wait=idle)
+        self._close_tier(self.tiers[0])
+
+    @staticmethod
+    def _close_tier(tier: StorageBackend) -> None:
+        try:
+            tier.close()
+        except Exception as e:
+            log.warning("tier %s failed to close: %s", tier.name, e)

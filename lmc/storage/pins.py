@@ -73,16 +73,14 @@ class PinTable:
                 self._order.append(p)
                 self.count += len(keep)
             self._compact_locked()
-        for o in (*old, *extra):
-            o.release()
+        _release_all([*old, *extra])
         return len(keep)
 
     def release(self, owner: Hashable) -> int:
         """Drop every pin ``owner`` holds; returns how many."""
         with self._lock:
             out = self._take_locked(owner)
-        for o in out:
-            o.release()
+        _release_all(out)
         return len(out)
 
     def expire(self) -> int:
@@ -100,8 +98,7 @@ class PinTable:
                 if p.objs is not None:  # else released or replaced earlier
                     out += self._take_locked(p.owner)
             self.expired += len(out)
-        for o in out:
-            o.release()
+        _release_all(out)
         return len(out)
 
     def clear(self) -> int:
@@ -132,3 +129,17 @@ class PinTable:
     def stats(self) -> dict[str, int]:
         return {"pinned_chunks": self.count, "pin_owners": len(self._owners),
                 "pins_refused": self.refused, "pins_expired": self.expired}
+
+
+def _release_all(objs: list[Releasable]) -> None:
+    """Release ``objs``: pool objects in one call under the pool's lock (a pinned lookup of
+    a long prompt replaces a pin per chunk; one call each allocated enough to trigger
+    garbage collections), anything else one by one."""
+    if not objs:
+        return
+    release_many = getattr(getattr(objs[0], "pool", None), "release_many", None)
+    if release_many is not None:
+        release_many(objs)  # another pool's objects are released one by one inside
+        return
+    for o in objs:
+        o.release()

@@ -392,6 +392,9 @@ class Speeds:
                                 overlaps)
                       for name, medium, overlaps in tiers]
         self.prefill = PrefillSpeed(priors.get("prefill") or None)
+        # numpy's least squares loads LAPACK on first use (~5 ms): here, not in the first
+        # request's decision
+        nonneg_lstsq([(1.0, 1.0), (1.0, 2.0)], [1.0, 2.0])
 
     def snapshot(self) -> SpeedSnapshot:
         return SpeedSnapshot(tuple(t.rate() for t in self.tiers), self.prefill.rate())

@@ -322,7 +322,7 @@ BUILTIN_BACKENDS: dict[str, str] = {
     "disk": "lmc.storage.backends.disk.backend",
     "redis": "lmc.storage.backends.redis.backend",
     "server": "lmc.storage.backends.daemon.backend",
-    "p2p": "lmc.storage.backends.p2p",
+    "p2p": "lmc.storage.backends.p2p.backend",
     "mooncake": "lmc.storage.backends.mooncake.backend",
     "counting": "lmc.storage.wrappers",
     "rate_limit": "lmc.storage.wrappers",

@@ -34,6 +34,7 @@ from collections.abc import Callable, Sequence
 
 from lmc.memory.pool import MemoryObj
 from lmc.metrics import TierMetrics
+from lmc.priority import lower_thread_priority
 from lmc.storage.tier import Key, StorageBackend
 
 log = logging.getLogger(__name__)
@@ -164,6 +165,7 @@ class WriteBehind:
         return batch
 
     def _run(self) -> None:
+        lower_thread_priority()  # no request waits for a write-behind (lmc.priority)
         while True:
             with self._cv:
                 while not self._q and not self._closed:

@@ -30,11 +30,13 @@ from typing import Any, Literal, overload
 import numpy as np
 import torch
 
-from lmc.memory.pool import INT_VIEW
 from lmc.transfer.completion import DONE, Completion, record
 from lmc.transfer.kv_layouts import PlaneStrides, span_elements
 from lmc.transfer.kv_spec import KVCaches, KVSpec
 
+INT_VIEW = {1: (torch.uint8, np.uint8), 2: (torch.int16, np.int16), 4: (torch.int32, np.int32),
+            8: (torch.int64, np.int64)}
+"""Item size -> the (torch, numpy) integer dtypes of that width: views that move bits."""
 _INT_VIEW = INT_VIEW  # the name tests import
 
 

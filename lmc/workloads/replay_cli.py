@@ -134,8 +134,11 @@ def _replay(args: argparse.Namespace) -> int:
             requests = requests[:args.limit]
         if not requests:
             raise ValueError(f"{args.trace}: no requests")
+        sessions = len({r.session_id if r.session_id is not None else f"\0{i}"
+                        for i, r in enumerate(requests)})
         bar = report.ProgressBar(len(requests), last_arrival_s=None if args.fast else max(
-            r.arrival_s for r in requests))
+            r.arrival_s for r in requests),
+            parallel=min(sessions, args.concurrency) if args.concurrency else None)
         target = args.target
         if target == "reference" or target.startswith("reference:"):
             _only_for("the HTTP target", model=args.model, openai_strict=args.openai_strict,

@@ -7,8 +7,10 @@ target could not report is printed as "unknown" with the reason, never as zero.
 
 from __future__ import annotations
 
+import statistics
 import sys
 import time
+from collections.abc import Callable
 from typing import Any, TextIO
 
 from lmc import units
@@ -19,30 +21,45 @@ PLOT_EXTRA = "pip install 'lmc-kvcache[plot]'"
 
 class ProgressBar:
     """One stderr line redrawn in place on a terminal; on a pipe, a line every 10%. Each line
-    gives the time left (ETA): the pace so far applied to the requests left, and in timed mode
+    gives the time left (ETA). With a concurrency cap, by Little's law: the requests left
+    times the median latency so far, over the requests that run at once (``parallel``: the
+    cap, or fewer sessions, whose turns run one after another). Why not the pace so far
+    (elapsed over finished, times the requests left): the first answer comes after one
+    latency while ``parallel`` requests ran, so that pace said 5m 18s where 1m 33s was left
+    (the README's replay, 4 at once). Without a cap (every request may be queued at once,
+    and a latency is mostly queueing) the pace is all there is. In timed mode the ETA is
     never less than the time until the trace's last arrival."""
 
     def __init__(self, total: int, stream: TextIO | None = None, width: int = 28,
-                 last_arrival_s: float | None = None) -> None:
+                 last_arrival_s: float | None = None, parallel: int | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.total, self.width = total, width
         self.stream = stream or sys.stderr
         self.tty = hasattr(self.stream, "isatty") and self.stream.isatty()
         self.failed = 0
         self.ttfts: list[float] = []
+        self.latencies: list[float] = []
         self._last_decile = -1
         self.last_arrival_s = last_arrival_s
-        self.started = time.monotonic()
+        self.parallel = parallel
+        self.clock = clock
+        self.started = clock()
 
     def start(self) -> None:
         """The replay's clock starts now (after the engine is loaded)."""
-        self.started = time.monotonic()
+        self.started = self.clock()
 
     def eta(self, finished: int, total: int) -> float | None:
         """Seconds left, or None before the first request finished."""
         if finished <= 0:
             return None
-        elapsed = time.monotonic() - self.started
-        left = elapsed / finished * (total - finished)
+        elapsed = self.clock() - self.started
+        left_n = total - finished
+        if self.latencies and self.parallel:
+            at_once = max(1, min(self.parallel, left_n))
+            left = left_n * statistics.median(self.latencies) / at_once
+        else:  # no latency known (every answer failed) or no cap known: the pace so far
+            left = elapsed / finished * left_n
         if self.last_arrival_s is not None:
             left = max(left, self.last_arrival_s - elapsed)
         return max(0.0, left)
@@ -52,6 +69,8 @@ class ProgressBar:
             self.failed += 1
         elif rec.ttft_s is not None:
             self.ttfts.append(rec.ttft_s)
+        if rec.ok and rec.latency_s is not None:
+            self.latencies.append(rec.latency_s)
         decile = 10 * finished // max(1, total)
         if not self.tty and decile == self._last_decile and finished != total:
             return
@@ -63,7 +82,7 @@ class ProgressBar:
                 f"  TTFT p50 {units.seconds(p50) if p50 is not None else '-'}"
                 + (f"  failed {self.failed}" if self.failed else "")
                 + (f"  ETA {units.seconds(eta)}" if eta is not None and finished < total
-                   else f"  took {units.seconds(time.monotonic() - self.started)}"
+                   else f"  took {units.seconds(self.clock() - self.started)}"
                    if finished == total else ""))
         end = "\n" if finished == total or not self.tty else ""
         self.stream.write(("\r\033[K" if self.tty else "") + line + end)

@@ -17,10 +17,11 @@ from lmc.connectors.core.pd_params import producer_params, remote_prefill_tokens
 from lmc.connectors.core.scheduler import ConnectorConfig, SchedulerConnector
 from lmc.connectors.core.worker import WorkerConnector
 from tests.connectors.test_worker_side import BS, CS, LAYERS, TOKENS, blocks, slots_of, step
+from tests.deadlines import AT_ONCE_S, HANG_S, SLACK_S
 from tests.kvutil import assert_bits_equal, make_caches, spec_for, token_kv
 
 
-def _setup(remote_wait: float = 5.0):
+def _setup(remote_wait: float = HANG_S):
     src = make_caches("vllm_flash", layers=LAYERS, blocks=32, block_size=BS)
     dst = make_caches("vllm_flash", layers=LAYERS, blocks=32, block_size=BS, zeros=True)
     spec = spec_for("vllm_flash", src)
@@ -29,7 +30,7 @@ def _setup(remote_wait: float = 5.0):
             WorkerConnector(engine, dst, BS, remote_wait=remote_wait), src, dst)
 
 
-def _finished(w: WorkerConnector, timeout: float = 10.0) -> tuple[set[str], set[int]]:
+def _finished(w: WorkerConnector, timeout: float = HANG_S) -> tuple[set[str], set[int]]:
     """Poll as an engine does once per step: finished ids, then that step's load errors."""
     end = time.monotonic() + timeout
     while time.monotonic() < end:
@@ -111,19 +112,19 @@ def test_late_chunks_are_load_errors_reported_with_the_finish():
 
 
 def test_aborted_or_closed_loads_stop_waiting_and_still_report():
-    _, engine, _, wd, _, _ = _setup(remote_wait=30.0)
+    _, engine, _, wd, _, _ = _setup(remote_wait=HANG_S)
     with engine:
         wd.bind(ConnectorMetadata(1, async_loads=[LoadSpec("a", TOKENS, blocks(16), 0, 29, 0)]))
         time.sleep(0.05)
         t0 = time.monotonic()
         assert wd.get_finished({"a", "never-loaded"}) == set()  # the engine aborted it
-        done, errors = _finished(wd, timeout=5)
-        assert done == {"a"} and errors and time.monotonic() - t0 < 5
+        done, errors = _finished(wd, timeout=AT_ONCE_S)  # not the HANG_S wait
+        assert done == {"a"} and errors and time.monotonic() - t0 < AT_ONCE_S
         assert wd._async_cancel == set()  # ids of other requests are not kept
         wd.bind(ConnectorMetadata(2, async_loads=[LoadSpec("b", TOKENS, blocks(16), 0, 29, 0)]))
         t0 = time.monotonic()
         wd.close()  # a waiting load gives up at once
-        assert time.monotonic() - t0 < 5
+        assert time.monotonic() - t0 < AT_ONCE_S
 
 
 def test_step_requests_are_not_confused_with_async_ones():
@@ -136,16 +137,17 @@ def test_step_requests_are_not_confused_with_async_ones():
 
 
 def test_a_load_never_published_does_not_hold_up_the_next():
-    spec, engine, ws, wd, src, dst = _setup(remote_wait=3.0)
+    # the stuck load gives up after 2 * SLACK_S; the ready one is reported before that,
+    # alone (a load that waited for the stuck one would be reported with it)
+    spec, engine, ws, wd, src, dst = _setup(remote_wait=2 * SLACK_S)
     with engine:
         other = tuple(range(900, 930))  # never stored anywhere
         wd.bind(ConnectorMetadata(1, async_loads=[
             LoadSpec("stuck", other, blocks(0), 0, 29, 0),
             LoadSpec("ready", TOKENS, blocks(16), 0, 29, 0)]))
         step(ws, ConnectorMetadata(2, saves=[SaveSpec("p", TOKENS, blocks(8), 0)]))
-        t0 = time.monotonic()
         done, errors = _finished(wd)
-        assert done == {"ready"} and errors == set() and time.monotonic() - t0 < 2.5
+        assert done == {"ready"} and errors == set()
         done, errors = _finished(wd)
         assert done == {"stuck"} and errors == set(blocks(0)[: -(-29 // BS)])
         wd.close()

@@ -26,6 +26,7 @@ from lmc.connectors.core.lookup_service import (
 )
 from lmc.storage.lookup import LookupResult
 from tests import lookup_sockets
+from tests.deadlines import AT_ONCE_S, HANG_S, SLACK_S
 from tests.lookup_sockets import send_and_expect_close
 
 CS = 16
@@ -50,8 +51,9 @@ def pair(r: LookupResult) -> tuple[int, int]:
     return r.tokens, r.tokens_by_tier().get("cpu", 0)
 
 
-def Client(paths: list[str], timeout: float) -> LookupClient:  # noqa: N802
-    """Over the socket, although the servers live in this process."""
+def Client(paths: list[str], timeout: float = HANG_S) -> LookupClient:  # noqa: N802
+    """Over the socket, although the servers live in this process. The timeout of a lookup
+    that must be answered is a hang guard (tests/deadlines.py)."""
     return LookupClient(paths, timeout, use_local=False)
 
 
@@ -65,7 +67,7 @@ def test_socket_path_is_short_and_per_rank():
 def test_answers_over_the_socket(sock_dir):
     path = str(sock_dir / "r0.sock")
     server = LookupServer(path, prefix_answer(512, 256))
-    client = Client([path], timeout=2)
+    client = Client([path])
     try:
         assert client.lookup(list(range(700))) == answer(512, 256)
         assert pair(client.lookup(np.arange(100))) == (100, 100)
@@ -80,7 +82,7 @@ def test_minimum_over_ranks(sock_dir):
     paths = [str(sock_dir / f"r{i}.sock") for i in range(3)]
     servers = [LookupServer(p, prefix_answer(n, l1))
                for p, n, l1 in zip(paths, (768, 256, 512), (0, 256, 32))]
-    client = Client(paths, timeout=2)
+    client = Client(paths)
     try:
         # the shortest prefix, each chunk in the slowest tier any rank holds it in
         assert client.lookup(list(range(1000))) == answer(256, 0)
@@ -93,7 +95,7 @@ def test_minimum_over_ranks(sock_dir):
 def test_in_process_engines_are_called_directly(sock_dir):
     path = str(sock_dir / "r0.sock")
     server = LookupServer(path, prefix_answer(300, 0))
-    client = LookupClient([path], timeout=2)
+    client = LookupClient([path])
     try:
         assert LOCAL_ENGINES[path] is not None
         assert pair(client.lookup(list(range(400)))) == (300, 0)
@@ -104,44 +106,57 @@ def test_in_process_engines_are_called_directly(sock_dir):
 
 
 def test_missing_rank_is_zero_hits(sock_dir):
-    client = Client([str(sock_dir / "nobody.sock")], timeout=0.5)
+    client = Client([str(sock_dir / "nobody.sock")])
     t0 = time.perf_counter()
     assert client.lookup([1, 2, 3]).tokens == 0
-    assert time.perf_counter() - t0 < 0.5
+    assert time.perf_counter() - t0 < AT_ONCE_S  # refused at once, not after the timeout
     assert client.stats.rank_failures == 1
+
+
+class Held:
+    """A rank's lookup function that answers only once released (a stuck engine)."""
+
+    def __init__(self) -> None:
+        self.release = threading.Event()
+        self.answered = threading.Event()
+
+    def __call__(self, tokens: np.ndarray) -> LookupResult:
+        self.release.wait(HANG_S)
+        self.answered.set()
+        return answer(len(tokens), 0)
 
 
 def test_slow_rank_times_out_and_recovers(sock_dir):
     path = str(sock_dir / "slow.sock")
-    delay = {"s": 1.0}
-
-    def slow(tokens: np.ndarray) -> LookupResult:
-        time.sleep(delay["s"])
-        return answer(len(tokens), 0)
-
-    server = LookupServer(path, slow)
+    held = Held()
+    server = LookupServer(path, held)
     client = Client([path], timeout=0.2)
     try:
         t0 = time.perf_counter()
         assert client.lookup(list(range(10))).tokens == 0
-        assert time.perf_counter() - t0 < 0.6  # bounded by the timeout, not the server
-        delay["s"] = 0.0
-        time.sleep(1.1)  # the late answer goes to the dropped connection, not the next one
-        assert pair(client.lookup(list(range(20)))) == (20, 0)
+        # bounded by the timeout, not by the rank (which answers only when released)
+        assert time.perf_counter() - t0 < 0.2 + SLACK_S
+        held.release.set()
+        assert held.answered.wait(HANG_S)  # the late answer goes to the dropped connection
+        client.timeout = HANG_S  # a lookup that must be answered: a hang guard
+        assert pair(client.lookup(list(range(20)))) == (20, 0)  # not the late answer's 10
     finally:
+        held.release.set()
         client.close()
         server.close()
 
 
 def test_one_slow_rank_of_two_is_zero(sock_dir):
     fast, slow = str(sock_dir / "a.sock"), str(sock_dir / "b.sock")
+    held = Held()
     s1 = LookupServer(fast, prefix_answer(100, 100))
-    s2 = LookupServer(slow, lambda t: (time.sleep(1.0), answer(len(t), 0))[1])
+    s2 = LookupServer(slow, held)
     client = Client([fast, slow], timeout=0.2)
     try:
         assert client.lookup(list(range(50))).tokens == 0
         assert client.lookup(list(range(50))).tokens == 0  # both reconnect cleanly
     finally:
+        held.release.set()
         client.close()
         s1.close()
         s2.close()
@@ -154,7 +169,7 @@ def test_failing_engine_answers_zero(sock_dir):
         raise OSError("tier down")
 
     server = LookupServer(path, broken)
-    client = Client([path], timeout=2)
+    client = Client([path])
     try:
         assert client.lookup([5, 6]).tokens == 0
         assert server.errors == 1 and client.stats.rank_failures == 0
@@ -168,7 +183,7 @@ def test_garbage_request_closes_only_that_connection(sock_dir):
     server = LookupServer(path, prefix_answer(7, 7))
     try:
         send_and_expect_close(path, b"HTTP/1.1 GET /\r\n\r\n")
-        client = Client([path], timeout=2)
+        client = Client([path])
         assert pair(client.lookup([1] * 10)) == (7, 7)
         client.close()
     finally:
@@ -199,7 +214,7 @@ def test_concurrent_clients(sock_dir):
     errors: list[BaseException] = []
 
     def hammer(n: int) -> None:
-        client = Client([path], timeout=2)
+        client = Client([path])
         try:
             for i in range(50):
                 assert pair(client.lookup(list(range(n + i)))) == (n + i, 0)
@@ -273,12 +288,12 @@ def head(tokens=10, cs=CS, tiers=0, sources=0, magic=b"LMA2") -> bytes:
 def test_a_malformed_answer_is_a_miss_that_says_why(sock_dir, caplog, reply, why):
     path = str(sock_dir / "raw.sock")
     server = RawServer(path, reply)
-    client = Client([path], timeout=2)
+    client = Client([path])
     try:
         with caplog.at_level(logging.WARNING, logger="lmc.connectors.core.lookup_service"):
             t0 = time.perf_counter()
             assert client.lookup(list(range(10))) == LookupResult.miss()
-            assert time.perf_counter() - t0 < 1.5
+            assert time.perf_counter() - t0 < AT_ONCE_S  # refused, not timed out
         assert client.stats.rank_failures == 1
         assert why in caplog.text and path in caplog.text
     finally:
@@ -346,7 +361,7 @@ def test_encoding_is_bounded():
 def test_a_lookup_returning_garbage_is_a_miss_not_a_dead_server(sock_dir):
     path = str(sock_dir / "bad.sock")
     server = LookupServer(path, lambda t: LookupResult(0, 1, ("x" * 100,)))
-    client = Client([path], timeout=2)
+    client = Client([path])
     try:
         assert client.lookup([1, 2]).tokens == 0
         assert server.errors == 1 and client.stats.rank_failures == 0
@@ -375,7 +390,7 @@ def test_speeds_cross_the_socket_exactly(sock_dir):
     want = measured_costs()
     path = str(sock_dir / "speeds.sock")
     server = LookupServer(path, prefix_answer(7, 7), costs=lambda: want)
-    client = Client([path], timeout=2)
+    client = Client([path])
     try:
         assert client.costs() == want
         assert pair(client.lookup(list(range(10)))) == (7, 7)  # the same connection goes on
@@ -395,14 +410,14 @@ def test_speeds_unknown_and_asked_at_most_once_a_second(sock_dir):
     path = str(sock_dir / "speeds.sock")
     server = LookupServer(path, prefix_answer(7, 7), costs=costs)
     bare = LookupServer(str(sock_dir / "bare.sock"), prefix_answer(7, 7))  # no costs given
-    client = Client([path], timeout=2)
+    client = Client([path])
     try:
         assert client.costs() is None and len(asked) == 1  # nothing measured yet
         state["costs"] = measured_costs()
         assert client.costs() is None and len(asked) == 1  # the answer is reused for a second
         client.speeds_max_age = 0.0
         assert client.costs() == state["costs"] and len(asked) == 2
-        assert Client([bare.path], timeout=2).costs() is None
+        assert Client([bare.path]).costs() is None
     finally:
         client.close()
         server.close()
@@ -456,12 +471,12 @@ def test_lying_speeds_are_unknown_never_used(sock_dir, caplog, reply, why):
     warning naming the socket and the field; the connection is dropped and reopened."""
     path = str(sock_dir / "liar.sock")
     server = RawServer(path, reply)
-    client = Client([path], timeout=2)
+    client = Client([path])
     try:
         with caplog.at_level(logging.WARNING, logger="lmc.connectors.core.lookup_service"):
             t0 = time.perf_counter()
             assert client.costs() is None
-            assert time.perf_counter() - t0 < 1.5
+            assert time.perf_counter() - t0 < AT_ONCE_S  # refused, not timed out
         assert client.stats.rank_failures == 1
         assert why in caplog.text and path in caplog.text
     finally:
@@ -485,7 +500,7 @@ def test_failing_costs_answer_unknown_and_the_server_lives(sock_dir):
 
     path = str(sock_dir / "s.sock")
     server = LookupServer(path, prefix_answer(7, 7), costs=costs)
-    client = Client([path], timeout=2)
+    client = Client([path])
     try:
         assert client.costs() is None
         assert server.errors == 1
@@ -515,13 +530,13 @@ def test_prefetch_messages_are_bounded_and_refusals_are_none(sock_dir):
     server = LookupServer(path, prefix_answer(7, 7), prefetch=prefetch)
     bare = LookupServer(str(sock_dir / "bare.sock"), prefix_answer(7, 7))
     failing = LookupServer(str(sock_dir / "f.sock"), prefix_answer(7, 7), prefetch=broken)
-    client = Client([path], timeout=2)
+    client = Client([path])
     try:
         assert client.prefetch(list(range(10)), 4) is not None
         assert got == [(list(range(10)), 4)]
         assert pair(client.lookup(list(range(10)))) == (7, 7)  # the connection goes on
-        assert Client([bare.path], timeout=2).prefetch([1, 2, 3], 0) is None  # refused
-        assert Client([failing.path], timeout=2).prefetch([1, 2, 3], 0) is None
+        assert Client([bare.path]).prefetch([1, 2, 3], 0) is None  # refused
+        assert Client([failing.path]).prefetch([1, 2, 3], 0) is None
         assert failing.errors == 1
         with pytest.raises(ValueError, match="position 11 of 10"):
             encode_prefetch(list(range(10)), 11)
@@ -530,7 +545,7 @@ def test_prefetch_messages_are_bounded_and_refusals_are_none(sock_dir):
         send_and_expect_close(path, struct.pack("<4sII", b"LMP2", (1 << 24) + 1, 0))
         assert server.errors == 2
         # in this process: the engines' own futures, no socket
-        local = LookupClient([path], 2)
+        local = LookupClient([path], HANG_S)
         p = local.prefetch(list(range(5)), 2)
         assert p is not None and p.futures and p.done()
     finally:
@@ -633,16 +648,16 @@ def test_malformed_tagged_prefetches_close_the_connection_and_the_server_lives(s
             s.connect(path)
             s.sendall(struct.pack("<4sII", b"LMU2", 2, 0) + b"short")
             s.shutdown(socket.SHUT_WR)
-            s.settimeout(2)
+            s.settimeout(HANG_S)
             assert s.recv(16) == b""
         assert server.errors == 2  # the oversized count and the start; a hang-up is not one
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as half:
             half.connect(path)
             half.sendall(struct.pack("<4sII", b"LMU2", 2, 0) + TAG[:8])  # and nothing more
-            client = Client([path], timeout=2)
+            client = Client([path])
             t0 = time.perf_counter()
             assert client.prefetch([1, 2, 3], 1, TAG) is not None
-            assert time.perf_counter() - t0 < 1.0  # not held up by the half-open one
+            assert time.perf_counter() - t0 < AT_ONCE_S  # not held up by the half-open one
             assert pair(client.lookup([1] * 10)) == (7, 7)
             client.close()
         assert got == [([1, 2, 3], 1, TAG)], "only the well-formed prefetch was made"

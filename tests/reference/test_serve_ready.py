@@ -1,7 +1,8 @@
 """The reference server as an operator starts it: the port is bound before the model loads,
 ``/health`` is 503 saying what it waits for (the model, then the lmc pool's pre-fault) and
 200 only at full speed, "serving" is printed then; ``/metrics`` carries lmc's engine series;
-every request answered is one INFO access-log line (both HTTP servers)."""
+every request answered is one INFO access-log line (both HTTP servers), but for health
+probes and scrapes (DEBUG: the fronts probe every 2 s)."""
 
 from __future__ import annotations
 
@@ -17,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from lmc.http.pd_proxy import Proxy
 from lmc.reference import make_tiny_checkpoint
+from lmc.router.pd_proxy import Proxy
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -107,11 +108,24 @@ def test_metrics_carry_the_engines_series_and_requests_are_logged(served):
     hits = [ln for ln in text.splitlines() if ln.startswith("lmc_hit_tokens_total ")]
     assert lookups and float(lookups[0].split()[1]) >= 2, text[:2000]
     assert hits and float(hits[0].split()[1]) > 0
-    time.sleep(0.2)
-    log = logfile.read_text()
-    lines = [ln for ln in log.splitlines() if '"POST /v1/completions HTTP/1.1" 200' in ln]
-    assert len(lines) == 2, log[-3000:]
+    for _ in range(3):  # as lmc router and lmc pd-proxy probe it, every 2 s
+        assert _get(url + "/health")[0] == 200
+    assert _post(url + "/v1/completions", {**body, "max_tokens": 1})[0] == 200
+
+    def posts() -> list[str]:  # an access line is written once its answer has gone
+        return [ln for ln in logfile.read_text().splitlines()
+                if '"POST /v1/completions HTTP/1.1" 200' in ln]
+
+    deadline = time.monotonic() + 60
+    while len(posts()) < 3:
+        assert time.monotonic() < deadline, logfile.read_text()[-3000:]
+        time.sleep(0.05)
+    lines = posts()
+    assert len(lines) == 3, lines
     assert "lmc.http.access" in lines[0] and "127.0.0.1:" in lines[0]
+    log = logfile.read_text()
+    assert '"GET /health HTTP/1.1"' not in log and '"GET /metrics HTTP/1.1"' not in log, \
+        "probes and scrapes are logged at INFO"
 
 
 def test_pd_proxy_logs_each_request_once(caplog):

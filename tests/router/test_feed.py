@@ -13,8 +13,10 @@ from lmc.events import wire
 from lmc.router.feed import EventFeed, Source
 from lmc.router.index import Match, PrefixIndex, block_keys
 from lmc.router.policy import Candidate, Weights, choose
+from tests.deadlines import HANG_S
 from tests.events.helpers import BLOCK, CHUNK, engine_with_events, request, store
 from tests.kvutil import random_tokens
+from tests.router.helpers import free_port
 
 
 def replayed(endpoint: str, start: int) -> list[tuple[int, bytes]]:
@@ -26,6 +28,14 @@ def cached_blocks(src: Source, prompt: list[int]) -> Match:
     return src.index.match(block_keys(prompt, BLOCK))
 
 
+def drive(feed: EventFeed, done, timeout: float = 20.0) -> None:
+    """Run the feed's loop (its thread's body) here until ``done()``."""
+    end = time.monotonic() + timeout
+    while not done():
+        assert time.monotonic() < end, [s.counts for s in feed.sources]
+        feed.step(20)
+
+
 @pytest.mark.parametrize("buffer", [10_000, 2])
 def test_late_start_gaps_and_lost_history_all_end_in_the_true_index(tmp_path, buffer):
     a = random_tokens(4 * CHUNK, seed=31)
@@ -35,22 +45,30 @@ def test_late_start_gaps_and_lost_history_all_end_in_the_true_index(tmp_path, bu
             eng, ev, caches):
         store(eng, caches, a)  # before any router exists
         time.sleep(0.3)
-        src = Source("engine", ev.endpoint, ev.replay_endpoint, 1 << 16)
+        # PUB from a port nothing publishes on: the test hands it batches (some "lost")
+        src = Source("engine", f"tcp://127.0.0.1:{free_port()}", ev.replay_endpoint, 1 << 16)
         feed = EventFeed([src])
+        sync = feed.syncs[id(src)]
         try:
-            assert feed._dump(src) and src.synced
+            drive(feed, lambda: src.synced)
             assert cached_blocks(src, a) == Match(0, 16, 16, BLOCK)
             start = src.next_seq
             for step in (lambda: store(eng, caches, b), lambda: store(eng, caches, c),
                          eng.storage.clear_l1):
+                seq = ev.publisher.stats()["seq"]
                 step()
-                time.sleep(0.3)  # each its own batch
+                end = time.monotonic() + HANG_S
+                # each its own batch: sent, and nothing left queued for the next one
+                while (st := ev.publisher.stats())["seq"] == seq or st["queued"]:
+                    assert time.monotonic() < end, "the step's events were never published"
+                    time.sleep(0.01)
             later = replayed(ev.replay_endpoint, 0)
             newest = later[-1]
             assert newest[0] > start + 1  # batches start..newest-1 "were lost"
             time.sleep(1.0)  # the publisher answers one dump per second
             feed.on_message(src, [b"t", wire.seq_bytes(newest[0]), newest[1]])
-            assert src.synced and src.next_seq == newest[0] + 1
+            drive(feed, lambda: sync.request is None and src.synced
+                  and src.next_seq == newest[0] + 1)
             if buffer == 2:
                 assert src.counts["dumps"] == 2  # the replay could not fill it
             else:

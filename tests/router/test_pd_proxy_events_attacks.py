@@ -23,8 +23,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 
 from lmc.events import wire
-from lmc.http.dispatch import InstanceSpec
-from lmc.http.pd_proxy import Proxy
+from lmc.router.dispatch import InstanceSpec
+from lmc.router.pd_proxy import Proxy
 from tests.http_attack_kit import (
     LIMITS,
     NORMAL,

@@ -24,8 +24,9 @@ from typing import Any
 import pytest
 
 from lmc.http.json_api import HttpLimits
-from lmc.http.pd_proxy import Proxy
 from lmc.reference import make_tiny_checkpoint
+from lmc.router.pd_proxy import Proxy
+from tests.deadlines import AT_ONCE_S, HANG_S, SLACK_S
 from tests.http_attack_kit import LIMITS, exchange, read_answer
 from tests.router.helpers import ROOT, Instance, free_port, http, start, wait_ready
 
@@ -147,7 +148,7 @@ def test_a_killed_prefill_instance_is_passed_over_reported_and_back_after_restar
         for _ in range(4):  # every request answered, whether or not the checks saw it yet
             status, answer = complete(url)
             assert status == 200, answer
-        until(lambda: not instance_state(state(), "prefill", a)["healthy"], 5,
+        until(lambda: not instance_state(state(), "prefill", a)["healthy"], HANG_S,
               "A never reported unhealthy")
         text = metrics()
         assert metric(text, "lmc_pd_proxy_instance_healthy", role="prefill", instance=a) == 0
@@ -160,7 +161,7 @@ def test_a_killed_prefill_instance_is_passed_over_reported_and_back_after_restar
         assert status == 200 and health == {"status": "ok"}
 
         fleet.up("a")  # the same port
-        until(lambda: instance_state(state(), "prefill", a)["healthy"], 10,
+        until(lambda: instance_state(state(), "prefill", a)["healthy"], HANG_S,
               "A never healthy again")
         before = state()["routed"]["prefill"].get(a, {}).get("round_robin", 0)
         for _ in range(2):  # in turn: one of them is A's
@@ -179,16 +180,27 @@ def test_a_killed_prefill_instance_is_passed_over_reported_and_back_after_restar
 
 @pytest.mark.parametrize("role", ["prefill", "decode"])
 def test_an_instance_refusing_the_connection_is_marked_at_once_and_the_request_retried(
-        fleet, role):
+        fleet, role, monkeypatch):
     """The checks (every hour) saw A alive; A dies; the request chosen for A goes to B,
     answered, and A is unhealthy without waiting for a check."""
+    from lmc.router import health
+
+    probed: list[str] = []
+    probe = health.probe
+
+    def recording_probe(pool, inst) -> None:  # the real probe, its end recorded
+        probe(pool, inst)
+        probed.append(inst.url)
+
+    monkeypatch.setattr(health, "probe", recording_probe)
     alive(fleet, "a", "b", "c")
     a, b, c = fleet.url("a"), fleet.url("b"), fleet.url("c")
     two, one = [a, b], [c]
     p = running(two, one, health_interval=3600) if role == "prefill" else \
         running(one, two, health_interval=3600)
     try:
-        time.sleep(1.0)  # the first probes (a few ms on this host) found A alive
+        # the first probes found A alive (the next one is an hour away)
+        until(lambda: {a, b, c} <= set(probed), HANG_S, f"the first probes: {probed}")
         assert all(i["healthy"] for r in ("prefill", "decode")
                    for i in p.state()["instances"][r])
         fleet.kill("a")
@@ -217,15 +229,15 @@ def test_every_prefill_instance_dead_is_a_503_naming_prefill_at_once(fleet):
         fleet.kill("a")
         fleet.kill("b")
         t0 = time.monotonic()  # before the checks see it: two refusals, then no one left
-        status, answer = complete(p.url, timeout=10)
+        status, answer = complete(p.url)
         assert status == 503 and "prefill" in answer["error"]["message"], answer
-        assert time.monotonic() - t0 < 2
-        until(lambda: p.prefill.healthy() == 0, 5, "the checks never saw them die")
+        assert time.monotonic() - t0 < AT_ONCE_S  # never a hang
+        until(lambda: p.prefill.healthy() == 0, HANG_S, "the checks never saw them die")
         t0 = time.monotonic()
-        status, answer = complete(p.url, timeout=10)
+        status, answer = complete(p.url)
         assert status == 503, answer
         assert "no healthy prefill instance" in answer["error"]["message"]
-        assert time.monotonic() - t0 < 1
+        assert time.monotonic() - t0 < AT_ONCE_S
         status, health = http(p.url + "/health")
         assert status == 503 and health["status"] == "no healthy prefill instance"
         assert p.decode.healthy() == 1  # the decode side is not blamed
@@ -264,26 +276,28 @@ def test_odd_and_oversized_requests_to_the_new_endpoints_are_refused(bounded, re
 
 def test_a_slow_loris_on_metrics_is_dropped_at_the_read_timeout(bounded):
     """A request line then a header byte every 0.1 s: the whole request is due within
-    ``read_timeout`` (1 s here), so the connection ends by then; the endpoint serves on."""
+    ``read_timeout`` (1 s here), so the connection ends by then (plus ``SLACK_S``; the
+    trickle would last 60 s); the endpoint serves on."""
     t0 = time.monotonic()
-    with socket.create_connection(("127.0.0.1", bounded.port), timeout=10) as s:
+    with socket.create_connection(("127.0.0.1", bounded.port), timeout=HANG_S) as s:
         s.sendall(b"GET /metrics HTTP/1.0\r\n")
         closed = False
-        for byte in b"X-Pad: " + b"a" * 100:
+        for byte in b"X-Pad: " + b"a" * 600:
             try:
                 s.sendall(bytes([byte]))
             except OSError:
                 closed = True
                 break
             time.sleep(0.1)
+            if time.monotonic() - t0 > LIMITS.read_timeout + SLACK_S:
+                break
         if not closed:
-            s.settimeout(LIMITS.read_timeout + 2)
             try:
                 got = s.recv(4096)
             except ConnectionError:
                 got = b""
             assert got == b"" or got.startswith(b"HTTP/1.0 408"), got
-    assert time.monotonic() - t0 < LIMITS.read_timeout + 4
+    assert time.monotonic() - t0 < LIMITS.read_timeout + 2 * SLACK_S  # not HANG_S
     got, raw = exchange(bounded.port, b"GET /metrics HTTP/1.0\r\n\r\n")
     assert got == 200 and b"lmc_pd_proxy_requests" in raw
 
@@ -293,11 +307,12 @@ def test_the_new_endpoints_count_against_the_connection_cap(fleet):
     (as any request does), so the endpoint stays reachable."""
     alive(fleet, "c")
     p = running([fleet.url("c")], [fleet.url("c")], health_interval=None,
-                limits=HttpLimits(max_connections=4, read_timeout=5.0))
-    silent = [socket.create_connection(("127.0.0.1", p.port), timeout=5) for _ in range(4)]
+                limits=HttpLimits(max_connections=4, read_timeout=HANG_S))
+    silent = [socket.create_connection(("127.0.0.1", p.port), timeout=HANG_S)
+              for _ in range(4)]
     try:
-        until(lambda: len(p.httpd.conns) == 4, 5, "the silent sockets were not admitted")
-        with socket.create_connection(("127.0.0.1", p.port), timeout=5) as s:
+        until(lambda: len(p.httpd.conns) == 4, HANG_S, "the silent sockets were not admitted")
+        with socket.create_connection(("127.0.0.1", p.port), timeout=HANG_S) as s:
             s.sendall(b"GET /metrics HTTP/1.0\r\n\r\n")
             status, raw = read_answer(s)
         assert status == 200 and b"lmc_pd_proxy_in_flight" in raw

@@ -24,9 +24,9 @@ from typing import Any
 
 import pytest
 
-from lmc.http.dispatch import Pool
-from lmc.http.pd_proxy import Proxy
 from lmc.reference import make_tiny_checkpoint
+from lmc.router.dispatch import Pool
+from lmc.router.pd_proxy import Proxy
 from lmc.router.policy import PromptKeys
 from tests.kvutil import random_tokens
 from tests.router.helpers import ROOT, Instance, http, instances

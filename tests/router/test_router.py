@@ -14,6 +14,7 @@ import pytest
 
 from lmc.reference import make_tiny_checkpoint
 from lmc.router.app import InstanceSpec, Router
+from tests.deadlines import HANG_S
 from tests.kvutil import random_tokens
 from tests.router.helpers import http, instances
 
@@ -35,7 +36,7 @@ def running(specs: list[InstanceSpec], **kw: Any) -> Router:
     return r
 
 
-def synced(r: Router, timeout: float = 30.0) -> None:
+def synced(r: Router, timeout: float = HANG_S) -> None:
     end = time.monotonic() + timeout
     while time.monotonic() < end:
         if all(i.source is None or i.source.synced for i in r.instances):
@@ -62,7 +63,7 @@ def routed(r: Router) -> dict[tuple[str, str], float]:
     return out
 
 
-def wait_indexed(r: Router, url: str, blocks: int, timeout: float = 30.0) -> None:
+def wait_indexed(r: Router, url: str, blocks: int, timeout: float = HANG_S) -> None:
     inst = next(i for i in r.instances if i.url == url)
     end = time.monotonic() + timeout
     assert inst.source is not None
@@ -90,7 +91,7 @@ def test_prefix_policy_sends_a_cached_prefix_back_where_it_is_cached(fleet):
         assert 'lmc_router_predicted_cached_tokens_total{instance="' in text
         # the router counts an answer's cached tokens after it has relayed the answer, so
         # the client can be back before the last count lands
-        deadline, reported = time.monotonic() + 10, 0.0
+        deadline, reported = time.monotonic() + HANG_S, 0.0
         while reported < 3 * 256 and time.monotonic() < deadline:
             reported = sum(s.value for f in r.metrics.reported.collect() for s in f.samples
                            if s.name.endswith("_total"))
@@ -105,8 +106,11 @@ def test_streamed_answers_pass_through_and_report_cached_tokens(fleet):
     try:
         synced(r)
         base = [t % 512 for t in random_tokens(192, seed=600)]
+        before = routed(r)
         complete(r, base, stream=True)
-        time.sleep(1.0)
+        first = routed(r)
+        (url, _), = [k for k in first if first[k] != before.get(k, 0)]
+        wait_indexed(r, url, 12)  # the prompt's 12 blocks reached the router
         answer = complete(r, base + [1, 2, 3], stream=True)
         raw = answer["raw"]
         assert b"data: [DONE]" in raw and b'"cached_tokens": 192' in raw

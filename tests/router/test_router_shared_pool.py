@@ -11,7 +11,7 @@ import time
 import pytest
 import torch
 
-from lmc.http.dispatch import InstanceSpec, Pool
+from lmc.router.dispatch import InstanceSpec, Pool
 from lmc.router.feed import EventFeed, SharedSpec
 from tests.kvutil import random_tokens
 from tests.router.test_router_shared import CHUNK, EVENTS, instance

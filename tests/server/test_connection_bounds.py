@@ -12,8 +12,9 @@ import urllib.request
 
 import pytest
 
-from lmc.server import protocol as P
-from lmc.server.client import ServerError
+from lmc.storage.backends.daemon import protocol as P
+from lmc.storage.backends.daemon.client import ServerError
+from tests.deadlines import HANG_S, SLACK_S
 from tests.server import wire as W
 
 pytestmark = pytest.mark.integration
@@ -32,21 +33,26 @@ def _server_stats(d) -> dict:
 
 
 def test_idle_unauthenticated_sockets_never_lock_out_a_client(start_daemon):
+    # a client that waited for the idle ones' hello_timeout would take 2 * SLACK_S
+    hello = 2 * SLACK_S
     d = start_daemon("--size", "16MiB", "--token", TOKEN, "--max-connections", "32",
-                     "--hello-timeout", "1.5")
-    idle = [socket.create_connection(("127.0.0.1", d.port), timeout=10) for _ in range(96)]
+                     "--hello-timeout", str(hello))
+    idle = [socket.create_connection(("127.0.0.1", d.port), timeout=HANG_S)
+            for _ in range(96)]
+    t0 = time.monotonic()
     good = d.connect(token=TOKEN)  # at once: the oldest idle ones made room
-    assert good.ping() < 1.0
+    good.ping()
+    assert time.monotonic() - t0 < SLACK_S, "the client waited for hello_timeout"
     st = _server_stats(d)
     assert st["connections"] <= 32 and st["unauthenticated"] <= 8, st
     # every idle socket is closed: displaced or timed out after hello_timeout
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + hello + SLACK_S
     for s in idle:
         s.settimeout(max(0.1, deadline - time.monotonic()))
         assert s.recv(1) == b"", "an unauthenticated socket was held past hello_timeout"
         s.close()
-    _wait(lambda: _server_stats(d)["unauthenticated"] == 0, 5, "pre-HELLO sessions left")
-    assert good.ping() < 1.0, "an authenticated idle connection must be kept"
+    _wait(lambda: _server_stats(d)["unauthenticated"] == 0, HANG_S, "pre-HELLO sessions left")
+    good.ping()  # an authenticated idle connection is kept
     good.close()
     log = d.log()
     assert log.count("sent no HELLO") <= 2 and log.count("closed the oldest") <= 2, \
@@ -59,11 +65,14 @@ def test_authenticated_clients_keep_their_reserve(start_daemon):
     d = start_daemon("--size", "16MiB", "--token", TOKEN, "--max-connections", "8",
                      "--hello-timeout", "30")
     clients = [d.connect(token=TOKEN) for _ in range(6)]
-    junk = [socket.create_connection(("127.0.0.1", d.port), timeout=10) for _ in range(40)]
+    junk = [socket.create_connection(("127.0.0.1", d.port), timeout=HANG_S)
+            for _ in range(40)]
     time.sleep(0.3)
-    assert all(c.ping() < 1.0 for c in clients)
+    for c in clients:
+        c.ping()  # kept: no error
     clients += [d.connect(token=TOKEN) for _ in range(2)]
-    assert all(c.ping() < 1.0 for c in clients)
+    for c in clients:
+        c.ping()
     with pytest.raises((ServerError, OSError)):
         d.connect(token=TOKEN, timeout=2).ping()
     for s in junk:
@@ -111,10 +120,13 @@ def test_a_reader_that_stops_reading_loses_its_pins(start_daemon):
     c.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
     for i in range(24):  # ~96 MiB of answers nobody reads
         assert c.send(W.frame(P.GET, {"ns": "big", "keys": keys}, req_id=i))
-    time.sleep(3)
-    st = d.stats()
-    assert st["server"]["connections"] == 1, "the stalled reader is still connected"
-    assert st["pool"]["objects"] == st["tiers"]["cpu.chunks"] == 4, "pins outlived the reader"
+
+    def dropped() -> bool:
+        st = d.stats()  # the stalled reader gone (this is the one connection), no pins
+        return st["server"]["connections"] == 1 and \
+            st["pool"]["objects"] == st["tiers"]["cpu.chunks"] == 4
+
+    _wait(dropped, HANG_S, "the stalled reader is still connected, or its pins outlived it")
     c.close()
 
 
@@ -123,11 +135,12 @@ def test_a_low_fd_limit_caps_connections_instead_of_running_out(start_daemon):
     at the cap fd_reserve leaves (half the limit here), idle ones are displaced,
     accept() never fails, and a client still gets in."""
     d = start_daemon("--size", "16MiB", "--hello-timeout", "60", nofile=48)
-    socks = [socket.create_connection(("127.0.0.1", d.port), timeout=10) for _ in range(80)]
+    socks = [socket.create_connection(("127.0.0.1", d.port), timeout=HANG_S)
+             for _ in range(80)]
     time.sleep(1)
     assert W.fd_count(d.pid) < 48
     c = d.connect()
-    assert c.ping() < 1.0
+    c.ping()
     log = d.log()
     assert "accept failed" not in log and "Too many open files" not in log, log[-3000:]
     assert "lowered to" in log
@@ -147,15 +160,15 @@ def test_out_of_fds_logs_once_per_interval(start_daemon):
              for _ in range(40)]
     for _ in range(80):
         socks.append(socket.create_connection(("127.0.0.1", d.port), timeout=10))
-    time.sleep(3)
+    _wait(lambda: "Too many open files" in d.log(), HANG_S, "accept never failed")
+    time.sleep(3)  # seconds of failing accepts: still a line or two
     log = d.log()
     assert log.count("accept failed") <= 2 and "Traceback" not in log, log[-3000:]
-    assert "Too many open files" in log
     for s in socks:
         s.close()
-    _wait(lambda: "works again" in d.log(), 10, "accept never recovered")
+    _wait(lambda: "works again" in d.log(), HANG_S, "accept never recovered")
     c = d.connect()
-    assert c.ping() < 1.0
+    c.ping()
     c.close()
 
 
@@ -169,7 +182,7 @@ def test_metrics_listener_is_bounded_too(start_daemon):
     idle[0].sendall(b"GET /metr")  # and one that trickles
     time.sleep(1.0)
     assert W.fd_count(d.pid) <= fds0 + 32 + 2
-    _wait(lambda: W.fd_count(d.pid) <= fds0, 10, "idle /metrics connections were held")
+    _wait(lambda: W.fd_count(d.pid) <= fds0, HANG_S, "idle /metrics connections were held")
     for s in idle:
         s.close()
     assert urllib.request.urlopen(f"http://127.0.0.1:{url_port}/healthz", timeout=5).read() \

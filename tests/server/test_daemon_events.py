@@ -20,7 +20,7 @@ from lmc.events import wire
 from lmc.events.notes import bind
 from lmc.router.index import PrefixIndex
 from lmc.router.policy import PromptKeys
-from tests.events.helpers import Collector, request
+from tests.events.helpers import Collector, replay_flood, request
 from tests.kvutil import make_caches, random_tokens, spec_for
 from tests.server.daemon_proc import DaemonProc
 
@@ -247,6 +247,36 @@ def test_removed_when_a_quota_takes_a_namespaces_oldest_chunks(tmp_path):
         assert any(isinstance(e, wire.Removed) and e.medium == wire.CPU for e in got)
         assert cached(index, first, "lmc") == (0, 0, 0)  # the quota took it: not routed
         sub.close()
+    finally:
+        d.kill()
+
+
+def test_a_replay_flood_holds_the_daemon_within_its_byte_budget(tmp_path):
+    """Sixteen peers ask the daemon's replay socket for everything every 10 ms and never
+    read (the issue's: +435 MiB on a 64 MiB daemon): what the bound counts stays within
+    ``replay_max_bytes`` and the daemon's RSS barely moves; it then answers a replay whole."""
+    budget = 4 << 20
+    d = start(tmp_path / "d", events={"buffer_steps": 2000, "replay_max_bytes": budget})
+    try:
+        _, rep = endpoints(d)
+        with engine(d.url, pool="8MiB") as (eng, caches):
+            for seed in range(100):  # ~100 batches of ~5 KB in the daemon's replay buffer
+                store(eng, caches, random_tokens(16 * CHUNK, seed=3000 + seed))
+        end = time.monotonic() + 20
+        while d.stats()["kv_events"]["kv_events.queued"] and time.monotonic() < end:
+            time.sleep(0.1)
+        before = d.rss()
+        peak = replay_flood(rep, peers=16, seconds=6.0, interval=0.01, sample=d.rss)
+        ev = d.stats()["kv_events"]
+        grew = (peak - before) >> 20
+        print(f"daemon replay flood: RSS +{grew} MiB, replies held at most "
+              f"{ev['kv_events.replay_bytes_peak'] >> 10} KiB (bound {budget >> 10} KiB)")
+        assert ev["kv_events.replay_bytes_peak"] <= budget + (64 << 10)
+        assert ev["kv_events.replay_limited"] > 0
+        assert grew < 48, f"the daemon's RSS grew {grew} MiB under the flood"  # 160 before
+        got = request(rep, [b"", wire.seq_bytes(0)], timeout=30.0)  # every batch so far
+        assert got[-1][2] == wire.END_SEQ and got[-1][3] == b""
+        assert len(got) - 1 >= ev["kv_events.seq"]
     finally:
         d.kill()
 

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from lmc.storage.tier import create_backend
+from tests.deadlines import SLACK_S
 from tests.kvutil import random_bits
 from tests.server.daemon_proc import client_pool
 from tests.server.test_engines import _engine, _keys, _wait
@@ -22,7 +23,7 @@ from tests.storage.backends.mooncake_cluster import MooncakeMaster, Peer, requir
 
 pytestmark = pytest.mark.integration
 TIMEOUT = 1.0  # the daemon's remote_timeout for its Mooncake tier
-SLACK = 1.5    # scheduling on a loaded 2-core machine
+SLACK = SLACK_S  # scheduling on a loaded machine (tests/deadlines.py)
 
 
 @pytest.fixture

@@ -12,7 +12,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from lmc.server import protocol as P
+from lmc.storage.backends.daemon import protocol as P
+from tests.deadlines import HANG_S
 from tests.server import fuzz_frames as F
 
 pytestmark = pytest.mark.integration
@@ -124,7 +125,7 @@ def test_daemon_survives_fuzzed_frames(start_daemon):
     assert sent["frames"] >= 10_000
     assert d.alive(), d.log()[-2000:]
     conn = d.connect()
-    assert conn.ping() < 1.0
+    conn.ping()  # answered
     conn.close()
     st_ = d.stats()
     # a mangled frame may still be a valid PUT and store a (tiny) value: that is data, not a
@@ -140,15 +141,14 @@ def test_slow_loris_dropped_idle_kept(start_daemon):
     connection idle *between* frames is kept."""
     d = start_daemon("--size", "16MiB", "--frame-timeout", "0.5")
     idle = d.connect()
-    s = socket.create_connection(("127.0.0.1", d.port), timeout=5)
+    s = socket.create_connection(("127.0.0.1", d.port), timeout=HANG_S)
     data = F.build("truncated_payload", 7)
     s.sendall(data)  # never finished
-    s.settimeout(5)
-    assert s.recv(1) == b""  # closed by the watchdog
+    assert s.recv(1) == b""  # closed by the watchdog (never: the HANG_S timeout raises)
     s.close()
     assert _pool_used(d) == 0
     assert "no progress" in d.log()
-    assert idle.ping() < 1.0  # idle between frames for longer than frame_timeout: kept
+    idle.ping()  # idle between frames for longer than frame_timeout: kept (no error)
     idle.close()
 
 

@@ -156,13 +156,17 @@ def test_pins_expire_after_the_timeout_and_then_can_be_evicted():
                                local_cpu_size=4 * spec_for(LAYOUT, make_caches(
                                    LAYOUT, layers=2, heads=2, dim=64, blocks=64,
                                    block_size=4)).chunk_nbytes(CHUNK))
+    now = [0.0]  # the pin table's clock, moved by hand: expiry whatever the machine's load
+    eng._pins.clock = lambda: now[0]
     with eng:
         a, b = random_tokens(64, 6), random_tokens(64, 7)
         assert eng.store(a, src, _slots(64)) == 64  # fills the pool
         eng.lookup(a, pin=True)                      # ...and pins all of it, never retrieved
         assert eng.store(b, src, _slots(64, 16)) == 0
         assert eng.stats()["skipped_pool_full"] == 4
-        time.sleep(0.4)
+        now[0] += 0.29
+        assert eng.store(b, src, _slots(64, 16)) == 0, "pins expired before their timeout"
+        now[0] += 0.02
         assert eng.store(b, src, _slots(64, 16)) == 64, "expired pins still held the pool"
         st = eng.stats()
         assert st["pins_expired"] == 4 and st["pinned_chunks"] == 0

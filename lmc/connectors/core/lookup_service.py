@@ -61,6 +61,7 @@ process, the client calls it directly (:data:`LOCAL_ENGINES`).
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import logging
 import math
@@ -78,6 +79,13 @@ import numpy as np
 import xxhash
 
 from lmc.connectors.core.load_policy import Costs
+from lmc.connectors.core.lookup_conns import (
+    ConnLimits,
+    Conns,
+    ConnState,
+    Overloaded,
+    RequestReader,
+)
 from lmc.storage.lookup import MAX_TIERS, LookupResult, minimum
 from lmc.storage.speeds import PrefillRate, TierRate
 from lmc.token_database import request_root
@@ -361,9 +369,9 @@ def encode_prefetch(tokens: Sequence[int] | np.ndarray, start: int,
     return _REQ_HEAD.pack(TAGGED_PREFETCH_MAGIC, n) + _U32.pack(start) + tag + frame[head:]
 
 
-def _read_start(sock: socket.socket, n: int) -> int:
+def _read_start(recv: Callable[[int], bytes], n: int) -> int:
     """A prefetch's first position, which must lie within its ``n`` tokens."""
-    (start,) = _U32.unpack(_recv_exact(sock, _U32.size))
+    (start,) = _U32.unpack(recv(_U32.size))
     if start > n:
         raise LookupProtocolError(f"prefetch from position {start} of {n} tokens")
     return int(start)
@@ -375,8 +383,12 @@ _REQ_KINDS = {REQ_MAGIC: "lookup", TAGGED_REQ_MAGIC: "lookup", PREFETCH_MAGIC: "
 _TAGGED = (TAGGED_REQ_MAGIC, TAGGED_PREFETCH_MAGIC)  # a 16-byte key tag before the tokens
 
 
-def read_request(sock: socket.socket) -> Request:
-    magic, n = _REQ_HEAD.unpack(_recv_exact(sock, _REQ_HEAD.size))
+def read_request(sock: socket.socket, recv: Callable[[int], bytes] | None = None) -> Request:
+    """One request; ``recv(n)`` reads exactly ``n`` bytes (the server's bounded reader,
+    :class:`~lmc.connectors.core.lookup_conns.RequestReader`; a plain read without one)."""
+    if recv is None:
+        recv = functools.partial(_recv_exact, sock)
+    magic, n = _REQ_HEAD.unpack(recv(_REQ_HEAD.size))
     if magic == SPEEDS_REQ_MAGIC:
         if n != 0:
             raise LookupProtocolError(f"speeds request with a count of {n} (must be 0)")
@@ -386,9 +398,9 @@ def read_request(sock: socket.socket) -> Request:
     kind = _REQ_KINDS[magic]
     if n > MAX_TOKENS:  # before reading anything more
         raise LookupProtocolError(f"request of {n} tokens exceeds the limit of {MAX_TOKENS}")
-    start = _read_start(sock, n) if kind == "prefetch" else 0
-    tag = _recv_exact(sock, TAG_BYTES) if magic in _TAGGED else None
-    tokens = np.frombuffer(_recv_exact(sock, 4 * n), dtype="<u4")
+    start = _read_start(recv, n) if kind == "prefetch" else 0
+    tag = recv(TAG_BYTES) if magic in _TAGGED else None
+    tokens = np.frombuffer(recv(4 * n), dtype="<u4")  # read as it arrives (the server's)
     return Request(kind, tokens, start, tag)
 
 
@@ -442,10 +454,12 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes:
 # ------------------------------------------------------------------------------ server
 class LookupServer:
     """Answers lookups for one process's cache on a Unix socket (one thread per
-    connection; a scheduler keeps one connection per rank open)."""
+    connection; a scheduler keeps one connection per rank open). What its peers can make
+    it hold is bounded by ``limits`` (:mod:`lmc.connectors.core.lookup_conns`)."""
 
     def __init__(self, path: str, lookup: LookupFn, costs: CostsFn | None = None,
-                 prefetch: PrefetchFn | None = None) -> None:
+                 prefetch: PrefetchFn | None = None, limits: ConnLimits | None = None
+                 ) -> None:
         """``costs``: this process's measured speeds, for schedulers in other processes
         (answered as "not known" without it); ``prefetch``: pulls chunks into this
         process's L1 in the background (refused without it), ``fn(tokens, start, tag)``
@@ -457,8 +471,7 @@ class LookupServer:
                                      else None)
         self._sock = self._bind(path)
         self._closed = threading.Event()
-        self._conns: set[socket.socket] = set()
-        self._lock = threading.Lock()
+        self.conns = Conns(limits or ConnLimits())
         self.requests = 0
         self.errors = 0
         with _LOCAL_LOCK:
@@ -498,9 +511,12 @@ class LookupServer:
                 conn, _ = self._sock.accept()
             except OSError:
                 return  # closed
-            with self._lock:
-                self._conns.add(conn)
-            threading.Thread(target=self._serve, args=(conn,), name="lmc-lookup-conn",
+            st = self.conns.admit(conn)
+            if st is None:  # every connection is inside a request: this one waits for none
+                _refused(self.path)
+                conn.close()
+                continue
+            threading.Thread(target=self._serve, args=(st,), name="lmc-lookup-conn",
                              daemon=True).start()
 
     def _answer(self, tokens: np.ndarray, tag: bytes | None = None) -> bytes:
@@ -529,15 +545,23 @@ class LookupServer:
             log.exception("lmc speeds at %s failed; answering 'not known'", self.path)
             return encode_speeds(None)
 
-    def _serve(self, conn: socket.socket) -> None:
+    def _serve(self, st: ConnState) -> None:
+        conn = st.sock
+        reader = RequestReader(st, self.conns)
         try:
             while not self._closed.is_set():
                 try:
-                    req = read_request(conn)
+                    req = read_request(conn, reader.exact)
                 except LookupProtocolError as e:
                     self.errors += 1
                     log.warning("lmc lookup server %s: %s; closing the connection", self.path,
                                 e)
+                    return
+                except Overloaded as e:
+                    _refused(self.path, str(e))
+                    return
+                except TimeoutError:  # idle past idle_timeout, or a request too slow
+                    self.conns.timed_out()
                     return
                 except (ConnectionError, OSError):
                     return
@@ -548,14 +572,19 @@ class LookupServer:
                 else:
                     assert req.tokens is not None  # a lookup carries its tokens
                     answer = self._answer(req.tokens, req.tag)
+                del req
                 self.requests += 1
-                conn.sendall(answer)
+                reader.done()
+                reader.send(answer)
         except OSError:
             return
         finally:
-            with self._lock:
-                self._conns.discard(conn)
+            self.conns.close(st)
             conn.close()
+
+    def stats(self) -> dict[str, int]:
+        """Requests, errors and what the connection bounds counted."""
+        return {"requests": self.requests, "errors": self.errors, **self.conns.stats()}
 
     def close(self) -> None:
         if self._closed.is_set():
@@ -567,14 +596,23 @@ class LookupServer:
         with contextlib.suppress(OSError):
             self._sock.shutdown(socket.SHUT_RDWR)
         self._sock.close()
-        with self._lock:
-            conns = list(self._conns)
-        for c in conns:
+        for c in self.conns.all():
             with contextlib.suppress(OSError):
                 c.shutdown(socket.SHUT_RDWR)
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.path)
         self._thread.join(timeout=2)
+
+
+_REFUSED_AT: dict[str, float] = {}
+
+
+def _refused(path: str, why: str = "too many connections, none idle") -> None:
+    """One warning per socket per 10 s: a flood must not become a log flood."""
+    now = time.monotonic()
+    if now - _REFUSED_AT.get(path, float("-inf")) >= 10.0:
+        _REFUSED_AT[path] = now
+        log.warning("lmc lookup server %s: a connection refused (%s)", path, why)
 
 
 # ------------------------------------------------------------------------------ client
@@ -724,7 +762,9 @@ class LookupClient:
     def _connect(self, path: str, deadline: float) -> socket.socket:
         sock = self._socks.get(path)
         if sock is not None:
-            return sock
+            if _usable(sock):
+                return sock
+            self._drop([path])  # the server closed it (idle, evicted): a fresh one
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         sock.settimeout(max(1e-3, deadline - time.perf_counter()))
         try:
@@ -750,6 +790,23 @@ class LookupClient:
             for sock in self._socks.values():
                 sock.close()
             self._socks.clear()
+
+
+def _usable(sock: socket.socket) -> bool:
+    """Whether a kept connection is still open and has nothing unread (one non-blocking
+    peek: the server closes connections idle past its ``idle_timeout``)."""
+    timeout = sock.gettimeout()
+    sock.setblocking(False)  # with a timeout set, recv would first wait that long
+    try:
+        sock.recv(1, socket.MSG_PEEK)
+        return False  # b"": closed; a byte: an answer nobody read
+    except BlockingIOError:
+        return True
+    except OSError:
+        return False
+    finally:
+        with contextlib.suppress(OSError):
+            sock.settimeout(timeout)
 
 
 class RemotePrefetch:

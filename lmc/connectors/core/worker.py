@@ -64,6 +64,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import queue
 import threading
 import time
@@ -80,6 +81,7 @@ from lmc.cache_engine import CacheEngine
 from lmc.connectors.core.metadata import ConnectorMetadata, LoadSpec, SaveSpec
 from lmc.layerwise import LayerwiseRetrieve, LayerwiseStore, LoadError
 from lmc.storage.load_watch import LoadWatch
+from lmc.storage.speeds import PrefillRate
 from lmc.token_database import ChunkKey, RequestKeys, request_root
 from lmc.transfer.completion import current_stream
 from lmc.transfer.kv_spec import KVCaches
@@ -308,15 +310,25 @@ class WorkerConnector:
         """The stop rule of a load of a ``total``-token prompt (:mod:`lmc.storage.load_watch`):
         recomputing from a position costs the engine's compute from there to the end (the
         step already running computes past the hit either way, then is discarded for the
-        request, so that step cancels out); ``None`` under ``load_policy: load_all`` and
-        while nothing says how fast the engine computes (then the load is not watched)."""
+        request, so that step cancels out); ``None`` under ``load_policy: load_all``. While
+        nothing says how fast the engine computes, recomputing costs "infinitely much": the
+        load goes on."""
         if self.engine.config.load_policy != "auto":  # load_all: every load finishes
             return None
         speeds = getattr(self.engine, "speeds", None)
-        rate = speeds.prefill.estimate() if speeds is not None else None
-        if rate is None:
+        if speeds is None:
             return None
-        return LoadWatch(lambda pos: rate.seconds(pos, total))
+        est: list[PrefillRate | None] = []
+
+        def recompute_s(pos: int) -> float:
+            # asked only once a lower tier's whole chunks are read (an L1 hit never fits
+            # the estimate), then kept for the load; unknown: never worth stopping for
+            if not est:
+                est.append(speeds.prefill.estimate())
+            rate = est[0]
+            return math.inf if rate is None else rate.seconds(pos, total)
+
+        return LoadWatch(recompute_s)
 
     def _stopped(self, spec: LoadSpec, position: int, watch: LoadWatch) -> None:
         """A load that stopped itself at ``position`` (chunk-aligned): the positions from

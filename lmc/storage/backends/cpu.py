@@ -9,15 +9,19 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Sequence
-from typing import Any, cast
-
-import torch
+from typing import TYPE_CHECKING, Any, cast
 
 from lmc.config import CacheConfig
+from lmc.lazy_import import LazyModule
 from lmc.memory.pool import MemoryObj, MemoryPool
 from lmc.metrics import EVICTIONS
 from lmc.storage.eviction import EvictionPolicy, make_policy
 from lmc.storage.tier import Key, Medium, StorageBackend, TierCapabilities, register_backend
+
+if TYPE_CHECKING:
+    import torch
+else:  # imported at first use (lmc.lazy_import says why)
+    torch = LazyModule("torch", globals())
 
 EvictListener = Callable[[list[tuple[Key, MemoryObj]]], None]
 

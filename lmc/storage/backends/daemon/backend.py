@@ -5,7 +5,7 @@
 the shared token. Every call is one batched, pipelined conversation; large batches are split
 over up to ``connections`` connections in parallel (an option: ``ServerBackend.OPTIONS``).
 Values travel from and into pool memory without intermediate copies (see
-``lmc.server.client``).
+``lmc.storage.backends.daemon.client``).
 
 Failure is a miss, never an exception: a call that fails or times out (``remote_timeout``
 of inactivity) answers misses, and a circuit breaker then keeps calls off the network until
@@ -30,10 +30,10 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from lmc.config import CacheConfig
 from lmc.memory.pool import MemoryObj, MemoryPool
-from lmc.server import protocol as P
-from lmc.server.client import Address, Allocate, BlockMeta, ClientConnection
-from lmc.server.probe import ProbePolicy
 from lmc.settings import parse_int, parse_opt_str
+from lmc.storage.backends.daemon import protocol as P
+from lmc.storage.backends.daemon.client import Address, Allocate, BlockMeta, ClientConnection
+from lmc.storage.backends.daemon.probe import ProbePolicy
 from lmc.storage.breaker import CLOSED, OPEN, CircuitBreaker
 from lmc.storage.codec import ValueCodec
 from lmc.storage.integrity import Geometry, Integrity
@@ -48,7 +48,7 @@ from lmc.storage.tier import (
     register_backend,
 )
 
-from .tags import TAG_DTYPE, TAG_SHAPE, Tags, interleave, tag_key
+from .tags import TAG_SHAPE, Tags, interleave, tag_dtype, tag_key
 
 if TYPE_CHECKING:
     import torch
@@ -149,8 +149,8 @@ class ServerBackend(StorageBackend):
         conn = ClientConnection(self.address, self._token, self.timeout, self._client_name)
         ev = getattr(conn, "kv_events", None)
         if self.block_notes is not None:  # keep noting while a daemon publishes at our size
-            self.block_notes.told(self.block_notes_slot, isinstance(ev, dict)
-                                  and ev.get("block_size") == self.block_notes.block_size)
+            publishes = isinstance(ev, dict) and ev.get("block_size") == self.block_notes.block_size
+            self.block_notes.told(self.block_notes_slot, publishes)
         return conn
 
     def _acquire(self) -> ClientConnection:
@@ -300,7 +300,7 @@ class ServerBackend(StorageBackend):
         """The codec's word on a value the client received (its checksum verified as it
         arrived): the engine's geometry and, with a secret, the companion tag. Raises
         :class:`CorruptValue`."""
-        if tag is not None and (tuple(tag.shape) != TAG_SHAPE or tag.dtype != TAG_DTYPE):
+        if tag is not None and (tuple(tag.shape) != TAG_SHAPE or tag.dtype != tag_dtype()):
             raise CorruptValue(f"integrity tag has shape {tuple(tag.shape)} of {tag.dtype}")
         self.codec.admit(key, obj, None if tag is None else tag.byte_view(), geometry)
 

@@ -20,16 +20,25 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
-import torch
-
+from lmc.lazy_import import LazyModule
 from lmc.memory.pool import MemoryObj
 from lmc.storage.codec import ValueCodec
 from lmc.storage.serde import HEADER_SIZE, TAG_SIZE
 
+if TYPE_CHECKING:
+    import torch
+else:  # imported at the first tag: `lmc config` reads this backend's options without it
+    torch = LazyModule("torch", globals())
+
 TAG_SHAPE = (1, 1, 1, TAG_SIZE)
-TAG_DTYPE = torch.uint8
-Allocate = Callable[[Sequence[int], torch.dtype, int], "MemoryObj | None"]
+Allocate = Callable[[Sequence[int], "torch.dtype", int], "MemoryObj | None"]
+
+
+def tag_dtype() -> torch.dtype:
+    """A tag's dtype: bytes."""
+    return torch.uint8
 
 
 def tag_key(key: bytes) -> bytes:
@@ -63,7 +72,7 @@ class Tags:
         out_objs: list[MemoryObj] = []
         tags: list[MemoryObj] = []
         for k, o in zip(keys, objs):
-            t = self.allocate(TAG_SHAPE, TAG_DTYPE, 1)
+            t = self.allocate(TAG_SHAPE, tag_dtype(), 1)
             if t is None:
                 continue
             tags.append(t)

@@ -80,6 +80,7 @@ from lmc import units
 from lmc.config import CacheConfig, parse_size
 from lmc.memory.pool import MemoryObj, MemoryPool
 from lmc.metrics import TierMetrics
+from lmc.priority import lower_thread_priority
 from lmc.storage.codec import ValueCodec
 from lmc.storage.eviction import EvictionPolicy, make_policy
 from lmc.storage.integrity import Geometry
@@ -332,6 +333,10 @@ class DiskBackend(StorageBackend):
             self._unlock()
             raise
         self._io = ThreadPoolExecutor(max(1, io_threads), thread_name_prefix="lmc-disk")
+        # writes (the write-behind's, no request waits for them) on threads of their own at
+        # a lower priority, so a busy host gives the engine and the reads first (lmc.priority)
+        self._io_write = ThreadPoolExecutor(max(1, io_threads), thread_name_prefix="lmc-disk-w",
+                                            initializer=lower_thread_priority)
 
     # ------------------------------------------------------------------ paths
     def _path(self, key: Key, size: int) -> str:
@@ -638,7 +643,7 @@ class DiskBackend(StorageBackend):
         futures = []
         for k, o in pairs:
             try:
-                futures.append(self._io.submit(self._write, k, o))
+                futures.append(self._io_write.submit(self._write, k, o))
             except RuntimeError:  # closed meanwhile
                 break
         stored = 0
@@ -847,6 +852,7 @@ class DiskBackend(StorageBackend):
                 return
             self._closed = True
         self._io.shutdown(wait=True, cancel_futures=True)  # only the I/O in progress finishes
+        self._io_write.shutdown(wait=True, cancel_futures=True)
         self.coordinators.close()  # layered reads end (failed) once their I/O did
         self._unlock()  # the directory is free for the next tier (idempotent)
 

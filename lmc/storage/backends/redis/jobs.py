@@ -10,19 +10,23 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-
+from lmc.lazy_import import LazyModule
 from lmc.memory.pool import MemoryObj
 from lmc.storage.codec import ValueCodec
 
 from .wire import Deadline, Outbox, ReplyError, WireConn, command
 
+if TYPE_CHECKING:
+    import torch
+else:  # imported at first use (lmc.lazy_import says why)
+    torch = LazyModule("torch", globals())
+
 log = logging.getLogger(__name__)
 
 
-Allocate = Callable[[Sequence[int], torch.dtype, int], "MemoryObj | None"]
+Allocate = Callable[[Sequence[int], "torch.dtype", int], "MemoryObj | None"]
 _TOPOLOGY_ERRORS = ("MOVED", "ASK", "CLUSTERDOWN", "TRYAGAIN")
 
 

@@ -30,6 +30,7 @@ from lmc.storage.serde import CorruptValue, Header, decode_header
 
 MAGIC = b"LMCP"
 VERSION = 1
+DEFAULT_PORT = 7451  # lmc server's TCP port when an address names none
 FRAME = struct.Struct("<4sBBHIIQ")
 FRAME_SIZE = FRAME.size  # 24
 KEY_SIZE = 16
@@ -40,7 +41,7 @@ HELLO, PING, STATS = 0x01, 0x02, 0x03
 PUT, GET, EXISTS, DELETE = 0x10, 0x11, 0x12, 0x13
 OPS = {HELLO: "hello", PING: "ping", STATS: "stats", PUT: "put", GET: "get",
        EXISTS: "exists", DELETE: "delete"}
-# the peer-to-peer tier's directory of who holds which chunk (lmc/p2p/daemon_ops.py)
+# the peer-to-peer tier's directory of who holds which chunk (lmc/server/p2p/ops.py)
 P2P_JOIN, P2P_ADVERTISE, P2P_WITHDRAW, P2P_LOCATE, P2P_PEER = 0x20, 0x21, 0x22, 0x23, 0x24
 P2P_OPS = {P2P_JOIN: "p2p_join", P2P_ADVERTISE: "p2p_advertise", P2P_WITHDRAW: "p2p_withdraw",
            P2P_LOCATE: "p2p_locate", P2P_PEER: "p2p_peer"}

@@ -16,7 +16,7 @@ One job: talk to an upstream instance and hand what it says to the client, bound
   An answer whose status is no HTTP status is a 502 naming the instance; one cut short
   mid-stream reaches the client as cut (nothing else can be said once headers went).
 
-Which instance gets a request is not decided here (:mod:`lmc.http.dispatch`). Threat
+Which instance gets a request is not decided here (:mod:`lmc.router.dispatch`). Threat
 models: docs/threats/http.md, docs/threats/router.md.
 """
 

@@ -18,10 +18,9 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from lmc.server import protocol as P
-from lmc.server.config import DEFAULT_PORT
-from lmc.server.views import byte_view
-from lmc.storage.serde import encode_header, payload_checksum
+from lmc.storage.backends.daemon import protocol as P
+from lmc.storage.backends.daemon.protocol import DEFAULT_PORT
+from lmc.storage.serde import byte_view, encode_header, payload_checksum
 
 if TYPE_CHECKING:
     import torch

@@ -14,7 +14,7 @@ from collections.abc import Iterable, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 
-from lmc.http.dispatch import Instance
+from lmc.router.dispatch import Instance
 
 CONTENT_TYPE = "text/plain; version=0.0.4"
 Who = tuple[str, ...]  # label values: (url,) for the router, (role, url) for the pd-proxy

@@ -11,7 +11,7 @@ generates. Its answer (streamed or not) goes back to the client as it comes.
 Instances are vLLM (``--kv-transfer-config`` with ``LMCConnector`` and a ``kv_role``) or
 the reference engine's server (``python -m lmc.reference.serve --kv-role ...``), the same
 API either way. Several ``--prefill``/``--decode`` instances are chosen among as ``lmc
-router`` chooses (:mod:`lmc.http.dispatch`, :mod:`lmc.router.policy`): each may be given
+router`` chooses (:mod:`lmc.router.dispatch`, :mod:`lmc.router.policy`): each may be given
 as ``URL,events=tcp://host:port[,replay=tcp://host:port]`` (its KV events, vLLM's format),
 and ``--policy prefix`` sends the request's prefill and its decode each to the instance
 of its set with the longest cached prefix of the prompt (token ids, or text with
@@ -20,7 +20,7 @@ in flight; an instance whose events are stale, silent or absent is credited noth
 ``--policy round_robin`` takes turns (the default when no instance has ``events=``, as
 before; ``prefix`` is the default when one has).
 
-Health, as ``lmc router``'s (:mod:`lmc.http.health`): ``GET /health`` of every instance
+Health, as ``lmc router``'s (:mod:`lmc.router.health`): ``GET /health`` of every instance
 every ``--health-interval`` seconds; an unhealthy one is not chosen until it answers again,
 and a role with no healthy instance left is a 503 naming it (``GET /health`` of the proxy
 too). An instance that refuses a request's connection (down since its last check) is marked
@@ -28,7 +28,7 @@ unhealthy at once and the request goes to another healthy instance of its role, 
 nothing has reached the client then. Any other failure is a 502 naming the instance, never
 retried (a prefill may have run; a decode may have started streaming).
 
-``GET /metrics`` (Prometheus, :mod:`lmc.http.route_metrics`, the router's series named
+``GET /metrics`` (Prometheus, :mod:`lmc.router.metrics`, the router's series named
 ``lmc_pd_proxy_*`` with a ``role`` label): requests per role, instance and reason, failures,
 retries, predicted and reported cached tokens, in flight, health, event freshness.
 ``GET /lmc/pd-proxy``: counts, routing and each instance's state as JSON.
@@ -38,7 +38,7 @@ Client connections, request time and size are bounded as in :mod:`lmc.http.json_
 within ``--upstream-timeout`` per read and at most ``--max-body`` bytes (the producer's;
 the consumer's is streamed through). A producer that answers garbage (not JSON, not an
 object, ``kv_transfer_params`` not an object) or nothing is a 502 naming it. The relaying is
-:mod:`lmc.http.relay` (shared with ``lmc router``). Threat model: docs/threats/http.md.
+:mod:`lmc.router.relay` (shared with ``lmc router``). Threat model: docs/threats/http.md.
 """
 
 from __future__ import annotations
@@ -51,7 +51,15 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
-from lmc.http.dispatch import (
+from lmc.http.json_api import (
+    HttpError,
+    HttpLimits,
+    RateLimitedWarnings,
+    add_limit_args,
+    limits_from_args,
+    listen_error,
+)
+from lmc.router.dispatch import (
     Front,
     InstanceSpec,
     Pick,
@@ -61,16 +69,10 @@ from lmc.http.dispatch import (
     choice_from_args,
     prompt_tokens,
 )
-from lmc.http.health import DEFAULT_INTERVAL
-from lmc.http.json_api import (
-    HttpError,
-    HttpLimits,
-    RateLimitedWarnings,
-    add_limit_args,
-    limits_from_args,
-    listen_error,
-)
-from lmc.http.relay import (
+from lmc.router.health import DEFAULT_INTERVAL
+from lmc.router.metrics import CONTENT_TYPE, RoutingMetrics
+from lmc.router.policy import Weights
+from lmc.router.relay import (
     TIMEOUT,
     UPSTREAM_ERRORS,
     RelayHandler,
@@ -79,8 +81,6 @@ from lmc.http.relay import (
     read_bounded,
     what,
 )
-from lmc.http.route_metrics import CONTENT_TYPE, RoutingMetrics
-from lmc.router.policy import Weights
 
 log = logging.getLogger(__name__)
 _warn = RateLimitedWarnings(limit=10, window=10.0, logger=log)

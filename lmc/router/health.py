@@ -1,12 +1,12 @@
 """Health checks of the instances behind ``lmc router`` and ``lmc pd-proxy`` (one job: keep
-each :class:`~lmc.http.dispatch.Instance`'s ``healthy`` true to what it answers).
+each :class:`~lmc.router.dispatch.Instance`'s ``healthy`` true to what it answers).
 
 Every ``--health-interval`` seconds each instance gets ``GET /health`` (one thread per
 instance, so a hung one delays only itself; each probe within :data:`HEALTH_TIMEOUT`): a 200
 makes it healthy, any other status unhealthy; a refused connection marks it down at once,
 a timeout or a hang-up at the second in a row (one may be a busy moment). The front marks an
 instance down at once too when it refuses a request's connection (:meth:`Pool.mark
-<lmc.http.dispatch.Pool.mark>`); the next probe that it answers brings it back. Each change
+<lmc.router.dispatch.Pool.mark>`); the next probe that it answers brings it back. Each change
 is one INFO line naming the instance.
 """
 
@@ -17,10 +17,10 @@ import threading
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from lmc.http.relay import UPSTREAM_ERRORS, what
+from lmc.router.relay import UPSTREAM_ERRORS, what
 
 if TYPE_CHECKING:  # dispatch's Front starts these checks
-    from lmc.http.dispatch import Instance, Pool
+    from lmc.router.dispatch import Instance, Pool
 
 HEALTH_TIMEOUT = 5.0
 DEFAULT_INTERVAL = 2.0

@@ -1,12 +1,12 @@
 """The peer-to-peer tier: a chunk another engine holds is READ from its pool into ours.
 
 ``tiers`` entry ``p2p+lmc://host:port[?ns=NAME]`` or ``p2p+unix:///path.sock``: the lmc
-daemon at that address keeps the directory of who holds what (:mod:`lmc.p2p.directory`).
+daemon at that address keeps the directory of who holds what (:mod:`lmc.server.p2p.directory`).
 
 Owner side. Chunks reach this tier as every lower tier's do (``put`` from write-behind,
 under write-through on every store): each is *exported*, i.e. copied into the tier's export
 window (a pool of its own, ``export_bytes`` long, the only memory of this engine a peer can
-READ: :mod:`lmc.p2p.agent`), checksummed (and tagged, with ``integrity_secret``), given a slot
+READ: :mod:`lmc.storage.backends.p2p.agent`), checksummed (and tagged, with ``integrity_secret``), given a slot
 in the version table with a fresh version, and advertised as ``(offset, length, slot,
 version, shape, checksum, tag)`` on its membership connection, in this tier's namespace. The
 window bounds exports in bytes; ``export_ttl`` bounds them in time (swept by a timer): the
@@ -41,18 +41,17 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from lmc.config import CacheConfig
+from lmc.lazy_import import LazyModule
 from lmc.memory.pool import MemoryObj, MemoryPool
-from lmc.p2p.agent import PoolAgent, TransferFailed
-from lmc.p2p.directory_client import DirectoryConnection
-from lmc.p2p.wire import BadRecord, PeerInfo, Record
 from lmc.ratelog import RateLimitedWarnings
-from lmc.server.client import Address
 from lmc.settings import parse_duration, parse_int, parse_opt_str, parse_size
+from lmc.storage.backends.daemon.client import Address
+from lmc.storage.backends.p2p.agent import PoolAgent, TransferFailed
+from lmc.storage.backends.p2p.directory_client import DirectoryConnection
+from lmc.storage.backends.p2p.wire import BadRecord, PeerInfo, Record
 from lmc.storage.breaker import CircuitBreaker
 from lmc.storage.codec import ValueCodec
 from lmc.storage.integrity import Geometry, Integrity
@@ -66,6 +65,11 @@ from lmc.storage.tier import (
     register_backend,
 )
 
+if TYPE_CHECKING:
+    import torch
+else:  # imported at first use (lmc.lazy_import says why)
+    torch = LazyModule("torch", globals())
+
 log = logging.getLogger(__name__)
 LOCATION_TTL = 1.0  # seconds a located record serves a following get without asking again
 MAX_DISTRUSTED = 4096  # (owner, version) records remembered as failing their checks
@@ -73,7 +77,7 @@ AGENT_STRIKES = 3  # records of one owner failing verification before all its re
 AGENT_DISTRUST_S = 60.0  # ... skipped for this long (a liar re-advertising cannot shadow
 MAX_DISTRUSTED_AGENTS = 1024  # the honest holders of a key)
 MAX_LEARNED = 8  # chunk geometries an engine's stores may teach the tier
-Shape = tuple[int, int, int, torch.dtype]  # layers, planes, row width, dtype: all but tokens
+Shape = tuple[int, int, int, "torch.dtype"]  # layers, planes, row width, dtype: all but tokens
 
 
 def shape_class(shape: Sequence[int], dtype: torch.dtype) -> Shape:
@@ -666,7 +670,7 @@ class P2PBackend(StorageBackend):
     def close(self) -> None:
         """Withdraw every export (slots cleared, references released), close the directory
         connections and the NIXL agent. End the process with ``os._exit`` afterwards (see
-        :mod:`lmc.p2p.agent`)."""
+        :mod:`lmc.storage.backends.p2p.agent`)."""
         if self._closed.is_set():
             return
         self._closed.set()

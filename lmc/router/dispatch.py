@@ -23,11 +23,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from lmc.http.health import DEFAULT_INTERVAL, HealthChecks
 from lmc.http.json_api import BoundedHTTPServer, HttpError, HttpLimits, printable
-from lmc.http.relay import TIMEOUT, Upstream
 from lmc.router.feed import EventFeed, SaltedKeys, SharedSource, SharedSpec, Source, match_instance
+from lmc.router.health import DEFAULT_INTERVAL, HealthChecks
 from lmc.router.policy import POLICIES, Candidate, Weights, choose
+from lmc.router.relay import TIMEOUT, Upstream
 
 log = logging.getLogger(__name__)
 MAX_PROMPT_TOKENS = 1 << 20
@@ -133,7 +133,7 @@ class Pool:
             inst.in_flight -= 1
 
     def mark(self, inst: Instance, healthy: bool, why: str = "") -> None:
-        """Set ``inst``'s health (its checks: :mod:`lmc.http.health`); a change is one INFO
+        """Set ``inst``'s health (its checks: :mod:`lmc.router.health`); a change is one INFO
         line naming it and why (the instance's words escaped: it may lie)."""
         with self._lock:
             changed, inst.healthy = inst.healthy != healthy, healthy

@@ -9,7 +9,7 @@ memory. ``checksum`` (the payload's xxh3, :func:`lmc.storage.serde.payload_check
 owner has ``integrity_secret``, ``tag`` (:mod:`lmc.storage.integrity`'s tag over the key, the
 version-2 ``lmc.storage.serde`` header these fields make, and the payload) let the reader verify the
 bytes it READ exactly as a Redis or ``lmc://`` reader does, so a lying peer's record is a
-miss. ``offset`` is relative to the owner's *export window* (:mod:`lmc.p2p.agent`), never to
+miss. ``offset`` is relative to the owner's *export window* (:mod:`lmc.storage.backends.p2p.agent`), never to
 its pool. Fixed size, little-endian, so the daemon can bound and check it without knowing
 tensors::
 
@@ -23,10 +23,13 @@ from __future__ import annotations
 
 import dataclasses
 import struct
+from typing import TYPE_CHECKING
 
-import torch
+from lmc.storage import serde
+from lmc.storage.serde import TAG_SIZE
 
-from lmc.storage.serde import CODE_DTYPES, DTYPE_CODES, TAG_SIZE
+if TYPE_CHECKING:  # the dtype maps are serde's, made (with torch) at their first use
+    import torch
 
 _RECORD = struct.Struct(f"<16sQQQIBB2x4IIQ{TAG_SIZE}s")
 RECORD_SIZE = _RECORD.size  # 108
@@ -55,7 +58,7 @@ class Record:
 
     def pack(self) -> bytes:
         return _RECORD.pack(self.key, self.offset, self.nbytes, self.version, self.slot,
-                            DTYPE_CODES[self.dtype], TAGGED if self.tag is not None else 0,
+                            serde.DTYPE_CODES[self.dtype], TAGGED if self.tag is not None else 0,
                             *self.shape, self.num_tokens, self.checksum, self.tag or NO_TAG)
 
 
@@ -66,7 +69,7 @@ def unpack_record(raw: bytes) -> Record:
     key, off, n, ver, slot, code, flags, s0, s1, s2, s3, ntok, csum, tag = _RECORD.unpack(raw)
     if flags & ~TAGGED:
         raise BadRecord(f"unknown record flags {flags:#x}")
-    dtype = CODE_DTYPES.get(code)
+    dtype = serde.CODE_DTYPES.get(code)
     if dtype is None:
         raise BadRecord(f"unknown dtype code {code}")
     shape = (s0, s1, s2, s3)

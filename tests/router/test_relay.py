@@ -1,4 +1,4 @@
-"""The relay both fronts share (``lmc.http.relay``), attacked through each: ``lmc router`` and
+"""The relay both fronts share (``lmc.router.relay``), attacked through each: ``lmc router`` and
 ``lmc pd-proxy`` (its decode side) in front of a scripted instance give the client the same
 answer to the same lie -- a status that is no HTTP status, a refusal past ``--max-body``, a
 refusal cut short (502s naming the instance); a refusal within bounds relayed as is; header
@@ -14,8 +14,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from lmc.http.pd_proxy import Proxy
 from lmc.router.app import InstanceSpec, Router
+from lmc.router.pd_proxy import Proxy
 from tests.http_attack_kit import (
     LIMITS,
     NORMAL,

@@ -1,0 +1,87 @@
+"""The load watch's rule (lmc/storage/load_watch.py) on counted pieces, and its read against
+a real disk tier behind a real ``rate_limit`` link: a prefix of whole chunks, the piece in
+flight abandoned to its owner."""
+
+from __future__ import annotations
+
+import math
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+
+from lmc.config import CacheConfig
+from lmc.memory.pool import MemoryPool
+from lmc.storage.backends.disk.backend import DiskBackend
+from lmc.storage.load_watch import LoadWatch, piece_size, read_watched
+from lmc.storage.wrappers import RateLimitTier
+
+SHAPE = (2, 2, 32, 64)  # one chunk: 32 KiB of float32
+
+
+def test_pieces_one_chunk_then_a_quarter_of_the_rest() -> None:
+    assert piece_size(64, first=True) == 1
+    assert [piece_size(n, first=False) for n in (63, 16, 7, 3, 1)] == [15, 4, 1, 1, 1]
+
+
+def test_deadline_is_when_the_rest_would_cost_more_than_recomputing() -> None:
+    w = LoadWatch(lambda pos: (100 - pos) * 0.01, margin=0.0, slack_s=0.0, positions=[0, 50])
+    # a piece of 1 chunk from chunk 0 with 3 chunks behind it: recomputing costs 1 s, so
+    # the piece may take 1/3 s before the 3 after it (at its rate) cost more
+    assert math.isclose(w.deadline(10.0, 0, 1, 3), 10.0 + 1.0 / 3)
+    assert w.deadline(10.0, 0, 1, 0) == math.inf  # the last piece always finishes
+    assert math.isclose(w.limit(1), 0.5)
+
+
+def _tier(tmp: Path, rate: int) -> tuple[MemoryPool, RateLimitTier, list[bytes]]:
+    pool = MemoryPool(8 << 20, False)
+    cfg = CacheConfig(chunk_size=32, local_cpu_size=8 << 20)
+    disk = DiskBackend(config=cfg, pool=pool, path=str(tmp), size=32 << 20)
+    keys = [bytes([i]) * 16 for i in range(6)]
+    objs = []
+    for i in range(6):
+        o = pool.allocate(SHAPE, torch.float32, 32)
+        o.tensor.fill_(i)
+        objs.append(o)
+    assert disk.put(keys, objs) == 6
+    for o in objs:
+        o.release()
+    return pool, RateLimitTier(config=cfg, pool=pool, inner=disk, bytes_per_second=rate), keys
+
+
+def test_a_slow_link_gives_a_prefix_of_whole_chunks(tmp_path: Path) -> None:
+    # 64 KiB/s: a 32 KiB chunk takes 0.5 s; recomputing is taken to cost 1 ms a chunk
+    pool, link, keys = _tier(tmp_path, 64 << 10)
+    w = LoadWatch(lambda pos: (192 - pos) / 32 * 1e-3, positions=[32 * i for i in range(6)])
+    abandoned: list = []
+    landed = threading.Event()
+
+    def abandon(ks, objs) -> None:
+        abandoned.extend(o for o in objs if o is not None)
+        landed.set()
+
+    with ThreadPoolExecutor(2) as ex:
+        got = read_watched(link.get, abandon, keys, range(6), w, ex, "disk")
+        assert w.stopped_at == 0 and "not done after" in w.reason
+        assert got == [None] * 6  # the first chunk was still on the link: nothing counted
+        assert landed.wait(60)  # hang guard: the abandoned piece lands, to its owner
+    assert [o.tensor[0, 0, 0, 0].item() for o in abandoned] == [0.0]
+    for o in abandoned:
+        o.release()
+    link.close()
+    assert pool.outstanding() == []
+    pool.close()
+
+
+def test_an_unknown_compute_reads_everything_in_one_call(tmp_path: Path) -> None:
+    pool, link, keys = _tier(tmp_path, 1 << 30)
+    w = LoadWatch(lambda pos: math.inf, positions=[32 * i for i in range(6)])
+    with ThreadPoolExecutor(1) as ex:
+        got = read_watched(link.get, lambda ks, objs: None, keys, range(6), w, ex, "disk")
+    assert w.stopped_at is None and w.pieces == 0
+    assert [o.tensor[0, 0, 0, 0].item() for o in got] == [float(i) for i in range(6)]
+    for o in got:
+        o.release()
+    link.close()
+    pool.close()
