@@ -5,6 +5,7 @@ quickly (never a hang), and every wire field is bounded and checked."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import socket
@@ -424,6 +425,25 @@ def test_speeds_unknown_and_asked_at_most_once_a_second(sock_dir):
         bare.close()
 
 
+def test_a_hybrid_models_bytes_cross_the_socket(sock_dir):
+    """A hybrid model's load is priced per KV group kind (lmc.storage.speeds.KVBytes):
+    the speeds answer carries its windows and fixed bytes; lying ones are unknown."""
+    from lmc.storage.speeds import KVBytes
+
+    base = measured_costs()
+    want = dataclasses.replace(base, kv=KVBytes(base.bytes_per_token, ((143, 32768.0),),
+                                                4096.0))
+    path = str(sock_dir / "hyb.sock")
+    server = LookupServer(path, prefix_answer(0, 0), costs=lambda: want)
+    client = Client([path], timeout=2)
+    try:
+        assert client.costs() == want
+        assert want.load_bytes(1000) == 1000 * base.bytes_per_token + 143 * 32768 + 4096
+    finally:
+        client.close()
+        server.close()
+
+
 def test_remote_speeds_are_the_fallback_of_local_costs():
     from lmc.connectors.core.load_policy import LOCAL_COSTS, local_costs, register_local
 
@@ -464,6 +484,12 @@ def speeds_reply(known=1, tiers=(("disk", 1.5e9, 0.002, 0, 3),), tail=(0.001, 6e
     (speeds_reply(tail=(0.0, 1e-6, 0.0, 1, 1.0, 0)), "0 layers"),
     (speeds_reply(tail=(0.0, 1e-6, 0.0, 1, 1.0, 1 << 20)), "1048576 layers"),
     (speeds_reply()[:20], "peer closed the connection"),
+    # a hybrid model's bytes per KV group kind
+    (speeds_reply(magic=b"LMK2") + bytes([1]) + struct.pack("<Id", 0, 1.0)
+     + struct.pack("<d", 0.0), "a window of 0 positions"),
+    (speeds_reply(magic=b"LMK2") + bytes([65]), "65 sliding windows"),
+    (speeds_reply(magic=b"LMK2") + bytes([0]) + struct.pack("<d", float("nan")),
+     "fixed bytes is nan"),
 ])
 def test_lying_speeds_are_unknown_never_used(sock_dir, caplog, reply, why):
     """A rank answering speeds that are not numbers a decision can use (NaN, negative,

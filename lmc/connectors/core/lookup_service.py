@@ -38,8 +38,11 @@ Wire format (version 2; no pickle -- the bytes come from a socket; little-endian
 * speeds answer: ``b"LMB2"``, uint8 known (0: nothing measured yet, nothing follows), uint8
   tier count *t*; then per tier its name (as above), float64 bytes/s, float64 latency,
   uint8 overlaps, uint32 reads observed; then float64 c0, c1, c2 and uint32 steps observed of
-  the prefill fit, float64 KV bytes per token, uint32 layers a load pipelines over. Every
-  number is checked (finite, in range) before use.
+  the prefill fit, float64 KV bytes per token, uint32 layers a load pipelines over. A hybrid
+  model's (bytes priced per KV group kind, :class:`lmc.storage.speeds.KVBytes`) is
+  ``b"LMK2"`` with the same fields, then uint8 window count *w* (at most
+  :data:`MAX_WINDOWS`), *w* times uint32 reach and float64 bytes per position, and float64
+  fixed bytes. Every number is checked (finite, in range) before use.
 
 * prefetch request (the chunks a waiting request would recompute by choice, pulled into
   every rank's L1 while it waits): ``b"LMP2"``, uint32 token count *n*, uint32 first
@@ -87,7 +90,7 @@ from lmc.connectors.core.lookup_conns import (
     RequestReader,
 )
 from lmc.storage.lookup import MAX_TIERS, LookupResult, minimum
-from lmc.storage.speeds import PrefillRate, TierRate
+from lmc.storage.speeds import KVBytes, PrefillRate, TierRate
 from lmc.token_database import request_root
 
 log = logging.getLogger(__name__)
@@ -103,6 +106,9 @@ PREFETCH_ANS_MAGIC = b"LMF2"
 _U32 = struct.Struct("<I")
 SPEEDS_REQ_MAGIC = b"LMS2"
 SPEEDS_ANS_MAGIC = b"LMB2"
+HYBRID_SPEEDS_ANS_MAGIC = b"LMK2"  # with a hybrid model's bytes per KV group kind
+MAX_WINDOWS = 64
+_WINDOW = struct.Struct("<Id")
 _SPEEDS_HEAD = struct.Struct("<4sBB")
 _SPEEDS_TIER = struct.Struct("<ddBI")
 _SPEEDS_TAIL = struct.Struct("<dddIdI")
@@ -288,13 +294,21 @@ def encode_speeds(costs: Costs | None) -> bytes:
     """The speeds answer (module doc) for ``costs`` (``None``: not measured yet)."""
     if costs is None:
         return _SPEEDS_HEAD.pack(SPEEDS_ANS_MAGIC, 0, 0)
-    parts = [_SPEEDS_HEAD.pack(SPEEDS_ANS_MAGIC, 1, len(costs.tiers))]
+    kv = costs.kv
+    magic = HYBRID_SPEEDS_ANS_MAGIC if kv is not None else SPEEDS_ANS_MAGIC
+    parts = [_SPEEDS_HEAD.pack(magic, 1, len(costs.tiers))]
     for t in costs.tiers:
         parts += [_encode_name(t.name),
                   _SPEEDS_TIER.pack(t.bytes_per_s, t.latency_s, int(t.overlaps), t.observed)]
     p = costs.prefill
     parts.append(_SPEEDS_TAIL.pack(p.c0, p.c1, p.c2, p.observed, costs.bytes_per_token,
                                    costs.num_layers))
+    if kv is not None:
+        if len(kv.windows) > MAX_WINDOWS:
+            raise ValueError(f"{len(kv.windows)} sliding windows, at most {MAX_WINDOWS}")
+        parts.append(bytes([len(kv.windows)]))
+        parts += [_WINDOW.pack(w, b) for w, b in kv.windows]
+        parts.append(struct.pack("<d", kv.fixed))
     return b"".join(parts)
 
 
@@ -307,7 +321,8 @@ def _finite(v: float, what: str) -> float:
 def read_speeds(sock: socket.socket) -> Costs | None:
     """One speeds answer, every field checked (a peer's numbers steer decisions)."""
     magic = _recv_exact(sock, 4)
-    _check_magic(magic, SPEEDS_ANS_MAGIC, "speeds answer")
+    if magic != HYBRID_SPEEDS_ANS_MAGIC:
+        _check_magic(magic, SPEEDS_ANS_MAGIC, "speeds answer")
     _, known, n_tiers = _SPEEDS_HEAD.unpack(magic + _recv_exact(sock, _SPEEDS_HEAD.size - 4))
     if known not in (0, 1):
         raise LookupProtocolError(f"speeds answer: known flag {known}")
@@ -330,10 +345,29 @@ def read_speeds(sock: socket.socket) -> Costs | None:
         _finite(v, f"prefill {what}")
     if not (math.isfinite(bpt) and bpt > 0) or not 1 <= layers <= MAX_LAYERS:
         raise LookupProtocolError(f"speeds answer: {bpt} bytes per token, {layers} layers")
+    kv = _read_kv_bytes(sock, bpt) if magic == HYBRID_SPEEDS_ANS_MAGIC else None
     try:
-        return Costs(tuple(tiers), PrefillRate(c0, c1, c2, observed), bpt, layers)
+        return Costs(tuple(tiers), PrefillRate(c0, c1, c2, observed), bpt, layers, kv)
     except ValueError as e:
         raise LookupProtocolError(f"inconsistent speeds answer: {e}") from None
+
+
+def _read_kv_bytes(sock: socket.socket, per_token: float) -> KVBytes:
+    """A hybrid speeds answer's bytes per KV group kind, every number checked."""
+    (w,) = _recv_exact(sock, 1)
+    if w > MAX_WINDOWS:
+        raise LookupProtocolError(f"speeds answer: {w} sliding windows, at most {MAX_WINDOWS}")
+    windows = [_WINDOW.unpack(_recv_exact(sock, _WINDOW.size)) for _ in range(w)]
+    (fixed,) = struct.unpack("<d", _recv_exact(sock, 8))
+    for reach, b in windows:
+        _finite(b, f"window of {reach} bytes per position")
+        if reach < 1:
+            raise LookupProtocolError("speeds answer: a window of 0 positions")
+    try:
+        return KVBytes(per_token, tuple((int(r), float(b)) for r, b in windows),
+                       _finite(fixed, "fixed bytes"))
+    except ValueError as e:
+        raise LookupProtocolError(f"speeds answer: {e}") from None
 
 
 def _check_magic(magic: bytes, want: bytes, what: str) -> None:
