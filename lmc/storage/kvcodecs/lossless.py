@@ -7,7 +7,9 @@ extra; naming one without its package is a one-line error naming the extra. A va
 stage does not shrink is stored as it was (its header says which), so incompressible KV
 costs one try, never bytes.
 
-Reading is bounded: the decompressed size must be exactly what the header's geometry says,
+zstd frames carry their own checksum of the decompressed bytes (a damaged body fails to
+decompress even where a tier's framing checksum was rewritten with it); lz4 blocks have none,
+and rely on the framing's, as every value does. Reading is bounded: the decompressed size must be exactly what the header's geometry says,
 and the compressor is never asked for more (``max_output_size``), so a forged value cannot
 make a reader allocate past the chunk it expects. A value that does not decompress is a
 corrupt value: a miss.
@@ -56,7 +58,7 @@ class Lossless:
             return bytes(self._mod.compress(data, store_size=False))
         c = getattr(self._local, "c", None)
         if c is None:
-            c = self._local.c = self._mod.ZstdCompressor(level=self.level)
+            c = self._local.c = self._mod.ZstdCompressor(level=self.level, write_checksum=True)
         return bytes(c.compress(data))
 
     def decompress(self, data: Any, size: int) -> bytes:
