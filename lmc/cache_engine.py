@@ -28,6 +28,7 @@ from lmc.memory.pool import LazyTensors, Lease, MemoryObj, MemoryPool, PoolArray
 from lmc.metrics import EngineMetrics
 from lmc.storage.chain import TierSpec, build_storage
 from lmc.storage.integrity import GroupGeometry, expect_geometry
+from lmc.storage.kvcodecs.gate import open_gates
 from lmc.storage.layered_read import READY, LayerGate
 from lmc.storage.load_watch import LoadWatch
 from lmc.storage.lookup import LookupResult
@@ -111,6 +112,8 @@ class CacheEngine:
             # shared tiers check a value's header against this before allocating for it:
             # a rewritten shape or dtype is counted, deleted and a miss (docs/threats/tiers.md)
             expect_geometry(self.storage.lower, GroupGeometry.of_groups(spec, config.chunk_size))
+            # a tier's lossy codec only with a passing quality verdict for this model
+            open_gates(self.storage.lower, model_id, spec.dtype)
         except BaseException:
             self.pool.close()
             raise

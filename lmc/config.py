@@ -170,6 +170,8 @@ class TierEntry:
 
 
 _SECRET_TIER_KEYS = ("remote_token", "integrity_secret")
+CODEC_KEYS = ("codec", "head_size", "gate", "verdicts")
+"""Keys of a ``tiers:`` entry that configure its codec stage rather than its backend."""
 
 
 def _tier_entry(value: Any, where: str) -> TierEntry:
@@ -186,6 +188,11 @@ def _tier_entry(value: Any, where: str) -> TierEntry:
     for k in rest:
         if not isinstance(k, str) or not k.isidentifier():
             raise ConfigError(f"{where}: option name {k!r} is not a valid keyword name")
+    if "codec" in rest and rest.get("wrap") != "codec":
+        # a codec is a stage of this tier: {backend: disk, ..., codec: fp8} is the disk tier
+        # wrapped by the codec tier (lmc.storage.kvcodecs.tier), its options beside it
+        stage = {k: rest.pop(k) for k in CODEC_KEYS if k in rest}
+        return TierEntry("codec", stage, {}, _tier_entry(rest, where), where)
     inner = None
     if "wrap" in rest:
         backend = rest.pop("wrap")
@@ -368,7 +375,9 @@ class CacheConfig(Settings):
         "the tier chain as a list, memory first, then any backends in any order: a name or "
         "URL, or {backend: <name or URL>, <option>: <value>} (its own options, and "
         "remote_timeout/remote_key_prefix/remote_token/integrity_secret for that tier only), or "
-        "{wrap: <wrapper>, tier: <entry>}; unset = built from local_disk and remote_url",
+        "{wrap: <wrapper>, tier: <entry>}; codec: <codec> on an entry stores that tier's KV "
+        "coded (fp8-e4m3, int8, int4-kivi, +zstd/+lz4: docs/codecs.md); unset = built from "
+        "local_disk and remote_url",
         hashed=False)
     write_policy: str = setting(
         "write_through", lambda v, k: parse_choice(v, k, ("write_through", "write_on_evict")),

@@ -193,12 +193,15 @@ class Geometry:
     dtype: torch.dtype
     max_tokens: int
     min_tokens: int = 1
+    head_size: int | None = dataclasses.field(default=None, compare=False)
+    """Elements of one head in a token's width (a KV codec's scale groups); not checked."""
 
     @classmethod
     def of(cls, spec: Any, max_tokens: int, min_tokens: int = 1) -> Geometry:
         """From a :class:`lmc.transfer.kv_spec.KVSpec` and the chunk (or page) size."""
         layers, planes, _, width = spec.chunk_shape(1)
-        return cls(layers, planes, width, spec.dtype, max_tokens, min_tokens)
+        return cls(layers, planes, width, spec.dtype, max_tokens, min_tokens,
+                   head_size=spec.head_size)
 
     @property
     def max_bytes(self) -> int:
@@ -241,7 +244,7 @@ class GroupGeometry(Geometry):
             members.append(Geometry(layers, planes, width, spec.group_dtype(i), tokens))
         big = max(members, key=lambda m: m.max_bytes)
         return cls(big.layers, big.planes, big.width, big.dtype, big.max_tokens,
-                   big.min_tokens, tuple(members))
+                   big.min_tokens, head_size=spec.head_size, members=tuple(members))
 
     @property
     def max_bytes(self) -> int:
