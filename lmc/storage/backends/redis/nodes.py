@@ -115,7 +115,6 @@ class NodePool:
     def idle_count(self) -> int:
         return len(self._idle)
 
-<<<<<<< HEAD
     def scan_unlink(self, match: bytes, step: float, count: int = 1000) -> list[bytes]:
         """Unlink every key matching ``match`` (a ``SCAN`` pattern), a page at a time on one
         connection, each command given ``step`` seconds; the keys unlinked. SCAN may name a
@@ -141,12 +140,11 @@ class NodePool:
                     return out
         finally:
             conn.disconnect()
-=======
+
     def warm(self, dl: Deadline, count: int) -> None:
         """Open up to ``count`` data connections now and keep them idle for the first calls."""
         for _ in range(max(0, min(count, self.max_idle) - self.idle_count())):
             self.give(self.connect(dl))
->>>>>>> main
 
 
 def _why(e: BaseException) -> str:
