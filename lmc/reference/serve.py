@@ -59,6 +59,8 @@ from typing import Any
 import prometheus_client
 
 from lmc import units
+from lmc.http import admin as admin_api
+from lmc.http.admin import AdminAuth
 from lmc.http.json_api import (
     BoundedHTTPServer,
     HttpError,
@@ -69,8 +71,6 @@ from lmc.http.json_api import (
     limits_from_args,
     listen_error,
 )
-from lmc.http import admin as admin_api
-from lmc.http.admin import AdminAuth
 from lmc.reference.admin import EngineAdmin
 from lmc.reference.connector_api import connector_module
 from lmc.reference.engine import LLM
