@@ -197,3 +197,16 @@ def test_token_files_are_checked(tmp_path):
     ok.write_text("x" * 20)
     assert AdminToken.parse(f"{ok}:a,b").grant.namespaces == {"a", "b"}
     assert AdminToken.parse(f"{ok}:admin").grant.namespaces is None
+
+
+def test_a_caller_is_refused_before_its_body_is_read(tokened):
+    """A wrong token with a huge announced body: 401 at once (a server reading the body
+    first would wait for it until the read timeout and answer 408 or 413)."""
+    head = (b"POST /admin/cache/clear HTTP/1.0\r\nContent-Length: 1000\r\n"
+            b"Authorization: Bearer wrong-wrong-wrong-wrong\r\n\r\n")
+    status, raw = exchange(tokened.port, head)
+    assert status == 401, raw
+    status, raw = exchange(tokened.port, b"POST /admin/cache/clear HTTP/1.0\r\n"
+                                         b"Content-Length: 999999999999\r\n\r\n")
+    assert status == 401, raw
+    _served(tokened)
