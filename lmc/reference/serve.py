@@ -14,7 +14,9 @@ way they drive vLLM, not a production server:
   ``ignore_eos``, ``stream`` (server-sent events; ``stream_options.include_usage`` adds a
   final usage chunk), ``return_token_ids`` and ``kv_transfer_params`` (vLLM's field: passed
   to the KV connector; a producer's answer comes back in the response's
-  ``kv_transfer_params``). ``usage.prompt_tokens_details.cached_tokens`` is the prompt
+  ``kv_transfer_params``), ``cache_hints`` (``{"session", "priority", "ttl"}``: the lmc
+  connector keeps the session's chain in L1 for ``ttl`` s and gives it ``priority``;
+  :mod:`lmc.connectors.core.hints`). ``usage.prompt_tokens_details.cached_tokens`` is the prompt
   tokens the connector supplied.
 * ``POST /admin/cache/{pin,unpin,priority,delete,clear,prefetch}``: cache control on the
   engine's lmc cache (:mod:`lmc.reference.admin`), loopback clients only unless
