@@ -170,6 +170,8 @@ class TierEntry:
 
 
 _SECRET_TIER_KEYS = ("remote_token", "integrity_secret")
+CODEC_KEYS = ("codec", "head_size", "gate", "verdicts")
+"""Keys of a ``tiers:`` entry that configure its codec stage rather than its backend."""
 
 
 def _tier_entry(value: Any, where: str) -> TierEntry:
@@ -186,6 +188,11 @@ def _tier_entry(value: Any, where: str) -> TierEntry:
     for k in rest:
         if not isinstance(k, str) or not k.isidentifier():
             raise ConfigError(f"{where}: option name {k!r} is not a valid keyword name")
+    if "codec" in rest and rest.get("wrap") != "codec":
+        # a codec is a stage of this tier: {backend: disk, ..., codec: fp8} is the disk tier
+        # wrapped by the codec tier (lmc.storage.kvcodecs.tier), its options beside it
+        stage = {k: rest.pop(k) for k in CODEC_KEYS if k in rest}
+        return TierEntry("codec", stage, {}, _tier_entry(rest, where), where)
     inner = None
     if "wrap" in rest:
         backend = rest.pop("wrap")
@@ -357,7 +364,9 @@ class CacheConfig(Settings):
         "the tier chain as a list, memory first, then any backends in any order: a name or "
         "URL, or {backend: <name or URL>, <option>: <value>} (its own options, and "
         "remote_timeout/remote_key_prefix/remote_token/integrity_secret for that tier only), or "
-        "{wrap: <wrapper>, tier: <entry>}; unset = built from local_disk and remote_url",
+        "{wrap: <wrapper>, tier: <entry>}; codec: <codec> on an entry stores that tier's KV "
+        "coded (fp8-e4m3, int8, int4-kivi, +zstd/+lz4: docs/codecs.md); unset = built from "
+        "local_disk and remote_url",
         hashed=False)
     write_policy: str = setting(
         "write_through", lambda v, k: parse_choice(v, k, ("write_through", "write_on_evict")),
@@ -366,6 +375,12 @@ class CacheConfig(Settings):
         "1GiB", parse_size,
         "bytes of chunks waiting to be written to lower tiers, per tier, at most half the pool "
         "(a quarter under write_on_evict); beyond it writes are dropped", unit="size")
+    hybrid_checkpoint_interval: int = setting(
+        0, lambda v, k: parse_int(v, k, minimum=0),
+        "hybrid models (sliding-window or state-space layers beside full attention): tokens "
+        "between the points where their sliding-window and state parts are kept, a multiple "
+        "of chunk_size (besides each prompt's end); 0 = lmc picks (8 chunks, or two windows "
+        "if wider)")
     load_policy: str = setting(
         "auto", lambda v, k: parse_choice(v, k, ("auto", "load_all")),
         "how much of a hit the connector loads: auto = the part that beats recomputing at "
@@ -398,6 +413,10 @@ class CacheConfig(Settings):
         if self.remote_options and not self.remote_url:
             raise ConfigError("remote_options: given, but there is no remote_url whose backend "
                               "would take them")
+        interval = self.hybrid_checkpoint_interval
+        if interval and interval % self.chunk_size:
+            raise ConfigError(f"hybrid_checkpoint_interval: {interval} is not a multiple of "
+                              f"chunk_size {self.chunk_size}")
         for key in DEPRECATED_KEYS:
             if getattr(self, key) is not None:
                 _warn_deprecated(key, getattr(self, key))

@@ -177,12 +177,15 @@ class Geometry:
     dtype: torch.dtype
     max_tokens: int
     min_tokens: int = 1
+    head_size: int | None = dataclasses.field(default=None, compare=False)
+    """Elements of one head in a token's width (a KV codec's scale groups); not checked."""
 
     @classmethod
     def of(cls, spec: Any, max_tokens: int, min_tokens: int = 1) -> Geometry:
         """From a :class:`lmc.transfer.kv_spec.KVSpec` and the chunk (or page) size."""
         layers, planes, _, width = spec.chunk_shape(1)
-        return cls(layers, planes, width, spec.dtype, max_tokens, min_tokens)
+        return cls(layers, planes, width, spec.dtype, max_tokens, min_tokens,
+                   head_size=spec.head_size)
 
     @property
     def max_bytes(self) -> int:
@@ -204,6 +207,42 @@ class Geometry:
         if self.min_tokens == self.max_tokens:
             return str(self.max_tokens)
         return f"{self.min_tokens}..{self.max_tokens}"
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupGeometry(Geometry):
+    """A hybrid model's chunks: one part per KV group, each a :class:`Geometry` of its
+    own (``members``); a value must be one of them. The base fields are the largest
+    member's, so ``max_bytes`` bounds every read."""
+
+    members: tuple[Geometry, ...] = ()
+
+    @classmethod
+    def of_groups(cls, spec: Any, max_tokens: int) -> Geometry:
+        """From a hybrid :class:`lmc.transfer.kv_spec.KVSpec` (a plain one: ``Geometry.of``)."""
+        if not spec.groups:
+            return Geometry.of(spec, max_tokens)
+        members = []
+        for i in range(len(spec.groups)):
+            layers, planes, tokens, width = spec.group_chunk_shape(i, max_tokens)
+            members.append(Geometry(layers, planes, width, spec.group_dtype(i), tokens))
+        big = max(members, key=lambda m: m.max_bytes)
+        return cls(big.layers, big.planes, big.width, big.dtype, big.max_tokens,
+                   big.min_tokens, head_size=spec.head_size, members=tuple(members))
+
+    @property
+    def max_bytes(self) -> int:
+        return max(m.max_bytes for m in self.members)
+
+    def check(self, shape: Sequence[int], dtype: torch.dtype) -> None:
+        for m in self.members:
+            try:
+                m.check(shape, dtype)
+                return
+            except CorruptValue:
+                continue
+        raise CorruptValue(f"value holds {list(shape)} {_dtype_name(dtype)}, which is no KV "
+                           f"group part of this engine's ({len(self.members)} groups)")
 
 
 def _dtype_name(dtype: Any) -> str:

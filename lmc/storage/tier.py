@@ -326,6 +326,7 @@ BUILTIN_BACKENDS: dict[str, str] = {
     "mooncake": "lmc.storage.backends.mooncake.backend",
     "counting": "lmc.storage.wrappers",
     "rate_limit": "lmc.storage.wrappers",
+    "codec": "lmc.storage.kvcodecs.tier",
 }
 """Tiers by name, imported by module path on first use: lmc's own are found without package
 metadata (a source checkout, an ``lmc`` copied into a container), unlike entry points.
