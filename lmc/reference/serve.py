@@ -33,7 +33,7 @@ goes on serving the rest. Connections, the time to send a request and its size a
 bounded (``--max-connections``, ``--read-timeout``, ``--max-body``: see
 :mod:`lmc.http.json_api`; threat model: docs/threats/http.md). A process whose lmc config has a P2P tier holds a NIXL
 agent: it is closed on SIGTERM/SIGINT with the engine, and the exit is clean (see
-:mod:`lmc.p2p.agent`).
+:mod:`lmc.storage.backends.p2p.agent`).
 """
 
 from __future__ import annotations
