@@ -386,6 +386,12 @@ class CacheConfig(Settings):
         "1GiB", parse_size,
         "bytes of chunks waiting to be written to lower tiers, per tier, at most half the pool "
         "(a quarter under write_on_evict); beyond it writes are dropped", unit="size")
+    hybrid_checkpoint_interval: int = setting(
+        0, lambda v, k: parse_int(v, k, minimum=0),
+        "hybrid models (sliding-window or state-space layers beside full attention): tokens "
+        "between the points where their sliding-window and state parts are kept, a multiple "
+        "of chunk_size (besides each prompt's end); 0 = lmc picks (8 chunks, or two windows "
+        "if wider)")
     load_policy: str = setting(
         "auto", lambda v, k: parse_choice(v, k, ("auto", "load_all")),
         "how much of a hit the connector loads: auto = the part that beats recomputing at "
@@ -418,6 +424,10 @@ class CacheConfig(Settings):
         if self.remote_options and not self.remote_url:
             raise ConfigError("remote_options: given, but there is no remote_url whose backend "
                               "would take them")
+        interval = self.hybrid_checkpoint_interval
+        if interval and interval % self.chunk_size:
+            raise ConfigError(f"hybrid_checkpoint_interval: {interval} is not a multiple of "
+                              f"chunk_size {self.chunk_size}")
         for key in DEPRECATED_KEYS:
             if getattr(self, key) is not None:
                 _warn_deprecated(key, getattr(self, key))

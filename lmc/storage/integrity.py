@@ -225,6 +225,42 @@ class Geometry:
         return f"{self.min_tokens}..{self.max_tokens}"
 
 
+@dataclasses.dataclass(frozen=True)
+class GroupGeometry(Geometry):
+    """A hybrid model's chunks: one part per KV group, each a :class:`Geometry` of its
+    own (``members``); a value must be one of them. The base fields are the largest
+    member's, so ``max_bytes`` bounds every read."""
+
+    members: tuple[Geometry, ...] = ()
+
+    @classmethod
+    def of_groups(cls, spec: Any, max_tokens: int) -> Geometry:
+        """From a hybrid :class:`lmc.transfer.kv_spec.KVSpec` (a plain one: ``Geometry.of``)."""
+        if not spec.groups:
+            return Geometry.of(spec, max_tokens)
+        members = []
+        for i in range(len(spec.groups)):
+            layers, planes, tokens, width = spec.group_chunk_shape(i, max_tokens)
+            members.append(Geometry(layers, planes, width, spec.group_dtype(i), tokens))
+        big = max(members, key=lambda m: m.max_bytes)
+        return cls(big.layers, big.planes, big.width, big.dtype, big.max_tokens,
+                   big.min_tokens, members=tuple(members))
+
+    @property
+    def max_bytes(self) -> int:
+        return max(m.max_bytes for m in self.members)
+
+    def check(self, shape: Sequence[int], dtype: torch.dtype) -> None:
+        for m in self.members:
+            try:
+                m.check(shape, dtype)
+                return
+            except CorruptValue:
+                continue
+        raise CorruptValue(f"value holds {list(shape)} {_dtype_name(dtype)}, which is no KV "
+                           f"group part of this engine's ({len(self.members)} groups)")
+
+
 def _dtype_name(dtype: Any) -> str:
     return str(dtype).removeprefix("torch.")
 

@@ -292,6 +292,18 @@ class StorageManager:
             return []
         if len(self.tiers) == 1:
             return [0] * self.l1.prefix_hits(keys)
+        where = self.sources(keys)
+        n = 0
+        while n < len(where) and where[n] >= 0:
+            n += 1
+        return where[:n]
+
+    def sources(self, keys: Sequence[Key]) -> list[int]:
+        """For every key, the index in ``tiers`` of the first tier holding it, -1 where no
+        tier does (each tier asked once, batched, only for the keys the tiers above miss):
+        a hybrid model's lookup asks for parts that are not one prefix."""
+        if not keys:
+            return []
         present = self.l1.contains(keys)
         for q in self.queues:
             if q.queued_chunks:
@@ -314,10 +326,7 @@ class StorageManager:
                     where[i] = level
                     hits += 1
             m.lookup(hits, len(todo) - hits, time.perf_counter() - t0)
-        n = 0
-        while n < len(where) and where[n] >= 0:
-            n += 1
-        return where[:n]
+        return where
 
     def get_prefix(self, keys: Sequence[Key]) -> list[MemoryObj]:
         """Objects for the longest present prefix of ``keys``, each acquired for the caller.

@@ -129,7 +129,10 @@ class RedisBackend(StorageBackend):
                                   probe_timeout=max(5.0, 4 * self.timeout), on_change=on_change)
 
         # a fetch and a write-behind batch may each use ``connections`` at the same time
-        self.router = Router(self.target, make_breaker, max_idle=2 * self.connections + 2)
+        self.router = Router(self.target, make_breaker, max_idle=2 * self.connections + 2,
+                             warm=self.connections)
+        # the first calls find their connections made (nodes.py says why)
+        self.router.checked.wait(self.router.check_timeout * len(self.router.seeds))
         self._executor: ThreadPoolExecutor | None = None
         self._exec_lock = threading.Lock()
         self._counts: Counter[str] = Counter()  # plain figures for stats()
