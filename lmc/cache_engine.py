@@ -46,15 +46,10 @@ from lmc.token_database import (
     tokens_to_bytes,
 )
 from lmc.transfer.bound_caches import TransferCache
+from lmc.transfer.factory import TransferFactory, make_transfer
 from lmc.transfer.grouped import GroupedTransfer
 from lmc.transfer.kv_spec import KVCaches, KVSpec
-from lmc.transfer.torch_copy import (
-    ChunkRanges,
-    KVTransfer,
-    TransferFactory,
-    TransferPlan,
-    make_transfer,
-)
+from lmc.transfer.plan import ChunkRanges, KVTransfer, TransferPlan
 from lmc.transfer.warm import pinned_buffer, warm_up
 
 log = logging.getLogger(__name__)

@@ -135,7 +135,9 @@ def test_layerwise_copies_know_the_engine_only_through_their_protocol():
 RANKS: list[tuple[str, ...]] = [
     ("lmc.units", "lmc.ratelog", "lmc.settings", "lmc.config", "lmc.metrics", "lmc.lazy_import",
      "lmc.token_database", "lmc._tokens", "lmc.strict_json", "lmc.bounded_io",
-     "lmc.user_cache", "lmc.priority"),
+     "lmc.user_cache", "lmc.priority",
+     # the kv_events setting's own schema, part of the config schema (no registry in it)
+     "lmc.events.config", "lmc.events.endpoints"),
     ("lmc.memory",),
     ("lmc.transfer",),
     ("lmc.storage",),
