@@ -35,6 +35,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from lmc.bounded_io import read_at_most
+from lmc.workloads import funnel_report
 from lmc.workloads.dispatch import Dispatcher
 from lmc.workloads.inputs import InputError, parse_json, printable
 from lmc.workloads.replay import Progress, ReplayResult, RequestRecord
@@ -357,6 +358,8 @@ def replay_http(requests: Sequence[TraceRequest], url: str, *, model: str | None
     model = model or ep.model()
     scraper = _Scraper(ep)
     before = scraper.read()
+    read_funnel = funnel_report.http_reader(lambda path: ep.get(path, timeout=10))
+    funnel_before = read_funnel()
     records = {r.request_id: RequestRecord(r.request_id, r.session_id, r.prefix_group, 0.0)
                for r in requests}
     records_text = {r.request_id: r.prompt_tokens is None for r in requests}
@@ -424,8 +427,10 @@ def replay_http(requests: Sequence[TraceRequest], url: str, *, model: str | None
     else:
         timeline.append((duration, sent_prompt, tier_tokens))
     done = finished if interrupted else list(records.values())
-    return ReplayResult(url, "fast" if fast else "timed", done, duration, tier_tokens, source,
-                        failures, timeline, interrupted, len(records))
+    res = ReplayResult(url, "fast" if fast else "timed", done, duration, tier_tokens, source,
+                       failures, timeline, interrupted, len(records))
+    res.funnel = funnel_report.view(funnel_report.delta(read_funnel(), funnel_before))
+    return res
 
 
 def _final_counters(scraper: _Scraper, before: Any, settle_s: float = 10.0

@@ -19,6 +19,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from lmc.workloads import funnel_report
 from lmc.workloads.dispatch import Dispatcher
 from lmc.workloads.trace import TraceRequest
 
@@ -64,6 +65,8 @@ class ReplayResult:
     # and of those, the ones recomputed; None where the target does not blend
     blend_tokens: float | None = None
     blend_recomputed: float | None = None
+    # the hit-rate funnel over the replay (lmc.workloads.funnel_report.view's rows)
+    funnel: dict[str, Any] | None = None
 
     @property
     def ok(self) -> list[RequestRecord]:
@@ -121,6 +124,7 @@ def replay_reference(requests: Sequence[TraceRequest], llm: Any, *, fast: bool =
         llm.generate([warm], max_tokens=2, ignore_eos=True)
 
     conn = getattr(llm, "kv_connector", None)
+    funnel_base = funnel_report.numbers(conn.stats()) if conn is not None else {}
     worker = getattr(conn, "worker", None)
     blender = getattr(conn, "blender", None)
     blend_base = (blender.stats.tokens_reused, blender.stats.tokens_recomputed) \
@@ -222,6 +226,9 @@ def replay_reference(requests: Sequence[TraceRequest], llm: Any, *, fast: bool =
     if blender is not None:
         res.blend_tokens = float(blender.stats.tokens_reused - blend_base[0])
         res.blend_recomputed = float(blender.stats.tokens_recomputed - blend_base[1])
+    if conn is not None:
+        res.funnel = funnel_report.view(funnel_report.delta(
+            funnel_report.numbers(conn.stats()), funnel_base))
     return res
 
 

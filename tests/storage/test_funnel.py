@@ -6,18 +6,12 @@ engine's own cached-token count, request by request summed."""
 
 from __future__ import annotations
 
-import time
-import uuid
-
-import pytest
 import torch
 
 from lmc import CacheConfig, CacheEngine
 from lmc.connectors.reference.connector import LMCReferenceConnector
 from lmc.reference import LLM, make_tiny_checkpoint
 from lmc.storage.funnel import funnel_view
-from tests.deadlines import HANG_S
-from tests.storage.backends.conftest import redis_server  # noqa: F401 - the fixture
 from tests.kvutil import make_caches, random_tokens, spec_for
 
 CHUNK = 16
@@ -98,27 +92,6 @@ def test_a_full_write_queue_is_the_reason_once_l1_evicts(tmp_path):
             eng.lookup(p)
         d = _delta(eng, st)
         assert d.get("funnel.miss.write_queue_full", 0) > 0, d
-
-
-@pytest.mark.integration
-def test_a_redis_ttl_is_the_reason_once_the_value_expired(redis_server):
-    src, eng = _engine(chunks=4, remote_url=redis_server.url,
-                       remote_options={"ttl": 1.0},
-                       remote_key_prefix=f"f{uuid.uuid4().hex[:8]}")
-    with eng:
-        a = random_tokens(4 * CHUNK, 20)
-        eng.lookup(a)
-        _store(eng, src, a)
-        assert eng.flush(HANG_S)
-        for seed in (21, 22):  # out of L1; Redis keeps a for its TTL
-            _store(eng, src, random_tokens(4 * CHUNK, seed))
-        end = time.monotonic() + HANG_S
-        while eng.storage.lower[0].contains(eng.db.keys(a)[:1]) == [True]:
-            assert time.monotonic() < end, "Redis never expired the value"
-            time.sleep(0.1)
-        st = eng.stats()
-        eng.lookup(a)
-        assert _delta(eng, st).get("funnel.miss.ttl") == 64
 
 
 def test_the_funnel_and_the_engines_cached_tokens_agree(tmp_path):
