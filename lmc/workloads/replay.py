@@ -104,10 +104,34 @@ Progress = Callable[[RequestRecord, int, int], None]  # (record, finished, total
 
 
 # --------------------------------------------------------------------------- reference
+@dataclass(frozen=True)
+class SessionHints:
+    """Cache hints a replay adds to each request (``lmc replay --session-hints``,
+    ``--background-priority``; :mod:`lmc.connectors.core.hints`): a request of a session
+    pins its chain for ``ttl`` s under the session and gives it ``priority``; one without
+    a session gets ``background_priority``."""
+
+    ttl: float | None = None
+    priority: int | None = None
+    background_priority: int | None = None
+
+    def params(self, req: TraceRequest) -> dict[str, Any] | None:
+        """The request's ``kv_transfer_params`` (None: nothing to say)."""
+        if req.session_id is None:
+            return None if self.background_priority is None else \
+                {"lmc_priority": self.background_priority}
+        out: dict[str, Any] = {"lmc_session": req.session_id[:256]}
+        if self.ttl is not None:
+            out["lmc_ttl"] = self.ttl
+        if self.priority is not None:
+            out["lmc_priority"] = self.priority
+        return out if len(out) > 1 else None
+
+
 def replay_reference(requests: Sequence[TraceRequest], llm: Any, *, fast: bool = False,
                      concurrency: int | None = None, progress: Progress | None = None,
                      keep_outputs: bool = True, target: str = "reference",
-                     warm_up: bool = True) -> ReplayResult:
+                     warm_up: bool = True, hints: SessionHints | None = None) -> ReplayResult:
     """Replay ``requests`` on a :class:`lmc.reference.LLM` (with or without an lmc
     connector); greedy, exactly ``output_len`` tokens each (EOS ignored). ``warm_up`` runs
     one untimed request of random tokens first, so the first timed request does not pay
@@ -173,6 +197,7 @@ def replay_reference(requests: Sequence[TraceRequest], llm: Any, *, fast: bool =
                 sent_at[req.request_id] = time.perf_counter()
                 try:
                     llm.add_request(prompts[req.request_id], params,
+                                    None if hints is None else hints.params(req),
                                     request_id=req.request_id,
                                     segments=spans[req.request_id])
                     sent_prompt += len(prompts[req.request_id])
