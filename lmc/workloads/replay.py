@@ -197,8 +197,9 @@ def replay_reference(requests: Sequence[TraceRequest], llm: Any, *, fast: bool =
                 sent_at[req.request_id] = time.perf_counter()
                 try:
                     llm.add_request(prompts[req.request_id], params,
-                                    None if hints is None else hints.params(req),
                                     request_id=req.request_id,
+                                    kv_transfer_params=None if hints is None
+                                    else hints.params(req),
                                     segments=spans[req.request_id])
                     sent_prompt += len(prompts[req.request_id])
                 except ValueError as e:  # too long for the model, a token id out of its vocab
