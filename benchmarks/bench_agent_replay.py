@@ -100,6 +100,7 @@ def main() -> int:
     p.add_argument("--seed", type=int, default=7)
     p.add_argument("--hidden", type=int, default=64, help="the tiny model's width")
     p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--threads", type=int, default=2, help="torch threads")
     args = p.parse_args()
     import torch
 
@@ -107,7 +108,7 @@ def main() -> int:
     from lmc.reference import make_tiny_checkpoint
     from lmc.workloads.replay import SessionHints
 
-    torch.set_num_threads(2)
+    torch.set_num_threads(args.threads)
     work = Path(tempfile.mkdtemp(prefix="lmc-agent-bench-"))
     try:
         ckpt = make_tiny_checkpoint(work / "tiny", hidden=args.hidden, layers=args.layers,
