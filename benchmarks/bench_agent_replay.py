@@ -6,7 +6,8 @@ of background traffic; TTFT p50/p95 both ways.
 
 The reference engine (a tiny random-weight checkpoint on the CPU, ``--blocks`` KV blocks of
 16 tokens: its KV memory M) with lmc's L1 of M bytes and a disk tier of M bytes (L1 + disk =
-2M), chunks of 64 tokens. The trace is ``lmc workload agent`` (token ids): sessions over a
+2M, ``write_on_evict``: what L1 evicts goes to the disk, so the two hold different chunks;
+``--write-policy write_through`` mirrors L1 on the disk instead), chunks of 64 tokens. The trace is ``lmc workload agent`` (token ids): sessions over a
 shared tools prefix, appending turns, forking sub-agents, think time, and a background of
 unrelated prompts with a burst that alone holds several times 2M. It is replayed twice on a
 fresh engine and disk each time, at the trace's arrival times:
@@ -52,7 +53,8 @@ def _trace(ckpt: Path, sessions: int, seed: int, quick: bool) -> list[Any]:
     return list(g.render(drafts, arrivals, tok))
 
 
-def _run(ckpt: Path, trace: list[Any], blocks: int, hints: Any, work: Path) -> dict[str, Any]:
+def _run(ckpt: Path, trace: list[Any], blocks: int, hints: Any, work: Path,
+         write_policy: str) -> dict[str, Any]:
     from lmc.config import CacheConfig
     from lmc.connectors.reference import LMCReferenceConnector
     from lmc.reference import LLM
@@ -61,7 +63,8 @@ def _run(ckpt: Path, trace: list[Any], blocks: int, hints: Any, work: Path) -> d
     m = blocks * BLOCK * _kv_bytes_per_token(ckpt)  # the engine's KV memory (fp32)
     disk = work / f"disk-{time.monotonic_ns()}"
     cfg = CacheConfig(chunk_size=CHUNK, local_cpu_size=m, local_disk=str(disk),
-                      local_disk_size=m, pin_memory="false", local_cpu_prefault="off")
+                      local_disk_size=m, pin_memory="false", local_cpu_prefault="off",
+                      write_policy=write_policy)
     conn = LMCReferenceConnector(cfg, model_dir=ckpt)
     llm = LLM(ckpt, num_blocks=blocks, block_size=BLOCK, max_model_len=16384,
               kv_connector=conn, max_num_seqs=4)
@@ -101,6 +104,10 @@ def main() -> int:
     p.add_argument("--hidden", type=int, default=64, help="the tiny model's width")
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--threads", type=int, default=2, help="torch threads")
+    p.add_argument("--write-policy", default="write_on_evict",
+                   choices=("write_on_evict", "write_through"),
+                   help="write_on_evict (default): L1 and disk hold different chunks, so "
+                   "together they are 2M; write_through mirrors L1 on disk (about M)")
     args = p.parse_args()
     import torch
 
@@ -118,10 +125,10 @@ def main() -> int:
         n_bg = sum(r.session_id is None for r in trace)
         prompt = sum(len(r.prompt_tokens) for r in trace)
         print(f"trace: {len(trace)} requests ({n_bg} background), {prompt:,} prompt tokens, "
-              f"last arrival {trace[-1].arrival_s:.1f} s")
+              f"last arrival {trace[-1].arrival_s:.1f} s; {args.write_policy}")
         out = {}
         for name, hints in (("hints", SessionHints(900.0, 5, -5)), ("plain", None)):
-            out[name] = r = _run(ckpt, trace, args.blocks, hints, work)
+            out[name] = r = _run(ckpt, trace, args.blocks, hints, work, args.write_policy)
             f = r["funnel"]
             print(f"\n{name}: KV memory {units.size(r['kv_memory'])} (L1 = disk = it), "
                   f"{r['failed']} failed, {units.seconds(r['duration_s'])}")

@@ -48,6 +48,7 @@ from lmc.memory.pool import MemoryObj, MemoryPool
 from lmc.metrics import TierMetrics
 from lmc.storage.layered_read import LayeredRead, LayerGate
 from lmc.storage.load_watch import LoadWatch, read_watched
+from lmc.storage.priorities import Sticky
 from lmc.storage.speeds import Speeds
 from lmc.storage.tier import (
     DELETED,
@@ -190,6 +191,7 @@ class StorageManager:
         self._fetching = 0  # watched reads' pieces running (abandoned ones included)
         self._listeners: tuple[TierListener, ...] = ()
         self._store_listeners: tuple[TierListener, ...] = ()  # those that observe stores
+        self.priorities = Sticky()  # priorities that follow chunks (lmc.storage.priorities)
         if self.queues and write_policy == "write_on_evict":
             self.add_listener(WriteOnEvict(self.queues))
 
@@ -216,12 +218,24 @@ class StorageManager:
                                       if getattr(x, "observes_stores", True))
         stores = bool(self._store_listeners)
         self.l1.on_evict = self._l1_evicted if on else None
+        sticky = bool(self.priorities)
         for level, (tier, q) in enumerate(zip(self.lower, self.queues), 1):
-            q.on_written = partial(self._emit_stored, level, reason=STORED) if stores else None
+            q.on_written = partial(self._written, level) if stores or sticky else None
             try:
                 tier.on_evicted = partial(self._lower_evicted, level) if on else None
             except AttributeError:  # a tier refusing attributes: its evictions go unseen
                 log.debug("tier %s takes no on_evicted hook", tier.name)
+
+    def _written(self, level: int, keys: Sequence[Key]) -> None:
+        """Write-behind stored ``keys`` in lower tier ``level``: their priorities follow
+        (:mod:`lmc.storage.priorities`), the listeners hear of it."""
+        if self.priorities:
+            try:
+                self.priorities.apply(self.tiers[level], keys)
+            except Exception as e:  # noqa: BLE001 - a hint, never the writer's failure
+                log.warning("tier %s failed set_priority(): %s", self.tiers[level].name, e)
+        if self._store_listeners:
+            self._emit_stored(level, keys, reason=STORED)
 
     def _emit_stored(self, level: int, keys: Sequence[Key], reason: str = STORED) -> None:
         for x in self._store_listeners:
@@ -569,6 +583,8 @@ class StorageManager:
         if not keys:
             return
         self.metrics[level].promoted(self._l1_put(keys, objs))
+        if self.priorities:  # back in L1 with the rank it had
+            self.priorities.apply(self.l1, keys)
         if self.write_policy == "write_through":
             for q in self.queues[:level]:  # the tiers above it missed these chunks
                 q.offer(keys, objs)
@@ -590,8 +606,9 @@ class StorageManager:
         return n
 
     def delete(self, keys: Sequence[Key]) -> int:
-        """Remove ``keys`` from every tier and queue. With listeners, each tier is asked
+        """Remove ``keys`` from every tier and queue (and forget their priorities). With listeners, each tier is asked
         first which it holds (a delete is rare; the event names only keys that were there)."""
+        self.priorities.forget(keys)
         for q in self.queues:
             q.discard(keys)
         n = 0
@@ -618,6 +635,8 @@ class StorageManager:
         tier that cannot clear, or failed, is left out and logged)."""
         for q in self.queues:
             q.discard_prefix(prefix)
+        if not prefix:
+            self.priorities.clear()
         out: dict[str, int | None] = {}
         for level, tier in enumerate(self.tiers):
             try:
@@ -630,6 +649,7 @@ class StorageManager:
                 continue
             out[tier.name] = None if keys is None else len(keys)
             if keys:
+                self.priorities.forget(keys)
                 self._emit_removed(level, keys, DELETED)
             elif keys is None and not prefix:
                 self._emit_cleared(level)
@@ -645,6 +665,10 @@ class StorageManager:
     def set_priority(self, keys: Sequence[Key], priority: int) -> int:
         """Retention ``priority`` for the held ``keys`` in every tier that keeps priorities
         (L1, disk: :mod:`lmc.storage.eviction`); returns how many L1 holds."""
+        was = bool(self.priorities)
+        self.priorities.remember(keys, priority)
+        if was != bool(self.priorities):
+            self._wire()  # write-behind now (or no longer) carries priorities down
         n = 0
         for level, tier in enumerate(self.tiers):
             try:

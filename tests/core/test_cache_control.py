@@ -215,3 +215,26 @@ def test_delete_and_clear_publish_the_removals(tmp_path):
         assert wire.Cleared() in events or {
             h for e in events if isinstance(e, wire.Removed) for h in e.hashes}
         sub.close()
+
+
+def test_a_priority_follows_the_chunk_down_to_disk_and_back(tmp_path):
+    """Under write_on_evict a chunk reaches the disk only when L1 evicts it, after its
+    priority was set; a disk hit is promoted back into L1: it keeps its rank both ways."""
+    src, dst, eng = _engine(chunks=16, local_disk=str(tmp_path / "d"),
+                            local_disk_size="8MiB", write_policy="write_on_evict")
+    with eng:
+        a = random_tokens(2 * CHUNK, 81)
+        eng.store(a, src, _slots(len(a)))
+        assert eng.set_priority(a, -4) == 2  # the first to go
+        for seed in range(82, 90):  # 16 more chunks: a leaves L1 for the disk
+            eng.store(random_tokens(2 * CHUNK, seed), src, _slots(2 * CHUNK, 16))
+            eng.flush()  # the queue (a quarter of the pool) drains between stores
+        keys = eng.db.keys(a)
+        disk, l1 = eng.storage.lower[0], eng.storage.l1
+        assert not any(l1.contains(keys)) and all(disk.contains(keys))
+        assert [disk.priority_of(k) for k in keys] == [-4, -4]
+        assert eng.retrieve(a, dst, _slots(len(a), 32)) == len(a)  # promoted back
+        assert [l1.priority_of(k) for k in keys] == [-4, -4]
+        eng.delete(a)
+        eng.store(a, src, _slots(len(a)))  # stored afresh after a delete: an ordinary chunk
+        assert [l1.priority_of(k) for k in keys] == [0, 0]

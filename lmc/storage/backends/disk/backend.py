@@ -853,6 +853,10 @@ class DiskBackend(StorageBackend):
         with self._lock:
             return self._policy.set_priority(keys, priority)
 
+    def priority_of(self, key: Key) -> int:
+        with self._lock:
+            return self._policy.priority_of(key)
+
     # ------------------------------------------------------------------- misc
     @property
     def used_bytes(self) -> int:
