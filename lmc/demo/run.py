@@ -259,7 +259,7 @@ def run_demo(model: DemoModel | Path | None = None, config_path: str | None = No
     def say(line: str) -> None:
         print(line, file=out, flush=True)
 
-    t_start = time.perf_counter()
+    t_start, cpu_start = time.perf_counter(), time.process_time()
     cfg = check_config(config_path if config_path else dict(DEMO_CONFIG))
     if not isinstance(model, DemoModel):
         model = pick_model(model, quick, say)
@@ -278,7 +278,8 @@ def run_demo(model: DemoModel | Path | None = None, config_path: str | None = No
             if tmp_disk:
                 shutil.rmtree(tmp_disk, ignore_errors=True)
     differ = _report(done, baseline, say)
-    say(f"demo took {time.perf_counter() - t_start:.0f} s")
+    say(f"demo took {time.perf_counter() - t_start:.0f} s ({time.process_time() - cpu_start:.0f} "
+        "s of CPU time in this process)")
     if differ:
         raise RuntimeError("lmc changed the generated tokens: this is a bug")
     return done.results
