@@ -41,6 +41,7 @@ from lmc.settings import (
     parse_bool,
     parse_choice,
     parse_duration,
+    parse_float,
     parse_int,
     parse_mapping,
     parse_opt_str,
@@ -89,6 +90,13 @@ def _kv_events(value: Any, key: str) -> dict[str, Any] | None:
     except (TypeError, ValueError) as e:
         raise ConfigError(f"{key}: {e}") from None
     return out
+
+
+def _fraction(value: Any, key: str) -> float:
+    v = parse_float(value, key, minimum=0.0)
+    if v > 1:
+        raise ConfigError(f"{key} must be a fraction in [0, 1], got {value!r}")
+    return v
 
 
 DEPRECATED_KEYS: dict[str, str] = {"remote_ttl": "ttl", "remote_connections": "connections"}
@@ -317,6 +325,17 @@ class CacheConfig(Settings):
         60.0, lambda v, k: parse_duration(v, k, minimum=0.001),
         "seconds (or '500ms', '5m') a pin lives if no retrieve or unpin releases it first",
         unit="duration")
+    max_ttl_pins: int = setting(
+        65536, lambda v, k: parse_int(v, k, minimum=0),
+        "chunks CacheEngine.pin (and requests' session hints) may hold pinned at once, per "
+        "namespace; a pin past it is refused (PinLimitError)")
+    max_pin_share: float = setting(
+        0.5, lambda v, k: _fraction(v, k),
+        "share of local_cpu_size those pins may hold; a pin past it is refused")
+    max_pin_ttl: float = setting(
+        3600.0, lambda v, k: parse_duration(v, k, minimum=0.001),
+        "the longest TTL a pin may ask for (seconds, or '5m', '1h'); longer is refused "
+        "(TTLError)", unit="duration")
     # ---- lower tiers
     local_disk: str | None = setting(
         None, parse_opt_str, "directory of the local disk tier; unset = no disk tier")

@@ -139,6 +139,9 @@ def register_cli(sub: Any) -> None:
                    help="tokens per tier-load measurement")
     g.add_argument("--reps", type=int_in(1, MAX_REPS), default=3, metavar="N",
                    help="repetitions per figure")
+    g.add_argument("--threads", type=int_in(0, 4096), default=0, metavar="N",
+                   help="torch threads the engine computes with while measured (default 0: "
+                   "half the cores, as lmc replay and lmc demo run it)")
     g.add_argument("--disk-dir", metavar="DIR", help="where the disk-tier measurement writes")
     g.add_argument("--remote-url", "--redis", dest="remote_url", metavar="URL",
                    help="also measure this remote tier (redis://, lmc://, mooncake://..., "
@@ -162,6 +165,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _calibrate(args: argparse.Namespace) -> int:
+    from lmc.demo import default_threads
     from lmc.planner.calibrate import CalibrationRefused, calibrate
     from lmc.planner.costmodel import default_profile_path
 
@@ -169,7 +173,8 @@ def _calibrate(args: argparse.Namespace) -> int:
     try:
         prof = calibrate(args.model, lengths=args.lengths, reps=args.reps,
                          load_tokens=args.load_tokens, chunk_size=args.chunk_size or 256,
-                         disk_dir=args.disk_dir, remote_url=args.remote_url)
+                         disk_dir=args.disk_dir, remote_url=args.remote_url,
+                         threads=args.threads or default_threads())
     except CalibrationRefused as e:  # measured, but nonsense: the old profile stays
         kept = (f"the previous profile {path} is kept" if path.is_file()
                 else f"no profile written to {path}")

@@ -26,6 +26,7 @@ from lmc.settings import (
     parse_bool,
     parse_choice,
     parse_duration,
+    parse_float,
     parse_int,
     parse_mapping,
     parse_opt_path,
@@ -143,6 +144,13 @@ def _kv_events(v: Any, k: str) -> dict[str, Any] | None:
     return out
 
 
+def _share(v: Any, k: str) -> float:
+    out = parse_float(v, k, minimum=0.0)
+    if out > 1:
+        raise ConfigError(f"{k} must be a fraction in [0, 1], got {v!r}")
+    return out
+
+
 def _pos(v: Any, k: str) -> int:
     return parse_int(v, k, minimum=1)
 
@@ -212,6 +220,15 @@ class ServerConfig(Settings):
                                         unit="size")
     quotas: dict[str, int] = setting(None, _quotas, "per-namespace memory quotas: {ns: size}")
     max_namespaces: int = setting(4096, _pos, "namespaces tracked for quotas at once")
+    max_pins: int = setting(65536, lambda v, k: parse_int(v, k, minimum=0),
+                            "chunks one namespace may hold pinned (PIN) at once; a PIN past "
+                            "it is refused")
+    max_pin_share: float = setting(0.5, lambda v, k: _share(v, k),
+                                   "share of the pool one namespace's pins may hold (and never "
+                                   "more than its quota); a PIN past it is refused")
+    max_pin_ttl: float = setting(3600.0, _seconds(0.001),
+                                 "the longest TTL a PIN may ask for; longer is refused",
+                                 unit="duration")
     # ---- bounds
     max_meta: int = setting("1MiB", parse_positive_size, "bytes of metadata in one frame",
                             unit="size")

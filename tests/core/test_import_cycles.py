@@ -141,7 +141,7 @@ RANKS: list[tuple[str, ...]] = [
     ("lmc.memory",),
     ("lmc.transfer",),
     ("lmc.storage",),
-    ("lmc.cache_engine", "lmc.layerwise", "lmc.events", "lmc.hybrid"),
+    ("lmc.cache_engine", "lmc.cache_control", "lmc.layerwise", "lmc.events", "lmc.hybrid"),
     ("lmc.http",),  # what every HTTP front shares
     # the built-in engine knows lmc only by name (connector_api.CONNECTOR_MODULES); its
     # segment blending builds on the API; the models it runs come from lmc.models (its
