@@ -170,8 +170,12 @@ def tiny_config_dict(
     rope_scaling: dict[str, Any] | None = None,
     max_position_embeddings: int = 2048,
     dtype: str = "float32",
+    sliding_window: int | None = None,
+    sliding_every: int = 2,
 ) -> dict[str, Any]:
-    """The ``config.json`` contents ``make_tiny_checkpoint`` writes."""
+    """The ``config.json`` contents ``make_tiny_checkpoint`` writes. ``sliding_window``: a
+    hybrid model whose layers ``0, sliding_every, 2 * sliding_every, ...`` attend to the
+    last ``sliding_window`` positions (``layer_types``), the others to all."""
     qwen = model_type == "qwen2"
     cfg: dict[str, Any] = {
         "architectures": ["Qwen2ForCausalLM" if qwen else "LlamaForCausalLM"],
@@ -196,6 +200,10 @@ def tiny_config_dict(
         cfg["use_sliding_window"] = False
     if attention_bias is not None or not qwen:
         cfg["attention_bias"] = bool(attention_bias)
+    if sliding_window is not None:
+        cfg["layer_types"] = ["sliding_attention" if i % sliding_every == 0 else
+                              "full_attention" for i in range(layers)]
+        cfg["sliding_window"] = sliding_window
     return cfg
 
 
@@ -218,11 +226,13 @@ def make_tiny_checkpoint(
     dtype: str = "float32",
     shards: int = 1,
     progress: Callable[[str], None] | None = None,
+    sliding_window: int | None = None,
 ) -> Path:
     """Write a random-weight checkpoint to ``path`` (created if needed); returns it.
 
     ``model_type="qwen2"`` gives a Qwen2-style model: q/k/v biases and tied embeddings
-    by default. ``shards > 1`` splits the weights into that many files plus an index.
+    by default. ``sliding_window``: a hybrid sliding-window/full model (every other layer,
+    from layer 0, attends to that many last positions). ``shards > 1`` splits the weights into that many files plus an index.
     ``progress`` is called with one line per step (tokenizer, weights, files) and how long
     it took: a large checkpoint takes minutes, and a silent wait looks like a hang.
     """
@@ -236,6 +246,7 @@ def make_tiny_checkpoint(
         tie_word_embeddings=tie_word_embeddings, attention_bias=attention_bias,
         rope_theta=rope_theta, rope_scaling=rope_scaling,
         max_position_embeddings=max_position_embeddings, dtype=dtype,
+        sliding_window=sliding_window,
     )
     config = ModelConfig.from_dict(cfg)
     from lmc.reference.loader import resolve_dtype

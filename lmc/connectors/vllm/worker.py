@@ -102,7 +102,8 @@ class WorkerSide:
         if eng is None:
             return None
         layers = eng.spec.num_layers if self.layerwise else 1
-        return Costs.from_snapshot(eng.speeds.snapshot(), eng.bytes_per_token, layers)
+        return Costs.from_snapshot(eng.speeds.snapshot(), eng.bytes_per_token, layers,
+                                   eng.load_bytes)
 
     # ----------------------------------------------------------------- per step
     def bind(self, meta: ConnectorMetadata) -> None:
