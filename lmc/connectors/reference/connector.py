@@ -48,9 +48,9 @@ from lmc.reference.scheduler_output import SchedulerOutput
 from lmc.storage.chain import TierSpec
 from lmc.storage.lookup import LookupResult
 from lmc.storage.speeds import PrefillRate
+from lmc.transfer.factory import TransferFactory
 from lmc.transfer.kv_groups import FULL, SLIDING, KVGroup
 from lmc.transfer.kv_spec import KVSpec
-from lmc.transfer.torch_copy import TransferFactory
 
 ConfigLike = CacheConfig | str | os.PathLike | Mapping[str, Any] | None
 KV_ROLES = {"kv_both": (True, True), "kv_producer": (False, True), "kv_consumer": (True, False)}

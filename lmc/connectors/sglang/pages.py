@@ -40,7 +40,7 @@ from lmc.storage.integrity import Geometry, expect_geometry
 from lmc.storage.lookup import LookupResult
 from lmc.storage.tier import Key
 from lmc.transfer.kv_spec import KVSpec
-from lmc.transfer.torch_copy import KVTransfer, TransferPlan
+from lmc.transfer.plan import KVTransfer, TransferPlan
 
 log = logging.getLogger(__name__)
 

@@ -838,6 +838,21 @@ class DiskBackend(StorageBackend):
         self._unlink(gone, dying)
         return n
 
+    def clear_namespace(self, prefix: bytes = b"") -> list[Key]:
+        """Every value in the directory (it is this tier's alone: one tier per directory),
+        or those whose key starts with ``prefix``; files being read go once their reads end
+        (as a delete's)."""
+        with self._lock:
+            if self._closed:
+                return []
+            keys = [k for k in self._index if k.startswith(prefix)]
+        self.delete(keys)
+        return keys
+
+    def set_priority(self, keys: Sequence[Key], priority: int) -> int:
+        with self._lock:
+            return self._policy.set_priority(keys, priority)
+
     # ------------------------------------------------------------------- misc
     @property
     def used_bytes(self) -> int:
