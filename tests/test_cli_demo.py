@@ -212,3 +212,9 @@ def test_ctrl_c_ends_with_a_line_and_removes_the_disk_folder(tmp_path):
     assert proc.returncode == 130, err
     assert "lmc demo: interrupted" in err and "Traceback" not in err
     assert left_behind(tmp_path) == []
+
+
+def test_sliding_window_is_for_the_demo_model_only(tiny_dir, capsys):
+    assert main(["demo", "--model", str(tiny_dir), "--sliding-window", "64"]) == 2
+    err = capsys.readouterr().err
+    assert "--sliding-window makes the demo model hybrid" in err and "Traceback" not in err

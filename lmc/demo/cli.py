@@ -17,7 +17,8 @@ def _cli(args: argparse.Namespace) -> int:
     torch.set_num_threads(args.threads or default_threads())
     try:
         run_demo(args.model, args.config, baseline=not args.no_baseline, rounds=args.rounds,
-                 quick=args.quick, short=args.quick or args.short)
+                 quick=args.quick, short=args.quick or args.short,
+                 sliding_window=args.sliding_window)
     except BrokenPipeError:
         raise  # the reader went away (lmc demo | head): lmc.cli ends quietly
     except (ValueError, OSError) as e:
@@ -44,6 +45,9 @@ def register_cli(sub: Any) -> None:
     p.add_argument("--short", action="store_true",
                    help="a shorter script: one chat of two rounds, one document question "
                         "(about a minute on the real model)")
+    p.add_argument("--sliding-window", type=int_in(16, 1 << 20), default=None, metavar="W",
+                   help="the random-weight demo model's hybrid twin: every other layer attends "
+                        "to the last W tokens (lmc stores its KV per group)")
     p.add_argument("--no-baseline", action="store_true",
                    help="skip the engine-alone requests (and so the speed-up)")
     p.add_argument("--threads", type=int_in(1, 4096), default=None, metavar="N",

@@ -1,7 +1,8 @@
 """Which checkpoint the demo runs: the real model by default (SmolLM2-135M-Instruct,
 converted once from its package by ``lmc model get``), the random-weight demo model with
 ``--quick`` (or when the real model's package is not installed: the demo says so and how to
-get it, in one line, and goes on), or the user's ``--model DIR``."""
+get it, in one line, and goes on), its hybrid twin with ``--sliding-window W``, or the
+user's ``--model DIR``."""
 
 from __future__ import annotations
 
@@ -28,19 +29,26 @@ class DemoModel:
     engine_args: dict[str, Any]
 
 
-def demo_model_dir(progress: Say | None = None) -> Path:
+def demo_model_dir(progress: Say | None = None, sliding_window: int | None = None) -> Path:
     """The random-weight demo checkpoint (``DEMO_MODEL``), made once under the cache
-    directory; ``progress`` hears each step of making it."""
+    directory; ``progress`` hears each step of making it. ``sliding_window``: its hybrid twin
+    (every other layer a sliding window of that many tokens: lmc stores its KV per group,
+    :mod:`lmc.hybrid`)."""
     from lmc.reference.tiny import cached_checkpoint
 
-    return cached_checkpoint(f"demo-llama-h{DEMO_MODEL['hidden']}-l{DEMO_MODEL['layers']}"
-                             f"-v{DEMO_MODEL_VERSION}", progress=progress, **DEMO_MODEL)
+    name = f"demo-llama-h{DEMO_MODEL['hidden']}-l{DEMO_MODEL['layers']}-v{DEMO_MODEL_VERSION}"
+    if sliding_window is None:
+        return cached_checkpoint(name, progress=progress, **DEMO_MODEL)
+    return cached_checkpoint(f"{name}-swa{sliding_window}", progress=progress,
+                             sliding_window=sliding_window, **DEMO_MODEL)
 
 
-def random_model(say: Say) -> DemoModel:
+def random_model(say: Say, sliding_window: int | None = None) -> DemoModel:
     say("model: demo checkpoint " + ", ".join(f"{k}={v}" for k, v in DEMO_MODEL.items())
-        + " (random weights; made once, then reused)")
-    path = demo_model_dir(progress=lambda line: say(f"  making the checkpoint: {line}"))
+        + (f", sliding_window={sliding_window} on every other layer" if sliding_window
+           else "") + " (random weights; made once, then reused)")
+    path = demo_model_dir(progress=lambda line: say(f"  making the checkpoint: {line}"),
+                          sliding_window=sliding_window)
     return DemoModel(path, "random",
                      {"max_model_len": DEMO_MODEL["max_position_embeddings"]})
 
@@ -86,14 +94,19 @@ def resolve_model_dir(path: str, given_as: str = "--model ") -> Path:
     return p
 
 
-def pick_model(given: str | Path | None, quick: bool, say: Say) -> DemoModel:
-    """``--model`` when given, else the random demo model with ``--quick``, else the real
-    model (the random one when its package is missing)."""
+def pick_model(given: str | Path | None, quick: bool, say: Say,
+               sliding_window: int | None = None) -> DemoModel:
+    """``--model`` when given, else the random demo model with ``--quick`` or
+    ``--sliding-window`` (its hybrid twin), else the real model (the random one when its
+    package is missing)."""
     if given is not None:
+        if sliding_window:
+            raise ValueError("--sliding-window makes the demo model hybrid; a --model "
+                             "checkpoint says its own layer kinds (layer_types)")
         path = given if isinstance(given, Path) else resolve_model_dir(given)
         return DemoModel(path, "given", {})
-    if not quick:
+    if not quick and not sliding_window:
         real = real_model(say)
         if real is not None:
             return real
-    return random_model(say)
+    return random_model(say, sliding_window)

@@ -245,13 +245,14 @@ class Passes:
 
 def run_demo(model: DemoModel | Path | None = None, config_path: str | None = None,
              workload: Workload | None = None, baseline: bool = True, out: Any = None,
-             rounds: int | None = None, *, quick: bool = False, short: bool = False
-             ) -> list[PassResult]:
+             rounds: int | None = None, *, quick: bool = False, short: bool = False,
+             sliding_window: int | None = None) -> list[PassResult]:
     """Run the passes and print the report; returns the per-pass results. ``model``: a
     checkpoint directory, or None to pick one (:func:`lmc.demo.model.pick_model`, with
     ``quick``: the random demo model); ``workload``: the random-text sizes (a model without
     a chat template); ``short``: the shorter script; ``rounds``: interleaved no-lmc / warm
-    rounds (default 1 on the real-text script, 3 on random text)."""
+    rounds (default 1 on the real-text script, 3 on random text); ``sliding_window``: the
+    demo model's hybrid twin (no ``model``)."""
     from lmc.connectors.reference import check_config
 
     out = out or sys.stdout
@@ -262,7 +263,7 @@ def run_demo(model: DemoModel | Path | None = None, config_path: str | None = No
     t_start, cpu_start = time.perf_counter(), time.process_time()
     cfg = check_config(config_path if config_path else dict(DEMO_CONFIG))
     if not isinstance(model, DemoModel):
-        model = pick_model(model, quick, say)
+        model = pick_model(model, quick, say, sliding_window)
     say(f"model dir: {model.path}")
     opened, tmp_disk = Opened(), None
     try:

@@ -64,6 +64,22 @@ def test_demo_on_the_real_model_answers_alike_in_every_pass() -> None:
     assert "speed-up: " in text and "x TTFT p50 (the table's rows" in text
 
 
+def test_demo_on_a_hybrid_model(tmp_path: Path) -> None:
+    """The demo on a sliding-window/full model: identical tokens in every pass, warm passes
+    served from lmc's per-group parts."""
+    from lmc.reference import make_tiny_checkpoint
+
+    model = make_tiny_checkpoint(tmp_path / "swa", sliding_window=64,
+                                 max_position_embeddings=4096)
+    w = Workload(system_tokens=300, sessions=2, rounds=2, turn_tokens=20, doc_tokens=400,
+                 questions=2, max_tokens=3)
+    out = io.StringIO()
+    results = run_demo(model, None, w, baseline=True, out=out, rounds=1)
+    assert "generated tokens identical in every pass: yes" in out.getvalue()
+    warm = results[2].stats
+    assert warm["worker.tokens_from_cpu"] == results[2].prompt_tokens - results[2].requests
+
+
 def test_format_table_handles_cpu_only() -> None:
     r = PassResult("x", rounds=[[0.1, 0.2, 0.3]], prompt_tokens=100,
                    stats={"worker.tokens_from_cpu": 50, "cache.retrieve_bytes": 1 << 20})
