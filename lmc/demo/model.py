@@ -65,7 +65,7 @@ def real_model(say: Say) -> DemoModel | None:
         folder = store.checkpoint_path(model, REAL_DTYPE)
         if store.check_folder(folder, model, REAL_DTYPE)[1] is not None:
             say(f"model: {model.name} ({REAL_DTYPE}): converting it once from "
-                f"{model.source.requirement} (~15-30 s; later runs reuse it)")
+                f"{model.source.requirement} (later runs reuse it)")
         ckpt = get_model(DEFAULT_MODEL, REAL_DTYPE,
                          progress=lambda line: say(f"  getting the model: {line}"))
     except ImportError as e:  # SourceMissing, or the [model] extra's gguf
