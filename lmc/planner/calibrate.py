@@ -347,8 +347,17 @@ def calibrate(model_dir: str | Path | None = None, *, lengths: Sequence[int] = (
     when the measurements are outside physical bounds (:func:`refusals`)."""
     if reps < 1:
         raise ValueError(f"--reps must be at least 1, got {reps}")
+    before = torch.get_num_threads()
     if threads:
         torch.set_num_threads(threads)
+    try:
+        return _measure(model_dir, lengths, reps, load_tokens, chunk_size, disk_dir, remote_url)
+    finally:
+        torch.set_num_threads(before)  # a caller's own engines keep theirs
+
+
+def _measure(model_dir: str | Path | None, lengths: Sequence[int], reps: int, load_tokens: int,
+             chunk_size: int, disk_dir: str | None, remote_url: str | None) -> Profile:
     path = Path(model_dir) if model_dir else default_model()
     log(f"calibrating with {path} ({torch.get_num_threads()} torch threads), lmc attached")
     cal = Calibrator(path, lengths=lengths, load_tokens=load_tokens, chunk_size=chunk_size,
