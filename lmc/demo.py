@@ -20,8 +20,9 @@ same pinned thread count (``--threads``) and are warmed up before anything is ti
 
 Model: by default a random-weight Llama made on first run under the user's cache directory
 (hidden 256, 4 layers, 8k positions: big enough that a few-thousand-token prefill costs about
-a second on two cores, small enough to make in seconds); ``--model DIR`` runs a real local
-checkpoint instead. Cache: the values of ``configs/demo.yaml`` with a fresh temporary disk
+a second on two cores, small enough to make in seconds); ``--sliding-window W`` makes it a
+hybrid model (every other layer attends to the last W tokens: lmc stores its KV per group,
+:mod:`lmc.hybrid`); ``--model DIR`` runs a real local checkpoint instead. Cache: the values of ``configs/demo.yaml`` with a fresh temporary disk
 directory, or ``--config FILE``.
 """
 
@@ -54,13 +55,18 @@ _WORDS = ["cache", "key", "value", "token", "prompt", "model", "layer", "block",
 
 
 # ------------------------------------------------------------------------------ model
-def demo_model_dir(progress: Callable[[str], None] | None = None) -> Path:
+def demo_model_dir(progress: Callable[[str], None] | None = None,
+                   sliding_window: int | None = None) -> Path:
     """The demo checkpoint (``DEMO_MODEL``), made once under the cache directory;
-    ``progress`` hears each step of making it."""
+    ``progress`` hears each step of making it. ``sliding_window``: its hybrid twin (every
+    other layer a sliding window of that many tokens)."""
     from lmc.reference.tiny import cached_checkpoint
 
-    return cached_checkpoint(f"demo-llama-h{DEMO_MODEL['hidden']}-l{DEMO_MODEL['layers']}"
-                             f"-v{DEMO_MODEL_VERSION}", progress=progress, **DEMO_MODEL)
+    name = f"demo-llama-h{DEMO_MODEL['hidden']}-l{DEMO_MODEL['layers']}-v{DEMO_MODEL_VERSION}"
+    if sliding_window is None:
+        return cached_checkpoint(name, progress=progress, **DEMO_MODEL)
+    return cached_checkpoint(f"{name}-swa{sliding_window}", progress=progress,
+                             sliding_window=sliding_window, **DEMO_MODEL)
 
 
 # --------------------------------------------------------------------------- workload
@@ -329,8 +335,10 @@ def resolve_model_dir(path: str, given_as: str = "--model ") -> Path:
 # -------------------------------------------------------------------------------- main
 def run_demo(model_dir: Path | None = None, config_path: str | None = None,
              workload: Workload | None = None, baseline: bool = True,
-             out: Any = None, rounds: int = 3) -> list[PassResult]:
-    """Run the passes and print the table and the headline; returns the per-pass results."""
+             out: Any = None, rounds: int = 3, sliding_window: int | None = None
+             ) -> list[PassResult]:
+    """Run the passes and print the table and the headline; returns the per-pass results.
+    ``sliding_window``: the demo model's hybrid twin (no ``model_dir``)."""
     from lmc.config import CacheConfig
     from lmc.connectors.reference import LMCReferenceConnector
     from lmc.reference import LLM
@@ -342,11 +350,13 @@ def run_demo(model_dir: Path | None = None, config_path: str | None = None,
     if model_dir is None:
         engine_args["max_model_len"] = DEMO_MODEL["max_position_embeddings"]
         print("model: demo checkpoint " + ", ".join(f"{k}={v}" for k, v in DEMO_MODEL.items())
+              + (f", sliding_window={sliding_window} on every other layer"
+                 if sliding_window else "")
               + " (random weights; made once, then reused)", file=out, flush=True)
         t0 = time.perf_counter()
         model_dir = demo_model_dir(
             progress=lambda line: print(f"  making the checkpoint: {line}", file=out,
-                                        flush=True))
+                                        flush=True), sliding_window=sliding_window)
         if time.perf_counter() - t0 > 1:
             print(f"made the demo checkpoint in {time.perf_counter() - t0:.1f} s", file=out)
     print(f"model dir: {model_dir}", file=out)
@@ -453,7 +463,11 @@ def _cli(args: argparse.Namespace) -> int:
     torch.set_num_threads(args.threads or default_threads())
     try:
         model = resolve_model_dir(args.model) if args.model else None
-        run_demo(model, args.config, w, baseline=not args.no_baseline, rounds=args.rounds)
+        if model is not None and args.sliding_window:
+            raise ValueError("--sliding-window makes the demo model hybrid; a --model "
+                             "checkpoint says its own layer kinds (layer_types)")
+        run_demo(model, args.config, w, baseline=not args.no_baseline, rounds=args.rounds,
+                 sliding_window=args.sliding_window)
     except BrokenPipeError:
         raise  # the reader went away (lmc demo | head): lmc.cli ends quietly
     except (ValueError, OSError) as e:
@@ -473,6 +487,9 @@ def register_cli(sub: Any) -> None:
                    help="lmc YAML config (default: configs/demo.yaml's values with a "
                         "temporary disk directory)")
     p.add_argument("--quick", action="store_true", help="a smaller workload (seconds)")
+    p.add_argument("--sliding-window", type=int_in(16, 1 << 20), default=None, metavar="W",
+                   help="a hybrid demo model: every other layer attends to the last W tokens "
+                        "(lmc stores its KV per group)")
     p.add_argument("--no-baseline", action="store_true",
                    help="skip the engine-alone pass (and so the speed-up)")
     p.add_argument("--threads", type=int_in(1, 4096), default=None, metavar="N",

@@ -208,6 +208,25 @@ def _kv_bytes_per_token(args: argparse.Namespace) -> int:
     return DEFAULT_KV_BYTES_PER_TOKEN
 
 
+def _hybrid_bytes(args: argparse.Namespace, chunk: int, trace: Any, bpt: int) -> int:
+    """``--model``'s bytes per token if it is a hybrid sliding-window/full model: what lmc
+    stores of the trace's prompts (its sliding layers only around each prompt's
+    checkpoints), said on stderr beside every layer's."""
+    if not args.model or not (Path(args.model).expanduser() / "config.json").is_file():
+        return bpt
+    from lmc.planner.calibrate import hybrid_bytes_per_token
+
+    got = hybrid_bytes_per_token(Path(args.model).expanduser(), chunk,
+                                 [int(n) for n in trace.num_tokens])
+    if got is None:
+        return bpt
+    stored, every, words = got
+    print(f"lmc plan: hybrid model ({words}): {stored:,.0f} bytes of KV stored per prompt "
+          f"token of this trace, {every:,} for every layer of every token (fp32)",
+          file=sys.stderr)
+    return max(1, round(stored))
+
+
 def _plan(args: argparse.Namespace) -> int:
     from lmc.planner import report
     from lmc.planner.costmodel import Profile, default_profile_path
@@ -246,6 +265,8 @@ def _plan(args: argparse.Namespace) -> int:
     t_keys = time.perf_counter() - t0
     if not len(trace):
         raise ValueError(f"{args.trace}: no requests")
+    if not args.kv_bytes_per_token and profile is None:  # a hybrid model stores less
+        bpt = _hybrid_bytes(args, chunk, trace, bpt)
     points = grid(args.l1, args.disk, args.remote, args.policy)
     t1 = time.perf_counter()
     results = run_grid(trace, points, bytes_per_token=bpt, align=args.align,

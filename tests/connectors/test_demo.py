@@ -30,6 +30,22 @@ def test_demo_passes_and_table(tiny_dir: Path) -> None:
     assert "from disk" in text and "TTFT p95" in text
 
 
+def test_demo_on_a_hybrid_model(tmp_path: Path) -> None:
+    """The demo on a sliding-window/full model: identical tokens in every pass, warm passes
+    served from lmc's per-group parts."""
+    from lmc.reference import make_tiny_checkpoint
+
+    model = make_tiny_checkpoint(tmp_path / "swa", sliding_window=64,
+                                 max_position_embeddings=4096)
+    w = Workload(system_tokens=300, sessions=2, rounds=2, turn_tokens=20, doc_tokens=400,
+                 questions=2, max_tokens=3)
+    out = io.StringIO()
+    results = run_demo(model, None, w, baseline=True, out=out, rounds=0)
+    assert "generated tokens identical in every pass: yes" in out.getvalue()
+    warm = results[2].stats
+    assert warm["worker.tokens_from_cpu"] == results[2].prompt_tokens - w.num_requests
+
+
 def test_format_table_handles_cpu_only() -> None:
     from lmc.demo import PassResult
 
