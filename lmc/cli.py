@@ -19,7 +19,7 @@ from typing import Any
 # parser) and the one-line summary ``lmc --help`` lists. A module is imported only when its
 # command runs: they pull in torch, and ``lmc --help`` should answer at once.
 COMMANDS: dict[str, tuple[str, str]] = {
-    "demo": ("lmc.demo", "cold vs warm TTFT on the built-in reference engine"),
+    "demo": ("lmc.demo", "cold vs warm TTFT and answers on the built-in reference engine"),
     "server": ("lmc.server.cli", "run the node-wide KV cache server daemon"),
     "stats": ("lmc.server.stats_cli", "print a running lmc server's statistics"),
     "workload": ("lmc.workloads.cli", "write a workload trace (chat, prefix, docqa, rag, sharegpt)"),
