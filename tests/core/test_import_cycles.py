@@ -135,7 +135,9 @@ def test_layerwise_copies_know_the_engine_only_through_their_protocol():
 RANKS: list[tuple[str, ...]] = [
     ("lmc.units", "lmc.ratelog", "lmc.settings", "lmc.config", "lmc.metrics", "lmc.lazy_import",
      "lmc.token_database", "lmc._tokens", "lmc.strict_json", "lmc.bounded_io",
-     "lmc.user_cache", "lmc.priority"),
+     "lmc.user_cache", "lmc.priority",
+     # what a component serving lossy KV asks before it turns it on: any tier may ask
+     "lmc.quality.feature", "lmc.quality.verdict", "lmc.quality.gate"),
     ("lmc.memory",),
     ("lmc.transfer",),
     ("lmc.storage",),
@@ -144,9 +146,10 @@ RANKS: list[tuple[str, ...]] = [
     # the built-in engine knows lmc only by name (connector_api.CONNECTOR_MODULES); its
     # segment blending builds on the API; the models it runs come from lmc.models (its
     # checkpoints and chat templates)
-    ("lmc.reference", "lmc.blend", "lmc.models"),
+    ("lmc.reference", "lmc.blend", "lmc.models", "lmc.quality"),
     ("lmc.connectors",),
-    ("lmc.server", "lmc.p2p", "lmc.router", "lmc.blend.gate", "lmc.planner",
+    ("lmc.server", "lmc.p2p", "lmc.router", "lmc.blend.gate", "lmc.blend.lossy",
+     "lmc.quality.check", "lmc.quality.cli", "lmc.planner",
      "lmc.workloads", "lmc.testing", "lmc.demo", "lmc.cli", "lmc.config_cli", "lmc"),
 ]
 # the network tiers speak their servers' protocols: client code that lives with the server
