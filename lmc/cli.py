@@ -31,7 +31,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
                "prefix (KV events), balanced against load"),
     "plan": ("lmc.planner.cli", "size the cache tiers for a trace: hit rate and predicted "
              "TTFT per configuration"),
-    "blend-check": ("lmc.blend.gate", "measure blending's quality for a model; write its verdict"),
+    "quality": ("lmc.quality.cli", "judge a lossy KV feature (blending, a codec) on a model "
+                "against exact KV; write its verdicts"),
+    "blend-check": ("lmc.blend.gate", "lmc quality --feature blend (the recompute ratios as "
+                    "--ratios)"),
     "model": ("lmc.models.cli", "get a real model's checkpoint (offline, from a package); "
               "list those converted"),
 }

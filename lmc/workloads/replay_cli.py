@@ -32,7 +32,7 @@ Targets:
 
 A trace's marked segments (lmc workload rag) go to the reference engine with each prompt;
 --blend makes its connector blend them (segment caching with selective recompute, gated by
-the model's lmc blend-check verdict) and the summary shows the tokens blending reused.
+the model's lmc quality verdict for blend) and the summary shows the tokens blending reused.
 
 Requests are sent at their arrival times (or --fast: as soon as possible); a turn of a
 session waits for the previous turn's answer, and --concurrency N caps requests in flight.
@@ -99,7 +99,7 @@ def _reference_llm(spec: str, args: argparse.Namespace, cleanup: list[Callable[[
     if args.blend:
         blender = getattr(conn, "blender", None)
         name += (f", blending at recompute ratio {blender.ratio:.2f}" if blender is not None
-                 else ", blending off (no passing lmc blend-check verdict; see the log)")
+                 else ", blending off (no passing lmc quality verdict; see the log)")
     return llm, name
 
 
@@ -226,9 +226,9 @@ def _register_replay(sub: Any) -> None:
                      help="engine batch size (default: lmc demo's)")
     ref.add_argument("--blend", action="store_true",
                      help="reuse the trace's marked segments anywhere in a prompt (lmc.blend; "
-                          "on only for a model with a passing lmc blend-check verdict)")
+                          "on only for a model with a passing lmc quality verdict)")
     ref.add_argument("--blend-ratio", type=float_in(0, 1), default=None, metavar="R",
-                     help="recompute ratio (default: the verdict's)")
+                     help="recompute ratio (default: the smallest a verdict passed)")
     ref.add_argument("--blend-override", action="store_true",
                      help="blend without a passing verdict (logged as a warning; outputs may "
                           "differ from full prefill)")
