@@ -84,13 +84,34 @@ def tier_rates(path: str, codec: str | None, chunks: list[torch.Tensor], reps: i
         pool.close()
 
 
+def codec_rates(name: str, chunks: list[torch.Tensor], reps: int
+                ) -> tuple[float, float, float, float]:
+    """Bytes per token, the share of bf16 stored, encode and decode GiB/s of raw KV."""
+    from lmc.storage.kvcodecs.stage import parse_stage
+
+    stage = parse_stage(name, head_size=DIM)
+    raw = sum(c.numel() * 2 for c in chunks)
+    coded = [stage.encode(c) for c in chunks]
+    stored = sum(c.stored_len for c in coded)
+    enc = median_rate(raw, lambda: [stage.encode(c) for c in chunks], reps)
+    outs = [torch.empty_like(c) for c in chunks]
+
+    def dec() -> None:
+        for c, o in zip(coded, outs):
+            stage.decode(c.method, c.lossless, c.body, c.body_len, o)
+
+    return stored / len(chunks) / TOKENS, stored / raw, enc, median_rate(raw, dec, reps)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--chunks", type=int, default=24)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--dir", default=None, help="where the disk tier writes (default: /tmp)")
+    ap.add_argument("--threads", type=int, default=1,
+                    help="torch threads (the codecs' kernels use one; so does memcpy here)")
     args = ap.parse_args()
-    from lmc.storage.kvcodecs.stage import parse_stage
+    torch.set_num_threads(args.threads)
 
     chunks = kv_chunks(args.chunks)
     one = chunks[0].numel() * 2
@@ -106,21 +127,10 @@ def main() -> None:
               "| vs plain disk hit |")
         print("|---|---|---|---|---|---|---|")
         for name in CODECS:
-            stage = parse_stage(name, head_size=DIM)
-            coded = [stage.encode(c) for c in chunks]
-            stored = sum(c.stored_len for c in coded)
-            enc = median_rate(raw, lambda: [stage.encode(c) for c in chunks], args.reps)
-            outs = [torch.empty_like(c) for c in chunks]
-
-            def dec() -> None:
-                for c, o in zip(coded, outs):
-                    stage.decode(c.method, c.lossless, c.body, c.body_len, o)
-
-            dec_rate = median_rate(raw, dec, args.reps)
+            per_token, share, enc, dec = codec_rates(name, chunks, args.reps)
             hit, _ = tier_rates(f"{d}/{name}", name, chunks, args.reps)
-            per_token = stored / len(chunks) / TOKENS
-            print(f"| {name} | {per_token:.0f} B | {stored / raw:.3f} | {enc:.2f} | "
-                  f"{dec_rate:.2f} | {hit:.2f} | {hit / disk:.2f}x |")
+            print(f"| {name} | {per_token:.0f} B | {share:.3f} | {enc:.2f} | {dec:.2f} | "
+                  f"{hit:.2f} | {hit / disk:.2f}x |")
         print(f"(bf16: {one / TOKENS:.0f} B/token)")
 
 
