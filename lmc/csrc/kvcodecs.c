@@ -160,22 +160,49 @@ static int fp8_encode(const void *src, int dt, uint8_t *out, long n, long P, lon
     return 0;
 }
 
+/* A head's 256 possible values, already scaled and in the output dtype: decoding is then
+ * one table read per value (the same product and rounding as computing each). */
+static void fp8_table(float s, int dt, uint32_t *table) {
+    float v[256];
+    for (int q = 0; q < 256; q++)
+        v[q] = e4m3_values[q] * s;
+    if (dt == F32) {
+        memcpy(table, v, sizeof v);
+        return;
+    }
+    uint16_t h[256];
+    store_row(h, dt, 0, v, 256);
+    for (int q = 0; q < 256; q++)
+        table[q] = h[q];
+}
+
 static int fp8_decode(const uint8_t *buf, void *out, int dt, long n, long P, long T, long W,
                       long H) {
     long D = W / H, lb = 4 * P * H + P * T * W;
+    uint32_t table[H][256];
     for (long l = 0; l < n; l++) {
         const uint8_t *blk = buf + l * lb;
         for (long p = 0; p < P; p++) {
-            float s[H];
-            memcpy(s, blk + 4 * p * H, 4 * H);
+            for (long h = 0; h < H; h++) {
+                float s;
+                memcpy(&s, blk + 4 * (p * H + h), 4);
+                fp8_table(s, dt, table[h]);
+            }
             const uint8_t *codes = blk + 4 * P * H + p * T * W;
             size_t base = ((size_t)l * P + p) * T * W;
-            float v[W];
             for (long t = 0; t < T; t++) {
-                for (long h = 0; h < H; h++)
-                    for (long d = 0; d < D; d++)
-                        v[h * D + d] = e4m3_values[codes[t * W + h * D + d]] * s[h];
-                store_row(out, dt, base + t * W, v, W);
+                const uint8_t *c = codes + t * W;
+                if (dt == F32) {
+                    uint32_t *o = (uint32_t *)out + base + t * W;
+                    for (long h = 0; h < H; h++)
+                        for (long d = 0; d < D; d++)
+                            o[h * D + d] = table[h][c[h * D + d]];
+                } else {
+                    uint16_t *o = (uint16_t *)out + base + t * W;
+                    for (long h = 0; h < H; h++)
+                        for (long d = 0; d < D; d++)
+                            o[h * D + d] = (uint16_t)table[h][c[h * D + d]];
+                }
             }
         }
     }
@@ -329,14 +356,25 @@ static void int4_plane_decode(const uint8_t *blk, void *out, int dt, size_t base
     const uint8_t *sc = blk + nc, *zs = sc + 2 * groups;
     float sf[W], zf[W], v[W];
     for (long t = 0; t < T; t++) {
-        if (t % G == 0 || !keys) { /* the row's scale and zero point per channel */
-            for (long w = 0; w < W; w++) {
-                long k = keys ? (t / G) * W + w : t * ng + w / G;
+        /* the scale and zero point of each channel of this row: per channel for keys (new
+         * every G rows), per run of G channels for values */
+        if (!keys || t % G == 0) {
+            long row0 = keys ? (t / G) * W : t * ng;
+            for (long k = 0; k < ng; k++) {
                 uint16_t s16, z16;
-                memcpy(&s16, sc + 2 * k, 2);
-                memcpy(&z16, zs + 2 * k, 2);
-                sf[w] = h2f(s16);
-                zf[w] = h2f(z16);
+                memcpy(&s16, sc + 2 * (row0 + k), 2);
+                memcpy(&z16, zs + 2 * (row0 + k), 2);
+                float a = h2f(s16), b = h2f(z16);
+                if (keys) {
+                    sf[k] = a;
+                    zf[k] = b;
+                } else {
+                    long w1 = (k + 1) * G < W ? (k + 1) * G : W;
+                    for (long w = k * G; w < w1; w++) {
+                        sf[w] = a;
+                        zf[w] = b;
+                    }
+                }
             }
         }
         size_t i0 = (size_t)t * W;
