@@ -212,3 +212,32 @@ def test_ctrl_c_ends_with_a_line_and_removes_the_disk_folder(tmp_path):
     assert proc.returncode == 130, err
     assert "lmc demo: interrupted" in err and "Traceback" not in err
     assert left_behind(tmp_path) == []
+
+
+def test_sliding_window_is_for_the_demo_model_only(tiny_dir, capsys):
+    assert main(["demo", "--model", str(tiny_dir), "--sliding-window", "64"]) == 2
+    err = capsys.readouterr().err
+    assert "--sliding-window makes the demo model hybrid" in err and "Traceback" not in err
+
+
+def test_readme_quotes_what_the_demo_prints():
+    """The README's excerpt of ``make demo`` is the demo's own wording: its questions are the
+    script's, its answers lines and headline have the demo's format, the flags it names exist."""
+    from lmc.demo.script import REAL_CHATS, REAL_QUESTIONS
+
+    readme = (ROOT / "README.md").read_text()
+    excerpt = readme.split("make demo   #", 1)[1].split("**What `make test` runs.**", 1)[0]
+    asked = re.findall(r"^  (?:chat \d, round \d|document, question \d) +(.+)$", excerpt, re.M)
+    assert asked, excerpt
+    assert set(asked) <= {q for c in REAL_CHATS for q in c} | set(REAL_QUESTIONS), asked
+    assert re.search(r"^speed-up: [\d.]+x TTFT p50 \(the table's rows: no lmc [\d,]+ ms, warm "
+                     r"L1 [\d.,]+ ms; each request asked of both engines back to back, 1 round\)$",
+                     excerpt, re.M), excerpt
+    assert re.search(r"^generated tokens identical in every pass: yes \(4 passes, \d+ "
+                     r"requests\)$", excerpt, re.M)
+    assert re.search(r"^demo took \d+ s \(\d+ s of CPU time in this process\)$", excerpt, re.M)
+    flags = set(re.findall(r"`(--[a-z-]+)", excerpt))
+    help_text = subprocess.run([sys.executable, "-m", "lmc.cli", "demo", "--help"],
+                               capture_output=True, text=True, cwd=ROOT,
+                               env={**os.environ, "PYTHONPATH": str(ROOT)}).stdout
+    assert flags and all(f in help_text for f in flags), (flags, help_text)

@@ -24,7 +24,9 @@ The real model computes in fp32 (bf16 matmuls are ~8x slower on CPUs without AVX
 its first run converts it (~15 s). Without its package the demo says how to install it, in
 one line, and runs the random-weight demo model instead. ``--quick``: that random model
 (hidden 256, 4 layers, made in seconds) on a small workload of pseudo-English (its answers
-mean nothing; their token ids are still compared). ``--model DIR`` runs a local checkpoint
+mean nothing; their token ids are still compared); ``--sliding-window W`` makes it a hybrid
+model (every other layer attends to the last W tokens: lmc stores its KV per group,
+:mod:`lmc.hybrid`). ``--model DIR`` runs a local checkpoint
 (chats through its chat template when it has one). Cache: the values of ``configs/demo.yaml``
 with a fresh temporary disk directory (removed on every way out), or ``--config FILE``
 (checked before any model is loaded).

@@ -46,8 +46,8 @@ def register_cli(sub: Any) -> None:
                    help="a shorter script: one chat of two rounds, one document question "
                         "(about a minute on the real model)")
     p.add_argument("--sliding-window", type=int_in(16, 1 << 20), default=None, metavar="W",
-                   help="the random demo model as a hybrid: every other layer attends to the "
-                        "last W tokens (lmc stores its KV per group)")
+                   help="the random-weight demo model's hybrid twin: every other layer attends "
+                        "to the last W tokens (lmc stores its KV per group)")
     p.add_argument("--no-baseline", action="store_true",
                    help="skip the engine-alone requests (and so the speed-up)")
     p.add_argument("--threads", type=int_in(1, 4096), default=None, metavar="N",

@@ -1,7 +1,8 @@
 """Which checkpoint the demo runs: the real model by default (SmolLM2-135M-Instruct,
 converted once from its package by ``lmc model get``), the random-weight demo model with
 ``--quick`` (or when the real model's package is not installed: the demo says so and how to
-get it, in one line, and goes on), or the user's ``--model DIR``."""
+get it, in one line, and goes on), its hybrid twin with ``--sliding-window W``, or the
+user's ``--model DIR``."""
 
 from __future__ import annotations
 
@@ -30,8 +31,9 @@ class DemoModel:
 
 def demo_model_dir(progress: Say | None = None, sliding_window: int | None = None) -> Path:
     """The random-weight demo checkpoint (``DEMO_MODEL``), made once under the cache
-    directory; ``progress`` hears each step of making it. ``sliding_window``: its hybrid
-    twin (every other layer a sliding window of that many tokens)."""
+    directory; ``progress`` hears each step of making it. ``sliding_window``: its hybrid twin
+    (every other layer a sliding window of that many tokens: lmc stores its KV per group,
+    :mod:`lmc.hybrid`)."""
     from lmc.reference.tiny import cached_checkpoint
 
     name = f"demo-llama-h{DEMO_MODEL['hidden']}-l{DEMO_MODEL['layers']}-v{DEMO_MODEL_VERSION}"
@@ -43,8 +45,8 @@ def demo_model_dir(progress: Say | None = None, sliding_window: int | None = Non
 
 def random_model(say: Say, sliding_window: int | None = None) -> DemoModel:
     say("model: demo checkpoint " + ", ".join(f"{k}={v}" for k, v in DEMO_MODEL.items())
-        + (f", sliding_window={sliding_window} on every other layer" if sliding_window else "")
-        + " (random weights; made once, then reused)")
+        + (f", sliding_window={sliding_window} on every other layer" if sliding_window
+           else "") + " (random weights; made once, then reused)")
     path = demo_model_dir(progress=lambda line: say(f"  making the checkpoint: {line}"),
                           sliding_window=sliding_window)
     return DemoModel(path, "random",
@@ -63,7 +65,7 @@ def real_model(say: Say) -> DemoModel | None:
         folder = store.checkpoint_path(model, REAL_DTYPE)
         if store.check_folder(folder, model, REAL_DTYPE)[1] is not None:
             say(f"model: {model.name} ({REAL_DTYPE}): converting it once from "
-                f"{model.source.requirement} (~15-30 s; later runs reuse it)")
+                f"{model.source.requirement} (later runs reuse it)")
         ckpt = get_model(DEFAULT_MODEL, REAL_DTYPE,
                          progress=lambda line: say(f"  getting the model: {line}"))
     except ImportError as e:  # SourceMissing, or the [model] extra's gguf
@@ -94,19 +96,17 @@ def resolve_model_dir(path: str, given_as: str = "--model ") -> Path:
 
 def pick_model(given: str | Path | None, quick: bool, say: Say,
                sliding_window: int | None = None) -> DemoModel:
-    """``--model`` when given, else the random demo model with ``--quick`` (or its hybrid
-    twin with ``sliding_window``), else the real model (the random one when its package is
-    missing)."""
+    """``--model`` when given, else the random demo model with ``--quick`` or
+    ``--sliding-window`` (its hybrid twin), else the real model (the random one when its
+    package is missing)."""
     if given is not None:
         if sliding_window:
             raise ValueError("--sliding-window makes the demo model hybrid; a --model "
                              "checkpoint says its own layer kinds (layer_types)")
         path = given if isinstance(given, Path) else resolve_model_dir(given)
         return DemoModel(path, "given", {})
-    if sliding_window:
-        return random_model(say, sliding_window)
-    if not quick:
+    if not quick and not sliding_window:
         real = real_model(say)
         if real is not None:
             return real
-    return random_model(say)
+    return random_model(say, sliding_window)

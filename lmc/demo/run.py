@@ -252,7 +252,7 @@ def run_demo(model: DemoModel | Path | None = None, config_path: str | None = No
     ``quick``: the random demo model); ``workload``: the random-text sizes (a model without
     a chat template); ``short``: the shorter script; ``rounds``: interleaved no-lmc / warm
     rounds (default 1 on the real-text script, 3 on random text); ``sliding_window``: the
-    random demo model's hybrid twin (every other layer a window of that many tokens)."""
+    demo model's hybrid twin (no ``model``)."""
     from lmc.connectors.reference import check_config
 
     out = out or sys.stdout
