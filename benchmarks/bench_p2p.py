@@ -43,7 +43,7 @@ sys.path.insert(0, str(ROOT))
 
 from lmc.config import CacheConfig  # noqa: E402
 from lmc.memory.pool import MemoryPool  # noqa: E402
-from lmc.storage.backends.p2p import P2PBackend  # noqa: E402
+from lmc.storage.backends.p2p.backend import P2PBackend  # noqa: E402
 
 LAYERS, TOKENS = 16, 256
 
@@ -315,7 +315,7 @@ def main(argv: list[str] | None = None) -> None:
         Path(a.json).write_text(json.dumps({"p2p_gibs": p2p, "raw_gibs": raw,
                                             "ratio": p2p / raw, **res}, indent=1))
     sys.stdout.flush()
-    os._exit(0)  # NIXL's exit-time crash (see lmc.p2p.agent); everything is closed
+    os._exit(0)  # NIXL's exit-time crash (see lmc.storage.backends.p2p.agent); everything is closed
 
 
 if __name__ == "__main__":

@@ -14,24 +14,28 @@ import threading
 import time
 from collections.abc import Hashable, Iterator, Sequence
 from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
 
 from lmc import units
+from lmc.cache_control import CacheControl
 from lmc.config import CacheConfig
+from lmc.hybrid.engine import HybridCache
+from lmc.hybrid.rules import default_interval
 from lmc.layerwise import CopyLease, LayerwiseRetrieve, LayerwiseStore
 from lmc.memory.pool import LazyTensors, Lease, MemoryObj, MemoryPool, PoolArrays
 from lmc.metrics import EngineMetrics
 from lmc.storage.chain import TierSpec, build_storage
-from lmc.storage.integrity import Geometry, expect_geometry
+from lmc.storage.integrity import GroupGeometry, expect_geometry
+from lmc.storage.kvcodecs.gate import open_gates
 from lmc.storage.layered_read import READY, LayerGate
 from lmc.storage.load_watch import LoadWatch
 from lmc.storage.lookup import LookupResult
 from lmc.storage.manager import EvictionMetrics, StorageManager
 from lmc.storage.pins import PinTable
-from lmc.storage.speeds import Speeds
+from lmc.storage.speeds import KVBytes, Speeds
 from lmc.storage.tier import Key, tier_capabilities, tier_medium
 from lmc.token_database import (
     Chunk,
@@ -42,14 +46,10 @@ from lmc.token_database import (
     tokens_to_bytes,
 )
 from lmc.transfer.bound_caches import TransferCache
+from lmc.transfer.factory import TransferFactory, make_transfer
+from lmc.transfer.grouped import GroupedTransfer
 from lmc.transfer.kv_spec import KVCaches, KVSpec
-from lmc.transfer.torch_copy import (
-    ChunkRanges,
-    KVTransfer,
-    TransferFactory,
-    TransferPlan,
-    make_transfer,
-)
+from lmc.transfer.plan import ChunkRanges, KVTransfer, TransferPlan
 from lmc.transfer.warm import pinned_buffer, warm_up
 
 log = logging.getLogger(__name__)
@@ -107,7 +107,9 @@ class CacheEngine:
             self.storage: StorageManager = build_storage(config, self.pool, tiers or ())
             # shared tiers check a value's header against this before allocating for it:
             # a rewritten shape or dtype is counted, deleted and a miss (docs/threats/tiers.md)
-            expect_geometry(self.storage.lower, Geometry.of(spec, config.chunk_size))
+            expect_geometry(self.storage.lower, GroupGeometry.of_groups(spec, config.chunk_size))
+            # a tier's lossy codec only with a passing quality verdict for this model
+            open_gates(self.storage.lower, model_id, spec.dtype)
         except BaseException:
             self.pool.close()
             raise
@@ -120,9 +122,14 @@ class CacheEngine:
              for i, t in enumerate(self.storage.tiers)], config.load_policy_priors)
         self.storage.speeds = self.speeds
         self.events = None  # KV events for routers (config kv_events; lmc.events)
+        self.hybrid = self._hybrid_cache() if spec.is_hybrid else None
         # one publisher per instance: tensor-parallel ranks hold the same chunks (rank 0
         # speaks for them; another rank's block hashes would differ: tp_rank is in the key)
-        if config.kv_events is not None and tp_rank == 0:
+        if config.kv_events is not None and tp_rank == 0 and self.hybrid is not None:
+            log.warning("lmc: kv_events are not published for a hybrid model (%s): its "
+                        "chunks are stored as per-group parts a router cannot match",
+                        self.describe_groups())
+        elif config.kv_events is not None and tp_rank == 0:
             from lmc.events.engine import attach  # the app rank, imported only when on
             try:
                 self.events = attach(self, config.kv_events)
@@ -130,7 +137,7 @@ class CacheEngine:
                 self.storage.close()
                 self.pool.close()
                 raise
-        if tp_rank == 0:  # a shared daemon publishing events learns each chunk's blocks
+        if tp_rank == 0 and self.hybrid is None:  # a publishing daemon learns chunks' blocks
             from lmc.events.notes import bind  # (a no-op without such a tier; attach binds)
 
             bind(self)
@@ -138,18 +145,55 @@ class CacheEngine:
         # bound to the cache's geometry, not its block count: a re-created cache (vLLM's
         # allocation after profiling, sleep/wake) of the same model is accepted
         bound = spec.geometry_only()
-        self._transfers = TransferCache(
-            lambda caches: self._bind(make_transfer(bound, caches, transfer)), capacity=4)
+        if spec.is_hybrid:  # a transfer per KV group, over the group's layers
+            self._transfers = TransferCache(lambda caches: cast(KVTransfer, self._bind_groups(
+                GroupedTransfer(bound, caches, transfer))), capacity=4)
+        else:
+            self._transfers = TransferCache(
+                lambda caches: self._bind(make_transfer(bound, caches, transfer)), capacity=4)
         self._pins = PinTable(config.max_pinned_chunks, config.pin_timeout)
+        self.control = CacheControl(self)  # pin/set_priority/delete/clear (lmc.cache_control)
         self._lock = threading.RLock()
         self._worker: ThreadPoolExecutor | None = None
         # prefetches run on a thread of their own: a slow tier's read must never hold up
         # the layer-wise copies of the requests being served (the "lmc-io" thread)
         self._prefetcher: ThreadPoolExecutor | None = None
         self._prefetch_queued = 0
+        self.prefetches = 0  # asked for (stats: a router's prefetch shows here)
         self._closed = False
 
     # ------------------------------------------------------------- plumbing
+    def _hybrid_cache(self) -> HybridCache:
+        """The hybrid paths (:mod:`lmc.hybrid`), their checkpoint interval from the config."""
+        cs = self.config.chunk_size
+        interval = self.config.hybrid_checkpoint_interval or default_interval(
+            cs, self.spec.groups)
+        hc = HybridCache(self.spec, self.db, self.storage, self, self.tier_names, interval,
+                         self.metrics)
+        log.info("lmc: hybrid KV groups %s; sliding-window and state parts kept around "
+                 "checkpoints every %d tokens and each prompt's end", self.describe_groups(),
+                 interval)
+        return hc
+
+    def describe_groups(self) -> str:
+        """The KV groups in one phrase (``full x 4, sliding(128) x 4``); "plain" without."""
+        return ", ".join(g.describe() for g in self.spec.groups) or "plain"
+
+    def _bind_groups(self, tr: GroupedTransfer) -> GroupedTransfer:
+        for part in tr.parts:
+            if isinstance(part, KVTransfer):
+                self._bind(part)
+        return tr
+
+    def grouped_for(self, kv_caches: KVCaches) -> GroupedTransfer:
+        """A hybrid engine's (cached) per-group transfers bound to these caches."""
+        return cast(GroupedTransfer, self._transfers.get(kv_caches))
+
+    def _require_hybrid(self) -> HybridCache:
+        if self.hybrid is None:
+            raise RuntimeError("not a hybrid engine")
+        return self.hybrid
+
     def transfer_for(self, kv_caches: KVCaches) -> KVTransfer:
         """The (cached) transfer object bound to these cache tensors; validates new ones.
         Caches the caller has dropped are unbound, never kept alive (:mod:`lmc.transfer.bound_caches`)."""
@@ -193,6 +237,7 @@ class CacheEngine:
         if self._closed:
             raise RuntimeError("CacheEngine is closed")
         self._pins.expire()
+        self.control.pins.expire()
 
     def executor(self) -> ThreadPoolExecutor:
         """One background thread, in order: layer-wise copies (prefetches have their own)."""
@@ -269,15 +314,22 @@ class CacheEngine:
                 break
         return todo, objs, plan
 
-    def store(self, tokens: Tokens, kv_caches: KVCaches, slot_mapping: torch.Tensor,
-              mask: Any = None, *, keys: Keys = None) -> int:
+    def store(self, tokens: Tokens, kv_caches: KVCaches, slot_mapping: Any,
+              mask: Any = None, *, keys: Keys = None, horizon: int | None = None) -> int:
         """Save the KV of ``tokens`` (at ``slot_mapping`` in ``kv_caches``); returns new tokens
         stored. Chunks already in L1 are skipped without copying; a chunk with an unmapped
         (negative) slot or no room in the pool is skipped and counted, never half-stored.
         ``keys``: the prompt's chunk keys if already computed (``db.request_keys()``), so
-        the prompt is not hashed again; every method taking ``tokens`` accepts them."""
+        the prompt is not hashed again; every method taking ``tokens`` accepts them.
+
+        A hybrid model's (``spec.groups``): ``slot_mapping`` is one per KV group (or one
+        all groups share), each group stores the parts its kind keeps (:mod:`lmc.hybrid`)
+        and ``horizon`` is the length of the sequence these tokens begin (its prompt: where
+        its checkpoints lie; default ``len(tokens)``)."""
         self._check_open()
         t0 = time.perf_counter()
+        if self.hybrid is not None:
+            return self._hybrid_store(tokens, kv_caches, slot_mapping, mask, keys, horizon, t0)
         tr = self.transfer_for(kv_caches)
         slots = tr.check_slots(slot_mapping, self.db.num_tokens(tokens))
         chunks, objs, plan = self._plan_store(tokens, tr, slots, mask, keys)
@@ -296,11 +348,32 @@ class CacheEngine:
         self.metrics.pool(self.pool.used_bytes, self.pool.size)
         return n
 
-    def store_layer(self, tokens: Tokens, kv_caches: KVCaches, slot_mapping: torch.Tensor,
-                    mask: Any = None, *, keys: Keys = None) -> LayerwiseStore:
+    def _hybrid_store(self, tokens: Tokens, kv_caches: KVCaches, slot_mapping: Any,
+                      mask: Any, keys: Keys, horizon: int | None, t0: float) -> int:
+        hc = self._require_hybrid()
+        tr = self.grouped_for(kv_caches)
+        slots = tr.check_slots(slot_mapping, self.db.num_tokens(tokens))
+        works = hc.plan_store(tokens, tr, slots, mask, keys, horizon)
+        n = hc.store(works, tr)
+        nbytes = sum(o.nbytes for w in works for o in w.objs)
+        if nbytes:
+            self.metrics.transfer("store", n, nbytes, time.perf_counter() - t0)
+            self.metrics.pool(self.pool.used_bytes, self.pool.size)
+        return n
+
+    def store_layer(self, tokens: Tokens, kv_caches: KVCaches, slot_mapping: Any,
+                    mask: Any = None, *, keys: Keys = None, horizon: int | None = None
+                    ) -> LayerwiseStore:
         """Layer-wise store: call ``.save(layer)`` once each layer's KV is in the cache, then
-        ``.commit()``; nothing is visible before the commit. See :class:`LayerwiseStore`."""
+        ``.commit()``; nothing is visible before the commit. See :class:`LayerwiseStore`
+        (a hybrid model's: a :class:`~lmc.hybrid.layerwise.GroupedStore`, and ``store``'s
+        arguments)."""
         self._check_open()
+        if self.hybrid is not None:
+            gtr = self.grouped_for(kv_caches)
+            gslots = gtr.check_slots(slot_mapping, self.db.num_tokens(tokens))
+            works = self.hybrid.plan_store(tokens, gtr, gslots, mask, keys, horizon)
+            return cast(LayerwiseStore, self.hybrid.store_layer(works, gtr))
         tr = self.transfer_for(kv_caches)
         slots = tr.check_slots(slot_mapping, self.db.num_tokens(tokens))
         chunks, objs, plan = self._plan_store(tokens, tr, slots, mask, keys)
@@ -329,6 +402,13 @@ class CacheEngine:
         t0 = time.perf_counter()
         n = self.db.num_tokens(tokens)
         keys = self.db.keys(tokens) if keys is None else self.db.check_keys(keys, n)
+        if self.hybrid is not None:  # only ends every KV group can serve
+            found, needed = self.hybrid.lookup(tokens, keys)
+            if pin:
+                self._pins.pin(self._pin_owner(tokens, keys, request_id),
+                               self.hybrid.pinned(needed))
+            self.metrics.lookup(n, found.tokens, time.perf_counter() - t0)
+            return found
         if pin:
             sources, held = self._held_hits(keys)
             self._pins.pin(self._pin_owner(tokens, keys, request_id), held)
@@ -341,9 +421,19 @@ class CacheEngine:
 
     @property
     def bytes_per_token(self) -> float:
-        """KV bytes of one token in a stored chunk (what a load moves per position)."""
+        """KV bytes of one token in a stored chunk (what a load moves per position; a
+        hybrid model's: its full-attention groups', see :attr:`load_bytes`)."""
+        if self.hybrid is not None:
+            return self.hybrid.load_bytes().per_token or 1.0
         cs = self.config.chunk_size
         return self.spec.chunk_nbytes(cs) / cs
+
+    @property
+    def load_bytes(self) -> KVBytes:
+        """What a load of N positions moves, per group kind (what the load policy prices)."""
+        if self.hybrid is not None:
+            return self.hybrid.load_bytes()
+        return KVBytes(self.bytes_per_token)
 
     @property
     def tier_names(self) -> tuple[str, ...]:
@@ -360,13 +450,74 @@ class CacheEngine:
         Lease(objs[len(sources):]).release()
         return sources, [o for o in objs[:len(sources)] if o is not None]
 
-    def unpin(self, tokens: Tokens = None, *, request_id: Hashable = None) -> int:
-        """Drop the pins a ``lookup(pin=True)`` took for ``request_id`` (or, without one, for
-        exactly these tokens); returns chunks unpinned."""
-        if tokens is None and request_id is None:
-            raise ValueError("unpin() needs the lookup's tokens or its request_id")
+    def unpin(self, tokens: Tokens = None, *, request_id: Hashable = None,
+              session: str | None = None, salt: str | None = None,
+              lora: str | None = None) -> int:
+        """Drop pins; returns chunks unpinned. ``request_id``: what a ``lookup(pin=True)``
+        took for that request. ``session``: what :meth:`pin` took for the session.
+        ``tokens``: both kinds taken for exactly this prompt (``salt``/``lora`` name a
+        tagged request's chain, as for :meth:`pin`)."""
+        self._check_open()
+        if tokens is None and request_id is None and session is None:
+            raise ValueError("unpin() needs the lookup's tokens or its request_id, or a session")
+        n = self.control.unpin(tokens if request_id is None else None, session, salt, lora)
+        if request_id is None and tokens is None:
+            return n
         keys = self.db.keys(tokens) if request_id is None else []
-        return self._pins.release(self._pin_owner(tokens, keys, request_id))
+        return n + self._pins.release(self._pin_owner(tokens, keys, request_id))
+
+    # --------------------------------------------------------------- control
+    @property
+    def namespace(self) -> str:
+        """The namespace this engine serves (its config's ``tenant``, else ``default``):
+        what every control call is scoped to."""
+        return self.control.namespace
+
+    def pin(self, tokens: Tokens, ttl: float, *, priority: int | None = None,
+            session: str | None = None, salt: str | None = None, lora: str | None = None,
+            namespace: str | None = None) -> int:
+        """Keep the prompt's stored chunks in L1 for ``ttl`` seconds: eviction passes over
+        them until then (lower-tier hits are read into L1 first), and an expired pin leaves
+        an ordinary chunk. Returns the tokens pinned (the longest stored prefix).
+
+        ``session``: the pins belong to that session, and each call replaces its last (a
+        conversation's next turn holds the whole chain); else to this exact prompt.
+        ``priority``: also :meth:`set_priority`. ``salt``/``lora``: the request's
+        ``cache_salt`` and LoRA name, whose chain is its own. ``namespace``: refused
+        unless this engine's (:attr:`namespace`). Bounded by ``max_ttl_pins`` chunks,
+        ``max_pin_share`` of the pool and ``max_pin_ttl``: past them
+        :class:`~lmc.storage.control.PinLimitError` / ``TTLError``, nothing pinned.
+        See :mod:`lmc.cache_control`."""
+        self._check_open()
+        return self.control.pin(tokens, ttl, priority=priority, session=session, salt=salt,
+                                lora=lora, namespace=namespace)
+
+    def set_priority(self, tokens: Tokens, priority: int, *, salt: str | None = None,
+                     lora: str | None = None, namespace: str | None = None) -> int:
+        """Retention ``priority`` (an int in [-10, 10], default 0; higher is kept longer)
+        for the prompt's chunks in every tier that orders its own evictions (L1, disk):
+        eviction takes lower priorities first, the least recently used first within one.
+        Returns how many of the chunks L1 holds; chunks stored later start at 0."""
+        self._check_open()
+        return self.control.set_priority(tokens, priority, salt=salt, lora=lora,
+                                         namespace=namespace)
+
+    def delete(self, tokens: Tokens, *, salt: str | None = None, lora: str | None = None,
+               namespace: str | None = None) -> int:
+        """Remove the prompt's chunks from every tier (L1, disk, Redis, an ``lmc://``
+        daemon, Mooncake...) and write-behind queue, and the pins on them; KV events
+        publish the removals. Returns the copies removed, summed over the tiers."""
+        self._check_open()
+        return self.control.delete(tokens, salt=salt, lora=lora, namespace=namespace)
+
+    def clear(self, namespace: str | None = None) -> dict[str, int | None]:
+        """Remove everything of this engine's namespace from every tier: L1 and the disk
+        tier (this engine's own), a shared store's values under ``remote_key_prefix``
+        (Redis, Mooncake), an ``lmc://`` daemon's namespace; and every pin :meth:`pin`
+        took. Returns per tier the values removed (``None``: the tier could not count);
+        a tier that cannot clear is left out, with one warning."""
+        self._check_open()
+        return self.control.clear(namespace)
 
     def _pin_owner(self, tokens: Tokens, keys: Sequence[Key], request_id: Hashable
                    ) -> Hashable:
@@ -440,14 +591,26 @@ class CacheEngine:
                 and shapes[n - 1] == self.spec.chunk_shape(e - s)
                 and shapes[: n - 1].count(self.spec.chunk_shape(self.db.chunk_size)) == n - 1)
 
-    def retrieve(self, tokens: Tokens, kv_caches: KVCaches, slot_mapping: torch.Tensor,
-                 mask: Any = None, *, request_id: Hashable = None, keys: Keys = None) -> int:
+    def retrieve(self, tokens: Tokens, kv_caches: KVCaches, slot_mapping: Any,
+                 mask: Any = None, *, request_id: Hashable = None, keys: Keys = None,
+                 end: int | None = None) -> int:
         """Write the stored KV of the longest hit prefix into ``kv_caches`` at
         ``slot_mapping``; returns the number of tokens written. Tokens under the mask's False
         prefix are neither looked up nor written (the engine has them); negative slots are
         skipped. Releases every pin its owner's ``lookup(pin=True)`` took (``request_id``,
-        else these exact tokens), masked chunks included."""
+        else these exact tokens), masked chunks included.
+
+        A hybrid model's: ``slot_mapping`` per KV group (or one they share) and ``end``,
+        where the load ends (default: every token; each group needs what a continuation
+        there needs); returns the positions written, from the first unmasked chunk to the
+        largest end every group can serve (0 if none)."""
         self._check_open()
+        if self.hybrid is not None:
+            rt = self.retrieve_layer(tokens, kv_caches, slot_mapping, mask,
+                                     request_id=request_id, keys=keys, end=end)
+            for layer in range(self.spec.num_layers):
+                rt.load(layer)
+            return rt.close()
         t0 = time.perf_counter()
         tr = self.transfer_for(kv_caches)
         slots = tr.check_slots(slot_mapping, self.db.num_tokens(tokens))
@@ -465,17 +628,26 @@ class CacheEngine:
                               time.perf_counter() - t0)
         return n
 
-    def retrieve_layer(self, tokens: Tokens, kv_caches: KVCaches, slot_mapping: torch.Tensor,
+    def retrieve_layer(self, tokens: Tokens, kv_caches: KVCaches, slot_mapping: Any,
                        mask: Any = None, *, request_id: Hashable = None, keys: Keys = None,
-                       watch: LoadWatch | None = None) -> LayerwiseRetrieve:
+                       watch: LoadWatch | None = None, end: int | None = None
+                       ) -> LayerwiseRetrieve:
         """Layer-wise retrieve: ``.num_tokens`` says how many will load; ``.start()`` loads all
         layers in order on a background thread and ``.wait(layer)`` blocks until that layer is
         in the cache (``.wait(layer, stream)``: the CUDA stream waits, not the host; or
         ``.load(layer)`` synchronously). Pass host slot mappings: planning then never waits
         for the device. See :class:`LayerwiseRetrieve`. ``watch``: lower-tier reads of whole
         chunks stop by its rule (:mod:`lmc.storage.load_watch`): then fewer chunks load, a
-        prefix, and ``watch.stopped_at`` says so."""
+        prefix, and ``watch.stopped_at`` says so. A hybrid model's: see :meth:`retrieve`
+        (a :class:`~lmc.hybrid.layerwise.GroupedRetrieve`; ``watch`` is not applied)."""
         self._check_open()
+        if self.hybrid is not None:
+            gtr = self.grouped_for(kv_caches)
+            gslots = gtr.check_slots(slot_mapping, self.db.num_tokens(tokens))
+            works, served, first = self.hybrid.fetch(tokens, mask, keys, end, layered=True)
+            self._release_pins(tokens, request_id)
+            return cast(LayerwiseRetrieve, self.hybrid.retrieve_layer(works, gtr, gslots,
+                                                                      served, first))
         tr = self.transfer_for(kv_caches)
         slots = tr.check_slots(slot_mapping, self.db.num_tokens(tokens))
         chunks, objs, where, gate, ranges = self._fetch(tokens, mask, keys, layered=True,
@@ -503,12 +675,18 @@ class CacheEngine:
             raise ValueError(f"prefetch start must be >= 0, got {start}")
         cs = self.config.chunk_size
         first = start // cs
-        keys = self.db.keys(tokens, root=root)[first:]
+        all_keys = self.db.keys(tokens, root=root)
+        keys = all_keys[first:]
         n = self.db.num_tokens(tokens)
         out: Future = Future()
 
         def run() -> None:
             try:
+                if self.hybrid is not None:  # every group's parts; the end then servable
+                    got_end = self.hybrid.prefetch(all_keys, first, n, out.cancelled)
+                    with contextlib.suppress(InvalidStateError):
+                        out.set_result(got_end)
+                    return
                 got = 0
                 for i in range(0, len(keys), PREFETCH_PIECE):
                     if out.cancelled():
@@ -529,6 +707,7 @@ class CacheEngine:
                     self._prefetch_queued -= 1
 
         with self._lock:
+            self.prefetches += 1
             if self._prefetch_queued >= MAX_QUEUED_PREFETCHES:  # bounded: refused, not queued
                 out.set_result(min(first * cs, n))
                 return out
@@ -549,8 +728,13 @@ class CacheEngine:
 
     # ----------------------------------------------------------------- misc
     def contains_chunks(self, tokens: Tokens) -> np.ndarray:
-        """Per chunk, whether L1 has it (diagnostics and tests)."""
-        return np.array(self.storage.l1_contains(self.db.keys(tokens)), dtype=bool)
+        """Per chunk, whether L1 has it (diagnostics and tests; a hybrid model's: every KV
+        group's part of it)."""
+        keys = self.db.keys(tokens)
+        if self.hybrid is None:
+            return np.array(self.storage.l1_contains(keys), dtype=bool)
+        held = [self.storage.l1_contains(p) for p in self.hybrid.parts(keys)]
+        return np.array([all(h) for h in zip(*held)], dtype=bool)
 
     def stats(self) -> dict[str, Any]:
         out: dict[str, Any] = dict(self.metrics.snapshot())
@@ -559,6 +743,8 @@ class CacheEngine:
                 out[f"{tier.name}.{k}"] = v
         out.update(self.storage.stats())
         out.update(self._pins.stats())
+        out.update(self.control.stats())
+        out["prefetches"] = self.prefetches
         out.update(self.speeds.stats())
         if self.events is not None:
             out.update(self.events.stats())
@@ -587,6 +773,7 @@ class CacheEngine:
         if self.events is not None:  # its last events, before the tiers close
             self.events.close()
         self._pins.clear()
+        self.control.pins.clear()
         self._transfers.clear()  # a closed engine keeps no cache alive
         self.storage.close()
         self.pool.close()

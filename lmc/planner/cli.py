@@ -108,9 +108,18 @@ def register_cli(sub: Any) -> None:
     p.add_argument("--profile", metavar="PATH",
                    help="calibration profile (default ~/.cache/lmc/plan-profile.json)")
     p.add_argument("--no-ttft", action="store_true",
-                   help="hit rates only: no calibration profile needed")
+                   help="hit rates only: no calibration profile needed (also what a plan "
+                   "without a profile at the default place gives)")
     p.add_argument("--kv-bytes-per-token", type=int_in(1, MAX_KV_BYTES_PER_TOKEN), metavar="N",
-                   help="KV bytes per token (default: the profile's model's)")
+                   help="KV bytes per token (default: the profile's model's, else --model's "
+                   "or --tokenizer's checkpoint's, else the calibration model's 8 KiB)")
+    p.add_argument("--codec", metavar="CODEC",
+                   help="the disk and remote tiers hold KV through this codec (fp8-e4m3, "
+                   "int8, int4-kivi...; docs/codecs.md): each holds that much more KV")
+    p.add_argument("--kv-dtype", choices=("float32", "float16", "bfloat16"), default="bfloat16",
+                   help="the engine's KV dtype, for --codec's ratio (default bfloat16)")
+    p.add_argument("--head-size", type=int_in(1, 4096), default=None, metavar="N",
+                   help="KV head size, for --codec's scales (default: --model's, else 128)")
     p.add_argument("--chunk-size", type=int_in(1, MAX_CHUNK), default=None, metavar="N",
                    help="tokens per chunk (default: the profile's, else 256)")
     p.add_argument("--align", type=int_in(1, MAX_CHUNK), default=1, metavar="N",
@@ -137,6 +146,9 @@ def register_cli(sub: Any) -> None:
                    help="tokens per tier-load measurement")
     g.add_argument("--reps", type=int_in(1, MAX_REPS), default=3, metavar="N",
                    help="repetitions per figure")
+    g.add_argument("--threads", type=int_in(0, 4096), default=0, metavar="N",
+                   help="torch threads the engine computes with while measured (default 0: "
+                   "half the cores, as lmc replay and lmc demo run it)")
     g.add_argument("--disk-dir", metavar="DIR", help="where the disk-tier measurement writes")
     g.add_argument("--remote-url", "--redis", dest="remote_url", metavar="URL",
                    help="also measure this remote tier (redis://, lmc://, mooncake://..., "
@@ -160,6 +172,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _calibrate(args: argparse.Namespace) -> int:
+    from lmc.demo import default_threads
     from lmc.planner.calibrate import CalibrationRefused, calibrate
     from lmc.planner.costmodel import default_profile_path
 
@@ -167,12 +180,14 @@ def _calibrate(args: argparse.Namespace) -> int:
     try:
         prof = calibrate(args.model, lengths=args.lengths, reps=args.reps,
                          load_tokens=args.load_tokens, chunk_size=args.chunk_size or 256,
-                         disk_dir=args.disk_dir, remote_url=args.remote_url)
+                         disk_dir=args.disk_dir, remote_url=args.remote_url,
+                         threads=args.threads or default_threads())
     except CalibrationRefused as e:  # measured, but nonsense: the old profile stays
         kept = (f"the previous profile {path} is kept" if path.is_file()
                 else f"no profile written to {path}")
         print(f"lmc plan --calibrate: refused: {e}.\n{kept}; was the machine busy? Measure "
-              "again on a quiet machine, or with more --reps (each figure is a median)",
+              "again on a quieter machine, or with more --reps (each figure is the median of "
+              "its quieter rounds). Meanwhile `lmc plan TRACE` plans hit rates without TTFT.",
               file=sys.stderr)
         return 1
     except (ValueError, OSError) as e:
@@ -183,13 +198,81 @@ def _calibrate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _kv_bytes_per_token(args: argparse.Namespace) -> int:
+    """KV bytes per token without a profile: ``--model``'s or ``--tokenizer``'s checkpoint's
+    (its config.json, as the reference engine holds it: fp32), else the calibration model's,
+    said on stderr (the sizes a plan compares are in bytes)."""
+    from lmc.planner.calibrate import DEFAULT_KV_BYTES_PER_TOKEN, kv_bytes_per_token
+
+    for flag, value in (("--model", args.model), ("--tokenizer", args.tokenizer)):
+        if value and (Path(value).expanduser() / "config.json").is_file():
+            bpt = kv_bytes_per_token(Path(value).expanduser())
+            print(f"lmc plan: {bpt:,} bytes of KV per token, from {flag} {value}'s config.json "
+                  "(fp32; --kv-bytes-per-token for your engine's dtype)", file=sys.stderr)
+            return bpt
+    print(f"lmc plan: {DEFAULT_KV_BYTES_PER_TOKEN:,} bytes of KV per token, the calibration "
+          "model's (give --kv-bytes-per-token, or --model DIR, for yours)", file=sys.stderr)
+    return DEFAULT_KV_BYTES_PER_TOKEN
+
+
+def _hybrid_bytes(args: argparse.Namespace, chunk: int, trace: Any, bpt: int) -> int:
+    """``--model``'s bytes per token if it is a hybrid sliding-window/full model: what lmc
+    stores of the trace's prompts (its sliding layers only around each prompt's
+    checkpoints), said on stderr beside every layer's."""
+    if not args.model or not (Path(args.model).expanduser() / "config.json").is_file():
+        return bpt
+    from lmc.planner.calibrate import hybrid_bytes_per_token
+
+    got = hybrid_bytes_per_token(Path(args.model).expanduser(), chunk,
+                                 [int(n) for n in trace.num_tokens])
+    if got is None:
+        return bpt
+    stored, every, words = got
+    print(f"lmc plan: hybrid model ({words}): {stored:,.0f} bytes of KV stored per prompt "
+          f"token of this trace, {every:,} for every layer of every token (fp32)",
+          file=sys.stderr)
+    return max(1, round(stored))
+
+def _codec_ratio(args: argparse.Namespace, chunk: int) -> float:
+    """Stored bytes per KV byte under ``--codec`` (a full chunk of two planes of 8 heads),
+    said on stderr with what it gives: the disk and remote sizes planned are the KV held."""
+    import torch
+
+    from lmc.storage.kvcodecs.stage import parse_stage
+    from lmc.units import size
+
+    head = args.head_size
+    if head is None and args.model and (Path(args.model).expanduser() / "config.json").is_file():
+        from lmc.reference.config import ModelConfig
+
+        head = ModelConfig.from_file(Path(args.model).expanduser() / "config.json").head_dim
+    head = head or 128
+    stage = parse_stage(args.codec, "--codec", head)
+    dtype = getattr(torch, args.kv_dtype)
+    shape = (1, 2, chunk, 8 * head)
+    raw = 2 * chunk * 8 * head * dtype.itemsize
+    ratio = (stage.coded_bytes(shape, dtype) if stage.encodes(dtype) else raw) / raw
+    held = ", ".join(f"{size(d)} disk holds {size(int(d / ratio))}" for d in args.disk if d)
+    print(f"lmc plan: codec {stage.ident} stores {ratio:.3f} of {args.kv_dtype} KV "
+          f"(head size {head}){': ' + held if held else ''}; the disk and remote sizes below "
+          "are the KV they hold (a lossless stage's gain is not counted)", file=sys.stderr)
+    return ratio
+
+
 def _plan(args: argparse.Namespace) -> int:
     from lmc.planner import report
     from lmc.planner.costmodel import Profile, default_profile_path
     from lmc.planner.keys import load_trace
     from lmc.planner.sim import grid, run_grid
 
-    profile = None if args.no_ttft else Profile.load(args.profile)
+    profile = None
+    if not args.no_ttft:
+        if args.profile or default_profile_path().is_file():
+            profile = Profile.load(args.profile)
+        else:  # nothing measured yet: hit rates, which need no profile, and how to get TTFT
+            print(f"lmc plan: no calibration profile at {default_profile_path()}: hit rates "
+                  "only (for TTFT measure this machine once: lmc plan --calibrate)",
+                  file=sys.stderr)
     if profile is not None:
         from lmc.planner.calibrate import refusals
 
@@ -198,10 +281,8 @@ def _plan(args: argparse.Namespace) -> int:
             raise ValueError(f"calibration profile {args.profile or default_profile_path()}: "
                              f"{'; '.join(why)}; make it again with `lmc plan --calibrate` "
                              "(or plan hit rates alone with --no-ttft)")
-    bpt = args.kv_bytes_per_token or (profile.kv_bytes_per_token if profile else None)
-    if not bpt:
-        raise ValueError("--no-ttft needs --kv-bytes-per-token (KV bytes one token takes: "
-                         "layers x 2 x kv_heads x head_size x dtype bytes)")
+    bpt = args.kv_bytes_per_token or (profile.kv_bytes_per_token if profile else None) \
+        or _kv_bytes_per_token(args)
     if args.chunk_size is not None:
         chunk = args.chunk_size
     else:
@@ -216,7 +297,14 @@ def _plan(args: argparse.Namespace) -> int:
     t_keys = time.perf_counter() - t0
     if not len(trace):
         raise ValueError(f"{args.trace}: no requests")
-    points = grid(args.l1, args.disk, args.remote, args.policy)
+    if not args.kv_bytes_per_token and profile is None:  # a hybrid model stores less
+        bpt = _hybrid_bytes(args, chunk, trace, bpt)
+    disk, remote = args.disk, args.remote
+    if args.codec:
+        ratio = _codec_ratio(args, chunk)
+        disk = [int(d / ratio) for d in disk]
+        remote = [int(r / ratio) for r in remote]
+    points = grid(args.l1, disk, remote, args.policy)
     t1 = time.perf_counter()
     results = run_grid(trace, points, bytes_per_token=bpt, align=args.align,
                        jobs=args.jobs or None, step_tokens=args.step_tokens)

@@ -30,8 +30,8 @@ from lmc.events.config import EventsConfig
 from lmc.events.engine import EventsListener, tier_media
 from lmc.events.publisher import EventPublisher
 from lmc.events.tracker import Tracker
-from lmc.server import protocol as P
 from lmc.server.ratelog import RateLimitedWarnings
+from lmc.storage.backends.daemon import protocol as P
 from lmc.storage.manager import StorageManager
 from lmc.storage.serde import Header
 

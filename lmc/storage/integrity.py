@@ -2,7 +2,7 @@
 
 Tiers using it: Redis and the ``lmc://`` daemon (keyed tags and geometry), the disk tier
 (geometry only: its directory is one process's), the SGLang page store (geometry of a page).
-Peers: ``lmc/storage/backends/p2p.py`` and ``docs/threats/p2p.md`` say what they verify. Threat
+Peers: ``lmc/storage/backends/p2p/backend.py`` and ``docs/threats/p2p.md`` say what they verify. Threat
 model of the others: ``docs/threats/tiers.md``.
 
 Why: the ``lmc.storage.serde`` checksums catch accidents, not intent. Anyone who can write to a shared
@@ -35,7 +35,7 @@ key as present) nor reach L1.
 
 Secrets. ``integrity_secret`` and ``integrity_secret_file`` follow one rule: surrounding
 whitespace is not part of the secret (a file's trailing newline), what is left must be at
-least ``MIN_SECRET_BYTES`` long; every refusal names the setting (and the file). A file that
+least ``lmc.settings.MIN_SECRET_BYTES`` long; every refusal names the setting (and the file). A file that
 group or others may read is used with a warning (once per file and mode); one they may write
 is refused, since whoever rewrites it chooses the secret.
 """
@@ -51,6 +51,7 @@ import stat
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
+from lmc.settings import check_secret
 from lmc.storage.serde import TAG_SIZE, CorruptValue
 
 if TYPE_CHECKING:  # annotations only: `lmc config` checks a secret without torch's seconds
@@ -59,12 +60,10 @@ if TYPE_CHECKING:  # annotations only: `lmc config` checks a secret without torc
 log = logging.getLogger(__name__)
 
 NONCE_SIZE = 16
-MIN_SECRET_BYTES = 16
 _AEAD_NONCE = bytes(12)  # each one-time key authenticates one value: a constant nonce is safe
 _MASTER_PERSON = b"lmc-int-master"
 _VALUE_PERSON = b"lmc-int-value"
 _DOCUMENT_PERSON = b"lmc-int-doc"
-SECRET_HINT = 'e.g. python3 -c "import secrets; print(secrets.token_hex(32))"'
 
 
 class MissingPackage(RuntimeError, ImportError):
@@ -140,21 +139,6 @@ class Integrity:
             self.document_tag(kind, content), tag)
 
 
-def check_secret(secret: bytes | str, setting: str = "integrity_secret") -> bytes:
-    """The secret as used: stripped of surrounding whitespace, at least ``MIN_SECRET_BYTES``
-    long (the same rule inline and in a file, each refusal naming ``setting``)."""
-    if not isinstance(secret, (bytes, bytearray, memoryview, str)):
-        raise ValueError(f"{setting}: expected a string, got {type(secret).__name__}")
-    raw = (secret.encode() if isinstance(secret, str) else bytes(secret)).strip()
-    if not raw:
-        raise ValueError(f"{setting} is empty or only whitespace ({SECRET_HINT})")
-    if len(raw) < MIN_SECRET_BYTES:
-        raise ValueError(f"{setting}: at least {MIN_SECRET_BYTES} bytes of random secret are "
-                         f"needed (surrounding whitespace does not count), got {len(raw)} "
-                         f"({SECRET_HINT})")
-    return raw
-
-
 _warned_modes: set[tuple[str, int]] = set()
 
 
@@ -193,12 +177,15 @@ class Geometry:
     dtype: torch.dtype
     max_tokens: int
     min_tokens: int = 1
+    head_size: int | None = dataclasses.field(default=None, compare=False)
+    """Elements of one head in a token's width (a KV codec's scale groups); not checked."""
 
     @classmethod
     def of(cls, spec: Any, max_tokens: int, min_tokens: int = 1) -> Geometry:
         """From a :class:`lmc.transfer.kv_spec.KVSpec` and the chunk (or page) size."""
         layers, planes, _, width = spec.chunk_shape(1)
-        return cls(layers, planes, width, spec.dtype, max_tokens, min_tokens)
+        return cls(layers, planes, width, spec.dtype, max_tokens, min_tokens,
+                   head_size=spec.head_size)
 
     @property
     def max_bytes(self) -> int:
@@ -220,6 +207,42 @@ class Geometry:
         if self.min_tokens == self.max_tokens:
             return str(self.max_tokens)
         return f"{self.min_tokens}..{self.max_tokens}"
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupGeometry(Geometry):
+    """A hybrid model's chunks: one part per KV group, each a :class:`Geometry` of its
+    own (``members``); a value must be one of them. The base fields are the largest
+    member's, so ``max_bytes`` bounds every read."""
+
+    members: tuple[Geometry, ...] = ()
+
+    @classmethod
+    def of_groups(cls, spec: Any, max_tokens: int) -> Geometry:
+        """From a hybrid :class:`lmc.transfer.kv_spec.KVSpec` (a plain one: ``Geometry.of``)."""
+        if not spec.groups:
+            return Geometry.of(spec, max_tokens)
+        members = []
+        for i in range(len(spec.groups)):
+            layers, planes, tokens, width = spec.group_chunk_shape(i, max_tokens)
+            members.append(Geometry(layers, planes, width, spec.group_dtype(i), tokens))
+        big = max(members, key=lambda m: m.max_bytes)
+        return cls(big.layers, big.planes, big.width, big.dtype, big.max_tokens,
+                   big.min_tokens, head_size=spec.head_size, members=tuple(members))
+
+    @property
+    def max_bytes(self) -> int:
+        return max(m.max_bytes for m in self.members)
+
+    def check(self, shape: Sequence[int], dtype: torch.dtype) -> None:
+        for m in self.members:
+            try:
+                m.check(shape, dtype)
+                return
+            except CorruptValue:
+                continue
+        raise CorruptValue(f"value holds {list(shape)} {_dtype_name(dtype)}, which is no KV "
+                           f"group part of this engine's ({len(self.members)} groups)")
 
 
 def _dtype_name(dtype: Any) -> str:

@@ -11,6 +11,12 @@ memory and counts as L1).
 
 A result may carry no attribution (``sources`` empty: an adapter's lookup that only knows a
 count); ``tokens_by_tier`` is then empty too.
+
+A hybrid model's hit cannot end anywhere below its length: each KV group must be servable
+where the load ends (:mod:`lmc.hybrid.rules`). Its result carries the ``points`` where one
+may end, and the ``slack`` below each point a load may still end at;
+:meth:`LookupResult.servable_end` is what a scheduler cuts a hit to. A plain result has no
+points: every end up to ``tokens`` is servable.
 """
 
 from __future__ import annotations
@@ -33,12 +39,16 @@ class LookupResult:
         sources: per hit chunk, the index into ``tiers`` of the tier that holds it, one
             byte each (any sequence of ints is converted); empty when the lookup did not
             attribute its hits.
+        points: a hybrid model's servable load ends, ascending (empty: plain, every end
+            up to ``tokens``); a load may end at a point or up to ``slack`` below one.
     """
 
     tokens: int
     chunk_size: int
     tiers: tuple[str, ...] = ()
     sources: bytes = b""
+    points: tuple[int, ...] = ()
+    slack: int = 0
 
     def __post_init__(self) -> None:
         if self.chunk_size < 1:
@@ -53,6 +63,8 @@ class LookupResult:
             except (ValueError, TypeError):
                 raise ValueError(f"LookupResult: sources must be tier indices, got "
                                  f"{self.sources!r:.80}") from None
+        if self.points or self.slack:
+            self._check_points()
         if not self.sources:
             return
         chunks = -(-self.tokens // self.chunk_size)
@@ -62,6 +74,28 @@ class LookupResult:
         if self.sources.translate(None, _INDICES[: len(self.tiers)]):  # some index left over
             bad = max(self.sources)
             raise ValueError(f"LookupResult: source {bad} names no tier of {self.tiers}")
+
+    def _check_points(self) -> None:
+        pts = tuple(int(p) for p in self.points)
+        object.__setattr__(self, "points", pts)
+        if self.slack < 0 or any(p < 1 for p in pts) or list(pts) != sorted(set(pts)):
+            raise ValueError(f"LookupResult: points {list(pts)[:8]} must be distinct positive "
+                             f"ends, ascending, with slack >= 0 (got {self.slack})")
+        if self.tokens and servable_end(pts, self.slack, self.tokens) != self.tokens:
+            raise ValueError(f"LookupResult: {self.tokens} hit tokens is no servable end of "
+                             f"points {list(pts)[:8]} (slack {self.slack})")
+
+    @property
+    def hybrid(self) -> bool:
+        """Whether only some ends are servable (a hybrid model's hit: ``points``)."""
+        return bool(self.points)
+
+    def servable_end(self, limit: int) -> int:
+        """The largest load end ``<= limit`` (and ``<= tokens``) that can be served."""
+        limit = min(limit, self.tokens)
+        if not self.points or limit <= 0:
+            return max(0, limit)
+        return servable_end(self.points, self.slack, limit)
 
     @classmethod
     def miss(cls, chunk_size: int = 1, tiers: Sequence[str] = ()) -> LookupResult:
@@ -90,12 +124,27 @@ class LookupResult:
         return dict(zip(self.tiers, counts))
 
     def clipped(self, tokens: int) -> LookupResult:
-        """The same result cut to its first ``tokens`` positions."""
+        """The same result cut to its first ``tokens`` positions (a hybrid one to its
+        largest servable end within them)."""
         if tokens >= self.tokens:
             return self
-        tokens = max(0, tokens)
+        tokens = self.servable_end(max(0, tokens))
         keep = -(-tokens // self.chunk_size) if self.sources else 0
-        return LookupResult(tokens, self.chunk_size, self.tiers, self.sources[:keep])
+        points = tuple(p for p in self.points if p - self.slack <= tokens) if tokens else ()
+        return LookupResult(tokens, self.chunk_size, self.tiers, self.sources[:keep], points,
+                            self.slack if points else 0)
+
+
+def servable_end(points: Iterable[int], slack: int, limit: int) -> int:
+    """The largest load end ``<= limit`` that ``points`` allow: a point, or ``limit`` itself
+    where it lies within ``slack`` below one (0: none)."""
+    best = 0
+    for p in points:
+        if p <= limit:
+            best = max(best, p)
+        elif p - slack <= limit:
+            best = max(best, limit)
+    return best
 
 
 def minimum(results: Iterable[LookupResult]) -> LookupResult:
@@ -116,8 +165,18 @@ def minimum(results: Iterable[LookupResult]) -> LookupResult:
         raise ValueError(f"lookup results disagree on chunk_size: "
                          f"{sorted({r.chunk_size for r in results})}")
     tokens = least.tokens
+    points: tuple[int, ...] = ()
+    slack = 0
+    if any(r.points for r in results):  # hybrid: ends every rank can serve
+        # a point of every rank is served within the least slack of any
+        points = tuple(sorted(set.intersection(*(set(r.points) for r in results))))
+        slack = min(r.slack for r in results)
+        tokens = servable_end(points, slack, tokens)
+        points = tuple(p for p in points if p - slack <= tokens) if tokens else ()
+        if not tokens:
+            return LookupResult(0, cs)
     if any(r.tiers != first.tiers or not r.sources for r in results):
-        return LookupResult(tokens, cs)
+        return LookupResult(tokens, cs, points=points, slack=slack if points else 0)
     n = -(-tokens // cs)
     sources = bytes(max(r.sources[i] for r in results) for i in range(n))
-    return LookupResult(tokens, cs, first.tiers, sources)
+    return LookupResult(tokens, cs, first.tiers, sources, points, slack if points else 0)

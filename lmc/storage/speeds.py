@@ -188,6 +188,36 @@ class TierRate:
 
 
 @dataclass(frozen=True)
+class KVBytes:
+    """The bytes a load of ``n`` prefix positions moves, by KV group kind (a hybrid model,
+    :mod:`lmc.hybrid`): ``per_token`` for every position (full attention); per sliding
+    group ``(reach, bytes per position)``, at most ``reach`` positions (its window and the
+    chunk it starts in); ``fixed`` once (state rows). A plain model has ``per_token`` only,
+    so a load moves ``n * per_token``."""
+
+    per_token: float
+    windows: tuple[tuple[int, float], ...] = ()
+    fixed: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.per_token) and self.per_token >= 0
+                and math.isfinite(self.fixed) and self.fixed >= 0) or any(
+                w < 1 or not (math.isfinite(b) and b >= 0) for w, b in self.windows):
+            raise ValueError(f"KVBytes: bytes must be finite and >= 0, windows >= 1, got "
+                             f"{self.per_token}, {self.windows}, {self.fixed}")
+
+    def load(self, n: int) -> float:
+        """Bytes of a load of ``n`` positions (0 for none)."""
+        if n <= 0:
+            return 0.0
+        return n * self.per_token + sum(b * min(n, w) for w, b in self.windows) + self.fixed
+
+    @property
+    def hybrid(self) -> bool:
+        return bool(self.windows) or self.fixed > 0
+
+
+@dataclass(frozen=True)
 class PrefillRate:
     """Seconds to compute positions ``[start, end)`` of one request:
     ``c0 + c1 * (end - start) + c2 * (end**2 - start**2)``. ``observed``: steps behind it."""

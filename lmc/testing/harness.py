@@ -11,6 +11,7 @@ Randomised tests print their seed; set ``LMC_CONTRACT_SEED`` to replay one.
 
 from __future__ import annotations
 
+import functools
 import gc
 import hashlib
 import os
@@ -66,6 +67,10 @@ class TierSpec:
     * ``other_tenants(tier)`` gives the settings of tiers of other tenants over the same
       backend (another namespace, another token): none may see or change ``tier``'s values.
 
+    ``lossy`` says the tier holds chunks through a lossy codec (``lmc.storage.kvcodecs``):
+    float chunks are then filled with finite values, and a hit must hold exactly
+    ``lossy(stored values)`` (the codec's own round trip), every other chunk its bytes.
+
     ``inner`` makes ``spec`` a wrapper tier: the tier ``inner`` describes is built first and
     handed to it as ``inner=`` (its ``kwargs`` apply to it; ``config`` is this spec's).
 
@@ -90,6 +95,7 @@ class TierSpec:
     other_tenants: Callable[[StorageBackend], list[dict[str, Any]]] | None = None
     skip: dict[str, str] = field(default_factory=dict)
     deadline: float = 2.0 + SLACK
+    lossy: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def build(self, config: CacheConfig, pool: Any) -> StorageBackend:
         """The tier, the public way; a wrapper's ``inner`` tier first, over the same pool and
@@ -135,19 +141,59 @@ def raw(obj: MemoryObj) -> torch.Tensor:
     return obj.tensor.reshape(-1).view(torch.uint8)
 
 
+FLOATS = (torch.float32, torch.float16, torch.bfloat16)
+_lossy: list[Callable[[torch.Tensor], torch.Tensor]] = []
+"""The lossy round trip of the tier under test (``TierSpec.lossy``), set per test."""
+
+
+def _values(key: Key, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """Finite KV-like values for ``key`` (a lossy tier's chunks: random bytes would hold
+    NaNs, which a codec stores exact)."""
+    g = torch.Generator().manual_seed(int.from_bytes(key[:8], "little"))
+    return (torch.randn(shape, generator=g) * 2).to(dtype)
+
+
+@functools.lru_cache(maxsize=512)
+def _lossy_bytes(key: Key, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    return _lossy[0](_values(key, shape, dtype)).reshape(-1).view(torch.uint8)
+
+
+def _is_lossy(obj: MemoryObj) -> bool:
+    return bool(_lossy) and obj.dtype in FLOATS and len(obj.shape) == 4
+
+
 def fill(obj: MemoryObj, key: Key) -> MemoryObj:
-    raw(obj).copy_(expected_bytes(key, obj.nbytes))
+    if _is_lossy(obj):
+        obj.tensor.copy_(_values(key, tuple(obj.shape), obj.dtype))
+    else:
+        raw(obj).copy_(expected_bytes(key, obj.nbytes))
     return obj
 
 
+def fill_like(obj: MemoryObj, key: Key) -> torch.Tensor:
+    """What :func:`fill` writes into ``obj`` for ``key``, as a tensor of its own."""
+    if _is_lossy(obj):
+        return _values(key, tuple(obj.shape), obj.dtype)
+    return expected_bytes(key, obj.nbytes)
+
+
+def stored_bytes(obj: MemoryObj, key: Key) -> torch.Tensor:
+    """The bytes a hit for ``key`` holds: what was stored, or its lossy round trip."""
+    if _is_lossy(obj):
+        return _lossy_bytes(key, tuple(obj.shape), obj.dtype)
+    return expected_bytes(key, obj.nbytes)
+
+
 def check_hit(obj: MemoryObj | None, key: Key, shape: Sequence[int] = SHAPE,
-              dtype: torch.dtype = torch.float16) -> None:
-    """``obj`` is the chunk stored under ``key``: shape, dtype, token count and every bit."""
+              dtype: torch.dtype = torch.float16, *, read: bool = True) -> None:
+    """``obj`` is the chunk stored under ``key``: shape, dtype, token count and every bit
+    (``read``: as read back from the tier, a lossy tier's round trip; else as filled)."""
     assert obj is not None, f"miss for {key.hex()}"
     assert obj.ref_count >= 1, f"{obj!r} for {key.hex()} came back without a reference"
     assert (tuple(obj.shape), obj.dtype, obj.num_tokens) == (tuple(shape), dtype, shape[2]), \
         f"{key.hex()}: got {obj!r}, stored shape {tuple(shape)} {dtype}"
-    assert torch.equal(raw(obj), expected_bytes(key, obj.nbytes)), \
+    want = stored_bytes(obj, key) if read else fill_like(obj, key).reshape(-1).view(torch.uint8)
+    assert torch.equal(raw(obj), want), \
         f"{key.hex()}: the bytes read back differ from the bytes stored"
 
 
@@ -244,6 +290,20 @@ class TierHarness:
         if found:
             pytest.fail(f"{len(found)} pool invariant violation(s):\n\n" + "\n\n".join(found),
                         pytrace=False)
+
+    @pytest.fixture(autouse=True)
+    def _lossy_tier(self, tier_spec: TierSpec):
+        """A lossy spec's round trip is what every hit is checked against, in this test."""
+        if tier_spec.lossy is None:
+            yield
+            return
+        _lossy[:] = [tier_spec.lossy]
+        _lossy_bytes.cache_clear()
+        try:
+            yield
+        finally:
+            _lossy.clear()
+            _lossy_bytes.cache_clear()
 
     @pytest.fixture(autouse=True)
     def _spec_skips(self, request, tier_spec: TierSpec) -> None:

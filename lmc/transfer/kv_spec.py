@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from lmc.transfer.kv_groups import STATE, KVGroup, check_groups, is_plain
 from lmc.transfer.kv_layouts import DESCRIPTORS, Geometry, Layout, PlaneStrides
 
 __all__ = ["KVSpec", "PlaneStrides", "LAYOUTS", "SUPPORTED_DTYPES", "split_layers"]
@@ -44,7 +45,9 @@ LayerTensors = tuple[torch.Tensor, ...]
 @dataclasses.dataclass(frozen=True)
 class KVSpec:
     """Shape of an engine's KV cache. MLA layouts have one plane, ``num_kv_heads == 1`` and
-    ``head_size`` equal to the latent dimension."""
+    ``head_size`` equal to the latent dimension. ``groups``: a hybrid model's KV groups
+    (:mod:`lmc.transfer.kv_groups`); empty for the plain case, which one full group over
+    every layer is normalised to."""
 
     num_layers: int
     num_kv_heads: int
@@ -53,6 +56,7 @@ class KVSpec:
     block_size: int
     layout: str
     num_blocks: int = 0  # capacity of the engine cache (slots for sglang); 0 = not checked
+    groups: tuple[KVGroup, ...] = ()
 
     def __post_init__(self) -> None:
         if self.layout not in DESCRIPTORS:
@@ -71,6 +75,32 @@ class KVSpec:
         if self.desc.slot_addressed and self.block_size != 1:
             raise ValueError(f"{self.layout} addresses slots directly: block_size must be 1, "
                              f"got {self.block_size}")
+        groups = tuple(self.groups)
+        check_groups(groups, self.num_layers)
+        object.__setattr__(self, "groups", () if is_plain(groups, self.num_layers) else groups)
+
+    @property
+    def is_hybrid(self) -> bool:
+        """Whether the layers form more than one KV group (see :mod:`lmc.transfer.kv_groups`)."""
+        return bool(self.groups)
+
+    def group_spec(self, index: int) -> KVSpec:
+        """The plain spec of group ``index``'s attention layers (its own transfer and chunk
+        shape); a state group's has one layer per state layer, unused by transfers."""
+        g = self.groups[index]
+        return dataclasses.replace(self, num_layers=g.num_layers, groups=())
+
+    def group_chunk_shape(self, index: int, num_tokens: int) -> tuple[int, int, int, int]:
+        """What group ``index`` stores for a chunk of ``num_tokens``: the attention format
+        over its layers, or ``[layers, 1, 1, state_width]`` for a state group."""
+        g = self.groups[index]
+        if g.kind == STATE:
+            return (g.num_layers, 1, 1, g.state_width)
+        return (g.num_layers, self.num_planes, num_tokens, self.row_width)
+
+    def group_dtype(self, index: int) -> torch.dtype:
+        g = self.groups[index]
+        return g.state_dtype if g.kind == STATE and g.state_dtype is not None else self.dtype
 
     # ------------------------------------------------------------------ derived
     @property
@@ -115,14 +145,18 @@ class KVSpec:
         return self.num_layers * self.num_planes * num_tokens * self.row_width * self.element_size
 
     def namespace_fields(self) -> dict[str, Any]:
-        """What identifies stored KV: the layout and cache capacity are deliberately absent."""
-        return {
+        """What identifies stored KV: the layout and cache capacity are deliberately absent;
+        a hybrid model's group geometry is present (a plain spec's fields are unchanged)."""
+        out: dict[str, Any] = {
             "layers": self.num_layers,
             "kv_heads": self.num_kv_heads,
             "head_size": self.head_size,
             "dtype": str(self.dtype).removeprefix("torch."),
             "mla": self.use_mla,
         }
+        if self.groups:
+            out["groups"] = [g.namespace() for g in self.groups]
+        return out
 
     def plane_strides(self, layer: torch.Tensor | Sequence[torch.Tensor] | None = None
                       ) -> tuple[PlaneStrides, ...]:

@@ -21,9 +21,10 @@ MAX_TIMEOUT_S = 86400.0
 REPLAY_DOC = """Replay a trace on a real engine and report TTFT, throughput and lmc hits per tier.
 
 Targets:
-  reference[:MODEL_DIR]  the built-in reference engine in this process (default model: the
-                         demo's), with lmc configured by --config (default: lmc demo's tiers,
-                         CPU then a temporary disk directory), or --no-lmc for the engine alone
+  reference[:MODEL_DIR]  the built-in reference engine in this process (default model: lmc
+                         demo --quick's), with lmc configured by --config (default: lmc
+                         demo's tiers, CPU then a temporary disk directory), or --no-lmc for
+                         the engine alone
   http://host:port       any OpenAI-compatible server (/v1/completions, streamed: TTFT is the
                          first streamed token); per-tier hits come from the server's lmc
                          counters (vLLM with lmc: /metrics; lmc's reference server:

@@ -460,3 +460,31 @@ def test_a_tier_fit_over_any_reads_stays_within_what_they_took(reads) -> None:
     assert 0 < r.bytes_per_s < math.inf and r.latency_s >= 0
     recent = [y for _, y, w in t.fit.observations() if w >= 0.1]
     assert r.latency_s <= 1.2 * min(recent) + 1e-12
+
+
+def test_a_hybrid_hit_is_cut_only_where_every_group_is_served() -> None:
+    """A hybrid model's hit can end only at its points (lmc.hybrid.rules): the rule's
+    candidates are those, and the decision is one of them or no load at all."""
+    c = costs(L1, DISK)
+    src = bytes([1] * 64)
+    free = choose_split(c, src, CS, 0, 16_383, 16_384)
+    assert free.end % CS == 0 and free.end not in (0, 4096, 16_383)  # a cut in between
+    found = LookupResult(16_384, CS, ("L1", "disk"), src, (4096, 16_384), CS)
+    cut = choose_split(c, src, CS, 0, 16_383, 16_384, servable=found.servable_end)
+    assert cut.end in (0, 4096, 16_383)
+
+
+def test_a_hybrid_models_bytes_are_priced_per_group() -> None:
+    """Sliding-window and state bytes are not linear in the positions loaded: a load of a
+    hybrid model moves its full groups' bytes per position, each window's at most once."""
+    from lmc.storage.speeds import KVBytes
+
+    kv = KVBytes(BPT / 2, ((4096 + CS - 1, BPT / 2),), 1 << 20)
+    assert kv.load(16_000) == 16_000 * BPT / 2 + (4096 + CS - 1) * BPT / 2 + (1 << 20)
+    assert kv.load(100) == 100 * BPT + (1 << 20) and kv.load(0) == 0
+    plain = costs(L1, DISK_SERIAL)
+    hybrid = Costs(plain.tiers, plain.prefill, BPT / 2, plain.num_layers, kv)
+    by = [0, 16_000]
+    assert ttft_s(hybrid, by, 0, 16_000, 16_384) < ttft_s(plain, by, 0, 16_000, 16_384)
+    c = Costs.from_snapshot(Speeds([("L1", "memory", True)]).snapshot(), BPT, 4, kv)
+    assert c is None  # compute unknown: load all, whatever the bytes

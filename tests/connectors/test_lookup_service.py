@@ -5,6 +5,7 @@ quickly (never a hang), and every wire field is bounded and checked."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import socket
@@ -275,6 +276,15 @@ def head(tokens=10, cs=CS, tiers=0, sources=0, magic=b"LMA2") -> bytes:
     (head(tiers=1) + b"\x02\xff\xfe", "not UTF-8"),
     (head(tokens=10, tiers=1, sources=1) + b"\x03cpu\x01", "source 1 names no tier"),
     (head()[:10], "peer closed the connection"),
+    # a hybrid model's answer: points bounded by the request, the hit one of them
+    (head(magic=b"LMH2") + struct.pack("<II", 0, 0), "0 points"),
+    (head(magic=b"LMH2") + struct.pack("<II", 0, 2), "2 points"),  # 10 tokens: 1 chunk
+    (head(magic=b"LMH2", cs=4) + struct.pack("<II", 5, 1) + struct.pack("<Q", 10),
+     "slack 5"),
+    (head(magic=b"LMH2") + struct.pack("<II", 0, 1) + struct.pack("<Q", 11),
+     "a point past the request"),
+    (head(magic=b"LMH2") + struct.pack("<II", 0, 1) + struct.pack("<Q", 8),
+     "no servable end"),
 ])
 def test_a_malformed_answer_is_a_miss_that_says_why(sock_dir, caplog, reply, why):
     path = str(sock_dir / "raw.sock")
@@ -290,6 +300,31 @@ def test_a_malformed_answer_is_a_miss_that_says_why(sock_dir, caplog, reply, why
     finally:
         client.close()
         server.close()
+
+
+def test_a_hybrid_answer_crosses_the_socket_with_its_points(sock_dir):
+    """A hybrid model's hit is servable only at some ends (lmc.hybrid.rules): the points
+    and slack reach the scheduler, and the minimum over ranks keeps the common ones."""
+    paths = [str(sock_dir / f"h{i}.sock") for i in range(2)]
+    hits = [LookupResult(150, CS, TIERS, bytes(10), (64, 144, 150), CS),
+            LookupResult(144, CS, TIERS, bytes(9), (64, 144), CS)]
+
+    def fixed(r: LookupResult):
+        return lambda tokens: r
+
+    servers = [LookupServer(p, fixed(r)) for p, r in zip(paths, hits)]
+    client = Client(paths, timeout=2)
+    try:
+        one = Client(paths[:1], timeout=2)
+        assert one.lookup(list(range(150))) == hits[0]
+        one.close()
+        got = client.lookup(list(range(150)))
+        assert (got.tokens, got.points, got.slack) == (144, (64, 144), CS)
+        assert got.servable_end(140) == 140 and got.servable_end(100) == 64
+    finally:
+        client.close()
+        for s in servers:
+            s.close()
 
 
 def test_an_old_client_request_is_refused_clearly(sock_dir, caplog):
@@ -390,6 +425,25 @@ def test_speeds_unknown_and_asked_at_most_once_a_second(sock_dir):
         bare.close()
 
 
+def test_a_hybrid_models_bytes_cross_the_socket(sock_dir):
+    """A hybrid model's load is priced per KV group kind (lmc.storage.speeds.KVBytes):
+    the speeds answer carries its windows and fixed bytes; lying ones are unknown."""
+    from lmc.storage.speeds import KVBytes
+
+    base = measured_costs()
+    want = dataclasses.replace(base, kv=KVBytes(base.bytes_per_token, ((143, 32768.0),),
+                                                4096.0))
+    path = str(sock_dir / "hyb.sock")
+    server = LookupServer(path, prefix_answer(0, 0), costs=lambda: want)
+    client = Client([path], timeout=2)
+    try:
+        assert client.costs() == want
+        assert want.load_bytes(1000) == 1000 * base.bytes_per_token + 143 * 32768 + 4096
+    finally:
+        client.close()
+        server.close()
+
+
 def test_remote_speeds_are_the_fallback_of_local_costs():
     from lmc.connectors.core.load_policy import LOCAL_COSTS, local_costs, register_local
 
@@ -430,6 +484,12 @@ def speeds_reply(known=1, tiers=(("disk", 1.5e9, 0.002, 0, 3),), tail=(0.001, 6e
     (speeds_reply(tail=(0.0, 1e-6, 0.0, 1, 1.0, 0)), "0 layers"),
     (speeds_reply(tail=(0.0, 1e-6, 0.0, 1, 1.0, 1 << 20)), "1048576 layers"),
     (speeds_reply()[:20], "peer closed the connection"),
+    # a hybrid model's bytes per KV group kind
+    (speeds_reply(magic=b"LMK2") + bytes([1]) + struct.pack("<Id", 0, 1.0)
+     + struct.pack("<d", 0.0), "a window of 0 positions"),
+    (speeds_reply(magic=b"LMK2") + bytes([65]), "65 sliding windows"),
+    (speeds_reply(magic=b"LMK2") + bytes([0]) + struct.pack("<d", float("nan")),
+     "fixed bytes is nan"),
 ])
 def test_lying_speeds_are_unknown_never_used(sock_dir, caplog, reply, why):
     """A rank answering speeds that are not numbers a decision can use (NaN, negative,

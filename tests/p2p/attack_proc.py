@@ -1,7 +1,7 @@
 """Child process for ``test_p2p_attacks``: an honest owner, a lying peer and a reader, each
 with its own NIXL agent in this one process, against the daemon at DIRECTORY_URL; prints one
 JSON line of what the reader got, then ends with ``os._exit`` (NIXL's exit-time crash, see
-:mod:`lmc.p2p.agent`). Threat model: ``docs/threats/p2p.md``.
+:mod:`lmc.storage.backends.p2p.agent`). Threat model: ``docs/threats/p2p.md``.
 
 ``python -m tests.p2p.attack_proc SCENARIO DIRECTORY_URL WORKDIR``; scenarios: ``forged``,
 ``grouped``, ``window``, ``lying_size``, ``overwrite``, ``renamed``.
@@ -19,11 +19,11 @@ import torch
 
 from lmc.config import CacheConfig
 from lmc.memory.pool import MemoryPool
-from lmc.p2p.agent import PoolAgent, TransferFailed
-from lmc.p2p.directory_client import DirectoryConnection
-from lmc.p2p.wire import Record
-from lmc.server.client import Address
-from lmc.storage.backends.p2p import P2PBackend, directory_url
+from lmc.storage.backends.daemon.client import Address
+from lmc.storage.backends.p2p.agent import PoolAgent, TransferFailed
+from lmc.storage.backends.p2p.backend import P2PBackend, directory_url
+from lmc.storage.backends.p2p.directory_client import DirectoryConnection
+from lmc.storage.backends.p2p.wire import Record
 from lmc.storage.integrity import Geometry, expect_geometry
 from lmc.testing import SHAPE, check_hit, fill, key_of
 
@@ -103,7 +103,7 @@ def grouped(url: str, _: str) -> dict:
     grouping threshold lowered to 0 so every multi-chunk pull is grouped): one get of six
     keys, two of them advertised newest by a liar without the secret -- the honest four are
     served exact, the two lies are misses, none is wrong."""
-    from lmc.storage.backends import p2p
+    from lmc.storage.backends.p2p import backend as p2p
 
     p2p.READ_GROUP_BYTES = 0
     owner, liar = _tier(url, "g-owner", SECRET), _tier(url, "g-liar")

@@ -2,7 +2,7 @@
 a process holding one P2P tier per contract tier, each over a pool of its own, driven by
 JSON lines on stdin (one ``@lmc`` JSON answer line each). Chunks arrive as bytes, so what the
 reader READs back is exactly what the suite stored. Ends with ``os._exit`` (NIXL's exit-time
-crash, see :mod:`lmc.p2p.agent`). Threat model: ``docs/threats/p2p.md``.
+crash, see :mod:`lmc.storage.backends.p2p.agent`). Threat model: ``docs/threats/p2p.md``.
 
 Commands: ``open {id, url, token, secret}``, ``put {id, items: [[key, shape, dtype, b64]]}``,
 ``delete {id, keys}``, ``damage {id, key}`` (flip a byte of the exported copy; a keyed owner
@@ -22,7 +22,7 @@ import torch
 
 from lmc.config import CacheConfig
 from lmc.memory.pool import MemoryPool
-from lmc.storage.backends.p2p import P2PBackend
+from lmc.storage.backends.p2p.backend import P2PBackend
 from lmc.storage.serde import payload_checksum
 
 POOL_BYTES = 16 << 20

@@ -4,7 +4,7 @@ each, marked ``@lmc``): ``python -m tests.p2p.engine_proc DIRECTORY_URL``.
 Its tiers are L1 and the P2P tier only, so a chunk it did not store itself can come from a
 peer's pool and nowhere else. KV is regenerated from a seed on every side, so a loader checks
 bit-exactness against what the owner stored without any side channel. NIXL agents crash at
-interpreter exit (see ``lmc.p2p.agent``): ``exit`` closes the engine and ends with
+interpreter exit (see ``lmc.storage.backends.p2p.agent``): ``exit`` closes the engine and ends with
 ``os._exit``; judge this process by its answers.
 
 Commands: ``store``/``load`` ``{seed, n}``; ``evict`` ``{seed, n}`` (delete the prompt's chunks
@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 
 from lmc import CacheConfig, CacheEngine
-from lmc.storage.backends.p2p import P2PBackend
+from lmc.storage.backends.p2p.backend import P2PBackend
 from tests.kvutil import make_caches, spec_for
 from tests.server.engine_proc import _slots
 

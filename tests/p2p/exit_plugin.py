@@ -1,6 +1,6 @@
 """A pytest plugin for a child pytest run that made NIXL agents: the run ends with
 ``os._exit`` and pytest's exit status once everything is reported, skipping the library
-destructor NIXL 1.5.1 crashes in at interpreter exit (see :mod:`lmc.p2p.agent`).
+destructor NIXL 1.5.1 crashes in at interpreter exit (see :mod:`lmc.storage.backends.p2p.agent`).
 ``python -m pytest -p tests.p2p.exit_plugin ...``; used by ``test_contract_p2p.py``."""
 
 from __future__ import annotations

@@ -14,10 +14,17 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lmc.p2p.directory import DirectoryFull, PeerDirectory
-from lmc.p2p.directory_client import DirectoryConnection
-from lmc.p2p.wire import RECORD_SIZE, BadRecord, PeerInfo, Record, peer_info, unpack_record
-from lmc.server.client import Address, ServerError
+from lmc.server.p2p.directory import DirectoryFull, PeerDirectory
+from lmc.storage.backends.daemon.client import Address, ServerError
+from lmc.storage.backends.p2p.directory_client import DirectoryConnection
+from lmc.storage.backends.p2p.wire import (
+    RECORD_SIZE,
+    BadRecord,
+    PeerInfo,
+    Record,
+    peer_info,
+    unpack_record,
+)
 from tests.server.daemon_proc import DaemonProc
 
 
@@ -201,7 +208,7 @@ def test_daemon_refuses_bad_directory_requests(daemon):
 def test_daemon_survives_garbage_directory_requests(daemon):
     """Random field values for every P2P op: each is answered (ok or bad_request), the
     connection stays usable, and the directory still works afterwards."""
-    from lmc.server import protocol as P
+    from lmc.storage.backends.daemon import protocol as P
 
     seed = random.randrange(1 << 30)
     print(f"seed {seed}")
@@ -317,7 +324,7 @@ def test_namespaces_never_leak_and_bounds_hold(ops):
 
 
 def test_read_groups_split_big_pulls_by_bytes():
-    from lmc.storage.backends.p2p import READ_GROUP_BYTES, read_groups
+    from lmc.storage.backends.p2p.backend import READ_GROUP_BYTES, read_groups
 
     assert read_groups([]) == [0]
     assert read_groups([1 << 20] * 8) == [8]  # under the threshold: one READ

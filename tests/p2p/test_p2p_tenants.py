@@ -11,13 +11,13 @@ import time
 import pytest
 import torch
 
-from lmc.p2p.directory_client import DirectoryConnection
-from lmc.p2p.wire import PeerInfo, Record
-from lmc.server import protocol as P
-from lmc.server.client import Address, ServerError
+from lmc.storage.backends.daemon import protocol as P
+from lmc.storage.backends.daemon.client import Address, ServerError
+from lmc.storage.backends.p2p.directory_client import DirectoryConnection
+from lmc.storage.backends.p2p.wire import PeerInfo, Record
 from tests.server.daemon_proc import DaemonProc
 
-MAX_PEERS = 32  # the directory's per-token bound (lmc.p2p.directory.PeerDirectory)
+MAX_PEERS = 32  # the directory's per-token bound (lmc.server.p2p.directory.PeerDirectory)
 
 
 def _info(agent: str, marker: int = 1) -> PeerInfo:

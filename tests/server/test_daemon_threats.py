@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from lmc.server import protocol as P
+from lmc.storage.backends.daemon import protocol as P
 from tests.deadlines import HANG_S
 from tests.server import wire as W
 from tests.server.daemon_proc import ROOT

@@ -18,10 +18,10 @@ import torch
 
 from lmc.config import CacheConfig
 from lmc.memory.pool import MemoryPool
-from lmc.server import protocol as P
 from lmc.server.stats_cli import format_info
 from lmc.server.views import tier_media
 from lmc.storage.backends.cpu import CPUBackend
+from lmc.storage.backends.daemon import protocol as P
 from lmc.storage.backends.disk.backend import DiskBackend
 from lmc.storage.tier import Medium, TierCapabilities
 from tests.server import wire

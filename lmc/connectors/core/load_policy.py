@@ -27,6 +27,10 @@ PCIe: 3.5%) -- and answers the largest ``N`` whose predicted TTFT is within
 no compute another request could use, and a prediction is not trusted to a millisecond. With L1 much faster than compute, ``N`` is the whole hit and nothing changes; with a
 tier much slower, ``N`` stops before its chunks and lmc is never worse than no cache.
 
+A hybrid model (:mod:`lmc.hybrid`) prices each KV group's bytes (:class:`KVBytes`): full
+attention's for every loaded position, a sliding window's for at most its window, a state's
+once; and only ends every group can serve are candidates (the lookup's ``points``).
+
 One rule for everyone: the connectors' scheduler half (:class:`LoadPolicy`, from a cache
 engine's live :class:`lmc.storage.speeds.Speeds`) and ``lmc plan``
 (:mod:`lmc.planner.costmodel`, from a calibration profile) both call :func:`choose_split`.
@@ -41,7 +45,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from lmc.storage.lookup import LookupResult
-from lmc.storage.speeds import PrefillRate, SpeedSnapshot, TierRate
+from lmc.storage.speeds import KVBytes, PrefillRate, SpeedSnapshot, TierRate
 
 log = logging.getLogger(__name__)
 POLICIES = ("auto", "load_all")
@@ -69,12 +73,18 @@ DEFAULT_SLACK_S = 1e-3
 class Costs:
     """What the rule knows: per tier (indexed as a ``LookupResult``'s ``tiers``, L1 first)
     its rate, the engine's compute, the KV bytes of one token and the layers a layer-wise
-    load pipelines over (1: not layer-wise)."""
+    load pipelines over (1: not layer-wise). ``kv``: a hybrid model's bytes per KV group
+    kind (``None``: ``bytes_per_token`` for every position)."""
 
     tiers: tuple[TierRate, ...]
     prefill: PrefillRate
     bytes_per_token: float
     num_layers: int = 1
+    kv: KVBytes | None = None
+
+    def load_bytes(self, n: int) -> float:
+        """Bytes a load of ``n`` positions moves."""
+        return self.kv.load(n) if self.kv is not None else n * self.bytes_per_token
 
     def __post_init__(self) -> None:
         if not self.tiers:
@@ -84,12 +94,13 @@ class Costs:
                              f"{self.bytes_per_token}, {self.num_layers}")
 
     @classmethod
-    def from_snapshot(cls, snap: SpeedSnapshot, bytes_per_token: float, num_layers: int
-                      ) -> Costs | None:
+    def from_snapshot(cls, snap: SpeedSnapshot, bytes_per_token: float, num_layers: int,
+                      kv: KVBytes | None = None) -> Costs | None:
         """``None`` while the engine's compute is unknown (then the whole hit is loaded)."""
         if snap.prefill is None or not snap.tiers:
             return None
-        return cls(snap.tiers, snap.prefill, bytes_per_token, num_layers)
+        return cls(snap.tiers, snap.prefill, bytes_per_token, num_layers,
+                   kv if kv is not None and kv.hybrid else None)
 
 
 @dataclass(frozen=True)
@@ -122,14 +133,13 @@ def ttft_s(costs: Costs, by_tier: Sequence[int], start: int, end: int, total: in
     ``t``) and computing ``[end, total)`` (see the module doc). ``step_tokens``: the most
     positions one step computes for a request (chunked prefill; 0: the rest in one step)."""
     copy = costs.tiers[0]
-    bpt = costs.bytes_per_token
+    loaded = sum(n for n in by_tier if n > 0)
+    # bytes per loaded position: the load's bytes spread over its positions (a hybrid
+    # model's windows and states are not linear in them)
+    bpt = costs.load_bytes(loaded) / loaded if loaded else costs.bytes_per_token
     overlapped = serial = 0.0
-    loaded = 0
     for t, n in enumerate(by_tier):
-        if n <= 0:
-            continue
-        loaded += n
-        if t == 0:
+        if n <= 0 or t == 0:
             continue  # L1: the copy below is all it costs
         rate = costs.tiers[t]
         s = rate.latency_s + n * bpt / rate.bytes_per_s
@@ -153,13 +163,16 @@ def ttft_s(costs: Costs, by_tier: Sequence[int], start: int, end: int, total: in
 
 def choose_split(costs: Costs, sources: bytes | Sequence[int], chunk_size: int, start: int,
                  hit_end: int, total: int, *, align: int = 1, step_tokens: int = 0,
-                 margin: float = DEFAULT_MARGIN, slack_s: float = DEFAULT_SLACK_S) -> Split:
+                 margin: float = DEFAULT_MARGIN, slack_s: float = DEFAULT_SLACK_S,
+                 servable: Callable[[int], int] | None = None) -> Split:
     """The rule (module doc): positions ``[start, hit_end)`` can be loaded, chunk ``i`` of
     the prompt from tier ``sources[i]``; the engine has ``[0, start)`` and must compute up
     to ``total``. Candidates are ``hit_end`` and every position from ``start`` on where a
     lower-tier chunk begins (chunk boundaries rounded down to ``align``). ``load_none_s`` is
     predicted whatever the candidates. ``step_tokens``: the engine's per-step token budget
-    under chunked prefill (0: none) -- a load overlaps only the first step's compute."""
+    under chunked prefill (0: none) -- a load overlaps only the first step's compute.
+    ``servable(end)``: the largest end ``<= end`` that can be served (a hybrid model's
+    lookup, ``LookupResult.servable_end``); only ends it keeps are candidates."""
     if not 0 <= start <= hit_end <= total:
         raise ValueError(f"choose_split: need 0 <= start <= hit_end <= total, got {start}, "
                          f"{hit_end}, {total}")
@@ -173,6 +186,8 @@ def choose_split(costs: Costs, sources: bytes | Sequence[int], chunk_size: int, 
     cands = sorted({*first, hit_end, *(b - b % align for b in range(cs * (start // cs + 1),
                                                                     hit_end, cs)
                                        if b - b % align > start and sources[b // cs] != 0)})
+    if servable is not None:  # a hybrid model: ends every KV group can serve
+        cands = [c for c in cands if c in (start, hit_end) or servable(c) == c]
     counts = [0] * ntiers
     pos = start
     best: list[tuple[int, tuple[int, ...], float]] = []
@@ -263,7 +278,9 @@ class LoadPolicy:
                 if costs is not None and len(costs.tiers) == len(found.tiers):
                     split = choose_split(costs, found.sources, found.chunk_size, start,
                                          hit_end, total, align=align, margin=self.margin,
-                                         slack_s=self.slack_s, step_tokens=self.step_tokens)
+                                         slack_s=self.slack_s, step_tokens=self.step_tokens,
+                                         servable=found.servable_end if found.hybrid
+                                         else None)
             except Exception as e:  # the decision never fails a request: load all
                 log.warning("lmc load policy failed for request %s (%s: %s): loading the "
                             "whole hit", request_id, type(e).__name__, e)

@@ -28,15 +28,21 @@ Wire format (version 2; no pickle -- the bytes come from a socket; little-endian
   :data:`~lmc.storage.lookup.MAX_TIERS`), uint32 source count *s*; then *t* names (uint8 length, at
   most :data:`MAX_NAME` bytes of UTF-8); then *s* uint8 tier indices, one per hit chunk
   (*s* is 0 when the server does not attribute hits). Everything is bounded by the request:
-  *s* never exceeds the chunks of the tokens asked about.
+  *s* never exceeds the chunks of the tokens asked about. A hybrid model's answer (hits
+  servable only at some ends, :mod:`lmc.hybrid.rules`) is ``b"LMH2"`` with the same
+  fields, then uint32 slack and uint32 point count *p* (at most the chunks asked about)
+  and *p* uint64 points, ascending.
 
 * speeds request (what the load policy decides with, asked of rank 0 at most once a second
   by a scheduler whose ranks live in other processes): ``b"LMS2"``, uint32 0;
 * speeds answer: ``b"LMB2"``, uint8 known (0: nothing measured yet, nothing follows), uint8
   tier count *t*; then per tier its name (as above), float64 bytes/s, float64 latency,
   uint8 overlaps, uint32 reads observed; then float64 c0, c1, c2 and uint32 steps observed of
-  the prefill fit, float64 KV bytes per token, uint32 layers a load pipelines over. Every
-  number is checked (finite, in range) before use.
+  the prefill fit, float64 KV bytes per token, uint32 layers a load pipelines over. A hybrid
+  model's (bytes priced per KV group kind, :class:`lmc.storage.speeds.KVBytes`) is
+  ``b"LMK2"`` with the same fields, then uint8 window count *w* (at most
+  :data:`MAX_WINDOWS`), *w* times uint32 reach and float64 bytes per position, and float64
+  fixed bytes. Every number is checked (finite, in range) before use.
 
 * prefetch request (the chunks a waiting request would recompute by choice, pulled into
   every rank's L1 while it waits): ``b"LMP2"``, uint32 token count *n*, uint32 first
@@ -84,7 +90,7 @@ from lmc.connectors.core.lookup_conns import (
     RequestReader,
 )
 from lmc.storage.lookup import MAX_TIERS, LookupResult, minimum
-from lmc.storage.speeds import PrefillRate, TierRate
+from lmc.storage.speeds import KVBytes, PrefillRate, TierRate
 from lmc.token_database import request_root
 
 log = logging.getLogger(__name__)
@@ -93,12 +99,16 @@ REQ_MAGIC = b"LMQ2"
 TAGGED_REQ_MAGIC = b"LMT2"
 TAG_BYTES = 16
 ANS_MAGIC = b"LMA2"
+HYBRID_ANS_MAGIC = b"LMH2"  # an answer with servable points (a hybrid model's)
 PREFETCH_MAGIC = b"LMP2"
 TAGGED_PREFETCH_MAGIC = b"LMU2"
 PREFETCH_ANS_MAGIC = b"LMF2"
 _U32 = struct.Struct("<I")
 SPEEDS_REQ_MAGIC = b"LMS2"
 SPEEDS_ANS_MAGIC = b"LMB2"
+HYBRID_SPEEDS_ANS_MAGIC = b"LMK2"  # with a hybrid model's bytes per KV group kind
+MAX_WINDOWS = 64
+_WINDOW = struct.Struct("<Id")
 _SPEEDS_HEAD = struct.Struct("<4sBB")
 _SPEEDS_TIER = struct.Struct("<ddBI")
 _SPEEDS_TAIL = struct.Struct("<dddIdI")
@@ -106,6 +116,7 @@ MAX_LAYERS = 1 << 16
 _OLD_MAGICS = {b"LMCQ": "request", b"LMCA": "answer"}  # version 1 (before tier attribution)
 _REQ_HEAD = struct.Struct("<4sI")
 _ANS_HEAD = struct.Struct("<4sQIBI")
+_POINTS_HEAD = struct.Struct("<II")
 MAX_TOKENS = 1 << 24  # a bound on what a peer can make the other side allocate
 MAX_NAME = 64  # bytes of one tier name on the wire
 
@@ -246,10 +257,14 @@ def encode_request(tokens: Sequence[int] | np.ndarray, tag: bytes | None = None)
 
 
 def encode_answer(result: LookupResult) -> bytes:
-    parts = [_ANS_HEAD.pack(ANS_MAGIC, result.tokens, result.chunk_size, len(result.tiers),
+    magic = HYBRID_ANS_MAGIC if result.points else ANS_MAGIC
+    parts = [_ANS_HEAD.pack(magic, result.tokens, result.chunk_size, len(result.tiers),
                             len(result.sources))]
     parts += [_encode_name(t) for t in result.tiers]
     parts.append(result.sources)
+    if result.points:
+        parts.append(_POINTS_HEAD.pack(result.slack, len(result.points)))
+        parts.append(struct.pack(f"<{len(result.points)}Q", *result.points))
     return b"".join(parts)
 
 
@@ -279,13 +294,21 @@ def encode_speeds(costs: Costs | None) -> bytes:
     """The speeds answer (module doc) for ``costs`` (``None``: not measured yet)."""
     if costs is None:
         return _SPEEDS_HEAD.pack(SPEEDS_ANS_MAGIC, 0, 0)
-    parts = [_SPEEDS_HEAD.pack(SPEEDS_ANS_MAGIC, 1, len(costs.tiers))]
+    kv = costs.kv
+    magic = HYBRID_SPEEDS_ANS_MAGIC if kv is not None else SPEEDS_ANS_MAGIC
+    parts = [_SPEEDS_HEAD.pack(magic, 1, len(costs.tiers))]
     for t in costs.tiers:
         parts += [_encode_name(t.name),
                   _SPEEDS_TIER.pack(t.bytes_per_s, t.latency_s, int(t.overlaps), t.observed)]
     p = costs.prefill
     parts.append(_SPEEDS_TAIL.pack(p.c0, p.c1, p.c2, p.observed, costs.bytes_per_token,
                                    costs.num_layers))
+    if kv is not None:
+        if len(kv.windows) > MAX_WINDOWS:
+            raise ValueError(f"{len(kv.windows)} sliding windows, at most {MAX_WINDOWS}")
+        parts.append(bytes([len(kv.windows)]))
+        parts += [_WINDOW.pack(w, b) for w, b in kv.windows]
+        parts.append(struct.pack("<d", kv.fixed))
     return b"".join(parts)
 
 
@@ -298,7 +321,8 @@ def _finite(v: float, what: str) -> float:
 def read_speeds(sock: socket.socket) -> Costs | None:
     """One speeds answer, every field checked (a peer's numbers steer decisions)."""
     magic = _recv_exact(sock, 4)
-    _check_magic(magic, SPEEDS_ANS_MAGIC, "speeds answer")
+    if magic != HYBRID_SPEEDS_ANS_MAGIC:
+        _check_magic(magic, SPEEDS_ANS_MAGIC, "speeds answer")
     _, known, n_tiers = _SPEEDS_HEAD.unpack(magic + _recv_exact(sock, _SPEEDS_HEAD.size - 4))
     if known not in (0, 1):
         raise LookupProtocolError(f"speeds answer: known flag {known}")
@@ -321,10 +345,29 @@ def read_speeds(sock: socket.socket) -> Costs | None:
         _finite(v, f"prefill {what}")
     if not (math.isfinite(bpt) and bpt > 0) or not 1 <= layers <= MAX_LAYERS:
         raise LookupProtocolError(f"speeds answer: {bpt} bytes per token, {layers} layers")
+    kv = _read_kv_bytes(sock, bpt) if magic == HYBRID_SPEEDS_ANS_MAGIC else None
     try:
-        return Costs(tuple(tiers), PrefillRate(c0, c1, c2, observed), bpt, layers)
+        return Costs(tuple(tiers), PrefillRate(c0, c1, c2, observed), bpt, layers, kv)
     except ValueError as e:
         raise LookupProtocolError(f"inconsistent speeds answer: {e}") from None
+
+
+def _read_kv_bytes(sock: socket.socket, per_token: float) -> KVBytes:
+    """A hybrid speeds answer's bytes per KV group kind, every number checked."""
+    (w,) = _recv_exact(sock, 1)
+    if w > MAX_WINDOWS:
+        raise LookupProtocolError(f"speeds answer: {w} sliding windows, at most {MAX_WINDOWS}")
+    windows = [_WINDOW.unpack(_recv_exact(sock, _WINDOW.size)) for _ in range(w)]
+    (fixed,) = struct.unpack("<d", _recv_exact(sock, 8))
+    for reach, b in windows:
+        _finite(b, f"window of {reach} bytes per position")
+        if reach < 1:
+            raise LookupProtocolError("speeds answer: a window of 0 positions")
+    try:
+        return KVBytes(per_token, tuple((int(r), float(b)) for r, b in windows),
+                       _finite(fixed, "fixed bytes"))
+    except ValueError as e:
+        raise LookupProtocolError(f"speeds answer: {e}") from None
 
 
 def _check_magic(magic: bytes, want: bytes, what: str) -> None:
@@ -398,7 +441,8 @@ def read_request(sock: socket.socket, recv: Callable[[int], bytes] | None = None
 def read_answer(sock: socket.socket, num_tokens: int) -> LookupResult:
     """One answer to a request of ``num_tokens`` tokens, every field checked against it."""
     magic = _recv_exact(sock, 4)  # alone first: another version's answer may be shorter
-    _check_magic(magic, ANS_MAGIC, "lookup answer")
+    if magic != HYBRID_ANS_MAGIC:
+        _check_magic(magic, ANS_MAGIC, "lookup answer")
     _, tokens, cs, n_tiers, n_src = _ANS_HEAD.unpack(magic + _recv_exact(sock, _ANS_HEAD.size - 4))
     if tokens > num_tokens:
         raise LookupProtocolError(f"answer of {tokens} hit tokens for a request of "
@@ -412,8 +456,19 @@ def read_answer(sock: socket.socket, num_tokens: int) -> LookupResult:
                                   f"{num_tokens} tokens in chunks of {cs}")
     tiers = [_read_name(sock) for _ in range(n_tiers)]
     sources = _recv_exact(sock, n_src)
+    points: tuple[int, ...] = ()
+    slack = 0
+    if magic == HYBRID_ANS_MAGIC:
+        slack, n_pts = _POINTS_HEAD.unpack(_recv_exact(sock, _POINTS_HEAD.size))
+        if not 1 <= n_pts <= -(-num_tokens // cs) or slack > cs:
+            raise LookupProtocolError(f"hybrid answer with {n_pts} points and slack {slack} "
+                                      f"for a request of {num_tokens} tokens in chunks of {cs}")
+        points = struct.unpack(f"<{n_pts}Q", _recv_exact(sock, 8 * n_pts))
+        if max(points) > num_tokens:
+            raise LookupProtocolError(f"hybrid answer with a point past the request's "
+                                      f"{num_tokens} tokens")
     try:
-        return LookupResult(tokens, cs, tuple(tiers), sources)
+        return LookupResult(tokens, cs, tuple(tiers), sources, points, slack)
     except ValueError as e:
         raise LookupProtocolError(f"inconsistent answer: {e}") from None
 

@@ -7,7 +7,10 @@ engine objects, no references to either side), and the worker needs nothing else
 token ids, block ids and positions are all spelled out.
 
 Positions follow the engine's convention: position ``p`` of a request lives in slot
-``block_ids[p // block_size] * block_size + p % block_size``.
+``block_ids[p // block_size] * block_size + p % block_size``. A hybrid model's engine keeps a
+block table per KV group (:mod:`lmc.transfer.kv_groups`): ``group_block_ids`` carries them
+all, in the groups' order (a negative id: a block the group does not hold, such as a
+sliding window's skipped blocks); empty, every group uses ``block_ids``.
 """
 
 from __future__ import annotations
@@ -15,6 +18,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
+
+from lmc.connectors.core.hints import CacheHints
 
 
 @dataclass(frozen=True)
@@ -38,6 +43,7 @@ class LoadSpec:
     end: int
     mask_start: int
     key_tag: bytes | None = None
+    group_block_ids: tuple[tuple[int, ...], ...] = ()
 
     @property
     def num_tokens(self) -> int:
@@ -51,7 +57,11 @@ class SaveSpec:
     ``token_ids`` is cut at the end of the last complete chunk (or at the end of the prompt,
     for its partial last chunk); ``start`` is the chunk-aligned first position to save. Every
     position in ``[start, len(token_ids))`` has its K/V in ``block_ids`` once the step's
-    forward has written it. ``key_tag``: as :class:`LoadSpec`'s.
+    forward has written it. ``key_tag``: as :class:`LoadSpec`'s. ``horizon``: the length
+    of the sequence the tokens begin (its prompt; a hybrid model keeps its sliding-window
+    and state parts around that sequence's checkpoints, :mod:`lmc.hybrid.rules`); 0: the
+    tokens' own length. ``hints``: the request's cache hints (session, priority, TTL:
+    :mod:`lmc.connectors.core.hints`), applied to its chain once the save is committed.
     """
 
     request_id: str
@@ -59,6 +69,9 @@ class SaveSpec:
     block_ids: tuple[int, ...]
     start: int
     key_tag: bytes | None = None
+    group_block_ids: tuple[tuple[int, ...], ...] = ()
+    horizon: int = 0
+    hints: CacheHints | None = None
 
     @property
     def end(self) -> int:
@@ -124,7 +137,8 @@ class StepRequest:
     ``num_computed_tokens`` counts the positions whose K/V are in the cache before this
     step's forward, the ones the connector loads during the step included; the forward
     computes ``num_scheduled_tokens`` positions from there. ``key_tag``: the request's
-    key tag (:class:`LoadSpec`), read by the scheduler side where a view has one.
+    key tag (:class:`LoadSpec`), read by the scheduler side where a view has one;
+    ``group_block_ids``: a hybrid model's block table per KV group (:class:`LoadSpec`).
     """
 
     request_id: str
@@ -134,3 +148,4 @@ class StepRequest:
     num_computed_tokens: int
     num_scheduled_tokens: int
     key_tag: bytes | None = None
+    group_block_ids: tuple[tuple[int, ...], ...] = ()

@@ -65,6 +65,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lmc.config import CacheConfig
+from lmc.connectors.core.hints import CacheHints
 from lmc.connectors.core.load_policy import LoadPolicy
 from lmc.connectors.core.metadata import (
     ConnectorMetadata,
@@ -117,6 +118,10 @@ class ConnectorConfig:
             needs block-aligned external tokens passes its block size).
         layerwise: overlap each layer's load with the previous layer's compute; False loads
             every layer before the forward starts (simpler, and a baseline for benchmarks).
+        async_loads: every load is asynchronous (loaded in the background before the
+            request is scheduled; a failure fails the request's whole load, never blocks):
+            for an engine that cannot take a synchronous load's failed blocks (vLLM with
+            several KV cache groups refuses block-level errors).
     """
 
     chunk_size: int
@@ -126,6 +131,7 @@ class ConnectorConfig:
     save_decode: bool = False
     align: int = 1
     layerwise: bool = True
+    async_loads: bool = False
 
     def __post_init__(self) -> None:
         if self.chunk_size < 1:
@@ -166,6 +172,11 @@ class SchedulerStats:
     extra: dict[str, float] = field(default_factory=dict)
 
 
+def _group_ids(req: ScheduledView | StepRequest) -> tuple[tuple[int, ...], ...]:
+    """A scheduled request's block table per KV group (a hybrid model's), if it has them."""
+    return tuple(tuple(g) for g in getattr(req, "group_block_ids", ()) or ())
+
+
 class SchedulerConnector:
     """Scheduler-side half: lookups, admitted loads, per-step metadata. Engine-neutral:
     adapters pass request ids, token ids and counts, never engine objects."""
@@ -197,9 +208,16 @@ class SchedulerConnector:
         self._pending: dict[str, _PendingLoad] = {}  # admitted, load not yet in a step
         self._finished: list[str] = []  # for the worker's forget, until a step carries work
         self._remote: set[str] = set()  # matched as asynchronous loads, not yet admitted
+        self._hints: dict[str, CacheHints] = {}  # request id -> its cache hints, till it ends
         self._async_ready: list[LoadSpec] = []  # admitted asynchronous loads, for the next step
         self._step = 0
         self.stats = SchedulerStats()
+
+    def set_hints(self, request_id: str, hints: CacheHints | None) -> None:
+        """The request's cache hints (:mod:`lmc.connectors.core.hints`): they travel with
+        each of its saves to the worker, which pins and prioritises its chain."""
+        if hints:
+            self._hints[request_id] = hints
 
     # ------------------------------------------------------------------ lookups
     def get_num_new_matched_tokens(self, request_id: str, token_ids: Sequence[int],
@@ -224,6 +242,8 @@ class SchedulerConnector:
         n = len(token_ids)
         usable = min(found.tokens, n - 1)
         usable -= usable % self.config.align
+        if found.hybrid:  # a hybrid model's hit ends only where every KV group is served
+            usable = found.servable_end(usable)
         if self.policy is not None:
             end = self._ends.get(request_id)
             if end is None:
@@ -333,18 +353,20 @@ class SchedulerConnector:
     def update_state_after_alloc(self, request_id: str, token_ids: Sequence[int],
                                  num_computed_tokens: int, num_external_tokens: int,
                                  block_ids: Sequence[int] | None = None,
-                                 key_tag: bytes | None = None) -> None:
+                                 key_tag: bytes | None = None,
+                                 group_block_ids: Sequence[Sequence[int]] = ()) -> None:
         """The engine admitted the request and will have lmc load ``num_external_tokens``
         positions from ``num_computed_tokens`` on (the engine's clamped answer).
         ``block_ids``: the request's blocks, needed now for an asynchronous load (it is
         not scheduled until the load is in, so no step would carry its blocks).
-        ``key_tag``: the request's, as it was looked up (the load's keys chain from it)."""
+        ``key_tag``: the request's, as it was looked up (the load's keys chain from it).
+        ``group_block_ids``: a hybrid model's blocks per KV group, for an asynchronous load."""
         found = self._hits.pop(request_id, None)
         self._ends.pop(request_id, None)
         self._pending.pop(request_id, None)
         self._cancel_prefetch(request_id)  # admitted: its decision stands
         self._redone.pop(request_id, None)
-        remote = request_id in self._remote
+        remote = request_id in self._remote or self.config.async_loads
         self._remote.discard(request_id)
         if num_external_tokens <= 0 or not self.config.load:
             return
@@ -359,7 +381,8 @@ class SchedulerConnector:
             self.stats.load_tokens += end - start
             self._async_ready.append(LoadSpec(request_id, tuple(token_ids[:stop]),
                                               tuple(block_ids), start, end, start - start % cs,
-                                              key_tag))
+                                              key_tag,
+                                              tuple(tuple(g) for g in group_block_ids)))
             return
         cs = self.config.chunk_size
         start, end = num_computed_tokens, num_computed_tokens + num_external_tokens
@@ -417,7 +440,7 @@ class SchedulerConnector:
         self.stats.loads += 1
         self.stats.load_tokens += p.end - p.start
         return LoadSpec(req.request_id, p.token_ids, tuple(req.block_ids), p.start, p.end,
-                        p.mask_start, p.key_tag)
+                        p.mask_start, p.key_tag, _group_ids(req))
 
     def plan_save(self, req: ScheduledView | StepRequest) -> SaveSpec | None:
         """The chunks that become complete in this step, or None."""
@@ -446,7 +469,8 @@ class SchedulerConnector:
         self.stats.saves += 1
         self.stats.save_tokens += stop - start
         return SaveSpec(req.request_id, tuple(req.token_ids[:stop]), tuple(req.block_ids),
-                        start, getattr(req, "key_tag", None))
+                        start, getattr(req, "key_tag", None), _group_ids(req),
+                        max(prompt, stop), self._hints.get(req.request_id))
 
     # ------------------------------------------------------------------ lifecycle
     def request_finished(self, request_id: str) -> None:
@@ -466,11 +490,12 @@ class SchedulerConnector:
         self._held.pop(request_id, None)
         self._pending.pop(request_id, None)
         self._remote.discard(request_id)
+        self._hints.pop(request_id, None)
 
     @property
     def num_tracked_requests(self) -> int:
         return (len(self._hits) + len(self._pending) + len(self._held)
-                + len(self._prefetching) + len(self._redone))
+                + len(self._prefetching) + len(self._redone) + len(self._hints))
 
     def policy_stats(self) -> dict[str, float]:
         """The load policy's counters (``policy.*``), empty without a policy."""

@@ -84,6 +84,7 @@ from lmc.storage.load_watch import LoadWatch
 from lmc.storage.speeds import PrefillRate
 from lmc.token_database import ChunkKey, RequestKeys, request_root
 from lmc.transfer.completion import current_stream
+from lmc.transfer.kv_groups import STATE
 from lmc.transfer.kv_spec import KVCaches
 
 log = logging.getLogger(__name__)
@@ -114,6 +115,7 @@ class WorkerStats:
     async_load_seconds: float = 0.0  # then fetching and copying them (all layers)
     tokens_by_tier: dict[str, int] = field(default_factory=dict)  # positions, by source tier
     steps_timed: int = 0  # forwards recorded as prefill-speed observations
+    kept_warm: int = 0  # saves whose cache hints pinned or prioritised their chain
 
     @property
     def recomputed_after_failure(self) -> int:
@@ -264,12 +266,18 @@ class WorkerConnector:
         self._async_done: dict[str, set[int]] = {}  # finished, not yet reported -> bad blocks
         self._async_active: set[str] = set()  # queued or running
         self._async_cancel: set[str] = set()  # finished by the engine while loading: stop
+        self._async_failed: set[str] = set()  # finished with positions left to recompute
         self._closing = threading.Event()
         self.engine = engine
         self.kv_caches = kv_caches
         self.block_size = block_size
         self.layerwise = layerwise
         self.num_layers = engine.spec.num_layers
+        self.groups = len(engine.spec.groups)  # a hybrid model's KV groups (0: plain)
+        if any(g.kind == STATE for g in engine.spec.groups):
+            raise ValueError("state-space KV groups: no engine adapter passes lmc the "
+                             "states of its linear-attention/SSM layers yet (lmc.hybrid "
+                             "stores them given state rows; connectors do not)")
         self.chunk_size = engine.config.chunk_size
         self.device = engine.transfer_for(kv_caches).device  # validates the tensors once
         self.stats = WorkerStats()
@@ -291,6 +299,23 @@ class WorkerConnector:
                ) -> torch.Tensor:
         # host slots on purpose: lmc plans from them without a device sync
         return torch.from_numpy(slot_mapping(block_ids, self.block_size, num_tokens, lo, hi))
+
+    def _spec_slots(self, spec: LoadSpec | SaveSpec, num_tokens: int, lo: int, hi: int
+                    ) -> Any:
+        """A load's or save's slot mapping: one tensor, or a hybrid model's one per KV group
+        from its block table (a negative block id: a block the group does not hold, whose
+        positions are neither read nor written)."""
+        if not self.groups:
+            return self._slots(spec.block_ids, num_tokens, lo, hi)
+        tables = spec.group_block_ids or (spec.block_ids,) * self.groups
+        if len(tables) != self.groups:
+            raise ValueError(f"{len(tables)} block tables for {self.groups} KV groups")
+        return [self._slots(t, num_tokens, lo, hi) for t in tables]
+
+    def _end(self, spec: LoadSpec) -> int | None:
+        """A hybrid model's load says where it ends (each group needs what a continuation
+        there needs); a plain one loads whole chunks, its tail slots unmapped."""
+        return spec.end if self.groups else None
 
     def _fail(self, spec: LoadSpec, position: int, why: str) -> None:
         """Mark positions ``[position, spec.end)`` of a load as not loaded."""
@@ -422,10 +447,10 @@ class WorkerConnector:
             try:
                 rt = self.engine.retrieve_layer(
                     spec.token_ids, self.kv_caches,
-                    self._slots(spec.block_ids, n, spec.start, spec.end),
+                    self._spec_slots(spec, n, spec.start, spec.end),
                     prefix_mask(n, spec.mask_start),
                     keys=self._request_keys(spec.request_id, spec.token_ids, spec.key_tag),
-                    watch=watch)
+                    watch=watch, end=self._end(spec))
             except Exception as e:
                 log.exception("lmc: preparing the load of request %s failed", spec.request_id)
                 self._fail(spec, spec.start, f"{type(e).__name__}: {e}")
@@ -516,9 +541,10 @@ class WorkerConnector:
             n = len(spec.token_ids)
             try:
                 st = self.engine.store_layer(
-                    spec.token_ids, self.kv_caches, self._slots(spec.block_ids, n, spec.start, n),
+                    spec.token_ids, self.kv_caches, self._spec_slots(spec, n, spec.start, n),
                     prefix_mask(n, spec.start),
-                    keys=self._request_keys(spec.request_id, spec.token_ids, spec.key_tag))
+                    keys=self._request_keys(spec.request_id, spec.token_ids, spec.key_tag),
+                    horizon=spec.horizon or None)
             except Exception:
                 log.exception("lmc: planning the save of request %s failed", spec.request_id)
                 self.stats.save_failures += 1
@@ -587,11 +613,30 @@ class WorkerConnector:
             except Exception:
                 log.exception("lmc: committing the save of request %s failed", spec.request_id)
                 self.stats.save_failures += 1
+                continue
+            if spec.hints:
+                self._keep_warm(spec)
         self._meta = None
         self._loads = []
         self._layer_futures = []
         self._stores = None
         self._failed = {}
+
+    def _keep_warm(self, spec: SaveSpec) -> None:
+        """A saved request's cache hints (:mod:`lmc.connectors.core.hints`): its chain so
+        far pinned for the TTL (owned by its session, else by the request) and given its
+        priority. Never fails the step: a refusal is counted by the engine."""
+        h = spec.hints
+        assert h is not None
+        try:
+            keys = self._request_keys(spec.request_id, spec.token_ids, spec.key_tag)
+            owner = ("session", h.session) if h.session is not None else \
+                ("request", spec.request_id)
+            self.engine.control.keep_warm(keys, h.ttl, h.priority, owner)
+            self.stats.kept_warm += 1
+        except Exception as e:  # noqa: BLE001 - a hint, never the step's failure
+            log.warning("lmc: applying request %s's cache hints failed: %s", spec.request_id,
+                        e)
 
     # ------------------------------------------------------- asynchronous loads
     def _async_loop(self) -> None:
@@ -651,8 +696,8 @@ class WorkerConnector:
                 n = len(spec.token_ids)
                 rt = self.engine.retrieve_layer(
                     spec.token_ids, self.kv_caches,
-                    self._slots(spec.block_ids, n, spec.start, spec.end),
-                    prefix_mask(n, spec.mask_start), keys=keys)
+                    self._spec_slots(spec, n, spec.start, spec.end),
+                    prefix_mask(n, spec.mask_start), keys=keys, end=self._end(spec))
                 try:
                     for layer in range(self.num_layers):
                         rt.load(layer)
@@ -683,6 +728,7 @@ class WorkerConnector:
             self.stats.loaded_tokens += max(0, min(bad_from, spec.end) - spec.start)
             if bad:
                 self.stats.async_load_failures += 1
+                self._async_failed.add(spec.request_id)
             self._async_done[spec.request_id] = bad
             self._async_active.discard(spec.request_id)
 
@@ -703,6 +749,14 @@ class WorkerConnector:
     def num_async_loads(self) -> int:
         """Asynchronous loads queued or running (not yet finished)."""
         return len(self._async_active)
+
+    def take_failed_loads(self) -> set[str]:
+        """Requests whose asynchronous load finished short since the last call (then
+        forgotten): for an engine that recomputes a failed load's request whole rather
+        than its blocks (vLLM with several KV cache groups)."""
+        with self._lock:
+            out, self._async_failed = self._async_failed, set()
+        return out
 
     def take_load_errors(self) -> set[int]:
         """Blocks whose load failed since the last call (then forgotten)."""

@@ -51,7 +51,7 @@ if not CHILD:
 else:
     from lmc.config import CacheConfig
     from lmc.memory.pool import MemoryObj, MemoryPool
-    from lmc.storage.backends.p2p import P2PBackend
+    from lmc.storage.backends.p2p.backend import P2PBackend
     from lmc.storage.tier import Key, StorageBackend, register_backend
     from lmc.testing import TierContract, TierSpec
     from lmc.testing.harness import TierHarness, get_checked, key_of

@@ -24,6 +24,7 @@ import torch
 from lmc.config import CacheConfig
 from lmc.memory.pool import MemoryPool
 from lmc.settings import ConfigError
+from lmc.storage.backends.mooncake.backend import STARTUP_TIMEOUT
 from lmc.storage.serde import encode_header
 from lmc.storage.tier import create_backend
 from lmc.testing.harness import SHAPE, check_hit, fill, key_of
@@ -251,8 +252,8 @@ def test_a_master_that_never_answers_bounds_setup_and_every_call(tmp_path, tiers
         assert _get(tier, ["x"])[0] == 1
         m.pause()
         t0 = time.monotonic()
-        hung = tiers(m.url, segment=16 << 20)
-        assert time.monotonic() - t0 <= TIMEOUT + SLACK, "setup against a hung master"
+        hung = tiers(m.url, segment=16 << 20)  # the constructor waits for its set-up
+        assert time.monotonic() - t0 <= STARTUP_TIMEOUT + SLACK, "setup against a hung master"
         assert _get(hung, ["x"])[0] == 0
         m.resume()
     finally:
@@ -423,3 +424,73 @@ def test_a_tiers_chain_serves_from_mooncake_after_memory_and_disk_are_emptied(ma
     finally:
         b.close()
         a.close()
+
+
+# ------------------------------------------------------------------------- first calls
+class SlowSetup:
+    """The library's real client whose ``setup()`` starts ``delay`` seconds late (a loaded
+    machine: set-ups took 0.25-2.4 s here); every other call goes straight to it."""
+
+    def __init__(self, delay: float) -> None:
+        from mooncake.store import MooncakeDistributedStore
+
+        self._store = MooncakeDistributedStore()
+        self._delay = delay
+
+    def setup(self, *args):
+        time.sleep(self._delay)
+        return self._store.setup(*args)
+
+    def __getattr__(self, name):
+        return getattr(self._store, name)
+
+
+def test_a_fresh_clients_first_lookup_waits_for_its_set_up_not_a_miss(master, tiers, caplog):
+    """The README's second node asked before its client was set up and printed "cached
+    tokens: 0" with nothing said. A set-up 2 s long, four times ``remote_timeout``: the
+    constructor waits for it, and the first lookup hits; nothing is warned."""
+    import logging
+
+    a = tiers(master.url, segment=16 << 20)
+    assert _store(a, ["first", "second"]) == 2
+    with caplog.at_level(logging.WARNING, logger="lmc.storage.backends.mooncake"):
+        b = tiers(master.url, segment=0, store_factory=lambda: SlowSetup(2.0),
+                  config={"remote_key_prefix": a.prefix.rstrip("/"), "remote_timeout": 0.5})
+        assert b.contains([key_of("first"), key_of("second")]) == [True, True], b.stats()
+    assert _get(b, ["first", "second"])[0] == 2
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text
+
+
+def test_a_miss_the_store_caused_is_said_once_in_a_plain_script(master):
+    """A script with no logging set up: its tier's master hangs after set-up, every lookup
+    times out: one WARNING on stderr says so (the rest are counted), and the lookups miss
+    within their deadline."""
+    script = textwrap.dedent(f"""
+        import os, signal, time
+        from lmc.config import CacheConfig
+        from lmc.memory.pool import MemoryPool
+        from lmc.storage.tier import create_backend
+        from lmc.testing.harness import key_of
+        import lmc.storage.backends.mooncake
+        pool = MemoryPool(16 << 20, pin_memory="false")
+        tier = create_backend("{master.url}", CacheConfig(remote_timeout=0.5), pool,
+                              segment=16 << 20)
+        assert tier.guard.ready
+        os.kill({master.proc.pid}, signal.SIGSTOP)
+        try:
+            for _ in range(3):
+                assert tier.contains([key_of("x")]) == [False]
+        finally:
+            os.kill({master.proc.pid}, signal.SIGCONT)
+        print("timeouts", tier.stats().get("timeouts"), flush=True)
+        os._exit(0)
+    """)
+    try:
+        proc = subprocess.run([sys.executable, "-c", script], env=quiet_env(), cwd=ROOT,
+                              capture_output=True, text=True, timeout=120)
+    finally:
+        master.resume()
+    assert proc.returncode == 0, f"exit {proc.returncode}:\n{proc.stdout}\n{proc.stderr[-3000:]}"
+    said = [ln for ln in proc.stderr.splitlines() if "longer than remote_timeout" in ln]
+    assert len(said) == 1, proc.stderr[-3000:]
+    assert "lookups miss" in said[0] and master.url in said[0]

@@ -661,3 +661,67 @@ def test_reads_and_writes_stay_inside_the_object(redis_server, tiers, secret, pi
     assert same_bytes(got.tensor, want)
     assert bool((after.tensor == 0xAB).all()), "a read or write spilled past the object"
     release([got, after])
+
+
+def test_a_fresh_tiers_first_lookup_does_not_pay_the_connection_set_up(redis_server, tiers):
+    """Every new connection to the server takes 1 s to open (a real relay holds it), twice
+    ``remote_timeout``: the tier makes its data connections at start-up, so a fresh tier's
+    first lookup finds one made and hits (it used to connect inside the lookup's 0.5 s and
+    miss: the README's Redis config lost a fresh engine's first hit in 3 of 6 runs)."""
+    from tests.slow_link import SlowConnects
+
+    writer = tiers(redis_server.url)
+    keys, objs = chunks(writer, 3)
+    assert writer.put(keys, objs) == 3
+    link = SlowConnects(("127.0.0.1", redis_server.port), delay=1.0)
+    try:
+        fresh = tiers(f"redis://127.0.0.1:{link.port}/0", remote_timeout=0.5,
+                      remote_key_prefix=writer.prefix.decode().rstrip(":"),
+                      tier_kw={"connections": 1})
+        assert fresh.contains(keys) == [True] * 3, fresh.stats()
+        got = fresh.get(keys)
+        assert all(g is not None and same_bytes(g.tensor, o.tensor) for g, o in zip(got, objs))
+        release(got)
+        assert fresh.stats().get("errors_timeout", 0) == 0
+    finally:
+        link.close()
+        release(objs)
+
+
+def test_a_miss_the_server_caused_is_said_once_in_a_plain_script(own_redis):
+    """A script with no logging set up, its Redis frozen: the lookups miss within their
+    deadline, and stderr says why once for the start-up check and once for the calls (later
+    failures are counted)."""
+    import subprocess
+    import sys
+    import textwrap
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[3]
+
+    own_redis.pause()
+    script = textwrap.dedent(f"""
+        import os
+        from lmc.config import CacheConfig
+        from lmc.memory.pool import MemoryPool
+        from lmc.storage.tier import create_backend
+        pool = MemoryPool(8 << 20, pin_memory="false")
+        cfg = CacheConfig(remote_url="{own_redis.url}", remote_timeout=0.5)
+        tier = create_backend("{own_redis.url}", cfg, pool,
+                              breaker_threshold=50)  # every call reaches the frozen server
+        for _ in range(3):
+            assert tier.contains([bytes(16)]) == [False]
+        print("timeouts", tier.stats().get("errors_timeout"), flush=True)
+        os._exit(0)
+    """)
+    try:
+        proc = subprocess.run([sys.executable, "-c", script], cwd=root, capture_output=True,
+                              text=True, timeout=HANG_S,
+                              env={**os.environ, "PYTHONPATH": str(root)})
+    finally:
+        own_redis.resume()
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "timeouts 3" in proc.stdout, proc.stdout
+    said = [ln for ln in proc.stderr.splitlines() if "a call to" in ln and "failed" in ln]
+    assert len(said) == 1 and f"127.0.0.1:{own_redis.port}" in said[0], proc.stderr[-3000:]
+    assert sum("did not answer at start-up" in ln for ln in proc.stderr.splitlines()) == 1

@@ -14,6 +14,13 @@ call for the batch), checks them (key, geometry before allocating), allocates, t
 payloads into the objects (one call) and verifies each (checksum, tag) before it is served;
 a value failing a check is a miss, deleted (``force``: any read leases a value for 10 s).
 
+Start-up: the constructor waits for the client's set-up (registering the pool and the
+segment with the master), up to :data:`STARTUP_TIMEOUT`, not only ``remote_timeout``: under
+load the set-up took 0.25-2.4 s here, and the README's second node, asking before its client
+was set up, printed "cached tokens: 0" once in two runs. A miss that a call's deadline or a
+client not yet set up caused is said once, at WARNING (lmc's loggers have no handler of
+their own: a plain script prints it on stderr through Python's last-resort handler).
+
 Failure policy (``docs/threats/mooncake.md``): the library's calls block for seconds on a dead
 or hung master and it segfaults on a call after ``close()``, so every call goes through
 :class:`.client.ClientGuard` (worker threads, a deadline per call, the lifecycle). ``get``,
@@ -28,6 +35,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import re
 import socket
 import threading
 import time
@@ -100,6 +108,7 @@ def _metadata(value: Any, key: str) -> str:
 
 
 MIN_SEGMENT = 16 << 20  # the library refuses a smaller one (setup() returns -600)
+STARTUP_TIMEOUT = 10.0  # seconds the constructor waits for the client's set-up at most
 EVICTION_HIGH_WATERMARK = 0.9  # mooncake_master's default: it evicts past 90 % full
 
 
@@ -217,7 +226,8 @@ class MooncakeBackend(StorageBackend):
         buffers = [(self._base, self.raw.buffer.numel()), (self.arena.base, self.arena.size)]
         self.guard = ClientGuard(self.url, setup, buffers, self.timeout, workers,
                                  factory=store_factory)
-        self.guard.connect(wait=self.timeout)
+        self.guard.connect(wait=max(self.timeout, STARTUP_TIMEOUT))
+        self._said: set[str] = set()  # the kinds of miss already told (once each)
         log.info("mooncake tier %s: %s (segment %s contributed, %s, %s)", self.url,
                  "connected" if self.guard.ready else "not connected yet",
                  fmt_size(segment), protocol, "P2P handshake" if metadata == P2P else metadata)
@@ -250,6 +260,8 @@ class MooncakeBackend(StorageBackend):
             return False
         if not self.guard.ready and not self.guard.connect(wait=end - time.monotonic()):
             self._count(not_connected=1)  # a new attempt starts once its backoff elapsed
+            self._miss_once("not_connected", "the client is not set up (yet, or its set-up "
+                            "failed: see above)")
             return False
         if not self.breaker.allow():
             self._count(rejected_open=1)
@@ -262,6 +274,8 @@ class MooncakeBackend(StorageBackend):
             if r is C.TIMED_OUT:
                 self.breaker.failure()
                 self._count(timeouts=1)
+                self._miss_once("timed_out", f"a call took longer than remote_timeout "
+                                f"({self.timeout:g} s)")
             return False
         if codes and all(c in C.MASTER_FAILURES for c in codes):
             self.breaker.failure()
@@ -269,6 +283,17 @@ class MooncakeBackend(StorageBackend):
             return False
         self.breaker.success()
         return True
+
+    def _miss_once(self, kind: str, why: str) -> None:
+        """One WARNING per tier and kind: a lookup that came back empty because of the
+        store, not because nothing was stored, is never silent (later ones are counted)."""
+        with self._count_lock:
+            if kind in self._said:
+                return
+            self._said.add(kind)
+        log.warning("mooncake tier %s: %s: its lookups miss and its stores are dropped; "
+                    "later ones are counted (%s in stats)", self.url, why,
+                    "timeouts" if kind == "timed_out" else kind)
 
     def _hold(self, objs: list[MemoryObj]) -> tuple[int, Callable[[], None]]:
         """Keep ``objs`` referenced for a call its caller may abandon: the call's id, and
@@ -536,6 +561,21 @@ class MooncakeBackend(StorageBackend):
         present = self._remove(names, end)
         self._count(delete_calls=1, deleted=len(present))
         return len(present)
+
+    def clear_namespace(self, prefix: bytes = b"") -> None:
+        """Every value under this tier's ``remote_key_prefix`` (or whose key starts with
+        ``prefix``), leased ones too, by the library's regex removal within
+        ``remote_timeout``; the library answers a count, not the keys (``None``)."""
+        end = time.monotonic() + self.timeout
+        if not self._may_call(end):
+            return None
+        pattern = "^" + re.escape(self.prefix + prefix.hex())
+        r = self.guard.call(lambda s: s.remove_by_regex(pattern, True), end)
+        if self._answered(r) and isinstance(r, int) and r >= 0:
+            self._count(cleared=r)
+        else:
+            log.warning("mooncake tier %s: clearing %r failed (%s)", self.url, pattern, r)
+        return None
 
     def _remove(self, names: list[str], end: float) -> list[str]:
         """Remove ``names`` even while leased (any read leases a value for 10 s); the names

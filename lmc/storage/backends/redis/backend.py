@@ -129,7 +129,10 @@ class RedisBackend(StorageBackend):
                                   probe_timeout=max(5.0, 4 * self.timeout), on_change=on_change)
 
         # a fetch and a write-behind batch may each use ``connections`` at the same time
-        self.router = Router(self.target, make_breaker, max_idle=2 * self.connections + 2)
+        self.router = Router(self.target, make_breaker, max_idle=2 * self.connections + 2,
+                             warm=self.connections)
+        # the first calls find their connections made (nodes.py says why)
+        self.router.checked.wait(self.router.check_timeout * len(self.router.seeds))
         self._executor: ThreadPoolExecutor | None = None
         self._exec_lock = threading.Lock()
         self._counts: Counter[str] = Counter()  # plain figures for stats()
@@ -364,6 +367,32 @@ class RedisBackend(StorageBackend):
         n = sum(r or 0 for r in call.results)
         self._finish("delete", t0, call, deleted=n)
         return n
+
+    def clear_namespace(self, prefix: bytes = b"") -> list[Key]:
+        """Every value under this tier's ``remote_key_prefix`` (or whose key starts with
+        ``prefix``), server by server through ``SCAN``/``UNLINK`` (``remote_timeout`` per
+        command); a server that fails keeps its values, said in one warning."""
+        if self.closed:
+            return []
+        match = self.prefix + prefix.hex().encode() + b"*"
+        out: list[Key] = []
+        try:
+            nodes = self.router.primaries(Deadline(self.timeout))
+        except Exception as e:  # noqa: BLE001 - failure is a miss: nothing removed
+            log.warning("redis tier %s: clearing found no server (%s)", self.target.display, e)
+            return out
+        for node in nodes:
+            try:
+                names = node.scan_unlink(match, self.timeout)
+            except Exception as e:  # noqa: BLE001
+                log.warning("redis tier %s: clearing %s failed (%s): its values stay",
+                            self.target.display, node.label, e)
+                continue
+            for n in names:
+                with contextlib.suppress(ValueError):
+                    out.append(bytes.fromhex(n[len(self.prefix):].decode()))
+        self._count(cleared=len(out))
+        return out
 
     # ------------------------------------------------------------------ lifecycle
     def breaker_state(self) -> str:

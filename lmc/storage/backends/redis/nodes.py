@@ -11,6 +11,12 @@ handshake included: TLS, AUTH, SELECT) and logs one warning naming the URL and w
 one does not answer; the first failure of each server's calls is logged with its cause
 (later ones are counted, and the breaker's opening is logged), so a dead or frozen server
 is never only "stored 1000 / lookup 0".
+
+The same thread then opens the data connections a batch spreads over and leaves them idle,
+and the tier's constructor waits for it (:data:`STARTUP_TIMEOUT` per seed at most): a
+connection's set-up is two to four round trips (TCP or TLS, AUTH, SELECT, the client's
+name), which on a loaded machine took 0.87-2.9 s, so a fresh engine's first lookup, paying
+it inside its ``remote_timeout`` of 0.5 s, timed out in 3 of 6 runs and lost the hit.
 """
 
 from __future__ import annotations
@@ -36,6 +42,8 @@ from .wire import Deadline, WireConn
 
 log = logging.getLogger(__name__)
 BreakerFactory = Callable[[str], CircuitBreaker]
+STARTUP_TIMEOUT = 5.0
+"""Seconds the start-up check gives each seed node: its PING and its data connections."""
 
 
 class NodePool:
@@ -107,6 +115,37 @@ class NodePool:
     def idle_count(self) -> int:
         return len(self._idle)
 
+    def scan_unlink(self, match: bytes, step: float, count: int = 1000) -> list[bytes]:
+        """Unlink every key matching ``match`` (a ``SCAN`` pattern), a page at a time on one
+        connection, each command given ``step`` seconds; the keys unlinked. SCAN may name a
+        key twice: each is unlinked once, and a key stored meanwhile may stay."""
+        conn = self._redis_conn(Deadline(step))
+        out: list[bytes] = []
+        seen: set[bytes] = set()
+        try:
+            cursor = b"0"
+            while True:
+                conn.send_command("SCAN", cursor, "MATCH", match, "COUNT", count)
+                reply = conn.read_response()
+                if not isinstance(reply, list) or len(reply) != 2:
+                    raise ConnectionError(f"SCAN answered {type(reply).__name__}")
+                cursor, names = reply
+                page = [n for n in names if isinstance(n, bytes) and n not in seen]
+                if page:
+                    conn.send_command("UNLINK", *page)
+                    conn.read_response()
+                    seen.update(page)
+                    out += page
+                if cursor in (b"0", 0, "0"):
+                    return out
+        finally:
+            conn.disconnect()
+
+    def warm(self, dl: Deadline, count: int) -> None:
+        """Open up to ``count`` data connections now and keep them idle for the first calls."""
+        for _ in range(max(0, min(count, self.max_idle) - self.idle_count())):
+            self.give(self.connect(dl))
+
 
 def _why(e: BaseException) -> str:
     text = str(e).strip()
@@ -126,9 +165,10 @@ class Router:
     """Key → server. One server, or a cluster's slot table."""
 
     def __init__(self, target: RedisTarget, make_breaker: BreakerFactory, max_idle: int,
-                 check_timeout: float | None = 2.0) -> None:
-        """``check_timeout``: seconds the start-up check gives each seed node (in a
-        thread: start-up does not wait for it); None: no check."""
+                 check_timeout: float | None = STARTUP_TIMEOUT, warm: int = 1) -> None:
+        """``check_timeout``: seconds the start-up check gives each seed node (in a thread:
+        :attr:`checked` is set when it is over); None: no check. ``warm``: data connections
+        it opens to each seed node that answered."""
         self.target = target
         self._make_breaker = make_breaker
         self._max_idle = max_idle
@@ -139,6 +179,8 @@ class Router:
         self.refreshes = 0
         self.checked = threading.Event()  # the start-up check is over
         self.unreachable: list[str] = []  # seed nodes that did not answer it
+        self._warm = warm
+        self.check_timeout = check_timeout or 0.0
         if check_timeout is None:
             self.checked.set()
         else:
@@ -146,12 +188,14 @@ class Router:
                              name="lmc-redis-check").start()
 
     def _check(self, timeout: float) -> None:
-        """PING every seed node once; one warning per node that does not answer."""
+        """PING every seed node once, then open its data connections; one warning per node
+        that does not answer."""
         try:
             for pool in self.seeds:
                 t0 = time.monotonic()
                 try:
-                    pool.control(Deadline(timeout), "PING")
+                    dl = Deadline(timeout)
+                    pool.control(dl, "PING")
                 except Exception as e:  # noqa: BLE001 - refused, timed out, TLS, AUTH: all told
                     self.unreachable.append(pool.label)
                     log.warning("redis tier %s: %s did not answer at start-up (%s): lookups "
@@ -160,6 +204,11 @@ class Router:
                     continue
                 log.info("redis tier %s: %s answered in %s", self.target.display, pool.label,
                          units.seconds(time.monotonic() - t0))
+                try:
+                    pool.warm(dl, self._warm)
+                except Exception as e:  # noqa: BLE001 - it answered: calls connect as needed
+                    log.debug("redis tier %s: %s: %d connection(s) made at start-up, then %s",
+                              self.target.display, pool.label, pool.idle_count(), _why(e))
         finally:
             self.checked.set()
 
@@ -232,6 +281,13 @@ class Router:
             for s in range(start, end + 1):
                 table[s] = owner
         return table
+
+    def primaries(self, dl: Deadline) -> list[NodePool]:
+        """Every server holding keys: the one, or each primary of the slot table."""
+        if not self.target.cluster:
+            return [self.seeds[0]]
+        slots = self._slots if self._slots is not None else self._refresh(dl)
+        return list(dict.fromkeys(p for p in slots if p is not None))
 
     def close(self) -> None:
         for pool in list(self.pools.values()):

@@ -1,7 +1,7 @@
 """The engine's side of the directory ops: one blocking connection per role.
 
 An owner keeps one *membership* connection open for as long as it exports chunks: its records
-live exactly as long as that connection (see :mod:`lmc.p2p.directory`). Readers ask on a
+live exactly as long as that connection (see :mod:`lmc.server.p2p.directory`). Readers ask on a
 separate connection so a lookup never waits behind an owner's advertisement. Failures raise;
 the tier turns them into misses.
 """
@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from lmc.p2p.wire import PeerInfo, Record, peer_info, unpack_record
-from lmc.server import protocol as P
-from lmc.server.client import Address, ClientConnection
+from lmc.storage.backends.daemon import protocol as P
+from lmc.storage.backends.daemon.client import Address, ClientConnection
+from lmc.storage.backends.p2p.wire import PeerInfo, Record, peer_info, unpack_record
 
 
 class DirectoryConnection:

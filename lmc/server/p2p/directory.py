@@ -6,7 +6,7 @@ agree on names without coordinating; the directory only has to map a key to an o
 entries belong to a connection: an owner that dies closes its socket (the kernel does it,
 SIGKILL included), and its entries go with it, so a dead owner is forgotten without timers or
 heartbeats. An owner that is alive but slow is the reader's deadline's business; an entry
-whose chunk the owner let go is caught by the version check (:mod:`lmc.p2p.wire`).
+whose chunk the owner let go is caught by the version check (:mod:`lmc.storage.backends.p2p.wire`).
 
 Tenants. A peer joins *in one namespace* its token grants (the daemon checks the grant), and
 everything about it lives in that namespace only: its agent name (``decode-0`` of one
@@ -27,7 +27,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Hashable, Sequence
 
-from lmc.p2p.wire import PeerInfo
+from lmc.storage.backends.p2p.wire import PeerInfo
 
 
 class DirectoryFull(Exception):

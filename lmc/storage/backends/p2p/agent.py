@@ -5,7 +5,7 @@ What a peer can READ is exactly what the agent's metadata describes, and the met
 publishes (:attr:`PoolAgent.info`, handed out by the directory) covers two buffers only: the
 *export window* (a pool of its own, ``export_bytes`` long, holding copies of the chunks this
 engine exports, i.e. KV of its own namespace and nothing else) and the version table, a
-small int64 array beside it (:mod:`lmc.p2p.wire` says what a slot means). The engine's memory
+small int64 array beside it (:mod:`lmc.storage.backends.p2p.wire` says what a slot means). The engine's memory
 pool is registered too, as the destination of this engine's own READs, but left out of the
 published metadata, so NIXL refuses a peer's READ of it (``NIXL_ERR_NOT_FOUND``), as it does
 any span outside the window. A registered scratch array receives the slots a reader checks.
@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING, Any
 
 from lmc.lazy_import import LazyModule
 from lmc.memory.pool import MemoryObj, MemoryPool
-from lmc.p2p.wire import PeerInfo
+from lmc.storage.backends.p2p.wire import PeerInfo
 
 if TYPE_CHECKING:
     import torch

@@ -1,12 +1,12 @@
 """The peer-to-peer tier: a chunk another engine holds is READ from its pool into ours.
 
 ``tiers`` entry ``p2p+lmc://host:port[?ns=NAME]`` or ``p2p+unix:///path.sock``: the lmc
-daemon at that address keeps the directory of who holds what (:mod:`lmc.p2p.directory`).
+daemon at that address keeps the directory of who holds what (:mod:`lmc.server.p2p.directory`).
 
 Owner side. Chunks reach this tier as every lower tier's do (``put`` from write-behind,
 under write-through on every store): each is *exported*, i.e. copied into the tier's export
 window (a pool of its own, ``export_bytes`` long, the only memory of this engine a peer can
-READ: :mod:`lmc.p2p.agent`), checksummed (and tagged, with ``integrity_secret``), given a slot
+READ: :mod:`lmc.storage.backends.p2p.agent`), checksummed (and tagged, with ``integrity_secret``), given a slot
 in the version table with a fresh version, and advertised as ``(offset, length, slot,
 version, shape, checksum, tag)`` on its membership connection, in this tier's namespace. The
 window bounds exports in bytes; ``export_ttl`` bounds them in time (swept by a timer): the
@@ -46,12 +46,12 @@ from typing import TYPE_CHECKING, Any
 from lmc.config import CacheConfig
 from lmc.lazy_import import LazyModule
 from lmc.memory.pool import MemoryObj, MemoryPool
-from lmc.p2p.agent import PoolAgent, TransferFailed
-from lmc.p2p.directory_client import DirectoryConnection
-from lmc.p2p.wire import BadRecord, PeerInfo, Record
 from lmc.ratelog import RateLimitedWarnings
-from lmc.server.client import Address
 from lmc.settings import parse_duration, parse_int, parse_opt_str, parse_size
+from lmc.storage.backends.daemon.client import Address
+from lmc.storage.backends.p2p.agent import PoolAgent, TransferFailed
+from lmc.storage.backends.p2p.directory_client import DirectoryConnection
+from lmc.storage.backends.p2p.wire import BadRecord, PeerInfo, Record
 from lmc.storage.breaker import CircuitBreaker
 from lmc.storage.codec import ValueCodec
 from lmc.storage.integrity import Geometry, Integrity
@@ -670,7 +670,7 @@ class P2PBackend(StorageBackend):
     def close(self) -> None:
         """Withdraw every export (slots cleared, references released), close the directory
         connections and the NIXL agent. End the process with ``os._exit`` afterwards (see
-        :mod:`lmc.p2p.agent`)."""
+        :mod:`lmc.storage.backends.p2p.agent`)."""
         if self._closed.is_set():
             return
         self._closed.set()

@@ -9,7 +9,7 @@ memory. ``checksum`` (the payload's xxh3, :func:`lmc.storage.serde.payload_check
 owner has ``integrity_secret``, ``tag`` (:mod:`lmc.storage.integrity`'s tag over the key, the
 version-2 ``lmc.storage.serde`` header these fields make, and the payload) let the reader verify the
 bytes it READ exactly as a Redis or ``lmc://`` reader does, so a lying peer's record is a
-miss. ``offset`` is relative to the owner's *export window* (:mod:`lmc.p2p.agent`), never to
+miss. ``offset`` is relative to the owner's *export window* (:mod:`lmc.storage.backends.p2p.agent`), never to
 its pool. Fixed size, little-endian, so the daemon can bound and check it without knowing
 tensors::
 
