@@ -30,31 +30,37 @@ from lmc.quality.verdict import Thresholds, Verdict, VerdictStore
 
 MAX_SETTINGS = 16
 HEADER = (f"{'feature':8s} {'setting':>13s} {'KL mean':>8s} {'KL max':>7s} {'top-1':>6s} "
-          f"{'ppl exact->served':>18s} {'change':>7s} {'QA same':>8s} {'QA correct':>10s}  "
-          "verdict")
+          f"{'ppl exact->served':>18s} {'change':>7s} {'QA agree':>8s} {'same':>6s} "
+          f"{'correct':>7s}  verdict")
 
 
 def format_row(v: Verdict) -> str:
     m = v.measurement
-    ppl = f"{m.ppl_exact:.2f}->{m.ppl_served:.2f}"
+    ppl = f"{_ppl(m.ppl_exact)}->{_ppl(m.ppl_served)}" if m.text_tokens else "-"
+    agree = f"{round(m.qa_agreement * m.questions)}/{m.questions}"
     same = f"{round(m.qa_identical * m.questions)}/{m.questions}"
     correct = f"{m.qa_correct_served}/{m.qa_correct_exact}"
     verdict = "PASS" if v.passed else "FAIL: " + "; ".join(v.failed)
     return (f"{v.feature:8s} {v.setting:>13s} {m.kl_mean:8.4f} {m.kl_max:7.3f} {m.top1:6.3f} "
-            f"{ppl:>18s} {m.ppl_change:+7.2%} {same:>8s} {correct:>10s}  {verdict}")
+            f"{ppl:>18s} {m.ppl_change:+7.2%} {agree:>8s} {same:>6s} {correct:>7s}  {verdict}")
+
+
+def _ppl(x: float) -> str:
+    return f"{x:.2f}" if x < 1000 else f"{x:.3g}"
 
 
 def markdown_table(verdicts: Sequence[Verdict]) -> list[str]:
     """The RESULTS.md rows for these verdicts."""
     out = ["| feature | setting | KL mean (nats) | KL max | top-1 | perplexity exact -> served "
-           "| change | QA answers same | QA correct (served/exact) | verdict |",
-           "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+           "| change | QA agreement | QA answers identical | QA correct (served/exact) | "
+           "verdict |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     for v in verdicts:
         m = v.measurement
         verdict = "**PASS**" if v.passed else "FAIL (" + "; ".join(v.failed) + ")"
         out.append(f"| {v.feature} | {v.setting} | {m.kl_mean:.4f} | {m.kl_max:.3f} | "
                    f"{m.top1:.3f} | {m.ppl_exact:.2f} -> {m.ppl_served:.2f} | "
-                   f"{m.ppl_change:+.2%} | {round(m.qa_identical * m.questions)}/{m.questions}"
+                   f"{m.ppl_change:+.2%} | {round(m.qa_agreement * m.questions)}/{m.questions}"
+                   f" | {round(m.qa_identical * m.questions)}/{m.questions}"
                    f" | {m.qa_correct_served}/{m.qa_correct_exact} | {verdict} |")
     return out
 
@@ -96,9 +102,9 @@ def add_arguments(p: argparse.ArgumentParser, settings_flag: str = "--settings")
     p.add_argument("--max-ppl-change", type=float_in(0, 100), default=T.ppl_change_max,
                    metavar="F", help="largest passing relative perplexity rise "
                    "(default %(default)s)")
-    p.add_argument("--min-agreement", type=float_in(0, 1), default=T.qa_identical_min,
-                   metavar="F", help="smallest passing fraction of identical greedy answers "
-                   "(default %(default)s)")
+    p.add_argument("--min-agreement", type=float_in(0, 1), default=T.qa_agreement_min,
+                   metavar="F", help="smallest passing fraction of questions answered the "
+                   "same or still correctly (default %(default)s)")
     p.add_argument("--verdicts", metavar="DIR",
                    help="verdict folder (default: lmc_quality next to the model's config.json)")
     p.add_argument("--config", metavar="FILE",
@@ -108,6 +114,8 @@ def add_arguments(p: argparse.ArgumentParser, settings_flag: str = "--settings")
     p.add_argument("--threads", type=int_in(1, 256), default=None, metavar="N",
                    help="torch threads (default: half the cores)")
     p.add_argument("--json", action="store_true", help="print the verdicts as JSON")
+    p.add_argument("--answers", action="store_true",
+                   help="print each question's exact and served answers under its setting")
     p.add_argument("--list", action="store_true",
                    help="print the verdicts already in the folder; measure nothing")
 
@@ -204,7 +212,21 @@ def _measure(model_dir: Path, feature: LossyKVFeature, settings: list[str],
                        thresholds=thresholds, answer_tokens=args.answer_tokens,
                        questions=args.questions, prompts=args.prompts,
                        text=None if args.text == "none" else args.text,
-                       model_revision=cfg.model_revision, say=say, measured=measured)
+                       model_revision=cfg.model_revision, say=say, measured=measured,
+                       answers=lambda answers: _print_answers(answers, args))
+
+
+def _print_answers(answers: list[Any], args: argparse.Namespace) -> None:
+    if not args.answers:
+        return
+    mark = {True: "right", False: "WRONG", None: "?"}
+    out = sys.stderr if args.json else sys.stdout
+    for a in answers:
+        same = "same" if a.exact == a.served else "DIFFERS"
+        print(f"    {a.case}: exact ({mark[a.exact_correct]}) {a.exact!r}", file=out)
+        if a.exact != a.served:
+            print(f"    {' ' * len(a.case)}  served ({mark[a.served_correct]}, {same}) "
+                  f"{a.served!r}", file=out)
 
 
 def _list(store: VerdictStore, args: argparse.Namespace) -> int:

@@ -52,6 +52,17 @@ class Reference:
     answer: list[int] = field(default_factory=list)  # a question's exact greedy answer
 
 
+@dataclass(frozen=True)
+class Answer:
+    """One question's greedy answers, exact and served (``lmc quality --answers``)."""
+
+    case: str
+    exact: str
+    served: str
+    exact_correct: bool | None
+    served_correct: bool | None
+
+
 @dataclass
 class _Totals:
     kl: list[torch.Tensor] = field(default_factory=list)
@@ -59,7 +70,7 @@ class _Totals:
     err: torch.Tensor | None = None  # per layer: sum of squared error
     ref: torch.Tensor | None = None  # per layer: sum of squares of exact
     ppl: list[tuple[float, float, int]] = field(default_factory=list)
-    same = correct_exact = correct_served = questions = 0
+    same = agree = correct_exact = correct_served = questions = 0
 
 
 class Harness:
@@ -95,25 +106,33 @@ class Harness:
 
     def _on_top(self, ref: Reference, kv: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
         """Teacher-forced logits over context KV ``kv``, and (a question) the greedy answer
-        an engine serving ``kv`` gives: the teacher's tokens while its choice agrees, its own
-        choices after."""
+        an engine serving ``kv`` gives."""
         n, teacher = len(ref.case.ids), ref.teacher
         self.runner.write_kv(kv)
         logits = self.runner.forward([ref.case.ids[-1], *teacher[:-1]], n - 1)
         assert logits is not None
+        return logits, self._answer(self.runner, ref, logits)
+
+    def _answer(self, runner: SequenceRunner, ref: Reference, logits: torch.Tensor
+                ) -> list[int]:
+        """A question's greedy answer given the teacher-forced ``logits`` (``runner``'s
+        cache holding what they were computed over): the teacher's tokens while its choice
+        agrees, its own choices after. Empty for a text."""
         if ref.case.continuation is not None:
-            return logits, []
+            return []
+        teacher = ref.teacher
         chosen = logits.argmax(dim=-1).tolist()
         j = first_difference(chosen, teacher)
         if j is None:
-            return logits, list(teacher)
-        return logits, teacher[:j] + self.runner.greedy(chosen[j], n + j,
-                                                        self.answer_tokens - j, self.stop)
+            return list(teacher)
+        return teacher[:j] + runner.greedy(chosen[j], len(ref.case.ids) + j,
+                                           self.answer_tokens - j, self.stop)
 
     def measure(self, feature: LossyKVFeature, setting: str) -> Measurement:
         """One setting's figures over every case (the feature must be open)."""
         t0 = time.perf_counter()
         tot = _Totals()
+        self.answers: list[Answer] = []  # this setting's, for who wants to read them
         for ref in self.refs:
             # a copy: a feature that wrote into it would change every later setting's exact side
             served = feature.served_kv(PromptKV(ref.case.ids, ref.case.spans, ref.kv.clone()),
@@ -123,19 +142,41 @@ class Harness:
                                  f"{tuple(served.shape)} {served.dtype} for "
                                  f"{tuple(ref.kv.shape)} {ref.kv.dtype}")
             self._add_error(tot, served, ref.kv)
-            logits, answer = self._on_top(ref, served)
-            if ref.case.continuation is not None:
-                tot.ppl.append((perplexity(ref.logits, ref.teacher),
-                                perplexity(logits, ref.teacher), len(ref.teacher)))
-                continue
-            tot.kl.append(kl_divergence(ref.logits, logits))
-            tot.top1.append(top1_matches(ref.logits, logits))
-            tot.questions += 1
-            tot.same += answer == ref.answer
-            if ref.case.correct is not None:
-                tot.correct_exact += ref.case.correct(self.decode(ref.answer))
-                tot.correct_served += ref.case.correct(self.decode(answer))
+            self._compare(tot, ref, *self._on_top(ref, served))
         return _measurement(tot, time.perf_counter() - t0)
+
+    def measure_model(self, other: SequenceRunner) -> Measurement:
+        """The same figures for a whole other model run (e.g. these weights in bfloat16)
+        computing every case itself, KV included: what a deployment change costs, the yardstick
+        lossy KV features are held to (docs/quality.md, "Thresholds")."""
+        t0 = time.perf_counter()
+        tot = _Totals()
+        self.answers = []
+        for ref in self.refs:
+            n = len(ref.case.ids)
+            logits = other.forward([*ref.case.ids, *ref.teacher[:-1]], 0, logits_from=n - 1)
+            assert logits is not None
+            self._compare(tot, ref, logits, self._answer(other, ref, logits))
+        return _measurement(tot, time.perf_counter() - t0)
+
+    def _compare(self, tot: _Totals, ref: Reference, logits: torch.Tensor,
+                 answer: list[int]) -> None:
+        if ref.case.continuation is not None:
+            tot.ppl.append((perplexity(ref.logits, ref.teacher),
+                            perplexity(logits, ref.teacher), len(ref.teacher)))
+            return
+        tot.kl.append(kl_divergence(ref.logits, logits))
+        tot.top1.append(top1_matches(ref.logits, logits))
+        tot.questions += 1
+        tot.same += answer == ref.answer
+        exact_text, served_text = self.decode(ref.answer), self.decode(answer)
+        check = ref.case.correct
+        right = (check(exact_text), check(served_text)) if check else (None, None)
+        # the same answer, or one that still names the fact the exact one named
+        tot.agree += answer == ref.answer or (right[0] is True and right[1] is True)
+        tot.correct_exact += bool(right[0])
+        tot.correct_served += bool(right[1])
+        self.answers.append(Answer(ref.case.name, exact_text, served_text, *right))
 
     @staticmethod
     def _add_error(tot: _Totals, served: torch.Tensor, exact: torch.Tensor) -> None:
@@ -163,5 +204,6 @@ def _measurement(tot: _Totals, seconds: float) -> Measurement:
         ppl_exact=ppl_exact, ppl_served=ppl_served, ppl_change=ppl_served / ppl_exact - 1,
         text_tokens=ppl_n,
         qa_identical=tot.same / tot.questions if tot.questions else 1.0,
+        qa_agreement=tot.agree / tot.questions if tot.questions else 1.0,
         qa_correct_exact=tot.correct_exact, qa_correct_served=tot.correct_served,
         questions=tot.questions, kv_error=kv_error, seconds=round(seconds, 3))

@@ -59,6 +59,7 @@ class Measurement:
     ppl_change: float  # ppl_served / ppl_exact - 1
     text_tokens: int
     qa_identical: float  # fraction of questions whose greedy answer is token for token the same
+    qa_agreement: float  # ... that is the same, or names the expected fact as the exact one does
     qa_correct_exact: int  # answers naming the expected fact, with exact KV
     qa_correct_served: int  # ... with the served KV
     questions: int
@@ -73,7 +74,7 @@ class Thresholds:
     kl_mean_max: float
     top1_min: float
     ppl_change_max: float
-    qa_identical_min: float
+    qa_agreement_min: float
 
     def failures(self, m: Measurement) -> list[str]:
         """What a measurement misses, one short phrase each (empty: it passes)."""
@@ -84,8 +85,8 @@ class Thresholds:
             out.append(f"top-1 {m.top1:.3f} < {self.top1_min}")
         if not m.ppl_change <= self.ppl_change_max:
             out.append(f"perplexity {m.ppl_change:+.1%} > +{self.ppl_change_max:.1%}")
-        if not m.qa_identical >= self.qa_identical_min:
-            out.append(f"QA answers same {m.qa_identical:.2f} < {self.qa_identical_min}")
+        if not m.qa_agreement >= self.qa_agreement_min:
+            out.append(f"QA agreement {m.qa_agreement:.2f} < {self.qa_agreement_min}")
         return out
 
 

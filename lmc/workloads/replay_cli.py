@@ -86,6 +86,8 @@ def _reference_llm(spec: str, args: argparse.Namespace, cleanup: list[Callable[[
         settings: dict[str, Any] = {"override": args.blend_override}
         if args.blend_ratio is not None:
             settings["ratio"] = args.blend_ratio
+        if args.blend_verdicts is not None:
+            settings["verdicts"] = args.blend_verdicts
         conn: LMCReferenceConnector = BlendConnector(cfg, model_dir=model_dir, blend=settings)
     else:
         conn = LMCReferenceConnector(cfg, model_dir=model_dir)
@@ -148,7 +150,8 @@ def _replay(args: argparse.Namespace) -> int:
                 _only_for("a target with lmc (segments are stored in lmc)", blend=args.blend)
             if not args.blend:
                 _only_for("--blend", blend_ratio=args.blend_ratio is not None,
-                          blend_override=args.blend_override)
+                          blend_override=args.blend_override,
+                          blend_verdicts=args.blend_verdicts is not None)
             from lmc.workloads.replay import replay_reference
 
             llm, name = _reference_llm(target, args, cleanup)
@@ -160,7 +163,8 @@ def _replay(args: argparse.Namespace) -> int:
                       "it runs)", config=args.config, no_lmc=args.no_lmc, threads=args.threads,
                       max_num_seqs=args.max_num_seqs, blend=args.blend,
                       blend_ratio=args.blend_ratio is not None,
-                      blend_override=args.blend_override)
+                      blend_override=args.blend_override,
+                      blend_verdicts=args.blend_verdicts is not None)
             from lmc.workloads.http_target import replay_http
 
             res = replay_http(requests, target, model=args.model, fast=args.fast,
@@ -229,6 +233,9 @@ def _register_replay(sub: Any) -> None:
                           "on only for a model with a passing lmc quality verdict)")
     ref.add_argument("--blend-ratio", type=float_in(0, 1), default=None, metavar="R",
                      help="recompute ratio (default: the smallest a verdict passed)")
+    ref.add_argument("--blend-verdicts", metavar="DIR", default=None,
+                     help="the folder of lmc quality verdicts the gate reads (default: "
+                          "lmc_quality next to the model's config.json)")
     ref.add_argument("--blend-override", action="store_true",
                      help="blend without a passing verdict (logged as a warning; outputs may "
                           "differ from full prefill)")

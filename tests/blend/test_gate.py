@@ -215,7 +215,7 @@ def _edited_to_pass(doc: dict) -> dict:
     """A failing verdict edited to pass, consistently (thresholds loosened to its figures)."""
     return {**doc, "passed": True, "failed": [],
             "thresholds": {"kl_mean_max": 100.0, "top1_min": 0.0, "ppl_change_max": 100.0,
-                           "qa_identical_min": 0.0}}
+                           "qa_agreement_min": 0.0}}
 
 
 def test_with_a_secret_only_a_verdict_it_signed_enables_blending(

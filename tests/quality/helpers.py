@@ -14,6 +14,7 @@ def measurement(kl: float = 0.001, top1: float = 1.0, ppl_change: float = 0.0,
     return Measurement(kl_mean=kl, kl_max=kl * 10, top1=top1, answer_tokens=200,
                        ppl_exact=13.5, ppl_served=13.5 * (1 + ppl_change),
                        ppl_change=ppl_change, text_tokens=290, qa_identical=same,
+                       qa_agreement=same,
                        qa_correct_exact=14, qa_correct_served=14, questions=14,
                        kv_error=[0.0, 0.01, 0.02], seconds=1.5)
 
