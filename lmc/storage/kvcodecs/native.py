@@ -11,7 +11,7 @@ import torch
 from lmc.storage.kvcodecs.base import NotEncodable
 
 try:
-    from lmc import _kvcodecs as _kernels
+    import lmc._kvcodecs as _kernels
 except ImportError:  # no compiler at install: the torch path
     _kernels = None
 
