@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from lmc import units
+from lmc.cache_control import CacheControl
 from lmc.config import CacheConfig
 from lmc.hybrid.engine import HybridCache
 from lmc.hybrid.rules import default_interval
@@ -45,15 +46,10 @@ from lmc.token_database import (
     tokens_to_bytes,
 )
 from lmc.transfer.bound_caches import TransferCache
+from lmc.transfer.factory import TransferFactory, make_transfer
 from lmc.transfer.grouped import GroupedTransfer
 from lmc.transfer.kv_spec import KVCaches, KVSpec
-from lmc.transfer.torch_copy import (
-    ChunkRanges,
-    KVTransfer,
-    TransferFactory,
-    TransferPlan,
-    make_transfer,
-)
+from lmc.transfer.plan import ChunkRanges, KVTransfer, TransferPlan
 from lmc.transfer.warm import pinned_buffer, warm_up
 
 log = logging.getLogger(__name__)
@@ -156,12 +152,14 @@ class CacheEngine:
             self._transfers = TransferCache(
                 lambda caches: self._bind(make_transfer(bound, caches, transfer)), capacity=4)
         self._pins = PinTable(config.max_pinned_chunks, config.pin_timeout)
+        self.control = CacheControl(self)  # pin/set_priority/delete/clear (lmc.cache_control)
         self._lock = threading.RLock()
         self._worker: ThreadPoolExecutor | None = None
         # prefetches run on a thread of their own: a slow tier's read must never hold up
         # the layer-wise copies of the requests being served (the "lmc-io" thread)
         self._prefetcher: ThreadPoolExecutor | None = None
         self._prefetch_queued = 0
+        self.prefetches = 0  # asked for (stats: a router's prefetch shows here)
         self._closed = False
 
     # ------------------------------------------------------------- plumbing
@@ -239,6 +237,7 @@ class CacheEngine:
         if self._closed:
             raise RuntimeError("CacheEngine is closed")
         self._pins.expire()
+        self.control.pins.expire()
 
     def executor(self) -> ThreadPoolExecutor:
         """One background thread, in order: layer-wise copies (prefetches have their own)."""
@@ -451,13 +450,74 @@ class CacheEngine:
         Lease(objs[len(sources):]).release()
         return sources, [o for o in objs[:len(sources)] if o is not None]
 
-    def unpin(self, tokens: Tokens = None, *, request_id: Hashable = None) -> int:
-        """Drop the pins a ``lookup(pin=True)`` took for ``request_id`` (or, without one, for
-        exactly these tokens); returns chunks unpinned."""
-        if tokens is None and request_id is None:
-            raise ValueError("unpin() needs the lookup's tokens or its request_id")
+    def unpin(self, tokens: Tokens = None, *, request_id: Hashable = None,
+              session: str | None = None, salt: str | None = None,
+              lora: str | None = None) -> int:
+        """Drop pins; returns chunks unpinned. ``request_id``: what a ``lookup(pin=True)``
+        took for that request. ``session``: what :meth:`pin` took for the session.
+        ``tokens``: both kinds taken for exactly this prompt (``salt``/``lora`` name a
+        tagged request's chain, as for :meth:`pin`)."""
+        self._check_open()
+        if tokens is None and request_id is None and session is None:
+            raise ValueError("unpin() needs the lookup's tokens or its request_id, or a session")
+        n = self.control.unpin(tokens if request_id is None else None, session, salt, lora)
+        if request_id is None and tokens is None:
+            return n
         keys = self.db.keys(tokens) if request_id is None else []
-        return self._pins.release(self._pin_owner(tokens, keys, request_id))
+        return n + self._pins.release(self._pin_owner(tokens, keys, request_id))
+
+    # --------------------------------------------------------------- control
+    @property
+    def namespace(self) -> str:
+        """The namespace this engine serves (its config's ``tenant``, else ``default``):
+        what every control call is scoped to."""
+        return self.control.namespace
+
+    def pin(self, tokens: Tokens, ttl: float, *, priority: int | None = None,
+            session: str | None = None, salt: str | None = None, lora: str | None = None,
+            namespace: str | None = None) -> int:
+        """Keep the prompt's stored chunks in L1 for ``ttl`` seconds: eviction passes over
+        them until then (lower-tier hits are read into L1 first), and an expired pin leaves
+        an ordinary chunk. Returns the tokens pinned (the longest stored prefix).
+
+        ``session``: the pins belong to that session, and each call replaces its last (a
+        conversation's next turn holds the whole chain); else to this exact prompt.
+        ``priority``: also :meth:`set_priority`. ``salt``/``lora``: the request's
+        ``cache_salt`` and LoRA name, whose chain is its own. ``namespace``: refused
+        unless this engine's (:attr:`namespace`). Bounded by ``max_ttl_pins`` chunks,
+        ``max_pin_share`` of the pool and ``max_pin_ttl``: past them
+        :class:`~lmc.storage.control.PinLimitError` / ``TTLError``, nothing pinned.
+        See :mod:`lmc.cache_control`."""
+        self._check_open()
+        return self.control.pin(tokens, ttl, priority=priority, session=session, salt=salt,
+                                lora=lora, namespace=namespace)
+
+    def set_priority(self, tokens: Tokens, priority: int, *, salt: str | None = None,
+                     lora: str | None = None, namespace: str | None = None) -> int:
+        """Retention ``priority`` (an int in [-10, 10], default 0; higher is kept longer)
+        for the prompt's chunks in every tier that orders its own evictions (L1, disk):
+        eviction takes lower priorities first, the least recently used first within one.
+        Returns how many of the chunks L1 holds; chunks stored later start at 0."""
+        self._check_open()
+        return self.control.set_priority(tokens, priority, salt=salt, lora=lora,
+                                         namespace=namespace)
+
+    def delete(self, tokens: Tokens, *, salt: str | None = None, lora: str | None = None,
+               namespace: str | None = None) -> int:
+        """Remove the prompt's chunks from every tier (L1, disk, Redis, an ``lmc://``
+        daemon, Mooncake...) and write-behind queue, and the pins on them; KV events
+        publish the removals. Returns the copies removed, summed over the tiers."""
+        self._check_open()
+        return self.control.delete(tokens, salt=salt, lora=lora, namespace=namespace)
+
+    def clear(self, namespace: str | None = None) -> dict[str, int | None]:
+        """Remove everything of this engine's namespace from every tier: L1 and the disk
+        tier (this engine's own), a shared store's values under ``remote_key_prefix``
+        (Redis, Mooncake), an ``lmc://`` daemon's namespace; and every pin :meth:`pin`
+        took. Returns per tier the values removed (``None``: the tier could not count);
+        a tier that cannot clear is left out, with one warning."""
+        self._check_open()
+        return self.control.clear(namespace)
 
     def _pin_owner(self, tokens: Tokens, keys: Sequence[Key], request_id: Hashable
                    ) -> Hashable:
@@ -647,6 +707,7 @@ class CacheEngine:
                     self._prefetch_queued -= 1
 
         with self._lock:
+            self.prefetches += 1
             if self._prefetch_queued >= MAX_QUEUED_PREFETCHES:  # bounded: refused, not queued
                 out.set_result(min(first * cs, n))
                 return out
@@ -682,6 +743,8 @@ class CacheEngine:
                 out[f"{tier.name}.{k}"] = v
         out.update(self.storage.stats())
         out.update(self._pins.stats())
+        out.update(self.control.stats())
+        out["prefetches"] = self.prefetches
         out.update(self.speeds.stats())
         if self.events is not None:
             out.update(self.events.stats())
@@ -710,6 +773,7 @@ class CacheEngine:
         if self.events is not None:  # its last events, before the tiers close
             self.events.close()
         self._pins.clear()
+        self.control.pins.clear()
         self._transfers.clear()  # a closed engine keeps no cache alive
         self.storage.close()
         self.pool.close()

@@ -11,6 +11,13 @@ out of printed mappings -- and integrity). What only one backend means (Redis's 
 connection counts) is that backend's option, declared by the backend and given under
 ``remote_options`` (:mod:`lmc.storage.tier`); keys that were such options are kept as
 deprecated aliases (:data:`DEPRECATED_KEYS`).
+
+A plain schema: values are checked here for what they are (a size, a URL, a list of tiers
+shaped as a chain); what needs the storage registries -- that a backend of that name, or
+claiming that URL scheme, exists, is or is not a wrapper, takes those options; that an
+eviction policy is registered -- is checked by the chain that builds the tiers
+(:func:`lmc.storage.chain.check_chain`), before any is built, naming the key and where it was
+given (:meth:`lmc.settings.Settings.origin`).
 """
 
 from __future__ import annotations
@@ -23,15 +30,18 @@ from typing import Any, TypeVar
 
 import yaml
 
+from lmc.events.config import EventsConfig
 from lmc.settings import (
     ConfigError,
     Layer,
     Parser,
     Settings,
     check_known_keys,
+    check_secret,
     parse_bool,
     parse_choice,
     parse_duration,
+    parse_float,
     parse_int,
     parse_mapping,
     parse_opt_str,
@@ -49,20 +59,14 @@ EXTRA_PREFIX = "lmc."
 
 
 def parse_remote_url(value: Any, key: str) -> str | None:
-    """A URL whose scheme some registered backend claims (checked now, not at the first
-    request); the schemes known are named when none does."""
+    """A URL (``scheme://...``). Whether a registered backend claims its scheme is the tier
+    chain's check (:func:`lmc.storage.chain.check_chain`), made before any tier is built."""
     url = parse_opt_str(value, key)
     if url is None:
         return None
     if "://" not in url:
         raise ConfigError(f"{key}: expected a URL such as redis://host:6379 or lmc://host:7451, "
                           f"got {url!r}")
-    from lmc.storage.tier import backend_factory
-
-    try:
-        backend_factory(url)
-    except ValueError as e:
-        raise ConfigError(f"{key}: {e}") from None
     return url
 
 
@@ -77,17 +81,22 @@ def _options(value: Any, key: str) -> dict[str, Any]:
 
 def _kv_events(value: Any, key: str) -> dict[str, Any] | None:
     """The ``kv_events`` mapping (vLLM's ``--kv-events-config`` keys and lmc's), checked by
-    :class:`lmc.events.config.EventsConfig` (imported here, not at load: the core stays
-    below the apps)."""
+    its own schema, :class:`lmc.events.config.EventsConfig`."""
     if value is None:
         return None
     out = parse_mapping(value, key)
-    from lmc.events.config import EventsConfig
     try:
         EventsConfig.from_mapping(out)
     except (TypeError, ValueError) as e:
         raise ConfigError(f"{key}: {e}") from None
     return out
+
+
+def _fraction(value: Any, key: str) -> float:
+    v = parse_float(value, key, minimum=0.0)
+    if v > 1:
+        raise ConfigError(f"{key} must be a fraction in [0, 1], got {value!r}")
+    return v
 
 
 DEPRECATED_KEYS: dict[str, str] = {"remote_ttl": "ttl", "remote_connections": "connections"}
@@ -115,17 +124,16 @@ def _warn_deprecated(key: str, value: Any) -> None:
 
 def _parse_secret(value: Any, key: str) -> str | None:
     """``integrity_secret`` checked when loaded, by the rule the tiers use
-    (:func:`lmc.storage.integrity.check_secret`), so a bad one is refused naming where it came
-    from (``c.yaml:3``, ``environment variable LMC_INTEGRITY_SECRET``)."""
+    (:func:`lmc.settings.check_secret`), so a bad one is refused naming where it came from
+    (``c.yaml:3``, ``environment variable LMC_INTEGRITY_SECRET``)."""
     text = parse_opt_str(value, key)
     if text is not None:
-        from lmc.storage.integrity import check_secret  # torch-free at import time: only when set
-
         try:
             check_secret(text, key)
         except ValueError as e:
             raise ConfigError(str(e)) from None
     return text
+
 
 # ------------------------------------------------------------------------ the tier chain
 MEMORY_NAMES = ("memory", "cpu")
@@ -216,8 +224,9 @@ def _is_memory(e: TierEntry) -> bool:
 
 def parse_tiers(value: Any, key: str) -> tuple[TierEntry, ...] | None:
     """The ``tiers`` list (or, from an environment variable, its YAML text): memory first,
-    then any tiers in any order and number. Backend names and URL schemes are checked now;
-    each backend's options when the chain is built (or by ``lmc config``)."""
+    then any tiers in any order and number. The list's shape is checked now; backend names,
+    URL schemes and each backend's options by the registries, when the chain is checked or
+    built (:mod:`lmc.storage.chain`)."""
     if value is None or value == "":
         return None
     if isinstance(value, str):
@@ -238,7 +247,10 @@ def parse_tiers(value: Any, key: str) -> tuple[TierEntry, ...] | None:
     for e in entries[1:]:
         if _is_memory(e):
             raise ConfigError(f"{e.where}: only the first tier is memory")
-        _check_backend(e)
+        while e.inner is not None:
+            if _is_memory(e.inner):
+                raise ConfigError(f"{e.where}.tier: the memory tier cannot be wrapped")
+            e = e.inner
     return (TierEntry("cpu", where=f"{key}[0]"), *entries[1:])
 
 
@@ -264,28 +276,12 @@ MAX_PREFILL_PRIOR = 10**12  # tokens per second
 MAX_SPEED_PRIOR = 1 << 60  # bytes per second
 
 
-def _check_backend(e: TierEntry) -> None:
-    """The entry's backend (and each wrapped one) exists: a typo fails at start-up."""
-    from lmc.storage.tier import backend_factory
-
-    try:
-        factory = backend_factory(e.backend)
-    except ValueError as err:
-        raise ConfigError(f"{e.where}: {err}") from None
-    wrapper = bool(getattr(factory, "wraps", False))
-    if wrapper and e.inner is None:
-        raise ConfigError(f"{e.where}: {e.backend!r} is a wrapper tier: write "
-                          f"{{wrap: {e.backend}, tier: <the tier it wraps>}}")
-    if not wrapper and e.inner is not None:
-        raise ConfigError(f"{e.where}: {e.backend!r} is not a wrapper tier (wrap: takes "
-                          f"counting, rate_limit or another registered wrapper)")
-    if e.backend == "disk" and "path" not in e.options:
-        raise ConfigError(f"{e.where}: the disk tier needs its directory: "
-                          f"{{backend: disk, path: /var/cache/lmc}}")
-    if e.inner is not None:
-        if _is_memory(e.inner):
-            raise ConfigError(f"{e.where}.tier: the memory tier cannot be wrapped")
-        _check_backend(e.inner)
+def _policy_name(value: Any, key: str) -> str:
+    """An eviction policy's name; that a policy of that name is registered is checked with
+    the tier chain (policies are registered objects of the storage layer)."""
+    if not isinstance(value, str) or not value:
+        raise ConfigError(f"{key}: expected the name of an eviction policy, got {value!r}")
+    return value
 
 
 @dataclasses.dataclass(frozen=True)
@@ -309,8 +305,9 @@ class CacheConfig(Settings):
         "replaces the digest of every weight byte in the model identity, so start-up reads no "
         "weights; weights changed without a new revision are served the old ones' KV")
     eviction_policy: str = setting(
-        "lru", lambda v, k: parse_choice(v, k, _policy_names()),
-        "which unreferenced chunk the L1 tier evicts first (lmc.storage.eviction's registered policies)")
+        "lru", _policy_name,
+        "which unreferenced chunk the L1 tier evicts first (lmc.storage.eviction's registered "
+        "policies; checked with the tier chain)")
     pin_memory: str = setting(
         "auto", lambda v, k: parse_choice(str(v).lower(), k, ("auto", "true", "false")),
         "page-lock the pool: auto = when CUDA is available")
@@ -328,6 +325,17 @@ class CacheConfig(Settings):
         60.0, lambda v, k: parse_duration(v, k, minimum=0.001),
         "seconds (or '500ms', '5m') a pin lives if no retrieve or unpin releases it first",
         unit="duration")
+    max_ttl_pins: int = setting(
+        65536, lambda v, k: parse_int(v, k, minimum=0),
+        "chunks CacheEngine.pin (and requests' session hints) may hold pinned at once, per "
+        "namespace; a pin past it is refused (PinLimitError)")
+    max_pin_share: float = setting(
+        0.5, lambda v, k: _fraction(v, k),
+        "share of local_cpu_size those pins may hold; a pin past it is refused")
+    max_pin_ttl: float = setting(
+        3600.0, lambda v, k: parse_duration(v, k, minimum=0.001),
+        "the longest TTL a pin may ask for (seconds, or '5m', '1h'); longer is refused "
+        "(TTLError)", unit="duration")
     # ---- lower tiers
     local_disk: str | None = setting(
         None, parse_opt_str, "directory of the local disk tier; unset = no disk tier")
@@ -465,26 +473,6 @@ class CacheConfig(Settings):
         return {opt: (key, getattr(self, key)) for key, opt in DEPRECATED_KEYS.items()
                 if getattr(self, key) is not None}
 
-    def preflight(self) -> None:
-        """What start-up would check beyond the schema, for ``lmc config``: the remote
-        backend's options (``remote_options``, the URL's query, deprecated keys: names and
-        values, as :func:`lmc.storage.tier.create_backend` checks them) and the integrity
-        secret (read from its file, long enough). Separate from construction because it
-        imports the backend and reads files, which a config object alone should not need."""
-        from lmc.storage.integrity import Integrity
-
-        try:
-            Integrity.from_config(self)
-            if self.remote_url:
-                from lmc.storage.tier import backend_factory, configured_options
-
-                configured_options(backend_factory(self.remote_url), self.remote_url, self)
-            from lmc.storage.chain import check_chain
-
-            check_chain(self)  # the chain the shorthand keys give is checked like a tiers: list
-        except ValueError as e:
-            raise ConfigError(str(e)) from None
-
     # ----------------------------------------------------------------- loading
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> dict[str, str]:
@@ -532,11 +520,3 @@ def load_connector_settings(extra: Mapping[str, Any] | None, section: str, optio
     opt_layers.append(Layer({k[len(sub):]: v for k, v in ours.items() if k.startswith(sub)},
                             origin, prefix=EXTRA_PREFIX + sub))
     return CacheConfig.from_layers(cache_layers), options.from_layers(opt_layers)
-
-
-def _policy_names() -> tuple[str, ...]:
-    """The registered eviction policies, looked up when a value is checked: policies are
-    registered objects of the storage layer, which ranks above config."""
-    from lmc.storage.eviction import policy_names
-
-    return policy_names()

@@ -105,6 +105,7 @@ def _kind(path: str | None, server: bool) -> tuple[str, str]:
 def _check_engine(path: str | None) -> dict[str, Any]:
     """The engine's settings (and the ``vllm:`` section, by the connector's own loader)."""
     from lmc.config import CacheConfig
+    from lmc.storage.chain import check_chain
     from lmc.units import readable_settings
 
     _, keys = _keys(path)
@@ -113,10 +114,10 @@ def _check_engine(path: str | None) -> dict[str, Any]:
 
         settings = load_settings({"lmc.config_file": path})
         cache: CacheConfig = settings.cache
-        cache.preflight()
+        check_chain(cache)
         return {**readable_settings(cache), "vllm": readable_settings(settings.vllm)}
     cfg = CacheConfig.load(path)
-    cfg.preflight()
+    check_chain(cfg)
     # secrets masked; sizes and durations in units the file accepts again (2GiB, 500ms)
     return readable_settings(cfg)
 
@@ -125,11 +126,12 @@ def _check_daemon(path: str | None) -> dict[str, Any]:
     """The daemon's settings as ``lmc server --config`` loads them, then what it reads at
     start-up before binding: the token files and the storage's keys and options."""
     from lmc.server.config import ServerConfig
+    from lmc.storage.chain import check_chain
     from lmc.units import readable_settings, size_exact
 
     cfg = ServerConfig.load(Path(path) if path else None)
     cfg.authenticator()
-    cfg.cache_config().preflight()
+    check_chain(cfg.cache_config())
     out = readable_settings(cfg)
     # in the forms the file takes again: a mode in octal, quotas as sizes
     out["unix_socket_mode"] = f"{cfg.unix_socket_mode:04o}"

@@ -33,7 +33,7 @@ from lmc.storage.layered_read import READY, LayerGate
 from lmc.token_database import Chunk, ChunkKey
 from lmc.transfer import completion
 from lmc.transfer.completion import DONE, Completion, FutureCompletion, copy_stream, wait_all
-from lmc.transfer.torch_copy import KVTransfer, TransferPlan
+from lmc.transfer.plan import KVTransfer, TransferPlan
 
 log = logging.getLogger(__name__)
 

@@ -343,6 +343,25 @@ def unknown_env(environ: Mapping[str, str], prefix: str, keys: Iterable[str]) ->
     return out
 
 
+MIN_SECRET_BYTES = 16
+SECRET_HINT = 'e.g. python3 -c "import secrets; print(secrets.token_hex(32))"'
+
+
+def check_secret(secret: bytes | str, setting: str = "integrity_secret") -> bytes:
+    """The secret as used: stripped of surrounding whitespace, at least ``MIN_SECRET_BYTES``
+    long (the same rule inline and in a file, each refusal naming ``setting``)."""
+    if not isinstance(secret, (bytes, bytearray, memoryview, str)):
+        raise ValueError(f"{setting}: expected a string, got {type(secret).__name__}")
+    raw = (secret.encode() if isinstance(secret, str) else bytes(secret)).strip()
+    if not raw:
+        raise ValueError(f"{setting} is empty or only whitespace ({SECRET_HINT})")
+    if len(raw) < MIN_SECRET_BYTES:
+        raise ValueError(f"{setting}: at least {MIN_SECRET_BYTES} bytes of random secret are "
+                         f"needed (surrounding whitespace does not count), got {len(raw)} "
+                         f"({SECRET_HINT})")
+    return raw
+
+
 # ---------------------------------------------------------------------- the loader
 @dataclasses.dataclass(frozen=True)
 class Layer:
@@ -451,7 +470,16 @@ class Settings:
                 at = layer.where(nested if isinstance(nested, str) and nested in layer.lines
                                  else key)
                 raise ConfigError(f"{e} (in {at})", nested or key) from None
-        return cls(**merged)
+        out = cls(**merged)
+        object.__setattr__(out, "_origins", {key: source[key].where(key) for key in merged})
+        return out
+
+    def origin(self, key: str) -> str | None:
+        """Where ``key``'s value came from (``c.yaml:3``, ``environment variable
+        LMC_REMOTE_URL``), for checks made after loading (the tier chain's); None for a
+        default or a value given in code."""
+        origins: Mapping[str, str] = getattr(self, "_origins", {})
+        return origins.get(key)
 
     @classmethod
     def load(cls: type[S], path: str | os.PathLike | None = None,

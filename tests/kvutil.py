@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from lmc.transfer.kv_spec import KVSpec
-from lmc.transfer.torch_copy import _INT_VIEW
+from lmc.transfer.plan import INT_VIEW
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16] + (
     [torch.float8_e4m3fn] if hasattr(torch, "float8_e4m3fn") else [])
@@ -62,7 +62,7 @@ def spec_for(layout: str, caches) -> KVSpec:
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:
-    return t.view(_INT_VIEW[t.element_size()][0])
+    return t.view(INT_VIEW[t.element_size()][0])
 
 
 def assert_bits_equal(a: torch.Tensor, b: torch.Tensor, what: str = "") -> None:

@@ -39,8 +39,10 @@ import lmc.cache_engine
 from lmc.memory.pool import MemoryPool
 from lmc.transfer import completion
 from lmc.transfer.completion import Completion
+from lmc.transfer.factory import make_transfer
 from lmc.transfer.kv_spec import KVCaches, KVSpec
-from lmc.transfer.torch_copy import KVTransfer, TorchTransfer, TransferPlan, make_transfer
+from lmc.transfer.plan import KVTransfer, TransferPlan
+from lmc.transfer.torch_copy import TorchTransfer
 
 POISON_BYTE = 0xFF
 ACTIVE: Watch | None = None  # the Watch of the late_copies() block running now, if any

@@ -31,7 +31,7 @@ from lmc.token_database import Chunk, ChunkedTokenDatabase, ChunkKey, Tokens
 from lmc.transfer.grouped import GroupedTransfer
 from lmc.transfer.kv_groups import FULL, SLIDING, STATE
 from lmc.transfer.kv_spec import KVSpec
-from lmc.transfer.torch_copy import ChunkRanges
+from lmc.transfer.plan import ChunkRanges
 
 log = logging.getLogger(__name__)
 

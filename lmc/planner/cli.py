@@ -146,6 +146,9 @@ def register_cli(sub: Any) -> None:
                    help="tokens per tier-load measurement")
     g.add_argument("--reps", type=int_in(1, MAX_REPS), default=3, metavar="N",
                    help="repetitions per figure")
+    g.add_argument("--threads", type=int_in(0, 4096), default=0, metavar="N",
+                   help="torch threads the engine computes with while measured (default 0: "
+                   "half the cores, as lmc replay and lmc demo run it)")
     g.add_argument("--disk-dir", metavar="DIR", help="where the disk-tier measurement writes")
     g.add_argument("--remote-url", "--redis", dest="remote_url", metavar="URL",
                    help="also measure this remote tier (redis://, lmc://, mooncake://..., "
@@ -169,6 +172,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _calibrate(args: argparse.Namespace) -> int:
+    from lmc.demo import default_threads
     from lmc.planner.calibrate import CalibrationRefused, calibrate
     from lmc.planner.costmodel import default_profile_path
 
@@ -176,7 +180,8 @@ def _calibrate(args: argparse.Namespace) -> int:
     try:
         prof = calibrate(args.model, lengths=args.lengths, reps=args.reps,
                          load_tokens=args.load_tokens, chunk_size=args.chunk_size or 256,
-                         disk_dir=args.disk_dir, remote_url=args.remote_url)
+                         disk_dir=args.disk_dir, remote_url=args.remote_url,
+                         threads=args.threads or default_threads())
     except CalibrationRefused as e:  # measured, but nonsense: the old profile stays
         kept = (f"the previous profile {path} is kept" if path.is_file()
                 else f"no profile written to {path}")
@@ -209,6 +214,24 @@ def _kv_bytes_per_token(args: argparse.Namespace) -> int:
           "model's (give --kv-bytes-per-token, or --model DIR, for yours)", file=sys.stderr)
     return DEFAULT_KV_BYTES_PER_TOKEN
 
+
+def _hybrid_bytes(args: argparse.Namespace, chunk: int, trace: Any, bpt: int) -> int:
+    """``--model``'s bytes per token if it is a hybrid sliding-window/full model: what lmc
+    stores of the trace's prompts (its sliding layers only around each prompt's
+    checkpoints), said on stderr beside every layer's."""
+    if not args.model or not (Path(args.model).expanduser() / "config.json").is_file():
+        return bpt
+    from lmc.planner.calibrate import hybrid_bytes_per_token
+
+    got = hybrid_bytes_per_token(Path(args.model).expanduser(), chunk,
+                                 [int(n) for n in trace.num_tokens])
+    if got is None:
+        return bpt
+    stored, every, words = got
+    print(f"lmc plan: hybrid model ({words}): {stored:,.0f} bytes of KV stored per prompt "
+          f"token of this trace, {every:,} for every layer of every token (fp32)",
+          file=sys.stderr)
+    return max(1, round(stored))
 
 def _codec_ratio(args: argparse.Namespace, chunk: int) -> float:
     """Stored bytes per KV byte under ``--codec`` (a full chunk of two planes of 8 heads),
@@ -274,6 +297,8 @@ def _plan(args: argparse.Namespace) -> int:
     t_keys = time.perf_counter() - t0
     if not len(trace):
         raise ValueError(f"{args.trace}: no requests")
+    if not args.kv_bytes_per_token and profile is None:  # a hybrid model stores less
+        bpt = _hybrid_bytes(args, chunk, trace, bpt)
     disk, remote = args.disk, args.remote
     if args.codec:
         ratio = _codec_ratio(args, chunk)

@@ -15,12 +15,18 @@ count exactly like KV computed here.
 Sequences with one new token (decodes, and prefills whose last chunk is a single token)
 are batched into one padded SDPA call; longer chunks run one SDPA call per sequence,
 so no work is spent on padding a decode row to a prefill's length.
+
+Sliding-window layers (a hybrid model's, ``ModelConfig.layer_types``) attend to the last
+``W`` positions only, the query's own included (as vLLM and Hugging Face count it): their
+metadata (``AttentionMetadata.windows[W]``) gathers only those positions from the cache,
+so a position before every query's window is never read -- what lets a KV cache hold only
+the window (as lmc loads it: :mod:`lmc.hybrid`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -63,6 +69,12 @@ class AttentionMetadata:
     # rows whose K/V this forward writes; None: every row. A blended step leaves out the rows
     # whose K/V come from a cached segment (see lmc.blend.step)
     write_rows: torch.Tensor | None = None
+    # sliding-window layers' metadata, by window (the same step, narrower contexts)
+    windows: dict[int, AttentionMetadata] = field(default_factory=dict)
+
+    def for_window(self, window: int | None) -> AttentionMetadata:
+        """The metadata of a layer with this sliding window (``None``: full attention)."""
+        return self if window is None else self.windows[window]
 
 
 def slots_for_positions(block_ids: torch.Tensor, positions: torch.Tensor, block_size: int) -> torch.Tensor:
@@ -71,13 +83,32 @@ def slots_for_positions(block_ids: torch.Tensor, positions: torch.Tensor, block_
 
 
 def build_attention_metadata(
-    chunks: Sequence[SequenceChunk], block_size: int, device: torch.device | str
+    chunks: Sequence[SequenceChunk], block_size: int, device: torch.device | str,
+    windows: Sequence[int] = (),
 ) -> AttentionMetadata:
-    """Slot mappings, gather indices and masks for a batch of sequence chunks.
+    """Slot mappings, gather indices and masks for a batch of sequence chunks, and for each
+    sliding window in ``windows`` the same step's metadata for layers with that window.
 
     Computed on the CPU with vectorised torch ops (one small loop per sequence, none per
     token) and moved to ``device`` once.
     """
+    meta = _build(chunks, block_size, torch.device(device), None)
+    for w in sorted(set(windows)):
+        meta.windows[w] = _build(chunks, block_size, torch.device(device), w)
+    return meta
+
+
+def _window_mask(start: int, n: int, lo: int, context_len: int, window: int,
+                 device: torch.device) -> torch.Tensor:
+    """[n, context_len - lo]: query at ``start + i`` sees key ``lo + j`` when it is no later
+    and within the window (``q - window < k <= q``)."""
+    q = torch.arange(start, start + n, device=device)[:, None]
+    k = torch.arange(lo, context_len, device=device)[None, :]
+    return (k <= q) & (k > q - window)
+
+
+def _build(chunks: Sequence[SequenceChunk], block_size: int, device: torch.device,
+           window: int | None) -> AttentionMetadata:
     device = torch.device(device)
     slot_parts: list[torch.Tensor] = []
     prefills: list[PrefillSlice] = []
@@ -98,7 +129,16 @@ def build_attention_metadata(
         table = torch.as_tensor(list(chunk.block_ids[:needed_blocks]), dtype=torch.long)
         context_slots = slots_for_positions(table, torch.arange(context_len), block_size)
         slot_parts.append(context_slots[start:])
-        if n == 1:
+        if window is not None and context_len > window:  # only the windows' positions
+            lo = max(0, start - window + 1)
+            if n == 1:
+                decode_rows.append(row)
+                decode_slots.append(context_slots[lo:])
+            else:
+                prefills.append(PrefillSlice(row, n, context_slots[lo:].to(device),
+                                             _window_mask(start, n, lo, context_len, window,
+                                                          device)))
+        elif n == 1:
             decode_rows.append(row)
             decode_slots.append(context_slots)
         else:

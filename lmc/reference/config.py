@@ -3,6 +3,10 @@
 Only Llama-family decoders (Llama 2/3, Qwen2) are supported. Reading the config is
 strict on purpose: a missing or malformed field raises ``ValueError`` naming the field
 and the file, so a bad checkpoint fails at load time instead of producing garbage.
+
+A hybrid sliding-window/full model names each layer's kind in ``layer_types``
+(``"full_attention"`` or ``"sliding_attention"``, as Hugging Face's configs and vLLM's Llama
+read it) with the window in ``sliding_window``.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from lmc.strict_json import load_json_file
 MAX_CONFIG_BYTES = 16 << 20  # config.json is kilobytes; a larger file is not one
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
+FULL, SLIDING = "full_attention", "sliding_attention"  # layer_types' kinds
 
 # Fields without which the model cannot be built. Everything else has a default.
 REQUIRED_FIELDS = (
@@ -61,6 +66,20 @@ class ModelConfig:
     torch_dtype: str | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    layer_types: tuple[str, ...] = ()  # per layer; empty: every layer full attention
+    sliding_window: int | None = None
+
+    def layer_window(self, layer_idx: int) -> int | None:
+        """Layer ``layer_idx``'s sliding window in tokens; ``None``: full attention."""
+        if self.layer_types and self.layer_types[layer_idx] == SLIDING:
+            return self.sliding_window
+        return None
+
+    @property
+    def sliding_windows(self) -> tuple[int, ...]:
+        """The windows of the sliding-window layers (empty for a plain model)."""
+        return tuple(sorted({w for i in range(self.num_hidden_layers)
+                             if (w := self.layer_window(i)) is not None}))
 
     @property
     def num_query_groups(self) -> int:
@@ -79,8 +98,9 @@ class ModelConfig:
                 f"{source}: model_type={model_type!r} is not supported "
                 f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
             )
-        if raw.get("use_sliding_window"):
-            raise ValueError(f"{source}: use_sliding_window=true is not supported")
+        if raw.get("use_sliding_window") and "layer_types" not in raw:
+            raise ValueError(f"{source}: use_sliding_window=true without layer_types is not "
+                             "supported (name each layer's kind in layer_types)")
 
         def positive_int(key: str, value: Any) -> int:
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
@@ -129,6 +149,7 @@ class ModelConfig:
             torch_dtype=raw.get("torch_dtype"),
             bos_token_id=raw.get("bos_token_id"),
             eos_token_ids=_as_id_tuple(raw.get("eos_token_id"), "eos_token_id", source),
+            **_layer_kinds(raw, source),
         )
 
     @classmethod
@@ -140,6 +161,27 @@ class ModelConfig:
         if not isinstance(raw, dict):
             raise ValueError(f"{path}: expected a JSON object")
         return cls.from_dict(raw, source=str(path))
+
+
+def _layer_kinds(raw: dict[str, Any], source: str) -> dict[str, Any]:
+    """``layer_types`` and ``sliding_window``, checked: one known kind per layer, a positive
+    window when any layer slides (a window on a model without sliding layers is ignored,
+    as Hugging Face's Llama ignores it)."""
+    kinds = raw.get("layer_types")
+    if kinds is None:
+        return {}
+    layers = raw["num_hidden_layers"]
+    if not isinstance(kinds, list) or len(kinds) != layers or any(
+            k not in (FULL, SLIDING) for k in kinds):
+        raise ValueError(f"{source}: field 'layer_types' must list {layers} entries, each "
+                         f"{FULL!r} or {SLIDING!r}, got {kinds!r:.200}")
+    window = raw.get("sliding_window")
+    if SLIDING not in kinds:
+        return {"layer_types": tuple(kinds)}
+    if not isinstance(window, int) or isinstance(window, bool) or window <= 0:
+        raise ValueError(f"{source}: layer_types has sliding_attention layers, so field "
+                         f"'sliding_window' must be a positive integer, got {window!r}")
+    return {"layer_types": tuple(kinds), "sliding_window": window}
 
 
 def _as_id_tuple(value: Any, key: str, source: str) -> tuple[int, ...]:

@@ -132,6 +132,13 @@ class KVConnector(ABC):
 
     # ------------------------------------------------------------------- worker side
 
+    def register_kv_windows(self, windows: dict[str, int | None]) -> None:  # noqa: B027
+        """Once at start, before ``register_kv_caches``, for a model with sliding-window
+        layers: layer name -> its window in tokens (``None``: full attention). A layer with
+        window ``W`` reads only the last ``W`` positions (its own included) of a sequence:
+        a connector may load only those. Every layer's cache is indexed by the one block
+        table of the sequence."""
+
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:  # noqa: B027
         """Once at start: layer name -> cache tensor ``[2, num_blocks, block_size,
         num_kv_heads, head_size]``, in layer order (names ``model.layers.N.self_attn``)."""

@@ -22,7 +22,7 @@ import torch
 from lmc.models.chat import ChatTemplate
 from lmc.reference.block_manager import BlockManager
 from lmc.reference.connector_api import KVConnector, connector_module
-from lmc.reference.kv_cache import bytes_per_block
+from lmc.reference.kv_cache import bytes_per_block, layer_name
 from lmc.reference.loader import load_model, resolve_dtype
 from lmc.reference.model_runner import ModelRunner
 from lmc.reference.outputs import RequestOutput
@@ -66,8 +66,8 @@ class LLM:
             ``CacheConfig``, a YAML path or a dict of keys.
         blend: with ``lmc_config``: reuse marked segments anywhere in a prompt (segment
             caching with selective recompute, ``lmc.blend``): ``True``, or the blend
-            settings as a dict. Enabled only for a model with a passing ``lmc blend-check``
-            verdict (or an explicit override).
+            settings as a dict. Enabled only for a model with a passing ``lmc quality``
+            verdict for blend (or an explicit override).
     """
 
     def __init__(
@@ -117,6 +117,10 @@ class LLM:
         self.runner = ModelRunner(self.model, num_blocks, block_size, self.dtype, self.device)
         if blend and lmc_config is None:
             raise ValueError("blend needs lmc_config (segments are stored in lmc)")
+        if blend and self.config.sliding_windows:
+            raise ValueError("blend: segment blending is not supported for a hybrid "
+                             "sliding-window/full model (a segment's K/V would need each "
+                             "layer's window); run without blend")
         if lmc_config is not None:
             if kv_connector is not None:
                 raise ValueError("pass kv_connector or lmc_config, not both")
@@ -128,6 +132,9 @@ class LLM:
             self.max_model_len, kv_connector,
         )
         if kv_connector is not None:
+            if self.config.sliding_windows:  # a hybrid sliding-window/full model
+                kv_connector.register_kv_windows({layer_name(i): self.config.layer_window(i)
+                                                  for i in range(self.config.num_hidden_layers)})
             kv_connector.register_kv_caches(self.runner.named_kv_caches())
             self.runner.blender = getattr(kv_connector, "blender", None)
         self._ids = itertools.count()

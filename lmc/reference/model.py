@@ -68,6 +68,7 @@ class SelfAttention(nn.Module):
     def __init__(self, config: ModelConfig, layer_idx: int) -> None:
         super().__init__()
         self.layer_idx = layer_idx
+        self.window = config.layer_window(layer_idx)  # None: full attention
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
@@ -103,7 +104,7 @@ class SelfAttention(nn.Module):
         else:
             rows = meta.write_rows
             write_kv(kv_cache, k[rows], v[rows], meta.slot_mapping[rows])
-        out = attend(q, kv_cache, meta)
+        out = attend(q, kv_cache, meta.for_window(self.window))
         if hooks is not None:
             hooks.after_kv_write(self.layer_idx, kv_cache)  # this layer's new K/V are stored
         return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))

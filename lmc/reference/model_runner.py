@@ -89,7 +89,8 @@ class ModelRunner:
                 sample_rows.append(len(input_ids) - 1)
                 sample_ids.append(sched.request_id)
 
-        attn_meta = build_attention_metadata(chunks, self.block_size, self.device)
+        attn_meta = build_attention_metadata(chunks, self.block_size, self.device,
+                                             self.model.config.sliding_windows)
         ids_t = torch.tensor(input_ids, dtype=torch.long).to(self.device)
         pos_t = torch.cat(positions).to(self.device)
         blend = None

@@ -62,7 +62,7 @@ class Source:
         self.synced = False
         self.last_heard = 0.0
         self.counts = {"batches": 0, "gaps": 0, "replays": 0, "dumps": 0, "bad": 0,
-                       "restarts": 0}
+                       "restarts": 0, "reconnects": 0}
 
     def fresh(self, stale_after: float, now: float | None = None) -> bool:
         now = time.monotonic() if now is None else now
@@ -192,6 +192,8 @@ class EventFeed:
         self.ctx = zmq.Context()
         self.ctx.setsockopt(zmq.LINGER, 0)  # a socket left open never holds term()
         self._subs: dict[Any, Source] = {}
+        self._mons: dict[Any, Source] = {}
+        self._lost: set[int] = set()  # sources whose connection dropped since
         self.syncs = {id(s): SourceSync(s, zmq, self.ctx) for s in self.sources}
         for s in self.sources:
             sock = self.ctx.socket(zmq.SUB)
@@ -199,6 +201,11 @@ class EventFeed:
             sock.setsockopt(zmq.RCVHWM, 1000)
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.SUBSCRIBE, b"")
+            # a reconnection may be a restart whose first batches (seq 0's AllBlocksCleared
+            # among them) went out before this socket was back: it syncs anew
+            mon = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED
+                                          | zmq.EVENT_HANDSHAKE_SUCCEEDED)
+            self._mons[mon] = s
             sock.connect(s.endpoint)
             self._subs[sock] = s
         self._stop = threading.Event()
@@ -235,7 +242,7 @@ class EventFeed:
         time out and retry replay requests (the thread's body; tests drive it directly)."""
         zmq = self.zmq
         poller = zmq.Poller()
-        for sock in self._subs:
+        for sock in (*self._subs, *self._mons):
             poller.register(sock, zmq.POLLIN)
         asking = {}
         for sync in self.syncs.values():
@@ -247,6 +254,9 @@ class EventFeed:
             if sock in asking:
                 asking[sock].on_readable(time.monotonic())
                 continue
+            if sock in self._mons:
+                self._on_monitor(sock)
+                continue
             s = self._subs[sock]
             for _ in range(256):
                 try:
@@ -257,6 +267,24 @@ class EventFeed:
         now = time.monotonic()
         for sync in self.syncs.values():
             sync.check(now)
+
+    def _on_monitor(self, mon: Any) -> None:
+        """A SUB connection dropped or came back: back after a drop, the publisher may
+        have restarted and sent its first batches (seq 0's ``AllBlocksCleared`` among them)
+        to nobody, and its next seq may lie past the last one seen -- a restart the seq
+        alone cannot show. A source with a replay socket syncs anew."""
+        from zmq.utils.monitor import recv_monitor_message
+
+        s = self._mons[mon]
+        event = recv_monitor_message(mon, flags=self.zmq.NOBLOCK)["event"]
+        if event == self.zmq.EVENT_DISCONNECTED:
+            self._lost.add(id(s))
+        elif id(s) in self._lost:
+            self._lost.discard(id(s))
+            if s.replay_endpoint is not None and s.last_pub is not None:
+                log.info("events from %s: reconnected; syncing anew", s.name)
+                s.counts["reconnects"] += 1
+                self.syncs[id(s)].restarted(time.monotonic())
 
     def _run(self) -> None:
         while not self._stop.is_set():
@@ -272,5 +300,8 @@ class EventFeed:
         for sync in self.syncs.values():
             sync.close()
         for sock in self._subs:
+            sock.disable_monitor()
             sock.close(0)
+        for mon in self._mons:
+            mon.close(0)
         self.ctx.term()

@@ -26,6 +26,7 @@ from lmc.settings import (
     parse_bool,
     parse_choice,
     parse_duration,
+    parse_float,
     parse_int,
     parse_mapping,
     parse_opt_path,
@@ -89,10 +90,35 @@ def _cache(v: Any, k: str) -> dict[str, Any]:
                 hint += f" ({OWNED_CACHE_KEYS[close]})"
             raise ConfigError(f"{k}: unknown config key {key!r}{hint}", f"{k}.{key}")
         try:
-            fields[key].metadata["parse"](value, f"{k}.{key}")
+            parsed = fields[key].metadata["parse"](value, f"{k}.{key}")
+            if key == "tiers" and parsed:
+                _check_registered(parsed[1:])
         except ValueError as e:
             raise ConfigError(str(e), f"{k}.{key}") from None
     return out
+
+
+def _check_registered(entries: Any) -> None:
+    """The registries' check of tier entries (:func:`lmc.storage.chain.check_entry`), made
+    when the daemon's config loads: it is the daemon's start-up, and its file's line is
+    named. Imported here, not at load: ``lmc stats`` reads this module without torch."""
+    from lmc.storage.chain import check_entry
+
+    for entry in entries:
+        check_entry(entry)
+
+
+def _backend_url(v: Any, k: str) -> str | None:
+    """A URL whose scheme a registered backend claims (checked now, naming the key)."""
+    url = parse_remote_url(v, k)
+    if url is not None:
+        from lmc.storage.tier import backend_factory
+
+        try:
+            backend_factory(url)
+        except ValueError as e:
+            raise ConfigError(f"{k}: {e}") from None
+    return url
 
 
 def _mode(v: Any, k: str) -> int:
@@ -115,6 +141,13 @@ def _kv_events(v: Any, k: str) -> dict[str, Any] | None:
         EventsConfig.from_mapping(out)
     except (TypeError, ValueError) as e:
         raise ConfigError(f"{k}: {e}") from None
+    return out
+
+
+def _share(v: Any, k: str) -> float:
+    out = parse_float(v, k, minimum=0.0)
+    if out > 1:
+        raise ConfigError(f"{k} must be a fraction in [0, 1], got {v!r}")
     return out
 
 
@@ -166,7 +199,7 @@ class ServerConfig(Settings):
                                "directory of a disk tier behind memory (persists across restarts)")
     disk_size: int = setting("16GiB", parse_positive_size, "bytes the disk tier may use",
                              unit="size")
-    redis: str | None = setting(None, parse_remote_url,
+    redis: str | None = setting(None, _backend_url,
                                 "URL of a shared tier behind disk: redis://, rediss://, "
                                 "redis+cluster://, lmc://, or any scheme a registered "
                                 "backend claims (as an engine's remote_url)")
@@ -187,6 +220,15 @@ class ServerConfig(Settings):
                                         unit="size")
     quotas: dict[str, int] = setting(None, _quotas, "per-namespace memory quotas: {ns: size}")
     max_namespaces: int = setting(4096, _pos, "namespaces tracked for quotas at once")
+    max_pins: int = setting(65536, lambda v, k: parse_int(v, k, minimum=0),
+                            "chunks one namespace may hold pinned (PIN) at once; a PIN past "
+                            "it is refused")
+    max_pin_share: float = setting(0.5, lambda v, k: _share(v, k),
+                                   "share of the pool one namespace's pins may hold (and never "
+                                   "more than its quota); a PIN past it is refused")
+    max_pin_ttl: float = setting(3600.0, _seconds(0.001),
+                                 "the longest TTL a PIN may ask for; longer is refused",
+                                 unit="duration")
     # ---- bounds
     max_meta: int = setting("1MiB", parse_positive_size, "bytes of metadata in one frame",
                             unit="size")

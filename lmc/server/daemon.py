@@ -43,6 +43,7 @@ from lmc.server import metrics as M
 from lmc.server.activity import Activity
 from lmc.server.auth import Grant
 from lmc.server.config import ServerConfig
+from lmc.server.control import NamespacePins
 from lmc.server.events import DaemonEvents
 from lmc.server.http import MetricsHTTP
 from lmc.server.ratelog import FirstSeen, IntervalLog, RateLimitedWarnings
@@ -64,7 +65,7 @@ def preflight(config: ServerConfig) -> None:
     the pool fits the host's memory, each tier's options and URL, and that the disk tier's
     directory can be made. Raises ``ValueError`` naming the flag."""
     cache_cfg = config.cache_config()
-    check_fits(cache_cfg.local_cpu_size, config.prefault)
+    check_fits(cache_cfg.local_cpu_size, config.prefault, DAEMON_KEYS["local_cpu_size"])
     chain.check_chain(cache_cfg, where=DAEMON_KEYS)
 
 
@@ -131,6 +132,7 @@ class Daemon:
         self.store = NamespacedStore(self.storage, config.quotas, config.quota_default,
                                      config.max_namespaces,
                                      reserved=self.auth.granted_namespaces())
+        self.pins = NamespacePins(self.store, config)  # PIN/UNPIN (lmc.server.control)
         self.offload = len(self.storage.tiers) > 1
         self.io = ThreadPoolExecutor(config.io_threads, thread_name_prefix="lmc-server-io")
         self.commit_bytes = max(1 << 20, min(64 << 20, self.pool.size // 8))
@@ -203,12 +205,14 @@ class Daemon:
                    if self.kv_events is not None and allowed is None else {})}
 
     def _namespaces(self, allowed: frozenset[str] | None) -> dict[str, dict[str, Any]]:
-        """Every namespace that sent requests (its counts) and every quota-tracked one (its
-        chunks, bytes and quota in memory)."""
+        """Every namespace that sent requests (its counts), every quota-tracked one (its
+        chunks, bytes and quota in memory) and every one holding pins."""
         out: dict[str, dict[str, Any]] = {
             ns: dict(c) for ns, c in self.activity.namespaces(allowed).items()}
         for ns, held in self.store.namespace_stats(allowed).items():
             out.setdefault(ns, {}).update(held)
+        for ns, pins in self.pins.stats(allowed).items():
+            out.setdefault(ns, {}).update(pins)
         return out
 
     def invariant_violations(self) -> int:
@@ -433,6 +437,7 @@ class Daemon:
             for ev in self.events.values():
                 ev.flush()
             self._hello_seen.flush()
+            self.pins.expire()  # pins past their TTL are ordinary chunks again
 
     def _loop_exception(self, loop: asyncio.AbstractEventLoop, ctx: dict[str, Any]) -> None:
         """asyncio's own accept loop (the /metrics listener) logs a traceback for every
@@ -538,6 +543,7 @@ class Daemon:
                 log.warning("write-behind not drained after %.0f s", self.storage.close_timeout)
         except Exception as e:
             log.error("flushing the storage failed: %s", e)
+        self.pins.close()
         if self.kv_events is not None:
             self.kv_events.close()
         self.storage.close()

@@ -21,6 +21,7 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from lmc.server import control
 from lmc.server import metrics as M
 from lmc.server.auth import OPEN, Grant
 from lmc.server.p2p import ops as p2p_ops
@@ -29,6 +30,7 @@ from lmc.server.store import Checksum, checksum_of
 from lmc.server.text import safe
 from lmc.server.writer import send_buffers
 from lmc.storage.backends.daemon import protocol as P
+from lmc.storage.control import ControlError
 from lmc.storage.serde import byte_view, encode_header, payload_checksum
 
 if TYPE_CHECKING:
@@ -183,8 +185,11 @@ class Session:
                          P.STATUS_NAMES.get(e.status, "?"), e)
         if not e.fatal and payload_left:
             await self.reader.discard(payload_left)  # bounded by max_payload; keeps framing
+        answer = {"error": str(e)}
+        if e.code:
+            answer["code"] = e.code
         try:
-            await self._send(op, req_id, {"error": str(e)}, status=e.status)
+            await self._send(op, req_id, answer, status=e.status)
         except OSError:
             return False
         return not e.fatal
@@ -373,9 +378,55 @@ class Session:
     async def _delete(self, h: P.FrameHeader, meta: dict[str, Any]) -> bool:
         ns = self.granted_namespace(meta)
         ikeys = self.store.internal_keys(ns, P.get_keys(meta, self.limits))
+        self.daemon.pins.release_keys(ns, ikeys)  # a deleted chunk's pins go with it
         n = await self.daemon.run_storage(self.store.delete, ns, ikeys)
         await self._send(h.op, h.req_id, {"deleted": n})
         return True
+
+    # ----------------------------------------------------- control (lmc.server.control)
+    async def _clear(self, h: P.FrameHeader, meta: dict[str, Any]) -> bool:
+        ns = self.granted_namespace(meta)
+        unpinned = self.daemon.pins.clear(ns)
+        n = await self.daemon.run_storage(self.store.clear, ns)
+        log.info("%s: cleared namespace %s (%d values, %d pinned chunks released)",
+                 self.peer, _printable(ns), n, unpinned)
+        await self._send(h.op, h.req_id, {"deleted": n})
+        return True
+
+    async def _pin(self, h: P.FrameHeader, meta: dict[str, Any]) -> bool:
+        ns = self.granted_namespace(meta)
+        ikeys = self.store.internal_keys(ns, P.get_keys(meta, self.limits))
+        ttl, owner = P.get_number(meta, "ttl"), P.get_owner(meta)
+        priority = P.get_opt_int(meta, "priority")
+        n = await self._control(self.daemon.pins.pin, ns, ikeys, ttl, owner, priority)
+        await self._send(h.op, h.req_id, {"pinned": n})
+        return True
+
+    async def _unpin(self, h: P.FrameHeader, meta: dict[str, Any]) -> bool:
+        ns = self.granted_namespace(meta)
+        owner = P.get_owner(meta)
+        ikeys = [] if owner is not None else \
+            self.store.internal_keys(ns, P.get_keys(meta, self.limits))
+        n = self.daemon.pins.unpin(ns, owner, ikeys)
+        await self._send(h.op, h.req_id, {"unpinned": n})
+        return True
+
+    async def _priority(self, h: P.FrameHeader, meta: dict[str, Any]) -> bool:
+        ns = self.granted_namespace(meta)
+        ikeys = self.store.internal_keys(ns, P.get_keys(meta, self.limits))
+        priority = P.get_opt_int(meta, "priority")
+        if priority is None:
+            raise P.ProtocolError(P.BAD_REQUEST, "field 'priority' is required")
+        n = await self._control(control.set_priority, self.store, ikeys, priority)
+        await self._send(h.op, h.req_id, {"held": n})
+        return True
+
+    async def _control(self, fn: Any, *args: Any) -> Any:
+        """A control call, its rule's refusal answered as ``refused`` with the rule's code."""
+        try:
+            return await self.daemon.run_storage(fn, *args)
+        except ControlError as e:
+            raise P.ProtocolError(P.REFUSED, str(e), code=e.code) from None
 
     async def _p2p(self, h: P.FrameHeader, meta: dict[str, Any]) -> bool:
         """A P2P directory op: answered by :mod:`lmc.server.p2p.ops` from this session's
@@ -384,5 +435,6 @@ class Session:
         return True
 
     _handlers = {P.HELLO: _hello, P.PING: _ping, P.STATS: _stats, P.PUT: _put, P.GET: _get,
-                 P.EXISTS: _exists, P.DELETE: _delete}
+                 P.EXISTS: _exists, P.DELETE: _delete, P.CLEAR: _clear, P.PIN: _pin,
+                 P.UNPIN: _unpin, P.PRIORITY: _priority}
     _handlers.update(dict.fromkeys(P.P2P_OPS, _p2p))

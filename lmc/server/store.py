@@ -1,9 +1,14 @@
 """The daemon's storage: lmc's own ``StorageManager`` behind namespaces and quotas.
 
-Namespaces: the internal key of (namespace, key) is BLAKE2b-128 of the key, keyed with the
-namespace. A keyed PRF rather than a plain prefix because every tier stores 16-byte keys;
+Namespaces: the internal key of (namespace, key) is the namespace's 6-byte tag (BLAKE2b of
+its name) followed by 10 bytes of BLAKE2b of the key, keyed with the namespace. Keyed BLAKE2
 rather than xxh3 because one tenant must not be able to craft a key that lands on another
-tenant's (xxh3 is not collision resistant, BLAKE2 is).
+tenant's (xxh3 is not collision resistant, BLAKE2 is); the tag in front because it makes a
+namespace's keys a prefix every tier can find, so ``CLEAR`` removes a namespace from memory,
+disk and Redis without an index of its keys (:meth:`NamespacedStore.clear`). Two names share
+a tag by chance with probability 2^-48 (a clear of one would then also clear the other: a
+cache miss, never a wrong value, since the 10-byte part stays keyed by the name); a
+namespace's own keys collide after ~2^40 of them.
 
 Quotas bound the memory tier's bytes per namespace. Accounting is lazy: the tier evicts
 without telling us, so when a namespace looks over its quota the ledger is first pruned of
@@ -30,7 +35,7 @@ import hashlib
 import logging
 import threading
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -44,6 +49,8 @@ from lmc.storage.serde import byte_view, payload_checksum
 
 log = logging.getLogger(__name__)
 _PERSON = b"lmc-server-ns"
+_TAG_PERSON = b"lmc-server-tag"
+TAG_BYTES = 6  # of the namespace's tag; the key's own part is the other 10
 
 
 class Checksum(int):
@@ -205,13 +212,21 @@ class NamespacedStore:
             "namespace's ledger was reclaimed and its chunks left memory")
         self._lock = threading.Lock()
         self.p2p = PeerDirectory()  # who holds which chunk in its own pool (lmc/server/p2p)
+        self.pinned_keys: Callable[[str], frozenset[bytes]] = lambda ns: frozenset()
+        """A namespace's pinned keys (set by the daemon's :mod:`lmc.server.control`): never
+        evicted for its quota, since their pins keep the memory anyway."""
 
     # ------------------------------------------------------------------ keys
     @staticmethod
-    def internal_keys(ns: str, keys: Sequence[bytes]) -> list[bytes]:
-        nsb = ns.encode()
-        return [hashlib.blake2b(k, digest_size=16, key=nsb, person=_PERSON).digest()
-                for k in keys]
+    def namespace_tag(ns: str) -> bytes:
+        """The first bytes of every internal key of ``ns`` (module doc)."""
+        return hashlib.blake2b(ns.encode(), digest_size=TAG_BYTES, person=_TAG_PERSON).digest()
+
+    @classmethod
+    def internal_keys(cls, ns: str, keys: Sequence[bytes]) -> list[bytes]:
+        nsb, tag = ns.encode(), cls.namespace_tag(ns)
+        return [tag + hashlib.blake2b(k, digest_size=16 - TAG_BYTES, key=nsb,
+                                      person=_PERSON).digest() for k in keys]
 
     def quota(self, ns: str) -> int | None:
         return self.quotas.get(ns, self.quota_default)
@@ -239,7 +254,7 @@ class NamespacedStore:
             need = min(sum(sizes), quota)
             if ledger.charge + need > quota:
                 self._prune(ledger)
-            for k in ledger.evictable(need, quota):
+            for k in ledger.evictable(need, quota, self.pinned_keys(ns)):
                 ledger.drop(k)
                 victims.append(k)
             out, room = [], quota - ledger.charge
@@ -328,7 +343,8 @@ class NamespacedStore:
                     ledger.add(k, n)
                 if enforce and ledger.charge > quota:
                     self._prune(ledger)
-                    old = ledger.evictable(0, quota, skip={*ikeys, *keep})
+                    old = ledger.evictable(0, quota,
+                                           skip={*ikeys, *keep, *self.pinned_keys(ns)})
                     for k in old:
                         ledger.drop(k)
                     victims += old
@@ -348,6 +364,19 @@ class NamespacedStore:
                 for k in ikeys:
                     ledger.drop(k)
         return n
+
+    def clear(self, ns: str) -> int:
+        """Remove every value of ``ns`` from every tier and write-behind queue (its keys are
+        the ones starting with its tag), forget its ledger's chunks; the tiers' listeners
+        hear of the removals (KV events). Returns the values removed that the tiers could
+        count (the copies in each tier, added up)."""
+        out = self.storage.clear_namespace(self.namespace_tag(ns))
+        with self._lock:
+            ledger = self._ledgers.get(ns)
+            if ledger is not None:
+                for k in list(ledger.keys):
+                    ledger.drop(k)
+        return sum(n for n in out.values() if n)
 
     # ----------------------------------------------------------------- reads
     def contains(self, ikeys: Sequence[bytes]) -> list[bool]:

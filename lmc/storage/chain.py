@@ -22,7 +22,9 @@ from pathlib import Path
 
 from lmc.config import CacheConfig, TierEntry
 from lmc.memory.pool import MemoryPool
-from lmc.settings import ConfigError
+from lmc.settings import ConfigError, parse_choice
+from lmc.storage.eviction import policy_names
+from lmc.storage.integrity import Integrity
 from lmc.storage.manager import StorageManager, TierPool
 from lmc.storage.tier import (
     BackendFactory,
@@ -87,12 +89,61 @@ def _options(factory: BackendFactory, entry: TierEntry, config: CacheConfig
     return backend_options(factory, entry.backend, entry.options, where=entry.where)
 
 
+def _given_at(config: CacheConfig, key: str, e: Exception) -> ConfigError:
+    """``e`` as a :class:`ConfigError` that says where ``key`` was given, as loading does."""
+    at = config.origin(key)
+    return ConfigError(f"{e} (in {at})" if at else str(e))
+
+
+def check_entry(e: TierEntry) -> None:
+    """The entry's backend (and each wrapped one) is registered, by name or URL scheme; a
+    wrapper wraps a tier and nothing else does; the disk tier has its directory."""
+    try:
+        factory = backend_factory(e.backend)
+    except ValueError as err:
+        raise ConfigError(f"{e.where}: {err}") from None
+    wrapper = bool(getattr(factory, "wraps", False))
+    if wrapper and e.inner is None:
+        raise ConfigError(f"{e.where}: {e.backend!r} is a wrapper tier: write "
+                          f"{{wrap: {e.backend}, tier: <the tier it wraps>}}")
+    if not wrapper and e.inner is not None:
+        raise ConfigError(f"{e.where}: {e.backend!r} is not a wrapper tier (wrap: takes "
+                          f"counting, rate_limit or another registered wrapper)")
+    if e.backend == "disk" and "path" not in e.options:
+        raise ConfigError(f"{e.where}: the disk tier needs its directory: "
+                          f"{{backend: disk, path: /var/cache/lmc}}")
+    if e.inner is not None:
+        check_entry(e.inner)
+
+
+def check_registered(config: CacheConfig) -> None:
+    """What the config schema leaves to the registries, checked before any tier is built:
+    the eviction policy is registered, and every tier's backend (see :func:`check_entry`).
+    Raises :class:`ConfigError` naming the key and where it was given."""
+    try:
+        parse_choice(config.eviction_policy, "eviction_policy", policy_names())
+    except ConfigError as e:
+        raise _given_at(config, "eviction_policy", e) from None
+    for top in config.tier_chain()[1:]:
+        try:
+            check_entry(top)
+        except ConfigError as e:
+            raise _given_at(config, top.where.split("[", 1)[0], e) from None
+
+
 def check_chain(config: CacheConfig, where: Mapping[str, str] | None = None) -> None:
     """What building the chain would refuse, without building it (``lmc config``, and every
-    server before its slow start-up work): each entry's options (names and values, against
-    what its backend declares), the core keys it sets for its tier, a remote URL's own
-    options (a backend's ``check_spec``) and every directory a tier would create. Raises
-    :class:`ConfigError` naming the entry (``where`` renames it: ``{"local_disk": "--disk"}``)."""
+    server before its slow start-up work): the registries' checks (:func:`check_registered`),
+    the integrity secret (its file read and checked), each entry's options (names and
+    values, against what its backend declares), the core keys it sets for its tier, a remote
+    URL's own options (a backend's ``check_spec``) and every directory a tier would create.
+    Raises :class:`ConfigError` naming the entry (``where`` renames it: ``{"local_disk":
+    "--disk"}``)."""
+    check_registered(config)
+    try:
+        Integrity.from_config(config)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     for top in config.tier_chain()[1:]:
         entry: TierEntry | None = top
         while entry is not None:
@@ -212,7 +263,10 @@ def build_lower_tiers(config: CacheConfig, l1: MemoryTier,
 
 def build_tiers(config: CacheConfig, pool: MemoryPool, extra: Sequence[TierSpec] = ()
                 ) -> list[StorageBackend]:
-    """``[L1, *lower tiers]`` over ``pool``: what :func:`build_storage` hands the manager."""
+    """``[L1, *lower tiers]`` over ``pool``: what :func:`build_storage` hands the manager.
+    The registries' checks come first, so a misspelt backend or policy is named as config
+    gave it, before anything is built."""
+    check_registered(config)
     l1 = create_backend("cpu", config, pool)
     if not isinstance(l1, MemoryTier):
         raise TypeError(f"the 'cpu' backend {type(l1).__name__} is not a MemoryTier")

@@ -32,6 +32,12 @@ Primitives (what a tier may call; a policy is not thread-safe, the tier's lock c
 * ``pop_victim()`` - ``evict`` the first victim and return it (the disk index, which can
   give up any entry).
 * ``clear()`` - forget every entry (and any history).
+* ``set_priority(keys, priority)`` - retention priorities: held keys of ``keys`` get
+  ``priority`` (an int, 0 the default every insert gets; absent keys are skipped). Victims
+  come lowest priority first, and in the policy's own order (recency, arrival) within one
+  priority. A change of priority counts as a use (the key starts at the back of its new
+  level, FIFO's too). A key that leaves forgets its priority; a re-inserted key starts at 0.
+  ``priority_of(key)`` answers one key's.
 
 ``victims()`` takes no argument: a tier evicts while it allocates, before it knows which key
 the room is for, so a policy that adapts to the incoming key (ARC's target on a ghost hit)
@@ -107,6 +113,17 @@ class EvictionPolicy(ABC, Generic[K, V]):
     def clear(self) -> None:
         """Forget every entry (``entries`` stays the same, now empty, object)."""
 
+    def set_priority(self, keys: Iterable[K], priority: int) -> int:
+        """Held keys of ``keys`` take ``priority`` (module doc); returns how many are held.
+        A policy without priorities refuses any but 0."""
+        if priority != 0:
+            raise ValueError(f"eviction policy {self.name!r} keeps no priorities")
+        return sum(1 for k in keys if k in self.entries)
+
+    def priority_of(self, key: K) -> int:
+        """``key``'s retention priority (0 when not held or never set)."""
+        return 0
+
     def keys_in_order(self) -> list[K]:
         """Held keys, first to evict first (tests and the planner compare these)."""
         return [k for k, _ in self.victims()]
@@ -125,10 +142,18 @@ def _consume(it: Iterable[Any]) -> None:
 
 class _OrderedPolicy(EvictionPolicy[K, V]):
     """One ``OrderedDict`` whose order is the eviction order, oldest first: insertion
-    appends, eviction takes from the front. Subclasses say what an access does."""
+    appends, eviction takes from the front. Subclasses say what an access does.
+
+    Priorities: every key stays in that one dict (``entries``); a key of another priority
+    than 0 is also listed in ``_prio`` and ordered within its priority by a dict of its own
+    (``_levels``), which an access moves as the main dict. ``victims`` walks the levels
+    below 0, then the main dict skipping prioritised keys, then the levels above 0. With no
+    priority set (``_prio`` empty) every path is the plain dict's, as before."""
 
     def __init__(self) -> None:
         self._od: OrderedDict[K, V] = OrderedDict()
+        self._prio: dict[K, int] = {}
+        self._levels: dict[int, OrderedDict[K, None]] = {}
 
     @property
     def entries(self) -> Mapping[K, V]:
@@ -141,21 +166,78 @@ class _OrderedPolicy(EvictionPolicy[K, V]):
         self._od.update(items)
 
     def remove(self, key: K) -> V | None:
+        if self._prio:
+            self._forget_priority(key)
         return self._od.pop(key, None)
 
+    def _forget_priority(self, key: K) -> None:
+        p = self._prio.pop(key, None)
+        if p is not None:
+            level = self._levels[p]
+            del level[key]
+            if not level:
+                del self._levels[p]
+
+    def _moved(self, keys: Iterable[K]) -> None:
+        """An access of each of ``keys``: prioritised ones move within their level too."""
+        prio, levels = self._prio, self._levels
+        for k in keys:
+            p = prio.get(k)
+            if p is not None:
+                levels[p].move_to_end(k)
+
     def victims(self) -> Iterator[tuple[K, V]]:
-        return iter(self._od.items())
+        if not self._prio:
+            return iter(self._od.items())
+        return self._victims_by_priority()
+
+    def _victims_by_priority(self) -> Iterator[tuple[K, V]]:
+        od, prio = self._od, self._prio
+        order = sorted(self._levels)
+        for p in order:
+            if p < 0:
+                yield from ((k, od[k]) for k in self._levels[p])
+        yield from ((k, v) for k, v in od.items() if k not in prio)
+        for p in order:
+            if p > 0:
+                yield from ((k, od[k]) for k in self._levels[p])
 
     def pop_victim(self) -> tuple[K, V]:
         if not self._od:
             raise KeyError("pop_victim: no entries")
-        return self._od.popitem(last=False)
+        if not self._prio:
+            return self._od.popitem(last=False)
+        return super().pop_victim()
 
     def keys_in_order(self) -> list[K]:
-        return list(self._od)
+        if not self._prio:
+            return list(self._od)
+        return [k for k, _ in self._victims_by_priority()]
 
     def clear(self) -> None:
         self._od.clear()
+        self._prio.clear()
+        self._levels.clear()
+
+    def set_priority(self, keys: Iterable[K], priority: int) -> int:
+        if not isinstance(priority, int) or isinstance(priority, bool):
+            raise TypeError(f"priority must be an int, got {type(priority).__name__}")
+        od, n = self._od, 0
+        for k in keys:
+            if k not in od:
+                continue
+            n += 1
+            if self._prio.get(k, 0) == priority:
+                continue
+            self._forget_priority(k)
+            od.move_to_end(k)  # a change of priority is a fresh start in its new level
+            if priority:
+                self._prio[k] = priority
+                self._levels.setdefault(priority, OrderedDict())[k] = None
+        return n
+
+    def priority_of(self, key: K) -> int:
+        return self._prio.get(key, 0)
 
     def __len__(self) -> int:
         return len(self._od)
@@ -168,12 +250,20 @@ class LRUPolicy(_OrderedPolicy[K, V]):
 
     def access(self, key: K) -> None:
         self._od.move_to_end(key)
+        if self._prio:
+            self._moved((key,))
 
     def touch_many(self, keys: Iterable[K]) -> None:
         od = self._od
+        if self._prio:
+            keys = [k for k in keys if k in od]
+            self._moved(keys)
         _consume(map(od.move_to_end, filter(od.__contains__, keys)))
 
     def touch_held(self, keys: Iterable[K]) -> None:
+        if self._prio:
+            keys = list(keys)
+            self._moved(keys)
         _consume(map(self._od.move_to_end, keys))
 
 

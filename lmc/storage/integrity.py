@@ -35,7 +35,7 @@ key as present) nor reach L1.
 
 Secrets. ``integrity_secret`` and ``integrity_secret_file`` follow one rule: surrounding
 whitespace is not part of the secret (a file's trailing newline), what is left must be at
-least ``MIN_SECRET_BYTES`` long; every refusal names the setting (and the file). A file that
+least ``lmc.settings.MIN_SECRET_BYTES`` long; every refusal names the setting (and the file). A file that
 group or others may read is used with a warning (once per file and mode); one they may write
 is refused, since whoever rewrites it chooses the secret.
 """
@@ -51,6 +51,7 @@ import stat
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
+from lmc.settings import check_secret
 from lmc.storage.serde import TAG_SIZE, CorruptValue
 
 if TYPE_CHECKING:  # annotations only: `lmc config` checks a secret without torch's seconds
@@ -59,12 +60,10 @@ if TYPE_CHECKING:  # annotations only: `lmc config` checks a secret without torc
 log = logging.getLogger(__name__)
 
 NONCE_SIZE = 16
-MIN_SECRET_BYTES = 16
 _AEAD_NONCE = bytes(12)  # each one-time key authenticates one value: a constant nonce is safe
 _MASTER_PERSON = b"lmc-int-master"
 _VALUE_PERSON = b"lmc-int-value"
 _DOCUMENT_PERSON = b"lmc-int-doc"
-SECRET_HINT = 'e.g. python3 -c "import secrets; print(secrets.token_hex(32))"'
 
 
 class MissingPackage(RuntimeError, ImportError):
@@ -138,21 +137,6 @@ class Integrity:
     def document_tag_valid(self, kind: bytes, content: bytes, tag: Any) -> bool:
         return isinstance(tag, str) and tag.isascii() and hmac.compare_digest(
             self.document_tag(kind, content), tag)
-
-
-def check_secret(secret: bytes | str, setting: str = "integrity_secret") -> bytes:
-    """The secret as used: stripped of surrounding whitespace, at least ``MIN_SECRET_BYTES``
-    long (the same rule inline and in a file, each refusal naming ``setting``)."""
-    if not isinstance(secret, (bytes, bytearray, memoryview, str)):
-        raise ValueError(f"{setting}: expected a string, got {type(secret).__name__}")
-    raw = (secret.encode() if isinstance(secret, str) else bytes(secret)).strip()
-    if not raw:
-        raise ValueError(f"{setting} is empty or only whitespace ({SECRET_HINT})")
-    if len(raw) < MIN_SECRET_BYTES:
-        raise ValueError(f"{setting}: at least {MIN_SECRET_BYTES} bytes of random secret are "
-                         f"needed (surrounding whitespace does not count), got {len(raw)} "
-                         f"({SECRET_HINT})")
-    return raw
 
 
 _warned_modes: set[tuple[str, int]] = set()
@@ -244,7 +228,7 @@ class GroupGeometry(Geometry):
             members.append(Geometry(layers, planes, width, spec.group_dtype(i), tokens))
         big = max(members, key=lambda m: m.max_bytes)
         return cls(big.layers, big.planes, big.width, big.dtype, big.max_tokens,
-                   big.min_tokens, members=tuple(members))
+                   big.min_tokens, head_size=spec.head_size, members=tuple(members))
 
     @property
     def max_bytes(self) -> int:

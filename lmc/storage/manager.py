@@ -610,6 +610,52 @@ class StorageManager:
     def _held(tier: StorageBackend, keys: Sequence[Key]) -> list[Key]:
         return list(dict.fromkeys(k for k, p in zip(keys, tier.contains(keys)) if p))
 
+    def clear_namespace(self, prefix: bytes = b"") -> dict[str, int | None]:
+        """Remove every value of the tiers' own namespace (or the keys starting with
+        ``prefix``) from every queue and tier (:meth:`StorageBackend.clear_namespace`), and
+        tell the listeners: the keys each tier listed as removed, or a clear of a tier that
+        could not list them. Returns, per tier name, how many went (``None``: unknown; a
+        tier that cannot clear, or failed, is left out and logged)."""
+        for q in self.queues:
+            q.discard_prefix(prefix)
+        out: dict[str, int | None] = {}
+        for level, tier in enumerate(self.tiers):
+            try:
+                keys = tier.clear_namespace(prefix)
+            except NotImplementedError as e:
+                log.warning("clear: %s", e)
+                continue
+            except Exception as e:  # a failing tier: its values stay, the others go
+                log.warning("tier %s failed clear_namespace(): %s", tier.name, e)
+                continue
+            out[tier.name] = None if keys is None else len(keys)
+            if keys:
+                self._emit_removed(level, keys, DELETED)
+            elif keys is None and not prefix:
+                self._emit_cleared(level)
+        return out
+
+    def _emit_cleared(self, level: int) -> None:
+        for x in self._listeners:
+            try:
+                x.on_cleared(self.infos[level])
+            except Exception as e:
+                log.warning("listener %r failed on_cleared: %s", x, e)
+
+    def set_priority(self, keys: Sequence[Key], priority: int) -> int:
+        """Retention ``priority`` for the held ``keys`` in every tier that keeps priorities
+        (L1, disk: :mod:`lmc.storage.eviction`); returns how many L1 holds."""
+        n = 0
+        for level, tier in enumerate(self.tiers):
+            try:
+                got = tier.set_priority(keys, priority)
+            except Exception as e:  # noqa: BLE001 - a hint, never the caller's error
+                log.warning("tier %s failed set_priority(): %s", tier.name, e)
+                continue
+            if level == 0:
+                n = got
+        return n
+
     def clear_l1(self) -> None:
         """Drop everything L1 holds (a tier with ``clear()``; otherwise a delete of what its
         ``stats`` cannot list is impossible, so it is refused) and tell the listeners."""
@@ -617,11 +663,7 @@ class StorageManager:
         if clear is None:
             raise TypeError(f"memory tier {type(self.l1).__name__} has no clear()")
         clear()
-        for x in self._listeners:
-            try:
-                x.on_cleared(self.infos[0])
-            except Exception as e:
-                log.warning("listener %r failed on_cleared: %s", x, e)
+        self._emit_cleared(0)
 
     # -------------------------------------------------------------- lifecycle
     def flush(self, timeout: float | None = None) -> bool:

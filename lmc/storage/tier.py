@@ -190,6 +190,22 @@ class StorageBackend(abc.ABC):
         failing a check is deleted and reported not ok by the read, never promoted."""
         return None
 
+    def clear_namespace(self, prefix: bytes = b"") -> list[Key] | None:
+        """Remove every value of this tier's own namespace -- L1's pool, the disk tier's
+        directory, a shared store's key prefix (``remote_key_prefix``), an ``lmc://`` tier's
+        daemon namespace -- or, with ``prefix``, only the keys starting with it (the daemon
+        tags its keys by namespace: :mod:`lmc.server.store`). Returns the keys removed, or
+        ``None`` when they went without the tier being able to list them. Optional: a tier
+        that cannot raises :class:`NotImplementedError` (the manager says so and goes on).
+        Failure is the contract's: a dead backend removes nothing and answers ``[]``."""
+        raise NotImplementedError(f"tier {self.name!r} cannot clear a namespace")
+
+    def set_priority(self, keys: Sequence[Key], priority: int) -> int:
+        """Optional: held keys of ``keys`` are evicted after lower priorities' and before
+        higher ones' (:mod:`lmc.storage.eviction`); returns how many are held. A tier that
+        evicts by its own rules (Redis, a daemon) keeps none and answers 0."""
+        return 0
+
     def close(self) -> None:  # noqa: B027 - optional hook, most tiers hold nothing
         """Release resources, within the deadline; calls in flight return by themselves with
         what they completed, later calls are misses and 0 (module docstring: Close)."""

@@ -111,6 +111,12 @@ class WrapperTier(StorageBackend):
     def get_layers(self, keys: Sequence[Key]) -> LayeredRead | None:
         return self.inner.get_layers(keys)
 
+    def clear_namespace(self, prefix: bytes = b"") -> list[Key] | None:
+        return self.inner.clear_namespace(prefix)
+
+    def set_priority(self, keys: Sequence[Key], priority: int) -> int:
+        return self.inner.set_priority(keys, priority)
+
     def close(self) -> None:
         self.inner.close()
 

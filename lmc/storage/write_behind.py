@@ -114,6 +114,12 @@ class WriteBehind:
         p = self._pending
         return [k in p for k in keys]
 
+    def discard_prefix(self, prefix: bytes = b"") -> int:
+        """:meth:`discard` of every queued key starting with ``prefix`` (all: ``b""``)."""
+        with self._cv:
+            keys = [k for k in self._pending if k.startswith(prefix)]
+        return self.discard(keys) if keys else 0
+
     def discard(self, keys: Sequence[Key]) -> int:
         """Forget queued (not yet in-flight) chunks, e.g. for a delete; returns how many."""
         gone: list[MemoryObj] = []

@@ -20,8 +20,9 @@ its place), :class:`ModelContract` (random call sequences, drawn and shrunk by h
 against a model of what may be present), :class:`ReferenceContract` (references and leaks), :class:`ConcurrencyContract`
 (threads, ``close()`` racing calls), :class:`SharedStoreContract` (a second tier over the same
 store), :class:`IsolationContract` (other tenants), :class:`IntegrityContract` (damaged values,
-a writer without the secret), :class:`FailureContract` (dead and hung backends) and
-:class:`LayeredReadContract` (``get_layers``). :class:`TierContract` is all of them. A test
+a writer without the secret), :class:`FailureContract` (dead and hung backends),
+:class:`LayeredReadContract` (``get_layers``) and :class:`ClearContract`
+(``clear_namespace``: all, a key prefix, never another tenant's). :class:`TierContract` is all of them. A test
 whose hook the spec lacks skips, saying so; ``TierSpec.skip`` leaves out named tests.
 
 Every test also checks, after it, that each tier it built gave all its pool memory back at
@@ -40,11 +41,12 @@ except ImportError as e:  # a plain install: the suite is an extra
                       "pip install 'lmc-kvcache[testing]'") from e
 
 _MODULES = ("harness", "basics", "batches", "references", "concurrency", "model", "sharing",
-            "isolation", "integrity", "layered", "failures")
+            "isolation", "integrity", "layered", "failures", "clearing")
 pytest.register_assert_rewrite(*(f"lmc.testing.{m}" for m in _MODULES))
 
 from lmc.testing.basics import BasicContract  # noqa: E402
 from lmc.testing.batches import BatchContract  # noqa: E402
+from lmc.testing.clearing import ClearContract  # noqa: E402
 from lmc.testing.concurrency import ConcurrencyContract  # noqa: E402
 from lmc.testing.failures import FailureContract  # noqa: E402
 from lmc.testing.harness import (  # noqa: E402
@@ -71,14 +73,15 @@ from lmc.testing.sharing import SharedStoreContract  # noqa: E402
 
 class TierContract(BasicContract, BatchContract, ModelContract, ReferenceContract,
                    ConcurrencyContract, SharedStoreContract, IsolationContract, IntegrityContract,
-                   LayeredReadContract, FailureContract):
+                   LayeredReadContract, FailureContract, ClearContract):
     """Every contract class: the tests whose hooks a spec lacks skip, saying so."""
 
 
 __all__ = [
     "get_checked",
     "CHUNK_BYTES", "POOL_BYTES", "ROUND_TRIPS", "SHAPE",
-    "BasicContract", "BatchContract", "ConcurrencyContract", "FailureContract",
+    "BasicContract", "BatchContract", "ClearContract", "ConcurrencyContract",
+    "FailureContract",
     "IntegrityContract", "IsolationContract", "LayeredReadContract", "ModelContract",
     "ReferenceContract",
     "SharedStoreContract", "TierContract", "TierHarness", "TierSpec",

@@ -24,7 +24,7 @@ from collections.abc import Callable, Mapping
 import torch
 
 from lmc.transfer.kv_spec import KVCaches
-from lmc.transfer.torch_copy import KVTransfer
+from lmc.transfer.plan import KVTransfer
 
 
 def leaf_tensors(kv_caches: KVCaches) -> list[torch.Tensor]:

@@ -72,7 +72,7 @@ from lmc.strict_json import load_json_file
 from lmc.transfer.completion import Completion, EventCompletion
 from lmc.transfer.kv_layouts import PlaneStrides
 from lmc.transfer.kv_spec import KVCaches, KVSpec
-from lmc.transfer.torch_copy import ChunkPlan, KVTransfer, TransferPlan
+from lmc.transfer.plan import ChunkPlan, KVTransfer, TransferPlan
 from lmc.user_cache import cache_dir
 
 KERNEL_SOURCE = Path(__file__).with_name("csrc") / "kv_transfer.cu"

@@ -17,9 +17,10 @@ import numpy as np
 import torch
 
 from lmc.transfer.completion import Completion, current_stream, record
+from lmc.transfer.factory import TransferFactory, make_transfer
 from lmc.transfer.kv_groups import STATE, KVGroup
 from lmc.transfer.kv_spec import KVCaches, KVSpec
-from lmc.transfer.torch_copy import KVTransfer, TransferFactory, TransferPlan, make_transfer
+from lmc.transfer.plan import KVTransfer, TransferPlan
 
 __all__ = ["GroupedTransfer", "StateTransfer", "layer_entries"]
 

@@ -1,31 +1,23 @@
-"""Gather (engine paged KV -> chunk buffers) and scatter (chunk buffers -> engine paged KV).
+"""The portable copy path: gather (engine paged KV -> chunk buffers) and scatter (chunk
+buffers -> engine paged KV) with torch indexing and numpy, for CPU caches and GPU ones
+without CuPy (the interface and plan types: :mod:`lmc.transfer.plan`; the CUDA kernels:
+:mod:`lmc.transfer.cuda_copy`; choosing one: :mod:`lmc.transfer.factory`).
 
-A call is planned once (slot indices turned into row indices, per chunk) and then executed for
-all layers or one layer at a time, so layer-wise pipelining pays the planning cost once.
-
-Two implementations share the :class:`KVTransfer` interface:
-
-* :class:`TorchTransfer` (here): CPU, and GPU without CuPy. On CPU, gather is ``np.take`` and
-  scatter numpy fancy assignment, on integer views of the same width (bit-exact for every float
-  dtype; scatter ~3x faster than ``index_copy_``, gather as fast as ``index_select``; both release
-  the GIL so a background thread overlaps them with compute), straight between the cache and the
-  chunk's numpy view: no tensor is made per chunk or layer (each costs ~1 us, the numpy view
-  ~0.1 us). Elsewhere ``torch.index_select`` / ``index_copy_``. When a chunk's slots
-  cover whole, aligned blocks (the normal case: ``block_size`` divides ``chunk_size``) rows are
-  moved a block at a time (``block_size * heads * dim`` elements per index), else a token at a
-  time.
-* ``lmc.transfer.cuda_copy.CudaTransfer``: one kernel launch for all layers of a batch of chunks.
-
-:func:`make_transfer` picks one.
+On CPU, gather is ``np.take`` and scatter numpy fancy assignment, on integer views of the
+same width (bit-exact for every float dtype; scatter ~3x faster than ``index_copy_``, gather
+as fast as ``index_select``; both release the GIL so a background thread overlaps them with
+compute), straight between the cache and the chunk's numpy view: no tensor is made per chunk
+or layer (each costs ~1 us, the numpy view ~0.1 us). Elsewhere ``torch.index_select`` /
+``index_copy_``. When a chunk's slots cover whole, aligned blocks (the normal case:
+``block_size`` divides ``chunk_size``) rows are moved a block at a time (``block_size * heads
+* dim`` elements per index), else a token at a time.
 """
 
 from __future__ import annotations
 
-import abc
 import contextlib
-import dataclasses
-from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import Any, Literal, overload
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, Literal
 
 import numpy as np
 import torch
@@ -33,130 +25,18 @@ import torch
 from lmc.transfer.completion import DONE, Completion, record
 from lmc.transfer.kv_layouts import PlaneStrides, span_elements
 from lmc.transfer.kv_spec import KVCaches, KVSpec
-
-INT_VIEW = {1: (torch.uint8, np.uint8), 2: (torch.int16, np.int16), 4: (torch.int32, np.int32),
-            8: (torch.int64, np.int64)}
-"""Item size -> the (torch, numpy) integer dtypes of that width: views that move bits."""
-_INT_VIEW = INT_VIEW  # the name tests import
-
-
-def int_view(t: torch.Tensor) -> np.ndarray:
-    """A numpy view of a CPU tensor as same-width integers: moves bits, never converts."""
-    tdt, _ = INT_VIEW[t.element_size()]
-    return t.view(tdt).numpy()
-
-
-class ChunkPlan:
-    """Row indices for one chunk: the tokens ``[start, end)`` of the call.
-
-    ``mode``: "block" | "token" | "masked" | "empty" (no slot mapped). ``index``: row indices,
-    plane-major, on the cache's device; ``index_np``: the same as numpy (CPU caches), from
-    which ``index`` is made on first use: CPU block and token copies run in numpy and never
-    need a tensor per chunk. ``valid`` ("masked"): positions within the chunk whose slot is
-    >= 0."""
-
-    __slots__ = ("start", "end", "mode", "_index", "index_np", "valid")
-
-    def __init__(self, start: int, end: int, mode: str, index: torch.Tensor | None,
-                 index_np: np.ndarray | None, valid: torch.Tensor | None) -> None:
-        self.start = start
-        self.end = end
-        self.mode = mode
-        self._index = index
-        self.index_np = index_np
-        self.valid = valid
-
-    @property
-    def index(self) -> torch.Tensor | None:
-        t = self._index
-        if t is None and self.index_np is not None:
-            t = self._index = torch.from_numpy(self.index_np)
-        return t
-
-    def rows(self) -> torch.Tensor:
-        """``index`` where the mode has one (every mode but "empty")."""
-        t = self.index
-        if t is None:
-            raise ValueError(f"{self!r} has no row index")
-        return t
-
-    def __repr__(self) -> str:
-        return f"ChunkPlan({self.start}, {self.end}, {self.mode!r})"
-
+from lmc.transfer.plan import (
+    INT_VIEW,
+    ChunkPlan,
+    ChunkRanges,
+    KVTransfer,
+    PlanRun,
+    TransferPlan,
+    equal_runs,
+    int_view,
+)
 
 _NO_HEADS = np.empty(0, dtype=np.int64)
-
-
-@dataclasses.dataclass
-class TransferPlan:
-    chunks: list[ChunkPlan]
-
-
-class ChunkRanges(Sequence[tuple[int, int]]):
-    """``count`` consecutive token ranges of ``size`` tokens from ``start``, the last one
-    ending at ``end`` (a prompt's chunks: its tail may be shorter). Why: it is what a call
-    plans nearly always, and as a list it costs a tuple per chunk to build and a comparison
-    per chunk to recognise; planning reads its runs from it directly."""
-
-    __slots__ = ("start", "size", "n", "end")
-
-    def __init__(self, start: int, size: int, count: int, end: int) -> None:
-        if size <= 0 or count < 0 or count and not (
-                start + (count - 1) * size < end <= start + count * size):
-            raise ValueError(f"ChunkRanges(start={start}, size={size}, count={count}, "
-                             f"end={end}): the last range must end inside the last chunk")
-        self.start, self.size, self.n, self.end = start, size, count, end
-
-    def __len__(self) -> int:
-        return self.n
-
-    @overload
-    def __getitem__(self, i: int) -> tuple[int, int]: ...
-
-    @overload
-    def __getitem__(self, i: slice) -> list[tuple[int, int]]: ...
-
-    def __getitem__(self, i: int | slice) -> tuple[int, int] | list[tuple[int, int]]:
-        if isinstance(i, slice):
-            return [self[k] for k in range(*i.indices(self.n))]
-        if i < 0:
-            i += self.n
-        if not 0 <= i < self.n:
-            raise IndexError(f"range {i} of {self.n}")
-        a = self.start + i * self.size
-        return (a, min(a + self.size, self.end))
-
-    def __iter__(self) -> Iterator[tuple[int, int]]:
-        return iter(self[:])
-
-    def runs(self) -> list[tuple[int, int]]:
-        """``(i, j)`` per run of equal ranges: the full ones, then a shorter tail."""
-        c = self.n
-        if not c:
-            return []
-        full = c if self.end - self.start == c * self.size else c - 1
-        return [(0, c)] if full == c else [(0, full), (full, c)] if full else [(0, c)]
-
-    def __repr__(self) -> str:
-        return f"ChunkRanges({self.start}, {self.size}, {self.n}, {self.end})"
-
-
-class PlanRun:
-    """Consecutive chunks of one size and mode ("block" or "token") of a CPU plan, whose row
-    indices are the rows of one array: ``index_np[k]`` is chunk ``first + k``'s
-    (``[count, planes * per]`` for one-table layouts, ``[count, planes, per]`` else).
-
-    Why: a prompt's chunks are planned by one reshape, and a Python object per chunk costs
-    more than that; a run is also copied with one numpy call per layer where its buffers
-    lie evenly spaced in the pool (:class:`lmc.memory.pool.PoolArrays`)."""
-
-    __slots__ = ("first", "count", "mode", "index_np")
-
-    def __init__(self, first: int, count: int, mode: str, index_np: np.ndarray) -> None:
-        self.first = first
-        self.count = count
-        self.mode = mode
-        self.index_np = index_np
 
 
 class TorchPlan(TransferPlan):
@@ -192,73 +72,6 @@ class TorchPlan(TransferPlan):
     @chunks.setter
     def chunks(self, value: list[ChunkPlan]) -> None:  # writable, as the base's field
         self._chunks = value
-
-
-class KVTransfer(abc.ABC):
-    """Moves KV between an engine's cache (fixed at construction) and chunk buffers.
-
-    Chunk buffers are ``[layers, planes, tokens, heads*dim]`` tensors (``KVSpec.chunk_shape``).
-    Slots ``< 0`` are skipped: gather leaves those rows untouched, scatter does not write them.
-
-    ``gather``/``scatter`` may return before the copy has run: they return a
-    :class:`~lmc.transfer.completion.Completion`, and until it is done the copy owns ``bufs`` and the
-    KV slots it writes (see :mod:`lmc.transfer.completion`). ``after``: a handle the copy must wait for
-    before it starts (an event on the engine's stream: the gather never reads KV the forward
-    has not written). ``stream``: the CUDA stream to run on (default: the current one).
-    """
-
-    def __init__(self, spec: KVSpec, kv_caches: KVCaches) -> None:
-        self.spec = spec
-        self.layers = spec.validate(kv_caches)
-        self.device = self.layers[0][0].device
-
-    @abc.abstractmethod
-    def plan(self, slots: torch.Tensor, ranges: Sequence[tuple[int, int]]) -> TransferPlan:
-        """Prepare moving tokens ``slots[start:end]`` for each ``(start, end)`` in ``ranges``."""
-
-    @abc.abstractmethod
-    def gather(self, plan: TransferPlan, bufs: Sequence[torch.Tensor],
-               layers: Iterable[int] | None = None, *, after: Completion | None = None,
-               stream: Any = None, arrays: Sequence[np.ndarray] | None = None) -> Completion:
-        """Engine cache -> ``bufs[i]`` (one per planned chunk), for ``layers`` (default all).
-        ``arrays`` may carry C-contiguous integer numpy views of the same buffers (then a CPU
-        copy may read only those, and ``bufs`` may be a lazy sequence it never indexes)."""
-
-    @abc.abstractmethod
-    def scatter(self, plan: TransferPlan, bufs: Sequence[torch.Tensor],
-                layers: Iterable[int] | None = None,
-                arrays: Sequence[np.ndarray] | None = None, *,
-                after: Completion | None = None, stream: Any = None) -> Completion:
-        """``bufs[i]`` -> engine cache, for ``layers`` (default all). ``arrays`` may carry
-        integer numpy views of the same buffers; implementations may ignore it."""
-
-    def record_event(self, stream: Any = None) -> Completion:
-        """A point on ``stream`` (default: the caller's current stream), for ``after=``."""
-        return record(self.device, stream)
-
-    def synchronize(self) -> None:  # noqa: B027 - a no-op where transfers are synchronous
-        """Wait until every transfer issued so far is complete (no-op on CPU)."""
-
-    def has_negative(self, slots: torch.Tensor) -> bool:
-        """Whether any slot is unmapped (numpy on host: far cheaper than a torch reduction)."""
-        if slots.device.type == "cpu":
-            return bool(slots.numpy().min() < 0) if slots.numel() else False
-        return bool((slots < 0).any())
-
-    def check_slots(self, slots: torch.Tensor, num_tokens: int) -> torch.Tensor:
-        """Validate a slot mapping; return it as int64, where it was. Host (CPU) slots are
-        accepted for any cache and are the fast path: planning never waits for the device."""
-        if not isinstance(slots, torch.Tensor):
-            raise TypeError(f"slot_mapping must be a torch.Tensor, got {type(slots).__name__}")
-        if slots.dim() != 1:
-            raise ValueError(f"slot_mapping must be 1-D, got shape {tuple(slots.shape)}")
-        if slots.dtype not in (torch.int32, torch.int64):
-            raise TypeError(f"slot_mapping must be int32 or int64, got {slots.dtype}")
-        if slots.numel() != num_tokens:
-            raise ValueError(f"slot_mapping has {slots.numel()} entries for {num_tokens} tokens")
-        if slots.device != self.device and slots.device.type != "cpu":
-            raise ValueError(f"slot_mapping is on {slots.device}, the KV cache is on {self.device}")
-        return slots.to(torch.int64)
 
 
 class TorchTransfer(KVTransfer):
@@ -537,7 +350,8 @@ class TorchTransfer(KVTransfer):
                layers: Iterable[int] | None = None, *, after: Completion | None = None,
                stream: Any = None, arrays: Sequence[np.ndarray] | None = None) -> Completion:
         with self._ordered(after, stream) as s:
-            self._gather(plan, bufs, layers, arrays)
+            self._copy(plan, bufs, layers, arrays, self._take, self._index_into,
+                       self._gather_layer)
         return self._completion(s)
 
     def scatter(self, plan: TransferPlan, bufs: Sequence[torch.Tensor],
@@ -546,7 +360,8 @@ class TorchTransfer(KVTransfer):
                 after: Completion | None = None, stream: Any = None) -> Completion:
         """``arrays``: optional integer numpy views of ``bufs`` (saves a conversion each)."""
         with self._ordered(after, stream) as s:
-            self._scatter(plan, bufs, layers, arrays)
+            self._copy(plan, bufs, layers, arrays, self._put, self._index_copy,
+                       self._scatter_layer)
         return self._completion(s)
 
     def _parts(self, plan: TransferPlan, n_bufs: int) -> list[PlanRun | tuple[int, ChunkPlan]]:
@@ -596,46 +411,38 @@ class TorchTransfer(KVTransfer):
             out.append((i - first, a[None] if a.flags.c_contiguous else None))
         return out
 
-    def _gather(self, plan: TransferPlan, bufs: Sequence[torch.Tensor],
-                layers: Iterable[int] | None, arrays: Sequence[np.ndarray] | None) -> None:
-        """CPU block and token rows: ``np.take`` straight into the chunks' arrays (no tensor
-        made per chunk or layer; 'clip' because 'raise' buffers the output, and every index
-        was bounds-checked by ``plan``), a run's evenly spaced chunks in one call per layer
-        where their destination is one contiguous array. Else ``index_select``."""
+    def _copy(self, plan: TransferPlan, bufs: Sequence[torch.Tensor],
+              layers: Iterable[int] | None, arrays: Sequence[np.ndarray] | None,
+              whole: Callable[..., None], rows: Callable[..., None],
+              one_layer: Callable[[int, ChunkPlan, torch.Tensor], None]) -> None:
+        """The one loop of a gather (``_take``, ``_index_into``, ``_gather_layer``) and a
+        scatter (``_put``, ``_index_copy``, ``_scatter_layer``). CPU block and token rows go
+        through numpy straight between the cache and the chunks' arrays (no tensor made per
+        chunk or layer): ``whole`` moves a run's evenly spaced chunks with one call per layer
+        where their buffers are one strided array, a chunk's otherwise; ``rows`` is the torch
+        path of a run's chunk whose buffer is not; ``one_layer`` moves one layer of a chunk
+        planned alone (strided layouts, unmapped slots, caches off the CPU)."""
         layer_ids = range(self.spec.num_layers) if layers is None else list(layers)
         for part in self._parts(plan, len(bufs)):
             if isinstance(part, PlanRun):
-                self._gather_run(part, bufs, arrays, layer_ids)
+                self._copy_run(part, bufs, arrays, layer_ids, whole, rows)
                 continue
             i, cp = part
             if cp.start == cp.end or cp.mode == "empty":
                 continue
             arr = self._np_buf(cp, i, bufs, arrays)
             if arr is not None and cp.index_np is not None:  # _np_buf: only where it is set
-                self._take(cp.index_np[None], cp.mode, arr[None], layer_ids)
+                whole(cp.index_np[None], cp.mode, arr[None], layer_ids)
                 continue
             buf = bufs[i].view(self.int_dtype)
             for layer in layer_ids:
-                dst = buf[layer]
-                if self.strided:
-                    self._strided_gather(layer, cp, dst)
-                elif cp.mode == "masked":
-                    tabs = self.tok_tables[layer]
-                    src = self._index(tabs, cp.rows()).to(dst.device, non_blocking=False)
-                    dst[:, self._valid(cp).to(dst.device)] = src.view(dst.shape[0], -1, self.W)
-                else:
-                    self._index_into(self._tables(cp.mode)[layer], cp.rows(), dst)
-
-    def _gather_run(self, run: PlanRun, bufs: Sequence[torch.Tensor],
-                    arrays: Sequence[np.ndarray] | None, layer_ids: Sequence[int]) -> None:
-        self._copy_run(run, bufs, arrays, layer_ids, self._take, self._index_into)
+                one_layer(layer, cp, buf[layer])
 
     def _copy_run(self, run: PlanRun, bufs: Sequence[torch.Tensor],
                   arrays: Sequence[np.ndarray] | None, layer_ids: Sequence[int],
                   whole: Callable[..., None], per_chunk: Callable[..., None]) -> None:
-        """One run of a gather (``_take`` / ``_index_into``) or a scatter (``_put`` /
-        ``_index_copy``): the pieces whose pool objects form one strided array move with one
-        call per layer (``whole``), the others chunk by chunk (``per_chunk``)."""
+        """One run: the pieces whose pool objects form one strided array move with one call
+        per layer (``whole``), the others chunk by chunk (``per_chunk``)."""
         idx = run.index_np
         if idx.shape[-1] == 0:  # chunks of no tokens
             return
@@ -647,6 +454,27 @@ class TorchTransfer(KVTransfer):
             buf, ix = bufs[run.first + k].view(self.int_dtype), torch.from_numpy(idx[k])
             for layer in layer_ids:
                 per_chunk(tabs[layer], ix, buf[layer])
+
+    def _gather_layer(self, layer: int, cp: ChunkPlan, dst: torch.Tensor) -> None:
+        """Layer ``layer`` of a chunk planned alone into ``dst`` (``[planes, tokens, W]``)."""
+        if self.strided:
+            self._strided_gather(layer, cp, dst)
+        elif cp.mode == "masked":
+            src = self._index(self.tok_tables[layer], cp.rows()).to(dst.device,
+                                                                    non_blocking=False)
+            dst[:, self._valid(cp).to(dst.device)] = src.view(dst.shape[0], -1, self.W)
+        else:
+            self._index_into(self._tables(cp.mode)[layer], cp.rows(), dst)
+
+    def _scatter_layer(self, layer: int, cp: ChunkPlan, src: torch.Tensor) -> None:
+        """``src`` (``[planes, tokens, W]``) into layer ``layer`` of a chunk planned alone."""
+        if self.strided:
+            self._strided_scatter(layer, cp, src)
+        elif cp.mode == "masked":
+            self._index_copy(self.tok_tables[layer], cp.rows(),
+                             src[:, self._valid(cp).to(src.device)])
+        else:
+            self._index_copy(self._tables(cp.mode)[layer], cp.rows(), src)
 
     def _take(self, idx: np.ndarray, mode: str, big: np.ndarray,
               layer_ids: Sequence[int]) -> None:
@@ -705,33 +533,6 @@ class TorchTransfer(KVTransfer):
             for p, (t, i) in enumerate(zip(tabs, idx)):
                 torch.index_select(t, 0, i, out=dst[p].view(i.numel(), -1))
 
-    def _scatter(self, plan: TransferPlan, bufs: Sequence[torch.Tensor],
-                 layers: Iterable[int] | None, arrays: Sequence[np.ndarray] | None) -> None:
-        layer_ids = range(self.spec.num_layers) if layers is None else list(layers)
-        for part in self._parts(plan, len(bufs)):
-            if isinstance(part, PlanRun):
-                self._scatter_run(part, bufs, arrays, layer_ids)
-                continue
-            i, cp = part
-            if cp.start == cp.end or cp.mode == "empty":
-                continue
-            src_np = self._np_buf(cp, i, bufs, arrays)
-            if src_np is not None and cp.index_np is not None:  # _np_buf: only where it is set
-                self._put(cp.index_np[None], cp.mode, src_np[None], layer_ids)
-                continue
-            buf = bufs[i].view(self.int_dtype)
-            for layer in layer_ids:
-                src = buf[layer]
-                if self.strided:
-                    self._strided_scatter(layer, cp, src)
-                    continue
-                if cp.mode == "masked":
-                    src = src[:, self._valid(cp).to(src.device)]
-                    tabs = self.tok_tables[layer]
-                else:
-                    tabs = self._tables(cp.mode)[layer]
-                self._index_copy(tabs, cp.rows(), src)
-
     def _index_copy(self, tabs: list[torch.Tensor], idx: torch.Tensor, src: torch.Tensor
                     ) -> None:
         """``src`` (one layer of a chunk, ``[planes, tokens, W]``) into rows ``idx``."""
@@ -741,10 +542,6 @@ class TorchTransfer(KVTransfer):
         else:
             for p, (t, ix) in enumerate(zip(tabs, idx)):
                 t.index_copy_(0, ix, src[p].reshape(ix.numel(), -1))
-
-    def _scatter_run(self, run: PlanRun, bufs: Sequence[torch.Tensor],
-                     arrays: Sequence[np.ndarray] | None, layer_ids: Sequence[int]) -> None:
-        self._copy_run(run, bufs, arrays, layer_ids, self._put, self._index_copy)
 
     def _put(self, idx: np.ndarray, mode: str, big: np.ndarray, layer_ids: Sequence[int]
              ) -> None:
@@ -793,39 +590,6 @@ class TorchTransfer(KVTransfer):
             view[blk, off] = src[p, pos].reshape(-1, H, D).to(view.device)
 
 
-def equal_runs(ranges: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
-    """``(i, j)`` for each run of chunks ``ranges[i:j]`` that are consecutive (each starts
-    where the previous ends) and of one size. The usual call -- a prompt's full chunks, then
-    maybe a shorter tail -- is recognised by one list comparison, with no loop per chunk
-    (a :class:`ChunkRanges` says so itself)."""
-    if isinstance(ranges, ChunkRanges):
-        return ranges.runs()
-    count = len(ranges)
-    if not count:
-        return []
-    s0, e0 = ranges[0]
-    n = e0 - s0
-    full = count if ranges[-1][1] - ranges[-1][0] == n else count - 1
-    if n > 0 and full and ranges[:full] == list(zip(range(s0, s0 + full * n, n),
-                                                    range(e0, e0 + full * n, n))):
-        return [(0, count)] if full == count else [(0, full), (full, count)]
-    out = []
-    i = 0
-    while i < count:
-        s0, e0 = ranges[i]
-        n = e0 - s0
-        j, end = i + 1, e0
-        while j < count:
-            a, b = ranges[j]
-            if a != end or b - a != n:
-                break
-            end = b
-            j += 1
-        out.append((i, j))
-        i = j
-    return out
-
-
 def _dense_rows(p: PlaneStrides, width: int, head_size: int, heads: int) -> bool:
     """Whether every token's row of this plane is one dense run at a multiple of ``width``
     elements from its tensor's start (then a flat ``[rows, width]`` view indexes it)."""
@@ -837,34 +601,3 @@ def _flat_rows(t: torch.Tensor, unit: int) -> torch.Tensor:
     """``t``'s memory, from its first element to its last, as rows of ``unit`` elements
     (``t.view(-1, unit)`` for a contiguous tensor; also works for strided views)."""
     return torch.as_strided(t, (span_elements(t.shape, t.stride()) // unit, unit), (unit, 1))
-
-
-TransferFactory = Callable[[KVSpec, KVCaches], KVTransfer]
-
-
-def make_transfer(spec: KVSpec, kv_caches: KVCaches, prefer: str | TransferFactory = "auto"
-                  ) -> KVTransfer:
-    """The CUDA kernels when the cache is on CUDA and CuPy imports, else the torch path.
-
-    ``prefer="torch"`` forces the portable path (tests compare the two bit for bit); a
-    callable ``(spec, kv_caches) -> KVTransfer`` builds the transfer itself (a test backend).
-    """
-    if callable(prefer):
-        return prefer(spec, kv_caches)
-    if prefer not in ("auto", "torch", "cuda"):
-        raise ValueError(f"prefer must be 'auto', 'torch' or 'cuda', got {prefer!r}")
-    layers = spec.validate(kv_caches)
-    on_cuda = layers[0][0].device.type == "cuda"
-    if prefer != "torch" and on_cuda:
-        try:
-            from lmc.transfer.cuda_copy import CudaTransfer, cuda_kernels_available
-        except ImportError:
-            pass
-        else:
-            if cuda_kernels_available():
-                return CudaTransfer(spec, kv_caches)
-        if prefer == "cuda":
-            raise RuntimeError("prefer='cuda' but CuPy (pip install lmc-kvcache[gpu]) is missing")
-    elif prefer == "cuda":
-        raise ValueError(f"prefer='cuda' but the KV cache is on {layers[0][0].device}")
-    return TorchTransfer(spec, kv_caches)

@@ -27,7 +27,7 @@ import torch
 
 from lmc.transfer.completion import copy_stream
 from lmc.transfer.kv_spec import DESCRIPTORS, KVCaches, KVSpec
-from lmc.transfer.torch_copy import KVTransfer
+from lmc.transfer.plan import KVTransfer
 
 log = logging.getLogger(__name__)
 

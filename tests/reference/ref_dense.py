@@ -42,8 +42,10 @@ def inv_frequencies(cfg: dict, head_dim: int) -> torch.Tensor:
     return torch.tensor(freqs, dtype=torch.float32)
 
 
-def dense_logits(model_dir: Path, token_ids: list[int]) -> torch.Tensor:
-    """fp32 logits ``[len(token_ids), vocab]`` for every position, full causal attention."""
+def dense_logits(model_dir: Path, token_ids: list[int], windows: bool = True) -> torch.Tensor:
+    """fp32 logits ``[len(token_ids), vocab]`` for every position: causal attention, over
+    the last ``sliding_window`` positions in a layer ``layer_types`` marks sliding (unless
+    ``windows`` is False: every layer full, to show the windows change the result)."""
     cfg, w = read_checkpoint(Path(model_dir))
     hidden, n_heads = cfg["hidden_size"], cfg["num_attention_heads"]
     n_kv = cfg.get("num_key_value_heads", n_heads)
@@ -69,9 +71,14 @@ def dense_logits(model_dir: Path, token_ids: list[int]) -> torch.Tensor:
         return x * cos + rotated * sin
 
     causal = torch.full((t, t), float("-inf")).triu(1)
+    kinds = cfg.get("layer_types") or ["full_attention"] * cfg["num_hidden_layers"]
+    if windows and "sliding_attention" in kinds:  # key j is out of query i's window: j <= i - W
+        far = torch.full((t, t), float("-inf")).tril(-cfg["sliding_window"])
+        sliding = causal + far
     x = w["model.embed_tokens.weight"][torch.tensor(token_ids)]
     for i in range(cfg["num_hidden_layers"]):
         p = f"model.layers.{i}."
+        mask = sliding if windows and kinds[i] == "sliding_attention" else causal
         h = rms(x, w[p + "input_layernorm.weight"])
         q = linear(h, p + "self_attn.q_proj").view(t, n_heads, head_dim).transpose(0, 1)
         k = linear(h, p + "self_attn.k_proj").view(t, n_kv, head_dim).transpose(0, 1)
@@ -79,7 +86,7 @@ def dense_logits(model_dir: Path, token_ids: list[int]) -> torch.Tensor:
         q, k = rope(q), rope(k)
         k = k.repeat_interleave(n_heads // n_kv, 0)
         v = v.repeat_interleave(n_heads // n_kv, 0)
-        probs = torch.softmax(q @ k.transpose(1, 2) / math.sqrt(head_dim) + causal, -1)
+        probs = torch.softmax(q @ k.transpose(1, 2) / math.sqrt(head_dim) + mask, -1)
         attn = (probs @ v).transpose(0, 1).reshape(t, n_heads * head_dim)
         x = x + linear(attn, p + "self_attn.o_proj")
         h = rms(x, w[p + "post_attention_layernorm.weight"])

@@ -42,7 +42,7 @@ def paged_logits(model_dir: Path, prompts: list[list[int]], chunk_plan: list[lis
             pos += list(range(start, start + n))
             owners += [i] * n
             done[i] += n
-        meta = build_attention_metadata(chunks, BLOCK, "cpu")
+        meta = build_attention_metadata(chunks, BLOCK, "cpu", model.config.sliding_windows)
         with torch.no_grad():
             hidden = model(torch.tensor(ids), torch.tensor(pos), caches, meta)
             logits = model.compute_logits(hidden)
@@ -66,6 +66,20 @@ def test_mixed_batch_chunks_and_decodes_match_dense(tiny_dir: Path) -> None:
     got = paged_logits(tiny_dir, prompts, plan)
     for p, g in zip(prompts, got, strict=True):
         torch.testing.assert_close(g, dense_logits(tiny_dir, p), rtol=1e-4, atol=1e-4)
+
+
+def test_sliding_window_layers_match_dense(tmp_path: Path) -> None:
+    """A hybrid sliding-window/full model (``layer_types``): chunked prefills after cached
+    context, decodes past the window and one-shot prefills all match a dense forward whose
+    sliding layers mask keys W or more positions back -- and differ from all-full."""
+    model_dir = make_tiny_checkpoint(tmp_path / "swa", sliding_window=24)
+    prompts = [random_prompt(5, 71), random_prompt(6, 33), random_prompt(7, 22)]
+    plan = [[40, 30, 0], [25, 1, 20], [5, 1, 1], [1, 1, 1]]
+    got = paged_logits(model_dir, prompts, plan)
+    for p, g in zip(prompts, got, strict=True):
+        torch.testing.assert_close(g, dense_logits(model_dir, p), rtol=1e-4, atol=1e-4)
+    full = dense_logits(model_dir, prompts[0], windows=False)
+    assert not torch.allclose(got[0][-1], full[-1], rtol=1e-3, atol=1e-3)
 
 
 def test_qwen2_bias_and_tied_embeddings_match_dense(qwen_dir: Path) -> None:

@@ -237,12 +237,13 @@ def test_the_configured_policy_object_orders_eviction(policy):
 
 def test_an_unknown_policy_is_refused_naming_the_choices(tmp_path):
     from lmc.storage.backends.disk.backend import DiskBackend
+    from lmc.storage.chain import check_chain
     pool = MemoryPool(4 * UNIT, pin_memory=False)
     try:
         with pytest.raises(ValueError, match="choose one of lru, fifo"):
             DiskBackend(config=CacheConfig(local_disk=str(tmp_path)), pool=pool,
                         eviction_policy="mru")
         with pytest.raises(ValueError, match="eviction_policy.*choose one of lru, fifo"):
-            CacheConfig(eviction_policy="arc")
+            check_chain(CacheConfig(eviction_policy="arc"))  # the chain's registry check
     finally:
         pool.close()

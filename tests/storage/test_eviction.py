@@ -30,26 +30,45 @@ KEYS = st.integers(0, 11)  # a small key space: hits, repeats and absent keys al
 
 
 class Model:
-    """The reference: a list of keys, first victim first, and their values."""
+    """The reference: a list of keys in the policy's own order (recency or arrival), their
+    values and retention priorities; victims are the list sorted by priority, stably."""
 
     def __init__(self, lru: bool) -> None:
         self.lru = lru
-        self.order: list[int] = []
+        self.stamps: list[int] = []
         self.values: dict[int, int] = {}
+        self.prio: dict[int, int] = {}
+
+    @property
+    def order(self) -> list[int]:
+        return sorted(self.stamps, key=lambda k: self.prio.get(k, 0))
+
+    def set_priority(self, keys: list[int], priority: int) -> int:
+        n = 0
+        for k in keys:
+            if k not in self.values:
+                continue
+            n += 1
+            if self.prio.get(k, 0) != priority:  # a change starts the key afresh
+                self.stamps.remove(k)
+                self.stamps.append(k)
+                self.prio[k] = priority
+        return n
 
     def insert(self, key: int, value: int) -> None:
-        self.order.append(key)
+        self.stamps.append(key)
         self.values[key] = value
 
     def access(self, key: int) -> None:
         if self.lru:
-            self.order.remove(key)
-            self.order.append(key)
+            self.stamps.remove(key)
+            self.stamps.append(key)
 
     def remove(self, key: int) -> int | None:
         if key not in self.values:
             return None
-        self.order.remove(key)
+        self.stamps.remove(key)
+        self.prio.pop(key, None)
         return self.values.pop(key)
 
 
@@ -127,6 +146,11 @@ def _machine(name: str) -> type[RuleBasedStateMachine]:
             first = self.model.order[0]
             assert self.policy.pop_victim() == (first, self.model.remove(first))
 
+        @rule(keys=st.lists(KEYS, max_size=5), priority=st.integers(-2, 2))
+        def set_priority(self, keys: list[int], priority: int) -> None:
+            assert self.policy.set_priority(keys, priority) == self.model.set_priority(
+                keys, priority)
+
         @rule()
         def clear(self) -> None:
             entries = self.policy.entries
@@ -143,6 +167,7 @@ def _machine(name: str) -> type[RuleBasedStateMachine]:
             assert len(self.policy) == len(m.order)
             for k in range(12):
                 assert (k in self.policy) == (k in m.values)
+                assert self.policy.priority_of(k) == m.prio.get(k, 0)
 
     PolicyMachine.__name__ = f"{name.upper()}Machine"
     return PolicyMachine

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from lmc.config import CacheConfig
+from lmc.storage.chain import check_chain
 from lmc.storage.integrity import Integrity
 from lmc.storage.serde import HEADER_SIZE, TAG_SIZE, CorruptValue, decode_header, encode_header
 
@@ -109,8 +110,8 @@ def test_inline_and_file_secrets_follow_one_rule(tmp_path, content):
         Integrity.from_config(CacheConfig(integrity_secret_file=str(f)))
     for e in (inline, in_file):
         assert "16 bytes" in str(e.value) or "whitespace" in str(e.value)
-    with pytest.raises(ValueError, match="integrity_secret"):  # lmc config's preflight too
-        CacheConfig(integrity_secret=content).preflight()
+    with pytest.raises(ValueError, match="integrity_secret"):  # lmc config's check too
+        check_chain(CacheConfig(integrity_secret=content))
 
 
 def test_a_padded_secret_is_the_same_secret_inline_and_in_a_file(tmp_path):

@@ -11,7 +11,7 @@ from lmc.config import CacheConfig, TierEntry
 from lmc.memory.pool import MemoryPool
 from lmc.server.config import ServerConfig
 from lmc.settings import ConfigError
-from lmc.storage.chain import build_storage, build_tiers
+from lmc.storage.chain import build_storage, build_tiers, check_chain
 from lmc.storage.manager import StorageManager
 from tests.kvutil import assert_bits_equal, random_bits
 
@@ -69,7 +69,7 @@ def test_no_lower_tier_and_memory_alone_agree():
 ])
 def test_malformed_chains_are_refused_naming_the_entry(tiers, message):
     with pytest.raises(ConfigError, match=message):
-        CacheConfig(tiers=tiers)
+        check_chain(CacheConfig(tiers=tiers))
 
 
 def test_tiers_and_shorthand_keys_together_are_refused(tmp_path):
@@ -175,18 +175,41 @@ def test_printed_chain_reads_back_the_same_and_hides_per_tier_secrets(tmp_path):
     assert "tok-123456" not in repr(cfg) and "tok-123456" not in str(cfg.tiers)
 
 
-def test_preflight_checks_each_entrys_options_without_building(tmp_path):
-    """``lmc config`` (``preflight``) refuses what building would, naming the entry; nothing
+def test_check_chain_checks_each_entrys_options_without_building(tmp_path):
+    """``lmc config`` (``check_chain``) refuses what building would, naming the entry; nothing
     is created (the disk directory stays absent)."""
     path = tmp_path / "never"
     bad = CacheConfig(tiers=["memory", {"backend": "disk", "path": str(path)},
                              {"wrap": "counting", "log_cals": True,
                               "tier": "redis://127.0.0.1:9"}])
     with pytest.raises(ConfigError, match=r"tiers\[2\].*'log_cals'.*'log_calls'"):
-        bad.preflight()
+        check_chain(bad)
     inner = CacheConfig(tiers=["memory", {"wrap": "counting", "tier": {
         "backend": "redis://127.0.0.1:9", "ttl": "forever"}}])
     with pytest.raises(ConfigError, match=r"ttl"):
-        inner.preflight()
-    CacheConfig(tiers=["memory", {"backend": "disk", "path": str(path)}]).preflight()
+        check_chain(inner)
+    check_chain(CacheConfig(tiers=["memory", {"backend": "disk", "path": str(path)}]))
     assert not path.exists()
+
+
+def test_the_registries_checks_name_the_key_and_where_it_was_given(tmp_path):
+    """config.py is a plain schema: a scheme no backend claims, an unknown backend or an
+    eviction policy nobody registered is refused by the chain (before any tier is built, by
+    ``check_chain`` and by building alike), naming the key and the file line it came from."""
+    with pytest.raises(ConfigError, match=r"remote_url: no storage backend handles URL scheme "
+                                          r"'http'.*known schemes: .*lmc\b.*redis\b"):
+        check_chain(CacheConfig(remote_url="http://cache:80"))
+    f = tmp_path / "c.yaml"
+    f.write_text("chunk_size: 16\neviction_policy: random\n")
+    cfg = CacheConfig.load(f, environ={})  # a plain schema: the name is a string
+    with pytest.raises(ConfigError, match=r"eviction_policy: 'random' is not allowed; choose "
+                                          rf"one of lru.* \(in {f}:2\)$"):
+        check_chain(cfg)
+    with pytest.raises(ConfigError, match=rf"tiers\[1\]: unknown storage backend 'tape'.*\(in {f}:1\)$"):
+        build_tiers(CacheConfig.load(overrides={}, path=_yaml(f, "tiers: [memory, tape]\n"),
+                                     environ={}), MemoryPool(1 << 20, pin_memory=False))
+
+
+def _yaml(f, text):
+    f.write_text(text)
+    return f

@@ -35,7 +35,8 @@ from hypothesis import strategies as st
 from lmc.transfer import cuda_copy as ct
 from lmc.transfer.completion import Completion
 from lmc.transfer.kv_spec import LAYOUTS, KVSpec
-from lmc.transfer.torch_copy import ChunkPlan, TorchTransfer
+from lmc.transfer.plan import ChunkPlan
+from lmc.transfer.torch_copy import TorchTransfer
 from tests.kvutil import (
     DTYPES,
     assert_bits_equal,

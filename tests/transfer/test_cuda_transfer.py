@@ -14,8 +14,9 @@ import torch
 
 from lmc.transfer.completion import Completion
 from lmc.transfer.cuda_copy import CudaTransfer, cuda_kernels_available
+from lmc.transfer.factory import make_transfer
 from lmc.transfer.kv_spec import LAYOUTS, KVSpec
-from lmc.transfer.torch_copy import TorchTransfer, make_transfer
+from lmc.transfer.torch_copy import TorchTransfer
 from tests.kvutil import DTYPES, assert_bits_equal, bits, make_caches, random_bits, spec_for
 
 GPU_READY = cuda_kernels_available()

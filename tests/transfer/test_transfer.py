@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from lmc.transfer.factory import make_transfer
 from lmc.transfer.kv_spec import LAYOUTS
-from lmc.transfer.torch_copy import TorchTransfer, make_transfer
+from lmc.transfer.torch_copy import TorchTransfer
 from tests.kvutil import DTYPES, assert_bits_equal, bits, make_caches, spec_for, token_kv
 
 

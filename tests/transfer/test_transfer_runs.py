@@ -16,8 +16,10 @@ import pytest
 import torch
 
 from lmc.memory.pool import Lease, MemoryPool, PoolArrays
+from lmc.transfer.factory import make_transfer
 from lmc.transfer.kv_spec import LAYOUTS
-from lmc.transfer.torch_copy import ChunkRanges, PlanRun, TorchPlan, equal_runs, make_transfer
+from lmc.transfer.plan import ChunkRanges, PlanRun, equal_runs
+from lmc.transfer.torch_copy import TorchPlan
 from tests.kvutil import assert_bits_equal, make_caches, spec_for, token_kv
 
 

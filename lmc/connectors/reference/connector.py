@@ -20,6 +20,7 @@ the prompt from the producer's pool in the background).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from collections.abc import Mapping, Sequence
@@ -31,6 +32,7 @@ import torch
 from lmc.cache_engine import CacheEngine
 from lmc.config import CacheConfig
 from lmc.connectors.core.compute_floor import compute_floor
+from lmc.connectors.core.hints import parse_hints
 from lmc.connectors.core.load_policy import Costs, LoadPolicy
 from lmc.connectors.core.lookup_service import engine_root
 from lmc.connectors.core.metadata import ConnectorMetadata
@@ -47,8 +49,9 @@ from lmc.reference.scheduler_output import SchedulerOutput
 from lmc.storage.chain import TierSpec
 from lmc.storage.lookup import LookupResult
 from lmc.storage.speeds import PrefillRate
+from lmc.transfer.factory import TransferFactory
+from lmc.transfer.kv_groups import FULL, SLIDING, KVGroup
 from lmc.transfer.kv_spec import KVSpec
-from lmc.transfer.torch_copy import TransferFactory
 
 ConfigLike = CacheConfig | str | os.PathLike | Mapping[str, Any] | None
 KV_ROLES = {"kv_both": (True, True), "kv_producer": (False, True), "kv_consumer": (True, False)}
@@ -125,6 +128,7 @@ class LMCReferenceConnector(KVConnector):
         self._owns_engine = cache_engine is None
         self._tiers = tiers
         self._transfer = transfer
+        self._windows: dict[str, int | None] = {}  # a hybrid model's sliding windows
         self.worker: WorkerConnector | None = None
 
     def _lookup(self, token_ids: Sequence[int]) -> LookupResult:
@@ -159,7 +163,8 @@ class LMCReferenceConnector(KVConnector):
         if engine is None:
             return None
         layers = engine.spec.num_layers if self.connector_config.layerwise else 1
-        return Costs.from_snapshot(engine.speeds.snapshot(), engine.bytes_per_token, layers)
+        return Costs.from_snapshot(engine.speeds.snapshot(), engine.bytes_per_token, layers,
+                                   engine.load_bytes)
 
     def load_sources(self, request: ConnectorRequest) -> dict[str, int]:
         """The admitted load's tokens by the tier holding them (L1 first), from the request's
@@ -178,6 +183,8 @@ class LMCReferenceConnector(KVConnector):
     # ------------------------------------------------------------ scheduler side
     def get_num_new_matched_tokens(self, request: ConnectorRequest, num_computed_tokens: int
                                    ) -> int | tuple[int, bool]:
+        self.scheduler.set_hints(request.request_id,
+                                 parse_hints(getattr(request, "kv_transfer_params", None)))
         remote = remote_prefill_tokens(request)
         if remote is not None and self.connector_config.load:
             n = self.scheduler.match_remote(request.request_id, request.all_token_ids,
@@ -212,8 +219,16 @@ class LMCReferenceConnector(KVConnector):
         return None
 
     # --------------------------------------------------------------- worker side
+    def register_kv_windows(self, windows: dict[str, int | None]) -> None:
+        """A hybrid sliding-window/full model: each layer's window (``None``: full), made
+        into lmc's KV groups when the caches are registered (:mod:`lmc.hybrid`)."""
+        self._windows = dict(windows)
+
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         spec = KVSpec.from_tensors(kv_caches, "vllm_flash")
+        if self._windows:
+            spec = dataclasses.replace(spec, groups=window_groups(
+                [self._windows.get(name) for name in kv_caches]))
         if self.engine is None:
             self.engine = CacheEngine(self.cache_config, spec, self.model_id, tiers=self._tiers,
                                       transfer=self._transfer)
@@ -278,6 +293,17 @@ class LMCReferenceConnector(KVConnector):
             self.worker.close()
         if self.engine is not None and self._owns_engine:
             self.engine.close()
+
+
+def window_groups(windows: Sequence[int | None]) -> tuple[KVGroup, ...]:
+    """lmc's KV groups for layers with these windows (``None``: full attention): the full
+    layers first, then one group per window (its layers in order)."""
+    full = tuple(i for i, w in enumerate(windows) if w is None)
+    out = [KVGroup(FULL, full)] if full else []
+    for w in sorted({w for w in windows if w is not None}):
+        out.append(KVGroup(SLIDING, tuple(i for i, x in enumerate(windows) if x == w),
+                           window=w))
+    return tuple(out)
 
 
 def _compute_floor(model_dir: str | os.PathLike, device: torch.device, dtype: torch.dtype

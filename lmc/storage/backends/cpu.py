@@ -179,6 +179,28 @@ class CPUBackend(StorageBackend):
             self._policy.clear()
         self.pool.release_many(objs)
 
+    def clear_namespace(self, prefix: bytes = b"") -> list[Key]:
+        """Everything (the pool is this engine's), or the keys starting with ``prefix``."""
+        objs: list[MemoryObj | None]
+        with self._lock:
+            if not prefix:
+                keys = list(self._map)
+                objs = list(self._map.values())
+                self._policy.clear()
+            else:
+                keys = [k for k in self._map if k.startswith(prefix)]
+                objs = [self._policy.remove(k) for k in keys]
+        self.pool.release_many([o for o in objs if o is not None])
+        return keys
+
+    def set_priority(self, keys: Sequence[Key], priority: int) -> int:
+        with self._lock:
+            return self._policy.set_priority(keys, priority)
+
+    def priority_of(self, key: Key) -> int:
+        with self._lock:
+            return self._policy.priority_of(key)
+
     def close(self) -> None:
         with self._lock:
             self._closed = True

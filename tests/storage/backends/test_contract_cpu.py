@@ -7,6 +7,7 @@ import pytest
 from lmc.testing import (
     BasicContract,
     BatchContract,
+    ClearContract,
     ConcurrencyContract,
     ModelContract,
     ReferenceContract,
@@ -20,5 +21,5 @@ def tier_spec():
 
 
 class TestCPUContract(BasicContract, BatchContract, ModelContract, ReferenceContract,
-                      ConcurrencyContract):
-    """Round trips, batches, call sequences, references under eviction, threads."""
+                      ConcurrencyContract, ClearContract):
+    """Round trips, batches, call sequences, references under eviction, threads, clears."""

@@ -10,6 +10,7 @@ import pytest
 from lmc.testing import (
     BasicContract,
     BatchContract,
+    ClearContract,
     ConcurrencyContract,
     FailureContract,
     IntegrityContract,
@@ -44,5 +45,5 @@ def tier_spec(tmp_path):
 
 class TestDiskContract(BasicContract, BatchContract, ModelContract, ReferenceContract,
                        ConcurrencyContract, SharedStoreContract, IntegrityContract,
-                       LayeredReadContract, FailureContract):
+                       LayeredReadContract, FailureContract, ClearContract):
     """Every class but the tenants'; 512 KiB of disk, so floods evict and recycle files."""

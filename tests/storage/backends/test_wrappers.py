@@ -17,7 +17,7 @@ from lmc.config import CacheConfig
 from lmc.memory.pool import MemoryPool
 from lmc.settings import ConfigError
 from lmc.storage.backends.disk.backend import DiskBackend
-from lmc.storage.chain import build_storage
+from lmc.storage.chain import build_storage, check_chain
 from lmc.storage.tier import Medium, create_backend
 from lmc.storage.wrappers import CountingTier, RateLimitTier
 from lmc.testing import (
@@ -148,7 +148,7 @@ def test_listeners_see_the_wrapped_disks_evictions(tmp_path):
 ])
 def test_malformed_wrappers_are_refused_naming_the_entry(tiers, message):
     with pytest.raises(ConfigError, match=message):
-        CacheConfig(tiers=tiers)
+        check_chain(CacheConfig(tiers=tiers))
 
 
 def test_a_bad_wrapper_option_names_the_entry(tmp_path):

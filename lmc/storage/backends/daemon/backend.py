@@ -137,7 +137,7 @@ class ServerBackend(StorageBackend):
         self._count_lock = threading.Lock()
         self.counts = {"calls": 0, "failures": 0, "skipped_open": 0, "hits": 0, "misses": 0,
                        "stored": 0, "not_stored": 0, "corrupt": 0, "alloc_failures": 0,
-                       "bytes_in": 0, "bytes_out": 0}
+                       "bytes_in": 0, "bytes_out": 0, "cleared": 0}
 
     def _count(self, **kv: int) -> None:
         with self._count_lock:
@@ -425,6 +425,25 @@ class ServerBackend(StorageBackend):
             tags = [tag_key(k) for k in keys]
             self._call("delete", lambda c: c.delete(self.namespace, tags), 0)
         return n
+
+    def clear_namespace(self, prefix: bytes = b"") -> None:
+        """CLEAR this tier's daemon namespace (its tags go with it: they live there too);
+        the daemon counts, never lists, so ``None``. The daemon keys a namespace by its
+        own tag, not by the engine's keys: a ``prefix`` cannot be honoured."""
+        if prefix:
+            raise NotImplementedError(f"tier {self.name!r} clears whole daemon namespaces "
+                                      "only, not a key prefix")
+        n = self._call("clear", lambda c: c.clear(self.namespace), -1)
+        if n >= 0:
+            self._count(cleared=n)
+        return None
+
+    def set_priority(self, keys: Sequence[Key], priority: int) -> int:
+        """The daemon's memory and disk keep the keys' retention priority (PRIORITY)."""
+        if not keys:
+            return 0
+        return self._call("priority", lambda c: c.set_priority(self.namespace, keys, priority),
+                          0)
 
     # ------------------------------------------------------------- admin
     def server_stats(self) -> dict[str, Any]:

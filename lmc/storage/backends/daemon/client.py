@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from lmc.storage.backends.daemon import protocol as P
 from lmc.storage.backends.daemon.protocol import DEFAULT_PORT
+from lmc.storage.control import ERRORS, ControlError
 from lmc.storage.serde import byte_view, encode_header, payload_checksum
 
 if TYPE_CHECKING:
@@ -38,9 +39,11 @@ UNIX_SNDBUF = 4 << 20  # the kernel caps it at net.core.wmem_max (and doubles it
 class ServerError(Exception):
     """The server answered a request with an error status."""
 
-    def __init__(self, status: int, message: str) -> None:
+    def __init__(self, status: int, message: str, code: str = "") -> None:
         super().__init__(f"{P.STATUS_NAMES.get(status, status)}: {message}")
         self.status = status
+        self.code = code
+        self.message = message
 
 
 @dataclass(frozen=True)
@@ -180,8 +183,9 @@ class ClientConnection:
         if h.status != P.OK:
             if h.payload_len:
                 self._discard(h.payload_len)
-            err = meta.get("error")
-            raise ServerError(h.status, err if isinstance(err, str) else "?")
+            err, code = meta.get("error"), meta.get("code")
+            raise ServerError(h.status, err if isinstance(err, str) else "?",
+                              code if isinstance(code, str) else "")
         return h, meta
 
     def call(self, op: int, meta: dict[str, Any]) -> tuple[P.FrameHeader, dict[str, Any]]:
@@ -363,6 +367,50 @@ class ClientConnection:
             total += hits
             if hits < b - a:
                 break
+        return total
+
+    # ------------------------------------------------------- control ops
+    def _control(self, op: int, meta: dict[str, Any], field: str) -> int:
+        """One control request; a refusal raises the rule's named error
+        (:mod:`lmc.storage.control`), any other error status :class:`ServerError`."""
+        try:
+            _, answer = self.call(op, meta)
+        except ServerError as e:
+            if e.status == P.REFUSED:
+                raise ERRORS.get(e.code, ControlError)(e.message) from None
+            raise
+        n = answer.get(field)
+        if not isinstance(n, int) or n < 0:
+            raise P.ProtocolError(P.BAD_FRAME, f"{P.OPS[op].upper()} response malformed", True)
+        return n
+
+    def clear(self, ns: str) -> int:
+        """CLEAR: every value of namespace ``ns`` leaves every tier of the daemon."""
+        return self._control(P.CLEAR, {"ns": ns}, "deleted")
+
+    def pin(self, ns: str, keys: Sequence[bytes], ttl: float, *, owner: bytes | None = None,
+            priority: int | None = None) -> int:
+        """PIN the longest stored prefix of ``keys`` (at most ``max_batch``) for ``ttl``
+        seconds; the chunks pinned."""
+        meta: dict[str, Any] = {"ns": ns, "keys": list(keys[:self.limits.max_batch]),
+                                "ttl": ttl}
+        if owner is not None:
+            meta["owner"] = owner
+        if priority is not None:
+            meta["priority"] = priority
+        return self._control(P.PIN, meta, "pinned")
+
+    def unpin(self, ns: str, keys: Sequence[bytes] = (), owner: bytes | None = None) -> int:
+        meta: dict[str, Any] = {"ns": ns, "keys": list(keys[:self.limits.max_batch])}
+        if owner is not None:
+            meta["owner"] = owner
+        return self._control(P.UNPIN, meta, "unpinned")
+
+    def set_priority(self, ns: str, keys: Sequence[bytes], priority: int) -> int:
+        total = 0
+        for a, b in _batches(len(keys), self.limits.max_batch):
+            total += self._control(P.PRIORITY, {"ns": ns, "keys": list(keys[a:b]),
+                                                "priority": priority}, "held")
         return total
 
     def delete(self, ns: str, keys: Sequence[bytes]) -> int:

@@ -41,6 +41,10 @@ HELLO, PING, STATS = 0x01, 0x02, 0x03
 PUT, GET, EXISTS, DELETE = 0x10, 0x11, 0x12, 0x13
 OPS = {HELLO: "hello", PING: "ping", STATS: "stats", PUT: "put", GET: "get",
        EXISTS: "exists", DELETE: "delete"}
+# cache control (lmc.server.control): clear a namespace, pin with a TTL, retention priority
+CLEAR, PIN, UNPIN, PRIORITY = 0x14, 0x15, 0x16, 0x17
+CONTROL_OPS = {CLEAR: "clear", PIN: "pin", UNPIN: "unpin", PRIORITY: "priority"}
+OPS.update(CONTROL_OPS)
 # the peer-to-peer tier's directory of who holds which chunk (lmc/server/p2p/ops.py)
 P2P_JOIN, P2P_ADVERTISE, P2P_WITHDRAW, P2P_LOCATE, P2P_PEER = 0x20, 0x21, 0x22, 0x23, 0x24
 P2P_OPS = {P2P_JOIN: "p2p_join", P2P_ADVERTISE: "p2p_advertise", P2P_WITHDRAW: "p2p_withdraw",
@@ -57,9 +61,12 @@ UNKNOWN_OP = 5
 SHUTTING_DOWN = 6
 INTERNAL = 7
 FORBIDDEN = 8       # the token does not grant that namespace: answered, the connection stays
+REFUSED = 9         # a control op past a bound (pins, TTL, priority): answered with the rule's
+                    # "code" (lmc.storage.control), the connection stays
 STATUS_NAMES = {OK: "ok", BAD_FRAME: "bad_frame", BAD_REQUEST: "bad_request",
                 AUTH_FAILED: "auth_failed", TOO_LARGE: "too_large", UNKNOWN_OP: "unknown_op",
-                SHUTTING_DOWN: "shutting_down", INTERNAL: "internal", FORBIDDEN: "forbidden"}
+                SHUTTING_DOWN: "shutting_down", INTERNAL: "internal", FORBIDDEN: "forbidden",
+                REFUSED: "refused"}
 
 # ---- per-item results of a PUT (one byte each in the response's "results")
 STORED, BAD_CHECKSUM, NO_MEMORY, OVER_QUOTA = 0, 1, 2, 3
@@ -69,10 +76,11 @@ class ProtocolError(Exception):
     """Something read from the wire broke the protocol. ``fatal``: the stream is no longer
     framed (or must not be trusted), so the connection is closed after the answer."""
 
-    def __init__(self, status: int, message: str, fatal: bool = False) -> None:
+    def __init__(self, status: int, message: str, fatal: bool = False, code: str = "") -> None:
         super().__init__(message)
         self.status = status
         self.fatal = fatal
+        self.code = code  # a refused control op: the rule (lmc.storage.control's codes)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -185,6 +193,36 @@ def get_keys(meta: Mapping[str, Any], limits: Limits) -> list[bytes]:
         if not isinstance(k, bytes) or len(k) != KEY_SIZE:
             raise ProtocolError(BAD_REQUEST, f"every key must be {KEY_SIZE} bytes of bin")
     return keys
+
+
+def get_number(meta: Mapping[str, Any], name: str) -> float:
+    """A required finite number (the range is the caller's rule to check)."""
+    v = meta.get(name)
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise ProtocolError(BAD_REQUEST, f"field {name!r} must be a number, got "
+                            f"{type(v).__name__}")
+    return float(v)
+
+
+def get_opt_int(meta: Mapping[str, Any], name: str) -> int | None:
+    v = meta.get(name)
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise ProtocolError(BAD_REQUEST, f"field {name!r} must be an integer, got "
+                            f"{type(v).__name__}")
+    return v
+
+
+MAX_OWNER = 64  # bytes of a pin's owner (a session id)
+
+
+def get_owner(meta: Mapping[str, Any]) -> bytes | None:
+    """A pin's owner: up to ``MAX_OWNER`` bytes of bin, or absent."""
+    v = _field(meta, "owner", (bytes, type(None)), None)
+    if v is not None and not 0 < len(v) <= MAX_OWNER:
+        raise ProtocolError(BAD_REQUEST, f"owner must be 1 to {MAX_OWNER} bytes, got {len(v)}")
+    return v
 
 
 def get_token(meta: Mapping[str, Any]) -> bytes:

@@ -368,6 +368,32 @@ class RedisBackend(StorageBackend):
         self._finish("delete", t0, call, deleted=n)
         return n
 
+    def clear_namespace(self, prefix: bytes = b"") -> list[Key]:
+        """Every value under this tier's ``remote_key_prefix`` (or whose key starts with
+        ``prefix``), server by server through ``SCAN``/``UNLINK`` (``remote_timeout`` per
+        command); a server that fails keeps its values, said in one warning."""
+        if self.closed:
+            return []
+        match = self.prefix + prefix.hex().encode() + b"*"
+        out: list[Key] = []
+        try:
+            nodes = self.router.primaries(Deadline(self.timeout))
+        except Exception as e:  # noqa: BLE001 - failure is a miss: nothing removed
+            log.warning("redis tier %s: clearing found no server (%s)", self.target.display, e)
+            return out
+        for node in nodes:
+            try:
+                names = node.scan_unlink(match, self.timeout)
+            except Exception as e:  # noqa: BLE001
+                log.warning("redis tier %s: clearing %s failed (%s): its values stay",
+                            self.target.display, node.label, e)
+                continue
+            for n in names:
+                with contextlib.suppress(ValueError):
+                    out.append(bytes.fromhex(n[len(self.prefix):].decode()))
+        self._count(cleared=len(out))
+        return out
+
     # ------------------------------------------------------------------ lifecycle
     def breaker_state(self) -> str:
         """The worst state over the tier's servers."""

@@ -115,6 +115,32 @@ class NodePool:
     def idle_count(self) -> int:
         return len(self._idle)
 
+    def scan_unlink(self, match: bytes, step: float, count: int = 1000) -> list[bytes]:
+        """Unlink every key matching ``match`` (a ``SCAN`` pattern), a page at a time on one
+        connection, each command given ``step`` seconds; the keys unlinked. SCAN may name a
+        key twice: each is unlinked once, and a key stored meanwhile may stay."""
+        conn = self._redis_conn(Deadline(step))
+        out: list[bytes] = []
+        seen: set[bytes] = set()
+        try:
+            cursor = b"0"
+            while True:
+                conn.send_command("SCAN", cursor, "MATCH", match, "COUNT", count)
+                reply = conn.read_response()
+                if not isinstance(reply, list) or len(reply) != 2:
+                    raise ConnectionError(f"SCAN answered {type(reply).__name__}")
+                cursor, names = reply
+                page = [n for n in names if isinstance(n, bytes) and n not in seen]
+                if page:
+                    conn.send_command("UNLINK", *page)
+                    conn.read_response()
+                    seen.update(page)
+                    out += page
+                if cursor in (b"0", 0, "0"):
+                    return out
+        finally:
+            conn.disconnect()
+
     def warm(self, dl: Deadline, count: int) -> None:
         """Open up to ``count`` data connections now and keep them idle for the first calls."""
         for _ in range(max(0, min(count, self.max_idle) - self.idle_count())):
@@ -255,6 +281,13 @@ class Router:
             for s in range(start, end + 1):
                 table[s] = owner
         return table
+
+    def primaries(self, dl: Deadline) -> list[NodePool]:
+        """Every server holding keys: the one, or each primary of the slot table."""
+        if not self.target.cluster:
+            return [self.seeds[0]]
+        slots = self._slots if self._slots is not None else self._refresh(dl)
+        return list(dict.fromkeys(p for p in slots if p is not None))
 
     def close(self) -> None:
         for pool in list(self.pools.values()):
