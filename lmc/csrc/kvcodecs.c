@@ -31,6 +31,30 @@ enum { F32 = 0, F16 = 1, BF16 = 2 };
 
 static float e4m3_values[256];
 
+/* Round half to even, clamp, max: inline and vectorisable (baseline x86-64 has no rounding
+ * instruction, so nearbyintf is a library call per value; fminf/fmaxf are too unless NaNs
+ * are ruled out, and every value reaching these is finite: checked first). */
+static inline float rne(float x) { /* |x| < 2^23 */
+    const float big = 8388608.0f;
+    float a = fabsf(x), r = (a + big) - big;
+    return a < big ? copysignf(r, x) : x;
+}
+
+static inline float max_(float a, float b) { return a > b ? a : b; }
+
+/* Whether a row holds only finite values: one branch-free pass (then the loops over it need
+ * no test of their own, and vectorise). */
+static int row_finite(const float *x, long w) {
+    uint32_t bad = 0;
+    for (long i = 0; i < w; i++) {
+        uint32_t u;
+        memcpy(&u, &x[i], 4);
+        bad |= (u & 0x7f800000u) == 0x7f800000u;
+    }
+    return !bad;
+}
+static inline float min_(float a, float b) { return a < b ? a : b; }
+
 /* fp16 <-> fp32 by bits (x86 without -mf16c would call a library routine per value).
  * Widening is exact; narrowing rounds half to even, as a cast does. */
 static inline float h2f(uint16_t h) {
@@ -106,7 +130,7 @@ static inline uint8_t e4m3(float f) { /* |f| <= 448, finite; round half to even 
     uint8_t sign = (uint8_t)((u >> 24) & 0x80);
     float a = fabsf(f);
     if (a < 0x1p-6f) /* subnormal: steps of 2^-9 (8 rounds up to the smallest normal) */
-        return sign | (uint8_t)nearbyintf(a * 512.0f);
+        return sign | (uint8_t)rne(a * 512.0f);
     uint32_t r = (u & 0x7fffffffu) - ((127u - 7u) << 23);
     r += 0x7ffffu + ((r >> 20) & 1u);
     return sign | (uint8_t)(r >> 20);
@@ -134,16 +158,14 @@ static int fp8_encode(const void *src, int dt, uint8_t *out, long n, long P, lon
                 amax[h] = 0.0f;
             for (long t = 0; t < T; t++) {
                 load_row(src, dt, base + t * W, x, W);
+                if (!row_finite(x, W))
+                    return 1;
                 for (long h = 0; h < H; h++)
-                    for (long d = 0; d < D; d++) {
-                        float v = x[h * D + d];
-                        if (!isfinite(v))
-                            return 1;
-                        amax[h] = fmaxf(amax[h], fabsf(v));
-                    }
+                    for (long d = 0; d < D; d++)
+                        amax[h] = max_(amax[h], fabsf(x[h * D + d]));
             }
             for (long h = 0; h < H; h++)
-                s[h] = fmaxf(amax[h] / E4M3_MAX, TINY);
+                s[h] = max_(amax[h] / E4M3_MAX, TINY);
             memcpy(blk + 4 * p * H, s, 4 * H);
             uint8_t *codes = blk + 4 * P * H + p * T * W;
             for (long t = 0; t < T; t++) {
@@ -151,7 +173,7 @@ static int fp8_encode(const void *src, int dt, uint8_t *out, long n, long P, lon
                 for (long h = 0; h < H; h++)
                     for (long d = 0; d < D; d++) {
                         float q = x[h * D + d] / s[h];
-                        q = fminf(fmaxf(q, -E4M3_MAX), E4M3_MAX);
+                        q = min_(max_(q, -E4M3_MAX), E4M3_MAX);
                         codes[t * W + h * D + d] = e4m3(q);
                     }
             }
@@ -221,19 +243,18 @@ static int int8_encode(const void *src, int dt, uint8_t *out, long n, long P, lo
                 size_t row = (((size_t)l * P + p) * T + t) * W;
                 int8_t *codes = (int8_t *)(blk + 4 * P * T * H) + (p * T + t) * W;
                 load_row(src, dt, row, x, W);
+                if (!row_finite(x, W))
+                    return 1;
                 for (long h = 0; h < H; h++) {
                     float amax = 0.0f;
                     const float *xh = x + h * D;
-                    for (long d = 0; d < D; d++) {
-                        if (!isfinite(xh[d]))
-                            return 1;
-                        amax = fmaxf(amax, fabsf(xh[d]));
-                    }
-                    float s = fmaxf(amax / 127.0f, TINY);
+                    for (long d = 0; d < D; d++)
+                        amax = max_(amax, fabsf(xh[d]));
+                    float s = max_(amax / 127.0f, TINY);
                     memcpy(blk + 4 * ((p * T + t) * H + h), &s, 4);
                     for (long d = 0; d < D; d++) {
-                        float q = nearbyintf(xh[d] / s);
-                        codes[h * D + d] = (int8_t)fminf(fmaxf(q, -127.0f), 127.0f);
+                        float q = rne(xh[d] / s);
+                        codes[h * D + d] = (int8_t)min_(max_(q, -127.0f), 127.0f);
                     }
                 }
             }
@@ -280,8 +301,8 @@ static inline int params(float lo, float hi, uint16_t *s16, uint16_t *z16) {
 }
 
 static inline uint8_t q4(float x, float sf, float zf) {
-    float q = nearbyintf((x - zf) / sf);
-    return (uint8_t)fminf(fmaxf(q, 0.0f), 15.0f);
+    float q = rne((x - zf) / sf);
+    return (uint8_t)min_(max_(q, 0.0f), 15.0f);
 }
 
 static inline void put4(uint8_t *codes, size_t i, uint8_t q) {
@@ -313,17 +334,17 @@ static int int4_plane_encode(const void *src, int dt, size_t base, uint8_t *dst,
         long t1 = keys ? (t0 + G < T ? t0 + G : T) : t0 + 1;
         for (long t = t0; t < t1; t++) { /* the range of each group */
             load_row(src, dt, base + t * W, x, W);
+            if (!row_finite(x, W))
+                return 1;
             for (long w = 0; w < W; w++) {
-                if (!isfinite(x[w]))
-                    return 1;
                 if (keys) {
-                    lo[w] = t == t0 ? x[w] : fminf(lo[w], x[w]);
-                    hi[w] = t == t0 ? x[w] : fmaxf(hi[w], x[w]);
+                    lo[w] = t == t0 ? x[w] : min_(lo[w], x[w]);
+                    hi[w] = t == t0 ? x[w] : max_(hi[w], x[w]);
                 } else if (w % G == 0) {
                     lo[w / G] = hi[w / G] = x[w];
                 } else {
-                    lo[w / G] = fminf(lo[w / G], x[w]);
-                    hi[w / G] = fmaxf(hi[w / G], x[w]);
+                    lo[w / G] = min_(lo[w / G], x[w]);
+                    hi[w / G] = max_(hi[w / G], x[w]);
                 }
             }
         }
@@ -334,7 +355,7 @@ static int int4_plane_encode(const void *src, int dt, size_t base, uint8_t *dst,
                 return 1;
             memcpy(sc + 2 * (row0 + k), &s16, 2);
             memcpy(zs + 2 * (row0 + k), &z16, 2);
-            sf[k] = fmaxf(h2f(s16), TINY);
+            sf[k] = max_(h2f(s16), TINY);
             zf[k] = h2f(z16);
         }
         for (long t = t0; t < t1; t++) {

@@ -134,7 +134,7 @@ def test_layerwise_copies_know_the_engine_only_through_their_protocol():
 # time, only folders of its own rank or below. Ranks, lowest first:
 RANKS: list[tuple[str, ...]] = [
     ("lmc.units", "lmc.ratelog", "lmc.settings", "lmc.config", "lmc.metrics", "lmc.lazy_import",
-     "lmc.token_database", "lmc._tokens", "lmc.strict_json", "lmc.bounded_io",
+     "lmc.token_database", "lmc._tokens", "lmc._kvcodecs", "lmc.strict_json", "lmc.bounded_io",
      "lmc.user_cache", "lmc.priority",
      # the kv_events setting's own schema, part of the config schema (no registry in it)
      "lmc.events.config", "lmc.events.endpoints",

@@ -130,7 +130,7 @@ def test_device_kernels_flag_a_non_finite_chunk(cu, name):
 @pytest.mark.parametrize("dtype", list(DT), ids=str)
 @pytest.mark.parametrize("name", ["fp8-e4m3", "int8", "int4-kivi"])
 def test_on_the_device_the_bytes_are_the_cpu_paths(name, dtype):
-    from lmc.transfer import cuda_codecs
+    from lmc.storage.kvcodecs import cuda as cuda_codecs
     from lmc.transfer.cuda_copy import cuda_kernels_available
 
     if not cuda_kernels_available():

@@ -78,7 +78,7 @@ class KVCodec(abc.ABC):
     def layer_bytes(self, planes: int, tokens: int, width: int) -> int:
         """Bytes one layer of ``[planes, tokens, width]`` encodes to."""
 
-    def encoded_bytes(self, shape: tuple[int, int, int, int]) -> int:
+    def encoded_bytes(self, shape: tuple[int, ...]) -> int:
         layers, planes, tokens, width = shape
         return layers * self.layer_bytes(planes, tokens, width)
 

@@ -11,7 +11,7 @@ import torch
 from lmc.storage.kvcodecs.base import NotEncodable
 
 try:
-    import lmc._kvcodecs as _kernels  # type: ignore[import-untyped,import-not-found,unused-ignore]
+    import lmc._kvcodecs as _kernels
 except ImportError:  # no compiler at install: the torch path
     _kernels = None
 

@@ -96,7 +96,7 @@ class CodecStage:
     def max_stored(self, shape: tuple[int, int, int, int], dtype: torch.dtype) -> int:
         """The largest value (header and body) a chunk of ``shape`` may be stored as."""
         exact = _numel(shape) * dtype.itemsize
-        coded = self.codec.encoded_bytes(shape) if self.encodes(dtype) else 0
+        coded = self.codec.encoded_bytes(shape) if self.codec and self.encodes(dtype) else 0
         return HEADER + max(exact, coded)
 
     def encodes(self, dtype: torch.dtype) -> bool:

@@ -1,5 +1,5 @@
-"""The KV codecs on a CUDA device (``csrc/kv_codecs.cu``, compiled at run time by CuPy's NVRTC
-as the copy kernels are): a chunk in device memory coded there, so the coded bytes are what
+"""The KV codecs on a CUDA device (``lmc/transfer/csrc/kv_codecs.cu``, beside the copy
+kernels, compiled at run time by CuPy's NVRTC as they are): a chunk in device memory coded there, so the coded bytes are what
 crosses PCIe, and decoded there after a load. The bytes are the CPU path's
 (:mod:`lmc.storage.kvcodecs`), bit for bit (``tests/transfer/test_kv_codecs_cu.py`` runs
 these kernels on the CPU; the device run is marked ``gpu``).
@@ -18,7 +18,7 @@ import torch
 
 from lmc.storage.kvcodecs.base import KVCodec, NotEncodable
 
-SOURCE = Path(__file__).with_name("csrc") / "kv_codecs.cu"
+SOURCE = Path(__file__).parents[2] / "transfer" / "csrc" / "kv_codecs.cu"
 OPTIONS = ("--std=c++17", "--fmad=false")  # no fused multiply-adds: the CPU path's rounding
 THREADS = 256
 DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
