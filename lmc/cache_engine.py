@@ -159,6 +159,7 @@ class CacheEngine:
         # the layer-wise copies of the requests being served (the "lmc-io" thread)
         self._prefetcher: ThreadPoolExecutor | None = None
         self._prefetch_queued = 0
+        self.prefetches = 0  # asked for (stats: a router's prefetch shows here)
         self._closed = False
 
     # ------------------------------------------------------------- plumbing
@@ -706,6 +707,7 @@ class CacheEngine:
                     self._prefetch_queued -= 1
 
         with self._lock:
+            self.prefetches += 1
             if self._prefetch_queued >= MAX_QUEUED_PREFETCHES:  # bounded: refused, not queued
                 out.set_result(min(first * cs, n))
                 return out
@@ -742,6 +744,7 @@ class CacheEngine:
         out.update(self.storage.stats())
         out.update(self._pins.stats())
         out.update(self.control.stats())
+        out["prefetches"] = self.prefetches
         out.update(self.speeds.stats())
         if self.events is not None:
             out.update(self.events.stats())

@@ -84,7 +84,7 @@ def test_replay_command_blends_and_reports_blended_tokens(tmp_path, model, capsy
     # without a verdict or the override, the gate keeps blending off and the summary says so
     assert main(["replay", trace, "--target", target, "--fast", "--blend", "--limit", "2"]) == 0
     out = capsys.readouterr().out
-    assert "blending off (no passing lmc blend-check verdict" in out
+    assert "blending off (no passing lmc quality verdict" in out
     assert not any(line.strip().startswith("blended") for line in out.splitlines())
     # options that would be ignored are refused
     assert main(["replay", trace, "--target", target, "--no-lmc", "--blend"]) == 2
@@ -122,13 +122,15 @@ def test_replay_blend_with_a_verdict_nested_deep_runs_with_blending_off(tmp_path
     RecursionError traceback; it is no verdict (docs/blending.md)."""
     import shutil
 
-    from lmc.blend.verdict import VERDICT_NAME
+    from lmc.quality.verdict import VerdictStore
 
     own = shutil.copytree(model, tmp_path / "m")
-    (own / VERDICT_NAME).write_text("[" * 200_000)
+    path = VerdictStore.next_to(own).path("blend", "0.15", "float32")
+    path.parent.mkdir()
+    path.write_text("[" * 200_000)
     trace = _rag(tmp_path, own, "--tokenizer", str(own))
     capsys.readouterr()
     assert main(["replay", trace, "--target", f"reference:{own}", "--fast", "--blend",
                  "--limit", "2"]) == 0
     out = capsys.readouterr().out
-    assert "blending off (no passing lmc blend-check verdict" in out and "2 ok, 0 failed" in out
+    assert "blending off (no passing lmc quality verdict" in out and "2 ok, 0 failed" in out

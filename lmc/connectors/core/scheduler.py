@@ -65,6 +65,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lmc.config import CacheConfig
+from lmc.connectors.core.hints import CacheHints
 from lmc.connectors.core.load_policy import LoadPolicy
 from lmc.connectors.core.metadata import (
     ConnectorMetadata,
@@ -207,9 +208,16 @@ class SchedulerConnector:
         self._pending: dict[str, _PendingLoad] = {}  # admitted, load not yet in a step
         self._finished: list[str] = []  # for the worker's forget, until a step carries work
         self._remote: set[str] = set()  # matched as asynchronous loads, not yet admitted
+        self._hints: dict[str, CacheHints] = {}  # request id -> its cache hints, till it ends
         self._async_ready: list[LoadSpec] = []  # admitted asynchronous loads, for the next step
         self._step = 0
         self.stats = SchedulerStats()
+
+    def set_hints(self, request_id: str, hints: CacheHints | None) -> None:
+        """The request's cache hints (:mod:`lmc.connectors.core.hints`): they travel with
+        each of its saves to the worker, which pins and prioritises its chain."""
+        if hints:
+            self._hints[request_id] = hints
 
     # ------------------------------------------------------------------ lookups
     def get_num_new_matched_tokens(self, request_id: str, token_ids: Sequence[int],
@@ -462,7 +470,7 @@ class SchedulerConnector:
         self.stats.save_tokens += stop - start
         return SaveSpec(req.request_id, tuple(req.token_ids[:stop]), tuple(req.block_ids),
                         start, getattr(req, "key_tag", None), _group_ids(req),
-                        max(prompt, stop))
+                        max(prompt, stop), self._hints.get(req.request_id))
 
     # ------------------------------------------------------------------ lifecycle
     def request_finished(self, request_id: str) -> None:
@@ -482,11 +490,12 @@ class SchedulerConnector:
         self._held.pop(request_id, None)
         self._pending.pop(request_id, None)
         self._remote.discard(request_id)
+        self._hints.pop(request_id, None)
 
     @property
     def num_tracked_requests(self) -> int:
         return (len(self._hits) + len(self._pending) + len(self._held)
-                + len(self._prefetching) + len(self._redone))
+                + len(self._prefetching) + len(self._redone) + len(self._hints))
 
     def policy_stats(self) -> dict[str, float]:
         """The load policy's counters (``policy.*``), empty without a policy."""

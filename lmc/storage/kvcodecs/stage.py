@@ -203,13 +203,20 @@ def make_codec(name: str, head_size: int | None = None, **params: Any) -> KVCode
 
 
 def parse_stage(value: Any, where: str = "codec", head_size: int | None = None) -> CodecStage:
-    """A stage from config: ``int4-kivi``, ``fp8+zstd``, ``exact+lz4``, or a mapping
+    """A stage from config: ``int4-kivi``, ``int4-kivi,group=64+zstd``, ``exact+lz4``, or a mapping
     ``{name: int4-kivi, group: 32, lossless: zstd, level: 3}``. ``ValueError`` names
     ``where``."""
     try:
         if isinstance(value, str):
             lossy, _, rest = value.partition("+")
-            spec: dict[str, Any] = {"name": lossy, "lossless": rest or None}
+            name, *params = lossy.split(",")
+            spec: dict[str, Any] = {"name": name, "lossless": rest or None}
+            for p in params:
+                k, eq, v = p.partition("=")
+                if not eq or not v.isdigit():
+                    raise ValueError(f"codec parameter {p!r}: expected name=<integer>, as in "
+                                     "int4-kivi,group=64")
+                spec[k] = int(v)
         elif isinstance(value, Mapping):
             spec = dict(value)
         else:

@@ -29,7 +29,8 @@ import xxhash
 from lmc.storage.layered_read import LayeredRead, LayerReadError
 from lmc.storage.serde import CorruptValue
 
-from .backend import BLOCK, io_all
+from .backend import io_all
+from .index import BLOCK
 
 if TYPE_CHECKING:
     from .backend import DiskReads, Entry, OpenValue
