@@ -24,7 +24,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "stats": ("lmc.server.stats_cli", "print a running lmc server's statistics"),
     "cache": ("lmc.control_cli", "pin, prioritise, delete, clear or prefetch cached prompts "
               "of a running server, router or daemon"),
-    "workload": ("lmc.workloads.cli", "write a workload trace (chat, prefix, docqa, rag, sharegpt)"),
+    "workload": ("lmc.workloads.cli", "write a workload trace (chat, prefix, docqa, rag, "
+                 "sharegpt, agent)"),
     "replay": ("lmc.workloads.replay_cli", "replay a trace on the reference engine or an "
                "OpenAI-compatible server: TTFT, throughput, hits per tier"),
     "pd-proxy": ("lmc.router.pd_proxy", "prefill on a kv_producer, decode on a kv_consumer, "

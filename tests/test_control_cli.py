@@ -107,3 +107,15 @@ def test_clear_a_daemon_namespace_with_a_tenants_token(tmp_path, capsys):
         c.close()
     finally:
         d.kill()
+
+
+def test_lmc_stats_prints_an_engine_servers_funnel(server, capsys):
+    assert post(server.port, NORMAL)[0] == 200
+    assert post(server.port, NORMAL)[0] == 200
+    assert main(["stats", "--url", server.url]) == 0
+    out = capsys.readouterr().out
+    assert "hit-rate funnel" in out and "lmc found" in out and "engine used" in out, out
+    assert main(["stats", "--url", server.url, "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert rows["engine_used"] > 0 and rows["prompt_tokens"] >= 16
+    assert main(["stats", "--url", "http://127.0.0.1:1"]) == 2

@@ -119,6 +119,26 @@ def _only_for(which: str, **given: Any) -> None:
         raise ValueError(f"{', '.join(wrong)}: only for {which}")
 
 
+def _hints(args: argparse.Namespace) -> Any:
+    """``--session-hints TTL[,PRIORITY]`` and ``--background-priority P`` as the
+    replay's :class:`~lmc.workloads.replay.SessionHints` (None: none given)."""
+    from lmc.workloads.replay import SessionHints
+    if args.session_hints is None and args.background_priority is None:
+        return None
+    ttl = prio = None
+    if args.session_hints is not None:
+        ttl_text, _, prio_text = args.session_hints.partition(",")
+        try:
+            ttl = float(ttl_text)
+            prio = int(prio_text) if prio_text else None
+        except ValueError:
+            ttl = -1.0
+        if not 0 < ttl < 1e6 or (prio is not None and not -10 <= prio <= 10):
+            raise ValueError(f"--session-hints {args.session_hints!r}: expected TTL seconds "
+                             "> 0, then optionally ,PRIORITY in [-10, 10]")
+    return SessionHints(ttl, prio, args.background_priority)
+
+
 def _replay(args: argparse.Namespace) -> int:
     from lmc.workloads import report
 
@@ -157,7 +177,8 @@ def _replay(args: argparse.Namespace) -> int:
             llm, name = _reference_llm(target, args, cleanup)
             bar.start()
             res = replay_reference(requests, llm, fast=args.fast, concurrency=args.concurrency,
-                                   progress=bar, keep_outputs=bool(args.records), target=name)
+                                   progress=bar, keep_outputs=bool(args.records), target=name,
+                                   hints=_hints(args))
         elif target.startswith(("http://", "https://")):
             _only_for("the reference target (a server's engine and lmc are configured where "
                       "it runs)", config=args.config, no_lmc=args.no_lmc, threads=args.threads,
@@ -169,7 +190,8 @@ def _replay(args: argparse.Namespace) -> int:
 
             res = replay_http(requests, target, model=args.model, fast=args.fast,
                               concurrency=args.concurrency, progress=bar,
-                              vllm_extras=not args.openai_strict, timeout=args.timeout)
+                              vllm_extras=not args.openai_strict, timeout=args.timeout,
+                              hints=_hints(args))
         else:
             raise ValueError(f"--target {target!r}: expected reference[:MODEL_DIR] or "
                              "http://host:port")
@@ -221,6 +243,11 @@ def _register_replay(sub: Any) -> None:
                         "extra)")
     p.add_argument("--records", metavar="FILE",
                    help="write one JSON line per request (times, tokens, hits, errors)")
+    p.add_argument("--session-hints", metavar="TTL[,PRIORITY]",
+                   help="send each session's requests with cache hints: its chain pinned "
+                   "for TTL s between turns, and PRIORITY (-10..10) (kv_transfer_params)")
+    p.add_argument("--background-priority", type=int_in(-10, 10), default=None, metavar="P",
+                   help="requests of no session get this retention priority")
     ref = p.add_argument_group("reference target")
     ref.add_argument("--config", metavar="FILE", help="lmc YAML config (default: lmc demo's)")
     ref.add_argument("--no-lmc", action="store_true", help="the engine alone (a baseline)")

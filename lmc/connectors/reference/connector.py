@@ -124,6 +124,7 @@ class LMCReferenceConnector(KVConnector):
                                  enabled=self.cache_config.load_policy == "auto")
         self.scheduler = SchedulerConnector(self.connector_config, self._lookup, self.policy,
                                             prefetch=self._prefetch)
+        self.scheduler.namespace = self.cache_config.tenant or "default"
         self.engine = cache_engine
         self._owns_engine = cache_engine is None
         self._tiers = tiers

@@ -140,6 +140,11 @@ class RedisBackend(StorageBackend):
         self.coordinators = Coordinators("lmc-redis-layers")  # layered reads in progress
         self.closed = False
 
+    @property
+    def ttl_seconds(self) -> float:
+        """How long a value lives here (0: until evicted): the funnel's ``ttl`` misses."""
+        return self.px / 1000.0
+
     # ------------------------------------------------------------------ helpers
     def remote_key(self, key: Key) -> bytes:
         return self.prefix + key.hex().encode()
