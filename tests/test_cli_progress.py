@@ -88,7 +88,7 @@ def test_demo_prints_checkpoint_progress(monkeypatch):
     class Stop(Exception):
         pass
 
-    def fake_model_dir(progress=None):
+    def fake_model_dir(progress=None, **_kw):
         progress("training a 2048-id byte-level BPE tokenizer ...")
         raise Stop
 
