@@ -33,6 +33,7 @@ SETTING = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+=,-]{0,63}")
 FEATURES: dict[str, str] = {
     "blend": "lmc.blend.lossy:BlendFeature",
     "kv-cast": "lmc.quality.cast:CastFeature",
+    "kv-codec": "lmc.storage.kvcodecs.feature:CodecFeature",
 }
 
 

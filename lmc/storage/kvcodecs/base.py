@@ -55,6 +55,10 @@ class KVCodec(abc.ABC):
         """The parameters that change the stored bytes (beyond ``head_size``)."""
         return {}
 
+    def settings(self) -> Mapping[str, int]:
+        """The parameters by their config names (``int4-kivi,group=32``)."""
+        return {}
+
     @property
     def ident(self) -> str:
         """Name and every parameter: what a value's header carries and the key namespace is

@@ -41,6 +41,9 @@ class Int4Kivi(KVCodec):
     def params(self) -> Mapping[str, int]:
         return {"g": self.group}
 
+    def settings(self) -> Mapping[str, int]:
+        return {"group": self.group}
+
     def kernel_param(self, width: int) -> int:
         return self.group
 
