@@ -98,6 +98,9 @@ def main() -> int:
     p.add_argument("--sessions", type=int, default=5)
     p.add_argument("--blocks", type=int, default=512)
     p.add_argument("--seed", type=int, default=7)
+    p.add_argument("--hidden", type=int, default=64, help="the tiny model's width")
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--threads", type=int, default=2, help="torch threads")
     args = p.parse_args()
     import torch
 
@@ -105,11 +108,12 @@ def main() -> int:
     from lmc.reference import make_tiny_checkpoint
     from lmc.workloads.replay import SessionHints
 
-    torch.set_num_threads(2)
+    torch.set_num_threads(args.threads)
     work = Path(tempfile.mkdtemp(prefix="lmc-agent-bench-"))
     try:
-        ckpt = make_tiny_checkpoint(work / "tiny", hidden=128, layers=4, heads=4, kv_heads=2,
-                                    vocab=2048, max_position_embeddings=16384)
+        ckpt = make_tiny_checkpoint(work / "tiny", hidden=args.hidden, layers=args.layers,
+                                    heads=2, kv_heads=1, vocab=2048,
+                                    max_position_embeddings=16384)
         trace = _trace(ckpt, args.sessions, args.seed, args.quick)
         n_bg = sum(r.session_id is None for r in trace)
         prompt = sum(len(r.prompt_tokens) for r in trace)
