@@ -97,6 +97,20 @@ class CacheControl:
         log.debug("pinned %d of %d tokens for %.3g s (%s)", got, n_tok, ttl, owner[0])
         return got
 
+    def keep_warm(self, keys: Sequence[ChunkKey], ttl: float | None, priority: int | None,
+                  owner: tuple[str, Hashable]) -> int:
+        """A request's cache hints on its saved chain (``keys``, already computed): pinned
+        for ``ttl`` (capped at ``max_pin_ttl``) by ``owner``, replacing its last pins, as
+        many leading chunks as the bounds allow; ``priority`` set. Chunks pinned."""
+        n = 0
+        if ttl is not None and keys:
+            objs = self.engine.storage.get_prefix(keys)
+            n = self.pins.pin(owner, objs, ttl=min(ttl, self.max_ttl),
+                              keys=list(keys[:len(objs)]))
+        if priority is not None and keys:
+            self.engine.storage.set_priority(keys, check_priority(priority))
+        return n
+
     def unpin(self, tokens: Tokens | None, session: str | None, salt: str | None,
               lora: str | None) -> int:
         """Drop the pins :meth:`pin` took for ``session`` or these tokens; chunks freed."""

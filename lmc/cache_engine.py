@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import threading
 import time
 from collections.abc import Hashable, Iterator, Sequence
@@ -28,6 +29,7 @@ from lmc.layerwise import CopyLease, LayerwiseRetrieve, LayerwiseStore
 from lmc.memory.pool import LazyTensors, Lease, MemoryObj, MemoryPool, PoolArrays
 from lmc.metrics import EngineMetrics
 from lmc.storage.chain import TierSpec, build_storage
+from lmc.storage.funnel import Funnel
 from lmc.storage.integrity import GroupGeometry, expect_geometry
 from lmc.storage.kvcodecs.gate import open_gates
 from lmc.storage.layered_read import READY, LayerGate
@@ -53,6 +55,7 @@ from lmc.transfer.plan import ChunkRanges, KVTransfer, TransferPlan
 from lmc.transfer.warm import pinned_buffer, warm_up
 
 log = logging.getLogger(__name__)
+FUNNEL_ROOT = bytes(16)  # the tokens' own chain, whatever the request's tag (lmc.storage.funnel)
 MAX_QUEUED_PREFETCHES = 64  # prefetches waiting for the prefetch thread; more are refused
 PREFETCH_PIECE = 4  # chunks per read of a prefetch: a cancelled one stops within a piece
 Keys = Sequence[ChunkKey] | None  # a prompt's chunk keys computed ahead (RequestKeys), or None
@@ -90,7 +93,8 @@ class CacheEngine:
 
     def __init__(self, config: CacheConfig, spec: KVSpec, model_id: str, tp_rank: int = 0,
                  tp_size: int = 1, *, tiers: Sequence[TierSpec] | None = None,
-                 transfer: str | TransferFactory = "auto") -> None:
+                 transfer: str | TransferFactory = "auto",
+                 model_dir: str | os.PathLike | None = None) -> None:
         if not isinstance(config, CacheConfig):
             raise TypeError(f"config must be a CacheConfig, got {type(config).__name__}")
         if not isinstance(spec, KVSpec):
@@ -109,7 +113,7 @@ class CacheEngine:
             # a rewritten shape or dtype is counted, deleted and a miss (docs/threats/tiers.md)
             expect_geometry(self.storage.lower, GroupGeometry.of_groups(spec, config.chunk_size))
             # a tier's lossy codec only with a passing quality verdict for this model
-            open_gates(self.storage.lower, model_id, spec.dtype)
+            open_gates(self.storage.lower, model_id, spec.dtype, model_dir)
         except BaseException:
             self.pool.close()
             raise
@@ -153,12 +157,21 @@ class CacheEngine:
                 lambda caches: self._bind(make_transfer(bound, caches, transfer)), capacity=4)
         self._pins = PinTable(config.max_pinned_chunks, config.pin_timeout)
         self.control = CacheControl(self)  # pin/set_priority/delete/clear (lmc.cache_control)
+        self.funnel: Funnel | None = None  # the hit-rate funnel (lmc.storage.funnel)
+        if config.funnel:
+            self.funnel = Funnel(self.control.namespace, self.tier_names, config.chunk_size,
+                                 [float(getattr(t, "ttl_seconds", 0.0) or 0.0)
+                                  for t in self.storage.tiers])
+            self.storage.add_listener(self.funnel)
+            for q in self.storage.queues:
+                q.on_dropped = self.funnel.note_dropped
         self._lock = threading.RLock()
         self._worker: ThreadPoolExecutor | None = None
         # prefetches run on a thread of their own: a slow tier's read must never hold up
         # the layer-wise copies of the requests being served (the "lmc-io" thread)
         self._prefetcher: ThreadPoolExecutor | None = None
         self._prefetch_queued = 0
+        self.prefetches = 0  # asked for (stats: a router's prefetch shows here)
         self._closed = False
 
     # ------------------------------------------------------------- plumbing
@@ -413,6 +426,8 @@ class CacheEngine:
             self._pins.pin(self._pin_owner(tokens, keys, request_id), held)
         else:
             sources = self.storage.prefix_sources(keys)
+        if self.funnel is not None and keys:
+            self.funnel.lookup(n, keys, self.db.keys(tokens, root=FUNNEL_ROOT), sources)
         hit_tokens = min(len(sources) * self.config.chunk_size, n)
         self.metrics.lookup(n, hit_tokens, time.perf_counter() - t0)
         return LookupResult(hit_tokens, self.config.chunk_size, self.tier_names,
@@ -706,6 +721,7 @@ class CacheEngine:
                     self._prefetch_queued -= 1
 
         with self._lock:
+            self.prefetches += 1
             if self._prefetch_queued >= MAX_QUEUED_PREFETCHES:  # bounded: refused, not queued
                 out.set_result(min(first * cs, n))
                 return out
@@ -742,6 +758,9 @@ class CacheEngine:
         out.update(self.storage.stats())
         out.update(self._pins.stats())
         out.update(self.control.stats())
+        if self.funnel is not None:
+            out.update(self.funnel.stats())
+        out["prefetches"] = self.prefetches
         out.update(self.speeds.stats())
         if self.events is not None:
             out.update(self.events.stats())

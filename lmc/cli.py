@@ -22,7 +22,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("lmc.demo", "cold vs warm TTFT and answers on the built-in reference engine"),
     "server": ("lmc.server.cli", "run the node-wide KV cache server daemon"),
     "stats": ("lmc.server.stats_cli", "print a running lmc server's statistics"),
-    "workload": ("lmc.workloads.cli", "write a workload trace (chat, prefix, docqa, rag, sharegpt)"),
+    "cache": ("lmc.control_cli", "pin, prioritise, delete, clear or prefetch cached prompts "
+              "of a running server, router or daemon"),
+    "workload": ("lmc.workloads.cli", "write a workload trace (chat, prefix, docqa, rag, "
+                 "sharegpt, agent)"),
     "replay": ("lmc.workloads.replay_cli", "replay a trace on the reference engine or an "
                "OpenAI-compatible server: TTFT, throughput, hits per tier"),
     "pd-proxy": ("lmc.router.pd_proxy", "prefill on a kv_producer, decode on a kv_consumer, "
@@ -31,7 +34,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
                "prefix (KV events), balanced against load"),
     "plan": ("lmc.planner.cli", "size the cache tiers for a trace: hit rate and predicted "
              "TTFT per configuration"),
-    "blend-check": ("lmc.blend.gate", "measure blending's quality for a model; write its verdict"),
+    "quality": ("lmc.quality.cli", "judge a lossy KV feature (blending, a codec) on a model "
+                "against exact KV; write its verdicts"),
+    "blend-check": ("lmc.blend.gate", "lmc quality --feature blend (the recompute ratios as "
+                    "--ratios)"),
     "model": ("lmc.models.cli", "get a real model's checkpoint (offline, from a package); "
               "list those converted"),
 }

@@ -336,6 +336,10 @@ class CacheConfig(Settings):
         3600.0, lambda v, k: parse_duration(v, k, minimum=0.001),
         "the longest TTL a pin may ask for (seconds, or '5m', '1h'); longer is refused "
         "(TTLError)", unit="duration")
+    funnel: bool = setting(
+        True, parse_bool, "classify every lookup for the hit-rate funnel (best possible, "
+        "found per tier, misses by reason: lmc.storage.funnel); costs one more hash of the "
+        "prompt per lookup")
     # ---- lower tiers
     local_disk: str | None = setting(
         None, parse_opt_str, "directory of the local disk tier; unset = no disk tier")

@@ -23,6 +23,15 @@ from prometheus_client.metrics import MetricWrapperBase
 _LAT_BUCKETS = (1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 0.1, 0.3, 1.0, 3.0)
 
 EVICTIONS = Counter("lmc_evictions", "Chunks evicted", ["tier"])
+# the hit-rate funnel (lmc.storage.funnel; the scheduler half counts "used" and "local")
+FUNNEL_TOKENS = Counter("lmc_funnel_tokens", "Prompt tokens looked up (prompt), the best "
+                        "possible cache's hit (best), lmc's (found), the engine's own prefix "
+                        "cache's at admission (local) and what the engine did not compute "
+                        "(used: local plus lmc's load)", ["namespace", "stage"])
+FUNNEL_FOUND = Counter("lmc_funnel_found_tokens", "Prompt tokens found, by the tier holding "
+                       "them", ["namespace", "tier"])
+FUNNEL_MISSES = Counter("lmc_funnel_miss_tokens", "Prompt tokens not found or not used, by "
+                        "why", ["namespace", "reason"])
 
 
 class _EngineCollectors:
@@ -256,7 +265,7 @@ def _carried() -> dict[str, MetricWrapperBase]:
         m.lookups, m.lookup_tokens, m.hit_tokens, m.op_bytes, m.op_tokens, m.skipped,
         m.pool_used, m.pool_capacity, EVICTIONS, TIER_HITS, TIER_MISSES, TIER_BYTES,
         TIER_ERRORS, CHECKSUM_FAILURES, PROMOTED, QUEUE_BYTES, QUEUE_CHUNKS, DROPPED_WRITES,
-        CODEC_BYTES,
+        CODEC_BYTES, FUNNEL_TOKENS, FUNNEL_FOUND, FUNNEL_MISSES,
         *(pool_gauge(n) for n in _POOL_DOCS)]
     return {c._name: c for c in out}  # noqa: SLF001 - the name it was made with
 

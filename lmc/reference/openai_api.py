@@ -17,6 +17,7 @@ from typing import Any
 from lmc.models.chat import ChatTemplateError, check_messages
 from lmc.reference.request import SEED_MAX, SEED_MIN
 from lmc.reference.tokenizer import check_unicode
+from lmc.storage.control import body_hints
 
 INT64_MAX = 2**63 - 1
 
@@ -121,6 +122,11 @@ def _common(body: Any, max_tokens: int | None, prompt: str | list[int] | None,
     kv = body.get("kv_transfer_params")
     if kv is not None and not isinstance(kv, dict):
         raise BadRequest(f"kv_transfer_params must be an object, got {_show(kv)}")
+    if body.get("cache_hints") is not None:  # session, priority, TTL for the KV connector
+        try:
+            kv = {**(kv or {}), **body_hints(body["cache_hints"])}
+        except ValueError as e:
+            raise BadRequest(str(e)) from None
     opts = body.get("stream_options")
     if opts is not None and not isinstance(opts, dict):
         raise BadRequest(f"stream_options must be an object, got {_show(opts)}")

@@ -14,8 +14,13 @@ way they drive vLLM, not a production server:
   ``ignore_eos``, ``stream`` (server-sent events; ``stream_options.include_usage`` adds a
   final usage chunk), ``return_token_ids`` and ``kv_transfer_params`` (vLLM's field: passed
   to the KV connector; a producer's answer comes back in the response's
-  ``kv_transfer_params``). ``usage.prompt_tokens_details.cached_tokens`` is the prompt
+  ``kv_transfer_params``), ``cache_hints`` (``{"session", "priority", "ttl"}``: the lmc
+  connector keeps the session's chain in L1 for ``ttl`` s and gives it ``priority``;
+  :mod:`lmc.connectors.core.hints`). ``usage.prompt_tokens_details.cached_tokens`` is the prompt
   tokens the connector supplied.
+* ``POST /admin/cache/{pin,unpin,priority,delete,clear,prefetch}``: cache control on the
+  engine's lmc cache (:mod:`lmc.reference.admin`), loopback clients only unless
+  ``--admin-token`` (:mod:`lmc.http.admin`).
 * ``GET /v1/models``, ``GET /lmc/stats`` (the connector's counters), ``GET /metrics``
   (this process's Prometheus registry: lmc's engine and tier series, text format).
 * ``GET /health``: 200 once serving at full speed; 503 with what it waits for before that
@@ -56,6 +61,8 @@ from typing import Any
 import prometheus_client
 
 from lmc import units
+from lmc.http import admin as admin_api
+from lmc.http.admin import AdminAuth
 from lmc.http.json_api import (
     BoundedHTTPServer,
     HttpError,
@@ -66,6 +73,7 @@ from lmc.http.json_api import (
     limits_from_args,
     listen_error,
 )
+from lmc.reference.admin import EngineAdmin
 from lmc.reference.connector_api import connector_module
 from lmc.reference.engine import LLM
 from lmc.reference.openai_api import (
@@ -76,6 +84,7 @@ from lmc.reference.openai_api import (
     parse_completion,
 )
 from lmc.reference.request import SamplingParams
+from lmc.storage.control import ControlError
 
 __all__ = ["BadRequest", "Completion", "EngineLoop", "Server", "main", "parse_chat",
            "parse_completion"]
@@ -240,8 +249,11 @@ class Server:
     pre-faulted, ``/health`` answers 503 saying what it waits for."""
 
     def __init__(self, llm: Any = None, host: str = "127.0.0.1", port: int = 0,
-                 model_name: str = "", limits: HttpLimits | None = None) -> None:
+                 model_name: str = "", limits: HttpLimits | None = None,
+                 admin_auth: AdminAuth | None = None) -> None:
         self.llm: Any = None
+        self.admin_auth = admin_auth or AdminAuth()  # loopback only, unless tokens
+        self.admin = EngineAdmin(self)
         self.loop: EngineLoop | None = None
         self.model_name = model_name
         handler = type("Handler", (_Handler,), {"app": self})
@@ -335,6 +347,9 @@ class _Handler(JsonHandler):
             self._error(404, f"no such path {self.path[:200]}")
 
     def do_POST(self) -> None:
+        if self.path.startswith(admin_api.PATH):
+            self._admin()
+            return
         parse = ROUTES.get(self.path)
         if parse is None:
             self._error(404, f"no such path {self.path[:200]} (POST {' or '.join(ROUTES)})")
@@ -363,6 +378,25 @@ class _Handler(JsonHandler):
             self._stream(req, job)
         else:
             self._complete(req, job)
+
+    def _admin(self) -> None:
+        """``POST /admin/cache/<op>``: the caller checked before its body is read
+        (:mod:`lmc.http.admin`), the op run by :mod:`lmc.reference.admin`."""
+        try:
+            op = admin_api.op_of(self.path)
+            grant = self.app.admin_auth.check(self.client_address[0],
+                                              self.headers.get("Authorization"))
+            req = admin_api.parse_admin(op, self.read_json())
+            if self.app.loop is None:
+                raise HttpError(503, "the model is still loading")
+            out = self.app.admin.run(req, grant, self.server.limits.read_timeout)
+        except HttpError as e:
+            self._error(e.status, str(e))
+            return
+        except ControlError as e:
+            self._json(*admin_api.refusal(e))
+            return
+        self._json(200, out)
 
     def _wait(self, event: threading.Event) -> bool:
         """Wait for the engine; False (and a 503 sent) if its thread is gone."""
@@ -520,6 +554,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--num-blocks", type=int, default=None)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     add_limit_args(p)
+    p.add_argument("--admin-token", action="append", metavar="FILE[:NS,NS|:admin]",
+                   help="a secret file opening POST /admin/cache/* to clients sending "
+                   "Authorization: Bearer <it>, for the namespaces named (all: none or "
+                   "admin); repeat. Without it the admin endpoints answer loopback only")
     p.add_argument("--ready-file", metavar="FILE", help="write {url, port, pid} here once "
                    "serving at full speed")
     args = p.parse_args(argv)
@@ -528,11 +566,12 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     try:
         limits = limits_from_args(args)
+        admin_auth = AdminAuth.from_specs(args.admin_token)
         cache_config = check_lmc_config(args)
     except (ValueError, OSError) as e:
         return _fail(e)
     try:  # before the model loads: a taken port fails in a second
-        server = Server(None, args.host, args.port, limits=limits)
+        server = Server(None, args.host, args.port, limits=limits, admin_auth=admin_auth)
     except OSError as e:
         return _fail(listen_error(e, args.host, args.port))
     server.httpd.access_log = args.access_log

@@ -39,6 +39,8 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from lmc.http.admin import PATH as ADMIN_PATH
+from lmc.http.admin import AdminAuth
 from lmc.http.json_api import (
     HttpError,
     HttpLimits,
@@ -47,10 +49,12 @@ from lmc.http.json_api import (
     limits_from_args,
     listen_error,
 )
+from lmc.router.admin import RouterAdmin
 from lmc.router.dispatch import (
     Front,
     Instance,
     InstanceSpec,
+    Pick,
     Pool,
     add_choice_args,
     cache_salt,
@@ -75,7 +79,8 @@ class Router(Front):
                  limits: HttpLimits | None = None, upstream_timeout: float = TIMEOUT,
                  health_interval: float | None = DEFAULT_INTERVAL, stale_after: float = 10.0,
                  tokenizer: Any = None, max_blocks: int = 1 << 21,
-                 shared: Sequence[SharedSpec] = ()) -> None:
+                 shared: Sequence[SharedSpec] = (), admin: RouterAdmin | None = None,
+                 prefetch: bool = True) -> None:
         if not instances:
             raise ValueError("lmc router needs at least one --instance")
         self.pool = Pool(instances, policy=policy, weights=weights,
@@ -88,18 +93,20 @@ class Router(Front):
         self.stale_after = stale_after
         self.tokenizer = tokenizer
         self.metrics = RoutingMetrics("lmc_router")
+        self.admin = admin or RouterAdmin()  # /admin/cache/* and prefetches (lmc.router.admin)
+        self.prefetch = prefetch
         self.listen(type("Handler", (_Handler,), {"router": self}), host, port, limits,
                     self.pool.sources, stale_after)
         self.check_health([self.pool], health_interval, "lmc-router-health")
 
     # ------------------------------------------------------------------ choosing
     def pick(self, tokens: list[int] | None, salt: str | None, exclude: set[str]
-             ) -> tuple[Instance, str, int]:
-        """The instance for a prompt, why, and the cached tokens predicted there; counts
-        it in flight (the caller calls :meth:`done`)."""
+             ) -> Pick:
+        """The instance for a prompt, why, the cached tokens predicted there and the
+        events' match; counts it in flight (the caller calls :meth:`done`)."""
         p = self.pool.pick(tokens, salt, exclude)
         self.metrics.in_flight.labels(p.instance.url).set(p.instance.in_flight)
-        return p.instance, p.reason, p.predicted
+        return p
 
     def done(self, inst: Instance) -> None:
         self.pool.done(inst)
@@ -136,6 +143,9 @@ class _Handler(RelayHandler):
 
     def do_POST(self) -> None:
         r = self.router
+        if self.path.startswith(ADMIN_PATH):
+            r.admin.handle(self, r)
+            return
         body = self.request_body()
         if body is None:
             return
@@ -149,12 +159,15 @@ class _Handler(RelayHandler):
         tried: set[str] = set()
         while True:
             try:
-                inst, reason, predicted = r.pick(tokens, salt, tried)
+                p = r.pick(tokens, salt, tried)
             except HttpError as e:
                 self._error(e.status, str(e))
                 return
+            inst = p.instance
             try:
-                answered = self._forward(inst, data, reason, predicted, len(tokens or ()))
+                if r.prefetch and tokens is not None:  # the load overlaps the queueing
+                    r.admin.prefetch_if_lower(inst, p.match, {**body, "prompt": tokens})
+                answered = self._forward(inst, data, p.reason, p.predicted, len(tokens or ()))
             finally:
                 r.done(inst)
             if answered:
@@ -201,17 +214,38 @@ def register_cli(sub: Any) -> None:
     p.add_argument("--upstream-timeout", type=float_in(0, 86400, low_open=True),
                    default=TIMEOUT, metavar="SECONDS",
                    help="how long an instance may take to answer (per read)")
+    p.add_argument("--admin-token", action="append", metavar="FILE[:NS,NS|:admin]",
+                   help="a secret file opening POST /admin/cache/* to clients sending "
+                   "Authorization: Bearer <it> (namespaces as named; all: none or admin); "
+                   "repeat. Without it the admin endpoints answer loopback only")
+    p.add_argument("--upstream-admin-token", metavar="FILE",
+                   help="the secret the router sends instances' admin endpoints (admin ops "
+                   "it forwards, prefetches)")
+    p.add_argument("--no-prefetch", dest="prefetch", action="store_false",
+                   help="never ask an instance to prefetch a prompt it holds below memory")
     add_limit_args(p)
     p.set_defaults(func=run)
+
+
+def _secret(path: str | None) -> str | None:
+    if path is None:
+        return None
+    try:
+        return open(path, encoding="utf-8").read().strip()
+    except OSError as e:
+        raise ValueError(f"--upstream-admin-token {path}: cannot read it ({e.strerror})") \
+            from None
 
 
 def run(args: argparse.Namespace) -> int:
     try:
         specs = [InstanceSpec.parse(t) for t in args.instance]
         shared = [SharedSpec.parse(t) for t in args.shared_events]
+        admin = RouterAdmin(AdminAuth.from_specs(args.admin_token),
+                            _secret(args.upstream_admin_token))
         router = Router(specs, host=args.host, port=args.port, limits=limits_from_args(args),
                         upstream_timeout=args.upstream_timeout,
-                        shared=shared,
+                        shared=shared, admin=admin, prefetch=args.prefetch,
                         **choice_from_args(args))
     except OSError as e:  # the port (a file, e.g. a tokenizer, names itself)
         why = str(e) if e.filename else listen_error(e, args.host, args.port)

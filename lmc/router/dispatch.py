@@ -26,6 +26,7 @@ from typing import Any
 from lmc.http.json_api import BoundedHTTPServer, HttpError, HttpLimits, printable
 from lmc.router.feed import EventFeed, SaltedKeys, SharedSource, SharedSpec, Source, match_instance
 from lmc.router.health import DEFAULT_INTERVAL, HealthChecks
+from lmc.router.index import Match
 from lmc.router.policy import POLICIES, Candidate, Weights, choose
 from lmc.router.relay import TIMEOUT, Upstream
 
@@ -74,6 +75,7 @@ class Pick:
     instance: Instance
     reason: str  # prefix | load | stale | no_tokens | round_robin (lmc.router.policy)
     predicted: int  # prompt tokens the events say are cached there
+    match: Match | None = None  # the events' view per medium (None: not known)
 
 
 class Pool:
@@ -126,7 +128,8 @@ class Pool:
             self._turn += 1
             inst = live[c.index]
             inst.in_flight += 1
-        return Pick(inst, c.reason, min(c.match.tokens(), len(tokens or ())))
+        return Pick(inst, c.reason, min(c.match.tokens(), len(tokens or ())),
+                    c.match if tokens is not None else None)
 
     def done(self, inst: Instance) -> None:
         with self._lock:

@@ -53,13 +53,16 @@ class Upstream:
         self.url, self.host, self.port = url.rstrip("/"), u.hostname, port
         self.timeout = timeout
 
-    def post(self, path: str, data: bytes) -> tuple[http.client.HTTPConnection,
-                                                    http.client.HTTPResponse]:
+    def post(self, path: str, data: bytes, headers: dict[str, str] | None = None,
+             timeout: float | None = None
+             ) -> tuple[http.client.HTTPConnection, http.client.HTTPResponse]:
         """Send a JSON body; the caller closes the connection."""
-        conn = http.client.HTTPConnection(self.host, self.port, timeout=self.timeout)
+        conn = http.client.HTTPConnection(self.host, self.port,
+                                          timeout=self.timeout if timeout is None else timeout)
         try:
             conn.request("POST", path, data, {"Content-Type": "application/json",
-                                              "Content-Length": str(len(data))})
+                                              "Content-Length": str(len(data)),
+                                              **(headers or {})})
             return conn, conn.getresponse()
         except BaseException:
             conn.close()

@@ -6,7 +6,10 @@ Tiers, Namespaces). Sizes and durations are in human units, every hit rate comes
 denominator (hits/asked) -- GETs' keys and lookups' (EXISTS) keys apart -- and each tier
 says its declared medium and capabilities. Rates are per second since the daemon started,
 or over the last interval with ``--watch``. Nothing here imports torch at load time, so
-the command answers in a fraction of a second. ``--json`` prints the raw answer for scripts. The token
+the command answers in a fraction of a second. ``--json`` prints the raw answer for scripts.
+Given an engine's server or ``lmc router`` (``--url http://host:port``) it prints the
+hit-rate funnel instead (:mod:`lmc.storage.funnel`): best possible, found, loaded and used
+tokens, and the misses by reason. The token
 comes from ``--token-file`` or ``LMC_REMOTE_TOKEN`` (never a flag value, which ``ps`` would
 show).
 """
@@ -210,7 +213,49 @@ def render(stats: Any, before: dict[str, Any] | None = None,
         raise StatsError(f"malformed STATS answer: {safe(e, 200)}") from None
 
 
+def engine_funnel(url: str, timeout: float) -> dict[str, Any]:
+    """An engine server's (or a router's) hit-rate funnel since it started, from its
+    ``/lmc/stats`` and ``/metrics`` (:mod:`lmc.workloads.funnel_report`)."""
+    import urllib.error
+    import urllib.request
+
+    from lmc.workloads.funnel_report import http_reader, view
+
+    def get(path: str) -> tuple[int, bytes]:
+        try:
+            with urllib.request.urlopen(url.rstrip("/") + path, timeout=timeout) as r:
+                return r.status, r.read(16 << 20)
+        except urllib.error.HTTPError as e:
+            return e.code, b""
+        except urllib.error.URLError as e:
+            raise OSError(str(e.reason)) from None
+
+    figures = http_reader(get)()
+    if not figures:
+        raise StatsError(f"{url} answered neither /lmc/stats nor lmc's /metrics series")
+    rows = view(figures)
+    if rows is None:
+        raise StatsError(f"{url} has no hit-rate funnel yet (no lookups, or lmc's funnel off)")
+    return rows
+
+
+def _funnel_main(args: argparse.Namespace) -> int:
+    from lmc.workloads.funnel_report import format_funnel
+    try:
+        rows = engine_funnel(args.url, args.timeout)
+    except StatsError as e:
+        print(f"lmc stats: {e}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(rows, indent=2, sort_keys=True))
+    else:
+        print(f"# {args.url}" + "\n".join(format_funnel(rows)))
+    return 0
+
+
 def _main(args: argparse.Namespace) -> int:
+    if args.url.startswith(("http://", "https://")):
+        return _funnel_main(args)
     token = os.environ.get("LMC_REMOTE_TOKEN")
     if args.token_file:
         try:
@@ -262,7 +307,9 @@ def register_cli(subparsers: Any) -> None:
 
     p = add_command(subparsers, "stats", "print a running lmc server's statistics", __doc__)
     p.add_argument("--url", default="lmc://127.0.0.1:7451", metavar="URL",
-                   help="lmc://host:port or lmc+unix:///path (default %(default)s)")
+                   help="lmc://host:port or lmc+unix:///path (default %(default)s); an "
+                        "engine's server or lmc router (http://host:port): its hit-rate "
+                        "funnel")
     p.add_argument("--token-file", metavar="FILE",
                    help="file holding the token (else LMC_REMOTE_TOKEN)")
     p.add_argument("--timeout", type=_positive_seconds, default=5.0, metavar="SECONDS",

@@ -10,6 +10,7 @@ the value that broke it, so an operator reads what to change without a traceback
 from __future__ import annotations
 
 import math
+from typing import Any
 
 MIN_PRIORITY, MAX_PRIORITY = -10, 10
 """Retention priorities: higher is kept longer; 0 is every chunk's until set."""
@@ -73,3 +74,44 @@ def check_priority(priority: object) -> int:
         raise PriorityError(f"priority {priority} is outside [{MIN_PRIORITY}, "
                             f"{MAX_PRIORITY}] (higher is kept longer; 0 is the default)")
     return priority
+
+
+# ---------------------------------------------------------------- a request's cache hints
+MAX_SESSION = 256
+"""Characters of a session id (a request's ``lmc_session`` hint, a pin's owner)."""
+
+
+def hint_session(v: Any) -> str | None:
+    return v if isinstance(v, str) and 0 < len(v) <= MAX_SESSION else None
+
+
+def hint_priority(v: Any) -> int | None:
+    ok = isinstance(v, int) and not isinstance(v, bool) and MIN_PRIORITY <= v <= MAX_PRIORITY
+    return v if ok else None
+
+
+def hint_ttl(v: Any) -> float | None:
+    ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0
+    return float(v) if ok else None
+
+
+def body_hints(value: Any) -> dict[str, Any]:
+    """A request body's ``cache_hints`` object as ``kv_transfer_params`` keys; ``ValueError``
+    naming the field that is wrong (a server answers it 400)."""
+    if not isinstance(value, dict):
+        raise ValueError("cache_hints must be an object with session, priority and ttl")
+    extra = sorted(set(value) - {"session", "priority", "ttl"})
+    if extra:
+        raise ValueError(f"cache_hints: unknown field {str(extra[0])[:64]!r} (session, "
+                         "priority, ttl)")
+    out: dict[str, Any] = {}
+    for name, key, check, rule in (
+            ("session", "lmc_session", hint_session, f"a string of 1-{MAX_SESSION} characters"),
+            ("priority", "lmc_priority", hint_priority,
+             f"an integer in [{MIN_PRIORITY}, {MAX_PRIORITY}]"),
+            ("ttl", "lmc_ttl", hint_ttl, "a number of seconds > 0")):
+        if name in value:
+            if check(value[name]) is None:
+                raise ValueError(f"cache_hints.{name} must be {rule}")
+            out[key] = value[name]
+    return out

@@ -64,6 +64,9 @@ class WriteBehind:
         self._failing_since: dict[Key, tuple[float, float]] = {}  # first failure, next delay
         self._seq = 0
         self.retried = 0
+        self.on_dropped: Callable[[list[Key]], None] | None = None
+        """Called with the keys a full queue refused (the hit-rate funnel's
+        ``write_queue_full``: :mod:`lmc.storage.funnel`)."""
         self.on_written: Callable[[list[Key]], None] | None = None
         """Called from the writer thread with the keys a ``put`` stored, once it returned
         (they are readable from the tier): the storage manager's listeners hook in here."""
@@ -75,6 +78,7 @@ class WriteBehind:
         """Queue chunks for the tier without waiting; returns how many were accepted (a key
         already waiting counts as accepted). The rest are dropped and counted."""
         accepted = dropped = 0
+        refused: list[Key] | None = [] if self.on_dropped is not None else None
         with self._cv:
             if self._closed:
                 self.metrics.dropped("closed", len(keys))
@@ -85,6 +89,8 @@ class WriteBehind:
                     continue
                 if self._bytes + o.nbytes > self.max_bytes:
                     dropped += 1
+                    if refused is not None:
+                        refused.append(k)
                     continue
                 o.acquire()  # before the lock is released: the writer may run at once
                 self._pending[k] = o
@@ -97,6 +103,8 @@ class WriteBehind:
             depth = (self._bytes, len(self._pending))
         self.metrics.dropped("queue_full", dropped)
         self.metrics.queue(*depth)
+        if refused:
+            self.on_dropped(refused)  # type: ignore[misc]  # set when refused is a list
         return accepted
 
     def lookup(self, keys: Sequence[Key]) -> list[MemoryObj | None]:

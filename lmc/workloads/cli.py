@@ -19,6 +19,8 @@ WORKLOAD_DOC = """Write a workload trace (JSONL, see docs/workloads.md) for lmc 
   rag       a pool of documents; each query retrieves k of them in a random order (their
             spans marked as reusable segments, for lmc replay --blend)
   sharegpt  conversations from a ShareGPT-style JSON file
+  agent     coding-agent sessions: a long shared tools prefix, turns appending tool
+            results, sub-agents forking, think time; background traffic with a burst
 
 Text is generated from a seed (same seed, same trace). Sizes are in tokens: exact lower
 bounds with --tokenizer (the trace then holds token ids), estimated from words without.
@@ -52,6 +54,26 @@ def _rate(text: str) -> float:
     return r
 
 
+def _seconds(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        v = -1.0
+    if not 0 <= v < 1e6:
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}")
+    return v
+
+
+def _fraction(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        v = -1.0
+    if not 0 <= v <= 1:
+        raise argparse.ArgumentTypeError(f"expected a fraction in [0, 1], got {text!r}")
+    return v
+
+
 # -------------------------------------------------------------------------- workload
 def _workload(args: argparse.Namespace) -> int:
     from lmc.workloads import generators as g
@@ -59,7 +81,18 @@ def _workload(args: argparse.Namespace) -> int:
     try:
         tok = g.load_tokenizer(args.tokenizer) if args.tokenizer else None
         skipped = 0
-        if args.kind == "chat":
+        arrivals: list[float] | None = None
+        if args.kind == "agent":
+            if args.rate is not None:
+                raise ValueError("agent: arrivals come from --think-s, --session-gap-s and "
+                                 "the background's rates, not --rate")
+            from lmc.workloads.agent import AgentSpec, agent_drafts
+            drafts, arrivals = agent_drafts(AgentSpec(
+                args.sessions, args.turns, args.system_tokens, args.task_tokens,
+                args.tool_tokens, args.output_len, args.fork, args.sub_turns, args.think_s,
+                args.session_gap_s, args.background_rate, args.background_tokens,
+                args.burst_rate, args.burst_s, args.burst_at, args.seed), tok)
+        elif args.kind == "chat":
             drafts = g.chat_drafts(g.ChatSpec(args.conversations, args.turns, args.system_tokens,
                                               args.user_tokens, args.output_len, args.active,
                                               args.seed), tok)
@@ -82,7 +115,8 @@ def _workload(args: argparse.Namespace) -> int:
                 args.seed), tok)
         if not drafts:
             raise ValueError("the workload has no requests")
-        arrivals = g.arrival_times(len(drafts), args.rate, args.seed)
+        if arrivals is None:
+            arrivals = g.arrival_times(len(drafts), args.rate, args.seed)
         lengths: list[int] = []
 
         def counted(reqs: Any) -> Any:
@@ -99,6 +133,7 @@ def _workload(args: argparse.Namespace) -> int:
     sessions = len({d.session_id for d in drafts if d.session_id is not None})
     groups = len({d.prefix_group for d in drafts if d.prefix_group is not None})
     span = (f"arrivals over {arrivals[-1]:.1f} s at {args.rate:g}/s" if args.rate
+            else f"arrivals over {arrivals[-1]:.1f} s" if arrivals[-1] > 0
             else "all arriving at t=0")
     print(f"wrote {n} requests to {args.output}: {sessions} sessions, {groups} prefix groups; "
           f"prompts {min(lengths):,}-{max(lengths):,} {unit} "
@@ -111,7 +146,8 @@ def _register_workload(sub: Any) -> None:
     from lmc.cli import add_command, help_text
     from lmc.workloads import generators as g
 
-    p = add_command(sub, "workload", "write a workload trace (chat, prefix, docqa, rag, sharegpt)",
+    p = add_command(sub, "workload", "write a workload trace (chat, prefix, docqa, rag, "
+                    "sharegpt, agent)",
                     WORKLOAD_DOC)
     kinds = p.add_subparsers(dest="kind", metavar="KIND", required=True)
 
@@ -197,6 +233,45 @@ def _register_workload(sub: Any) -> None:
                     help="default %(default)s")
     rg.add_argument("--separator", default=dr.separator, metavar="TEXT",
                     help="joins a text prompt's pieces (default %(default)r)")
+
+    from lmc.workloads import agent
+    ag = kind("agent", "coding-agent sessions and background traffic with a burst",
+              agent.__doc__)
+    da = agent.AgentSpec()
+    secs = _seconds
+    ag.add_argument("--sessions", type=count, default=da.sessions, metavar="N",
+                    help="agent sessions (default %(default)s)")
+    ag.add_argument("--turns", type=_int_range(g.MAX_COUNT), default=da.turns,
+                    metavar="MIN-MAX", help="turns per session (default 6-14)")
+    ag.add_argument("--system-tokens", type=tokens, default=da.system_tokens, metavar="N",
+                    help="the shared tools prefix (default %(default)s)")
+    ag.add_argument("--task-tokens", type=_int_range(g.MAX_SEGMENT_TOKENS),
+                    default=da.task_tokens, metavar="MIN-MAX", help="default 150-400")
+    ag.add_argument("--tool-tokens", type=_int_range(g.MAX_SEGMENT_TOKENS),
+                    default=da.tool_tokens, metavar="MIN-MAX",
+                    help="a tool result appended per turn (default 100-600)")
+    ag.add_argument("--output-len", type=output_len, default=da.output_len, metavar="N",
+                    help="default %(default)s")
+    ag.add_argument("--fork", type=_fraction, default=da.fork, metavar="P",
+                    help="chance a turn forks a sub-agent (default %(default)s)")
+    ag.add_argument("--sub-turns", type=_int_range(g.MAX_COUNT), default=da.sub_turns,
+                    metavar="MIN-MAX", help="a sub-agent's turns (default 2-4)")
+    ag.add_argument("--think-s", type=secs, default=da.think_s, metavar="S",
+                    help="mean think time between a session's turns (default %(default)s)")
+    ag.add_argument("--session-gap-s", type=secs, default=da.session_gap_s, metavar="S",
+                    help="mean gap between session starts (default %(default)s)")
+    ag.add_argument("--background-rate", type=secs, default=da.background_rate, metavar="R",
+                    help="unrelated requests per second (default %(default)s)")
+    ag.add_argument("--background-tokens", type=_int_range(g.MAX_SEGMENT_TOKENS),
+                    default=da.background_tokens, metavar="MIN-MAX", help="default 800-2400")
+    ag.add_argument("--burst-rate", type=secs, default=da.burst_rate, metavar="R",
+                    help="background requests per second during the burst "
+                    "(default %(default)s)")
+    ag.add_argument("--burst-s", type=secs, default=da.burst_s, metavar="S",
+                    help="the burst's length (default %(default)s)")
+    ag.add_argument("--burst-at", type=_fraction, default=da.burst_at, metavar="F",
+                    help="where the burst starts, a fraction of the sessions' span "
+                    "(default %(default)s)")
 
     sg = kind("sharegpt", "conversations from a ShareGPT-style JSON file", g.sharegpt_drafts.__doc__)
     sg.add_argument("file", metavar="FILE", help="ShareGPT-style JSON")

@@ -103,7 +103,7 @@ def load_tokenizer(path: str | Path) -> SegmentTokenizer:
 
 
 
-class _Sizer:
+class Sizer:
     """Makes text of about ``n`` tokens. With a tokenizer: its tokens per word measured
     once on sample text, a little less than ``n`` generated, then sentences added until
     the text encodes to ``n`` or more. Without: estimated from words."""
@@ -195,12 +195,12 @@ def render(drafts: Sequence[Draft], arrivals: Sequence[float],
                            segments=tuple(spans) if d.separator is not None else None)
 
 
-def _check_range(name: str, lo: int, hi: int) -> None:
+def check_range(name: str, lo: int, hi: int) -> None:
     if lo < 1 or hi < lo:
         raise ValueError(f"{name}: expected 1 <= min <= max, got {lo}-{hi}")
 
 
-def _positive(**values: int) -> None:
+def check_positive(**values: int) -> None:
     for name, v in values.items():
         if v < 1:
             raise ValueError(f"{name} must be >= 1, got {v}")
@@ -212,7 +212,7 @@ def _at_most(limit: int, **values: int) -> None:
             raise ValueError(f"{name} must be <= {limit:,}, got {v:,}")
 
 
-def _bounded(counts: dict[str, int], tokens: dict[str, int], output_len: int,
+def check_bounds(counts: dict[str, int], tokens: dict[str, int], output_len: int,
              estimate: float) -> None:
     """Refuse a spec whose options or estimated total would not finish (see MAX_*)."""
     _at_most(MAX_COUNT, **counts)
@@ -239,18 +239,18 @@ def chat_drafts(spec: ChatSpec, tokenizer: SegmentTokenizer | None = None) -> li
     """Multi-turn conversations over one system prompt; turn k's prompt is the system
     prompt plus turns 1..k-1 (question and a synthetic answer of ``output_len`` tokens)
     plus question k."""
-    _positive(conversations=spec.conversations, output_len=spec.output_len,
+    check_positive(conversations=spec.conversations, output_len=spec.output_len,
               system_tokens=spec.system_tokens)
-    _check_range("turns", *spec.turns)
-    _check_range("user_tokens", *spec.user_tokens)
+    check_range("turns", *spec.turns)
+    check_range("user_tokens", *spec.user_tokens)
     max_turns, per_turn = spec.turns[1], spec.user_tokens[1] + spec.output_len
-    _bounded({"conversations": spec.conversations, "turns": max_turns, "active": spec.active},
+    check_bounds({"conversations": spec.conversations, "turns": max_turns, "active": spec.active},
              {"system_tokens": spec.system_tokens, "user_tokens": spec.user_tokens[1]},
              spec.output_len,
              spec.conversations * max_turns
              * (spec.system_tokens + per_turn * (max_turns + 1) / 2))
     rng = random.Random(spec.seed)
-    size = _Sizer(tokenizer)
+    size = Sizer(tokenizer)
     system = f"System: {size.text(TextGen(spec.seed * 1_000_003 + 1), spec.system_tokens)}\n"
     sessions: list[list[Draft]] = []
     for c in range(spec.conversations):
@@ -281,14 +281,14 @@ class PrefixSpec:
 def prefix_drafts(spec: PrefixSpec, tokenizer: SegmentTokenizer | None = None) -> list[Draft]:
     """``groups`` distinct long system prompts, each followed by ``prompts_per_group``
     different questions; all requests in a seeded random order."""
-    _positive(groups=spec.groups, prompts_per_group=spec.prompts_per_group,
+    check_positive(groups=spec.groups, prompts_per_group=spec.prompts_per_group,
               system_tokens=spec.system_tokens, question_tokens=spec.question_tokens,
               output_len=spec.output_len)
-    _bounded({"groups": spec.groups, "prompts_per_group": spec.prompts_per_group},
+    check_bounds({"groups": spec.groups, "prompts_per_group": spec.prompts_per_group},
              {"system_tokens": spec.system_tokens, "question_tokens": spec.question_tokens},
              spec.output_len,
              spec.groups * spec.prompts_per_group * (spec.system_tokens + spec.question_tokens))
-    size = _Sizer(tokenizer)
+    size = Sizer(tokenizer)
     drafts: list[Draft] = []
     for g in range(spec.groups):
         gen = TextGen(spec.seed * 1_000_003 + 7 + g)
@@ -316,16 +316,16 @@ class DocQASpec:
 def docqa_drafts(spec: DocQASpec, tokenizer: SegmentTokenizer | None = None) -> list[Draft]:
     """Each round asks every document a new question (document text first, so the
     document is the shared prefix)."""
-    _positive(documents=spec.documents, doc_tokens=spec.doc_tokens, rounds=spec.rounds,
+    check_positive(documents=spec.documents, doc_tokens=spec.doc_tokens, rounds=spec.rounds,
               question_tokens=spec.question_tokens, output_len=spec.output_len)
     if spec.order not in ("tile", "random"):
         raise ValueError(f"order must be 'tile' or 'random', got {spec.order!r}")
-    _bounded({"documents": spec.documents, "rounds": spec.rounds},
+    check_bounds({"documents": spec.documents, "rounds": spec.rounds},
              {"doc_tokens": spec.doc_tokens, "question_tokens": spec.question_tokens},
              spec.output_len,
              spec.documents * spec.rounds * (spec.doc_tokens + spec.question_tokens))
     rng = random.Random(spec.seed)
-    size = _Sizer(tokenizer)
+    size = Sizer(tokenizer)
     gens = [TextGen(spec.seed * 1_000_003 + 500 + d) for d in range(spec.documents)]
     docs = [f"Document {d + 1}.\n\n{size.text(g, spec.doc_tokens, paragraphs=True)}\n"
             for d, g in enumerate(gens)]
@@ -360,12 +360,12 @@ def rag_drafts(spec: RagSpec, tokenizer: SegmentTokenizer | None = None) -> list
     question (``lmc.blend.rag_workload.make_rag_workload``: same seed, same text). Text
     prompts join the pieces with ``separator`` (LMCache's ``blend_special_str``
     convention); with a tokenizer each document's span is marked in ``segments``."""
-    _positive(documents=spec.documents, doc_words=spec.doc_words, k=spec.k,
+    check_positive(documents=spec.documents, doc_words=spec.doc_words, k=spec.k,
               queries=spec.queries, question_words=spec.question_words,
               system_words=spec.system_words, output_len=spec.output_len)
     if spec.k > spec.documents:
         raise ValueError(f"k ({spec.k}) must not exceed documents ({spec.documents})")
-    _bounded({"documents": spec.documents, "queries": spec.queries, "k": spec.k},
+    check_bounds({"documents": spec.documents, "queries": spec.queries, "k": spec.k},
              {"doc_words": spec.doc_words, "question_words": spec.question_words,
               "system_words": spec.system_words}, spec.output_len,
              spec.queries * (spec.system_words + spec.k * spec.doc_words + spec.question_words)

@@ -35,9 +35,10 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from lmc.bounded_io import read_at_most
+from lmc.workloads import funnel_report
 from lmc.workloads.dispatch import Dispatcher
 from lmc.workloads.inputs import InputError, parse_json, printable
-from lmc.workloads.replay import Progress, ReplayResult, RequestRecord
+from lmc.workloads.replay import Progress, ReplayResult, RequestRecord, SessionHints
 from lmc.workloads.trace import TraceRequest
 
 METRIC = "lmc:connector_total"
@@ -196,7 +197,8 @@ def _delta(after: dict[str, float], before: dict[str, float]) -> dict[str, float
     return {t: v - before.get(t, 0.0) for t, v in sorted(after.items())}
 
 
-def _body(req: TraceRequest, model: str, vllm_extras: bool) -> dict[str, Any]:
+def _body(req: TraceRequest, model: str, vllm_extras: bool,
+          hints: SessionHints | None = None) -> dict[str, Any]:
     body: dict[str, Any] = {
         "model": model,
         "prompt": req.prompt_tokens if req.prompt_tokens is not None else req.prompt_text,
@@ -205,6 +207,9 @@ def _body(req: TraceRequest, model: str, vllm_extras: bool) -> dict[str, Any]:
     }
     if vllm_extras:  # generate exactly output_len tokens; return them for comparisons
         body.update(ignore_eos=True, return_token_ids=True)
+    kv = None if hints is None else hints.params(req)
+    if kv is not None:  # cache hints, in vLLM's field (lmc's connectors read them there)
+        body["kv_transfer_params"] = kv
     return body
 
 
@@ -285,7 +290,7 @@ def _count(obj: dict[str, Any], key: str) -> int | None:
 
 
 def send(ep: Endpoint, req: TraceRequest, model: str, vllm_extras: bool, rec: RequestRecord,
-         t_due: float, open_: _Open | None = None) -> None:
+         t_due: float, open_: _Open | None = None, hints: SessionHints | None = None) -> None:
     """One streaming completion; fills ``rec`` (times from ``t_due``, a perf_counter)."""
     conn = ep.connect()
     sock: socket.socket | None = None
@@ -295,7 +300,7 @@ def send(ep: Endpoint, req: TraceRequest, model: str, vllm_extras: bool, rec: Re
             sock = conn.sock
             open_.add(sock)
         conn.request("POST", ep.prefix + "/v1/completions",
-                     body=json.dumps(_body(req, model, vllm_extras)).encode(),
+                     body=json.dumps(_body(req, model, vllm_extras, hints)).encode(),
                      headers={"Content-Type": "application/json", "Accept": "text/event-stream"})
         resp = conn.getresponse()
         if resp.status != 200:
@@ -350,13 +355,16 @@ def send(ep: Endpoint, req: TraceRequest, model: str, vllm_extras: bool, rec: Re
 def replay_http(requests: Sequence[TraceRequest], url: str, *, model: str | None = None,
                 fast: bool = False, concurrency: int | None = None,
                 progress: Progress | None = None, vllm_extras: bool = True,
-                timeout: float = 600.0, scrape_every: float = 1.0) -> ReplayResult:
+                timeout: float = 600.0, scrape_every: float = 1.0,
+                hints: SessionHints | None = None) -> ReplayResult:
     """Replay ``requests`` against the server at ``url``; a request's failure (HTTP error,
     timeout, broken stream) is recorded on it and the replay goes on."""
     ep = Endpoint(url, timeout)
     model = model or ep.model()
     scraper = _Scraper(ep)
     before = scraper.read()
+    read_funnel = funnel_report.http_reader(lambda path: ep.get(path, timeout=10))
+    funnel_before = read_funnel()
     records = {r.request_id: RequestRecord(r.request_id, r.session_id, r.prefix_group, 0.0)
                for r in requests}
     records_text = {r.request_id: r.prompt_tokens is None for r in requests}
@@ -373,7 +381,7 @@ def replay_http(requests: Sequence[TraceRequest], url: str, *, model: str | None
 
     def run(req: TraceRequest, rec: RequestRecord) -> None:
         try:
-            send(ep, req, model, vllm_extras, rec, start + rec.due_s, open_)
+            send(ep, req, model, vllm_extras, rec, start + rec.due_s, open_, hints)
         except Exception as e:  # a bug or an answer no check foresaw: this request fails,
             rec.error = f"{type(e).__name__}: {printable(str(e), 300)}"  # the replay goes on
         finally:
@@ -424,8 +432,10 @@ def replay_http(requests: Sequence[TraceRequest], url: str, *, model: str | None
     else:
         timeline.append((duration, sent_prompt, tier_tokens))
     done = finished if interrupted else list(records.values())
-    return ReplayResult(url, "fast" if fast else "timed", done, duration, tier_tokens, source,
-                        failures, timeline, interrupted, len(records))
+    res = ReplayResult(url, "fast" if fast else "timed", done, duration, tier_tokens, source,
+                       failures, timeline, interrupted, len(records))
+    res.funnel = funnel_report.view(funnel_report.delta(read_funnel(), funnel_before))
+    return res
 
 
 def _final_counters(scraper: _Scraper, before: Any, settle_s: float = 10.0

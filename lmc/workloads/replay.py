@@ -19,6 +19,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from lmc.workloads import funnel_report
 from lmc.workloads.dispatch import Dispatcher
 from lmc.workloads.trace import TraceRequest
 
@@ -64,6 +65,8 @@ class ReplayResult:
     # and of those, the ones recomputed; None where the target does not blend
     blend_tokens: float | None = None
     blend_recomputed: float | None = None
+    # the hit-rate funnel over the replay (lmc.workloads.funnel_report.view's rows)
+    funnel: dict[str, Any] | None = None
 
     @property
     def ok(self) -> list[RequestRecord]:
@@ -101,10 +104,34 @@ Progress = Callable[[RequestRecord, int, int], None]  # (record, finished, total
 
 
 # --------------------------------------------------------------------------- reference
+@dataclass(frozen=True)
+class SessionHints:
+    """Cache hints a replay adds to each request (``lmc replay --session-hints``,
+    ``--background-priority``; :mod:`lmc.connectors.core.hints`): a request of a session
+    pins its chain for ``ttl`` s under the session and gives it ``priority``; one without
+    a session gets ``background_priority``."""
+
+    ttl: float | None = None
+    priority: int | None = None
+    background_priority: int | None = None
+
+    def params(self, req: TraceRequest) -> dict[str, Any] | None:
+        """The request's ``kv_transfer_params`` (None: nothing to say)."""
+        if req.session_id is None:
+            return None if self.background_priority is None else \
+                {"lmc_priority": self.background_priority}
+        out: dict[str, Any] = {"lmc_session": req.session_id[:256]}
+        if self.ttl is not None:
+            out["lmc_ttl"] = self.ttl
+        if self.priority is not None:
+            out["lmc_priority"] = self.priority
+        return out if len(out) > 1 else None
+
+
 def replay_reference(requests: Sequence[TraceRequest], llm: Any, *, fast: bool = False,
                      concurrency: int | None = None, progress: Progress | None = None,
                      keep_outputs: bool = True, target: str = "reference",
-                     warm_up: bool = True) -> ReplayResult:
+                     warm_up: bool = True, hints: SessionHints | None = None) -> ReplayResult:
     """Replay ``requests`` on a :class:`lmc.reference.LLM` (with or without an lmc
     connector); greedy, exactly ``output_len`` tokens each (EOS ignored). ``warm_up`` runs
     one untimed request of random tokens first, so the first timed request does not pay
@@ -121,6 +148,7 @@ def replay_reference(requests: Sequence[TraceRequest], llm: Any, *, fast: bool =
         llm.generate([warm], max_tokens=2, ignore_eos=True)
 
     conn = getattr(llm, "kv_connector", None)
+    funnel_base = funnel_report.numbers(conn.stats()) if conn is not None else {}
     worker = getattr(conn, "worker", None)
     blender = getattr(conn, "blender", None)
     blend_base = (blender.stats.tokens_reused, blender.stats.tokens_recomputed) \
@@ -170,6 +198,8 @@ def replay_reference(requests: Sequence[TraceRequest], llm: Any, *, fast: bool =
                 try:
                     llm.add_request(prompts[req.request_id], params,
                                     request_id=req.request_id,
+                                    kv_transfer_params=None if hints is None
+                                    else hints.params(req),
                                     segments=spans[req.request_id])
                     sent_prompt += len(prompts[req.request_id])
                 except ValueError as e:  # too long for the model, a token id out of its vocab
@@ -222,6 +252,9 @@ def replay_reference(requests: Sequence[TraceRequest], llm: Any, *, fast: bool =
     if blender is not None:
         res.blend_tokens = float(blender.stats.tokens_reused - blend_base[0])
         res.blend_recomputed = float(blender.stats.tokens_recomputed - blend_base[1])
+    if conn is not None:
+        res.funnel = funnel_report.view(funnel_report.delta(
+            funnel_report.numbers(conn.stats()), funnel_base))
     return res
 
 

@@ -32,7 +32,7 @@ Targets:
 
 A trace's marked segments (lmc workload rag) go to the reference engine with each prompt;
 --blend makes its connector blend them (segment caching with selective recompute, gated by
-the model's lmc blend-check verdict) and the summary shows the tokens blending reused.
+the model's lmc quality verdict for blend) and the summary shows the tokens blending reused.
 
 Requests are sent at their arrival times (or --fast: as soon as possible); a turn of a
 session waits for the previous turn's answer, and --concurrency N caps requests in flight.
@@ -86,6 +86,8 @@ def _reference_llm(spec: str, args: argparse.Namespace, cleanup: list[Callable[[
         settings: dict[str, Any] = {"override": args.blend_override}
         if args.blend_ratio is not None:
             settings["ratio"] = args.blend_ratio
+        if args.blend_verdicts is not None:
+            settings["verdicts"] = args.blend_verdicts
         conn: LMCReferenceConnector = BlendConnector(cfg, model_dir=model_dir, blend=settings)
     else:
         conn = LMCReferenceConnector(cfg, model_dir=model_dir)
@@ -99,7 +101,7 @@ def _reference_llm(spec: str, args: argparse.Namespace, cleanup: list[Callable[[
     if args.blend:
         blender = getattr(conn, "blender", None)
         name += (f", blending at recompute ratio {blender.ratio:.2f}" if blender is not None
-                 else ", blending off (no passing lmc blend-check verdict; see the log)")
+                 else ", blending off (no passing lmc quality verdict; see the log)")
     return llm, name
 
 
@@ -115,6 +117,26 @@ def _only_for(which: str, **given: Any) -> None:
     wrong = [f"--{k.replace('_', '-')}" for k, v in given.items() if v]
     if wrong:
         raise ValueError(f"{', '.join(wrong)}: only for {which}")
+
+
+def _hints(args: argparse.Namespace) -> Any:
+    """``--session-hints TTL[,PRIORITY]`` and ``--background-priority P`` as the
+    replay's :class:`~lmc.workloads.replay.SessionHints` (None: none given)."""
+    from lmc.workloads.replay import SessionHints
+    if args.session_hints is None and args.background_priority is None:
+        return None
+    ttl = prio = None
+    if args.session_hints is not None:
+        ttl_text, _, prio_text = args.session_hints.partition(",")
+        try:
+            ttl = float(ttl_text)
+            prio = int(prio_text) if prio_text else None
+        except ValueError:
+            ttl = -1.0
+        if not 0 < ttl < 1e6 or (prio is not None and not -10 <= prio <= 10):
+            raise ValueError(f"--session-hints {args.session_hints!r}: expected TTL seconds "
+                             "> 0, then optionally ,PRIORITY in [-10, 10]")
+    return SessionHints(ttl, prio, args.background_priority)
 
 
 def _replay(args: argparse.Namespace) -> int:
@@ -148,24 +170,28 @@ def _replay(args: argparse.Namespace) -> int:
                 _only_for("a target with lmc (segments are stored in lmc)", blend=args.blend)
             if not args.blend:
                 _only_for("--blend", blend_ratio=args.blend_ratio is not None,
-                          blend_override=args.blend_override)
+                          blend_override=args.blend_override,
+                          blend_verdicts=args.blend_verdicts is not None)
             from lmc.workloads.replay import replay_reference
 
             llm, name = _reference_llm(target, args, cleanup)
             bar.start()
             res = replay_reference(requests, llm, fast=args.fast, concurrency=args.concurrency,
-                                   progress=bar, keep_outputs=bool(args.records), target=name)
+                                   progress=bar, keep_outputs=bool(args.records), target=name,
+                                   hints=_hints(args))
         elif target.startswith(("http://", "https://")):
             _only_for("the reference target (a server's engine and lmc are configured where "
                       "it runs)", config=args.config, no_lmc=args.no_lmc, threads=args.threads,
                       max_num_seqs=args.max_num_seqs, blend=args.blend,
                       blend_ratio=args.blend_ratio is not None,
-                      blend_override=args.blend_override)
+                      blend_override=args.blend_override,
+                      blend_verdicts=args.blend_verdicts is not None)
             from lmc.workloads.http_target import replay_http
 
             res = replay_http(requests, target, model=args.model, fast=args.fast,
                               concurrency=args.concurrency, progress=bar,
-                              vllm_extras=not args.openai_strict, timeout=args.timeout)
+                              vllm_extras=not args.openai_strict, timeout=args.timeout,
+                              hints=_hints(args))
         else:
             raise ValueError(f"--target {target!r}: expected reference[:MODEL_DIR] or "
                              "http://host:port")
@@ -217,6 +243,11 @@ def _register_replay(sub: Any) -> None:
                         "extra)")
     p.add_argument("--records", metavar="FILE",
                    help="write one JSON line per request (times, tokens, hits, errors)")
+    p.add_argument("--session-hints", metavar="TTL[,PRIORITY]",
+                   help="send each session's requests with cache hints: its chain pinned "
+                   "for TTL s between turns, and PRIORITY (-10..10) (kv_transfer_params)")
+    p.add_argument("--background-priority", type=int_in(-10, 10), default=None, metavar="P",
+                   help="requests of no session get this retention priority")
     ref = p.add_argument_group("reference target")
     ref.add_argument("--config", metavar="FILE", help="lmc YAML config (default: lmc demo's)")
     ref.add_argument("--no-lmc", action="store_true", help="the engine alone (a baseline)")
@@ -226,9 +257,12 @@ def _register_replay(sub: Any) -> None:
                      help="engine batch size (default: lmc demo's)")
     ref.add_argument("--blend", action="store_true",
                      help="reuse the trace's marked segments anywhere in a prompt (lmc.blend; "
-                          "on only for a model with a passing lmc blend-check verdict)")
+                          "on only for a model with a passing lmc quality verdict)")
     ref.add_argument("--blend-ratio", type=float_in(0, 1), default=None, metavar="R",
-                     help="recompute ratio (default: the verdict's)")
+                     help="recompute ratio (default: the smallest a verdict passed)")
+    ref.add_argument("--blend-verdicts", metavar="DIR", default=None,
+                     help="the folder of lmc quality verdicts the gate reads (default: "
+                          "lmc_quality next to the model's config.json)")
     ref.add_argument("--blend-override", action="store_true",
                      help="blend without a passing verdict (logged as a warning; outputs may "
                           "differ from full prefill)")

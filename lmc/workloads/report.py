@@ -14,6 +14,7 @@ from collections.abc import Callable
 from typing import Any, TextIO
 
 from lmc import units
+from lmc.workloads.funnel_report import format_funnel
 from lmc.workloads.replay import ReplayResult, RequestRecord, percentile
 
 PLOT_EXTRA = "pip install 'lmc-kvcache[plot]'"
@@ -147,6 +148,8 @@ def format_report(res: ReplayResult, trace: str = "") -> str:
     if res.load_failures is not None:
         lines.append(f"  {'load fails':<12}{res.load_failures:,.0f} (the engine recomputed "
                      "those tokens)")
+    if res.funnel is not None:
+        lines += format_funnel(res.funnel)
     if failed:
         lines += ["", f"failed requests ({len(failed)}):"]
         for r in failed[:5]:

@@ -65,7 +65,8 @@ def lmc_config(path: Path, pub: int, rep: int, pool: str = "64MiB",
 def start(ckpt: Path, work: Path, name: str, pool: str = "64MiB", extra: str = "",
           num_blocks: int = 256, serve_args: Sequence[str] = ()) -> Instance:
     pub, rep = free_port(), free_port()
-    cfg = lmc_config(work / f"{name}.yaml", pub, rep, pool, extra)
+    # "{name}" in extra is the instance's own (a disk directory each)
+    cfg = lmc_config(work / f"{name}.yaml", pub, rep, pool, extra.replace("{name}", name))
     ready = work / f"{name}.json"
     log = work / f"{name}.log"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}

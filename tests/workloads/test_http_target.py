@@ -112,6 +112,10 @@ def test_replay_over_http_matches_the_engine_and_counts_hits_per_tier(server, mo
     assert {r.request_id: r.output_ids for r in again.records} == want
     assert again.tier_tokens["cpu"] == sum(r.cached_tokens for r in again.records)
     assert all(r.cached_tokens >= 192 for r in again.records)
+    f = again.funnel  # from the server's /lmc/stats, over this replay alone
+    assert f is not None and f["engine_used"] == sum(r.cached_tokens for r in again.records)
+    assert f["prompt_tokens"] == sum(r.prompt_tokens for r in again.records)
+    assert f["best_possible"] == f["prompt_tokens"]  # every prompt seen in the first replay
 
 
 def test_text_prompts_timed_arrivals_and_failures(server, model):

@@ -61,6 +61,18 @@ def test_repeated_prefixes_hit_and_outputs_equal_the_engine_alone(model, prefix_
     times = [t for t, _, _ in res.timeline]
     assert times == sorted(times) and res.timeline[-1][2] == res.tier_tokens
     assert res.timeline[-1][1] == sum(r.prompt_tokens for r in res.records)
+    # the hit-rate funnel: the engine's cached tokens are what it used; every lookup's
+    # tokens are found or missed with a reason; each group's first request was never seen
+    f = res.funnel
+    assert f is not None and base.funnel is None
+    assert f["engine_used"] == sum(r.cached_tokens for r in res.records)
+    assert f["prompt_tokens"] == sum(r.prompt_tokens for r in res.records)
+    assert f["lmc_found"] == sum(f["found_by_tier"].values()) >= f["loaded"]
+    assert f["prompt_tokens"] == f["best_possible"] + f["misses"].get("never_seen", 0)
+    assert f["misses"]["never_seen"] >= 2 * 200
+    from lmc.workloads.report import format_report
+    text = format_report(res)
+    assert "hit-rate funnel" in text and "miss: never seen" in text
 
 
 def test_sessions_wait_for_answers_at_arrival_times(model):

@@ -19,6 +19,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from lmc.connectors.core.hints import CacheHints
+
 
 @dataclass(frozen=True)
 class LoadSpec:
@@ -58,7 +60,8 @@ class SaveSpec:
     forward has written it. ``key_tag``: as :class:`LoadSpec`'s. ``horizon``: the length
     of the sequence the tokens begin (its prompt; a hybrid model keeps its sliding-window
     and state parts around that sequence's checkpoints, :mod:`lmc.hybrid.rules`); 0: the
-    tokens' own length.
+    tokens' own length. ``hints``: the request's cache hints (session, priority, TTL:
+    :mod:`lmc.connectors.core.hints`), applied to its chain once the save is committed.
     """
 
     request_id: str
@@ -68,6 +71,7 @@ class SaveSpec:
     key_tag: bytes | None = None
     group_block_ids: tuple[tuple[int, ...], ...] = ()
     horizon: int = 0
+    hints: CacheHints | None = None
 
     @property
     def end(self) -> int:

@@ -65,6 +65,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lmc.config import CacheConfig
+from lmc.connectors.core.hints import CacheHints
 from lmc.connectors.core.load_policy import LoadPolicy
 from lmc.connectors.core.metadata import (
     ConnectorMetadata,
@@ -74,6 +75,7 @@ from lmc.connectors.core.metadata import (
     StepRequest,
 )
 from lmc.connectors.core.worker import WorkerConnector
+from lmc.metrics import FUNNEL_MISSES, FUNNEL_TOKENS
 from lmc.storage.lookup import LookupResult
 
 log = logging.getLogger(__name__)
@@ -168,6 +170,12 @@ class SchedulerStats:
     save_tokens: int = 0  # tokens of chunks planned for saving (present ones are skipped later)
     prefetches: int = 0  # recomputed-by-choice chunks pulled into L1 while a request waited
     redecisions: int = 0  # decisions made again once such a prefetch landed
+    # the hit-rate funnel's later stages (lmc.storage.funnel.funnel_view), at admission:
+    admitted: int = 0
+    admitted_prompt_tokens: int = 0
+    engine_local_tokens: int = 0  # the engine's own prefix cache had them
+    used_tokens: int = 0  # the engine did not compute them: its own hits plus lmc's load
+    recomputed_by_choice_tokens: int = 0  # lmc had them; the load policy chose to recompute
     extra: dict[str, float] = field(default_factory=dict)
 
 
@@ -207,9 +215,18 @@ class SchedulerConnector:
         self._pending: dict[str, _PendingLoad] = {}  # admitted, load not yet in a step
         self._finished: list[str] = []  # for the worker's forget, until a step carries work
         self._remote: set[str] = set()  # matched as asynchronous loads, not yet admitted
+        self._hints: dict[str, CacheHints] = {}  # request id -> its cache hints, till it ends
+        self._chosen: dict[str, int] = {}  # request id -> tokens its decision recomputes
+        self.namespace = "default"  # the funnel's label (an adapter sets its engine's)
         self._async_ready: list[LoadSpec] = []  # admitted asynchronous loads, for the next step
         self._step = 0
         self.stats = SchedulerStats()
+
+    def set_hints(self, request_id: str, hints: CacheHints | None) -> None:
+        """The request's cache hints (:mod:`lmc.connectors.core.hints`): they travel with
+        each of its saves to the worker, which pins and prioritises its chain."""
+        if hints:
+            self._hints[request_id] = hints
 
     # ------------------------------------------------------------------ lookups
     def get_num_new_matched_tokens(self, request_id: str, token_ids: Sequence[int],
@@ -243,6 +260,7 @@ class SchedulerConnector:
                 end = self.policy.decide(request_id, found, start, max(usable, start), n,
                                          self.config.align)
                 end = self._ends[request_id] = min(end, usable)  # never more than the hit
+                self._chosen[request_id] = usable - end
                 if end < usable:  # recomputed by choice: already stored, not saved again
                     self._held[request_id] = found.tokens
                     self._start_prefetch(request_id, token_ids, found,
@@ -356,6 +374,8 @@ class SchedulerConnector:
         found = self._hits.pop(request_id, None)
         self._ends.pop(request_id, None)
         self._pending.pop(request_id, None)
+        self._count_admission(request_id, len(token_ids), num_computed_tokens,
+                              num_external_tokens)
         self._cancel_prefetch(request_id)  # admitted: its decision stands
         self._redone.pop(request_id, None)
         remote = request_id in self._remote or self.config.async_loads
@@ -387,6 +407,24 @@ class SchedulerConnector:
             sources = {}
         self._pending[request_id] = _PendingLoad(tuple(token_ids[:stop]), start, end,
                                                  start - start % cs, sources, key_tag)
+
+    def _count_admission(self, request_id: str, n: int, local: int, external: int) -> None:
+        """The funnel's view of an admission: what the engine will not compute (its own
+        prefix hits and lmc's load) and what the load policy chose to recompute."""
+        st = self.stats
+        st.admitted += 1
+        st.admitted_prompt_tokens += n
+        st.engine_local_tokens += local
+        st.used_tokens += local + max(0, external)
+        chosen = self._chosen.pop(request_id, 0)
+        st.recomputed_by_choice_tokens += chosen
+        ns = self.namespace
+        if local:
+            FUNNEL_TOKENS.labels(ns, "local").inc(local)
+        if local + external > 0:
+            FUNNEL_TOKENS.labels(ns, "used").inc(local + max(0, external))
+        if chosen:
+            FUNNEL_MISSES.labels(ns, "recomputed_by_choice").inc(chosen)
 
     def load_sources(self, request_id: str) -> dict[str, int]:
         """The admitted load's positions by the tier holding them (L1 first), from the
@@ -462,7 +500,7 @@ class SchedulerConnector:
         self.stats.save_tokens += stop - start
         return SaveSpec(req.request_id, tuple(req.token_ids[:stop]), tuple(req.block_ids),
                         start, getattr(req, "key_tag", None), _group_ids(req),
-                        max(prompt, stop))
+                        max(prompt, stop), self._hints.get(req.request_id))
 
     # ------------------------------------------------------------------ lifecycle
     def request_finished(self, request_id: str) -> None:
@@ -482,11 +520,14 @@ class SchedulerConnector:
         self._held.pop(request_id, None)
         self._pending.pop(request_id, None)
         self._remote.discard(request_id)
+        self._hints.pop(request_id, None)
+        self._chosen.pop(request_id, None)
 
     @property
     def num_tracked_requests(self) -> int:
         return (len(self._hits) + len(self._pending) + len(self._held)
-                + len(self._prefetching) + len(self._redone))
+                + len(self._prefetching) + len(self._redone) + len(self._hints)
+                + len(self._chosen))
 
     def policy_stats(self) -> dict[str, float]:
         """The load policy's counters (``policy.*``), empty without a policy."""

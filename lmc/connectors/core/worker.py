@@ -115,6 +115,7 @@ class WorkerStats:
     async_load_seconds: float = 0.0  # then fetching and copying them (all layers)
     tokens_by_tier: dict[str, int] = field(default_factory=dict)  # positions, by source tier
     steps_timed: int = 0  # forwards recorded as prefill-speed observations
+    kept_warm: int = 0  # saves whose cache hints pinned or prioritised their chain
 
     @property
     def recomputed_after_failure(self) -> int:
@@ -612,11 +613,30 @@ class WorkerConnector:
             except Exception:
                 log.exception("lmc: committing the save of request %s failed", spec.request_id)
                 self.stats.save_failures += 1
+                continue
+            if spec.hints:
+                self._keep_warm(spec)
         self._meta = None
         self._loads = []
         self._layer_futures = []
         self._stores = None
         self._failed = {}
+
+    def _keep_warm(self, spec: SaveSpec) -> None:
+        """A saved request's cache hints (:mod:`lmc.connectors.core.hints`): its chain so
+        far pinned for the TTL (owned by its session, else by the request) and given its
+        priority. Never fails the step: a refusal is counted by the engine."""
+        h = spec.hints
+        assert h is not None
+        try:
+            keys = self._request_keys(spec.request_id, spec.token_ids, spec.key_tag)
+            owner = ("session", h.session) if h.session is not None else \
+                ("request", spec.request_id)
+            self.engine.control.keep_warm(keys, h.ttl, h.priority, owner)
+            self.stats.kept_warm += 1
+        except Exception as e:  # noqa: BLE001 - a hint, never the step's failure
+            log.warning("lmc: applying request %s's cache hints failed: %s", spec.request_id,
+                        e)
 
     # ------------------------------------------------------- asynchronous loads
     def _async_loop(self) -> None:

@@ -32,6 +32,7 @@ import torch
 from lmc.cache_engine import CacheEngine
 from lmc.config import CacheConfig
 from lmc.connectors.core.compute_floor import compute_floor
+from lmc.connectors.core.hints import parse_hints
 from lmc.connectors.core.load_policy import Costs, LoadPolicy
 from lmc.connectors.core.lookup_service import engine_root
 from lmc.connectors.core.metadata import ConnectorMetadata
@@ -123,6 +124,7 @@ class LMCReferenceConnector(KVConnector):
                                  enabled=self.cache_config.load_policy == "auto")
         self.scheduler = SchedulerConnector(self.connector_config, self._lookup, self.policy,
                                             prefetch=self._prefetch)
+        self.scheduler.namespace = self.cache_config.tenant or "default"
         self.engine = cache_engine
         self._owns_engine = cache_engine is None
         self._tiers = tiers
@@ -182,6 +184,8 @@ class LMCReferenceConnector(KVConnector):
     # ------------------------------------------------------------ scheduler side
     def get_num_new_matched_tokens(self, request: ConnectorRequest, num_computed_tokens: int
                                    ) -> int | tuple[int, bool]:
+        self.scheduler.set_hints(request.request_id,
+                                 parse_hints(getattr(request, "kv_transfer_params", None)))
         remote = remote_prefill_tokens(request)
         if remote is not None and self.connector_config.load:
             n = self.scheduler.match_remote(request.request_id, request.all_token_ids,
@@ -228,7 +232,7 @@ class LMCReferenceConnector(KVConnector):
                 [self._windows.get(name) for name in kv_caches]))
         if self.engine is None:
             self.engine = CacheEngine(self.cache_config, spec, self.model_id, tiers=self._tiers,
-                                      transfer=self._transfer)
+                                      transfer=self._transfer, model_dir=self._model_dir)
         elif self.engine.spec.namespace_fields() != spec.namespace_fields():
             raise ValueError(f"the given CacheEngine's KV spec {self.engine.spec} does not "
                              f"match the engine's KV cache {spec}")

@@ -14,6 +14,7 @@ import logging
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from lmc.connectors.core.hints import parse_hints
 from lmc.connectors.core.load_policy import LoadPolicy
 from lmc.connectors.core.lookup_service import LookupClient
 from lmc.connectors.core.metadata import ConnectorMetadata
@@ -76,6 +77,7 @@ class SchedulerSide:
             return 0, False
         rid = request.request_id
         self._start[rid] = num_computed_tokens
+        self.core.set_hints(rid, parse_hints(getattr(request, "kv_transfer_params", None)))
         remote = remote_prefill_tokens(request)
         if remote is not None and self.core.config.load:
             # another instance prefilled it: pulled in the background, vLLM waits for it

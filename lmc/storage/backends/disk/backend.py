@@ -82,7 +82,7 @@ from lmc.memory.pool import MemoryObj, MemoryPool
 from lmc.metrics import TierMetrics
 from lmc.priority import lower_thread_priority
 from lmc.storage.backends.disk.index import BLOCK, DiskIndex, Entry, Eviction, round_up
-from lmc.storage.codec import ValueCodec
+from lmc.storage.framing import ValueFraming
 from lmc.storage.integrity import Geometry
 from lmc.storage.layered_read import Coordinators, LayeredRead
 from lmc.storage.serde import CorruptValue, Header, encodable
@@ -292,9 +292,9 @@ class DiskBackend(StorageBackend):
         self._tag = secrets.token_hex(4)  # two instances in one process never share a name
         self._tls = threading.local()
         self.coordinators = Coordinators("lmc-disk-layers")  # layered reads in progress
-        # the one framing stage of shared tiers (lmc.storage.codec); the directory is this
+        # the one framing stage of shared tiers (lmc.storage.framing); the directory is this
         # process's alone, so its files carry no keyed tag (header version 1)
-        self.codec = ValueCodec()
+        self.framing = ValueFraming()
         self._closed = False
         self._warned: set[str] = set()
         # the engine's chunk geometry (lmc.storage.integrity.expect_geometry): a file whose header
@@ -515,11 +515,11 @@ class DiskBackend(StorageBackend):
         fd = self._open(path, os.O_RDONLY, self.direct)
         try:
             block = self._buf("_rbuf")
-            codec = self.codec
-            if io_all(os.preadv, fd, [block], 0) < codec.size:
+            framing = self.framing
+            if io_all(os.preadv, fd, [block], 0) < framing.size:
                 raise CorruptValue("file shorter than its header")
-            head = bytes(block[:codec.size])
-            h = codec.decode(head, key, self.expected_geometry)  # before allocating for it
+            head = bytes(block[:framing.size])
+            h = framing.decode(head, key, self.expected_geometry)  # before allocating for it
             padded = round_up(h.payload_len)
             if entry.size != BLOCK + padded:
                 raise CorruptValue(f"file is {entry.size} bytes, header needs {BLOCK + padded}")
@@ -581,7 +581,7 @@ class DiskBackend(StorageBackend):
                 raise CorruptValue("file truncated")
             if v.spans is not None and v.spans[1].nbytes:
                 v.spans[1][:] = tbuf[: v.spans[1].nbytes]
-            self.codec.verify(key, v.head, v.hdr, view)
+            self.framing.verify(key, v.head, v.hdr, view)
             out, v.obj = v.obj, None
             return out
         except Exception as e:
@@ -710,7 +710,7 @@ class DiskBackend(StorageBackend):
                 tbuf[tail.nbytes:] = _ZEROS[tail.nbytes:]
                 bufs.append(tbuf)
         hdr = self._buf("_wbuf")
-        vhead = self.codec.encode(key, obj, payload)
+        vhead = self.framing.encode(key, obj, payload)
         hdr[:len(vhead)] = vhead  # the rest of the block: zeros from the mapping, never written
         flags = os.O_WRONLY | (os.O_CREAT | os.O_EXCL if create else 0)
         fd = self._open(path, flags, spans is not None)
@@ -825,12 +825,12 @@ class DiskBackend(StorageBackend):
 class DiskReads:
     """What the tier hands its layered reader (:mod:`.layered`), and all that reader may
     use of it: the I/O pool, opening and failing values under the tier's rules (index,
-    eviction order, counting, deletion), its aligned buffers, its coordinators, its codec
+    eviction order, counting, deletion), its aligned buffers, its coordinators, its framing
     and metrics. The tier's index, lock and files stay its own."""
 
     def __init__(self, tier: DiskBackend) -> None:
         self._tier = tier
-        self.codec = tier.codec
+        self.framing = tier.framing
         self.metrics = tier.metrics
         self.coordinators = tier.coordinators
 
