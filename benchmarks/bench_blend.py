@@ -83,12 +83,12 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--verdicts", type=Path, default=None,
                     help="the gate's verdict folder (default: one per model in lmc's cache)")
-    ap.add_argument("--gate-ratios", default="0,0.05,0.15,0.3,0.5,0.7",
+    ap.add_argument("--gate-ratios", default="0,0.05,0.15,0.3,0.5,0.7,0.85",
                     help="ratios measured when the folder has no blend verdicts")
     ap.add_argument("--gate-questions", type=int, default=None,
                     help="bundled questions the gate measures (default: all)")
     ap.add_argument("--also-ratios", type=lambda t: [float(x) for x in t.split(",") if x],
-                    default=[0.15], help="blended ratios run besides the gate's")
+                    default=[0.15, 0.5], help="blended ratios run besides the gate's")
     ap.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
     ap.add_argument("--record", action="store_true", help="append to benchmarks/RESULTS.md")
     return ap.parse_args()

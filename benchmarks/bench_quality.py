@@ -22,18 +22,22 @@ from lmc.quality.check import DEFAULT_THRESHOLDS, QualityRun
 from lmc.quality.cli import markdown_table
 from lmc.quality.feature import load_feature
 from lmc.quality.runner import SequenceRunner
-from lmc.quality.verdict import Verdict
+from lmc.quality.verdict import Verdict, VerdictStore
+from lmc.user_cache import cache_dir
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--blend", default="0,0.05,0.15,0.3,0.5,0.7,1")
+    ap.add_argument("--blend", default="0,0.05,0.15,0.3,0.5,0.7,0.85,1")
     ap.add_argument("--cast", default="bfloat16,float16,float8_e4m3fn,float8_e5m2")
     ap.add_argument("--questions", type=int, default=None)
     ap.add_argument("--no-yardstick", action="store_true", help="skip the bf16 model run")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--verdicts", type=Path, default=None,
+                    help="where the verdicts go (default: the folder bench_blend.py's gate "
+                         "reads, so it need not measure again)")
     ap.add_argument("--record", action="store_true", help="append to benchmarks/RESULTS.md")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -43,12 +47,17 @@ def main() -> int:
     load0 = os.getloadavg()[0]
     t0 = time.perf_counter()
     run = QualityRun(model, questions=args.questions, say=print)
+    store = VerdictStore(args.verdicts or cache_dir() / "bench" / "verdicts" / model.name)
     rows: list[Verdict] = []
+
+    def measured(v: Verdict) -> None:
+        store.write(v)
+        print(v.feature, v.setting, v.passed, v.failed, flush=True)
+
     for name, settings in (("kv-cast", args.cast), ("blend", args.blend)):
         feature = load_feature(name)
         chosen = [feature.parse_setting(s) for s in settings.split(",") if s]
-        rows += run.judge(feature, chosen, measured=lambda v: print(v.feature, v.setting,
-                                                                     v.passed, v.failed))
+        rows += run.judge(feature, chosen, measured=measured)
     yardstick = None
     if not args.no_yardstick:
         print("yardstick: the model in bfloat16")

@@ -1,6 +1,6 @@
 """``lmc blend-check``: ``lmc quality --feature blend`` under the name it had before the
-quality harness judged every lossy KV feature; ``--ratios`` are its settings (default 0,
-0.05, 0.15, 0.3, 0.5). See ``lmc quality --help`` and docs/quality.md.
+quality harness judged every lossy KV feature; ``--ratios`` are its settings (default
+0.15, 0.3, 0.5, 0.7, 0.85). See ``lmc quality --help`` and docs/quality.md.
 Exit status: 0 when a ratio below 1 passed, 1 when none did, 2 bad input.
 """
 

@@ -25,7 +25,7 @@ from lmc.reference.request import SamplingParams
 class BlendFeature(BlendRatios, LossyKVFeature):
     summary: ClassVar[str] = ("segments reused anywhere in a prompt, the setting's ratio of "
                               "their tokens recomputed")
-    default_settings: ClassVar[tuple[str, ...]] = ("0", "0.05", "0.15", "0.3", "0.5")
+    default_settings: ClassVar[tuple[str, ...]] = ("0.15", "0.3", "0.5", "0.7", "0.85")
 
     def __init__(self) -> None:
         self.llm: LLM | None = None

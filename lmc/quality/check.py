@@ -26,7 +26,10 @@ from lmc.quality.verdict import Thresholds, Verdict
 from lmc.reference.segments import encode_pieces
 from lmc.reference.tokenizer import Tokenizer, load_eos_token_ids
 
-DEFAULT_THRESHOLDS = Thresholds(kl_mean_max=0.05, top1_min=0.95, ppl_change_max=0.02,
+# docs/quality.md, "Thresholds": a lossy KV feature may move the model's outputs a little more
+# than running its fp32 weights in bf16 does (measured: KL 0.0006, top-1 0.988, perplexity
+# +0.19%, every answer kept), never as much as blending with too few tokens recomputed
+DEFAULT_THRESHOLDS = Thresholds(kl_mean_max=0.01, top1_min=0.97, ppl_change_max=0.01,
                                 qa_agreement_min=0.9)
 DEFAULT_ANSWER_TOKENS = 20
 DEFAULT_TEXT = "harbour"

@@ -31,7 +31,7 @@ def test_a_verdict_round_trips_and_is_named_by_its_key(tmp_path: Path) -> None:
     assert store.read("blend", "0.3", "float32") is None
     assert [p.name for p in (tmp_path / "v").iterdir()] == [path.name]  # no temporary left
     failing = verdict("0", kl=0.4)
-    assert not failing.passed and failing.failed == ["KL 0.4000 > 0.05"]
+    assert not failing.passed and failing.failed == ["KL 0.4000 > 0.01"]
     store.write(failing)
     entries = dict(store.entries("blend", "float32"))
     assert set(entries) == {path, tmp_path / "v" / "blend@0@float32.json"}
