@@ -68,7 +68,15 @@ def markdown_table(verdicts: Sequence[Verdict]) -> list[str]:
 # ----------------------------------------------------------------------- CLI
 
 def settings_list(feature: LossyKVFeature, text: str | None) -> list[str]:
-    raw = text.split(",") if text else list(feature.default_settings)
+    """``--settings``: comma-separated; a piece ``name=value`` is a parameter of the setting
+    before it (``int4-kivi,group=64,fp8-e4m3`` is two codec settings)."""
+    raw: list[str] = []
+    for piece in text.split(",") if text else []:
+        if "=" in piece and raw:
+            raw[-1] += "," + piece
+        else:
+            raw.append(piece)
+    raw = raw or list(feature.default_settings)
     out = list(dict.fromkeys(feature.parse_setting(s.strip()) for s in raw))
     if not 1 <= len(out) <= MAX_SETTINGS:
         raise ValueError(f"give 1 to {MAX_SETTINGS} settings, got {len(out)}")

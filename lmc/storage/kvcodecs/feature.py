@@ -33,8 +33,8 @@ def canonical_setting(value: Any, head_size: int | None = None) -> str:
         raise ValueError(f"kv-codec setting {value!r}: a lossless stage alone loses nothing "
                          "(no verdict needed)")
     parts = [stage.codec.name, *(f"{k}={v}" for k, v in sorted(stage.codec.settings().items()))]
-    if head_size is not None:
-        parts.append(f"head_size={head_size}")
+    if stage.codec.head_size is not None:  # configured (given here, or in the spec)
+        parts.append(f"head_size={stage.codec.head_size}")
     return ",".join(parts)
 
 

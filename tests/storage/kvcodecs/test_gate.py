@@ -157,3 +157,12 @@ def test_lmc_quality_finds_the_feature_and_judges_what_a_tier_serves():
     assert served.shape == exact.shape and served.dtype == exact.dtype
     assert torch.equal(served, served_kv(exact, parse_stage("int4-kivi", head_size=8), 16))
     assert feature.preference("int4-kivi,group=32") < feature.preference("fp8-e4m3")
+
+
+def test_lmc_quality_settings_keep_a_codecs_parameters_together():
+    from lmc.quality.cli import settings_list
+    from lmc.quality.feature import load_feature
+
+    got = settings_list(load_feature("kv-codec"), "int4-kivi,group=64,fp8,int8,head_size=32")
+    assert got == ["int4-kivi,group=64", "fp8-e4m3", "int8,head_size=32"]
+    assert settings_list(load_feature("kv-cast"), "bf16,fp16") == ["bfloat16", "float16"]
