@@ -7,11 +7,15 @@ into those keys (:func:`lmc.storage.control.body_hints`). The scheduler half rea
 worker half with each of the request's saves (:class:`~lmc.connectors.core.metadata.SaveSpec`
 ``hints``); once a save is committed the worker
 
-* pins the request's whole chain so far for ``ttl`` seconds, owned by the session (each turn's
-  pin replaces the last: the next turn's prompt contains this one's, so the conversation
-  stays in L1 between turns) or, without one, by the request;
+* pins the request's chain so far for ``ttl`` seconds, owned by the session (each turn's pin
+  replaces the last: the next turn's prompt contains this one's, so the conversation stays
+  in L1 between turns) or, without one, by the request;
 * sets the chain's retention ``priority`` (background traffic sent with a negative one is
   evicted before everything else).
+
+Both cover the chain's full chunks only: a prompt's partial last chunk is never the next
+turn's (the next prompt's chunk at that place is longer: another key), so holding it, or
+ranking it over other traffic, would only take room from what the session will reuse.
 
 Hints never fail a request: a value out of range is dropped (one rate-limited warning), a pin
 past the engine's bounds pins what fits (``ttl_pins_refused`` counts the rest).

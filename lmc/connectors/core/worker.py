@@ -624,12 +624,16 @@ class WorkerConnector:
 
     def _keep_warm(self, spec: SaveSpec) -> None:
         """A saved request's cache hints (:mod:`lmc.connectors.core.hints`): its chain so
-        far pinned for the TTL (owned by its session, else by the request) and given its
-        priority. Never fails the step: a refusal is counted by the engine."""
+        far (its full chunks) pinned for the TTL (owned by its session, else by the
+        request) and given its priority. Never fails the step: a refusal is counted by the
+        engine."""
         h = spec.hints
         assert h is not None
         try:
             keys = self._request_keys(spec.request_id, spec.token_ids, spec.key_tag)
+            # full chunks only: a prompt's partial last chunk is not the next turn's (that
+            # turn's chunk there is longer, another key), so holding it would waste room
+            keys = keys[:len(spec.token_ids) // self.engine.config.chunk_size]
             owner = ("session", h.session) if h.session is not None else \
                 ("request", spec.request_id)
             self.engine.control.keep_warm(keys, h.ttl, h.priority, owner)
