@@ -1,13 +1,19 @@
-"""Blending vs prefix caching on a RAG-shaped workload, on the reference engine.
+"""Blending vs prefix caching on a RAG-shaped workload, on the reference engine, gated by
+``lmc quality`` on the same model.
 
 A pool of documents; each query puts ``k`` of them, in a random order, between one system
-prompt and a new question (``lmc.blend.rag_workload``). The same queries run twice through
-lmc, each time on a fresh engine and cache: with prefix caching only (the plain reference
-connector) and with blending (the blend connector at the ratio the quality gate chose, run
-first on the same model). Printed: TTFT p50/p95 over the queries after the warm-up (the
-first ``docs`` queries, by which time most documents have been seen), prompt tokens reused
-(from lmc's prefix hits, plus, blended, from segments), what the blender recomputed, and the
-gate's quality figures per ratio. ``--record`` appends the table to benchmarks/RESULTS.md.
+prompt and a new question (``lmc.blend.rag_workload``). The same queries run through lmc on
+fresh engines and caches, taking turns query by query: with prefix caching only (the plain
+reference connector) and blended (the blend connector) at the ratio the quality gate chooses
+for this model and at ``--also-ratios`` (forced on, and labelled so, where no verdict covers
+them). The gate's verdicts are measured first (``lmc quality --feature blend`` at
+``--gate-ratios``, into ``--verdicts``) unless that folder already holds them. Printed: TTFT
+p50/p95 over the queries after the warm-up (the first ``docs`` queries, by which time most
+documents have been seen), prompt tokens reused, what the blender recomputed, the gate's
+decision and the quality table. ``--record`` appends it all to benchmarks/RESULTS.md.
+
+Default model: SmolLM2-135M-Instruct (fp32, ``lmc model get``); ``--random`` uses a
+random-weight one of ``--hidden``/``--layers`` instead.
 """
 
 from __future__ import annotations
@@ -21,9 +27,15 @@ from pathlib import Path
 
 import torch
 
-from lmc.blend.gate import HEADER, default_prompts, format_row, run_check
 from lmc.blend.rag_workload import make_rag_workload
+from lmc.blend.setting import BlendRatios
+from lmc.connectors.core.model_id import model_identity
+from lmc.quality.check import run_quality
+from lmc.quality.cli import markdown_table
+from lmc.quality.gate import decide
+from lmc.quality.verdict import Verdict, VerdictStore
 from lmc.reference import LLM, make_tiny_checkpoint
+from lmc.user_cache import cache_dir
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -60,66 +72,113 @@ class Mode:
         return percentile(self.ttfts, q)
 
 
-def main() -> int:
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--queries", type=int, default=48)
+    ap.add_argument("--queries", type=int, default=36)
     ap.add_argument("--docs", type=int, default=12)
     ap.add_argument("--k", type=int, default=4)
     ap.add_argument("--doc-words", type=int, default=120)
-    ap.add_argument("--gate-prompts", type=int, default=4)
+    ap.add_argument("--random", action="store_true", help="a random-weight model")
     ap.add_argument("--hidden", type=int, default=512)
     ap.add_argument("--layers", type=int, default=8)
-    ap.add_argument("--also-ratios", type=lambda t: [float(x) for x in t.split(",")],
-                    default=[0.5], help="blended ratios run besides the gate's (default 0.5)")
+    ap.add_argument("--verdicts", type=Path, default=None,
+                    help="the gate's verdict folder (default: one per model in lmc's cache)")
+    ap.add_argument("--gate-ratios", default="0,0.05,0.15,0.3,0.5,0.7,0.85",
+                    help="ratios measured when the folder has no blend verdicts")
+    ap.add_argument("--gate-questions", type=int, default=None,
+                    help="bundled questions the gate measures (default: all)")
+    ap.add_argument("--also-ratios", type=lambda t: [float(x) for x in t.split(",") if x],
+                    default=[0.15, 0.5], help="blended ratios run besides the gate's")
     ap.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
     ap.add_argument("--record", action="store_true", help="append to benchmarks/RESULTS.md")
-    args = ap.parse_args()
-    torch.set_num_threads(args.threads)
+    return ap.parse_args()
 
-    cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "lmc" / "bench"
-    model = make_tiny_checkpoint(cache / f"blend-h{args.hidden}-l{args.layers}", seed=7,
-                                 hidden=args.hidden, layers=args.layers, heads=8, kv_heads=4,
-                                 vocab=2048, max_position_embeddings=4096)
+
+def the_model(args: argparse.Namespace) -> tuple[Path, str]:
+    if args.random:
+        path = make_tiny_checkpoint(cache_dir() / "bench" / f"blend-h{args.hidden}-l{args.layers}",
+                                    seed=7, hidden=args.hidden, layers=args.layers, heads=8,
+                                    kv_heads=4, vocab=2048, max_position_embeddings=4096)
+        return path, (f"random-weight model (hidden {args.hidden}, {args.layers} layers)")
+    from lmc.models import checkpoint_dir
+
+    return checkpoint_dir("smollm2-135m-instruct", "fp32"), "SmolLM2-135M-Instruct"
+
+
+def gate_verdicts(model: Path, store: VerdictStore, args: argparse.Namespace
+                  ) -> list[Verdict]:
+    """The blend verdicts in ``store``, measured now where there are none."""
+    found = [e for _, e in store.entries("blend", "float32") if isinstance(e, Verdict)]
+    if found:
+        print(f"gate: {len(found)} blend verdicts from {store.folder}", flush=True)
+        return found
+    rules = BlendRatios()
+    from lmc.blend.lossy import BlendFeature
+
+    ratios = [rules.parse_setting(r) for r in args.gate_ratios.split(",")]
+    print(f"gate: measuring blend at {', '.join(ratios)} (lmc quality)", flush=True)
+    return run_quality(model, BlendFeature(), ratios, questions=args.gate_questions,
+                       say=lambda line: print(line, flush=True), measured=store.write)
+
+
+def main() -> int:
+    args = parse_args()
+    torch.set_num_threads(args.threads)
+    model, model_name = the_model(args)
+    model_id = model_identity(model)
+    store = VerdictStore(args.verdicts or cache_dir() / "bench" / "verdicts" / model.name)
     load0 = os.getloadavg()[0]
     t0 = time.perf_counter()
+    verdicts = sorted(gate_verdicts(model, store, args), key=lambda v: float(v.setting))
+    decision = decide(store, BlendRatios(), model_id, "float32")
+    print(f"gate: {'on at ' + decision.setting if decision.on else 'off'} ({decision.why})")
+    t1 = time.perf_counter()
     llm = LLM(model, num_blocks=8)
     assert llm.tokenizer is not None
     encode = llm.tokenizer.encode
-    gate_rows: list[str] = []
-    verdict = run_check(model, default_prompts(args.gate_prompts, encode),
-                        [0.0, 0.05, 0.15, 0.3, 0.5, 1.0], gen_tokens=8,
-                        say=lambda line: gate_rows.append(line) if not line.startswith("full")
-                        else None)
-    verdict.write(model / "lmc_blend_verdict.json")
-    ratio = verdict.ratio if verdict.passed else 0.15
     wl = make_rag_workload(num_docs=args.docs, doc_words=args.doc_words, k=args.k,
                            num_queries=args.queries, seed=11)
     queries = [wl.prompt_tokens(q, encode) for q in wl.queries]
     lmc = {"chunk_size": 256, "local_cpu_size": "512MiB"}
-    ratios = sorted({ratio, *args.also_ratios})
+    ratios = sorted({*([float(decision.setting)] if decision.setting else []),
+                     *args.also_ratios})
+    covered = {r: decide(store, BlendRatios(), model_id, "float32", f"{r:g}").on
+               for r in ratios}
     prefix = Mode(model, lmc, None)
-    modes = [prefix] + [Mode(model, lmc, {"ratio": r, "override": not (verdict.passed
-                                                                        and r >= ratio)})
-                        for r in ratios]
+    modes = [prefix] + [Mode(model, lmc, {"ratio": r, "verdicts": str(store.folder),
+                                          "override": not covered[r]}) for r in ratios]
     for i, (ids, spans) in enumerate(queries):  # interleaved: every mode sees the same load
         for mode in modes[i % len(modes):] + modes[:i % len(modes)]:
             mode.run(ids, spans, i >= args.docs)
+            print(f"\rquery {i + 1}/{len(queries)}", end="", flush=True)
+    print()
     for mode in modes:
         mode.llm.close()
-    elapsed = time.perf_counter() - t0
+    text = report(args, model_name, modes, prefix, queries, verdicts, decision, covered,
+                  load0, t1 - t0, time.perf_counter() - t1)
+    print(text)
+    if args.record:
+        with open(ROOT / "benchmarks" / "RESULTS.md", "a") as f:
+            f.write(text)
+    return 0
+
+
+def report(args: argparse.Namespace, model_name: str, modes: list[Mode], prefix: Mode,
+           queries: list, verdicts: list[Verdict], decision, covered: dict, load0: float,
+           gate_s: float, replay_s: float) -> str:
     mean_len = statistics.fmean(len(ids) for ids, _ in queries)
+    flags = " --random" if args.random else ""
     lines = [
         "",
-        f"### Blending vs prefix caching, RAG workload (`python benchmarks/bench_blend.py "
-        f"--hidden {args.hidden} --layers {args.layers}`, "
-        f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())})",
+        f"### Blending vs prefix caching, RAG workload (`python benchmarks/bench_blend.py"
+        f"{flags}`, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())})",
         "",
-        f"Reference engine on CPU, random-weight model (hidden {args.hidden}, {args.layers} "
-        f"layers, fp32, {args.threads} torch thread(s)), {args.queries} queries: {args.k} of "
-        f"{args.docs} documents ({args.doc_words} words each) in random order + a new question, "
-        f"{mean_len:.0f} prompt tokens on average; figures over the {len(prefix.ttfts)} queries "
-        f"after the first {args.docs}, the engines taking turns query by query; lmc L1 512 MiB, "
-        f"chunk 256; load average {load0:.1f} at start; {elapsed:.0f} s in all. CPU is this "
+        f"Reference engine on CPU, {model_name} (fp32, {args.threads} torch thread(s)), "
+        f"{args.queries} queries: {args.k} of {args.docs} documents ({args.doc_words} words "
+        f"each) in random order + a new question, {mean_len:.0f} prompt tokens on average; "
+        f"figures over the {len(prefix.ttfts)} queries after the first {args.docs}, the "
+        f"engines taking turns query by query; lmc L1 512 MiB, chunk 256; load average "
+        f"{load0:.1f} at start; gate {gate_s:.0f} s, replay {replay_s:.0f} s. CPU is this "
         f"process's CPU time per query (blind to the machine's other load); the ratios are "
         f"medians of per-query ratios to prefix-only.",
         "",
@@ -132,10 +191,10 @@ def main() -> int:
             name = "prefix caching only"
         else:
             r = mode.blend["ratio"]
-            if verdict.passed and r >= ratio:
-                gate = "the gate's ratio" if r == ratio else "above the gate's ratio"
+            if decision.setting is not None and r == float(decision.setting):
+                gate = "the gate's ratio"
             else:
-                gate = "override: the gate passed no ratio up to it"
+                gate = "a verdict covers it" if covered[r] else "override: no verdict covers it"
             name = f"blended, ratio {r:.2f} ({gate})"
         t = statistics.median(b / a for a, b in zip(prefix.ttfts, mode.ttfts, strict=True))
         c = statistics.median(b / a for a, b in zip(prefix.cpu, mode.cpu, strict=True))
@@ -144,31 +203,19 @@ def main() -> int:
                      f"| **{t:.2f}** | **{c:.2f}** |")
     for mode in modes[1:]:
         s = mode.blender.stats.as_dict() if mode.blender else {}
-        lines.append("")
-        lines.append(
-            f"Blender at {mode.blend['ratio']:.2f}, all {args.queries} queries: "
-            f"{s.get('segments_hit', 0)} segments loaded ({s.get('tokens_reused', 0)} tokens), "
-            f"{s.get('segments_computed', 0)} computed alone and stored "
-            f"({s.get('tokens_computed_alone', 0)} tokens), {s.get('tokens_recomputed', 0)} "
-            f"cached tokens recomputed.")
-    lines += [
-        "",
-        f"Quality gate on the same model ({verdict.prompts} generated RAG prompts, "
-        f"{verdict.generated_tokens} greedy tokens; pass: mean KL <= "
-        f"{verdict.thresholds['kl_mean_max']}, agreement >= "
-        f"{verdict.thresholds['min_agreement']}):",
-        "",
-        "```",
-        HEADER,
-        *[format_row(r) for r in verdict.results],
-        "```",
-    ]
-    text = "\n".join(lines) + "\n"
-    print(text)
-    if args.record:
-        with open(ROOT / "benchmarks" / "RESULTS.md", "a") as f:
-            f.write(text)
-    return 0
+        lines += ["", f"Blender at {mode.blend['ratio']:.2f}, all {args.queries} queries: "
+                  f"{s.get('segments_hit', 0)} segments loaded ({s.get('tokens_reused', 0)} "
+                  f"tokens), {s.get('segments_computed', 0)} computed alone and stored "
+                  f"({s.get('tokens_computed_alone', 0)} tokens), "
+                  f"{s.get('tokens_recomputed', 0)} cached tokens recomputed."]
+    v0 = verdicts[0] if verdicts else None
+    lines += ["", f"The gate on this model (`lmc quality --feature blend`: "
+              f"{v0.workload.get('questions') if v0 else 0} bundled questions, "
+              f"{v0.workload.get('answer_tokens') if v0 else 0}-token answers, text "
+              f"{v0.workload.get('text') if v0 else '-'}): **"
+              f"{'on at ratio ' + decision.setting if decision.on else 'off'}** "
+              f"({decision.why}).", "", *markdown_table(verdicts)]
+    return "\n".join(lines) + "\n"
 
 
 if __name__ == "__main__":

@@ -36,12 +36,15 @@ KV), cached under the user's cache directory. ``--model`` picks a shape instead:
 (Llama-3.1-8B: hidden 4096, 32 layers, 32 heads, 8 KV heads, head 128, MLP 14336; a
 16 GB checkpoint made on first use, minutes), ``8b-kv`` (Llama-8B's KV -- 32 layers, 8 KV
 heads of 128, 128 KiB of bf16 KV per token -- on a small body: hidden 1024, MLP 2816; the
-same bytes per hit at a fraction of the checkpoint).
+same bytes per hit at a fraction of the checkpoint), or ``smollm2-135m``, the real model
+(SmolLM2-135M-Instruct, converted once by ``lmc model get``: 30 layers, 3 KV heads of 64,
+46,080 B of KV a token in fp32, 23,040 B in bf16; default 2,048 tokens, at most 8,128).
 
     python benchmarks/bench_ttft.py                 # 8k tokens, the recorded figures
     python benchmarks/bench_ttft.py --quick         # hidden 512, 4 layers, 4k tokens
     python benchmarks/bench_ttft.py --lower         # per-layer waits on disk and Redis hits
     python benchmarks/bench_ttft.py --device cuda --model 8b-kv --tokens 16384
+    python benchmarks/bench_ttft.py --model smollm2-135m --threads 1   # the real model
 """
 
 from __future__ import annotations
@@ -72,6 +75,39 @@ MODELS: dict[str, tuple[int, int, int, int, int | None]] = {
     "8b": (4096, 32, 32, 8, 14336),
     "8b-kv": (1024, 32, 8, 8, 2816),
 }
+REAL_MODELS = {"smollm2-135m": "smollm2-135m-instruct"}  # --model name -> lmc model get name
+REAL_TOKENS = 2048  # default prompt on a real model: ~10-20 s of fp32 prefill on one core
+
+
+def real_model(name: str, dtype: str) -> tuple[Path, dict[str, Any]]:
+    """A real model's checkpoint (converted on first use) and its shape from config.json."""
+    from lmc.models import get_model
+
+    short = {"float32": "fp32", "bfloat16": "bf16"}.get(dtype)
+    if short is None:
+        raise SystemExit(f"bench_ttft --model {name}: --dtype must be float32 or bfloat16")
+    path = get_model(REAL_MODELS[name], short, progress=log).path
+    cfg = json.loads((path / "config.json").read_text())
+    return path, {"hidden": cfg["hidden_size"], "layers": cfg["num_hidden_layers"],
+                  "heads": cfg["num_attention_heads"], "kv_heads": cfg["num_key_value_heads"],
+                  "head_dim": cfg.get("head_dim") or cfg["hidden_size"] // cfg[
+                      "num_attention_heads"], "max_len": cfg["max_position_embeddings"]}
+
+
+def real_model_missing(name: str = "smollm2-135m") -> str | None:
+    """Why the real model cannot run here (its package not installed and no checkpoint
+    converted yet), or None: ``lmc bench`` skips the suite with that reason."""
+    from lmc.models import known_model, store
+    from lmc.models.source import SourceError, SourceMissing, locate
+
+    model = known_model(REAL_MODELS[name])
+    if store.check_folder(store.checkpoint_path(model, "fp32"), model, "fp32")[1] is None:
+        return None
+    try:
+        locate(model)
+    except (SourceMissing, SourceError) as e:
+        return str(e)
+    return None
 
 
 def model_dir(hidden: int, layers: int, kv_heads: int, max_len: int, heads: int | None = None,
@@ -183,7 +219,8 @@ def settle_promotions(conn: LMCReferenceConnector, keys: list[bytes],
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--tokens", type=int, default=8192)
+    ap.add_argument("--tokens", type=int, default=None,
+                    help=f"prompt length (default 8192; {REAL_TOKENS} on a real model)")
     ap.add_argument("--hidden", type=int, default=1024)
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--kv-heads", type=int, default=8)
@@ -202,8 +239,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="where the engine runs (cuda: exits 0 saying so where there is none)")
     ap.add_argument("--dtype", default=None,
                     help="model and KV dtype (default: float32 on cpu, bfloat16 on cuda)")
-    ap.add_argument("--model", choices=sorted(MODELS), default=None,
-                    help="a model shape instead of --hidden/--layers/--kv-heads")
+    ap.add_argument("--model", choices=sorted(MODELS) + sorted(REAL_MODELS), default=None,
+                    help="a model shape instead of --hidden/--layers/--kv-heads, or a real "
+                         "model (smollm2-135m)")
     ap.add_argument("--heads", type=int, default=None, help="query heads (default hidden/64)")
     args = ap.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -213,20 +251,30 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--reps and --cold-reps must be >= 1")
     if args.quick:
         args.tokens, args.hidden, args.layers, args.kv_heads = 4096, 512, 4, 4
-    intermediate = None
-    if args.model:
-        args.hidden, args.layers, args.heads, args.kv_heads, intermediate = MODELS[args.model]
-    args.heads = args.heads or args.hidden // 64
     args.dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
     DEVICE.update(device=args.device, dtype=args.dtype)
     if args.threads:
         torch.set_num_threads(args.threads)
-    n = args.tokens
-    path = model_dir(args.hidden, args.layers, args.kv_heads, max(8192, n + 64), args.heads,
-                     intermediate, args.dtype)
+    if args.model in REAL_MODELS:
+        path, shape = real_model(args.model, args.dtype)
+        args.hidden, args.layers, args.heads, args.kv_heads = (
+            shape["hidden"], shape["layers"], shape["heads"], shape["kv_heads"])
+        head_dim = shape["head_dim"]
+        n = args.tokens or REAL_TOKENS
+        if not 64 <= n <= shape["max_len"] - 64:
+            ap.error(f"--tokens {n}: {args.model} takes 64 to {shape['max_len'] - 64}")
+    else:
+        intermediate = None
+        if args.model:
+            args.hidden, args.layers, args.heads, args.kv_heads, intermediate = \
+                MODELS[args.model]
+        args.heads = args.heads or args.hidden // 64
+        head_dim = args.hidden // args.heads
+        n = args.tokens or 8192
+        path = model_dir(args.hidden, args.layers, args.kv_heads, max(8192, n + 64),
+                         args.heads, intermediate, args.dtype)
     prompt = [0] + tokens(1, n - 1)
     itemsize = getattr(torch, args.dtype).itemsize
-    head_dim = args.hidden // args.heads
     kv_bytes = n * args.layers * 2 * args.kv_heads * head_dim * itemsize
     res: dict[str, Any] = {"tokens": n, "hidden": args.hidden, "layers": args.layers,
                            "kv_heads": args.kv_heads, "heads": args.heads,
@@ -234,6 +282,7 @@ def main(argv: list[str] | None = None) -> int:
                            "device_name": (torch.cuda.get_device_name() if args.device == "cuda"
                                            else "CPU"),
                            "model": args.model or "custom", "kv_bytes": kv_bytes,
+                           "kv_bytes_per_token": kv_bytes // n,
                            "kv_mib": kv_bytes / 2**20,
                            "threads": torch.get_num_threads(), "chunk_size": args.chunk_size}
     log(f"model {path.name}: {n} tokens, {kv_bytes / 2**20:.0f} MiB of KV, "
@@ -527,10 +576,12 @@ def report_lower(r: dict[str, Any]) -> None:
 def report(r: dict[str, Any]) -> None:
     base = r.get("prefill_s") or r["lmc_cold_s"]
     where = "CPU" if r["device"] == "cpu" else r["device_name"]
+    real = f"{r['model']}: " if r.get("model") in REAL_MODELS else ""
     print(f"\nTTFT, {r['tokens']}-token prompt, reference engine on {where} "
-          f"(hidden {r['hidden']}, {r['layers']} layers, {r['heads']} heads, {r['kv_heads']} KV "
-          f"heads of {r['head_dim']}, {r['dtype']}; {r['kv_mib']:.0f} MiB of KV; chunk "
-          f"{r['chunk_size']}; {r['threads']} threads)\n")
+          f"({real}hidden {r['hidden']}, {r['layers']} layers, {r['heads']} heads, "
+          f"{r['kv_heads']} KV heads of {r['head_dim']}, {r['dtype']}; {r['kv_mib']:.0f} MiB "
+          f"of KV, {r['kv_bytes'] // r['tokens']:,} B a token; chunk {r['chunk_size']}; "
+          f"{r['threads']} threads)\n")
     print("| case | TTFT | vs full prefill |\n|---|---:|---:|")
     rows = [("full prefill (engine alone)", r.get("prefill_s")),
             ("lmc cold (prefill + save)", r["lmc_cold_s"]),

@@ -49,6 +49,7 @@ class Suite:
     quick: tuple[str, ...]
     table: Callable[[Any], list[Row]]
     needs: tuple[str, ...] = ()  # executables without which it cannot run
+    missing: Callable[[], str | None] | None = None  # why it cannot run here, or None
 
 
 # ------------------------------------------------------------------- formatting
@@ -151,9 +152,11 @@ def daemon_table(d: dict) -> list[Row]:
 
 def ttft_table(r: dict) -> list[Row]:
     base = r.get("prefill_s") or r["lmc_cold_s"]
+    model = "" if r.get("model", "custom") == "custom" else f"{r['model']}, "
     out: list[Row] = [
-        (f"TTFT, full prefill, {r['tokens']} tokens (hidden {r['hidden']}, {r['layers']} "
-         "layers)", num(base * 1e3, "ms", 1), "–", "1.0×", "–", "–"),
+        (f"TTFT, full prefill, {r['tokens']} tokens ({model}hidden {r['hidden']}, "
+         f"{r['layers']} layers, {r['dtype']}, {r['kv_bytes'] // r['tokens']:,} B of KV a "
+         "token)", num(base * 1e3, "ms", 1), "–", "1.0×", "–", "–"),
         ("TTFT, lmc cold (prefill + save)", num(r["lmc_cold_s"] * 1e3, "ms", 1),
          "full prefill", f"{base / r['lmc_cold_s']:.2f}×", "–", "–")]
     for key, name in (("l1_hit", "TTFT, lmc hit in L1"), ("disk_hit", "TTFT, lmc hit on disk")):
@@ -212,10 +215,27 @@ SUITES = {
                   ("--tokens", "512", "--hidden", "128", "--layers", "2", "--kv-heads", "2",
                    "--reps", "2", "--suffixes", "1", "--chunk-size", "128", "--threads", "1"),
                   ttft_table),
+    "ttft-real": Suite("ttft-real", "Reference engine TTFT, real model (SmolLM2-135M-Instruct)",
+                       "bench_ttft.py", ("--model", "smollm2-135m", "--threads", "1"),
+                       ("--model", "smollm2-135m", "--tokens", "512", "--reps", "2",
+                        "--cold-reps", "1", "--suffixes", "1", "--threads", "1"),
+                       ttft_table, missing=lambda: _bench_module("bench_ttft")
+                       .real_model_missing()),
     "ticker": Suite("ticker", "Launch-and-wait engine thread beside cold saves",
                     "bench_launch_ticker.py", ("--writes",), ("--quick", "--writes"),
                     ticker_table),
 }
+
+
+def _bench_module(name: str) -> Any:
+    """A benchmark script of this folder as a module (its cheap checks, not its run)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(f"lmc_bench_{name}", HERE / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
 
 
 # ------------------------------------------------------------------------ running
@@ -246,6 +266,9 @@ def run_suite(suite: Suite, quick: bool, log: TextIO) -> Outcome:
     if missing:
         return Outcome(suite, [], 0.0, before, before, command,
                        f"skipped: {', '.join(missing)} not found")
+    why = suite.missing() if suite.missing is not None else None
+    if why:
+        return Outcome(suite, [], 0.0, before, before, command, f"skipped: {why}")
     with tempfile.TemporaryDirectory(prefix="lmc-bench-") as tmp:
         out = Path(tmp) / "figures.json"
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(

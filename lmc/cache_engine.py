@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import threading
 import time
 from collections.abc import Hashable, Iterator, Sequence
@@ -92,7 +93,8 @@ class CacheEngine:
 
     def __init__(self, config: CacheConfig, spec: KVSpec, model_id: str, tp_rank: int = 0,
                  tp_size: int = 1, *, tiers: Sequence[TierSpec] | None = None,
-                 transfer: str | TransferFactory = "auto") -> None:
+                 transfer: str | TransferFactory = "auto",
+                 model_dir: str | os.PathLike | None = None) -> None:
         if not isinstance(config, CacheConfig):
             raise TypeError(f"config must be a CacheConfig, got {type(config).__name__}")
         if not isinstance(spec, KVSpec):
@@ -111,7 +113,7 @@ class CacheEngine:
             # a rewritten shape or dtype is counted, deleted and a miss (docs/threats/tiers.md)
             expect_geometry(self.storage.lower, GroupGeometry.of_groups(spec, config.chunk_size))
             # a tier's lossy codec only with a passing quality verdict for this model
-            open_gates(self.storage.lower, model_id, spec.dtype)
+            open_gates(self.storage.lower, model_id, spec.dtype, model_dir)
         except BaseException:
             self.pool.close()
             raise

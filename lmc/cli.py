@@ -19,7 +19,7 @@ from typing import Any
 # parser) and the one-line summary ``lmc --help`` lists. A module is imported only when its
 # command runs: they pull in torch, and ``lmc --help`` should answer at once.
 COMMANDS: dict[str, tuple[str, str]] = {
-    "demo": ("lmc.demo", "cold vs warm TTFT on the built-in reference engine"),
+    "demo": ("lmc.demo", "cold vs warm TTFT and answers on the built-in reference engine"),
     "server": ("lmc.server.cli", "run the node-wide KV cache server daemon"),
     "stats": ("lmc.server.stats_cli", "print a running lmc server's statistics"),
     "cache": ("lmc.control_cli", "pin, prioritise, delete, clear or prefetch cached prompts "
@@ -34,7 +34,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
                "prefix (KV events), balanced against load"),
     "plan": ("lmc.planner.cli", "size the cache tiers for a trace: hit rate and predicted "
              "TTFT per configuration"),
-    "blend-check": ("lmc.blend.gate", "measure blending's quality for a model; write its verdict"),
+    "quality": ("lmc.quality.cli", "judge a lossy KV feature (blending, a codec) on a model "
+                "against exact KV; write its verdicts"),
+    "blend-check": ("lmc.blend.gate", "lmc quality --feature blend (the recompute ratios as "
+                    "--ratios)"),
     "model": ("lmc.models.cli", "get a real model's checkpoint (offline, from a package); "
               "list those converted"),
 }

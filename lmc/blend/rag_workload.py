@@ -4,8 +4,8 @@ a random order under one system prompt, followed by a question never asked befor
 This is the shape prefix caching handles worst (only the system prompt is a shared prefix)
 and segment caching best (every document recurs, anywhere). A query is written as its pieces
 ``[system, doc, ..., doc, question]``; ``prompt_text`` joins them with the separator
-convention of :mod:`lmc.blend.keys`. The same generator makes ``lmc blend-check``'s default
-prompts and ``benchmarks/bench_blend.py``'s trace; ``write_jsonl``/``read_jsonl`` are the
+convention of :mod:`lmc.blend.keys`. The same generator makes ``lmc workload rag``'s and
+``benchmarks/bench_blend.py``'s traces; ``write_jsonl``/``read_jsonl`` are the
 prompts-file format (one ``{"pieces": [...]}`` object per line).
 """
 

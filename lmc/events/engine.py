@@ -6,9 +6,9 @@
 * a :class:`EventsListener` on the storage manager sees every tier's stores, promotions,
   evictions, deletes and clears (after the fact, see
   :class:`lmc.storage.tier.TierListener`) and queues them;
-* the engine's token database is replaced by a :class:`NotingDatabase`, the same keys plus a
-  note of each prompt it cuts into chunks, so the publisher learns each chunk's tokens;
-  a tagged request's chunks (a LoRA adapter or a ``cache_salt``: keys from a root of their
+* a :class:`PromptNotes` observes the engine's token database
+  (:class:`lmc.token_database.KeysObserver`): a note of each prompt it keys, so the
+  publisher learns each chunk's tokens; a tagged request's chunks (a LoRA adapter or a ``cache_salt``: keys from a root of their
   own, :class:`~lmc.token_database.RootedKeys`) are never noted, hence never published: the
   tracker's block hashes chain from the namespace and would claim them for the base model,
   and vLLM's events would carry the salt itself in ``extra_keys``;
@@ -30,7 +30,7 @@ from lmc.events.publisher import EventPublisher
 from lmc.events.tracker import MEDIUM_OF, Tracker
 from lmc.memory.pool import MemoryObj
 from lmc.storage.tier import Key, Medium, TierInfo, TierListener
-from lmc.token_database import Chunk, ChunkedTokenDatabase, ChunkKey, RootedKeys, Tokens
+from lmc.token_database import Chunk, ChunkedTokenDatabase, ChunkKey, Tokens
 
 log = logging.getLogger(__name__)
 Offer = Callable[[tuple[Any, ...]], None]
@@ -53,31 +53,23 @@ class EventsListener(TierListener):
         self.offer(("cleared", tier.level))
 
 
-class NotingDatabase(ChunkedTokenDatabase):
-    """The engine's token database, unchanged, that also queues a note of each prompt it
-    keys: the tokens and the chunks they were cut into. The tokens are referenced, not
-    copied (a prompt is append-only while its request lives)."""
+class PromptNotes:
+    """Observes the engine's token database (a :class:`~lmc.token_database.KeysObserver`):
+    queues a note of each plain prompt it keys, the tokens and the chunks they were cut
+    into. The tokens are referenced, not copied (a prompt is append-only while its request
+    lives)."""
 
-    def __init__(self, db: ChunkedTokenDatabase, offer: Offer) -> None:
-        super().__init__(db.chunk_size, db.save_unfull_chunk, db.namespace)
-        self._offer = offer
+    def __init__(self, chunk_size: int, offer: Offer) -> None:
+        self.chunk_size = chunk_size
+        self.offer = offer
 
-    def process_tokens(self, tokens: Tokens, mask: Any = None,
-                       keys: Sequence[ChunkKey] | None = None) -> list[Chunk]:
-        out = super().process_tokens(tokens, mask, keys)
-        # without keys, keys() below noted them; a tagged request's (RootedKeys) never
-        if out and keys is not None and not isinstance(keys, RootedKeys):
-            self._offer(("note", tokens, out))
-        return out
+    def on_keys(self, tokens: Tokens, keys: Sequence[ChunkKey], num_tokens: int) -> None:
+        self.offer(("note_keys", tokens, keys, self.chunk_size, num_tokens))
 
-    def keys(self, tokens: Tokens, limit: int | None = None, root: bytes | None = None
-             ) -> list[ChunkKey]:
-        out = super().keys(tokens, limit, root)
-        if out and not isinstance(out, RootedKeys):
-            n = self.num_tokens(tokens)
-            self._offer(("note_keys", tokens, out, self.chunk_size,
-                         n if limit is None else min(limit, n)))
-        return out
+    def on_chunks(self, tokens: Tokens, keys: Sequence[ChunkKey], num_tokens: int,
+                  chunks: list[Chunk]) -> None:
+        if chunks:
+            self.offer(("note", tokens, chunks))
 
 
 class EngineEvents:
@@ -85,11 +77,11 @@ class EngineEvents:
     closes, so the last events are still published)."""
 
     def __init__(self, engine: Any, publisher: EventPublisher, listener: EventsListener,
-                 db: ChunkedTokenDatabase) -> None:
+                 notes: PromptNotes) -> None:
         self.engine = engine
         self.publisher = publisher
         self.listener = listener
-        self._db = db
+        self.notes = notes
 
     @property
     def endpoint(self) -> str:
@@ -104,8 +96,7 @@ class EngineEvents:
 
     def close(self) -> None:
         self.engine.storage.remove_listener(self.listener)
-        if self.engine.db is not self._db:
-            self.engine.db = self._db
+        self.engine.db.remove_observer(self.notes)
         self.publisher.close()
 
 
@@ -127,14 +118,14 @@ def attach(engine: Any, setting: EventsConfig | Mapping[str, Any] | None
     if not cfg.enabled:
         return None
     block_size = cfg.block_size or int(engine.spec.block_size)
-    old_db: ChunkedTokenDatabase = engine.db
-    if block_size < 1 or old_db.chunk_size % block_size:
+    db: ChunkedTokenDatabase = engine.db
+    if block_size < 1 or db.chunk_size % block_size:
         raise ValueError(f"kv_events.block_size {block_size} must divide chunk_size "
-                         f"{old_db.chunk_size} (one hash per engine block)")
+                         f"{db.chunk_size} (one hash per engine block)")
     storage = engine.storage
     media = tier_media(storage.infos, cfg.publish_remote)
     counts: list[EventPublisher] = []
-    tracker = Tracker(block_size, old_db.namespace, media, cfg.max_chunks,
+    tracker = Tracker(block_size, db.namespace, media, cfg.max_chunks,
                       lambda what, n: counts[0].count(what, n))
 
     def reconcile() -> list[dict[str, Any]]:
@@ -152,10 +143,11 @@ def attach(engine: Any, setting: EventsConfig | Mapping[str, Any] | None
                                reconcile=reconcile)
     counts.append(publisher)
     listener = EventsListener(publisher.offer)
-    engine.db = NotingDatabase(old_db, publisher.offer)
+    notes = PromptNotes(db.chunk_size, publisher.offer)
+    db.add_observer(notes)
     storage.add_listener(listener)
     # an lmc:// tier describes its chunks to a daemon that publishes them (its HELLO says
-    # so; nothing is noted before): lmc.events.notes, wrapped around the noting database
+    # so; nothing is noted before): lmc.events.notes, another observer of the database
     from lmc.events.notes import bind
     bind(engine, block_size)
-    return EngineEvents(engine, publisher, listener, old_db)
+    return EngineEvents(engine, publisher, listener, notes)

@@ -3,11 +3,12 @@ a PUT (``lmc.events.shared`` for its form and checks).
 
 A tier's ``put`` sees chunk keys and values, not tokens. :func:`bind` gives every tier
 that asks for it (a ``block_notes`` attribute, the seam: ``None`` on the class, set here)
-one :class:`ChunkNotes`: the engine's token database is wrapped so each chunk it keys is
-remembered by its key (the previous key, the chunk's tokens as bytes, its offset: a copy,
-so a growing conversation's every turn is not kept alive; at most ``max_chunks`` chunks,
-oldest forgotten: 64 MiB at 256-token chunks), and the tier asks
-:meth:`ChunkNotes.items` for the keys it PUTs.
+one :class:`ChunkNotes`, an observer of the engine's token database
+(:class:`lmc.token_database.KeysObserver`): each chunk it keys is remembered by its key
+(the previous key, the chunk's tokens as bytes, its offset: a copy, so a growing
+conversation's every turn is not kept alive; at most ``max_chunks`` chunks, oldest
+forgotten: 64 MiB at 256-token chunks), and the tier asks :meth:`ChunkNotes.items` for the
+keys it PUTs.
 
 A tagged request's chunks (LoRA, ``cache_salt``: :class:`~lmc.token_database.RootedKeys`)
 are never noted: their chain starts from a root the daemon cannot check, and describing them
@@ -18,7 +19,7 @@ a tier opens its connection (and so learns from the HELLO whether the daemon pub
 only at its first call, which may be the very PUT of a chunk keyed earlier -- a chunk
 stored before any lookup must still be published. Each tier then tells the notes what its
 HELLO said (:meth:`ChunkNotes.told`); once every bound tier has said its daemon does not
-publish at this block size, noting stops and what was noted is dropped (the wrapper then
+publish at this block size, noting stops and what was noted is dropped (observing then
 costs one attribute test per call), and starts again if a daemon later says it does.
 While active, each keyed prompt costs a dict insert per new chunk, under a lock (the tier
 reads from its own threads).
@@ -33,10 +34,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from lmc.token_database import (
-    Chunk,
     ChunkedTokenDatabase,
     ChunkKey,
-    RootedKeys,
     Tokens,
     tokens_to_bytes,
 )
@@ -85,6 +84,17 @@ class ChunkNotes:
         with self._lock:
             self.active = True
 
+    # as a KeysObserver of the engine's token database (lmc.token_database): a prompt it
+    # keys, or cuts with keys computed ahead, is noted while active
+    def on_keys(self, tokens: Tokens, keys: Sequence[ChunkKey], num_tokens: int) -> None:
+        if self.active:
+            self.note(tokens, keys, num_tokens)
+
+    def on_chunks(self, tokens: Tokens, keys: Sequence[ChunkKey], num_tokens: int,
+                  chunks: list[Any]) -> None:
+        if self.active:
+            self.note(tokens, keys, num_tokens)
+
     def note(self, tokens: Tokens, keys: Sequence[ChunkKey], n: int) -> None:
         """``keys`` are the chunk keys of ``tokens[:n]`` from the prompt's start; the chunks
         not noted yet are copied (the prompt is converted once, only if one is new)."""
@@ -115,34 +125,6 @@ class ChunkNotes:
         return len(self._by_key)
 
 
-class NotesDatabase(ChunkedTokenDatabase):
-    """The engine's token database, delegated to unchanged, that also tells ``notes`` of
-    each prompt it keys."""
-
-    def __init__(self, inner: ChunkedTokenDatabase, notes: ChunkNotes) -> None:
-        super().__init__(inner.chunk_size, inner.save_unfull_chunk, inner.namespace)
-        self.inner = inner
-        self.notes = notes
-
-    def keys(self, tokens: Tokens, limit: int | None = None, root: bytes | None = None
-             ) -> list[ChunkKey]:
-        out = self.inner.keys(tokens, limit, root)
-        if self.notes.active and out and not isinstance(out, RootedKeys):
-            n = self.num_tokens(tokens)
-            self.notes.note(tokens, out, n if limit is None else min(limit, n))
-        return out
-
-    def process_tokens(self, tokens: Tokens, mask: Any = None,
-                       keys: Sequence[ChunkKey] | None = None) -> list[Chunk]:
-        if isinstance(keys, RootedKeys):  # a tagged request's: never described (below)
-            pass
-        elif keys is not None and self.notes.active:
-            self.notes.note(tokens, keys, self.num_tokens(tokens))
-        elif keys is None and self.notes.active:
-            keys = self.keys(tokens)
-        return self.inner.process_tokens(tokens, mask, keys)
-
-
 def bind(engine: Any, block_size: int | None = None) -> ChunkNotes | None:
     """Give the tiers of ``engine`` that take block info (``block_notes`` attribute) the
     engine's notes; None when no tier takes them, or the block size (``block_size``, else
@@ -150,18 +132,19 @@ def bind(engine: Any, block_size: int | None = None) -> ChunkNotes | None:
     tiers = [t for t in engine.storage.tiers if hasattr(t, "block_notes")]
     if not tiers:
         return None
-    if isinstance(engine.db, NotesDatabase):  # bound already (attach() binds too)
-        return engine.db.notes
+    db: ChunkedTokenDatabase = engine.db
+    for o in db.observers:  # bound already (attach() binds too)
+        if isinstance(o, ChunkNotes):
+            return o
     if block_size is None:
         ev = getattr(engine.config, "kv_events", None) or {}
         block_size = int(ev.get("block_size") or 0) or int(engine.spec.block_size)
-    db: ChunkedTokenDatabase = engine.db
     try:
         notes = ChunkNotes(db.namespace, db.chunk_size, block_size, tiers=len(tiers))
     except ValueError as e:
         log.warning("KV events: no block info for the shared store: %s", e)
         return None
-    engine.db = NotesDatabase(db, notes)
+    db.add_observer(notes)
     for i, t in enumerate(tiers):
         while "inner" in vars(t):  # a wrapper tier (lmc.storage.wrappers): the tier it wraps
             t = vars(t)["inner"]

@@ -160,3 +160,12 @@ class HitRule:
 def chunk_ends(num_tokens: int, chunk_size: int, num_chunks: int) -> list[int]:
     """Where each of a sequence's first ``num_chunks`` chunks ends (its last may be partial)."""
     return [min((k + 1) * chunk_size, num_tokens) for k in range(num_chunks)]
+
+
+def kept_positions(rule: HitRule, group: KVGroup, num_tokens: int) -> int:
+    """Positions of a ``num_tokens`` prompt whose ``group`` part is stored (saved whole,
+    with its own checkpoints): what the group costs in bytes, per position of its rows."""
+    cs = rule.chunk_size
+    cps = rule.checkpoints(num_tokens)
+    return sum(min(s + cs, num_tokens) - s for s in range(0, num_tokens, cs)
+               if rule.keeps(group, s, min(s + cs, num_tokens), cps))

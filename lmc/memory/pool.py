@@ -315,27 +315,29 @@ def _mem_total() -> int | None:
     return None
 
 
-def _too_large(size: int, why: str) -> str:
+def _too_large(size: int, why: str, setting: str = "local_cpu_size") -> str:
+    """``setting``: what the user sets the size with where the pool is made (the daemon's
+    ``--size``; the engine's and the demo's ``local_cpu_size``)."""
     total, avail = _mem_total(), mem_available()
     host = ", ".join(x for x in (
         f"{human_bytes(total)} of memory" if total is not None else "",
         f"{human_bytes(avail)} available now" if avail is not None else "") if x)
     return (f"a {human_bytes(size)} memory pool does not fit this host ({why}; the host has "
-            f"{host or 'an unknown amount of memory'}): lower local_cpu_size "
-            "(lmc server: --size)")
+            f"{host or 'an unknown amount of memory'}): lower {setting}")
 
 
-def check_fits(size: int, touched: bool = True) -> None:
+def check_fits(size: int, touched: bool = True, setting: str = "local_cpu_size") -> None:
     """Refuse a pool larger than the host's memory before allocating it; warn when (``touched``:
     it will be pre-faulted, every page made resident) it is larger than what is available
-    now (other processes may yet free theirs; the kernel will reclaim or kill otherwise)."""
+    now (other processes may yet free theirs; the kernel will reclaim or kill otherwise).
+    Both messages name ``setting``, the size's key or flag where it was given."""
     total, avail = _mem_total(), mem_available()
     if total is not None and size > total:
-        raise PoolTooLarge(_too_large(size, "more than all its memory"))
+        raise PoolTooLarge(_too_large(size, "more than all its memory", setting))
     if touched and avail is not None and size > avail:
         log.warning("a %s memory pool is more than this host has available now (%s); "
                     "pre-faulting it may make the kernel reclaim memory or kill a process: "
-                    "lower local_cpu_size", human_bytes(size), human_bytes(avail))
+                    "lower %s", human_bytes(size), human_bytes(avail), setting)
 
 
 class MemoryPool:

@@ -153,6 +153,29 @@ def kv_bytes_per_token(model: Path) -> int:
     return bytes_per_block(ModelConfig.from_file(model / "config.json"), 1, torch.float32)
 
 
+def hybrid_bytes_per_token(model: Path, chunk_size: int, lengths: Sequence[int],
+                           interval: int = 0) -> tuple[float, int, str] | None:
+    """A hybrid sliding-window/full checkpoint's KV bytes stored per prompt token under
+    lmc's rule (:mod:`lmc.hybrid.rules`: sliding layers kept only around each prompt's
+    checkpoints), over prompts of ``lengths``; with every layer's bytes per token and the
+    groups in words. ``None`` for a plain model."""
+    from lmc.connectors.reference.connector import window_groups
+    from lmc.hybrid.rules import HitRule, default_interval, kept_positions
+    from lmc.reference.config import ModelConfig
+
+    cfg = ModelConfig.from_file(model / "config.json")
+    if not cfg.sliding_windows or not lengths:
+        return None
+    groups = window_groups([cfg.layer_window(i) for i in range(cfg.num_hidden_layers)])
+    rule = HitRule(groups, chunk_size, interval or default_interval(chunk_size, groups))
+    per_layer = kv_bytes_per_token(model) // cfg.num_hidden_layers
+    total = sum(lengths)
+    stored = sum(g.num_layers * per_layer * sum(kept_positions(rule, g, n) for n in lengths)
+                 for g in groups)
+    words = ", ".join(g.describe() for g in groups)
+    return stored / total, per_layer * cfg.num_hidden_layers, words
+
+
 class Calibrator:
     """The engines a calibration measures (one per tier: L1 alone, L1 over a disk tier, L1
     over the remote tier) and the samples taken so far. :meth:`round` takes one sample of
@@ -324,8 +347,17 @@ def calibrate(model_dir: str | Path | None = None, *, lengths: Sequence[int] = (
     when the measurements are outside physical bounds (:func:`refusals`)."""
     if reps < 1:
         raise ValueError(f"--reps must be at least 1, got {reps}")
+    before = torch.get_num_threads()
     if threads:
         torch.set_num_threads(threads)
+    try:
+        return _measure(model_dir, lengths, reps, load_tokens, chunk_size, disk_dir, remote_url)
+    finally:
+        torch.set_num_threads(before)  # a caller's own engines keep theirs
+
+
+def _measure(model_dir: str | Path | None, lengths: Sequence[int], reps: int, load_tokens: int,
+             chunk_size: int, disk_dir: str | None, remote_url: str | None) -> Profile:
     path = Path(model_dir) if model_dir else default_model()
     log(f"calibrating with {path} ({torch.get_num_threads()} torch threads), lmc attached")
     cal = Calibrator(path, lengths=lengths, load_tokens=load_tokens, chunk_size=chunk_size,

@@ -113,6 +113,13 @@ def register_cli(sub: Any) -> None:
     p.add_argument("--kv-bytes-per-token", type=int_in(1, MAX_KV_BYTES_PER_TOKEN), metavar="N",
                    help="KV bytes per token (default: the profile's model's, else --model's "
                    "or --tokenizer's checkpoint's, else the calibration model's 8 KiB)")
+    p.add_argument("--codec", metavar="CODEC",
+                   help="the disk and remote tiers hold KV through this codec (fp8-e4m3, "
+                   "int8, int4-kivi...; docs/codecs.md): each holds that much more KV")
+    p.add_argument("--kv-dtype", choices=("float32", "float16", "bfloat16"), default="bfloat16",
+                   help="the engine's KV dtype, for --codec's ratio (default bfloat16)")
+    p.add_argument("--head-size", type=int_in(1, 4096), default=None, metavar="N",
+                   help="KV head size, for --codec's scales (default: --model's, else 128)")
     p.add_argument("--chunk-size", type=int_in(1, MAX_CHUNK), default=None, metavar="N",
                    help="tokens per chunk (default: the profile's, else 256)")
     p.add_argument("--align", type=int_in(1, MAX_CHUNK), default=1, metavar="N",
@@ -208,6 +215,50 @@ def _kv_bytes_per_token(args: argparse.Namespace) -> int:
     return DEFAULT_KV_BYTES_PER_TOKEN
 
 
+def _hybrid_bytes(args: argparse.Namespace, chunk: int, trace: Any, bpt: int) -> int:
+    """``--model``'s bytes per token if it is a hybrid sliding-window/full model: what lmc
+    stores of the trace's prompts (its sliding layers only around each prompt's
+    checkpoints), said on stderr beside every layer's."""
+    if not args.model or not (Path(args.model).expanduser() / "config.json").is_file():
+        return bpt
+    from lmc.planner.calibrate import hybrid_bytes_per_token
+
+    got = hybrid_bytes_per_token(Path(args.model).expanduser(), chunk,
+                                 [int(n) for n in trace.num_tokens])
+    if got is None:
+        return bpt
+    stored, every, words = got
+    print(f"lmc plan: hybrid model ({words}): {stored:,.0f} bytes of KV stored per prompt "
+          f"token of this trace, {every:,} for every layer of every token (fp32)",
+          file=sys.stderr)
+    return max(1, round(stored))
+
+def _codec_ratio(args: argparse.Namespace, chunk: int) -> float:
+    """Stored bytes per KV byte under ``--codec`` (a full chunk of two planes of 8 heads),
+    said on stderr with what it gives: the disk and remote sizes planned are the KV held."""
+    import torch
+
+    from lmc.storage.kvcodecs.stage import parse_stage
+    from lmc.units import size
+
+    head = args.head_size
+    if head is None and args.model and (Path(args.model).expanduser() / "config.json").is_file():
+        from lmc.reference.config import ModelConfig
+
+        head = ModelConfig.from_file(Path(args.model).expanduser() / "config.json").head_dim
+    head = head or 128
+    stage = parse_stage(args.codec, "--codec", head)
+    dtype = getattr(torch, args.kv_dtype)
+    shape = (1, 2, chunk, 8 * head)
+    raw = 2 * chunk * 8 * head * dtype.itemsize
+    ratio = (stage.coded_bytes(shape, dtype) if stage.encodes(dtype) else raw) / raw
+    held = ", ".join(f"{size(d)} disk holds {size(int(d / ratio))}" for d in args.disk if d)
+    print(f"lmc plan: codec {stage.ident} stores {ratio:.3f} of {args.kv_dtype} KV "
+          f"(head size {head}){': ' + held if held else ''}; the disk and remote sizes below "
+          "are the KV they hold (a lossless stage's gain is not counted)", file=sys.stderr)
+    return ratio
+
+
 def _plan(args: argparse.Namespace) -> int:
     from lmc.planner import report
     from lmc.planner.costmodel import Profile, default_profile_path
@@ -246,7 +297,14 @@ def _plan(args: argparse.Namespace) -> int:
     t_keys = time.perf_counter() - t0
     if not len(trace):
         raise ValueError(f"{args.trace}: no requests")
-    points = grid(args.l1, args.disk, args.remote, args.policy)
+    if not args.kv_bytes_per_token and profile is None:  # a hybrid model stores less
+        bpt = _hybrid_bytes(args, chunk, trace, bpt)
+    disk, remote = args.disk, args.remote
+    if args.codec:
+        ratio = _codec_ratio(args, chunk)
+        disk = [int(d / ratio) for d in disk]
+        remote = [int(r / ratio) for r in remote]
+    points = grid(args.l1, disk, remote, args.policy)
     t1 = time.perf_counter()
     results = run_grid(trace, points, bytes_per_token=bpt, align=args.align,
                        jobs=args.jobs or None, step_tokens=args.step_tokens)

@@ -9,15 +9,14 @@ What is lmc's own code here and what mirrors it:
 * **remote** is an lmc daemon (``lmc://``): its memory tier is the same ``CPUBackend`` over a
   pool of the remote's size, so it is that class again. A Redis remote with an LRU
   ``maxmemory-policy`` evicts by sampled LRU, which this approximates.
-* **disk** is :class:`DiskIndex`: ``lmc/storage/backends/disk/backend.py`` keeps its index inside the
-  file I/O, so its capacity rules are mirrored here, over the tier's own eviction policy
-  objects (:func:`lmc.storage.eviction.make_policy`, LRU by default as in the tier): file size = a
-  4 KiB header block plus the payload rounded up to 4 KiB, with the disk tier's own
-  ``BLOCK``/``round_up``; ``contains`` is not an access, ``get`` and a re-put are;
-  eviction pops the policy's first victims until the new file fits, stopping early at a
-  same-size victim, which the tier recycles.
-  ``tests/planner/test_disk_index.py`` drives the real ``DiskBackend`` and this index with
-  the same operations and checks they hold the same keys in the same order.
+* **disk** is :class:`SimDisk` over the disk tier's own index
+  (:class:`lmc.storage.backends.disk.index.DiskIndex`: the tier's eviction policy objects,
+  its byte accounting, a file of a 4 KiB header block plus the payload rounded up to 4 KiB,
+  and its eviction, which stops early at a same-size victim the tier recycles), driven as
+  the tier's writes and reads drive it, with no files; ``contains`` is not an access,
+  ``get`` and a re-put are. ``tests/planner/test_disk_index.py`` drives the real
+  ``DiskBackend`` and :class:`SimDisk` with the same operations and checks they hold the
+  same keys in the same order.
 
 :class:`SimCache` strings them together, in the order of any ``tiers:`` chain of a config
 (:func:`chain_tiers` reads :meth:`lmc.config.CacheConfig.tier_chain`, the list
@@ -46,8 +45,7 @@ from lmc.memory.pool import MemoryObj
 from lmc.planner.addrpool import AddressPool
 from lmc.settings import parse_size
 from lmc.storage.backends.cpu import CPUBackend
-from lmc.storage.backends.disk.backend import BLOCK, round_up
-from lmc.storage.eviction import EvictionPolicy, make_policy
+from lmc.storage.backends.disk.index import DiskIndex, file_bytes
 from lmc.storage.manager import WRITE_POLICIES
 from lmc.storage.tier import Medium, backend_factory, tier_medium
 
@@ -65,7 +63,7 @@ def memory_tier(capacity: int, eviction_policy: str = "lru") -> CPUBackend:
 @dataclasses.dataclass(frozen=True, order=True)
 class SimTier:
     """One lower tier of a simulated chain: its name (its level in the results), what it is
-    simulated as (``disk``: :class:`DiskIndex`; ``memory``: a daemon-like memory tier,
+    simulated as (``disk``: :class:`SimDisk`; ``memory``: a daemon-like memory tier,
     :class:`RemoteDaemon`; ``peer``: :class:`PeerTier`), its capacity and eviction policy."""
 
     name: str
@@ -75,7 +73,7 @@ class SimTier:
 
     def build(self) -> LowerTier:
         if self.kind == "disk":
-            return DiskIndex(self.capacity, self.eviction_policy, name=self.name)
+            return SimDisk(self.capacity, self.eviction_policy, name=self.name)
         if self.kind == "memory":
             return RemoteDaemon(self.capacity, self.eviction_policy, name=self.name)
         if self.kind == "peer":
@@ -133,67 +131,68 @@ def chain_tiers(config: CacheConfig, sizes: Mapping[str, int | str] | None = Non
     return out
 
 
-class DiskIndex:
-    """The disk tier's index and capacity rules (see the module doc), without files."""
+class SimDisk:
+    """The disk tier without files: its own index (:class:`lmc.storage.backends.disk.index.
+    DiskIndex`), driven as the tier's writes and reads drive it (see the module doc)."""
 
     def __init__(self, capacity: int, eviction_policy: str = "lru", name: str = "disk"
                  ) -> None:
         self.name = name
         self.capacity = int(capacity)
-        self._policy: EvictionPolicy[Key, int] = make_policy(eviction_policy)
-        self._index = self._policy.entries  # key -> file bytes
-        self.used = 0
+        self.index = DiskIndex(self.capacity, eviction_policy)
         self.evictions = 0
         self.rejected = 0
 
-    @staticmethod
-    def file_bytes(nbytes: int) -> int:
-        return BLOCK + round_up(nbytes)
+    @property
+    def used(self) -> int:
+        return self.index.used
 
     def contains(self, keys: Sequence[Key]) -> list[bool]:
-        idx = self._index
+        idx = self.index.entries
         return [k in idx for k in keys]
 
     def touch_present(self, keys: Sequence[Key]) -> list[bool]:
         """``get``'s first half: present keys become most recently used (before any read)."""
-        idx = self._index
-        out = [k in idx for k in keys]
-        self._policy.touch_many(keys)
+        out = self.contains(keys)
+        self.index.policy.touch_many(keys)
         return out
 
     def put(self, keys: Sequence[Key], nbytes: Sequence[int]) -> int:
+        """The tier's ``_write`` without the file: too large is refused, a held key is an
+        access, else room is made (victims unlinked at once: nothing else writes here) and
+        the value committed."""
         stored = 0
-        idx = self._index
-        policy = self._policy
+        index = self.index
         for k, n in zip(keys, nbytes):
-            size = BLOCK + round_up(n)
+            size = file_bytes(n)
             if size > self.capacity:
                 self.rejected += 1
                 continue
-            if k in idx:
-                policy.access(k)
+            if k in index.entries:
+                index.policy.access(k)
                 stored += 1
                 continue
-            over = self.used + size - self.capacity
-            freed = 0
-            while over > 0 and idx and freed < over:
-                _, vsize = policy.pop_victim()
-                self.used -= vsize
-                self.evictions += 1
-                if vsize == size:  # recycled: its file becomes the new value's
-                    break
-                freed += vsize
-            policy.insert(k, size)
-            self.used += size
+            done = False
+            while not done:
+                done, ev = index.make_room(size, _no_file)
+                if ev is not None:
+                    index.dying -= ev.dying  # unlinked
+                    self.evictions += len(ev.gone)
+            index.commit(k, size)
             stored += 1
         return stored
 
     def keys_in_order(self) -> list[Key]:
         """Held keys, first to evict first."""
-        return self._policy.keys_in_order()
+        return self.index.policy.keys_in_order()
 
     def __len__(self) -> int:
-        return len(self._index)
+        return len(self.index.entries)
+
+
+def _no_file(key: Key, size: int) -> Key:
+    """The planner's ``retire``: there is no file, the key stands for it."""
+    return key
 
 
 class RemoteDaemon:
@@ -257,7 +256,7 @@ class PeerTier:
         return 0
 
 
-LowerTier = DiskIndex | RemoteDaemon | PeerTier
+LowerTier = SimDisk | RemoteDaemon | PeerTier
 
 
 class SimCache:

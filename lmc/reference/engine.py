@@ -66,8 +66,8 @@ class LLM:
             ``CacheConfig``, a YAML path or a dict of keys.
         blend: with ``lmc_config``: reuse marked segments anywhere in a prompt (segment
             caching with selective recompute, ``lmc.blend``): ``True``, or the blend
-            settings as a dict. Enabled only for a model with a passing ``lmc blend-check``
-            verdict (or an explicit override).
+            settings as a dict. Enabled only for a model with a passing ``lmc quality``
+            verdict for blend (or an explicit override).
     """
 
     def __init__(

@@ -171,11 +171,12 @@ def tiny_config_dict(
     max_position_embeddings: int = 2048,
     dtype: str = "float32",
     sliding_window: int | None = None,
-    sliding_every: int = 2,
+    full_every: int = 2,
 ) -> dict[str, Any]:
     """The ``config.json`` contents ``make_tiny_checkpoint`` writes. ``sliding_window``: a
-    hybrid model whose layers ``0, sliding_every, 2 * sliding_every, ...`` attend to the
-    last ``sliding_window`` positions (``layer_types``), the others to all."""
+    hybrid model whose every ``full_every``-th layer (the last of each run) attends to all
+    positions and the others to the last ``sliding_window`` (``layer_types``; 6 is Gemma 3's
+    5:1 pattern)."""
     qwen = model_type == "qwen2"
     cfg: dict[str, Any] = {
         "architectures": ["Qwen2ForCausalLM" if qwen else "LlamaForCausalLM"],
@@ -201,8 +202,8 @@ def tiny_config_dict(
     if attention_bias is not None or not qwen:
         cfg["attention_bias"] = bool(attention_bias)
     if sliding_window is not None:
-        cfg["layer_types"] = ["sliding_attention" if i % sliding_every == 0 else
-                              "full_attention" for i in range(layers)]
+        cfg["layer_types"] = ["full_attention" if (i + 1) % full_every == 0 else
+                              "sliding_attention" for i in range(layers)]
         cfg["sliding_window"] = sliding_window
     return cfg
 
@@ -227,12 +228,14 @@ def make_tiny_checkpoint(
     shards: int = 1,
     progress: Callable[[str], None] | None = None,
     sliding_window: int | None = None,
+    full_every: int = 2,
 ) -> Path:
     """Write a random-weight checkpoint to ``path`` (created if needed); returns it.
 
     ``model_type="qwen2"`` gives a Qwen2-style model: q/k/v biases and tied embeddings
-    by default. ``sliding_window``: a hybrid sliding-window/full model (every other layer,
-    from layer 0, attends to that many last positions). ``shards > 1`` splits the weights into that many files plus an index.
+    by default. ``sliding_window``: a hybrid sliding-window/full model (every
+    ``full_every``-th layer full attention, the others attending to that many last
+    positions). ``shards > 1`` splits the weights into that many files plus an index.
     ``progress`` is called with one line per step (tokenizer, weights, files) and how long
     it took: a large checkpoint takes minutes, and a silent wait looks like a hang.
     """
@@ -246,7 +249,7 @@ def make_tiny_checkpoint(
         tie_word_embeddings=tie_word_embeddings, attention_bias=attention_bias,
         rope_theta=rope_theta, rope_scaling=rope_scaling,
         max_position_embeddings=max_position_embeddings, dtype=dtype,
-        sliding_window=sliding_window,
+        sliding_window=sliding_window, full_every=full_every,
     )
     config = ModelConfig.from_dict(cfg)
     from lmc.reference.loader import resolve_dtype

@@ -65,7 +65,7 @@ def preflight(config: ServerConfig) -> None:
     the pool fits the host's memory, each tier's options and URL, and that the disk tier's
     directory can be made. Raises ``ValueError`` naming the flag."""
     cache_cfg = config.cache_config()
-    check_fits(cache_cfg.local_cpu_size, config.prefault)
+    check_fits(cache_cfg.local_cpu_size, config.prefault, DAEMON_KEYS["local_cpu_size"])
     chain.check_chain(cache_cfg, where=DAEMON_KEYS)
 
 

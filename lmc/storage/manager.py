@@ -424,7 +424,8 @@ class StorageManager:
                 got = read_watched(partial(self._get_piece, level, tier),
                                    partial(self._abandoned, level),
                                    [keys[i] for i in todo], todo, watch, self._fetcher(),
-                                   tier.name)
+                                   tier.name, learn=not self._measured(level),
+                                   observe=partial(self._observe, level))
             hit = [(i, o) for i, o in zip(todo, got) if o is not None]
             for i, o in hit:
                 found[i] = o
@@ -439,18 +440,26 @@ class StorageManager:
         with self._fetch_cv:
             self._fetching += 1
         try:
-            return self._get_lower(level, tier, keys)
+            return self._get_lower(level, tier, keys, observe=False)
         finally:
             with self._fetch_cv:
                 self._fetching -= 1
                 self._fetch_cv.notify_all()
 
+    def _measured(self, level: int) -> bool:
+        """Whether lower tier ``level`` has been read since the speeds were made (a watched
+        read learns an unmeasured tier's rate from one chunk before it reads on)."""
+        speeds = self.speeds
+        if speeds is None or level + 1 >= len(speeds.tiers):
+            return False
+        return speeds.tiers[level + 1].fit.count > 0
+
     def _fetcher(self) -> ThreadPoolExecutor:
-        """The threads watched reads run their pieces on (a piece abandoned in flight
-        keeps one busy until it returns)."""
+        """The threads watched reads run their pieces on (``load_watch.DEPTH`` per read; a
+        piece abandoned in flight keeps one busy until it returns, so there are more)."""
         with self._fetch_lock:
             if self._fetch_pool is None:
-                self._fetch_pool = ThreadPoolExecutor(2, thread_name_prefix="lmc-fetch")
+                self._fetch_pool = ThreadPoolExecutor(8, thread_name_prefix="lmc-fetch")
             return self._fetch_pool
 
     def _abandoned(self, level: int, keys: list[Key], objs: list[MemoryObj | None]) -> None:
@@ -479,8 +488,10 @@ class StorageManager:
             if back:
                 self._l1_put([k for k, _ in back], [o for _, o in back])
 
-    def _get_lower(self, level: int, tier: StorageBackend, keys: list[Key]
-                   ) -> list[MemoryObj | None]:
+    def _get_lower(self, level: int, tier: StorageBackend, keys: list[Key],
+                   observe: bool = True) -> list[MemoryObj | None]:
+        """``tier.get`` counted (and, with ``observe``, timed for the speed estimates; a
+        watched read's pieces are timed as one read instead)."""
         m = self.metrics[level]
         t0 = time.perf_counter()
         try:
@@ -488,7 +499,7 @@ class StorageManager:
         except Exception as e:
             log.warning("tier %s failed get(): %s", tier.name, e)
             m.error("get", type(e).__name__)
-            self._observe(level, 0, time.perf_counter() - t0, failed=True)
+            self._observe(level, 0, time.perf_counter() - t0, failed=True)  # always: slow
             return [None] * len(keys)
         if len(got) != len(keys):
             log.error("tier %s answered %d objects for %d keys: treated as misses", tier.name,
@@ -501,7 +512,7 @@ class StorageManager:
         nbytes = sum(o.nbytes for o in hits)
         dt = time.perf_counter() - t0
         m.read(len(hits), len(keys) - len(hits), nbytes, dt)
-        if hits:
+        if hits and observe:
             self._observe(level, nbytes, dt)
         return got
 

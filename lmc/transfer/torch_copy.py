@@ -350,7 +350,8 @@ class TorchTransfer(KVTransfer):
                layers: Iterable[int] | None = None, *, after: Completion | None = None,
                stream: Any = None, arrays: Sequence[np.ndarray] | None = None) -> Completion:
         with self._ordered(after, stream) as s:
-            self._gather(plan, bufs, layers, arrays)
+            self._copy(plan, bufs, layers, arrays, self._take, self._index_into,
+                       self._gather_layer)
         return self._completion(s)
 
     def scatter(self, plan: TransferPlan, bufs: Sequence[torch.Tensor],
@@ -359,7 +360,8 @@ class TorchTransfer(KVTransfer):
                 after: Completion | None = None, stream: Any = None) -> Completion:
         """``arrays``: optional integer numpy views of ``bufs`` (saves a conversion each)."""
         with self._ordered(after, stream) as s:
-            self._scatter(plan, bufs, layers, arrays)
+            self._copy(plan, bufs, layers, arrays, self._put, self._index_copy,
+                       self._scatter_layer)
         return self._completion(s)
 
     def _parts(self, plan: TransferPlan, n_bufs: int) -> list[PlanRun | tuple[int, ChunkPlan]]:
@@ -409,46 +411,38 @@ class TorchTransfer(KVTransfer):
             out.append((i - first, a[None] if a.flags.c_contiguous else None))
         return out
 
-    def _gather(self, plan: TransferPlan, bufs: Sequence[torch.Tensor],
-                layers: Iterable[int] | None, arrays: Sequence[np.ndarray] | None) -> None:
-        """CPU block and token rows: ``np.take`` straight into the chunks' arrays (no tensor
-        made per chunk or layer; 'clip' because 'raise' buffers the output, and every index
-        was bounds-checked by ``plan``), a run's evenly spaced chunks in one call per layer
-        where their destination is one contiguous array. Else ``index_select``."""
+    def _copy(self, plan: TransferPlan, bufs: Sequence[torch.Tensor],
+              layers: Iterable[int] | None, arrays: Sequence[np.ndarray] | None,
+              whole: Callable[..., None], rows: Callable[..., None],
+              one_layer: Callable[[int, ChunkPlan, torch.Tensor], None]) -> None:
+        """The one loop of a gather (``_take``, ``_index_into``, ``_gather_layer``) and a
+        scatter (``_put``, ``_index_copy``, ``_scatter_layer``). CPU block and token rows go
+        through numpy straight between the cache and the chunks' arrays (no tensor made per
+        chunk or layer): ``whole`` moves a run's evenly spaced chunks with one call per layer
+        where their buffers are one strided array, a chunk's otherwise; ``rows`` is the torch
+        path of a run's chunk whose buffer is not; ``one_layer`` moves one layer of a chunk
+        planned alone (strided layouts, unmapped slots, caches off the CPU)."""
         layer_ids = range(self.spec.num_layers) if layers is None else list(layers)
         for part in self._parts(plan, len(bufs)):
             if isinstance(part, PlanRun):
-                self._gather_run(part, bufs, arrays, layer_ids)
+                self._copy_run(part, bufs, arrays, layer_ids, whole, rows)
                 continue
             i, cp = part
             if cp.start == cp.end or cp.mode == "empty":
                 continue
             arr = self._np_buf(cp, i, bufs, arrays)
             if arr is not None and cp.index_np is not None:  # _np_buf: only where it is set
-                self._take(cp.index_np[None], cp.mode, arr[None], layer_ids)
+                whole(cp.index_np[None], cp.mode, arr[None], layer_ids)
                 continue
             buf = bufs[i].view(self.int_dtype)
             for layer in layer_ids:
-                dst = buf[layer]
-                if self.strided:
-                    self._strided_gather(layer, cp, dst)
-                elif cp.mode == "masked":
-                    tabs = self.tok_tables[layer]
-                    src = self._index(tabs, cp.rows()).to(dst.device, non_blocking=False)
-                    dst[:, self._valid(cp).to(dst.device)] = src.view(dst.shape[0], -1, self.W)
-                else:
-                    self._index_into(self._tables(cp.mode)[layer], cp.rows(), dst)
-
-    def _gather_run(self, run: PlanRun, bufs: Sequence[torch.Tensor],
-                    arrays: Sequence[np.ndarray] | None, layer_ids: Sequence[int]) -> None:
-        self._copy_run(run, bufs, arrays, layer_ids, self._take, self._index_into)
+                one_layer(layer, cp, buf[layer])
 
     def _copy_run(self, run: PlanRun, bufs: Sequence[torch.Tensor],
                   arrays: Sequence[np.ndarray] | None, layer_ids: Sequence[int],
                   whole: Callable[..., None], per_chunk: Callable[..., None]) -> None:
-        """One run of a gather (``_take`` / ``_index_into``) or a scatter (``_put`` /
-        ``_index_copy``): the pieces whose pool objects form one strided array move with one
-        call per layer (``whole``), the others chunk by chunk (``per_chunk``)."""
+        """One run: the pieces whose pool objects form one strided array move with one call
+        per layer (``whole``), the others chunk by chunk (``per_chunk``)."""
         idx = run.index_np
         if idx.shape[-1] == 0:  # chunks of no tokens
             return
@@ -460,6 +454,27 @@ class TorchTransfer(KVTransfer):
             buf, ix = bufs[run.first + k].view(self.int_dtype), torch.from_numpy(idx[k])
             for layer in layer_ids:
                 per_chunk(tabs[layer], ix, buf[layer])
+
+    def _gather_layer(self, layer: int, cp: ChunkPlan, dst: torch.Tensor) -> None:
+        """Layer ``layer`` of a chunk planned alone into ``dst`` (``[planes, tokens, W]``)."""
+        if self.strided:
+            self._strided_gather(layer, cp, dst)
+        elif cp.mode == "masked":
+            src = self._index(self.tok_tables[layer], cp.rows()).to(dst.device,
+                                                                    non_blocking=False)
+            dst[:, self._valid(cp).to(dst.device)] = src.view(dst.shape[0], -1, self.W)
+        else:
+            self._index_into(self._tables(cp.mode)[layer], cp.rows(), dst)
+
+    def _scatter_layer(self, layer: int, cp: ChunkPlan, src: torch.Tensor) -> None:
+        """``src`` (``[planes, tokens, W]``) into layer ``layer`` of a chunk planned alone."""
+        if self.strided:
+            self._strided_scatter(layer, cp, src)
+        elif cp.mode == "masked":
+            self._index_copy(self.tok_tables[layer], cp.rows(),
+                             src[:, self._valid(cp).to(src.device)])
+        else:
+            self._index_copy(self._tables(cp.mode)[layer], cp.rows(), src)
 
     def _take(self, idx: np.ndarray, mode: str, big: np.ndarray,
               layer_ids: Sequence[int]) -> None:
@@ -518,33 +533,6 @@ class TorchTransfer(KVTransfer):
             for p, (t, i) in enumerate(zip(tabs, idx)):
                 torch.index_select(t, 0, i, out=dst[p].view(i.numel(), -1))
 
-    def _scatter(self, plan: TransferPlan, bufs: Sequence[torch.Tensor],
-                 layers: Iterable[int] | None, arrays: Sequence[np.ndarray] | None) -> None:
-        layer_ids = range(self.spec.num_layers) if layers is None else list(layers)
-        for part in self._parts(plan, len(bufs)):
-            if isinstance(part, PlanRun):
-                self._scatter_run(part, bufs, arrays, layer_ids)
-                continue
-            i, cp = part
-            if cp.start == cp.end or cp.mode == "empty":
-                continue
-            src_np = self._np_buf(cp, i, bufs, arrays)
-            if src_np is not None and cp.index_np is not None:  # _np_buf: only where it is set
-                self._put(cp.index_np[None], cp.mode, src_np[None], layer_ids)
-                continue
-            buf = bufs[i].view(self.int_dtype)
-            for layer in layer_ids:
-                src = buf[layer]
-                if self.strided:
-                    self._strided_scatter(layer, cp, src)
-                    continue
-                if cp.mode == "masked":
-                    src = src[:, self._valid(cp).to(src.device)]
-                    tabs = self.tok_tables[layer]
-                else:
-                    tabs = self._tables(cp.mode)[layer]
-                self._index_copy(tabs, cp.rows(), src)
-
     def _index_copy(self, tabs: list[torch.Tensor], idx: torch.Tensor, src: torch.Tensor
                     ) -> None:
         """``src`` (one layer of a chunk, ``[planes, tokens, W]``) into rows ``idx``."""
@@ -554,10 +542,6 @@ class TorchTransfer(KVTransfer):
         else:
             for p, (t, ix) in enumerate(zip(tabs, idx)):
                 t.index_copy_(0, ix, src[p].reshape(ix.numel(), -1))
-
-    def _scatter_run(self, run: PlanRun, bufs: Sequence[torch.Tensor],
-                     arrays: Sequence[np.ndarray] | None, layer_ids: Sequence[int]) -> None:
-        self._copy_run(run, bufs, arrays, layer_ids, self._put, self._index_copy)
 
     def _put(self, idx: np.ndarray, mode: str, big: np.ndarray, layer_ids: Sequence[int]
              ) -> None:

@@ -21,9 +21,10 @@ MAX_TIMEOUT_S = 86400.0
 REPLAY_DOC = """Replay a trace on a real engine and report TTFT, throughput and lmc hits per tier.
 
 Targets:
-  reference[:MODEL_DIR]  the built-in reference engine in this process (default model: the
-                         demo's), with lmc configured by --config (default: lmc demo's tiers,
-                         CPU then a temporary disk directory), or --no-lmc for the engine alone
+  reference[:MODEL_DIR]  the built-in reference engine in this process (default model: lmc
+                         demo --quick's), with lmc configured by --config (default: lmc
+                         demo's tiers, CPU then a temporary disk directory), or --no-lmc for
+                         the engine alone
   http://host:port       any OpenAI-compatible server (/v1/completions, streamed: TTFT is the
                          first streamed token); per-tier hits come from the server's lmc
                          counters (vLLM with lmc: /metrics; lmc's reference server:
@@ -31,7 +32,7 @@ Targets:
 
 A trace's marked segments (lmc workload rag) go to the reference engine with each prompt;
 --blend makes its connector blend them (segment caching with selective recompute, gated by
-the model's lmc blend-check verdict) and the summary shows the tokens blending reused.
+the model's lmc quality verdict for blend) and the summary shows the tokens blending reused.
 
 Requests are sent at their arrival times (or --fast: as soon as possible); a turn of a
 session waits for the previous turn's answer, and --concurrency N caps requests in flight.
@@ -85,6 +86,8 @@ def _reference_llm(spec: str, args: argparse.Namespace, cleanup: list[Callable[[
         settings: dict[str, Any] = {"override": args.blend_override}
         if args.blend_ratio is not None:
             settings["ratio"] = args.blend_ratio
+        if args.blend_verdicts is not None:
+            settings["verdicts"] = args.blend_verdicts
         conn: LMCReferenceConnector = BlendConnector(cfg, model_dir=model_dir, blend=settings)
     else:
         conn = LMCReferenceConnector(cfg, model_dir=model_dir)
@@ -98,7 +101,7 @@ def _reference_llm(spec: str, args: argparse.Namespace, cleanup: list[Callable[[
     if args.blend:
         blender = getattr(conn, "blender", None)
         name += (f", blending at recompute ratio {blender.ratio:.2f}" if blender is not None
-                 else ", blending off (no passing lmc blend-check verdict; see the log)")
+                 else ", blending off (no passing lmc quality verdict; see the log)")
     return llm, name
 
 
@@ -167,7 +170,8 @@ def _replay(args: argparse.Namespace) -> int:
                 _only_for("a target with lmc (segments are stored in lmc)", blend=args.blend)
             if not args.blend:
                 _only_for("--blend", blend_ratio=args.blend_ratio is not None,
-                          blend_override=args.blend_override)
+                          blend_override=args.blend_override,
+                          blend_verdicts=args.blend_verdicts is not None)
             from lmc.workloads.replay import replay_reference
 
             llm, name = _reference_llm(target, args, cleanup)
@@ -180,7 +184,8 @@ def _replay(args: argparse.Namespace) -> int:
                       "it runs)", config=args.config, no_lmc=args.no_lmc, threads=args.threads,
                       max_num_seqs=args.max_num_seqs, blend=args.blend,
                       blend_ratio=args.blend_ratio is not None,
-                      blend_override=args.blend_override)
+                      blend_override=args.blend_override,
+                      blend_verdicts=args.blend_verdicts is not None)
             from lmc.workloads.http_target import replay_http
 
             res = replay_http(requests, target, model=args.model, fast=args.fast,
@@ -252,9 +257,12 @@ def _register_replay(sub: Any) -> None:
                      help="engine batch size (default: lmc demo's)")
     ref.add_argument("--blend", action="store_true",
                      help="reuse the trace's marked segments anywhere in a prompt (lmc.blend; "
-                          "on only for a model with a passing lmc blend-check verdict)")
+                          "on only for a model with a passing lmc quality verdict)")
     ref.add_argument("--blend-ratio", type=float_in(0, 1), default=None, metavar="R",
-                     help="recompute ratio (default: the verdict's)")
+                     help="recompute ratio (default: the smallest a verdict passed)")
+    ref.add_argument("--blend-verdicts", metavar="DIR", default=None,
+                     help="the folder of lmc quality verdicts the gate reads (default: "
+                          "lmc_quality next to the model's config.json)")
     ref.add_argument("--blend-override", action="store_true",
                      help="blend without a passing verdict (logged as a warning; outputs may "
                           "differ from full prefill)")

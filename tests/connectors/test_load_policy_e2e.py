@@ -114,12 +114,18 @@ def test_slow_tier_measured_then_recomputed_by_choice(tiny_dir: Path, tmp_path: 
     assert stat(conn, "worker.steps_timed") > 0
     drop_from_l1(conn, P, 2)
     # the disk tier has never been read: its prior says fast, so the whole hit is to be
-    # loaded; through the 2 MiB/s link the load sees itself slower than recomputing (the
-    # tiny model computes in milliseconds) and stops, and its pieces measured the link
+    # loaded; through the 2 MiB/s link the load watches itself against recomputing: on a
+    # quiet machine (the tiny model computes in milliseconds) it stops, on one loaded
+    # enough recomputing is the slower and it reads on -- either way its pieces measured the
+    # link, and what it answered is whole chunks (tests/storage/test_load_watch.py checks
+    # the stop against known rates)
     got = run(llm, [P])
-    assert 2 * CS <= got[0].num_cached_tokens < len(P) - 1
-    assert got[0].num_cached_tokens % CS == 0
-    assert stat(conn, "worker.loads_stopped") == 1
+    if stat(conn, "worker.loads_stopped") == 1:
+        assert 2 * CS <= got[0].num_cached_tokens < len(P) - 1
+        assert got[0].num_cached_tokens % CS == 0
+    else:
+        assert stat(conn, "worker.loads_stopped") == 0
+        assert got[0].num_cached_tokens == len(P) - 1
     assert_same(got, want)
     rate = conn.cache.speeds.snapshot().tiers[1]
     assert rate.observed >= 1 and not rate.overlaps

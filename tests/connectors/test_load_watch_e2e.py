@@ -15,6 +15,7 @@ pieces with the compute estimate, and no test reads a clock."""
 
 from __future__ import annotations
 
+import threading
 import time
 from pathlib import Path
 
@@ -23,26 +24,40 @@ import pytest
 from lmc.connectors.reference import LMCReferenceConnector
 from lmc.reference import LLM
 from lmc.storage.backends.disk.backend import DiskBackend
+from lmc.storage.load_watch import DEPTH
 from lmc.storage.wrappers import RateLimitTier
 from tests.connectors.helpers import BLOCK, assert_same, plain_llm, prompt, run
+from tests.deadlines import HANG_S
 
 P = prompt(36, 150)
 
 
 class SlowsDown(RateLimitTier):
-    """A real ``rate_limit`` link whose rate drops to ``slow`` after ``fast_gets`` reads."""
+    """A real ``rate_limit`` link that slows to ``slow`` once it has delivered the first
+    ``fast`` chunks of the prompt: a read of a later chunk waits until every read of those
+    has returned (a link delivers in order; the watched load has two reads in flight),
+    then the link is slow from then on. ``fast_keys`` is set once the engine exists."""
 
-    def __init__(self, *a, fast_gets: int, slow: int, **kw) -> None:
+    def __init__(self, *a, fast: int, slow: int, **kw) -> None:
         super().__init__(*a, **kw)
-        self.fast_gets = fast_gets
+        self.fast = fast
         self.slow = slow
         self.gets = 0
+        self.fast_keys: list = []
+        self._fast_read = threading.Event()
+        self._count = threading.Lock()
 
     def get(self, keys):
-        self.gets += 1
-        if self.gets > self.fast_gets:
+        with self._count:
+            self.gets += 1
+        fast = self.fast_keys[:self.fast]
+        if any(k not in fast for k in keys):
+            assert self._fast_read.wait(HANG_S), "the fast chunks were never read"
             self.rate = self.slow
-        return super().get(keys)
+        out = super().get(keys)
+        if fast and all(k in fast for k in keys) and keys[-1] == fast[-1]:
+            self._fast_read.set()
+        return out
 
 
 def store_on_disk(tiny_dir: Path, path: Path, chunk_size: int) -> None:
@@ -112,13 +127,14 @@ def test_fresh_engine_behind_a_slow_link_stops_and_recomputes(
 def test_link_slowing_mid_load_keeps_whole_chunks_only(tiny_dir: Path, tmp_path: Path,
                                                        want: list, cs: int) -> None:
     store_on_disk(tiny_dir, tmp_path / "d", cs)
-    # the first two reads (chunks 0 and 1) at 256 MiB/s, then 64 KiB/s; the compute is
-    # taken as 200 tokens/s, so a fast chunk (< 1 ms of link) never looks too slow and a
-    # slow one (seconds) always does
+    # chunks 0 and 1 at 256 MiB/s, then 32 KiB/s (4 s a chunk); the compute is taken as
+    # 50 tokens/s, so a fast chunk (< 1 ms of link) is never waited for as long as
+    # recomputing what follows it (> 1.7 s), and a slow one always is
     llm, conn = fresh_engine(tiny_dir, tmp_path / "d", cs, lambda c, p, inner: SlowsDown(
-        config=c, pool=p, inner=inner, bytes_per_second=256 << 20, fast_gets=2,
-        slow=64 << 10), priors={"prefill": 200})
+        config=c, pool=p, inner=inner, bytes_per_second=256 << 20, fast=2,
+        slow=32 << 10), priors={"prefill": 50})
     link = conn.cache.storage.lower[0]
+    link.fast_keys = conn.cache.db.keys(P)
     got = run(llm, [P])
     assert_same(got, want)
     assert worker_stat(conn, "loads_stopped") == 1
@@ -128,7 +144,11 @@ def test_link_slowing_mid_load_keeps_whole_chunks_only(tiny_dir: Path, tmp_path:
     assert n == (2 * cs) // BLOCK * BLOCK  # every chunk it delivered whole, to a block
     assert worker_stat(conn, "loaded_tokens") == 2 * cs  # what lmc counts: whole chunks
     assert worker_stat(conn, "stopped_tokens") == len(P) - 1 - 2 * cs
-    assert link.gets == 3  # the piece the link slowed in was abandoned, nothing after it
+    # chunk 0 alone (the tier's rate unknown), then DEPTH reads in flight, one more once
+    # chunk 1 landed; those in flight abandoned once chunk 2 had been waited for as long
+    # as recomputing costs, nothing read after them
+    chunks = -(-(len(P) - 1) // cs)
+    assert link.gets == min(chunks, 2 + DEPTH)
     llm.close()
 
 
@@ -138,14 +158,15 @@ def test_abandoned_piece_lands_in_l1(tiny_dir: Path, tmp_path: Path, want: list)
     cs = 32
     store_on_disk(tiny_dir, tmp_path / "d", cs)
     llm, conn = fresh_engine(tiny_dir, tmp_path / "d", cs, lambda c, p, inner: SlowsDown(
-        config=c, pool=p, inner=inner, bytes_per_second=256 << 20, fast_gets=1,
-        slow=256 << 10), priors={"prefill": 200})
+        config=c, pool=p, inner=inner, bytes_per_second=256 << 20, fast=1,
+        slow=32 << 10), priors={"prefill": 50})
+    conn.cache.storage.lower[0].fast_keys = conn.cache.db.keys(P)
     got = run(llm, [P])
     assert_same(got, want)
     assert worker_stat(conn, "loads_stopped") == 1
     eng = conn.cache
     keys = eng.db.keys(P)
-    deadline = time.monotonic() + 60  # hang guard: the slowed chunk takes ~0.25 s
+    deadline = time.monotonic() + HANG_S  # hang guard: the slowed chunk takes ~4 s
     while eng.storage.l1.prefix_hits(keys[:2]) < 2:
         assert time.monotonic() < deadline, "the abandoned piece never reached L1"
         time.sleep(0.02)

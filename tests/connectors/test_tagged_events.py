@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from lmc.events import wire
-from lmc.events.notes import ChunkNotes, NotesDatabase
+from lmc.events.notes import ChunkNotes
 from lmc.token_database import ChunkedTokenDatabase, request_root, request_tag
 from tests.events.helpers import CHUNK, Collector, engine_with_events
 from tests.kvutil import random_tokens
@@ -45,7 +45,8 @@ def test_the_daemon_block_info_leaves_tagged_chunks_out():
     base = ChunkedTokenDatabase(16, True, b"n" * 16)
     notes = ChunkNotes(base.namespace, 16, 4)
     notes.activate()
-    db = NotesDatabase(base, notes)
+    base.add_observer(notes)
+    db = base
     toks = list(range(100, 148))
     root = request_root(base.namespace, request_tag(None, "s"))
     rooted = db.keys(toks, root=root)

@@ -134,21 +134,26 @@ def test_layerwise_copies_know_the_engine_only_through_their_protocol():
 # time, only folders of its own rank or below. Ranks, lowest first:
 RANKS: list[tuple[str, ...]] = [
     ("lmc.units", "lmc.ratelog", "lmc.settings", "lmc.config", "lmc.metrics", "lmc.lazy_import",
-     "lmc.token_database", "lmc._tokens", "lmc.strict_json", "lmc.bounded_io",
+     "lmc.token_database", "lmc._tokens", "lmc._kvcodecs", "lmc.strict_json", "lmc.bounded_io",
      "lmc.user_cache", "lmc.priority",
      # the kv_events setting's own schema, part of the config schema (no registry in it)
-     "lmc.events.config", "lmc.events.endpoints"),
+     "lmc.events.config", "lmc.events.endpoints",
+     # what a component serving lossy KV asks before it turns it on: any tier may ask
+     "lmc.quality.feature", "lmc.quality.verdict", "lmc.quality.gate"),
     ("lmc.memory",),
-    ("lmc.transfer",),
+    # the KV codec interface (torch only) ranks with transfer: its CUDA kernels
+    # (transfer/cuda_codecs.py) implement it beside the gather/scatter kernels
+    ("lmc.transfer", "lmc.storage.kvcodecs.base"),
     ("lmc.storage",),
     ("lmc.cache_engine", "lmc.cache_control", "lmc.layerwise", "lmc.events", "lmc.hybrid"),
     ("lmc.http",),  # what every HTTP front shares
     # the built-in engine knows lmc only by name (connector_api.CONNECTOR_MODULES); its
     # segment blending builds on the API; the models it runs come from lmc.models (its
     # checkpoints and chat templates)
-    ("lmc.reference", "lmc.blend", "lmc.models"),
+    ("lmc.reference", "lmc.blend", "lmc.models", "lmc.quality"),
     ("lmc.connectors",),
-    ("lmc.server", "lmc.router", "lmc.blend.gate", "lmc.planner",
+    ("lmc.server", "lmc.router", "lmc.blend.gate", "lmc.blend.lossy",
+     "lmc.quality.check", "lmc.quality.cli", "lmc.planner",
      "lmc.workloads", "lmc.testing", "lmc.demo", "lmc.cli", "lmc.config_cli", "lmc"),
 ]
 # imports that point up the ranks, each with the reason it must (none today: each protocol

@@ -31,12 +31,12 @@ EXCEPTIONS: dict[tuple[str, str], str] = {
     ("memory/invariants.py", "sys._getframe"): "the stdlib's cheap caller frame",
     ("metrics.py", "c._name"): "prometheus_client keeps a metric's name only privately",
     ("metrics.py", "metric._labelnames"): "prometheus_client has no public label names",
-    ("p2p/agent.py", "atexit._run_exitfuncs"): "the stdlib runs exit handlers only privately "
+    ("storage/backends/p2p/agent.py", "atexit._run_exitfuncs"): "the stdlib runs exit handlers only privately "
                                                "(before os._exit, which NIXL agents need)",
-    ("p2p/agent.py", "os._exit"): "the stdlib's exit without cleanup (NIXL agents)",
+    ("storage/backends/p2p/agent.py", "os._exit"): "the stdlib's exit without cleanup (NIXL agents)",
     ("cli.py", "os._exit"): "after Ctrl-C and the command's own cleanup, exit 130 without a "
                             "finalization that could end the process by SIGINT",
-    ("p2p/agent.py", "from nixl import _api"): "NIXL's Python bindings live in nixl._api",
+    ("storage/backends/p2p/agent.py", "from nixl import _api"): "NIXL's Python bindings live in nixl._api",
     ("storage/backends/redis/nodes.py", "conn._sock"):
         "redis-py has no public accessor for a connection's socket",
     ("storage/backends/redis/url.py", "parts._replace"):

@@ -10,9 +10,20 @@ from typing import Any
 
 import torch
 
+from lmc import CacheConfig
+from lmc.cache_engine import CacheEngine
 from lmc.events import wire
-from tests.events.helpers import BLOCK, CHUNK, Collector, engine_with_events, request, store
-from tests.kvutil import random_tokens
+from lmc.events.engine import attach
+from tests.events.helpers import (
+    BLOCK,
+    CHUNK,
+    LOCAL,
+    Collector,
+    engine_with_events,
+    request,
+    store,
+)
+from tests.kvutil import make_caches, random_tokens, spec_for
 
 
 class Model:
@@ -179,3 +190,30 @@ def test_a_full_queue_drops_counts_and_never_leaves_a_phantom_block(tmp_path):
         for medium in wire.MEDIA:
             assert dumped.media.get(medium, set()) <= want.get(medium, set()), medium
         sub.close()
+
+
+def test_events_observe_the_engines_own_token_database():
+    """Events attach as an observer of the engine's token database, never by replacing it:
+    a part of the engine that took ``engine.db`` before events were on (the hybrid cache, a
+    worker's kept keys) keys prompts that are still published, and ``close`` detaches."""
+    caches = make_caches("vllm_flash", blocks=64, block_size=BLOCK)
+    eng = CacheEngine(CacheConfig(chunk_size=CHUNK, local_cpu_size="4MiB",
+                                  local_cpu_prefault="off", pin_memory="false"),
+                      spec_for("vllm_flash", caches), "events-test")
+    db = eng.db
+    ev = attach(eng, LOCAL)
+    assert ev is not None
+    try:
+        assert eng.db is db and len(db.observers) == 1
+        sub = Collector(ev.endpoint)
+        prompt = random_tokens(2 * CHUNK, seed=7)
+        keys = db.keys(prompt)  # through the reference taken before attach
+        assert eng.store(prompt, caches, torch.arange(len(prompt)), keys=keys) == len(prompt)
+        eng.flush()
+        stored = [e for e in sub.settle(ev.publisher) if isinstance(e, wire.Stored)]
+        assert [t for e in stored for t in e.token_ids] == prompt
+        sub.close()
+    finally:
+        ev.close()
+        eng.close()
+    assert eng.db is db and db.observers == ()

@@ -324,3 +324,26 @@ def test_state_parts_at_checkpoints_and_loaded_at_exact_ends():
         got = torch.cat([dst[1][0][5].reshape(-1), dst[1][1][5].reshape(-1)])
         assert torch.equal(got, want)
         assert eng.retrieve(toks, dst, [_slots(n, 2), row], end=60) == 0  # no state at 60
+
+
+def test_pins_and_prefetch_cover_every_groups_parts(tmp_path):
+    """A pinned lookup holds the L1 parts its hit needs (every group's) until the owner's
+    retrieve; a prefetch pulls every group's stored parts from disk into L1 and answers the
+    end then servable from L1."""
+    n = 150
+    src = make_caches("vllm_flash", layers=4, blocks=64, block_size=BS, seed=1)
+    spec = _spec(src, SW_GROUPS)
+    toks = random_tokens(n, seed=16)
+    with CacheEngine(_cfg(tmp_path), spec, "m") as eng:
+        eng.store(toks, src, _slots(n, 1))
+        assert eng.lookup(toks, pin=True, request_id="r") == n
+        # the full parts of all 10 chunks, the sliding parts of 150's window and slack
+        want = 10 + len(eng.hybrid.rule.margin(SW_GROUPS[1], n))
+        assert eng.stats()["pinned_chunks"] == want
+        eng.retrieve(toks, _fresh(), _slots(n, 2), request_id="r", end=n - 1)
+        assert eng.stats()["pinned_chunks"] == 0
+        assert eng.flush(30)
+        eng.storage.clear_l1()
+        assert not any(eng.contains_chunks(toks))
+        assert eng.prefetch(toks).result(timeout=30) == n
+        assert all(eng.contains_chunks(toks))

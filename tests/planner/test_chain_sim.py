@@ -11,7 +11,7 @@ import pytest
 from lmc.config import CacheConfig
 from lmc.planner.keys import key_trace
 from lmc.planner.sim import GridPoint, chain_point, simulate
-from lmc.planner.tiers import DiskIndex, PeerTier, RemoteDaemon, SimCache, SimTier, chain_tiers
+from lmc.planner.tiers import PeerTier, RemoteDaemon, SimCache, SimDisk, SimTier, chain_tiers
 from lmc.storage.eviction import make_policy
 from lmc.workloads.trace import TraceRequest
 
@@ -82,13 +82,13 @@ def test_a_remote_store_without_a_size_is_named():
 
 
 def test_simulated_tiers_use_the_eviction_policy_objects():
-    disk = DiskIndex(3 * (CHUNK + 4096), "fifo")
-    assert type(disk._policy) is type(make_policy("fifo"))  # noqa: SLF001 - its own module's
+    disk = SimDisk(3 * (CHUNK + 4096), "fifo")
+    assert type(disk.index.policy) is type(make_policy("fifo"))
     disk.put([1, 2, 3], [CHUNK] * 3)
     disk.touch_present([1])  # FIFO: a use does not move it
     disk.put([4], [CHUNK])
     assert disk.keys_in_order() == [2, 3, 4]
-    lru = DiskIndex(3 * (CHUNK + 4096), "lru")
+    lru = SimDisk(3 * (CHUNK + 4096), "lru")
     lru.put([1, 2, 3], [CHUNK] * 3)
     lru.touch_present([1])
     lru.put([4], [CHUNK])

@@ -1,11 +1,12 @@
-"""The planner's byte-free disk index holds what lmc's real disk tier holds, in the same order.
+"""The planner's byte-free disk tier holds what lmc's real disk tier holds, in the same order.
 
-``lmc/planner/tiers.py`` mirrors ``lmc/storage/backends/disk/backend.py``'s index rules (the real tier
-keeps them inside its file I/O); this drives the real ``DiskBackend`` (real files, O_DIRECT
-where the filesystem allows) and the index with the same random puts, gets and lookups of
-chunks of mixed sizes, and after every operation compares the keys and their eviction order
-(under each eviction policy). A change to the disk tier's eviction that the planner does not
-follow fails here.
+Both run the disk tier's own index (``lmc/storage/backends/disk/index.py``); the planner
+(``SimDisk`` in ``lmc/planner/tiers.py``) drives it as the tier's writes and reads do, with no
+files. This drives the real ``DiskBackend`` (real files, O_DIRECT where the filesystem allows)
+and ``SimDisk`` with the same random puts, gets and lookups of chunks of mixed sizes, and
+after every operation compares the keys and their eviction order (under each eviction
+policy). A change to how the tier drives its index that the planner does not follow fails
+here.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import torch
 
 from lmc.config import CacheConfig
 from lmc.memory.pool import MemoryPool
-from lmc.planner.tiers import DiskIndex
+from lmc.planner.tiers import SimDisk
 from lmc.storage.backends.disk.backend import DiskBackend
 
 SEED = int(os.environ.get("LMC_TEST_SEED", random.randrange(1 << 30)))
@@ -40,7 +41,7 @@ def test_same_keys_same_order_as_the_real_disk_tier(tmp_path, capacity_files, po
     cfg = CacheConfig(local_disk=str(tmp_path), local_disk_size=capacity)
     pool = MemoryPool(4 << 20, pin_memory=False, prefault="off")
     disk = DiskBackend(config=cfg, pool=pool, io_threads=1, eviction_policy=policy)
-    index = DiskIndex(capacity, policy)
+    index = SimDisk(capacity, policy)
     size_of = {}
     try:
         for step in range(160):
@@ -68,7 +69,7 @@ def test_same_keys_same_order_as_the_real_disk_tier(tmp_path, capacity_files, po
             else:
                 keys = [rng.randrange(20).to_bytes(16, "little") for _ in range(4)]
                 assert disk.contains(keys) == index.contains(keys)
-            order = disk._policy.keys_in_order()
+            order = disk.index.policy.keys_in_order()
             assert order == index.keys_in_order(), f"step {step} (seed {SEED})"
             assert disk.used_bytes == index.used
     finally:

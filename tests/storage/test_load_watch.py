@@ -20,9 +20,11 @@ from lmc.storage.wrappers import RateLimitTier
 SHAPE = (2, 2, 32, 64)  # one chunk: 32 KiB of float32
 
 
-def test_pieces_one_chunk_then_a_quarter_of_the_rest() -> None:
+def test_pieces_one_chunk_then_a_sixteenth_of_the_rest() -> None:
+    # four in flight: each a sixteenth of what remains, so they stay a quarter of it
     assert piece_size(64, first=True) == 1
-    assert [piece_size(n, first=False) for n in (63, 16, 7, 3, 1)] == [15, 4, 1, 1, 1]
+    assert [piece_size(n, first=False, depth=4) for n in (63, 32, 16, 7, 1)] == \
+        [3, 2, 1, 1, 1]
 
 
 def test_deadline_is_when_the_rest_would_cost_more_than_recomputing() -> None:
@@ -84,4 +86,55 @@ def test_an_unknown_compute_reads_everything_in_one_call(tmp_path: Path) -> None
     for o in got:
         o.release()
     link.close()
+    pool.close()
+
+
+class SlowAfter(RateLimitTier):
+    """A real ``rate_limit`` link that delivers ``keys[:fast]`` at its rate, then slows to
+    ``slow`` bytes/s: a read of a later chunk waits until the earlier ones were delivered
+    (a link delivers in order; a watched read has several in flight)."""
+
+    def __init__(self, *a, fast_keys: list[bytes], slow: int, **kw) -> None:
+        super().__init__(*a, **kw)
+        self.fast_keys, self.slow = fast_keys, slow
+        self._left = threading.Semaphore(0)
+
+    def get(self, keys):
+        if any(k not in self.fast_keys for k in keys):
+            for _ in self.fast_keys:  # hang guard: every fast chunk was asked for first
+                assert self._left.acquire(timeout=60)
+            self.rate = self.slow
+        out = super().get(keys)
+        for k in keys:
+            if k in self.fast_keys:
+                self._left.release()
+        return out
+
+
+def test_a_link_slowing_under_the_last_pieces_still_stops(tmp_path: Path) -> None:
+    """Every chunk is in flight when the link slows (four pieces at once, the last one
+    asked for once the first landed): no chunk is left to bound the rest by, yet the read
+    stops once the slow chunk has been waited for as long as recomputing from it costs,
+    instead of waiting for the link (2 s a chunk here against 0.5 s of compute)."""
+    pool, fast, keys = _tier(tmp_path, 1 << 30)
+    link = SlowAfter(config=CacheConfig(chunk_size=32, local_cpu_size=8 << 20), pool=pool,
+                     inner=fast.inner, bytes_per_second=1 << 30, fast_keys=keys[:5],
+                     slow=16 << 10)
+    w = LoadWatch(lambda pos: (192 - pos) / 32 * 0.5, positions=[32 * i for i in range(6)])
+    abandoned: list = []
+    with ThreadPoolExecutor(4) as ex:
+        got = read_watched(link.get, lambda ks, objs: abandoned.extend(
+            o for o in objs if o is not None), keys, range(6), w, ex, "disk")
+        assert w.stopped_at is not None and w.stopped_at <= 5, w.reason
+        assert got[5] is None  # the slow chunk never counted
+        n = w.stopped_at
+        assert all(o is not None for o in got[:n]) and all(o is None for o in got[n:])
+        assert [o.tensor[0, 0, 0, 0].item() for o in got[:n]] == [float(i) for i in range(n)]
+        link.close()  # the slow read ends at once; the executor waits for every piece
+    # each piece in flight at the stop went to its owner, the slow chunk included
+    assert sorted(o.tensor[0, 0, 0, 0].item() for o in abandoned) == \
+        [float(i) for i in range(n, 6)]
+    for o in got[:n] + abandoned:
+        o.release()
+    assert pool.outstanding() == []
     pool.close()

@@ -84,7 +84,7 @@ def test_replay_command_blends_and_reports_blended_tokens(tmp_path, model, capsy
     # without a verdict or the override, the gate keeps blending off and the summary says so
     assert main(["replay", trace, "--target", target, "--fast", "--blend", "--limit", "2"]) == 0
     out = capsys.readouterr().out
-    assert "blending off (no passing lmc blend-check verdict" in out
+    assert "blending off (no passing lmc quality verdict" in out
     assert not any(line.strip().startswith("blended") for line in out.splitlines())
     # options that would be ignored are refused
     assert main(["replay", trace, "--target", target, "--no-lmc", "--blend"]) == 2
@@ -122,13 +122,32 @@ def test_replay_blend_with_a_verdict_nested_deep_runs_with_blending_off(tmp_path
     RecursionError traceback; it is no verdict (docs/blending.md)."""
     import shutil
 
-    from lmc.blend.verdict import VERDICT_NAME
+    from lmc.quality.verdict import VerdictStore
 
     own = shutil.copytree(model, tmp_path / "m")
-    (own / VERDICT_NAME).write_text("[" * 200_000)
+    path = VerdictStore.next_to(own).path("blend", "0.15", "float32")
+    path.parent.mkdir()
+    path.write_text("[" * 200_000)
     trace = _rag(tmp_path, own, "--tokenizer", str(own))
     capsys.readouterr()
     assert main(["replay", trace, "--target", f"reference:{own}", "--fast", "--blend",
                  "--limit", "2"]) == 0
     out = capsys.readouterr().out
-    assert "blending off (no passing lmc blend-check verdict" in out and "2 ok, 0 failed" in out
+    assert "blending off (no passing lmc quality verdict" in out and "2 ok, 0 failed" in out
+
+
+def test_replay_blends_where_a_verdict_in_the_given_folder_passed(tmp_path, model, capsys):
+    """--blend-verdicts: the gate reads that folder (a model folder may be read-only)."""
+    from lmc.connectors.core.model_id import model_identity
+    from lmc.quality.verdict import VerdictStore
+    from tests.quality.helpers import verdict
+
+    trace = _rag(tmp_path, model, "--tokenizer", str(model))
+    VerdictStore(tmp_path / "v").write(verdict("0.3", model_id=model_identity(model)))
+    capsys.readouterr()
+    assert main(["replay", trace, "--target", f"reference:{model}", "--fast", "--blend",
+                 "--limit", "2", "--blend-verdicts", str(tmp_path / "v")]) == 0
+    assert "blending at recompute ratio 0.30" in capsys.readouterr().out
+    assert main(["replay", trace, "--target", f"reference:{model}", "--fast",
+                 "--blend-verdicts", str(tmp_path / "v")]) == 2
+    assert "--blend-verdicts: only for --blend" in capsys.readouterr().err

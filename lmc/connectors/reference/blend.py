@@ -2,11 +2,12 @@
 
 ``BlendConnector`` is ``LMCReferenceConnector`` plus two things:
 
-* **The gate.** Blending is enabled for a model only when its verdict file (written by
-  ``lmc blend-check``) passes for this checkpoint's identity and KV dtype; the verdict's
-  ratio is used unless one is given. ``override=True`` enables it anyway and logs a warning
-  naming what was missing. Without either, segments are computed as plain prompt tokens and
-  one INFO line says why.
+* **The gate** (``lmc.quality.gate``). Blending is enabled for a model only where a verdict
+  of ``lmc quality --feature blend`` passed for this checkpoint's identity and KV dtype: at
+  the given ratio (a verdict at a ratio at or below it covers it), or, none given, at the
+  smallest ratio below 1 that passed. ``override=True`` enables it anyway and logs a
+  warning naming what was missing. Without either, segments are computed as plain prompt
+  tokens and one INFO line says why.
 * **No flooding.** A blended request's prefix chain is saved only up to its first segment
   (the system prompt, which really is a shared prefix); its segments are stored by the
   blender under their own keys and its question is not stored. A RAG stream of novel
@@ -27,35 +28,43 @@ import torch
 
 from lmc.blend.blender import DEFAULT_RATIO, SegmentBlender, check_ratio
 from lmc.blend.rope_shift import check_placeable
+from lmc.blend.setting import BlendRatios, ratio_setting
 from lmc.blend.store import SegmentStore
-from lmc.blend.verdict import VerdictRefused, default_verdict_path, read_verdict
 from lmc.connectors.core.metadata import ConnectorMetadata
 from lmc.connectors.reference.connector import ConfigLike, LMCReferenceConnector
+from lmc.quality.gate import decide
+from lmc.quality.verdict import VerdictStore
 from lmc.reference.config import ModelConfig
 from lmc.reference.connector_api import ConnectorRequest
 from lmc.reference.scheduler_output import SchedulerOutput
 from lmc.storage.integrity import Integrity
 
 logger = logging.getLogger(__name__)
+LEGACY_VERDICT = "lmc_blend_verdict.json"  # lmc blend-check's one file, before lmc quality
 
 
 @dataclass(frozen=True)
 class BlendSettings:
-    """``ratio``: recompute ratio (None: the verdict's); ``verdict``: the verdict file
-    (default: next to the model's config.json); ``override``: blend without a passing
-    verdict (logged as a warning); ``check_layer``: the layer that picks the tokens."""
+    """``ratio``: recompute ratio (None: the smallest a verdict passed); ``verdicts``: the
+    verdict folder (default: ``lmc_quality`` next to the model's config.json);
+    ``override``: blend without a passing verdict (logged as a warning); ``check_layer``:
+    the layer that picks the tokens."""
 
     ratio: float | None = None
-    verdict: str | os.PathLike | None = None
+    verdicts: str | os.PathLike | None = None
     override: bool = False
     check_layer: int = 1
 
     @classmethod
     def from_mapping(cls, raw: Mapping[str, Any]) -> BlendSettings:
-        unknown = set(raw) - {"ratio", "verdict", "override", "check_layer"}
+        if "verdict" in raw:
+            raise ValueError("the blend setting 'verdict' (one file) is now 'verdicts': the "
+                             "folder lmc quality writes (default: lmc_quality next to the "
+                             "model's config.json)")
+        unknown = set(raw) - {"ratio", "verdicts", "override", "check_layer"}
         if unknown:
             raise ValueError(f"unknown blend setting(s): {', '.join(sorted(unknown))} "
-                             "(known: ratio, verdict, override, check_layer)")
+                             "(known: ratio, verdicts, override, check_layer)")
         settings = cls(**raw)
         if settings.ratio is not None:
             check_ratio(settings.ratio)
@@ -79,8 +88,10 @@ class BlendConnector(LMCReferenceConnector):
         check_placeable(self.model_config)  # refuses, by name, a model it cannot place
         super().__init__(config, model_dir=model_dir, **kwargs)
         self.model_dir = Path(model_dir)
-        self.verdict_path = Path(self.settings.verdict or default_verdict_path(model_dir))
-        self.integrity = Integrity.from_config(self.cache_config)  # verdicts must be signed
+        # with an integrity secret, only verdicts it signed count
+        self.verdicts = (VerdictStore(self.settings.verdicts, Integrity.from_config(
+            self.cache_config)) if self.settings.verdicts is not None else
+            VerdictStore.next_to(model_dir, Integrity.from_config(self.cache_config)))
         self.blender: SegmentBlender | None = None
         self._save_limits: dict[str, int] = {}  # blended request -> end of its prefix saves
 
@@ -88,39 +99,26 @@ class BlendConnector(LMCReferenceConnector):
     def gate(self, dtype: torch.dtype) -> float | None:
         """The ratio to blend with, or None when blending stays off (logged either way)."""
         want = dtype_name(dtype)
-        try:
-            verdict = read_verdict(self.verdict_path, self.integrity)
-            why = None if verdict is not None else f"no verdict at {self.verdict_path}"
-            unusable = False  # a verdict there that cannot be used is a WARNING, not news
-        except VerdictRefused as e:
-            verdict, why, unusable = None, f"verdict refused: {e}", True
-        except (ValueError, OSError) as e:
-            verdict, why, unusable = None, f"unreadable verdict: {e}", True
-        if verdict is not None:
-            if verdict.model_id != self.model_id:
-                why = (f"the verdict at {self.verdict_path} is for {verdict.model_id}, not "
-                       f"{self.model_id}")
-            elif verdict.dtype != want:
-                why = f"the verdict at {self.verdict_path} is for {verdict.dtype}, not {want}"
-            elif not verdict.passed:
-                why = f"the verdict at {self.verdict_path} failed"
-        if why is None and verdict is not None and verdict.ratio is not None:
-            ratio = self.settings.ratio if self.settings.ratio is not None else verdict.ratio
-            if ratio < verdict.ratio:
-                logger.warning("blending %s at ratio %.2f, below the %.2f its verdict passed "
-                               "with", self.model_id, ratio, verdict.ratio)
-            logger.info("blending on for %s (%s) at recompute ratio %.2f (verdict %s)",
-                        self.model_id, want, ratio, self.verdict_path)
-            return ratio
+        rules = BlendRatios()
+        wanted = None if self.settings.ratio is None else ratio_setting(self.settings.ratio)
+        decision = decide(self.verdicts, rules, self.model_id, want, wanted)
+        if decision.setting is not None:
+            logger.info("blending on for %s (%s) at recompute ratio %s (%s)", self.model_id,
+                        want, decision.setting, decision.why)
+            return float(decision.setting)
+        why = decision.why
+        legacy = self.model_dir / LEGACY_VERDICT
+        if legacy.is_file():
+            why += f"; {legacy} (blend-check's old file) is no longer read"
         if self.settings.override:
             ratio = self.settings.ratio if self.settings.ratio is not None else DEFAULT_RATIO
             logger.warning("blending forced on for %s at recompute ratio %.2f without a "
                            "passing quality verdict (%s): outputs may differ from full "
                            "prefill", self.model_id, ratio, why)
             return ratio
-        (logger.warning if unusable else logger.info)(
-            "blending off for %s: %s (run `lmc blend-check --model %s`)", self.model_id, why,
-            self.model_dir)
+        (logger.warning if decision.warn else logger.info)(
+            "blending off for %s: %s (run `lmc quality --model %s --feature blend`)",
+            self.model_id, why, self.model_dir)
         return None
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:

@@ -232,7 +232,7 @@ class LMCReferenceConnector(KVConnector):
                 [self._windows.get(name) for name in kv_caches]))
         if self.engine is None:
             self.engine = CacheEngine(self.cache_config, spec, self.model_id, tiers=self._tiers,
-                                      transfer=self._transfer)
+                                      transfer=self._transfer, model_dir=self._model_dir)
         elif self.engine.spec.namespace_fields() != spec.namespace_fields():
             raise ValueError(f"the given CacheEngine's KV spec {self.engine.spec} does not "
                              f"match the engine's KV cache {spec}")

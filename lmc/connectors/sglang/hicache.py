@@ -51,6 +51,7 @@ from lmc.connectors.sglang.pages import (
     load_settings,
     page_namespace,
     per_rank_config,
+    side_pool_refusal,
 )
 from lmc.connectors.sglang.policy import PageHitPolicy
 
@@ -135,9 +136,8 @@ class LMCHiCacheStorage(HiCacheStorage):
         """Only the KV pool: side pools (Mamba, SWA, DSA indexer, ...) are refused at attach
         time, so a hybrid model never half-restores its state."""
         if host_pool_name != PoolName.KV:
-            raise UnsupportedPool(f"lmc's SGLang backend stores the KV pool only; refusing "
-                                  f"side pool {getattr(host_pool_name, 'value', host_pool_name)!r}"
-                                  f" ({type(host_pool).__name__})")
+            raise side_pool_refusal(f"backend ({type(host_pool).__name__} registered)",
+                                    host_pool_name)
         self.registered_pools[host_pool_name] = host_pool
         self.register_mem_pool_host(host_pool)
 
@@ -249,8 +249,7 @@ class LMCHiCacheStorage(HiCacheStorage):
     def _kv_only(self, transfers: list[PoolTransfer] | None) -> None:
         for t in transfers or ():
             if t.name != PoolName.KV:
-                raise UnsupportedPool(f"lmc's SGLang backend stores the KV pool only, not "
-                                      f"{getattr(t.name, 'value', t.name)!r}")
+                raise side_pool_refusal("backend", t.name)
 
     def batch_exists_v2(self, keys: list[str], pool_transfers: list[PoolTransfer] | None = None,
                         extra_info: Any = None) -> PoolTransferResult:

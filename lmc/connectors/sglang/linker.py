@@ -58,6 +58,7 @@ from lmc.connectors.sglang.pages import (
     load_settings,
     page_namespace,
     per_rank_config,
+    side_pool_refusal,
 )
 from lmc.connectors.sglang.policy import PageHitPolicy
 from lmc.layerwise import LayerwiseRetrieve
@@ -98,10 +99,9 @@ class LMCCacheLinker(UnifiedCacheLinker):
     def __init__(self, server_args: Any, params: Any, *, components: set[Any],
                  extra_config: Mapping[str, Any] | None = None,
                  forward_stream: Any = None) -> None:
-        other = {c for c in components if c != ComponentType.FULL}
+        other = sorted(c.name for c in components if c != ComponentType.FULL)
         if other:
-            raise UnsupportedPool("lmc's SGLang linker stores full-attention KV only; refusing "
-                                  f"components {sorted(c.name for c in other)}")
+            raise side_pool_refusal(f"linker (components {other})", other[0])
         self.forward_stream = forward_stream
         self.page_size = int(params.page_size)
         kv = params.token_to_kv_pool_allocator.get_kvcache()

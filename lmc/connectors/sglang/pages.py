@@ -54,6 +54,26 @@ class UnsupportedPool(ValueError):
     """A pool lmc cannot move bit for bit; the message names what and why."""
 
 
+# what an SGLang side pool (a PoolName's value) or tree component says about the model
+MODEL_KINDS = {
+    "swa": "a hybrid sliding-window/full-attention model (Gemma 2/3, gpt-oss, Mistral-style)",
+    "mamba": "a hybrid state-space/linear-attention model (Qwen3-Next, Jamba, Nemotron-H)",
+    "indexer": "a sparse-attention model with an indexer (DeepSeek V3.2 DSA)",
+}
+
+
+def side_pool_refusal(what: str, name: Any) -> UnsupportedPool:
+    """The refusal of a side pool or component ``name`` (SWA, Mamba, ...), naming the model
+    kind: lmc stores SGLang's full-attention KV pool only (hybrid models are served through
+    vLLM and the reference engine, :mod:`lmc.hybrid`); half a hybrid model's state is never
+    restored."""
+    key = str(getattr(name, "value", name)).lower()
+    kind = MODEL_KINDS.get(key, f"a model with a {key!r} side pool")
+    return UnsupportedPool(f"lmc's SGLang {what} stores the full-attention KV pool only; "
+                           f"refusing {key!r}: {kind} is not served through SGLang "
+                           "(run it on vLLM, where lmc stores every KV cache group)")
+
+
 def load_settings(extra: Mapping[str, Any] | None) -> tuple[CacheConfig, dict[str, Any]]:
     """``CacheConfig`` and connector options from an SGLang extra config: ``lmc.config_file``
     (YAML) < ``LMC_<KEY>`` variables < ``lmc.<key>`` entries; an unknown ``lmc.`` key fails

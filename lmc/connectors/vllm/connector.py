@@ -33,6 +33,16 @@ Loads are synchronous to the step (layer-wise overlapped with compute), so vLLM 
 a hit request at once; a failed load makes vLLM recompute (lmc switches
 ``kv_load_failure_policy`` to "recompute": it is a cache, a lost chunk must not fail a
 request).
+
+Hybrid models (sliding-window layers beside full attention): the connector declares
+``SupportsHMA``, so vLLM keeps its hybrid memory allocator on (a sliding-window layer holds
+only its window's blocks); every KV cache group's block ids reach lmc
+(``request_finished_all_groups``, the scheduler output's per-group tables) and each group is
+stored and loaded as its kind needs (:mod:`lmc.hybrid`, :mod:`lmc.connectors.vllm.groups`).
+vLLM refuses block-level load errors with several groups (its scheduler raises), so a hybrid
+model's loads are asynchronous: loaded, layer by layer and every group, before the request
+is scheduled, and a load that comes up short is reported as a failed receive (vLLM then
+recomputes the request).
 """
 
 from __future__ import annotations
@@ -46,6 +56,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
+    SupportsHMA,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorPromMetrics,
@@ -59,6 +71,7 @@ from lmc.connectors.core.metadata import ConnectorMetadata
 from lmc.connectors.core.model_id import engine_model_id
 from lmc.connectors.core.scheduler import ConnectorConfig
 from lmc.connectors.vllm.config import load_settings, per_rank_disks
+from lmc.connectors.vllm.groups import group_kinds
 from lmc.connectors.vllm.layout import (
     UnsupportedLayout,
     check_cache_dtype,
@@ -132,7 +145,7 @@ _HIT_SOURCE: dict[Medium | None, CacheHitSource] = {
 """vLLM's cache-hit source for each declared tier medium (unknown: external, unspecified)."""
 
 
-class LMCConnector(KVConnectorBase_V1):
+class LMCConnector(KVConnectorBase_V1, SupportsHMA):
     """lmc's vLLM connector; see the module docstring."""
 
     _cache_hit_source = CacheHitSource.HOST
@@ -151,18 +164,21 @@ class LMCConnector(KVConnectorBase_V1):
                 raise UnsupportedLayout("pipeline parallelism: lmc keys KV per tensor-parallel "
                                         "rank over all layers; pipeline stages are not "
                                         "supported")
-            groups = getattr(kv_cache_config, "kv_cache_groups", None) or []
-            if len(groups) > 1:
-                raise UnsupportedLayout(f"{len(groups)} KV cache groups (a hybrid or "
-                                        "sliding-window model): lmc supports one group")
+            kinds = group_kinds(kv_cache_config)  # refuses what lmc cannot serve, by name
         except UnsupportedLayout as e:
             raise RuntimeError(f"lmc connector refused to start: {e}") from e
         groups = getattr(kv_cache_config, "kv_cache_groups", None) or []
         block_size = (groups[0].kv_cache_spec.block_size if groups
                       else vllm_config.cache_config.block_size)
+        self.hybrid = len(groups) > 1
+        if self.hybrid and role == KVConnectorRole.SCHEDULER:
+            hma_off = vllm_config.scheduler_config.disable_hybrid_kv_cache_manager
+            log.info("lmc: hybrid model, KV cache groups %s; vLLM's hybrid memory allocator "
+                     "is %s", ", ".join(k if k == "full" else f"{k}({w})" for k, w, _ in kinds),
+                     "off" if hma_off else "on")
         self.connector_config = ConnectorConfig.from_cache_config(
             settings.cache, load=ktc.is_kv_consumer, save=ktc.is_kv_producer,
-            save_decode=opts.save_decode, layerwise=opts.layerwise)
+            save_decode=opts.save_decode, layerwise=opts.layerwise, async_loads=self.hybrid)
         dp_rank = getattr(vllm_config.parallel_config, "data_parallel_rank", 0) or 0
         tp_size = vllm_config.parallel_config.tensor_parallel_size
         paths = socket_paths(opts.lookup_dir, str(ktc.engine_id), dp_rank, tp_size)
@@ -183,7 +199,8 @@ class LMCConnector(KVConnectorBase_V1):
                                 step_tokens=(int(sched.max_num_batched_tokens)
                                              if getattr(sched, "enable_chunked_prefill", True)
                                              else 0))
-            self._scheduler = SchedulerSide(self.connector_config, client, policy)
+            self._scheduler = SchedulerSide(self.connector_config, client, policy,
+                                            groups=len(groups))
         else:
             rank = _tp_rank()
             cache = per_rank_disks(settings.cache, rank, tp_size)
@@ -191,7 +208,8 @@ class LMCConnector(KVConnectorBase_V1):
             self._worker = WorkerSide(cache, model_id, rank, tp_size, block_size, opts.layerwise,
                                       paths[rank], remote_wait=opts.remote_prefill_wait,
                                       model_shape=getattr(vllm_config.model_config,
-                                                          "hf_text_config", None))
+                                                          "hf_text_config", None),
+                                      kv_cache_config=kv_cache_config)
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -208,6 +226,9 @@ class LMCConnector(KVConnectorBase_V1):
         tensors = tensors_by_name(kv_caches)
         if not tensors:
             raise RuntimeError("lmc connector refused to start: vLLM registered no KV tensors")
+        group_of = {name: i for i, g in enumerate(
+            getattr(self._kv_cache_config, "kv_cache_groups", None) or [])
+            for name in g.layer_names}
         try:
             check_cache_dtype(str(cfg.cache_config.cache_dtype))
             backend = self._backend_name(list(tensors))
@@ -216,11 +237,12 @@ class LMCConnector(KVConnectorBase_V1):
                 t0 = next(iter(tensors.values()))
                 isa = _get_attn_isa(t0.dtype, t0.shape[2], t0.shape[3] // 2,
                                     str(cfg.cache_config.cache_dtype))
-                choice = resolve_cpu(tensors, isa)
+                choice = resolve_cpu(tensors, isa, group_of)
             else:
                 choice = resolve_gpu(tensors, backend, self.settings.vllm.allow_untested,
                                      kv_cache_layout=cfg.cache_config.kv_cache_layout,
-                                     head_size=cfg.model_config.get_head_size())
+                                     head_size=cfg.model_config.get_head_size(),
+                                     group_of=group_of)
         except UnsupportedLayout as e:
             raise RuntimeError(f"lmc connector refused to start: {e}") from e
         w.register(choice)
@@ -275,8 +297,22 @@ class LMCConnector(KVConnectorBase_V1):
             return None, None
         return None, self._worker.get_finished(finished_req_ids) or None
 
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        """Finished asynchronous loads, and -- a hybrid model's -- the ones that came up
+        short as failed receives (vLLM recomputes those requests: block ids cannot name
+        a position across several KV cache groups)."""
+        out = super().get_transfer_results(finished_req_ids)
+        if self.hybrid and self._worker is not None:
+            out.failed_recving = self._worker.take_failed_loads()
+        return out
+
     def get_block_ids_with_load_errors(self) -> set[int]:
-        return set() if self._worker is None else self._worker.take_load_errors()
+        if self._worker is None:
+            return set()
+        errors = self._worker.take_load_errors()
+        if self.hybrid:  # reported as failed receives instead (get_transfer_results)
+            return set()
+        return errors
 
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
         """Nothing to do: saves finish within their step, so no save of a preempted
@@ -350,3 +386,9 @@ class LMCConnector(KVConnectorBase_V1):
             return False, None
         return False, self._scheduler.request_finished(
             request, str(self._kv_transfer_config.engine_id))
+
+    def request_finished_all_groups(self, request: Request, block_ids: tuple[list[int], ...]
+                                    ) -> tuple[bool, dict[str, Any] | None]:
+        """``SupportsHMA``'s form of :meth:`request_finished` (every group's blocks): saves
+        are committed within their step, so no group's blocks are held past this."""
+        return self.request_finished(request, block_ids[0] if block_ids else [])

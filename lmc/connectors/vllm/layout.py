@@ -125,12 +125,16 @@ def verify_cpu_packing(isa: str, dtype: torch.dtype, block_size: int, num_kv_hea
                 "CPU without AMX)")
 
 
-def _ordered(kv_caches: Mapping[str, torch.Tensor]) -> tuple[list[str], list[torch.Tensor]]:
+def _ordered(kv_caches: Mapping[str, torch.Tensor], group_of: Mapping[str, int] | None = None
+             ) -> tuple[list[str], list[torch.Tensor]]:
+    """Layer names in order and their tensors. ``group_of``: a hybrid model's KV cache
+    group per layer: vLLM's hybrid allocator overlays the groups' tensors (a block id is
+    one group's at a time), so only layers of one group must not share memory."""
     names = layer_order(list(kv_caches))
     tensors = [kv_caches[n] for n in names]
-    seen: dict[tuple[int, int], str] = {}
+    seen: dict[tuple[int, int, int], str] = {}
     for n, t in zip(names, tensors):
-        sig = (t.data_ptr(), int(t.storage_offset()))
+        sig = (t.data_ptr(), int(t.storage_offset()), (group_of or {}).get(n, 0))
         if sig in seen:
             raise UnsupportedLayout(f"layers {seen[sig]} and {n} share one KV cache (cross-layer "
                                     "KV sharing); lmc's chunk format has one entry per layer")
@@ -138,8 +142,9 @@ def _ordered(kv_caches: Mapping[str, torch.Tensor]) -> tuple[list[str], list[tor
     return names, tensors
 
 
-def resolve_cpu(kv_caches: Mapping[str, torch.Tensor], isa: str) -> LayoutChoice:
-    names, tensors = _ordered(kv_caches)
+def resolve_cpu(kv_caches: Mapping[str, torch.Tensor], isa: str,
+                group_of: Mapping[str, int] | None = None) -> LayoutChoice:
+    names, tensors = _ordered(kv_caches, group_of)
     t0 = tensors[0]
     if t0.dim() != 4 or t0.shape[-1] % 2:
         raise UnsupportedLayout(f"CPU_ATTN cache {names[0]} has shape {tuple(t0.shape)}; "
@@ -180,12 +185,13 @@ def check_layout_order(name: str, t: torch.Tensor, kv_cache_layout: str) -> None
 
 
 def resolve_gpu(kv_caches: Mapping[str, torch.Tensor], backend: str, allow_untested: bool,
-                kv_cache_layout: str | None = None, head_size: int | None = None
-                ) -> LayoutChoice:
+                kv_cache_layout: str | None = None, head_size: int | None = None,
+                group_of: Mapping[str, int] | None = None) -> LayoutChoice:
     """``kv_cache_layout``: ``cache_config.kv_cache_layout`` (checked against the strides
     when given). ``head_size``: the model's, checked against ``C = 2 * head_size`` of the
-    interleaved backends (inline scales or padding would change it)."""
-    names, tensors = _ordered(kv_caches)
+    interleaved backends (inline scales or padding would change it). ``group_of``: as
+    :func:`_ordered`'s."""
+    names, tensors = _ordered(kv_caches, group_of)
     t0 = tensors[0]
     shape = tuple(t0.shape)
     four_d = t0.dim() == 4  # vLLM 0.32's [B, H, N, C]; 5-D: an earlier release's layouts

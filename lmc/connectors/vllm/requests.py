@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lmc.connectors.core.metadata import StepRequest
+from lmc.connectors.vllm.groups import group_tables
 from lmc.token_database import request_tag
 
 log = logging.getLogger(__name__)
@@ -53,13 +54,18 @@ class _Tracked:
     request: Any
     block_ids: list[int] = field(default_factory=list)
     key_tag: bytes | None = None
+    tables: list[list[int]] = field(default_factory=list)  # a hybrid model's, per group
 
 
 class RequestTracker:
-    """Block tables and live token lists of the admitted, cacheable requests."""
+    """Block tables and live token lists of the admitted, cacheable requests. ``groups``:
+    vLLM's KV cache groups; with several (a hybrid model), every group's table is kept, and
+    the scheduler's own current tables (``kv_connector_block_state``: a sliding window's
+    freed blocks as the null block) are preferred where the step offers them."""
 
-    def __init__(self, save_decode: bool = False) -> None:
+    def __init__(self, save_decode: bool = False, groups: int = 1) -> None:
         self.save_decode = save_decode
+        self.groups = groups
         self._reqs: dict[str, _Tracked] = {}
 
     def __len__(self) -> int:
@@ -79,13 +85,16 @@ class RequestTracker:
     def step_requests(self, so: Any) -> list[StepRequest]:
         """One :class:`StepRequest` per scheduled, tracked request of this step."""
         out: list[StepRequest] = []
+        state = getattr(so, "kv_connector_block_state", None) if self.groups > 1 else None
         for new in so.scheduled_new_reqs:
             t = self._reqs.get(new.req_id)
             if t is None:
                 continue
             t.block_ids = list(new.block_ids[0]) if new.block_ids else []
+            if self.groups > 1:
+                t.tables = [list(g) for g in new.block_ids or ()]
             out.append(self._step(new.req_id, t, new.num_computed_tokens,
-                                  so.num_scheduled_tokens.get(new.req_id, 0)))
+                                  so.num_scheduled_tokens.get(new.req_id, 0), state))
         cached = so.scheduled_cached_reqs
         resumed: set[str] = getattr(cached, "resumed_req_ids", set()) or set()
         for i, rid in enumerate(cached.req_ids):
@@ -95,18 +104,28 @@ class RequestTracker:
             new_ids = cached.new_block_ids[i]
             if rid in resumed:
                 t.block_ids = list(new_ids[0]) if new_ids else []
+                t.tables = [list(g) for g in new_ids or ()]
             elif new_ids:
                 t.block_ids.extend(new_ids[0])
+                if self.groups > 1:
+                    t.tables = [old + list(g) for old, g in
+                                zip(t.tables or [[] for _ in new_ids], new_ids)]
             out.append(self._step(rid, t, cached.num_computed_tokens[i],
-                                  so.num_scheduled_tokens.get(rid, 0)))
+                                  so.num_scheduled_tokens.get(rid, 0), state))
         return out
 
-    def _step(self, rid: str, t: _Tracked, computed: int, scheduled: int) -> StepRequest:
+    def _step(self, rid: str, t: _Tracked, computed: int, scheduled: int,
+              state: Any = None) -> StepRequest:
         req = t.request
+        tables: tuple[tuple[int, ...], ...] = ()
+        if self.groups > 1:
+            current = state.get_block_ids(rid) if state is not None else None
+            tables = group_tables(current if current is not None else t.tables)
         return StepRequest(request_id=rid, token_ids=req.all_token_ids,
                            num_prompt_tokens=req.num_prompt_tokens,
                            block_ids=tuple(t.block_ids), num_computed_tokens=computed,
-                           num_scheduled_tokens=scheduled, key_tag=t.key_tag)
+                           num_scheduled_tokens=scheduled, key_tag=t.key_tag,
+                           group_block_ids=tables)
 
     def forget(self, request_ids: Iterable[str]) -> None:
         for rid in request_ids:

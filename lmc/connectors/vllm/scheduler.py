@@ -20,6 +20,7 @@ from lmc.connectors.core.lookup_service import LookupClient
 from lmc.connectors.core.metadata import ConnectorMetadata
 from lmc.connectors.core.pd_params import producer_params, remote_prefill_tokens
 from lmc.connectors.core.scheduler import ConnectorConfig, SchedulerConnector
+from lmc.connectors.vllm.groups import group_tables
 from lmc.connectors.vllm.requests import RequestTracker, cacheable, key_tag
 from lmc.storage.lookup import LookupResult
 from lmc.storage.tier import Medium
@@ -31,14 +32,16 @@ class SchedulerSide:
     """Lookups, admissions and per-step metadata for one vLLM engine."""
 
     def __init__(self, config: ConnectorConfig, client: LookupClient,
-                 policy: LoadPolicy | None = None) -> None:
+                 policy: LoadPolicy | None = None, groups: int = 1) -> None:
         """``policy``: how much of each hit to load (``None``: all of it); the answer to
-        ``get_num_new_matched_tokens`` is the part it chose."""
+        ``get_num_new_matched_tokens`` is the part it chose. ``groups``: vLLM's KV cache
+        groups (a hybrid model has several: their block tables travel to the workers, and
+        every load is asynchronous, ``config.async_loads``)."""
         self.client = client
         self.core = SchedulerConnector(config, self._lookup, policy,
                                        prefetch=getattr(client, "prefetch", None),
                                        tagged_lookup=self._tagged_lookup)
-        self.tracker = RequestTracker(config.save_decode)
+        self.tracker = RequestTracker(config.save_decode, groups)
         self._start: dict[str, int] = {}  # request id -> tokens it had before the lookup
         self._async: set[str] = set()  # matched as prefill/decode (asynchronous) loads
         self.pd_requests = 0  # requests that arrived with a producer's kv_transfer_params
@@ -85,6 +88,9 @@ class SchedulerSide:
                 return n, True
         hit = self.core.get_num_new_matched_tokens(rid, list(request.all_token_ids),
                                                    num_computed_tokens, tag)
+        if hit and self.core.config.async_loads:  # a hybrid model's: before it is scheduled
+            self._async.add(rid)
+            return hit, True
         return hit, False  # loads from lmc's own tiers are synchronous (layer-wise, in-step)
 
     def update_state_after_alloc(self, request: Any, num_external_tokens: int,
@@ -96,15 +102,21 @@ class SchedulerSide:
         self.tracker.admit(request, tag)
         start = self._start.pop(rid, request.num_computed_tokens)
         block_ids = None
+        tables: tuple[tuple[int, ...], ...] = ()
         if rid in self._async:
             self._async.discard(rid)
-            block_ids = list(blocks.get_block_ids()[0]) if blocks is not None else None
-            params = request.kv_transfer_params
-            if num_external_tokens > 0 and isinstance(params, dict):
+            all_ids = blocks.get_block_ids() if blocks is not None else None
+            block_ids = list(all_ids[0]) if all_ids else None
+            if self.tracker.groups > 1:
+                tables = group_tables(all_ids)
+            params = getattr(request, "kv_transfer_params", None)
+            if num_external_tokens > 0 and isinstance(params, dict) and \
+                    remote_prefill_tokens(request) is not None:
                 params["do_remote_prefill"] = False  # one transfer per request
                 self.pd_requests += 1
         self.core.update_state_after_alloc(rid, list(request.all_token_ids), start,
-                                           num_external_tokens, block_ids, tag)
+                                           num_external_tokens, block_ids, tag,
+                                           group_block_ids=tables)
 
     def hit_sources(self, request: Any, num_external_tokens: int) -> tuple[int, int]:
         """(tokens from L1, tokens from lower tiers) of the load just admitted; all lower

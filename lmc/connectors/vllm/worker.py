@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import dataclasses
 import logging
 from collections.abc import Mapping
 from typing import Any
@@ -30,6 +31,7 @@ from lmc.connectors.core.load_policy import Costs
 from lmc.connectors.core.lookup_service import LookupServer, engine_lookup, engine_prefetch
 from lmc.connectors.core.metadata import ConnectorMetadata
 from lmc.connectors.core.worker import WorkerConnector
+from lmc.connectors.vllm.groups import lmc_groups
 from lmc.connectors.vllm.layout import LayoutChoice
 
 log = logging.getLogger(__name__)
@@ -46,9 +48,11 @@ class WorkerSide:
 
     def __init__(self, cache_config: CacheConfig, model_id: str, tp_rank: int, tp_size: int,
                  block_size: int, layerwise: bool, socket_path: str,
-                 remote_wait: float = 30.0, model_shape: Any = None) -> None:
+                 remote_wait: float = 30.0, model_shape: Any = None,
+                 kv_cache_config: Any = None) -> None:
         """``model_shape``: the model's Hugging Face config (its compute floor is measured at
-        registration: :mod:`lmc.connectors.core.compute_floor`)."""
+        registration: :mod:`lmc.connectors.core.compute_floor`). ``kv_cache_config``:
+        vLLM's, whose KV cache groups (a hybrid model has several) become lmc's."""
         self.cache_config = cache_config
         self.model_id = model_id
         self.tp_rank = tp_rank
@@ -58,6 +62,7 @@ class WorkerSide:
         self.socket_path = socket_path
         self.remote_wait = remote_wait
         self.model_shape = model_shape
+        self.kv_cache_config = kv_cache_config
         self.engine: CacheEngine | None = None
         self.worker: WorkerConnector | None = None
         self.server: LookupServer | None = None
@@ -68,6 +73,9 @@ class WorkerSide:
 
     def register(self, choice: LayoutChoice) -> None:
         spec = choice.spec()
+        groups = lmc_groups(self.kv_cache_config, choice.names)
+        if groups:  # a hybrid model: each group stored and loaded as its kind needs
+            spec = dataclasses.replace(spec, groups=groups)
         self.close_engine()
         self.layout = choice
         self.engine = CacheEngine(self.cache_config, spec, self.model_id, self.tp_rank,
@@ -84,9 +92,10 @@ class WorkerSide:
         self.server = LookupServer(self.socket_path, engine_lookup(lambda: self.engine),
                                    costs=self.costs, prefetch=self.prefetch)
         atexit.register(self.close)  # flushes the write-behind queue if vLLM never calls
-        log.info("lmc: %s, %d layers, block %d, %s; model %s, tp %d/%d; lookups at %s",
-                 choice.detail, spec.num_layers, spec.block_size, spec.dtype, self.model_id,
-                 self.tp_rank, self.tp_size, self.socket_path)
+        log.info("lmc: %s, %d layers (%s), block %d, %s; model %s, tp %d/%d; lookups at %s",
+                 choice.detail, spec.num_layers, self.engine.describe_groups(),
+                 spec.block_size, spec.dtype, self.model_id, self.tp_rank, self.tp_size,
+                 self.socket_path)
 
     def prefetch(self, tokens: Any, start: int, tag: bytes | None = None) -> Any:
         """Pull a waiting request's chunks from position ``start`` on into this rank's L1
@@ -138,6 +147,10 @@ class WorkerSide:
 
     def take_load_errors(self) -> set[int]:
         return set() if self.worker is None else self.worker.take_load_errors()
+
+    def take_failed_loads(self) -> set[str]:
+        """Requests whose asynchronous load came up short (a hybrid model's failures)."""
+        return set() if self.worker is None else self.worker.take_failed_loads()
 
     # ------------------------------------------------------------------ metrics
     def stats(self) -> dict[str, Any]:

@@ -55,6 +55,10 @@ class KVCodec(abc.ABC):
         """The parameters that change the stored bytes (beyond ``head_size``)."""
         return {}
 
+    def settings(self) -> Mapping[str, int]:
+        """The parameters by their config names (``int4-kivi,group=32``)."""
+        return {}
+
     @property
     def ident(self) -> str:
         """Name and every parameter: what a value's header carries and the key namespace is
@@ -78,7 +82,7 @@ class KVCodec(abc.ABC):
     def layer_bytes(self, planes: int, tokens: int, width: int) -> int:
         """Bytes one layer of ``[planes, tokens, width]`` encodes to."""
 
-    def encoded_bytes(self, shape: tuple[int, int, int, int]) -> int:
+    def encoded_bytes(self, shape: tuple[int, ...]) -> int:
         layers, planes, tokens, width = shape
         return layers * self.layer_bytes(planes, tokens, width)
 
@@ -99,22 +103,37 @@ class KVCodec(abc.ABC):
         allows (fp32), including the rounding to ``x``'s dtype."""
 
     # -------------------------------------------------------- whole chunks, sliced
+    kernel: ClassVar[str]
+    """The C kernels' family (``lmc.storage.kvcodecs.native``) that codes as this class does."""
+
+    def kernel_param(self, width: int) -> int:
+        """The kernels' last argument: scale groups per token width (heads)."""
+        return self.heads(width)
+
     def encode(self, x: torch.Tensor, out: torch.Tensor) -> None:
         """``x`` (a 4-D chunk) into ``out`` (``encoded_bytes`` uint8), a slice of layers at
-        a time."""
+        a time: the C kernels where built, else :meth:`encode_layers`."""
+        from lmc.storage.kvcodecs import native
+
         layers = x.shape[0]
         lb = self.layer_bytes(*x.shape[1:])
         rows = out.view(layers, lb)
+        k = self.kernel_param(x.shape[3])
         for a, b in _slices(x):
-            self.encode_layers(x[a:b], rows[a:b])
+            if not native.encode(self.kernel, k, x[a:b], rows[a:b]):
+                self.encode_layers(x[a:b], rows[a:b])
 
     def decode(self, buf: torch.Tensor, out: torch.Tensor) -> None:
         """``buf`` (``encoded_bytes`` uint8) into ``out`` (the chunk), a slice at a time."""
+        from lmc.storage.kvcodecs import native
+
         layers = out.shape[0]
         lb = self.layer_bytes(*out.shape[1:])
         rows = buf.view(layers, lb)
+        k = self.kernel_param(out.shape[3])
         for a, b in _slices(out):
-            self.decode_layers(rows[a:b], out[a:b])
+            if not native.decode(self.kernel, k, rows[a:b], out[a:b]):
+                self.decode_layers(rows[a:b], out[a:b])
 
     def round_trip(self, x: torch.Tensor) -> torch.Tensor:
         """``decode(encode(x))``: what a tier holding ``x`` through this codec gives back

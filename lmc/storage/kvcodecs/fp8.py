@@ -20,6 +20,7 @@ TINY = 2.0 ** -100  # the scale of an all-zero head: any positive number decodes
 
 class Fp8E4M3(KVCodec):
     name = "fp8-e4m3"
+    kernel = "fp8"
 
     def layer_bytes(self, planes: int, tokens: int, width: int) -> int:
         return 4 * planes * self.heads(width) + planes * tokens * width

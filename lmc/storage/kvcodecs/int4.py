@@ -30,6 +30,7 @@ LEVELS = 15
 
 class Int4Kivi(KVCodec):
     name = "int4-kivi"
+    kernel = "int4"
 
     def __init__(self, head_size: int | None = None, group: int = 32) -> None:
         super().__init__(head_size)
@@ -39,6 +40,12 @@ class Int4Kivi(KVCodec):
 
     def params(self) -> Mapping[str, int]:
         return {"g": self.group}
+
+    def settings(self) -> Mapping[str, int]:
+        return {"group": self.group}
+
+    def kernel_param(self, width: int) -> int:
+        return self.group
 
     # -------------------------------------------------------------------- sizes
     def _plane_bytes(self, keys: bool, tokens: int, width: int) -> int:

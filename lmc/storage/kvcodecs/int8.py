@@ -17,6 +17,7 @@ TINY = 2.0 ** -100
 
 class Int8(KVCodec):
     name = "int8"
+    kernel = "int8"
 
     def layer_bytes(self, planes: int, tokens: int, width: int) -> int:
         return 4 * planes * tokens * self.heads(width) + planes * tokens * width

@@ -96,7 +96,7 @@ class CodecStage:
     def max_stored(self, shape: tuple[int, int, int, int], dtype: torch.dtype) -> int:
         """The largest value (header and body) a chunk of ``shape`` may be stored as."""
         exact = _numel(shape) * dtype.itemsize
-        coded = self.codec.encoded_bytes(shape) if self.encodes(dtype) else 0
+        coded = self.codec.encoded_bytes(shape) if self.codec and self.encodes(dtype) else 0
         return HEADER + max(exact, coded)
 
     def encodes(self, dtype: torch.dtype) -> bool:
@@ -203,13 +203,20 @@ def make_codec(name: str, head_size: int | None = None, **params: Any) -> KVCode
 
 
 def parse_stage(value: Any, where: str = "codec", head_size: int | None = None) -> CodecStage:
-    """A stage from config: ``int4-kivi``, ``fp8+zstd``, ``exact+lz4``, or a mapping
+    """A stage from config: ``int4-kivi``, ``int4-kivi,group=64+zstd``, ``exact+lz4``, or a mapping
     ``{name: int4-kivi, group: 32, lossless: zstd, level: 3}``. ``ValueError`` names
     ``where``."""
     try:
         if isinstance(value, str):
             lossy, _, rest = value.partition("+")
-            spec: dict[str, Any] = {"name": lossy, "lossless": rest or None}
+            name, *params = lossy.split(",")
+            spec: dict[str, Any] = {"name": name, "lossless": rest or None}
+            for p in params:
+                k, eq, v = p.partition("=")
+                if not eq or not v.isdigit():
+                    raise ValueError(f"codec parameter {p!r}: expected name=<integer>, as in "
+                                     "int4-kivi,group=64")
+                spec[k] = int(v)
         elif isinstance(value, Mapping):
             spec = dict(value)
         else:

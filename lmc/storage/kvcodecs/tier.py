@@ -17,7 +17,7 @@ chunk's shape. A value failing any check is a corrupt value: released, counted, 
 below, a miss. Reads are whole chunks (``get_layers`` answers ``None``).
 
 The gate. A lossy stage stores a model's KV only once :meth:`CodecTier.open_gate` found a
-passing quality verdict for (model identity, KV dtype, codec)
+passing ``lmc quality`` verdict for (model identity, KV dtype, codec and its parameters)
 (:mod:`lmc.storage.kvcodecs.gate`); the engine calls it when it binds. Until then, or when
 refused, the tier is its inner tier unchanged: exact values under the engine's own keys (one
 line says why). ``gate: off`` uses the codec without a verdict (benchmarks, or an operator who
@@ -112,8 +112,8 @@ class CodecTier(WrapperTier):
                               "verdict: a lossy codec only with a passing quality verdict for "
                               "the model; off: always"),
         "verdicts": BackendOption(None, parse_opt_path,
-                                  "the directory of quality verdicts (default: lmc's cache "
-                                  "folder's verdicts/)"),
+                                  "the folder of lmc quality's verdicts (default: lmc_quality/ "
+                                  "next to the model's checkpoint, when the engine knows it)"),
     }
 
     def __init__(self, spec: str = "codec", *, config: CacheConfig, pool: Any,
@@ -173,21 +173,24 @@ class CodecTier(WrapperTier):
         return CodedGeometry(1, 1, 1, torch.uint8, 1, 1, max_value=self.active.max_stored(
             shape, g.dtype))
 
-    def open_gate(self, model_id: str, dtype: torch.dtype) -> bool:
-        """Decide, for this model's KV, whether the lossy stage is used (one INFO line
-        either way); returns whether it is."""
+    def open_gate(self, model_id: str, dtype: torch.dtype, model_dir: Any = None) -> bool:
+        """Decide, for this model's KV, whether the lossy stage is used (one line either
+        way: INFO, or WARNING when a verdict was there but unusable); returns whether."""
         if not self.stage.lossy or self.gate == "off":
             return True
-        assert self.stage.codec is not None
-        name = str(dtype).removeprefix("torch.")
-        ok, why = gates.decide(self.stage.codec.ident, model_id, name, self.verdicts,
-                               self.integrity)
-        object.__setattr__(self, "active", self.stage if ok else None)
-        object.__setattr__(self, "gate_reason", why)
+        from lmc.storage.kvcodecs.feature import canonical_setting
+
+        setting = canonical_setting(self.codec_spec, self.configured_head_size)
+        store = gates.verdict_store(self.verdicts, model_dir, self.integrity)
+        decision = gates.decide_codec(setting, model_id, str(dtype).removeprefix("torch."),
+                                      store)
+        object.__setattr__(self, "active", self.stage if decision.on else None)
+        object.__setattr__(self, "gate_reason", decision.why)
         self.inner.expected_geometry = self._inner_geometry()
-        log.info("tier %s: codec %s %s: %s", self.name, self.stage.ident,
-                 "on" if ok else "off (values stored exact)", why)
-        return ok
+        (log.warning if decision.warn else log.info)(
+            "tier %s: codec %s %s: %s", self.name, setting,
+            "on" if decision.on else "off (values stored exact)", decision.why)
+        return decision.on
 
     def _inner_evicted(self, keys: list[Key]) -> None:
         hook = self.__dict__.get("_engine_on_evicted")

@@ -321,11 +321,14 @@ def check_identity() -> None:
 def check_refusals() -> None:
     dev = mha_pool()
     b = backend(host_pool(dev, "layer_first"))
-    for side in (PoolName.MAMBA, PoolName.SWA, PoolName.INDEXER):
+    kinds = {PoolName.MAMBA: "hybrid state-space", PoolName.SWA: "hybrid sliding-window",
+             PoolName.INDEXER: "sparse-attention"}
+    for side, kind in kinds.items():  # the refusal names the model kind
         raises(UnsupportedPool, lambda side=side: b.register_mem_host_pool_v2(
-            b.mem_pool_host, side), side.value)
+            b.mem_pool_host, side), side.value, kind)
     raises(UnsupportedPool, lambda: b.batch_exists_v2(
-        ["a" * 64], [PoolTransfer(name=PoolName.SWA, keys=["a" * 64])]), "swa")
+        ["a" * 64], [PoolTransfer(name=PoolName.SWA, keys=["a" * 64])]), "swa",
+        "hybrid sliding-window/full-attention model")
     res = b.batch_exists_v2(["a" * 64], [PoolTransfer(name=PoolName.KV, keys=["a" * 64])])
     assert res.kv_hit_pages == 0
     b.close()
@@ -408,7 +411,8 @@ def check_linker_contract() -> None:
         raises(Exception, lambda sa=sa, params=params: create_unified_cache_linker(
             sa, params, backend="dynamic", components={ComponentType.FULL, ComponentType.MAMBA},
             config={"linker": "LMCCacheLinker", "linker_module_path": "lmc.connectors.sglang",
-                    "linker_extra_config": {"lmc.model_id": "tiny"}}), "MAMBA")
+                    "linker_extra_config": {"lmc.model_id": "tiny"}}), "MAMBA",
+            "hybrid state-space")
     passed("linker: concrete UnifiedCacheLinker built by SGLang's factory for MHA and MLA "
            "device pools; empty lookups/loads answer with the documented types; side "
            "components refused")

@@ -56,7 +56,7 @@ else:
     from lmc.testing import TierContract, TierSpec
     from lmc.testing.harness import TierHarness, get_checked, key_of
     from tests.server.daemon_proc import DaemonProc
-    from tests.storage.backends.codecs import CountingCodec, RejectingCodec
+    from tests.storage.backends.framings import CountingFraming, RejectingFraming
 
     SECRET = "contract-suite-secret-0123456789"
     ADMIN, TENANT = "p2p-contract-admin-token", "p2p-contract-tenant-token"
@@ -198,19 +198,19 @@ else:
         """Every contract test, plain and keyed."""
 
     class TestP2PCodec(TierHarness):
-        """The P2P read goes through the reader's codec (:mod:`lmc.storage.codec`), as every
-        shared tier's does (``test_codec_stage.py``): each pulled chunk is verified by it,
-        and a codec that refuses makes every pull a miss, counted."""
+        """The P2P read goes through the reader's framing (:mod:`lmc.storage.framing`), as every
+        shared tier's does (``test_framing_stage.py``): each pulled chunk is verified by it,
+        and a framing that refuses makes every pull a miss, counted."""
 
         def test_every_pull_is_verified_by_the_codec(self, make_tier, tier_spec):
             tier = make_tier()
             keys = [key_of(f"p2p-codec-{i}") for i in range(3)]
             self.store(tier, tier_spec, keys)
             reader = tier.reader
-            reader.codec = counting = CountingCodec(reader.codec)
+            reader.framing = counting = CountingFraming(reader.framing)
             assert get_checked(tier, keys) == 3
-            assert counting.verified == 3, "a pull was not verified by the codec"
-            reader.codec = refusing = RejectingCodec(reader.codec)
+            assert counting.verified == 3, "a pull was not verified by the framing"
+            reader.framing = refusing = RejectingFraming(reader.framing)
             assert get_checked(tier, keys, misses=True) == 0, "a refused pull was served"
             assert refusing.verified == 3
             assert reader.stats()["verify_failures"] == 3

@@ -141,8 +141,24 @@ def test_headers_name_the_stage_and_readers_of_another_refuse_it():
     ({"name": "int4-kivi", "group": 0}, "group must be"),
     ({"name": "fp8", "group": 32}, "takes no parameter 'group'"),
     ({"name": "none"}, "needs a lossy codec, a lossless stage, or both"), (3, "expected a codec"),
+    ("int4-kivi,group", "expected name=<integer>"), ("int8,group=4", "no parameter 'group'"),
 ])
 def test_bad_settings_are_named(value, message):
     with pytest.raises(ValueError, match=message) as e:
         parse_stage(value, "tiers[1].codec")
     assert str(e.value).startswith("tiers[1].codec: ")
+
+
+def test_parameters_in_the_string_form():
+    assert parse_stage("int4-kivi,group=64+zstd").ident == "int4-kivi.g64.h0+zstd1"
+
+
+def test_served_kv_codes_each_chunk_as_a_tier_does():
+    from lmc.storage.kvcodecs.serve import served_kv
+
+    stage = parse_stage("int4-kivi", head_size=8)
+    exact = torch.randn(2, 2, 40, 3, 8)  # two chunks of 16 and a partial one
+    served = served_kv(exact, stage, 16)
+    assert served.shape == exact.shape and not torch.equal(served, exact)
+    chunk = exact[:, :, 16:32].reshape(2, 2, 16, 24).contiguous()
+    assert torch.equal(served[:, :, 16:32].reshape(2, 2, 16, 24), stage.round_trip(chunk))

@@ -35,7 +35,7 @@ from lmc.storage.backends.daemon import protocol as P
 from lmc.storage.backends.daemon.client import Address, Allocate, BlockMeta, ClientConnection
 from lmc.storage.backends.daemon.probe import ProbePolicy
 from lmc.storage.breaker import CLOSED, OPEN, CircuitBreaker
-from lmc.storage.codec import ValueCodec
+from lmc.storage.framing import ValueFraming
 from lmc.storage.integrity import Geometry, Integrity
 from lmc.storage.remote import Rejects, split_batch
 from lmc.storage.serde import CorruptValue, encodable
@@ -110,10 +110,10 @@ class ServerBackend(StorageBackend):
         self.namespace = namespace or self.address.namespace or config.remote_key_prefix
         self.pool = pool
         self.allocate = allocate or pool.allocate
-        # the framing stage (lmc.storage.codec): the daemon keeps each value's header; with
+        # the framing stage (lmc.storage.framing): the daemon keeps each value's header; with
         # a secret, its keyed tag travels as a companion value (.tags)
-        self.codec = ValueCodec(Integrity.from_config(config))
-        self.tags = Tags(self.codec, self.allocate) if self.codec.tagged else None
+        self.framing = ValueFraming(Integrity.from_config(config))
+        self.tags = Tags(self.framing, self.allocate) if self.framing.tagged else None
         # the engine's chunk geometry (lmc.storage.integrity.expect_geometry): a value describing
         # another chunk is a bad value (refused, counted, deleted), like a checksum failure
         self.expected_geometry: Geometry | None = None
@@ -283,7 +283,7 @@ class ServerBackend(StorageBackend):
             got, tags = both[1::2], both[0::2]
         out: list[MemoryObj | None] = []
         for key, obj, tag in zip(keys, got, tags):
-            if obj is not None:  # every value through the codec: geometry, then the tag
+            if obj is not None:  # every value through the framing: geometry, then the tag
                 obj = rejects.verify(key, obj, functools.partial(self._admit, key, obj, tag,
                                                                  geometry))
             if tag is not None:
@@ -297,12 +297,12 @@ class ServerBackend(StorageBackend):
 
     def _admit(self, key: Key, obj: MemoryObj, tag: MemoryObj | None,
                geometry: Geometry | None) -> None:
-        """The codec's word on a value the client received (its checksum verified as it
+        """The framing's word on a value the client received (its checksum verified as it
         arrived): the engine's geometry and, with a secret, the companion tag. Raises
         :class:`CorruptValue`."""
         if tag is not None and (tuple(tag.shape) != TAG_SHAPE or tag.dtype != tag_dtype()):
             raise CorruptValue(f"integrity tag has shape {tuple(tag.shape)} of {tag.dtype}")
-        self.codec.admit(key, obj, None if tag is None else tag.byte_view(), geometry)
+        self.framing.admit(key, obj, None if tag is None else tag.byte_view(), geometry)
 
     def _get_values(self, keys: Sequence[Key], rejects: Rejects[Key],
                     geometry: Geometry | None = None, too_large: list[int] | None = None,

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 
 from lmc.lazy_import import LazyModule
 from lmc.memory.pool import MemoryObj
-from lmc.storage.codec import ValueCodec
+from lmc.storage.framing import ValueFraming
 from lmc.storage.serde import HEADER_SIZE, TAG_SIZE
 
 if TYPE_CHECKING:
@@ -55,13 +55,13 @@ def interleave(keys: Sequence[bytes]) -> list[bytes]:
 
 
 class Tags:
-    """Seals chunks into (tag, chunk) pairs for a PUT (the codec makes each tag); a GET's
-    pairs are checked by the codec too (``ValueCodec.admit``)."""
+    """Seals chunks into (tag, chunk) pairs for a PUT (the framing makes each tag); a GET's
+    pairs are checked by the framing too (``ValueFraming.admit``)."""
 
-    def __init__(self, codec: ValueCodec, allocate: Allocate) -> None:
-        if not codec.tagged:
-            raise ValueError("companion tags need a codec with an integrity secret")
-        self.codec = codec
+    def __init__(self, framing: ValueFraming, allocate: Allocate) -> None:
+        if not framing.tagged:
+            raise ValueError("companion tags need a framing with an integrity secret")
+        self.framing = framing
         self.allocate = allocate
 
     def seal(self, keys: Sequence[bytes], objs: Sequence[MemoryObj]
@@ -76,7 +76,7 @@ class Tags:
             if t is None:
                 continue
             tags.append(t)
-            t.byte_view()[:] = self.codec.encode(k, o, o.byte_view())[HEADER_SIZE:]
+            t.byte_view()[:] = self.framing.encode(k, o, o.byte_view())[HEADER_SIZE:]
             out_keys += (tag_key(k), k)
             out_objs += (t, o)
         return out_keys, out_objs, tags

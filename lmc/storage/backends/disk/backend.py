@@ -81,8 +81,8 @@ from lmc.config import CacheConfig, parse_size
 from lmc.memory.pool import MemoryObj, MemoryPool
 from lmc.metrics import TierMetrics
 from lmc.priority import lower_thread_priority
-from lmc.storage.codec import ValueCodec
-from lmc.storage.eviction import EvictionPolicy, make_policy
+from lmc.storage.backends.disk.index import BLOCK, DiskIndex, Entry, Eviction, round_up
+from lmc.storage.framing import ValueFraming
 from lmc.storage.integrity import Geometry
 from lmc.storage.layered_read import Coordinators, LayeredRead
 from lmc.storage.serde import CorruptValue, Header, encodable
@@ -90,7 +90,6 @@ from lmc.storage.tier import Key, Medium, StorageBackend, TierCapabilities, regi
 
 log = logging.getLogger(__name__)
 
-BLOCK = 4096
 MARKER = ".lmc-disk-tier"
 LOCK = ".lmc-disk-tier.lock"
 _NAME = re.compile(r"^([0-9a-f]{32})\.([0-9]+)\.kv$")
@@ -100,11 +99,6 @@ _TMP = re.compile(r"^\.tmp\.([0-9]+)\.[0-9a-f]+$")
 SCAN_PROGRESS_SECONDS = 5.0
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
 _buffered_logged: set[str] = set()
-
-
-def round_up(n: int) -> int:
-    """``n`` rounded up to whole 4 KiB blocks (a file's payload part)."""
-    return -(-n // BLOCK) * BLOCK
 
 
 _ZEROS = memoryview(bytes(BLOCK))
@@ -240,16 +234,6 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_drop_inherited_locks)
 
 
-class Entry:
-    """An indexed file: its size, and how many reads hold it (not recycled meanwhile)."""
-
-    __slots__ = ("size", "readers")
-
-    def __init__(self, size: int) -> None:
-        self.size = size
-        self.readers = 0
-
-
 class _NoMemory(Exception):
     """The pool had no room for a value being read (a miss, counted)."""
 
@@ -301,20 +285,16 @@ class DiskBackend(StorageBackend):
         self.pool = pool
         self.metrics = TierMetrics(self.name)
         self._lock = threading.Lock()
-        self._policy: EvictionPolicy[Key, Entry] = make_policy(eviction_policy)
-        self._index = self._policy.entries  # lookups that are not a use (never reassigned)
+        # what the directory holds, its bytes and the eviction rule (index.py), under _lock
+        self.index = DiskIndex(self.capacity, eviction_policy)
         self._writing: set[Key] = set()
-        self._used = 0  # bytes of indexed files
-        self._reserved = 0  # bytes of temporary files being written
-        self._dying = 0  # bytes of evicted files not yet unlinked
-        self._gone: list[Key] = []  # keys evicted under the lock, for on_evicted
         self._seq = itertools.count()
         self._tag = secrets.token_hex(4)  # two instances in one process never share a name
         self._tls = threading.local()
         self.coordinators = Coordinators("lmc-disk-layers")  # layered reads in progress
-        # the one framing stage of shared tiers (lmc.storage.codec); the directory is this
+        # the one framing stage of shared tiers (lmc.storage.framing); the directory is this
         # process's alone, so its files carry no keyed tag (header version 1)
-        self.codec = ValueCodec()
+        self.framing = ValueFraming()
         self._closed = False
         self._warned: set[str] = set()
         # the engine's chunk geometry (lmc.storage.integrity.expect_geometry): a file whose header
@@ -444,32 +424,32 @@ class DiskBackend(StorageBackend):
                     os.unlink(e.path)
         found.sort()
         for _, key, size in found:
-            old = self._policy.remove(key)
+            old = self.index.forget(key)
             if old is not None:  # two sizes for one key: keep the newer file
-                self._used -= old.size
                 with contextlib.suppress(OSError):
                     os.unlink(self._path(key, old.size))
-            self._policy.insert(key, Entry(size))
-            self._used += size
+            self.index.policy.insert(key, Entry(size))
+            self.index.used += size
         self.metrics.checksum_failure(bad)
         self.metrics.error("scan", "foreign", foreign)
         self.metrics.error("scan", "stale_temp", temps)
         if bad or foreign or temps:
             log.warning("disk tier %s: removed %d truncated, %d foreign and %d temporary files",
                         self.path, bad, foreign, temps)
-        with self._lock:
-            victims, _, dying = self._evict_locked(self._used - self.capacity, 0, recycle=False)
-        self._unlink(victims, dying)
+        with self._lock:  # over capacity (a smaller local_disk_size than last time): evict
+            ev = self.index.evict(self.index.used - self.capacity, 0, self._retire_locked,
+                                  recycle=False)
+        self._unlink(ev.victims, ev.dying)
         log.info("disk tier %s: index rebuilt in %s: %d chunks, %s of %s, %s I/O", self.path,
-                 units.seconds(time.monotonic() - t0), len(self._index),
-                 units.size(self._used), units.size(self.capacity),
+                 units.seconds(time.monotonic() - t0), len(self.index.entries),
+                 units.size(self.index.used), units.size(self.capacity),
                  "O_DIRECT" if self.direct else "buffered")
 
     # ------------------------------------------------------------------ reads
     def contains(self, keys: Sequence[Key]) -> list[bool]:
         if self._closed:  # its index may describe files the next tier on this directory owns
             return [False] * len(keys)
-        idx = self._index
+        idx = self.index.entries
         return [k in idx for k in keys]
 
     def _reserve_reads(self, keys: Sequence[Key]) -> list[tuple[int, Key, Entry]] | None:
@@ -480,10 +460,10 @@ class DiskBackend(StorageBackend):
             if self._closed:
                 return None
             for i, k in enumerate(keys):
-                e = self._index.get(k)
+                e = self.index.entries.get(k)
                 if e is not None:
                     e.readers += 1  # not recycled while we read it
-                    self._policy.access(k)
+                    self.index.policy.access(k)
                     jobs.append((i, k, e))
         return jobs
 
@@ -535,11 +515,11 @@ class DiskBackend(StorageBackend):
         fd = self._open(path, os.O_RDONLY, self.direct)
         try:
             block = self._buf("_rbuf")
-            codec = self.codec
-            if io_all(os.preadv, fd, [block], 0) < codec.size:
+            framing = self.framing
+            if io_all(os.preadv, fd, [block], 0) < framing.size:
                 raise CorruptValue("file shorter than its header")
-            head = bytes(block[:codec.size])
-            h = codec.decode(head, key, self.expected_geometry)  # before allocating for it
+            head = bytes(block[:framing.size])
+            h = framing.decode(head, key, self.expected_geometry)  # before allocating for it
             padded = round_up(h.payload_len)
             if entry.size != BLOCK + padded:
                 raise CorruptValue(f"file is {entry.size} bytes, header needs {BLOCK + padded}")
@@ -601,7 +581,7 @@ class DiskBackend(StorageBackend):
                 raise CorruptValue("file truncated")
             if v.spans is not None and v.spans[1].nbytes:
                 v.spans[1][:] = tbuf[: v.spans[1].nbytes]
-            self.codec.verify(key, v.head, v.hdr, view)
+            self.framing.verify(key, v.head, v.hdr, view)
             out, v.obj = v.obj, None
             return out
         except Exception as e:
@@ -615,21 +595,19 @@ class DiskBackend(StorageBackend):
 
     def _forget(self, key: Key, entry: Entry) -> None:
         with self._lock:
-            if self._index.get(key) is entry:
-                self._policy.remove(key)
-                self._used -= entry.size
+            if self.index.entries.get(key) is entry:
+                self.index.forget(key)
 
     def _discard(self, key: Key, entry: Entry) -> None:
         """Remove a bad value: renamed away under the lock (so a concurrent rewrite of the same
         key cannot be hit), unlinked outside it."""
         with self._lock:
-            if self._index.get(key) is not entry:
+            if self.index.entries.get(key) is not entry:
                 return
-            self._policy.remove(key)
-            self._used -= entry.size
+            self.index.forget(key)
             tmp = self._retire_locked(key, entry.size)
             if tmp:
-                self._dying += entry.size
+                self.index.dying += entry.size
         if tmp:
             self._unlink([tmp], entry.size)
 
@@ -681,8 +659,8 @@ class DiskBackend(StorageBackend):
             self.metrics.error("put", "too_large")
             return False
         with self._lock:
-            if key in self._index:
-                self._policy.access(key)
+            if key in self.index.entries:
+                self.index.policy.access(key)
                 return True
             if key in self._writing:
                 return True
@@ -700,7 +678,7 @@ class DiskBackend(StorageBackend):
                 with contextlib.suppress(OSError):
                     os.unlink(tmp)
                 with self._lock:
-                    self._reserved -= size
+                    self.index.reserved -= size
                 if isinstance(e, OSError):
                     reason = "enospc" if e.errno == errno.ENOSPC else errno.errorcode.get(
                         e.errno or 0, "oserror")
@@ -710,9 +688,7 @@ class DiskBackend(StorageBackend):
                 self._warn_once(reason, f"disk tier {self.path}: write skipped: {e}")
                 return False
             with self._lock:
-                self._reserved -= size
-                self._policy.insert(key, Entry(size))
-                self._used += size
+                self.index.commit(key, size)
             return True
         finally:
             with self._lock:
@@ -734,7 +710,7 @@ class DiskBackend(StorageBackend):
                 tbuf[tail.nbytes:] = _ZEROS[tail.nbytes:]
                 bufs.append(tbuf)
         hdr = self._buf("_wbuf")
-        vhead = self.codec.encode(key, obj, payload)
+        vhead = self.framing.encode(key, obj, payload)
         hdr[:len(vhead)] = vhead  # the rest of the block: zeros from the mapping, never written
         flags = os.O_WRONLY | (os.O_CREAT | os.O_EXCL if create else 0)
         fd = self._open(path, flags, spans is not None)
@@ -757,10 +733,6 @@ class DiskBackend(StorageBackend):
             return None
         return tmp
 
-    def _committed(self) -> int:
-        """Bytes on disk or about to be: stored, being written, evicted but not yet unlinked."""
-        return self._used + self._reserved + self._dying
-
     def _reserve(self, size: int) -> tuple[bool, str | None]:
         """Reserve ``size`` bytes, evicting values in the policy's order; returns (ok, a temporary file of
         exactly ``size`` bytes to overwrite when a victim could be recycled). The directory
@@ -768,47 +740,21 @@ class DiskBackend(StorageBackend):
         victims are unlinked."""
         for _ in range(8):  # writers in flight may take the room we freed: try again
             with self._lock:
-                over = self._committed() + size - self.capacity
-                if over <= 0:
-                    self._reserved += size
-                    return True, None
-                victims, recycled, dying = self._evict_locked(over, size)
-                gone, self._gone = self._gone, []
-            self._unlink(victims, dying)
-            if gone and self.on_evicted is not None:
-                self.on_evicted(gone)
-            if recycled is not None:
-                return True, recycled
-            if not victims:
+                done, ev = self.index.make_room(size, self._retire_locked)
+            if ev is None:
+                return True, None
+            self._evicted(ev)
+            if done:
+                return True, ev.recycled
+            if not ev.victims:
                 return False, None
         return False, None
 
-    def _evict_locked(self, need: int, size: int, recycle: bool = True
-                      ) -> tuple[list[str], str | None, int]:
-        """Evict values in the policy's order until ``need`` bytes will be free, or until one of exactly ``size``
-        bytes that no one is reading can be recycled (its bytes become the new reservation).
-        Returns (temporary files to unlink, the recycled file, bytes the unlinks free)."""
-        victims: list[str] = []
-        recycled: str | None = None
-        freed = dying = 0
-        while self._index and freed < need:
-            key, e = self._policy.pop_victim()
-            if self.on_evicted is not None:
-                self._gone.append(key)  # reported once the lock is released
-            self._used -= e.size
-            tmp = self._retire_locked(key, e.size)
-            if tmp is None:  # the file was already gone
-                freed += e.size
-                continue
-            if recycle and e.size == size and e.readers == 0:
-                recycled = tmp
-                self._reserved += size
-                break
-            victims.append(tmp)
-            self._dying += e.size
-            dying += e.size
-            freed += e.size
-        return victims, recycled, dying
+    def _evicted(self, ev: Eviction) -> None:
+        """After an eviction, outside the lock: unlink the victims, tell ``on_evicted``."""
+        self._unlink(ev.victims, ev.dying)
+        if ev.gone and self.on_evicted is not None:
+            self.on_evicted(ev.gone)
 
     def _unlink(self, paths: Sequence[str], dying: int = 0) -> None:
         for p in paths:
@@ -816,7 +762,7 @@ class DiskBackend(StorageBackend):
                 os.unlink(p)
         if dying:
             with self._lock:
-                self._dying -= dying
+                self.index.dying -= dying
 
     def delete(self, keys: Sequence[Key]) -> int:
         gone: list[str] = []
@@ -825,15 +771,14 @@ class DiskBackend(StorageBackend):
             if self._closed:  # the directory is no longer ours: a closed tier deletes nothing
                 return 0
             for k in keys:
-                e = self._policy.remove(k)
+                e = self.index.forget(k)
                 if e is None:
                     continue
                 n += 1
-                self._used -= e.size
                 tmp = self._retire_locked(k, e.size)
                 if tmp:
                     gone.append(tmp)
-                    self._dying += e.size
+                    self.index.dying += e.size
                     dying += e.size
         self._unlink(gone, dying)
         return n
@@ -845,13 +790,13 @@ class DiskBackend(StorageBackend):
         with self._lock:
             if self._closed:
                 return []
-            keys = [k for k in self._index if k.startswith(prefix)]
+            keys = [k for k in self.index.entries if k.startswith(prefix)]
         self.delete(keys)
         return keys
 
     def set_priority(self, keys: Sequence[Key], priority: int) -> int:
         with self._lock:
-            return self._policy.set_priority(keys, priority)
+            return self.index.policy.set_priority(keys, priority)
 
     def priority_of(self, key: Key) -> int:
         with self._lock:
@@ -860,10 +805,10 @@ class DiskBackend(StorageBackend):
     # ------------------------------------------------------------------- misc
     @property
     def used_bytes(self) -> int:
-        return self._used
+        return self.index.used
 
     def __len__(self) -> int:
-        return len(self._index)
+        return len(self.index.entries)
 
     def close(self) -> None:
         with self._lock:
@@ -876,7 +821,7 @@ class DiskBackend(StorageBackend):
         self._unlock()  # the directory is free for the next tier (idempotent)
 
     def stats(self) -> dict[str, Any]:
-        return {"chunks": len(self._index), "used_bytes": self._used,
+        return {"chunks": len(self.index.entries), "used_bytes": self.index.used,
                 "capacity": self.capacity, "direct_io": float(self.direct),
                 "checksum_failures": self.metrics.get("checksum_failures")}
 
@@ -884,12 +829,12 @@ class DiskBackend(StorageBackend):
 class DiskReads:
     """What the tier hands its layered reader (:mod:`.layered`), and all that reader may
     use of it: the I/O pool, opening and failing values under the tier's rules (index,
-    eviction order, counting, deletion), its aligned buffers, its coordinators, its codec
+    eviction order, counting, deletion), its aligned buffers, its coordinators, its framing
     and metrics. The tier's index, lock and files stay its own."""
 
     def __init__(self, tier: DiskBackend) -> None:
         self._tier = tier
-        self.codec = tier.codec
+        self.framing = tier.framing
         self.metrics = tier.metrics
         self.coordinators = tier.coordinators
 

@@ -29,7 +29,8 @@ import xxhash
 from lmc.storage.layered_read import LayeredRead, LayerReadError
 from lmc.storage.serde import CorruptValue
 
-from .backend import BLOCK, io_all
+from .backend import io_all
+from .index import BLOCK
 
 if TYPE_CHECKING:
     from .backend import DiskReads, Entry, OpenValue
@@ -169,8 +170,8 @@ class DiskLayeredRead:
                 if err is None and failed is None:
                     obj = read.objs[i]
                     assert obj is not None
-                    try:  # the payload hashed as it landed: the codec checks the digest
-                        tier.codec.verify(v.key, v.head, v.hdr, obj.byte_view(),
+                    try:  # the payload hashed as it landed: the framing checks the digest
+                        tier.framing.verify(v.key, v.head, v.hdr, obj.byte_view(),
                                           digest=hashers[j].intdigest())
                     except CorruptValue as e:
                         err = e

@@ -8,7 +8,7 @@ pool -- the pool is registered with the client once, values go with ``get_into_r
 ``batch_put_from_multi_buffers`` from and into pool objects, no intermediate copy.
 
 One value per chunk under ``{remote_key_prefix}/{key.hex()}``: the shared tiers' head
-(:class:`lmc.storage.codec.ValueHead`: header with key, geometry and payload checksum; with
+(:class:`lmc.storage.framing.ValueHead`: header with key, geometry and payload checksum; with
 ``integrity_secret`` the keyed tag) then the payload. A read takes the heads first (one
 call for the batch), checks them (key, geometry before allocating), allocates, then reads the
 payloads into the objects (one call) and verifies each (checksum, tag) before it is served;
@@ -55,7 +55,7 @@ from lmc.settings import (
     parse_size,
 )
 from lmc.storage.breaker import OPEN, CircuitBreaker
-from lmc.storage.codec import ValueCodec
+from lmc.storage.framing import ValueFraming
 from lmc.storage.integrity import Geometry, Integrity
 from lmc.storage.remote import Rejects, breaker_options
 from lmc.storage.serde import CorruptValue, Header, encodable
@@ -195,14 +195,14 @@ class MooncakeBackend(StorageBackend):
         self.raw: MemoryPool = getattr(pool, "raw", pool)
         self.timeout = config.remote_timeout
         self.prefix = config.remote_key_prefix + "/"
-        self.codec = ValueCodec(Integrity.from_config(config))
+        self.framing = ValueFraming(Integrity.from_config(config))
         # the engine's chunk geometry (lmc.storage.integrity.expect_geometry): a head
         # describing another chunk is refused before anything is allocated for it
         self.expected_geometry: Geometry | None = None
         self.put_part = put_part
         self.replicate = ReplicateConfig()
         self.replicate.replica_num = replicas
-        self.arena = HeadArena(self.codec.size)
+        self.arena = HeadArena(self.framing.size)
         self._base = self.raw.buffer.data_ptr()
         self._counts: Counter[str] = Counter()
         self._count_lock = threading.Lock()
@@ -353,7 +353,7 @@ class MooncakeBackend(StorageBackend):
             if h is None:
                 continue
             try:
-                hdr = self.codec.decode(h, k, geometry)
+                hdr = self.framing.decode(h, k, geometry)
             except CorruptValue as e:
                 rejects.reject(rkeys[i], e, rkeys[i])
                 continue
@@ -397,7 +397,7 @@ class MooncakeBackend(StorageBackend):
     def _read_heads(self, rkeys: list[str], end: float) -> list[bytes | int | None]:
         """Each key's head bytes, or its code (-704: absent), or None (not read in time)."""
         out: list[bytes | int | None] = [None] * len(rkeys)
-        hs = self.codec.size
+        hs = self.framing.size
         per = self.arena.per_slab
         for a in range(0, len(rkeys), per):
             group = rkeys[a: a + per]
@@ -440,7 +440,7 @@ class MooncakeBackend(StorageBackend):
                        rejects: Rejects[str], out: list[MemoryObj | None]) -> None:
         objs = [t[3] for t in todo]
         names = [rkeys[t[0]] for t in todo]
-        hs = self.codec.size
+        hs = self.framing.size
         dst = [[o.offset] for o in objs]
         sizes = [[o.nbytes] for o in objs]
         base = self._base
@@ -469,7 +469,7 @@ class MooncakeBackend(StorageBackend):
                     self._classify("get", code)
                 continue
             out[i] = rejects.verify(rkeys[i], obj,
-                                    functools.partial(self.codec.verify, keys[i], head, hdr,
+                                    functools.partial(self.framing.verify, keys[i], head, hdr,
                                                       obj.byte_view()), rkeys[i])
 
     # ------------------------------------------------------------------ writes
@@ -514,10 +514,10 @@ class MooncakeBackend(StorageBackend):
         if slab is None:
             self._count(heads_busy=1)
             return [False] * n
-        hs = self.codec.size
+        hs = self.framing.size
         view = self.arena.view(slab, n)
         for j, (k, o) in enumerate(zip(keys, objs)):
-            view[j * hs:(j + 1) * hs] = self.codec.encode(k, o, o.byte_view())
+            view[j * hs:(j + 1) * hs] = self.framing.encode(k, o, o.byte_view())
         rkeys = [self.remote_key(k) for k in keys]
         ptrs = [[self.arena.ptr(slab, j), self._ptr(o)] for j, o in enumerate(objs)]
         sizes = [[hs, o.nbytes] for o in objs]

@@ -1,4 +1,4 @@
-"""Registered memory for values' heads (the :mod:`lmc.storage.codec` header and tag).
+"""Registered memory for values' heads (the :mod:`lmc.storage.framing` header and tag).
 
 Why: a value is ``[head][payload]``, written in one call from two spans (the head from
 here, the payload straight from the pool object) and read in two steps (the heads first, to

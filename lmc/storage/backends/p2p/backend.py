@@ -53,7 +53,7 @@ from lmc.storage.backends.p2p.agent import PoolAgent, TransferFailed
 from lmc.storage.backends.p2p.directory_client import DirectoryConnection
 from lmc.storage.backends.p2p.wire import BadRecord, PeerInfo, Record
 from lmc.storage.breaker import CircuitBreaker
-from lmc.storage.codec import ValueCodec
+from lmc.storage.framing import ValueFraming
 from lmc.storage.integrity import Geometry, Integrity
 from lmc.storage.serde import HEADER_SIZE, CorruptValue, encodable
 from lmc.storage.tier import (
@@ -178,9 +178,9 @@ class P2PBackend(StorageBackend):
         self.timeout = config.remote_timeout
         self._token = config.remote_token
         self.integrity = Integrity.from_config(config)
-        # the framing stage (lmc.storage.codec): a record carries the header's fields and,
-        # with a secret, the keyed tag; a READ's bytes are checked by the same codec
-        self.codec = ValueCodec(self.integrity)
+        # the framing stage (lmc.storage.framing): a record carries the header's fields and,
+        # with a secret, the keyed tag; a READ's bytes are checked by the same framing
+        self.framing = ValueFraming(self.integrity)
         self.chunk_tokens = config.chunk_size
         self.export_bytes = self.raw.size // 2 if export_bytes is None else export_bytes
         if self.export_bytes < 4096:
@@ -299,8 +299,8 @@ class P2PBackend(StorageBackend):
             self.counts["withdrawn"] += 1
         w.tensor.copy_(o.tensor)
         payload = w.byte_view()
-        csum = self.codec.digest(payload)
-        tag = self.codec.encode(k, w, payload, csum)[HEADER_SIZE:] if self.codec.tagged else None
+        csum = self.framing.digest(payload)
+        tag = self.framing.encode(k, w, payload, csum)[HEADER_SIZE:] if self.framing.tagged else None
         slot = self._free_slots.pop()
         version = self._next_version
         self._next_version += 1
@@ -566,11 +566,11 @@ class P2PBackend(StorageBackend):
         value: the record's header fields, its checksum, and with a secret its tag (an
         untagged record is a miss for a keyed reader, a tagged one for an unkeyed reader).
         Raises :class:`CorruptValue`."""
-        codec = self.codec
+        framing = self.framing
         payload = obj.byte_view()
-        head = codec.header(rec.key, rec.shape, rec.dtype, rec.num_tokens, payload,
+        head = framing.header(rec.key, rec.shape, rec.dtype, rec.num_tokens, payload,
                             checksum=rec.checksum, tagged=rec.tag is not None) + (rec.tag or b"")
-        codec.verify(rec.key, head, codec.decode(head, rec.key), payload)
+        framing.verify(rec.key, head, framing.decode(head, rec.key), payload)
 
     def _pull(self, agent: str, items: list[tuple[int, Record]],
               out: list[MemoryObj | None], stale: list[int]) -> None:

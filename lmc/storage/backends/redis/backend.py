@@ -41,7 +41,7 @@ from lmc.memory.pool import MemoryObj, MemoryPool
 from lmc.metrics import TierMetrics
 from lmc.settings import parse_duration, parse_int, parse_positive_size
 from lmc.storage.breaker import OPEN, STATE_CODES, CircuitBreaker
-from lmc.storage.codec import ValueCodec
+from lmc.storage.framing import ValueFraming
 from lmc.storage.integrity import Geometry, Integrity
 from lmc.storage.layered_read import Coordinators, LayeredRead
 from lmc.storage.remote import breaker_options, split_batch
@@ -110,8 +110,8 @@ class RedisBackend(StorageBackend):
         self.connections = connections
         self.get_piece = get_piece    # bytes per GETRANGE (see fetch.py)
         self.get_window = get_window  # bytes requested ahead per connection
-        # the framing stage (lmc.storage.codec): header, checksum and keyed tag of each value
-        self.codec = ValueCodec(Integrity.from_config(config))
+        # the framing stage (lmc.storage.framing): header, checksum and keyed tag of each value
+        self.framing = ValueFraming(Integrity.from_config(config))
         # the engine's chunk geometry (lmc.storage.integrity.expect_geometry): a value whose header
         # describes another chunk is refused from its header, like a checksum failure
         self.expected_geometry: Geometry | None = None
@@ -299,7 +299,7 @@ class RedisBackend(StorageBackend):
         self._dispatch(call, lambda c, idxs: SmallJob(c, idxs, (b"STRLEN",)),
                        Deadline(self.timeout), parallel=False)
         # STRLEN, not EXISTS: a value too short to hold a header is not there
-        out = [r is not None and r >= self.codec.size for r in call.results]
+        out = [r is not None and r >= self.framing.size for r in call.results]
         hits = sum(out)
         self._finish("contains", t0, call, hit=hits, miss=len(keys) - hits)
         return out
@@ -312,7 +312,7 @@ class RedisBackend(StorageBackend):
         call = Call("get", keys, [self.remote_key(k) for k in keys], results)
         self._dispatch(call, lambda c, idxs: GetJob(c, idxs, self.pool.allocate,
                                                     self.get_piece, self.get_window,
-                                                    self.codec, self.expected_geometry),
+                                                    self.framing, self.expected_geometry),
                        Deadline(self.timeout), parallel=True)
         hits = sum(r is not None for r in results)
         self._finish("get", t0, call, hit=hits, miss=len(keys) - hits)
@@ -344,7 +344,7 @@ class RedisBackend(StorageBackend):
         verbs = [(b"PEXPIRE", b"%d" % self.px)] if self.px else []
         self._dispatch(probe, lambda c, idxs: SmallJob(c, idxs, *verbs, (b"STRLEN",)),
                        Deadline(self.timeout), parallel=False)
-        head = self.codec.size
+        head = self.framing.size
         present = sum(r is not None and r >= head for r in probe.results)
         todo = [i for i, r in enumerate(probe.results) if r is not None and r < head]
         stored = 0
@@ -354,7 +354,7 @@ class RedisBackend(StorageBackend):
                        [False] * len(todo))
             sub_objs = [objs[i] for i in todo]
             self._dispatch(sub, lambda c, idxs: SetJob(c, idxs, sub_objs, self.px,
-                                                       self.codec),
+                                                       self.framing),
                            Deadline(self.timeout, idle=True), parallel=True)
             stored = sum(r is True for r in sub.results)
             call = sub
@@ -428,12 +428,12 @@ class RedisBackend(StorageBackend):
 class RedisCalls:
     """What the tier hands its layered reader (:mod:`.layered`), and all that reader may use
     of it: routing a call's jobs to the servers (breakers, retries, counting), its plain
-    counters, deleting bad values, its coordinators, and the figures a read needs (codec,
+    counters, deleting bad values, its coordinators, and the figures a read needs (framing,
     pool, deadline, piece and window sizes, the engine's geometry at the call's start)."""
 
     def __init__(self, tier: RedisBackend) -> None:
         self._tier = tier
-        self.codec = tier.codec
+        self.framing = tier.framing
         self.pool = tier.pool
         self.metrics = tier.metrics
         self.timeout = tier.timeout

@@ -28,7 +28,7 @@ from collections import deque
 from collections.abc import Sequence
 
 from lmc.memory.pool import MemoryObj
-from lmc.storage.codec import ValueCodec
+from lmc.storage.framing import ValueFraming
 from lmc.storage.integrity import Geometry
 from lmc.storage.remote import Rejects
 from lmc.storage.serde import (
@@ -63,10 +63,10 @@ class GetJob(StreamJob):
 
     def __init__(self, call: Call, idxs: Sequence[int], allocate: Allocate,
                  piece: int = 1 << 20, window: int = 4 << 20,
-                 codec: ValueCodec | None = None, geometry: Geometry | None = None
+                 framing: ValueFraming | None = None, geometry: Geometry | None = None
                  ) -> None:
         super().__init__(call, idxs)
-        self.frame = codec if codec is not None else ValueCodec()
+        self.frame = framing if framing is not None else ValueFraming()
         self.geometry = geometry
         self.hsize = self.frame.size  # bytes before the payload
         if piece <= self.hsize:

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from lmc.lazy_import import LazyModule
 from lmc.memory.pool import MemoryObj
-from lmc.storage.codec import ValueCodec
+from lmc.storage.framing import ValueFraming
 
 from .wire import Deadline, Outbox, ReplyError, WireConn, command
 
@@ -121,11 +121,11 @@ class SetJob(Job):
     op = "put"
 
     def __init__(self, call: Call, idxs: Sequence[int], objs: Sequence[MemoryObj],
-                 px: int, codec: ValueCodec | None = None) -> None:
+                 px: int, framing: ValueFraming | None = None) -> None:
         super().__init__(call, idxs)
         self.objs = objs
         self.px = px
-        self.frame = codec if codec is not None else ValueCodec()
+        self.frame = framing if framing is not None else ValueFraming()
         self.head = self.frame.size
 
     def send(self, wc: WireConn, dl: Deadline) -> None:

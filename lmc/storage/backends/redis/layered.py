@@ -204,8 +204,8 @@ class RedisLayeredRead:
 
     def _open(self) -> list[MemoryObj | None]:
         tier = self.tier
-        codec = tier.codec
-        hsize = codec.size
+        framing = tier.framing
+        hsize = framing.size
         call = Call("get", self.keys, self.rkeys, [None] * len(self.keys))
         tier.dispatch(call, lambda c, idxs: HeadJob(c, idxs, hsize), Deadline(tier.timeout),
                        parallel=False)
@@ -217,7 +217,7 @@ class RedisLayeredRead:
             head, n = r
             try:
                 # as get() does: header and the engine's geometry, before allocating
-                hdr = codec.decode(head, self.keys[i], tier.geometry)
+                hdr = framing.decode(head, self.keys[i], tier.geometry)
                 if len(head) != hsize or n != hsize + hdr.payload_len:
                     raise CorruptValue(f"value is {n} bytes, its header says "
                                        f"{hsize + hdr.payload_len}")
@@ -258,7 +258,7 @@ class RedisLayeredRead:
             opened = {j: self.opened[i] for j, i in enumerate(sub)}
 
             def make(c: Call, idxs: Sequence[int]) -> LayerJob:
-                job = LayerJob(c, idxs, opened, tier.codec.size, self.layers, tier.piece,
+                job = LayerJob(c, idxs, opened, tier.framing.size, self.layers, tier.piece,
                                tier.window, landing)
                 jobs.append(job)
                 return job
@@ -299,7 +299,7 @@ class RedisLayeredRead:
             hits = sum(ok)
             tier.count(get_calls=1, get_seconds=time.perf_counter() - self.t0, get_hit=hits,
                         get_miss=len(self.keys) - hits,
-                        bytes_read=sum(self.opened[i][1].payload_len + tier.codec.size
+                        bytes_read=sum(self.opened[i][1].payload_len + tier.framing.size
                                        for i in self.opened if ok[i]))
         finally:
             if err is not None:
@@ -308,6 +308,6 @@ class RedisLayeredRead:
                 self.read.finish(ok)
 
     def _check(self, i: int, obj: MemoryObj, hdr: Header, hasher: Any) -> None:
-        # the payload was hashed as it landed: the codec checks that digest and the tag
-        self.tier.codec.verify(self.keys[i], self.heads[i], hdr, obj.byte_view(),
+        # the payload was hashed as it landed: the framing checks that digest and the tag
+        self.tier.framing.verify(self.keys[i], self.heads[i], hdr, obj.byte_view(),
                                digest=hasher.intdigest())

@@ -10,9 +10,9 @@ lives here, once: which header version goes with a secret, the geometry check be
 anything is allocated, the payload checksum (whole, or streamed by a reader that hashed the
 payload as it landed) and the tag at the end.
 
-Each tier holds one :class:`ValueCodec` as ``tier.codec`` and calls it on every write and on
-every read path; :meth:`ValueCodec.verify` is the last word on every value a read returns.
-The codec never copies a payload: it reads the caller's buffer in place (xxh3 and Poly1305
+Each tier holds one :class:`ValueFraming` as ``tier.framing`` and calls it on every write and on
+every read path; :meth:`ValueFraming.verify` is the last word on every value a read returns.
+The framing never copies a payload: it reads the caller's buffer in place (xxh3 and Poly1305
 over a memoryview), and returns only the head's few bytes.
 """
 
@@ -39,7 +39,7 @@ if TYPE_CHECKING:
     from lmc.storage.integrity import Geometry, Integrity
 
 
-class ValueCodec:
+class ValueFraming:
     """Makes the head of every value a tier writes and checks every value it reads."""
 
     def __init__(self, integrity: Integrity | None = None) -> None:
@@ -58,14 +58,14 @@ class ValueCodec:
     def header(self, key: bytes, shape: Sequence[int], dtype: torch.dtype, num_tokens: int,
                payload: Any, checksum: int | None = None, tagged: bool | None = None) -> bytes:
         """The ``HEADER_SIZE``-byte header for ``payload`` (read in place; ``checksum``: its
-        xxh3 when the caller has it). ``tagged`` defaults to this codec's version."""
+        xxh3 when the caller has it). ``tagged`` defaults to this framing's version."""
         return encode_header(key, tuple(shape), dtype, num_tokens, payload, checksum=checksum,
                              tagged=self.tagged if tagged is None else tagged)
 
     def seal(self, key: bytes, header: bytes, payload: Any) -> bytes:
-        """The keyed tag that follows ``header`` (a codec with a secret only)."""
+        """The keyed tag that follows ``header`` (a framing with a secret only)."""
         if self.integrity is None:
-            raise ValueError("this codec has no integrity secret: its values carry no tag")
+            raise ValueError("this framing has no integrity secret: its values carry no tag")
         return self.integrity.seal(key, header, payload)
 
     def encode(self, key: bytes, obj: MemoryObj, payload: Any, checksum: int | None = None

@@ -1,4 +1,4 @@
-"""The value head (:mod:`lmc.storage.codec`): what a shared tier writes before each
+"""The value head (:mod:`lmc.storage.framing`): what a shared tier writes before each
 payload and checks on every read. A writer who alters any bit of head or payload, swaps
 keys, forges or drops the tag, or describes another model's chunk gets a CorruptValue,
 never a value (docs/design.md, "The tier kit")."""
@@ -11,7 +11,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from lmc.memory.pool import MemoryPool
-from lmc.storage.codec import ValueCodec
+from lmc.storage.framing import ValueFraming
 from lmc.storage.integrity import Geometry, Integrity
 from lmc.storage.serde import HEADER_SIZE, TAG_SIZE, CorruptValue
 
@@ -30,7 +30,7 @@ def chunk():
 
 
 def _frames():
-    return [ValueCodec(None), ValueCodec(Integrity(SECRET))]
+    return [ValueFraming(None), ValueFraming(Integrity(SECRET))]
 
 
 @pytest.mark.parametrize("frame", _frames(), ids=["plain", "keyed"])
@@ -57,7 +57,7 @@ def test_any_flipped_bit_is_refused(frame, chunk, pos, bit):
 
 def test_wrong_key_other_geometry_and_mixed_secrets_are_refused(chunk):
     plain, keyed = _frames()
-    other = ValueCodec(Integrity(SECRET[::-1]))
+    other = ValueFraming(Integrity(SECRET[::-1]))
     head = keyed.encode(KEY, chunk, chunk.byte_view())
     with pytest.raises(CorruptValue, match="expected"):
         keyed.decode(head, bytes(16))

@@ -1,8 +1,8 @@
-"""Every read path of every shared tier goes through its codec (:mod:`lmc.storage.codec`).
+"""Every read path of every shared tier goes through its framing (:mod:`lmc.storage.framing`).
 
 For disk, Redis and ``lmc://`` (plain and with ``integrity_secret``), whole reads and, where
-the tier has them, layered reads: with a counting codec every hit was verified by it; with a
-codec that refuses, every value is a miss, counted and deleted like any bad value. The P2P
+the tier has them, layered reads: with a counting framing every hit was verified by it; with a
+framing that refuses, every value is a miss, counted and deleted like any bad value. The P2P
 tier's read is checked the same way in ``test_contract_p2p.py`` (NIXL runs in a child).
 """
 
@@ -23,12 +23,12 @@ from lmc.storage.tier import create_backend
 from lmc.testing.harness import check_hit, fill, key_of, release
 from tests.server.daemon_proc import DaemonProc
 
-from .codecs import CountingCodec, RejectingCodec
 from .conftest import redis_server  # noqa: F401 - a real redis-server
+from .framings import CountingFraming, RejectingFraming
 
 pytestmark = pytest.mark.integration
 
-SECRET = "codec-stage-secret-0123456789abcdef"
+SECRET = "framing-stage-secret-0123456789abcdef"
 SHAPE = (4, 2, 16, 32)
 N = 3
 
@@ -110,30 +110,30 @@ def test_every_hit_is_verified_by_the_codec_and_a_refusing_codec_makes_misses(ma
                                                                               path):
     if path == "layered" and kind == "server":
         pytest.skip("the lmc:// tier reads whole chunks only")
-    keys = [key_of(f"codec-{kind}-{i}") for i in range(N)]
+    keys = [key_of(f"framing-{kind}-{i}") for i in range(N)]
     writer = make()
     _store(writer, keys)
     writer.close()
 
     tier = make()
-    tier.codec = counting = CountingCodec(tier.codec)
+    tier.framing = counting = CountingFraming(tier.framing)
     objs, ok = _read(tier, keys, path)
     try:
         for k, o in zip(keys, objs):
             check_hit(o, k, SHAPE)
         assert ok is None or all(ok)
         assert counting.verified == N, f"{kind} {path}: {counting.verified} of {N} hits " \
-                                       "went through the codec"
+                                       "went through the framing"
     finally:
         release(objs)
 
-    tier.codec = refusing = RejectingCodec(tier.codec)
+    tier.framing = refusing = RejectingFraming(tier.framing)
     objs, ok = _read(tier, keys, path)
     try:
         if ok is None:
-            assert objs == [None] * N, f"{kind} {path}: a value the codec refused was served"
+            assert objs == [None] * N, f"{kind} {path}: a value the framing refused was served"
         else:
-            assert not any(ok), f"{kind} {path}: a value the codec refused verified"
+            assert not any(ok), f"{kind} {path}: a value the framing refused verified"
         assert refusing.verified == N
     finally:
         release(objs)
