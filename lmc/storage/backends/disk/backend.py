@@ -800,7 +800,7 @@ class DiskBackend(StorageBackend):
 
     def priority_of(self, key: Key) -> int:
         with self._lock:
-            return self._policy.priority_of(key)
+            return self.index.policy.priority_of(key)
 
     # ------------------------------------------------------------------- misc
     @property
