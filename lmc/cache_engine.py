@@ -652,7 +652,9 @@ class CacheEngine:
         ``.load(layer)`` synchronously). Pass host slot mappings: planning then never waits
         for the device. See :class:`LayerwiseRetrieve`. ``watch``: lower-tier reads of whole
         chunks stop by its rule (:mod:`lmc.storage.load_watch`): then fewer chunks load, a
-        prefix, and ``watch.stopped_at`` says so. A hybrid model's: see :meth:`retrieve`
+        prefix, and ``watch.stopped_at`` says so; reads layer by layer may be cut by it
+        while the retrieve runs (:mod:`lmc.storage.layered_watch`): ``close()`` then
+        reports the prefix that loaded. A hybrid model's: see :meth:`retrieve`
         (a :class:`~lmc.hybrid.layerwise.GroupedRetrieve`; ``watch`` is not applied)."""
         self._check_open()
         if self.hybrid is not None:
@@ -669,7 +671,8 @@ class CacheEngine:
         self._release_pins(tokens, request_id)
         plan = tr.plan(slots, ranges) if chunks else None
         names = self.tier_names
-        return LayerwiseRetrieve(self, tr, plan, chunks, objs, [names[i] for i in where], gate)
+        return LayerwiseRetrieve(self, tr, plan, chunks, objs, [names[i] for i in where], gate,
+                                 replan=lambda n: tr.plan(slots, ranges[:n]))
 
     # ------------------------------------------------------------- prefetch
     def prefetch(self, tokens: Tokens, start: int = 0, *, root: bytes | None = None

@@ -24,7 +24,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Executor
 from typing import Any, Protocol
 
@@ -218,18 +218,25 @@ class LayerwiseRetrieve(_Layerwise):
     ``gate``: chunks a lower tier is still reading layer by layer (:mod:`lmc.storage.layered_read`).
     Layer i's load first waits for layer i to land; the last layer's load also waits until
     every such chunk verified, and fails (``LoadError``: the engine recomputes) if one did
-    not, so no load completes, and ``close`` reports no tokens, on unverified KV.
+    not, so no load completes, and ``close`` reports no tokens, on unverified KV. A read a
+    load watch cut (:mod:`lmc.storage.layered_watch`) drops the chunks from its first cut
+    one: later layers copy only those before it (``replan``), and ``close`` reports those
+    alone (``num_tokens`` and ``chunks`` shrink); a dropped chunk's blocks may hold some
+    layers, and the caller reports them as not loaded.
     """
 
     def __init__(self, host: LayerwiseHost, tr: KVTransfer, plan: TransferPlan | None,
                  chunks: list[Chunk], objs: list[MemoryObj], tiers: Sequence[str] = (),
-                 gate: LayerGate = READY) -> None:
+                 gate: LayerGate = READY,
+                 replan: Callable[[int], TransferPlan] | None = None) -> None:
         if tiers and len(tiers) != len(chunks):
             raise ValueError(f"{len(tiers)} tier names for {len(chunks)} chunks")
         super().__init__(host, tr, plan, chunks, objs)
         self.tiers = tuple(tiers)
         self.gate = gate
+        self.replan = replan
         self.after = tr.record_event() if chunks else DONE
+        self._kept = len(chunks)  # the chunks the plan copies (a cut read drops the rest)
 
     def tokens_by_tier(self, start: int = 0, end: int | None = None) -> dict[str, int]:
         """Positions in ``[start, end)`` this retrieve loads, by source tier."""
@@ -249,12 +256,33 @@ class LayerwiseRetrieve(_Layerwise):
         return self
 
     def _copy(self, layer: int) -> Completion:
+        plan = self._plan()
         if self.gate is not READY:  # chunks still arriving: this layer's bytes first
             self.gate.wait_layer(layer)
             if layer == self.num_layers - 1:
                 self.gate.wait_verified()
-        return self.tr.scatter(self._plan(), self.bufs, [layer], arrays=self.arrays,
+            cut = self._cut_plan(self.gate.kept())
+            if cut is None:
+                return DONE
+            plan = cut
+        return self.tr.scatter(plan, self.bufs, [layer], arrays=self.arrays,
                                after=self.after, stream=self.stream)
+
+    def _cut_plan(self, kept: int) -> TransferPlan | None:
+        """The plan of the first ``kept`` chunks (a load watch cut a read: the chunks after
+        it are recomputed, never copied from here on); ``None`` when none are left."""
+        with self._lock:
+            if kept < self._kept:
+                if self.replan is None:
+                    raise RuntimeError("a read was cut, and this retrieve cannot re-plan")
+                if kept:
+                    self.plan = self.replan(kept)
+                    objs = self.lease.objs[:kept]
+                    self.bufs = LazyTensors(objs)
+                    if self.arrays is not None:
+                        self.arrays = objs[0].pool.arrays(objs)
+                self._kept = kept
+            return self.plan if self._kept else None
 
     def issue(self, layer: int) -> Completion:
         """Launch ``layer``'s load from the calling thread (a connector's I/O thread) without
@@ -300,6 +328,11 @@ class LayerwiseRetrieve(_Layerwise):
             return self.num_tokens
         self._done = True
         err = self._wait_all()
+        kept = self._kept if self.gate is READY else min(self._kept, self.gate.kept())
+        if kept < len(self.chunks):  # a read cut: only the chunks before it loaded
+            self.chunks, self.tiers = self.chunks[:kept], self.tiers[:kept]
+            self.num_tokens = sum(e - s for s, e, _ in self.chunks)
+            self.nbytes = sum(o.nbytes for o in self.lease.objs[:kept])
         self.lease.release()
         complete = len(self._handles) == self.num_layers and err is None
         if complete and self.chunks:  # the lookup's pins were released when the chunks were fetched

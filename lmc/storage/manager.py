@@ -46,7 +46,8 @@ from typing import TYPE_CHECKING, Any, cast
 from lmc.lazy_import import LazyModule
 from lmc.memory.pool import MemoryObj, MemoryPool
 from lmc.metrics import TierMetrics
-from lmc.storage.layered_read import LayeredRead, LayerGate
+from lmc.storage.layered_read import Coordinators, LayeredRead, LayerGate
+from lmc.storage.layered_watch import watch_layered
 from lmc.storage.load_watch import LoadWatch, read_watched
 from lmc.storage.priorities import Sticky
 from lmc.storage.speeds import Speeds
@@ -189,6 +190,7 @@ class StorageManager:
         self._fetch_lock = threading.Lock()
         self._fetch_cv = threading.Condition()
         self._fetching = 0  # watched reads' pieces running (abandoned ones included)
+        self._watchers = Coordinators("lmc-watch")  # one per watched layered read
         self._listeners: tuple[TierListener, ...] = ()
         self._store_listeners: tuple[TierListener, ...] = ()  # those that observe stores
         self.priorities = Sticky()  # priorities that follow chunks (lmc.storage.priorities)
@@ -376,8 +378,10 @@ class StorageManager:
         """:meth:`fetch_prefix` for a layer-wise retrieve: tiers offering ``get_layers``
         answer at once and fill their objects layer by layer afterwards; the gate says
         which layer has landed and whether the chunks verified (:mod:`lmc.storage.layered_read`).
-        Such chunks are promoted into L1 only once verified. ``watch``: as for
-        :meth:`fetch_prefix` (tiers reading whole chunks only)."""
+        Such chunks are promoted into L1 only once verified. ``watch``: whole-chunk reads
+        stop by its rule as in :meth:`fetch_prefix`; layered reads are watched on a thread
+        each and may be cut while they run (:mod:`lmc.storage.layered_watch`): the gate's
+        ``kept()`` then says how many chunks load."""
         found: list[MemoryObj | None] = list(self.l1.get(keys)) if keys else []
         where = [0] * len(found)
         parts: list[tuple[LayeredRead, int] | None] = [None] * len(found)
@@ -417,6 +421,8 @@ class StorageManager:
                 for j, (i, o) in enumerate(zip(todo, read.objs)):
                     if o is not None:
                         found[i], where[i], parts[i] = o, level + 1, (read, j)  # type: ignore
+                if watch is not None:  # cut, not stopped: its chunks are all in flight
+                    self._watchers.start(partial(watch_layered, read, watch, todo, tier.name))
                 continue
             if watch is None:
                 got = self._get_lower(level, tier, [keys[i] for i in todo])
@@ -727,6 +733,7 @@ class StorageManager:
             q.close(drain, max(0.0, deadline - time.monotonic()))
         for tier in reversed(self.lower):
             self._close_tier(tier)
+        self._watchers.close()  # each ends once its read ended (the tiers' close ends them)
         # the lower tiers' close woke their reads: an abandoned piece lands (and is promoted
         # into L1, still open) before L1 closes
         with self._fetch_lock:

@@ -22,7 +22,9 @@ builds itself from the same config and pool (the contract suite builds one that 
 * ``rate_limit``: the bytes a ``get`` returns and a ``put`` sends pass at most
   ``bytes_per_second`` (one shared budget, as one link), plus ``latency`` per call: a slow
   tier for benchmarks and for tests of load-or-recompute decisions. It reads whole chunks
-  (``get_layers`` answers ``None``) so every byte is paced. A call never waits past
+  (``get_layers`` answers ``None``) so every byte is paced; with ``layered`` it relays the
+  wrapped tier's layered reads instead, each chunk's layer handed on once its bytes passed
+  (:mod:`lmc.storage.paced_read`): a slow disk or Redis read layer by layer. A call never waits past
   ``max_delay`` (then it goes on, the rate exceeded: a benchmark's mistake must not hang the
   engine), and ``close()`` wakes every waiting call at once.
 """
@@ -36,6 +38,8 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from lmc.settings import parse_bool, parse_duration, parse_opt_str, parse_positive_size
+from lmc.storage.layered_read import Coordinators
+from lmc.storage.paced_read import paced
 from lmc.storage.tier import (
     BackendOption,
     Key,
@@ -205,18 +209,23 @@ class RateLimitTier(WrapperTier):
                                  "seconds (or '2ms') added to every call, as a round trip"),
         "max_delay": BackendOption(30.0, lambda v, k: parse_duration(v, k, minimum=0),
                                    "seconds one call may be held at most"),
+        "layered": BackendOption(False, parse_bool, "relay the wrapped tier's layer-by-layer "
+                                 "reads at the link's pace (else whole chunks through get)"),
     }
 
     def __init__(self, spec: str = "rate_limit", *, config: CacheConfig, pool: Any,
                  inner: StorageBackend | None = None, tier: str | None = None,
                  bytes_per_second: int | str = 100 << 20, latency: float = 0.0,
-                 max_delay: float = 30.0, **_: Any) -> None:
+                 max_delay: float = 30.0, layered: bool | str = False, **_: Any) -> None:
         super().__init__(spec, config=config, pool=pool, inner=inner, tier=tier)
         self.rate = parse_positive_size(bytes_per_second, "bytes_per_second")
         self.latency = parse_duration(latency, "latency", minimum=0)
         self.max_delay = parse_duration(max_delay, "max_delay", minimum=0)
+        self.layered = parse_bool(layered, "layered")
         self.capabilities = TierCapabilities(
-            False, self.capabilities.existence_without_reading, self.capabilities.durable)
+            self.layered and self.capabilities.layered_reads,
+            self.capabilities.existence_without_reading, self.capabilities.durable)
+        self._relays = Coordinators("lmc-rate-limit")
         self._lock = threading.Lock()
         self._free_at = 0.0  # monotonic time the link is next idle
         self._closed = threading.Event()
@@ -253,10 +262,17 @@ class RateLimitTier(WrapperTier):
         return n
 
     def get_layers(self, keys: Sequence[Key]) -> LayeredRead | None:
-        return None  # whole chunks through get(), so every byte is paced
+        if not self.layered:
+            return None  # whole chunks through get(), so every byte is paced
+        read = self.inner.get_layers(keys)
+        if read is None:
+            return None
+        return paced(read, self._pace, self._closed.is_set, self._relays,
+                     self.max_delay + 60.0)
 
     def close(self) -> None:
         self._closed.set()
+        self._relays.close()
         self.inner.close()
 
     def stats(self) -> dict[str, Any]:

@@ -54,6 +54,7 @@ class LayeredReadContract(TierHarness):
                     read.wait_layer(layer, timeout=tier_spec.deadline + 10)
                 read.wait_verified(timeout=tier_spec.deadline + 10)
                 assert read.ok == [True, False, True, True], case
+                read.wait_ended(timeout=tier_spec.deadline + 10)  # its own references gone
                 for k, o in zip(asked[::2] + asked[3:], read.objs[::2] + read.objs[3:]):
                     check_hit(o, k, shape, dtype)
                     assert o.ref_count == 1, f"{case}: a hit holds {o.ref_count} references"

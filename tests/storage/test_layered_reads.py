@@ -120,14 +120,14 @@ def test_layer_zero_is_handed_over_before_later_layers_land(tmp_path, monkeypatc
     lower = {"local_disk": str(tmp_path / "disk")}
     _store_below(lower, src, toks)
     gate = threading.Event()
-    real = disk_layers.DiskLayeredRead._window
+    real = disk_layers.DiskLayeredRead._read_window
 
     def held(self, v, obj, lo, hi):
         if lo >= v.hdr.payload_len // LAYERS:  # any window past layer 0 waits
             assert gate.wait(10), "never released"
         return real(self, v, obj, lo, hi)
 
-    monkeypatch.setattr(disk_layers.DiskLayeredRead, "_window", held)
+    monkeypatch.setattr(disk_layers.DiskLayeredRead, "_read_window", held)
     with _engine(lower) as eng:
         dst = _caches(zeros=True)
         rt = eng.retrieve_layer(toks, dst, SLOTS).start()

@@ -136,6 +136,8 @@ class _ActiveLoad:
     spec: LoadSpec
     retrieve: LayerwiseRetrieve | None
     failed: bool = False
+    watch: LoadWatch | None = None
+    covered: int = 0  # the end of what the load was set to cover when it started
 
 
 class _StepClock:
@@ -461,8 +463,7 @@ class WorkerConnector:
                 self._stopped(spec, covered, watch)
             elif covered < spec.end:  # a chunk was evicted or lost since the lookup
                 self._fail(spec, covered, "chunks missing from every tier")
-            self._count_tiers(spec, rt)
-            self._loads.append(_ActiveLoad(spec, rt))
+            self._loads.append(_ActiveLoad(spec, rt, watch=watch, covered=covered))
         if self.layerwise:
             ex = self.engine.executor()
             self._layer_futures = [ex.submit(self._load_layer, i) for i in range(self.num_layers)]
@@ -599,6 +600,12 @@ class WorkerConnector:
             if a.retrieve is None:
                 continue
             loaded = a.retrieve.close()
+            self._count_tiers(a.spec, a.retrieve)
+            end = a.spec.mask_start + a.retrieve.num_tokens
+            if a.watch is not None and end < min(a.covered, a.spec.end) and not a.failed:
+                # a read cut layer by layer while the load ran: the rest is recomputed (the
+                # engine asks for the load errors after this step's wait_for_save)
+                self._stopped(a.spec, end, a.watch)
             if not a.failed and loaded:
                 self.stats.loaded_tokens += min(a.spec.end, a.spec.mask_start + loaded) \
                     - a.spec.start

@@ -101,8 +101,18 @@ class DiskLayeredRead:
                 self.tier.reader_done(v.entry)
 
     # ---------------------------------------------------------------- the reads
-    def _window(self, v: OpenValue, obj, lo: int, hi: int) -> None:
-        """Read payload bytes ``[lo, hi)`` of ``v`` into its object (pool thread)."""
+    def _window(self, i: int, v: OpenValue, obj, lo: int, hi: int) -> None:
+        """Read payload bytes ``[lo, hi)`` of ``v`` (key ``i``) into its object (pool
+        thread), counted for a watch as in flight, then landed."""
+        read = self.read
+        read.moving(hi - lo)
+        try:
+            self._read_window(v, obj, lo, hi)
+        finally:
+            read.moving(lo - hi)
+        read.note(i, hi - lo)
+
+    def _read_window(self, v: OpenValue, obj, lo: int, hi: int) -> None:
         view = obj.byte_view()
         if v.spans is None:  # buffered: exact ranges
             bufs = [view[lo:hi]]
@@ -138,49 +148,53 @@ class DiskLayeredRead:
                 for j, (i, v, wins, _) in enumerate(plans):
                     lo, hi = wins[layer]
                     if hi > lo:
-                        row.append((j, tier.submit(self._window, v, read.objs[i], lo, hi)))
+                        row.append((j, tier.submit(self._window, i, v, read.objs[i], lo, hi)))
                 futures.append(row)
+
+            def cut(kept: int) -> None:  # a load watch: the queued reads of keys cut go
+                for row in futures:
+                    for j, f in row:
+                        if plans[j][0] >= kept:
+                            f.cancel()
+
+            read.on_cut(cut)
             for layer in range(layers):
                 for j, f in futures[layer]:
-                    if j in bad:
+                    if j in bad or plans[j][0] >= read.kept:
                         continue
                     try:
                         f.result()
                     except CorruptValue as e:  # this value is bad; the others go on
                         bad[j] = e
+                    except CancelledError:
+                        if plans[j][0] < read.kept:
+                            raise
                 if bad:  # a layer the engine would read is missing: the call failed
                     raise LayerReadError(next(iter(bad.values())))
-                read.landed(layer)
+                read.landed(layer)  # after the last one, no cut: ``read.kept`` is final
                 for j, (i, _, _, lb) in enumerate(plans):
                     obj = read.objs[i]
                     assert obj is not None  # a planned read's object is held until it ends
-                    hashers[j].update(obj.byte_view()[layer * lb:(layer + 1) * lb])
+                    if i < read.kept:
+                        hashers[j].update(obj.byte_view()[layer * lb:(layer + 1) * lb])
         except BaseException as e:  # noqa: BLE001 - reported through the read, never lost
             failed = e
-            every = [f for row in futures for _, f in row]
-            for f in every:
-                f.cancel()
-            # nothing may still write into an object after this; a future cancelled here
-            # or by close()'s shutdown never runs, and wait() would never count it as done
-            wait([f for f in every if not f.cancelled()])
+            for row in futures:
+                for _, f in row:
+                    f.cancel()
         ok = [False] * len(read.objs)
         try:
-            for j, (i, v, _, _) in enumerate(plans):
-                err = bad.get(j)
-                if err is None and failed is None:
-                    obj = read.objs[i]
-                    assert obj is not None
-                    try:  # the payload hashed as it landed: the framing checks the digest
-                        tier.framing.verify(v.key, v.head, v.hdr, obj.byte_view(),
-                                          digest=hashers[j].intdigest())
-                    except CorruptValue as e:
-                        err = e
-                if err is not None:
-                    tier.read_failed(v.key, v.entry, err)
-                elif failed is None:
-                    ok[i] = True
-            if failed is not None and not isinstance(failed, LayerReadError):
+            if failed is None:
+                ok = self._verify(plans, hashers, bad)
+            elif not isinstance(failed, LayerReadError):
                 tier.metrics.error("get", type(failed).__name__)
+            for j, err in bad.items():  # deleted before anyone hears of the outcome
+                tier.read_failed(plans[j][1].key, plans[j][1].entry, err)
+            if failed is None:
+                read.settle(ok)  # the kept keys' waiters go on; cut keys' reads may run
+            # nothing may still write into an object after this; a future cancelled here,
+            # by a cut or by close()'s shutdown never runs, and wait() would never count it
+            wait([f for row in futures for _, f in row if not f.cancelled()])
         finally:
             for _, v in self.values:
                 v.close()
@@ -189,3 +203,21 @@ class DiskLayeredRead:
                 read.fail(failed)
             else:
                 read.finish(ok)
+
+    def _verify(self, plans: list, hashers: list, bad: dict[int, BaseException]) -> list[bool]:
+        """Per key, whether its value verified (keys cut never do); a value failing its
+        check goes into ``bad``."""
+        read = self.read
+        ok = [False] * len(read.objs)
+        for j, (i, v, _, _) in enumerate(plans):
+            if i >= read.kept or j in bad:
+                continue
+            obj = read.objs[i]
+            assert obj is not None
+            try:  # the payload hashed as it landed: the framing checks the digest
+                self.tier.framing.verify(v.key, v.head, v.hdr, obj.byte_view(),
+                                         digest=hashers[j].intdigest())
+                ok[i] = True
+            except CorruptValue as e:
+                bad[j] = e
+        return ok
