@@ -22,9 +22,9 @@ SETTING = "int4-kivi,group=32"
 LAYOUT = "sglang_mha"
 N = 32
 THRESHOLDS = Thresholds(kl_mean_max=0.05, top1_min=0.95, ppl_change_max=0.02,
-                        qa_identical_min=0.9)
+                        qa_agreement_min=0.9)
 GOOD = Measurement(kl_mean=0.01, kl_max=0.05, top1=0.99, answer_tokens=100, ppl_exact=13.0,
-                   ppl_served=13.1, ppl_change=0.0077, text_tokens=200, qa_identical=1.0,
+                   ppl_served=13.1, ppl_change=0.0077, text_tokens=200, qa_identical=1.0, qa_agreement=1.0,
                    qa_correct_exact=7, qa_correct_served=7, questions=8,
                    kv_error=[0.01], seconds=1.0)
 BAD = dataclasses.replace(GOOD, kl_mean=0.3, top1=0.8)
