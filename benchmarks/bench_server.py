@@ -8,7 +8,7 @@ Redis tier through redis-py, all measured in one run and printed as ratios.
 
 Every daemon and redis-server is started here on loopback (ephemeral ports, persistence
 off) and stopped by pid. The lmc figures go through the real client tier
-(``lmc/storage/backends/daemon/backend.py``): values are sent from and received into a memory pool,
+(``lmc/storage/backends/server/backend.py``): values are sent from and received into a memory pool,
 checksums computed on put and verified on both ends, ``--clients`` engine threads each with
 its own tier (like redis-benchmark's ``-c``).
 """

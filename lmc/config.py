@@ -30,7 +30,7 @@ from typing import Any, TypeVar
 
 import yaml
 
-from lmc.events.config import EventsConfig
+from lmc.events.events_config import EventsConfig
 from lmc.settings import (
     ConfigError,
     Layer,
@@ -81,7 +81,7 @@ def _options(value: Any, key: str) -> dict[str, Any]:
 
 def _kv_events(value: Any, key: str) -> dict[str, Any] | None:
     """The ``kv_events`` mapping (vLLM's ``--kv-events-config`` keys and lmc's), checked by
-    its own schema, :class:`lmc.events.config.EventsConfig`."""
+    its own schema, :class:`lmc.events.events_config.EventsConfig`."""
     if value is None:
         return None
     out = parse_mapping(value, key)
@@ -418,7 +418,7 @@ class CacheConfig(Settings):
     kv_events: dict[str, Any] | None = setting(
         None, _kv_events,
         "publish the tiers' chunks as KV-cache events in vLLM's wire format, for KV-aware "
-        "routers (lmc/events/config.py): a mapping of vLLM's --kv-events-config keys "
+        "routers (lmc/events/events_config.py): a mapping of vLLM's --kv-events-config keys "
         "(enable_kv_cache_events, endpoint, replay_endpoint, topic, buffer_steps, hwm, "
         "max_queue_size; unset endpoints bind loopback) and lmc's (block_size, pod, "
         "model_name, heartbeat, max_chunks, publish_remote, buffer_max_bytes, pub_max_bytes, "

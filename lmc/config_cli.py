@@ -46,7 +46,7 @@ def add_arguments(c: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from lmc.config import CacheConfig
-    from lmc.server.config import ServerConfig
+    from lmc.server.server_config import ServerConfig
 
     if args.keys:
         for key, default, doc in (ServerConfig if args.server else CacheConfig).describe():
@@ -77,7 +77,7 @@ def _kind(path: str | None, server: bool) -> tuple[str, str]:
     """``("engine" | "daemon", a comment for the output)``; a file mixing the two schemas is
     a :class:`ValueError` saying which keys belong where."""
     from lmc.config import CacheConfig
-    from lmc.server.config import ServerConfig
+    from lmc.server.server_config import ServerConfig
 
     name, keys = _keys(path)
     engine = set(CacheConfig.field_names()) | set(SECTIONS)
@@ -110,7 +110,7 @@ def _check_engine(path: str | None) -> dict[str, Any]:
 
     _, keys = _keys(path)
     if "vllm" in keys:
-        from lmc.connectors.vllm.config import load_settings
+        from lmc.connectors.vllm.extra_config import load_settings
 
         settings = load_settings({"lmc.config_file": path})
         cache: CacheConfig = settings.cache
@@ -125,7 +125,7 @@ def _check_engine(path: str | None) -> dict[str, Any]:
 def _check_daemon(path: str | None) -> dict[str, Any]:
     """The daemon's settings as ``lmc server --config`` loads them, then what it reads at
     start-up before binding: the token files and the storage's keys and options."""
-    from lmc.server.config import ServerConfig
+    from lmc.server.server_config import ServerConfig
     from lmc.storage.chain import check_chain
     from lmc.units import readable_settings, size_exact
 

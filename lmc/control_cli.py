@@ -126,7 +126,7 @@ def via_server(url: str, op: str, body: dict[str, Any], secret: str | None,
 
 def via_daemon(url: str, namespace: str | None, secret: str | None, timeout: float
                ) -> dict[str, Any]:
-    from lmc.storage.backends.daemon.client import Address, ClientConnection, ServerError
+    from lmc.storage.backends.server.client import Address, ClientConnection, ServerError
     addr = Address.parse(url)
     ns = namespace if namespace is not None else addr.namespace
     if ns is None:

@@ -4,7 +4,7 @@ Why: every warning about a client, a peer or a frame is something the other side
 trigger in a loop, and a log that grows at its pace is a disk it can fill. The first lines
 of an incident go out verbatim (what an operator needs to see); the rest are counted and the
 count is told with the next line that gets through. Used by the daemon, the HTTP servers and
-the P2P tier (``lmc.server.ratelog`` adds per-interval summaries for very frequent events).
+the P2P tier (``lmc.server.interval_log`` adds per-interval summaries for very frequent events).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """One settings loader for every lmc schema: YAML file < ``LMC_*`` environment < overrides.
 
-The engine (``lmc.config.CacheConfig``), the daemon (``lmc.server.config.ServerConfig``) and
-the vLLM connector (``lmc.connectors.vllm.config``) all read settings the same way and fail
+The engine (``lmc.config.CacheConfig``), the daemon (``lmc.server.server_config.ServerConfig``) and
+the vLLM connector (``lmc.connectors.vllm.extra_config``) all read settings the same way and fail
 the same way, so that a person meets one set of messages wherever they configure lmc:
 
 * malformed YAML names the file, the line and the column (never a parser traceback);
@@ -295,7 +295,7 @@ def read_yaml(path: str | os.PathLike, what: str = "config") -> YamlFile:
 
 
 # --------------------------------------------------------------------- environment
-ENV_NAMESPACES: dict[str, str] = {"LMC_SERVER_": "lmc.server.config.ServerConfig"}
+ENV_NAMESPACES: dict[str, str] = {"LMC_SERVER_": "lmc.server.server_config.ServerConfig"}
 """Prefixes of ``LMC_*`` names that belong to another schema than the engine's: that schema's
 loader reports its own misspellings, the engine's leaves them alone."""
 

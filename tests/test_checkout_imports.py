@@ -28,7 +28,7 @@ def test_the_engine_module_paths_export_their_classes_lazily(tmp_path):
     """``lmc.connectors.vllm`` and ``lmc.connectors.sglang`` are what engine configs name; their
     parts that need no engine must import without it."""
     code = ("import lmc.connectors.vllm as v, lmc.connectors.sglang as s; "
-            "import lmc.connectors.vllm.config, lmc.connectors.sglang.pages; import sys; "
+            "import lmc.connectors.vllm.extra_config, lmc.connectors.sglang.pages; import sys; "
             "print(sorted(v.__all__), sorted(s.__all__), 'vllm' in sys.modules, "
             "'sglang' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, text=True,

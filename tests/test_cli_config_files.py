@@ -132,7 +132,7 @@ def test_every_shipped_daemon_config_passes_lmc_config(path, tmp_path):
 def test_every_shipped_daemon_config_runs_as_an_ordinary_user(path, tmp_path):
     """``lmc server --config FILE`` starts and serves, as the comment says to run it (any
     free ports and a disk directory of the test's own: other runs share this machine)."""
-    from lmc.storage.backends.daemon.client import Address, ClientConnection
+    from lmc.storage.backends.server.client import Address, ClientConnection
 
     env = _prepared_home(path, tmp_path)
     data = yaml.safe_load(path.read_text())

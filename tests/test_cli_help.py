@@ -15,7 +15,7 @@ import pytest
 import yaml
 
 from lmc.cli import build_parser, help_text, main
-from lmc.server.config import ServerConfig
+from lmc.server.server_config import ServerConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 

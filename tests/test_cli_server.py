@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from lmc.storage.backends.daemon import protocol as P
+from lmc.storage.backends.server import protocol as P
 from tests.server import wire
 from tests.server.daemon_proc import DaemonProc
 
@@ -150,7 +150,7 @@ def test_ctrl_c_while_the_pool_is_built_is_not_a_traceback(tmp_path, entry):
 def test_an_engine_process_exports_no_daemon_or_unborn_engine_series():
     """The other side of the same rule: importing the engine and the lmc:// client adds no
     lmc_server_* series, and engine series appear only with an engine."""
-    code = ("import re, lmc.cache_engine, lmc.storage.backends.daemon.backend\n"
+    code = ("import re, lmc.cache_engine, lmc.storage.backends.server.backend\n"
             "from prometheus_client import REGISTRY, generate_latest\n"
             "fams = lambda: {re.sub(r'_(total|created)$', '', f) for f in re.findall("
             "r'^# TYPE (lmc\\S+)', generate_latest(REGISTRY).decode(), re.M)}\n"

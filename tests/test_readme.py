@@ -195,7 +195,7 @@ def test_engine_yaml_blocks_load(tmp_path, monkeypatch):
 
 
 def test_multi_tenant_yaml_block_loads(tmp_path):
-    from lmc.server.config import ServerConfig
+    from lmc.server.server_config import ServerConfig
 
     block = next(b for b in blocks("yaml") if "tokens:" in b)
     for name in re.findall(r"/etc/lmc/([\w.-]+\.token)", block):

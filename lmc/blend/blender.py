@@ -23,7 +23,7 @@ from lmc.blend.rope_shift import KeyShifter
 from lmc.blend.step import BatchBlend, BlendStats, RequestRows
 from lmc.blend.store import SegmentStore
 from lmc.reference.attention import AttentionMetadata, PrefillSlice, slots_for_positions
-from lmc.reference.config import ModelConfig
+from lmc.reference.model_config import ModelConfig
 from lmc.reference.scheduler import one_line
 from lmc.reference.scheduler_output import ScheduledRequest, SchedulerOutput
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from lmc.reference.config import SUPPORTED_MODEL_TYPES, ModelConfig, RopeConfig
+from lmc.reference.model_config import SUPPORTED_MODEL_TYPES, ModelConfig, RopeConfig
 from lmc.reference.rope import RotaryEmbedding
 
 PLACEABLE_ROPE_KINDS = ("default", "linear", "llama3")

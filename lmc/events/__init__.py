@@ -7,7 +7,7 @@ tier, ``BlockRemoved`` once a medium's last copy is gone, ``AllBlocksCleared`` o
 ``medium`` CPU for the memory tier and STORAGE for disk (and shared stores when asked).
 
 * :mod:`lmc.events.wire`: the format (encode; a bounded, checking decoder for routers);
-* :mod:`lmc.events.config`: the ``kv_events`` setting (vLLM's ``--kv-events-config`` keys);
+* :mod:`lmc.events.events_config`: the ``kv_events`` setting (vLLM's ``--kv-events-config`` keys);
 * :mod:`lmc.events.tracker`: chunk keys -> engine blocks, per-medium reference counts;
 * :mod:`lmc.events.publisher`: ZMQ PUB, replay ROUTER, state dump, the bounded queue;
 * :mod:`lmc.events.engine`: :func:`attach` wires it all to a ``CacheEngine``.
@@ -15,6 +15,6 @@ tier, ``BlockRemoved`` once a medium's last copy is gone, ``AllBlocksCleared`` o
 Threat model: docs/threats/events.md.
 """
 
-from lmc.events.config import EventsConfig
+from lmc.events.events_config import EventsConfig
 
 __all__ = ["EventsConfig"]

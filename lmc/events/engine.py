@@ -25,7 +25,7 @@ import logging
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from lmc.events.config import EventsConfig
+from lmc.events.events_config import EventsConfig
 from lmc.events.publisher import EventPublisher
 from lmc.events.tracker import MEDIUM_OF, Tracker
 from lmc.memory.pool import MemoryObj

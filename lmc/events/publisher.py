@@ -42,8 +42,8 @@ from collections.abc import Callable
 from typing import Any
 
 from lmc.events import wire
-from lmc.events.config import EventsConfig
 from lmc.events.endpoints import IpcClaim, connectable, offset_endpoint
+from lmc.events.events_config import EventsConfig
 from lmc.events.replay import HEARTBEAT_IVL_MS, HEARTBEAT_TIMEOUT_MS, ReplayServer
 from lmc.events.tracker import EVENTS_PER_BATCH, Tracker
 

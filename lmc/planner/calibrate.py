@@ -147,8 +147,8 @@ class LMCEngine:
 
 def kv_bytes_per_token(model: Path) -> int:
     """KV bytes per token of ``model`` in the reference engine (fp32, every layer, K and V)."""
-    from lmc.reference.config import ModelConfig
     from lmc.reference.kv_cache import bytes_per_block
+    from lmc.reference.model_config import ModelConfig
 
     return bytes_per_block(ModelConfig.from_file(model / "config.json"), 1, torch.float32)
 
@@ -161,7 +161,7 @@ def hybrid_bytes_per_token(model: Path, chunk_size: int, lengths: Sequence[int],
     groups in words. ``None`` for a plain model."""
     from lmc.connectors.reference.connector import window_groups
     from lmc.hybrid.rules import HitRule, default_interval, kept_positions
-    from lmc.reference.config import ModelConfig
+    from lmc.reference.model_config import ModelConfig
 
     cfg = ModelConfig.from_file(model / "config.json")
     if not cfg.sliding_windows or not lengths:

@@ -243,7 +243,7 @@ def _codec_ratio(args: argparse.Namespace, chunk: int) -> float:
 
     head = args.head_size
     if head is None and args.model and (Path(args.model).expanduser() / "config.json").is_file():
-        from lmc.reference.config import ModelConfig
+        from lmc.reference.model_config import ModelConfig
 
         head = ModelConfig.from_file(Path(args.model).expanduser() / "config.json").head_dim
     head = head or 128

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from lmc.reference.config import ModelConfig
+from lmc.reference.model_config import ModelConfig
 
 
 def layer_name(layer_idx: int) -> str:

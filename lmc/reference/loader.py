@@ -16,8 +16,8 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from lmc.reference.config import ModelConfig
 from lmc.reference.model import CausalLM
+from lmc.reference.model_config import ModelConfig
 from lmc.strict_json import load_json_file
 
 logger = logging.getLogger(__name__)

@@ -31,8 +31,8 @@ import torch
 from torch import nn
 
 from lmc.reference.attention import AttentionMetadata, attend, write_kv
-from lmc.reference.config import ModelConfig
 from lmc.reference.layers import RMSNorm, SwiGLU
+from lmc.reference.model_config import ModelConfig
 from lmc.reference.rope import RotaryEmbedding
 
 

@@ -13,7 +13,7 @@ import math
 import torch
 from torch import nn
 
-from lmc.reference.config import RopeConfig
+from lmc.reference.model_config import RopeConfig
 
 
 def rope_inv_freq(head_dim: int, rope: RopeConfig) -> torch.Tensor:

@@ -29,8 +29,8 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from lmc.reference.config import ModelConfig
 from lmc.reference.model import CausalLM
+from lmc.reference.model_config import ModelConfig
 from lmc.user_cache import cache_dir
 
 # Bump when the generator's output changes, so cached default checkpoints are remade.

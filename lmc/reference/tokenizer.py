@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from lmc.reference.config import ModelConfig
+from lmc.reference.model_config import ModelConfig
 from lmc.strict_json import load_json_file
 
 

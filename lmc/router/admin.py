@@ -57,8 +57,8 @@ class RouterAdmin:
         data = json.dumps(body).encode()
         if op == "pin":
             from lmc.router.dispatch import cache_salt, prompt_tokens
-            pick = router.pool.pick(prompt_tokens(body, router.tokenizer), cache_salt(body))
-            router.pool.done(pick.instance)
+            pick = router.fleet.pick(prompt_tokens(body, router.tokenizer), cache_salt(body))
+            router.fleet.done(pick.instance)
             targets = [pick.instance]
         else:
             targets = [i for i in router.instances if i.healthy]

@@ -51,11 +51,11 @@ from lmc.http.json_api import (
 )
 from lmc.router.admin import RouterAdmin
 from lmc.router.dispatch import (
+    Fleet,
     Front,
     Instance,
     InstanceSpec,
     Pick,
-    Pool,
     add_choice_args,
     cache_salt,
     choice_from_args,
@@ -83,12 +83,12 @@ class Router(Front):
                  prefetch: bool = True) -> None:
         if not instances:
             raise ValueError("lmc router needs at least one --instance")
-        self.pool = Pool(instances, policy=policy, weights=weights,
+        self.fleet = Fleet(instances, policy=policy, weights=weights,
                          upstream_timeout=upstream_timeout, stale_after=stale_after,
                          max_blocks=max_blocks, shared=shared)
         self.policy = policy
-        self.weights = self.pool.weights
-        self.instances = self.pool.instances
+        self.weights = self.fleet.weights
+        self.instances = self.fleet.instances
         self.health_interval = health_interval
         self.stale_after = stale_after
         self.tokenizer = tokenizer
@@ -96,28 +96,28 @@ class Router(Front):
         self.admin = admin or RouterAdmin()  # /admin/cache/* and prefetches (lmc.router.admin)
         self.prefetch = prefetch
         self.listen(type("Handler", (_Handler,), {"router": self}), host, port, limits,
-                    self.pool.sources, stale_after)
-        self.check_health([self.pool], health_interval, "lmc-router-health")
+                    self.fleet.sources, stale_after)
+        self.check_health([self.fleet], health_interval, "lmc-router-health")
 
     # ------------------------------------------------------------------ choosing
     def pick(self, tokens: list[int] | None, salt: str | None, exclude: set[str]
              ) -> Pick:
         """The instance for a prompt, why, the cached tokens predicted there and the
         events' match; counts it in flight (the caller calls :meth:`done`)."""
-        p = self.pool.pick(tokens, salt, exclude)
+        p = self.fleet.pick(tokens, salt, exclude)
         self.metrics.in_flight.labels(p.instance.url).set(p.instance.in_flight)
         return p
 
     def done(self, inst: Instance) -> None:
-        self.pool.done(inst)
+        self.fleet.done(inst)
         self.metrics.in_flight.labels(inst.url).set(inst.in_flight)
 
     def mark(self, inst: Instance, healthy: bool, why: str = "") -> None:
-        self.pool.mark(inst, healthy, why)
+        self.fleet.mark(inst, healthy, why)
 
     # ------------------------------------------------------------------ reporting
     def state(self) -> dict[str, Any]:
-        return {"policy": self.policy, "instances": self.pool.state()}
+        return {"policy": self.policy, "instances": self.fleet.state()}
 
     def prometheus(self) -> bytes:
         return self.metrics.scrape([((i.url,), i) for i in self.instances], self.stale_after)

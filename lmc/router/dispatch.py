@@ -1,11 +1,11 @@
 """Which instance of a set gets a request: the choosing ``lmc router`` and ``lmc pd-proxy``
-share (one :class:`Pool` per set: the router's instances; the pd-proxy's prefill and its
+share (one :class:`Fleet` per set: the router's instances; the pd-proxy's prefill and its
 decode instances).
 
 An instance is ``URL[,events=ENDPOINT][,replay=ENDPOINT]`` (:class:`InstanceSpec`): its
 KV events (vLLM's format; lmc's tiers with ``kv_events`` on) feed a
 :class:`~lmc.router.index.PrefixIndex` through :class:`~lmc.router.feed.EventFeed`, which
-the owner of the pools runs (one thread for all). :meth:`Pool.pick` scores the healthy
+the owner of the fleets runs (one thread for all). :meth:`Fleet.pick` scores the healthy
 instances with :func:`lmc.router.policy.choose`: ``prefix`` weighs the prompt's cached
 prefix per medium against requests in flight; an instance whose events are stale or absent
 is credited nothing; ``round_robin`` takes turns. The prompt is known as token ids
@@ -78,7 +78,7 @@ class Pick:
     match: Match | None = None  # the events' view per medium (None: not known)
 
 
-class Pool:
+class Fleet:
     """A set of instances and the policy that chooses among them (module docstring)."""
 
     def __init__(self, specs: Sequence[InstanceSpec], *, policy: str = "prefix",
@@ -164,7 +164,7 @@ class Pool:
 
 
 class Front:
-    """What both fronts are besides their pools: the bounded HTTP server (each client
+    """What both fronts are besides their fleets: the bounded HTTP server (each client
     connection holds one upstream connection at a time), one event feed for all their
     instances' sources and the health checks of all their instances."""
 
@@ -174,12 +174,12 @@ class Front:
     port: int
     url: str
 
-    def check_health(self, pools: Sequence[Pool], interval: float | None,
+    def check_health(self, fleets: Sequence[Fleet], interval: float | None,
                      name: str) -> None:
-        """Probe every instance of ``pools`` every ``interval`` s (None: never; the
+        """Probe every instance of ``fleets`` every ``interval`` s (None: never; the
         instances are then taken as healthy whatever happens)."""
         if interval is not None:
-            self.health = HealthChecks(pools, interval, name).start()
+            self.health = HealthChecks(fleets, interval, name).start()
 
     def listen(self, handler: type, host: str, port: int, limits: HttpLimits | None,
                sources: Sequence[Source], stale_after: float) -> None:
@@ -244,7 +244,7 @@ def add_choice_args(p: Any, policy_default: str | None, policy_help: str) -> Non
 
 
 def choice_from_args(args: Any) -> dict[str, Any]:
-    """Keywords of :class:`Pool` (and ``tokenizer``) from :func:`add_choice_args`' flags; a
+    """Keywords of :class:`Fleet` (and ``tokenizer``) from :func:`add_choice_args`' flags; a
     tokenizer that cannot be loaded is a ``ValueError`` naming the file."""
     tokenizer = None
     if args.tokenizer:

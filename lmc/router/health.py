@@ -5,8 +5,8 @@ Every ``--health-interval`` seconds each instance gets ``GET /health`` (one thre
 instance, so a hung one delays only itself; each probe within :data:`HEALTH_TIMEOUT`): a 200
 makes it healthy, any other status unhealthy; a refused connection marks it down at once,
 a timeout or a hang-up at the second in a row (one may be a busy moment). The front marks an
-instance down at once too when it refuses a request's connection (:meth:`Pool.mark
-<lmc.router.dispatch.Pool.mark>`); the next probe that it answers brings it back. Each change
+instance down at once too when it refuses a request's connection (:meth:`Fleet.mark
+<lmc.router.dispatch.Fleet.mark>`); the next probe that it answers brings it back. Each change
 is one INFO line naming the instance.
 """
 
@@ -20,24 +20,24 @@ from typing import TYPE_CHECKING
 from lmc.router.relay import UPSTREAM_ERRORS, what
 
 if TYPE_CHECKING:  # dispatch's Front starts these checks
-    from lmc.router.dispatch import Instance, Pool
+    from lmc.router.dispatch import Fleet, Instance
 
 HEALTH_TIMEOUT = 5.0
 DEFAULT_INTERVAL = 2.0
 
 
 class HealthChecks:
-    """The probe threads of some pools (the module docstring); :meth:`close` stops them."""
+    """The probe threads of some fleets (the module docstring); :meth:`close` stops them."""
 
-    def __init__(self, pools: Sequence[Pool], interval: float = DEFAULT_INTERVAL,
+    def __init__(self, fleets: Sequence[Fleet], interval: float = DEFAULT_INTERVAL,
                  name: str = "lmc-health") -> None:
         if not 0 < interval <= 86400:
             raise ValueError(f"--health-interval must be in (0, 86400] s, got {interval}")
         self.interval = interval
         self._stop = threading.Event()
-        self._threads = [threading.Thread(target=self._loop, args=(pool, inst), name=name,
+        self._threads = [threading.Thread(target=self._loop, args=(fleet, inst), name=name,
                                           daemon=True)
-                         for pool in pools for inst in pool.instances]
+                         for fleet in fleets for inst in fleet.instances]
 
     def start(self) -> HealthChecks:
         for t in self._threads:
@@ -47,14 +47,14 @@ class HealthChecks:
     def close(self) -> None:
         self._stop.set()
 
-    def _loop(self, pool: Pool, inst: Instance) -> None:
+    def _loop(self, fleet: Fleet, inst: Instance) -> None:
         while not self._stop.is_set():
-            probe(pool, inst)
+            probe(fleet, inst)
             self._stop.wait(self.interval)
 
 
-def probe(pool: Pool, inst: Instance) -> None:
-    """One ``GET /health`` of ``inst``, its answer marked in ``pool``."""
+def probe(fleet: Fleet, inst: Instance) -> None:
+    """One ``GET /health`` of ``inst``, its answer marked in ``fleet``."""
     conn = http.client.HTTPConnection(inst.upstream.host, inst.upstream.port,
                                       timeout=HEALTH_TIMEOUT)
     try:
@@ -62,10 +62,10 @@ def probe(pool: Pool, inst: Instance) -> None:
         resp = conn.getresponse()
         resp.read(4096)
         inst.probe_failures = 0
-        pool.mark(inst, resp.status == 200, f"/health answered {resp.status}")
+        fleet.mark(inst, resp.status == 200, f"/health answered {resp.status}")
     except UPSTREAM_ERRORS as e:
         inst.probe_failures += 1
         if isinstance(e, ConnectionRefusedError) or inst.probe_failures >= 2:
-            pool.mark(inst, False, what(e)[:120])
+            fleet.mark(inst, False, what(e)[:120])
     finally:
         conn.close()

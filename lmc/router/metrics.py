@@ -2,7 +2,7 @@
 (``lmc_router_*``, per instance) and ``lmc pd-proxy`` (``lmc_pd_proxy_*``, per role and
 instance): requests sent per instance and reason, prompt tokens, the cached tokens the
 events predicted next to those the answer reported, failures before answering, requests
-sent on to another instance, and, read from the pools at each scrape, requests in flight,
+sent on to another instance, and, read from the fleets at each scrape, requests in flight,
 health and event freshness (standard library and ``prometheus_client``).
 """
 

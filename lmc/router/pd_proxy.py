@@ -60,10 +60,10 @@ from lmc.http.json_api import (
     listen_error,
 )
 from lmc.router.dispatch import (
+    Fleet,
     Front,
     InstanceSpec,
     Pick,
-    Pool,
     add_choice_args,
     cache_salt,
     choice_from_args,
@@ -150,9 +150,9 @@ class Proxy(Front):
                               "upstream_timeout": upstream_timeout,
                               "stale_after": stale_after, "max_blocks": max_blocks,
                               "unique": False}
-        self.prefill = Pool(p_specs, what="prefill instance", flag="--prefill", **kw)
-        self.decode = Pool(d_specs, what="decode instance", flag="--decode", **kw)
-        self.pools = {"prefill": self.prefill, "decode": self.decode}
+        self.prefill = Fleet(p_specs, what="prefill instance", flag="--prefill", **kw)
+        self.decode = Fleet(d_specs, what="decode instance", flag="--decode", **kw)
+        self.fleets = {"prefill": self.prefill, "decode": self.decode}
         self.tokenizer = tokenizer
         self.stale_after = stale_after
         self.health_interval = health_interval
@@ -190,7 +190,7 @@ class Proxy(Front):
 
     def missing(self) -> list[str]:
         """The roles with no healthy instance now."""
-        return [r for r in ROLES if not self.pools[r].healthy()]
+        return [r for r in ROLES if not self.fleets[r].healthy()]
 
     def state(self) -> dict[str, Any]:
         with self._lock:
@@ -204,7 +204,7 @@ class Proxy(Front):
 
     def prometheus(self) -> bytes:
         return self.metrics.scrape([((r, i.url), i) for r in ROLES
-                                    for i in self.pools[r].instances], self.stale_after)
+                                    for i in self.fleets[r].instances], self.stale_after)
 
 
 class _Handler(RelayHandler):
@@ -252,7 +252,7 @@ class _Handler(RelayHandler):
             self._request(body, p_data)
         finally:
             for role, c in self._held.items():
-                proxy.pools[role].done(c.instance)
+                proxy.fleets[role].done(c.instance)
 
     def _connect(self, role: str, data: bytes) -> tuple[Upstream, Any, Any]:
         """Post ``data`` to the held ``role`` instance. One that refuses the connection
@@ -260,7 +260,7 @@ class _Handler(RelayHandler):
         another healthy one, once: nothing has reached the client yet. Raises
         :class:`HttpError` (502 naming the instance, 503 naming the role)."""
         proxy = self.proxy
-        pool = proxy.pools[role]
+        fleet = proxy.fleets[role]
         for attempt in (0, 1):
             c = self._held[role]
             up = c.instance.upstream
@@ -272,19 +272,19 @@ class _Handler(RelayHandler):
                 if not isinstance(e, ConnectionRefusedError):
                     raise failed from None
                 if proxy.health is not None:  # else nothing would bring it back
-                    pool.mark(c.instance, False, what(e))
+                    fleet.mark(c.instance, False, what(e))
                 if attempt:  # the second refusal: the role may have none left
-                    if proxy.health is not None and not pool.healthy():
+                    if proxy.health is not None and not fleet.healthy():
                         raise HttpError(503, f"no healthy {role} instance left: {up.url} "
                                         f"and the one tried before refused the "
                                         f"connection") from None
                     raise failed from None
                 try:
-                    nxt = pool.pick(self._tokens, self._salt, {up.url})
+                    nxt = fleet.pick(self._tokens, self._salt, {up.url})
                 except HttpError:
                     raise HttpError(503, f"no healthy {role} instance left: {up.url} "
                                     f"refused the connection") from None
-                pool.done(c.instance)
+                fleet.done(c.instance)
                 self._held[role] = nxt
                 proxy.count("retries")
                 proxy.metrics.retries.labels(role).inc()

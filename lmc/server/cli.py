@@ -15,7 +15,7 @@ import argparse
 import sys
 from typing import Any
 
-from lmc.server.config import ServerConfig
+from lmc.server.server_config import ServerConfig
 
 _MAPPINGS = {"quotas": ("--quota", "NS=SIZE", "a namespace's memory quota (repeatable)"),
              "cache": ("--cache", "KEY=VALUE", "a CacheConfig key for the storage (repeatable)")}

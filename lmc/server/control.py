@@ -29,7 +29,7 @@ from lmc.storage.control import PinLimitError, check_priority, check_ttl
 from lmc.storage.pins import PinTable
 
 if TYPE_CHECKING:
-    from lmc.server.config import ServerConfig
+    from lmc.server.server_config import ServerConfig
     from lmc.server.store import NamespacedStore
 
 log = logging.getLogger(__name__)

@@ -2,7 +2,7 @@
 
 One asyncio loop serves every connection (one :class:`Session` task each). Memory-tier
 operations run inline on the loop (they are dictionary and pool operations); calls that may
-reach the disk or Redis tiers go to a small thread pool so one slow read never stalls the
+reach the disk or Redis tiers go to a few worker threads so one slow read never stalls the
 other clients. SIGTERM (or SIGINT): stop accepting, let in-flight requests finish (up to
 ``drain_timeout``), flush and close the storage (the disk tier's pending writes land), exit.
 
@@ -35,23 +35,23 @@ from pathlib import Path
 from typing import Any
 
 from lmc import units
-from lmc.events.config import EventsConfig
+from lmc.events.events_config import EventsConfig
 from lmc.memory import invariants
 from lmc.memory.pool import MemoryPool, check_fits
 from lmc.server import fdcap
 from lmc.server import metrics as M
 from lmc.server.activity import Activity
 from lmc.server.auth import Grant
-from lmc.server.config import ServerConfig
 from lmc.server.control import NamespacePins
 from lmc.server.events import DaemonEvents
 from lmc.server.http import MetricsHTTP
-from lmc.server.ratelog import FirstSeen, IntervalLog, RateLimitedWarnings
+from lmc.server.interval_log import FirstSeen, IntervalLog, RateLimitedWarnings
+from lmc.server.server_config import ServerConfig
 from lmc.server.session import IDLE, Session
 from lmc.server.store import NamespacedStore
 from lmc.server.views import tier_media
 from lmc.storage import chain
-from lmc.storage.backends.daemon.client import UNIX_SNDBUF
+from lmc.storage.backends.server.client import UNIX_SNDBUF
 from lmc.storage.manager import StorageManager
 
 log = logging.getLogger(__name__)

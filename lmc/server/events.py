@@ -26,12 +26,12 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from lmc.events import shared
-from lmc.events.config import EventsConfig
 from lmc.events.engine import EventsListener, tier_media
+from lmc.events.events_config import EventsConfig
 from lmc.events.publisher import EventPublisher
 from lmc.events.tracker import Tracker
-from lmc.server.ratelog import RateLimitedWarnings
-from lmc.storage.backends.daemon import protocol as P
+from lmc.server.interval_log import RateLimitedWarnings
+from lmc.storage.backends.server import protocol as P
 from lmc.storage.manager import StorageManager
 from lmc.storage.serde import Header
 

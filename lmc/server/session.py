@@ -29,7 +29,7 @@ from lmc.server.reader import FrameReader, PeerClosed
 from lmc.server.store import Checksum, checksum_of
 from lmc.server.text import safe
 from lmc.server.writer import send_buffers
-from lmc.storage.backends.daemon import protocol as P
+from lmc.storage.backends.server import protocol as P
 from lmc.storage.control import ControlError
 from lmc.storage.serde import byte_view, encode_header, payload_checksum
 

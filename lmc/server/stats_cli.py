@@ -31,7 +31,7 @@ from lmc.server.text import safe
 def fetch(url: str, token: str | None, timeout: float) -> dict[str, Any]:
     """One STATS answer; a connection or protocol failure raises :class:`StatsError`."""
     # imported here: the client needs torch, which ``lmc stats --help`` should not wait for
-    from lmc.storage.backends.daemon.client import Address, ClientConnection, ServerError
+    from lmc.storage.backends.server.client import Address, ClientConnection, ServerError
 
     try:
         conn = ClientConnection(Address.parse(url), token, timeout, "lmc-stats")

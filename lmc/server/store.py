@@ -42,8 +42,8 @@ import torch
 
 from lmc.memory.pool import MemoryObj
 from lmc.server import metrics as M
+from lmc.server.interval_log import IntervalLog
 from lmc.server.p2p.directory import PeerDirectory
-from lmc.server.ratelog import IntervalLog
 from lmc.storage.manager import StorageManager
 from lmc.storage.serde import byte_view, payload_checksum
 

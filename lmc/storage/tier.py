@@ -337,7 +337,7 @@ BUILTIN_BACKENDS: dict[str, str] = {
     "cpu": "lmc.storage.backends.cpu",
     "disk": "lmc.storage.backends.disk.backend",
     "redis": "lmc.storage.backends.redis.backend",
-    "server": "lmc.storage.backends.daemon.backend",
+    "server": "lmc.storage.backends.server.backend",
     "p2p": "lmc.storage.backends.p2p.backend",
     "mooncake": "lmc.storage.backends.mooncake.backend",
     "counting": "lmc.storage.wrappers",

@@ -65,7 +65,7 @@ from lmc.testing.harness import (  # noqa: E402
 )
 from lmc.testing.integrity import IntegrityContract  # noqa: E402
 from lmc.testing.isolation import IsolationContract  # noqa: E402
-from lmc.testing.layered import LayeredReadContract  # noqa: E402
+from lmc.testing.layered_reads import LayeredReadContract  # noqa: E402
 from lmc.testing.model import ModelContract  # noqa: E402
 from lmc.testing.references import ReferenceContract  # noqa: E402
 from lmc.testing.sharing import SharedStoreContract  # noqa: E402

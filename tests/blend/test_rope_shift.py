@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from lmc.blend.rope_shift import BlendUnsupported, KeyShifter, check_placeable, check_rope
-from lmc.reference.config import ModelConfig, RopeConfig
 from lmc.reference.loader import load_model
+from lmc.reference.model_config import ModelConfig, RopeConfig
 
 
 def _layer0_keys(model: torch.nn.Module, tokens: torch.Tensor, positions: torch.Tensor

@@ -137,7 +137,7 @@ RANKS: list[tuple[str, ...]] = [
      "lmc.token_database", "lmc._tokens", "lmc._kvcodecs", "lmc.strict_json", "lmc.bounded_io",
      "lmc.user_cache", "lmc.priority",
      # the kv_events setting's own schema, part of the config schema (no registry in it)
-     "lmc.events.config", "lmc.events.endpoints",
+     "lmc.events.events_config", "lmc.events.endpoints",
      # what a component serving lossy KV asks before it turns it on: any tier may ask
      "lmc.quality.feature", "lmc.quality.verdict", "lmc.quality.gate"),
     ("lmc.memory",),

@@ -29,7 +29,7 @@ def test_engine_l1_matches_model():
 # stored" over both remote tiers. The chunk was in the tier; reading it back needed pool memory
 # while pins, the write-behind queue and the batch's own earlier chunks held all of it, so the
 # read was a miss -- counted by the Redis tier (``alloc_failures``, which the model did not
-# know) and by nothing at all in the daemon tier (now counted there too). Kept as a test below.
+# know) and by nothing at all in the server tier (now counted there too). Kept as a test below.
 
 
 def test_engine_disk_matches_model():
@@ -51,7 +51,7 @@ def test_engine_daemon_matches_model(shared_daemon):  # noqa: F811
 @pytest.mark.parametrize("remote", ["redis", "daemon"])
 def test_regression_remote_read_into_a_full_pool(remote, redis_server, shared_daemon):  # noqa: F811
     """The seeded burst of the regression note above, over each remote tier: every miss it
-    meets must be one a tier counted (the daemon tier counted none before)."""
+    meets must be one a tier counted (the server tier counted none before)."""
     url = redis_server.url if remote == "redis" else shared_daemon.url
     extra = {"remote_url": url, "remote_timeout": 5.0}
     if remote == "redis":

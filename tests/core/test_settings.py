@@ -17,8 +17,8 @@ import pytest
 
 from lmc.cli import main as lmc_main
 from lmc.config import CacheConfig, load_connector_settings
-from lmc.connectors.vllm.config import VllmOptions, load_settings
-from lmc.server.config import ServerConfig
+from lmc.connectors.vllm.extra_config import VllmOptions, load_settings
+from lmc.server.server_config import ServerConfig
 from lmc.settings import (
     ENV_NAMESPACES,
     OTHER_ENV,

@@ -16,7 +16,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from lmc.events import wire
-from lmc.events.config import EventsConfig
+from lmc.events.events_config import EventsConfig
 from lmc.events.publisher import EventPublisher
 from tests.events.helpers import CHUNK, LOCAL, Collector, engine_with_events, request, store
 from tests.kvutil import random_tokens

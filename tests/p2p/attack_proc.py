@@ -19,11 +19,11 @@ import torch
 
 from lmc.config import CacheConfig
 from lmc.memory.pool import MemoryPool
-from lmc.storage.backends.daemon.client import Address
 from lmc.storage.backends.p2p.agent import PoolAgent, TransferFailed
 from lmc.storage.backends.p2p.backend import P2PBackend, directory_url
 from lmc.storage.backends.p2p.directory_client import DirectoryConnection
 from lmc.storage.backends.p2p.wire import Record
+from lmc.storage.backends.server.client import Address
 from lmc.storage.integrity import Geometry, expect_geometry
 from lmc.testing import SHAPE, check_hit, fill, key_of
 

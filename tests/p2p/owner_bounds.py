@@ -19,9 +19,9 @@ import torch
 
 from lmc.config import CacheConfig
 from lmc.memory.pool import MemoryPool
-from lmc.storage.backends.daemon.client import Address
 from lmc.storage.backends.p2p.backend import P2PBackend, directory_url
 from lmc.storage.backends.p2p.directory_client import DirectoryConnection
+from lmc.storage.backends.server.client import Address
 
 SHAPE, CHUNK = (2, 2, 16, 64), 2 * 2 * 16 * 64 * 2  # 8 KiB of bf16
 TTL = 1.0

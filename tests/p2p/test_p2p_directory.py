@@ -15,7 +15,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lmc.server.p2p.directory import DirectoryFull, PeerDirectory
-from lmc.storage.backends.daemon.client import Address, ServerError
 from lmc.storage.backends.p2p.directory_client import DirectoryConnection
 from lmc.storage.backends.p2p.wire import (
     RECORD_SIZE,
@@ -25,6 +24,7 @@ from lmc.storage.backends.p2p.wire import (
     peer_info,
     unpack_record,
 )
+from lmc.storage.backends.server.client import Address, ServerError
 from tests.server.daemon_proc import DaemonProc
 
 
@@ -208,7 +208,7 @@ def test_daemon_refuses_bad_directory_requests(daemon):
 def test_daemon_survives_garbage_directory_requests(daemon):
     """Random field values for every P2P op: each is answered (ok or bad_request), the
     connection stays usable, and the directory still works afterwards."""
-    from lmc.storage.backends.daemon import protocol as P
+    from lmc.storage.backends.server import protocol as P
 
     seed = random.randrange(1 << 30)
     print(f"seed {seed}")

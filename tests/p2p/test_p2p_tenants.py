@@ -11,10 +11,10 @@ import time
 import pytest
 import torch
 
-from lmc.storage.backends.daemon import protocol as P
-from lmc.storage.backends.daemon.client import Address, ServerError
 from lmc.storage.backends.p2p.directory_client import DirectoryConnection
 from lmc.storage.backends.p2p.wire import PeerInfo, Record
+from lmc.storage.backends.server import protocol as P
+from lmc.storage.backends.server.client import Address, ServerError
 from tests.server.daemon_proc import DaemonProc
 
 MAX_PEERS = 32  # the directory's per-token bound (lmc.server.p2p.directory.PeerDirectory)

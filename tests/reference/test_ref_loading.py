@@ -12,8 +12,8 @@ import torch
 from safetensors import safe_open
 
 from lmc.reference import LLM, default_model_dir, make_tiny_checkpoint
-from lmc.reference.config import ModelConfig
 from lmc.reference.loader import load_model, safetensors_files
+from lmc.reference.model_config import ModelConfig
 from lmc.reference.tokenizer import Tokenizer, load_eos_token_ids
 
 SMALL = {"hidden": 64, "layers": 2, "heads": 4, "kv_heads": 2, "vocab": 512}

@@ -121,7 +121,7 @@ def test_rotary_embedding_keeps_module_apply():
     """``nn.Module.apply(fn)`` (how weights are initialised over a model tree) must reach the
     rotary module too: a static ``apply(x, cos, sin)`` there once shadowed it (mypy found it),
     so ``model.apply(init)`` raised a TypeError at that module."""
-    from lmc.reference.config import RopeConfig
+    from lmc.reference.model_config import RopeConfig
     from lmc.reference.rope import RotaryEmbedding
 
     rope = RotaryEmbedding(8, RopeConfig())

@@ -188,8 +188,8 @@ def test_an_instance_refusing_the_connection_is_marked_at_once_and_the_request_r
     probed: list[str] = []
     probe = health.probe
 
-    def recording_probe(pool, inst) -> None:  # the real probe, its end recorded
-        probe(pool, inst)
+    def recording_probe(fleet, inst) -> None:  # the real probe, its end recorded
+        probe(fleet, inst)
         probed.append(inst.url)
 
     monkeypatch.setattr(health, "probe", recording_probe)

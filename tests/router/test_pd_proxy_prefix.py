@@ -25,7 +25,7 @@ from typing import Any
 import pytest
 
 from lmc.reference import make_tiny_checkpoint
-from lmc.router.dispatch import Pool
+from lmc.router.dispatch import Fleet
 from lmc.router.pd_proxy import Proxy
 from lmc.router.policy import PromptKeys
 from tests.kvutil import random_tokens
@@ -54,16 +54,16 @@ def running(prefill: list[Instance], decode: list[Instance], **kw: Any) -> Proxy
     return p
 
 
-def synced(pools: list[Pool], timeout: float = 30.0) -> None:
+def synced(fleets: list[Fleet], timeout: float = 30.0) -> None:
     end = time.monotonic() + timeout
-    while not all(i.source is None or i.source.synced for p in pools for i in p.instances):
-        assert time.monotonic() < end, [p.state() for p in pools]
+    while not all(i.source is None or i.source.synced for p in fleets for i in p.instances):
+        assert time.monotonic() < end, [p.state() for p in fleets]
         time.sleep(0.1)
 
 
-def indexed(pool: Pool, url: str, tokens: list[int], timeout: float = 30.0) -> None:
-    """Wait until ``pool``'s index of ``url`` holds all of ``tokens``' full blocks."""
-    src = next(i for i in pool.instances if i.url == url).source
+def indexed(fleet: Fleet, url: str, tokens: list[int], timeout: float = 30.0) -> None:
+    """Wait until ``fleet``'s index of ``url`` holds all of ``tokens``' full blocks."""
+    src = next(i for i in fleet.instances if i.url == url).source
     assert src is not None
     keys = PromptKeys(tokens)
     end = time.monotonic() + timeout

@@ -111,8 +111,8 @@ def test_a_prompt_held_only_on_disk_is_prefetched_where_it_is_routed(pair):
         inst = next(i for i in r.instances if i.url == holder)
         end = time.monotonic() + HANG_S
         while True:  # the events say: on the holder's disk, no longer in its memory
-            m = r.pool.pick(prompt, None)
-            r.pool.done(m.instance)
+            m = r.fleet.pick(prompt, None)
+            r.fleet.done(m.instance)
             if m.instance is inst and m.match is not None and m.match.storage > m.match.cpu:
                 break
             assert time.monotonic() < end, (m, r.state())

@@ -1,4 +1,4 @@
-"""The router's pool with a shared daemon (``--shared-events``): B, which never stored the
+"""The router's fleet with a shared daemon (``--shared-events``): B, which never stored the
 prompt, is picked with the daemon's prefix predicted, and the flag's mistakes are named."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import time
 import pytest
 import torch
 
-from lmc.router.dispatch import InstanceSpec, Pool
+from lmc.router.dispatch import Fleet, InstanceSpec
 from lmc.router.feed import EventFeed, SharedSpec
 from tests.kvutil import random_tokens
 from tests.router.test_router_shared import CHUNK, EVENTS, instance
@@ -20,35 +20,35 @@ from tests.server.daemon_proc import DaemonProc
 pytestmark = pytest.mark.integration
 
 
-def test_the_pool_predicts_the_shared_prefix_for_an_instance_that_never_stored_it(tmp_path):
+def test_the_fleet_predicts_the_shared_prefix_for_an_instance_that_never_stored_it(tmp_path):
     d = DaemonProc(tmp_path / "d", ["--size", "64MiB", "--kv-events", json.dumps(EVENTS)]
                    ).start()
     feed = None
     try:
         ev = d.info["kv_events"]
         with instance(d.url) as (ea, ca, eva):
-            pool = Pool([InstanceSpec("http://a:1", eva.endpoint, eva.replay_endpoint),
+            fleet = Fleet([InstanceSpec("http://a:1", eva.endpoint, eva.replay_endpoint),
                          InstanceSpec("http://b:1")],
                         shared=[SharedSpec.parse(f"{ev['endpoint']},replay="
                                                  f"{ev['replay_endpoint']}")])
-            feed = EventFeed(pool.sources, 5.0)
+            feed = EventFeed(fleet.sources, 5.0)
             feed.start()
             prompt = random_tokens(4 * CHUNK, seed=9)
             ea.store(prompt, ca, torch.arange(len(prompt)))
             ea.flush()
             end = time.monotonic() + 15
             while time.monotonic() < end:  # until B (the daemon's events) sees it all
-                pick = pool.pick(prompt, None, exclude={"http://a:1"})
-                pool.done(pick.instance)
+                pick = fleet.pick(prompt, None, exclude={"http://a:1"})
+                fleet.done(pick.instance)
                 if pick.predicted == len(prompt):
                     break
                 time.sleep(0.1)
-            a = pool.pick(prompt, None, exclude={"http://b:1"})  # A busy: B gets the next
-            b = pool.pick(prompt, None)
+            a = fleet.pick(prompt, None, exclude={"http://b:1"})  # A busy: B gets the next
+            b = fleet.pick(prompt, None)
             assert (b.instance.url, b.reason, b.predicted) == ("http://b:1", "prefix",
                                                                 len(prompt)), b
-            pool.done(a.instance)
-            pool.done(b.instance)
+            fleet.done(a.instance)
+            fleet.done(b.instance)
     finally:
         if feed is not None:
             feed.close()

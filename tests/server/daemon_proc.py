@@ -15,7 +15,7 @@ from typing import Any
 
 from lmc.config import CacheConfig
 from lmc.memory.pool import MemoryPool
-from lmc.storage.backends.daemon.client import Address, ClientConnection
+from lmc.storage.backends.server.client import Address, ClientConnection
 
 ROOT = Path(__file__).resolve().parents[2]
 

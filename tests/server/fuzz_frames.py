@@ -18,7 +18,7 @@ import random
 import msgpack
 import torch
 
-from lmc.storage.backends.daemon import protocol as P
+from lmc.storage.backends.server import protocol as P
 from lmc.storage.serde import encode_header
 
 MAX_META = 64 << 10

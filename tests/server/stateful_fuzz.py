@@ -23,7 +23,7 @@ import socket
 import time
 from typing import Any
 
-from lmc.storage.backends.daemon import protocol as P
+from lmc.storage.backends.server import protocol as P
 from tests.server import wire as W
 
 KEYSPACE = 48

@@ -95,7 +95,7 @@ def test_split_batch_balances_counts_and_weights():
 
 
 def test_probe_policy_probes_while_it_pays():
-    from lmc.storage.backends.daemon.probe import ProbePolicy
+    from lmc.storage.backends.server.probe import ProbePolicy
 
     p = ProbePolicy(threshold=0.1, every=4, alpha=0.5)
     assert p.want()  # optimistic start

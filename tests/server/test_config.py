@@ -10,7 +10,7 @@ import yaml
 
 from lmc.cli import build_parser
 from lmc.server.cli import config_from_args
-from lmc.server.config import ServerConfig
+from lmc.server.server_config import ServerConfig
 
 SHIPPED = sorted((Path(__file__).resolve().parents[2] / "configs" / "server").glob("*.yaml"))
 

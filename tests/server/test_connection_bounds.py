@@ -12,8 +12,8 @@ import urllib.request
 
 import pytest
 
-from lmc.storage.backends.daemon import protocol as P
-from lmc.storage.backends.daemon.client import ServerError
+from lmc.storage.backends.server import protocol as P
+from lmc.storage.backends.server.client import ServerError
 from tests.deadlines import HANG_S, SLACK_S
 from tests.server import wire as W
 

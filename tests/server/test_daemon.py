@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from lmc.memory.pool import MemoryPool
-from lmc.storage.backends.daemon import protocol as P
-from lmc.storage.backends.daemon.client import ServerError
+from lmc.storage.backends.server import protocol as P
+from lmc.storage.backends.server.client import ServerError
 from lmc.storage.serde import encode_header, tensor_bytes
 from lmc.storage.tier import create_backend
 from tests.kvutil import DTYPES, assert_bits_equal, random_bits

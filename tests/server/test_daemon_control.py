@@ -12,7 +12,7 @@ import time
 import pytest
 import yaml
 
-from lmc.storage.backends.daemon import protocol as P
+from lmc.storage.backends.server import protocol as P
 from lmc.storage.control import PinLimitError, TTLError
 from tests.deadlines import HANG_S
 from tests.server import wire as W

@@ -17,7 +17,7 @@ import yaml
 from lmc.events import wire
 from lmc.router.index import PrefixIndex
 from lmc.router.policy import PromptKeys
-from lmc.storage.backends.daemon import protocol as P
+from lmc.storage.backends.server import protocol as P
 from tests.events.helpers import Collector
 from tests.server import wire as W
 from tests.server.daemon_proc import DaemonProc

@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from lmc.storage.backends.daemon import protocol as P
+from lmc.storage.backends.server import protocol as P
 from tests.deadlines import HANG_S
 from tests.server import wire as W
 from tests.server.daemon_proc import ROOT
@@ -265,7 +265,7 @@ def test_first_seen_bounds_lines_past_its_memory_and_per_window(caplog):
     4,096 remembered), then 300 reconnects of one name, then the oldest names again: at
     most 20 individual lines per 10 s window and one summary line per window, however the
     names are chosen; a name seen recently is never new again."""
-    from lmc.server.ratelog import FirstSeen
+    from lmc.server.interval_log import FirstSeen
 
     now = [0.0]
     seen = FirstSeen(clock=lambda: now[0])

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from lmc.storage.backends.daemon import protocol as P
+from lmc.storage.backends.server import protocol as P
 from tests.server import wire as W
 
 pytestmark = pytest.mark.integration

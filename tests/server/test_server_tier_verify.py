@@ -15,8 +15,8 @@ import torch
 
 from lmc.config import CacheConfig
 from lmc.memory.pool import MemoryPool
-from lmc.server.config import ServerConfig
 from lmc.server.daemon import Daemon, build_storage
+from lmc.server.server_config import ServerConfig
 from lmc.storage.tier import create_backend
 
 from .daemon_proc import free_port
@@ -79,7 +79,7 @@ def test_a_value_damaged_in_the_daemon_is_a_miss_and_is_deleted():
 def test_the_daemon_takes_any_lower_tier_an_engine_takes(tmp_path):
     """The daemon builds its tiers with the engine's builder (``lmc.storage.chain``): another
     daemon (``lmc://``) behind it is a lower tier like Redis, with its backend options."""
-    from lmc.storage.backends.daemon.backend import ServerBackend
+    from lmc.storage.backends.server.backend import ServerBackend
 
     port = free_port()
     below = Daemon(ServerConfig(port=port, size="8MiB", prefault=False, hugepages=False))

@@ -19,7 +19,7 @@ import time
 import pytest
 import yaml
 
-from lmc.storage.backends.daemon import protocol as P
+from lmc.storage.backends.server import protocol as P
 from tests.server import stateful_fuzz as F
 from tests.server import wire as W
 from tests.server.daemon_proc import DaemonProc

@@ -10,7 +10,7 @@ import subprocess
 import sys
 import time
 
-from lmc.storage.backends.daemon import protocol as P
+from lmc.storage.backends.server import protocol as P
 from tests.server import wire
 from tests.server.daemon_proc import free_port
 

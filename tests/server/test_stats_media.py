@@ -21,8 +21,8 @@ from lmc.memory.pool import MemoryPool
 from lmc.server.stats_cli import format_info
 from lmc.server.views import tier_media
 from lmc.storage.backends.cpu import CPUBackend
-from lmc.storage.backends.daemon import protocol as P
 from lmc.storage.backends.disk.backend import DiskBackend
+from lmc.storage.backends.server import protocol as P
 from lmc.storage.tier import Medium, TierCapabilities
 from tests.server import wire
 from tests.server.daemon_proc import ROOT

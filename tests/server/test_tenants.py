@@ -11,8 +11,8 @@ import torch
 import yaml
 
 from lmc.server.auth import Authenticator, Grant, parse_tokens
-from lmc.server.config import ServerConfig
-from lmc.storage.backends.daemon import protocol as P
+from lmc.server.server_config import ServerConfig
+from lmc.storage.backends.server import protocol as P
 from lmc.storage.tier import create_backend
 from tests.server import wire as W
 from tests.server.daemon_proc import DaemonProc, client_pool

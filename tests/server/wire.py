@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from lmc.storage.backends.daemon import protocol as P
+from lmc.storage.backends.server import protocol as P
 from lmc.storage.serde import encode_header
 
 

@@ -22,7 +22,7 @@ import torch
 
 from lmc import CacheConfig, CacheEngine
 from lmc.layerwise import LoadError
-from lmc.storage.backends.disk import layered as disk_layers
+from lmc.storage.backends.disk import disk_layered_read as disk_layers
 from lmc.storage.serde import HEADER_SIZE, decode_header
 from tests.kvutil import assert_bits_equal, make_caches, random_tokens, spec_for, token_kv
 from tests.storage.backends.conftest import redis_server  # noqa: F401 - real redis-server

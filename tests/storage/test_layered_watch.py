@@ -13,7 +13,7 @@ import torch
 
 from lmc.config import CacheConfig
 from lmc.memory.pool import MemoryPool
-from lmc.storage.backends.disk import layered as disk_layers
+from lmc.storage.backends.disk import disk_layered_read as disk_layers
 from lmc.storage.backends.disk.backend import DiskBackend
 from lmc.storage.layered_read import LayerGate
 from lmc.storage.layered_watch import Progress, costs, decide, rate_bound

@@ -9,7 +9,7 @@ import torch
 
 from lmc.config import CacheConfig, TierEntry
 from lmc.memory.pool import MemoryPool
-from lmc.server.config import ServerConfig
+from lmc.server.server_config import ServerConfig
 from lmc.settings import ConfigError
 from lmc.storage.chain import build_storage, build_tiers, check_chain
 from lmc.storage.manager import StorageManager

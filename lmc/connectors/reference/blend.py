@@ -34,8 +34,8 @@ from lmc.connectors.core.metadata import ConnectorMetadata
 from lmc.connectors.reference.connector import ConfigLike, LMCReferenceConnector
 from lmc.quality.gate import decide
 from lmc.quality.verdict import VerdictStore
-from lmc.reference.config import ModelConfig
 from lmc.reference.connector_api import ConnectorRequest
+from lmc.reference.model_config import ModelConfig
 from lmc.reference.scheduler_output import SchedulerOutput
 from lmc.storage.integrity import Integrity
 

@@ -70,7 +70,7 @@ from lmc.connectors.core.lookup_service import LookupClient
 from lmc.connectors.core.metadata import ConnectorMetadata
 from lmc.connectors.core.model_id import engine_model_id
 from lmc.connectors.core.scheduler import ConnectorConfig
-from lmc.connectors.vllm.config import load_settings, per_rank_disks
+from lmc.connectors.vllm.extra_config import load_settings, per_rank_disks
 from lmc.connectors.vllm.groups import group_kinds
 from lmc.connectors.vllm.layout import (
     UnsupportedLayout,

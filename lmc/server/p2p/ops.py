@@ -1,4 +1,4 @@
-"""The daemon's handlers for the directory ops (``P2P_*`` in :mod:`lmc.storage.backends.daemon.protocol`).
+"""The daemon's handlers for the directory ops (``P2P_*`` in :mod:`lmc.storage.backends.server.protocol`).
 
 Every field is checked before it touches the directory; a bad one is a ``bad_request`` answer
 and the connection stays. Every op names a namespace (``ns``) the connection's token must
@@ -14,8 +14,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from lmc.server.p2p.directory import DirectoryFull
-from lmc.storage.backends.daemon import protocol as P
 from lmc.storage.backends.p2p.wire import BadRecord, peer_info, unpack_record
+from lmc.storage.backends.server import protocol as P
 
 if TYPE_CHECKING:
     from lmc.server.session import Session

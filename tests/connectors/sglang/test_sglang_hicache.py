@@ -1,7 +1,7 @@
 """LMCHiCacheStorage through SGLang 0.5.23's own HiCache controller (threads, prefetch and
 backup queues, host pool, layer-done counter): a producer stores, a restarted engine loads
 bit-exact on every layer; layer_first and page_first; zero-copy v1 and generic paths; SGLang's
-random storage faults and a dead Redis or lmc-daemon tier give fewer hits, never a crash,
+random storage faults and a dead Redis or lmc:// server tier give fewer hits, never a crash,
 hang, leaked lock or wrong KV; pages still queued for the disk when SGLang detaches the backend
 are written by ``close()`` (a restarted engine finds them). Runs
 ``sglang_scripts/sglang_hicache_flow.py --all`` in the SGLang venv.

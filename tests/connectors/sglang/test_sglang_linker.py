@@ -2,7 +2,7 @@
 the dynamic linker factory, the layer counter on the KV pool and worker, the scheduler's
 per-batch calls): offload then a restarted engine's layer-wise load, bit-exact and each layer
 in place when ``wait_until`` returns, overlapped with compute; a failed layer aborts the
-request; cancel, reset and close under load; a dead Redis or lmc-daemon tier; no node left
+request; cancel, reset and close under load; a dead Redis or lmc:// server tier; no node left
 locked after any prefill; ``close()`` drains offloads still queued for the disk. Runs
 ``sglang_scripts/sglang_linker_flow.py`` in the SGLang venv."""
 

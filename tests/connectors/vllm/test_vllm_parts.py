@@ -12,7 +12,7 @@ import torch
 
 from lmc.connectors.core.lookup_service import LookupClientStats
 from lmc.connectors.core.scheduler import ConnectorConfig
-from lmc.connectors.vllm.config import load_settings, per_rank_disks
+from lmc.connectors.vllm.extra_config import load_settings, per_rank_disks
 from lmc.connectors.vllm.layout import (
     UnsupportedLayout,
     check_cache_dtype,

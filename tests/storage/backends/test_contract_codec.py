@@ -24,7 +24,7 @@ from lmc.testing import (
     TierSpec,
 )
 
-from .test_contract_daemon import _forge, _signal, contract_daemon  # noqa: F401 (fixture)
+from .test_contract_daemon import _forge, _signal, contract_server  # noqa: F401 (fixture)
 from .test_contract_disk import _flip_payload_byte
 from .test_contract_redis import _damage, contract_redis  # noqa: F401 (fixture)
 
@@ -84,8 +84,8 @@ class TestCodecOverKeyedRedis(TierContract):
 @pytest.mark.integration
 class TestCodecOverDaemon(TierContract):
     @pytest.fixture(params=["plain", "keyed"])
-    def tier_spec(self, request, contract_daemon):  # noqa: F811
-        d = contract_daemon
+    def tier_spec(self, request, contract_server):  # noqa: F811
+        d = contract_server
         keyed = request.param == "keyed"
         import signal
 

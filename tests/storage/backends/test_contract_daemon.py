@@ -20,7 +20,7 @@ SECRET = "contract-suite-secret-0123456789"
 
 
 @pytest.fixture(scope="module")
-def contract_daemon(tmp_path_factory):
+def contract_server(tmp_path_factory):
     """A daemon of this module's own: the fault tests kill and stop it."""
     d = DaemonProc(tmp_path_factory.mktemp("contract-daemon"), ["--size", "64MiB"])
     d.start()
@@ -44,16 +44,16 @@ def _signal(d: DaemonProc, sig: int) -> None:
 
 
 @pytest.fixture(params=["plain", "keyed"])
-def tier_spec(request, contract_daemon):
+def tier_spec(request, contract_server):
     keyed = request.param == "keyed"
     return TierSpec(
-        contract_daemon.url,
+        contract_server.url,
         config=lambda: {"remote_key_prefix": f"c{uuid.uuid4().hex[:10]}", "remote_timeout": 1.0,
                         **({"integrity_secret": SECRET} if keyed else {})},
         corrupt=_forge if keyed else None,
-        kill=lambda tier: contract_daemon.kill(), revive=lambda tier: contract_daemon.start(),
-        hang=lambda tier: _signal(contract_daemon, signal.SIGSTOP),
-        unhang=lambda tier: _signal(contract_daemon, signal.SIGCONT),
+        kill=lambda tier: contract_server.kill(), revive=lambda tier: contract_server.start(),
+        hang=lambda tier: _signal(contract_server, signal.SIGSTOP),
+        unhang=lambda tier: _signal(contract_server, signal.SIGCONT),
         reopen=lambda tier: {"remote_key_prefix": tier.namespace},  # the namespace
         # another namespace on the same daemon (tokens' tenants: test_contract_p2p.py and
         # tests/server's attack tests)

@@ -13,7 +13,7 @@ import torch
 import xxhash
 
 from lmc.memory.pool import MemoryPool
-from lmc.storage.backends.daemon.tags import tag_key
+from lmc.storage.backends.server.tags import tag_key
 from lmc.storage.serde import (
     HEADER_SIZE,
     TAG_SIZE,
@@ -132,7 +132,7 @@ def test_wrong_secret_and_mixed_settings_are_misses(redis_server, tiers):
     release(objs + pobjs)
 
 
-# ------------------------------------------------------------------ the lmc daemon tier
+# ------------------------------------------------------------------ the lmc:// server tier
 @pytest.fixture(scope="module")
 def daemon(tmp_path_factory):
     d = DaemonProc(tmp_path_factory.mktemp("daemon"), ["--size", "64MiB"])

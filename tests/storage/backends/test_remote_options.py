@@ -135,14 +135,14 @@ def test_a_dead_daemon_is_warned_about_twice_then_counted(caplog, tmp_path):
     then the failed probes (every ≤ 2 s) are counted for the next line a minute later. Each
     probe failure logged a line of its own (HALF_OPEN -> OPEN looked like a new opening)."""
     from lmc.memory.pool import MemoryPool
-    from lmc.storage.backends.daemon.backend import ServerBackend
+    from lmc.storage.backends.server.backend import ServerBackend
 
     port = free_port()  # nothing listens: every call is refused at once
     cfg = CacheConfig(remote_url=f"lmc://127.0.0.1:{port}", remote_timeout=0.2)
     pool = MemoryPool(1 << 20, pin_memory=False)
     tier = ServerBackend(config=cfg, pool=pool)
     try:
-        with caplog.at_level(logging.WARNING, logger="lmc.storage.backends.daemon.backend"):
+        with caplog.at_level(logging.WARNING, logger="lmc.storage.backends.server.backend"):
             deadline = time.monotonic() + 5.0
             while time.monotonic() < deadline:
                 tier.contains([b"k" * 16])

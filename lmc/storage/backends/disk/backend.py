@@ -50,7 +50,7 @@ temporary name (so its key disappears atomically) and overwritten in place, whic
 2.2 GiB/s against 1.2 for unlink+create. Segments would only pay off for chunks far below
 1 MiB, which lmc's chunk sizes do not produce.
 
-I/O runs on a small thread pool: a batch of reads or writes is issued in parallel (several
+I/O runs on a few threads of its own: a batch of reads or writes is issued in parallel (several
 requests in flight keep the device busy), and the caller only waits for the batch. Where the
 filesystem refuses O_DIRECT (tmpfs on old kernels, some network filesystems) buffered I/O is
 used, logged once per directory. Errors never reach the engine: a failed write (ENOSPC, EIO)
@@ -490,8 +490,8 @@ class DiskBackend(StorageBackend):
 
     def get_layers(self, keys: Sequence[Key]) -> LayeredRead | None:
         """Open the hits (headers checked, objects allocated, in parallel) and read them
-        layer by layer in the background (:mod:`lmc.storage.backends.disk.layered`)."""
-        from .layered import DiskLayeredRead
+        layer by layer in the background (:mod:`lmc.storage.backends.disk.disk_layered_read`)."""
+        from .disk_layered_read import DiskLayeredRead
 
         jobs = self._reserve_reads(keys)
         if jobs is None:
@@ -828,7 +828,7 @@ class DiskBackend(StorageBackend):
 
 class DiskReads:
     """What the tier hands its layered reader (:mod:`.layered`), and all that reader may
-    use of it: the I/O pool, opening and failing values under the tier's rules (index,
+    use of it: the I/O threads, opening and failing values under the tier's rules (index,
     eviction order, counting, deletion), its aligned buffers, its coordinators, its framing
     and metrics. The tier's index, lock and files stay its own."""
 
@@ -839,7 +839,7 @@ class DiskReads:
         self.coordinators = tier.coordinators
 
     def submit(self, fn: Any, *args: Any) -> Any:
-        """A job on the tier's I/O pool (a ``Future``); ``RuntimeError`` once it closed."""
+        """A job on the tier's I/O threads (a ``Future``); ``RuntimeError`` once it closed."""
         return self._tier._io.submit(fn, *args)
 
     def open_value(self, key: Key, entry: Entry) -> OpenValue:

@@ -48,10 +48,10 @@ from lmc.lazy_import import LazyModule
 from lmc.memory.pool import MemoryObj, MemoryPool
 from lmc.ratelog import RateLimitedWarnings
 from lmc.settings import parse_duration, parse_int, parse_opt_str, parse_size
-from lmc.storage.backends.daemon.client import Address
 from lmc.storage.backends.p2p.agent import PoolAgent, TransferFailed
 from lmc.storage.backends.p2p.directory_client import DirectoryConnection
 from lmc.storage.backends.p2p.wire import BadRecord, PeerInfo, Record
+from lmc.storage.backends.server.client import Address
 from lmc.storage.breaker import CircuitBreaker
 from lmc.storage.framing import ValueFraming
 from lmc.storage.integrity import Geometry, Integrity

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from lmc.storage.backends.daemon import protocol as P
-from lmc.storage.backends.daemon.client import Address, ClientConnection
 from lmc.storage.backends.p2p.wire import PeerInfo, Record, peer_info, unpack_record
+from lmc.storage.backends.server import protocol as P
+from lmc.storage.backends.server.client import Address, ClientConnection
 
 
 class DirectoryConnection:

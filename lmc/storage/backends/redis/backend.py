@@ -58,8 +58,8 @@ from lmc.storage.tier import (
 from . import metrics
 from .fetch import GetJob
 from .jobs import Call, Job, SetJob, SmallJob
-from .layered import RedisLayeredRead
-from .nodes import NodePool, Router
+from .nodes import NodeConnections, Router
+from .redis_layered_read import RedisLayeredRead
 from .url import SCHEMES, parse_target
 from .wire import Deadline
 
@@ -153,7 +153,7 @@ class RedisBackend(StorageBackend):
         with self._count_lock:
             self._counts.update(kv)
 
-    def _pool(self) -> ThreadPoolExecutor:
+    def _threads(self) -> ThreadPoolExecutor:
         ex = self._executor
         if ex is None:
             with self._exec_lock:
@@ -165,7 +165,7 @@ class RedisBackend(StorageBackend):
                         max_workers=2 * self.connections, thread_name_prefix="lmc-redis")
         return ex
 
-    def _failed(self, node: NodePool, op: str, e: BaseException) -> None:
+    def _failed(self, node: NodeConnections, op: str, e: BaseException) -> None:
         kind = _error_kind(e)
         self.metrics.error(op, kind)
         self._count(**{f"errors_{kind}": 1})
@@ -179,7 +179,7 @@ class RedisBackend(StorageBackend):
         if self.target.cluster:
             self.router.invalidate()
 
-    def _attempt(self, node: NodePool, job: Job, dl: Deadline) -> None:
+    def _attempt(self, node: NodeConnections, job: Job, dl: Deadline) -> None:
         """Run one job; never raises. A stale pooled connection gets one fresh retry."""
         try:
             dl.remaining()
@@ -219,7 +219,7 @@ class RedisBackend(StorageBackend):
             log.debug("redis tier %s: no cluster topology: %s", self.target.display, e)
             return
         n = len(call.rkeys)
-        pairs: list[tuple[NodePool, Job]] = []
+        pairs: list[tuple[NodeConnections, Job]] = []
         for node, idxs in groups.items():
             if not node.breaker.allow():
                 metrics.REJECTED_KEYS.labels(call.op).inc(len(idxs))
@@ -236,7 +236,7 @@ class RedisBackend(StorageBackend):
             futs = []
             for node, job in pairs[1:]:
                 try:
-                    futs.append(self._pool().submit(self._attempt, node, job, dl))
+                    futs.append(self._threads().submit(self._attempt, node, job, dl))
                 except RuntimeError:  # close() shut the executor down: this part is a miss
                     job.abort()
             self._attempt(*pairs[0], dl)
@@ -256,7 +256,7 @@ class RedisBackend(StorageBackend):
             if call.topology_changed:
                 self.router.invalidate()
 
-    def _pipelined(self, pairs: list[tuple[NodePool, Job]], dl: Deadline) -> None:
+    def _pipelined(self, pairs: list[tuple[NodeConnections, Job]], dl: Deadline) -> None:
         """Small jobs on several servers from this thread: send all, then read all, so the
         call costs one round trip however many servers it touches."""
         sent = []
@@ -320,7 +320,7 @@ class RedisBackend(StorageBackend):
 
     def get_layers(self, keys: Sequence[Key]) -> LayeredRead | None:
         """Heads now (one round trip), payloads layer by layer in the background
-        (:mod:`lmc.storage.backends.redis.layered`)."""
+        (:mod:`lmc.storage.backends.redis.redis_layered_read`)."""
         if not keys or self.closed:
             return None
         call = RedisLayeredRead(RedisCalls(self), keys)
@@ -402,7 +402,7 @@ class RedisBackend(StorageBackend):
     # ------------------------------------------------------------------ lifecycle
     def breaker_state(self) -> str:
         """The worst state over the tier's servers."""
-        states = [p.breaker.state for p in self.router.pools.values()]
+        states = [p.breaker.state for p in self.router.nodes.values()]
         return max(states, key=STATE_CODES.__getitem__) if states else "closed"
 
     def stats(self) -> dict[str, Any]:
@@ -410,13 +410,13 @@ class RedisBackend(StorageBackend):
             counts = dict(self._counts)
         nodes = {p.label: {**p.breaker.stats(), "idle_connections": p.idle_count(),
                            "connects": p.connects}
-                 for p in list(self.router.pools.values())}
+                 for p in list(self.router.nodes.values())}
         return {"url": self.target.display, "cluster": self.target.cluster,
                 "breaker": self.breaker_state(), "nodes": nodes,
                 "slot_refreshes": self.router.refreshes, **counts}
 
     def close(self) -> None:
-        with self._exec_lock:  # after this no call makes a new executor (see _pool)
+        with self._exec_lock:  # after this no call makes a new executor (see _threads)
             self.closed = True
             ex, self._executor = self._executor, None
         self.coordinators.close()  # layered reads end within their deadline

@@ -1,6 +1,6 @@
 """Connections to the servers of the remote tier, and which server owns which key.
 
-One :class:`NodePool` per server keeps idle data connections (redis-py makes them: TCP or
+One :class:`NodeConnections` per server keeps idle data connections (redis-py makes them: TCP or
 TLS, AUTH, SELECT, all replies of the handshake parsed by hiredis) and the server's circuit
 breaker, so that in a cluster one dead node costs only its own keys. :class:`Router` maps keys
 to nodes: trivially for one server, through the slot table (``CLUSTER SLOTS``) for a cluster,
@@ -46,7 +46,7 @@ STARTUP_TIMEOUT = 5.0
 """Seconds the start-up check gives each seed node: its PING and its data connections."""
 
 
-class NodePool:
+class NodeConnections:
     """Idle data connections to one server, plus that server's breaker."""
 
     def __init__(self, host: str, port: int, target: RedisTarget, breaker: CircuitBreaker,
@@ -173,9 +173,9 @@ class Router:
         self._make_breaker = make_breaker
         self._max_idle = max_idle
         self._lock = threading.Lock()
-        self.pools: dict[tuple[str, int], NodePool] = {}
+        self.nodes: dict[tuple[str, int], NodeConnections] = {}
         self.seeds = [self.node(h, p) for h, p in target.nodes]
-        self._slots: list[NodePool | None] | None = None
+        self._slots: list[NodeConnections | None] | None = None
         self.refreshes = 0
         self.checked = threading.Event()  # the start-up check is over
         self.unreachable: list[str] = []  # seed nodes that did not answer it
@@ -191,37 +191,37 @@ class Router:
         """PING every seed node once, then open its data connections; one warning per node
         that does not answer."""
         try:
-            for pool in self.seeds:
+            for node in self.seeds:
                 t0 = time.monotonic()
                 try:
                     dl = Deadline(timeout)
-                    pool.control(dl, "PING")
+                    node.control(dl, "PING")
                 except Exception as e:  # noqa: BLE001 - refused, timed out, TLS, AUTH: all told
-                    self.unreachable.append(pool.label)
+                    self.unreachable.append(node.label)
                     log.warning("redis tier %s: %s did not answer at start-up (%s): lookups "
                                 "miss and stores are dropped until it does", self.target.display,
-                                pool.label, _why(e))
+                                node.label, _why(e))
                     continue
-                log.info("redis tier %s: %s answered in %s", self.target.display, pool.label,
+                log.info("redis tier %s: %s answered in %s", self.target.display, node.label,
                          units.seconds(time.monotonic() - t0))
                 try:
-                    pool.warm(dl, self._warm)
+                    node.warm(dl, self._warm)
                 except Exception as e:  # noqa: BLE001 - it answered: calls connect as needed
                     log.debug("redis tier %s: %s: %d connection(s) made at start-up, then %s",
-                              self.target.display, pool.label, pool.idle_count(), _why(e))
+                              self.target.display, node.label, node.idle_count(), _why(e))
         finally:
             self.checked.set()
 
-    def node(self, host: str, port: int) -> NodePool:
+    def node(self, host: str, port: int) -> NodeConnections:
         with self._lock:
-            pool = self.pools.get((host, port))
-            if pool is None:
+            node = self.nodes.get((host, port))
+            if node is None:
                 breaker = self._make_breaker(f"{host}:{port}")
                 breaker.on_first_failure = functools.partial(self._first_failure,
                                                              f"{host}:{port}")
-                pool = self.pools[(host, port)] = NodePool(host, port, self.target, breaker,
+                node = self.nodes[(host, port)] = NodeConnections(host, port, self.target, breaker,
                                                            self._max_idle)
-            return pool
+            return node
 
     def _first_failure(self, label: str, error: BaseException | None) -> None:
         why = f" ({_why(error)})" if error is not None else ""
@@ -233,43 +233,43 @@ class Router:
         """Re-read the slot table before the next cluster call."""
         self._slots = None
 
-    def group(self, rkeys: Sequence[bytes], dl: Deadline) -> dict[NodePool, list[int]]:
+    def group(self, rkeys: Sequence[bytes], dl: Deadline) -> dict[NodeConnections, list[int]]:
         """Indexes of ``rkeys`` per owning server; keys of unknown owner are left out."""
         if not self.target.cluster:
             return {self.seeds[0]: list(range(len(rkeys)))}
         slots = self._slots
         if slots is None:
             slots = self._refresh(dl)
-        out: dict[NodePool, list[int]] = {}
+        out: dict[NodeConnections, list[int]] = {}
         for i, k in enumerate(rkeys):
             owner = slots[key_slot(k)]
             if owner is not None:
                 out.setdefault(owner, []).append(i)
         return out
 
-    def _refresh(self, dl: Deadline) -> list[NodePool | None]:
+    def _refresh(self, dl: Deadline) -> list[NodeConnections | None]:
         """Ask the known nodes (breakers permitting) for ``CLUSTER SLOTS``."""
-        candidates = list(dict.fromkeys([*self.pools.values(), *self.seeds]))
+        candidates = list(dict.fromkeys([*self.nodes.values(), *self.seeds]))
         last: Exception | None = None
-        for pool in candidates:
-            if not pool.breaker.allow():
+        for node in candidates:
+            if not node.breaker.allow():
                 continue
             try:
-                reply = pool.control(dl, "CLUSTER", "SLOTS")
+                reply = node.control(dl, "CLUSTER", "SLOTS")
             except Exception as e:  # any failure: try the next node
-                pool.breaker.failure()
-                pool.reset()
+                node.breaker.failure()
+                node.reset()
                 last = e
                 continue
-            pool.breaker.success()
-            table = self._table(reply, pool)
+            node.breaker.success()
+            table = self._table(reply, node)
             self._slots = table
             self.refreshes += 1
             return table
         raise ConnectionError(f"no cluster node answered CLUSTER SLOTS ({last or 'all breakers open'})")
 
-    def _table(self, reply: object, asked: NodePool) -> list[NodePool | None]:
-        table: list[NodePool | None] = [None] * REDIS_CLUSTER_HASH_SLOTS
+    def _table(self, reply: object, asked: NodeConnections) -> list[NodeConnections | None]:
+        table: list[NodeConnections | None] = [None] * REDIS_CLUSTER_HASH_SLOTS
         if not isinstance(reply, list):
             raise ConnectionError(f"CLUSTER SLOTS answered {type(reply).__name__}")
         for entry in reply:
@@ -282,7 +282,7 @@ class Router:
                 table[s] = owner
         return table
 
-    def primaries(self, dl: Deadline) -> list[NodePool]:
+    def primaries(self, dl: Deadline) -> list[NodeConnections]:
         """Every server holding keys: the one, or each primary of the slot table."""
         if not self.target.cluster:
             return [self.seeds[0]]
@@ -290,5 +290,5 @@ class Router:
         return list(dict.fromkeys(p for p in slots if p is not None))
 
     def close(self) -> None:
-        for pool in list(self.pools.values()):
-            pool.reset()
+        for node in list(self.nodes.values()):
+            node.reset()

@@ -5,7 +5,7 @@
 the shared token. Every call is one batched, pipelined conversation; large batches are split
 over up to ``connections`` connections in parallel (an option: ``ServerBackend.OPTIONS``).
 Values travel from and into pool memory without intermediate copies (see
-``lmc.storage.backends.daemon.client``).
+``lmc.storage.backends.server.client``).
 
 Failure is a miss, never an exception: a call that fails or times out (``remote_timeout``
 of inactivity) answers misses, and a circuit breaker then keeps calls off the network until
@@ -31,9 +31,9 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from lmc.config import CacheConfig
 from lmc.memory.pool import MemoryObj, MemoryPool
 from lmc.settings import parse_int, parse_opt_str
-from lmc.storage.backends.daemon import protocol as P
-from lmc.storage.backends.daemon.client import Address, Allocate, BlockMeta, ClientConnection
-from lmc.storage.backends.daemon.probe import ProbePolicy
+from lmc.storage.backends.server import protocol as P
+from lmc.storage.backends.server.client import Address, Allocate, BlockMeta, ClientConnection
+from lmc.storage.backends.server.probe import ProbePolicy
 from lmc.storage.breaker import CLOSED, OPEN, CircuitBreaker
 from lmc.storage.framing import ValueFraming
 from lmc.storage.integrity import Geometry, Integrity
@@ -63,7 +63,7 @@ SPLIT_BYTES = 8 << 20  # batches larger than this go over several connections in
 
 @register_backend("server", schemes=("lmc", "lmc+unix"))
 class ServerBackend(StorageBackend):
-    """A connection pool to one daemon, behind a circuit breaker."""
+    """The server tier (``lmc://``): connections to one daemon, behind a circuit breaker."""
 
     medium = Medium.REMOTE
     capabilities = TierCapabilities(existence_without_reading=True, durable=True)

@@ -5,7 +5,7 @@ up to ``window`` requests are on the wire before the first answer is read. Value
 from pool memory with ``sendmsg`` (no joined copy) and received with ``recv_into`` straight
 into freshly allocated pool objects, whose checksum is verified before they are returned.
 Any socket or protocol failure raises; the connection is then unusable and the caller
-(``lmc/storage/backends/daemon/backend.py``) closes it and turns the failure into misses.
+(``lmc/storage/backends/server/backend.py``) closes it and turns the failure into misses.
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from lmc.storage.backends.daemon import protocol as P
-from lmc.storage.backends.daemon.protocol import DEFAULT_PORT
+from lmc.storage.backends.server import protocol as P
+from lmc.storage.backends.server.protocol import DEFAULT_PORT
 from lmc.storage.control import ERRORS, ControlError
 from lmc.storage.serde import byte_view, encode_header, payload_checksum
 

@@ -35,7 +35,7 @@ from lmc.settings import (
     parse_size,
     setting,
 )
-from lmc.storage.backends.daemon.protocol import DEFAULT_PORT, Limits
+from lmc.storage.backends.server.protocol import DEFAULT_PORT, Limits
 
 LOOPBACK = ("127.0.0.1", "::1", "localhost")
 
@@ -132,11 +132,11 @@ def _mode(v: Any, k: str) -> int:
 
 def _kv_events(v: Any, k: str) -> dict[str, Any] | None:
     """The ``kv_events`` mapping: the engine's keys (vLLM's ``--kv-events-config`` and
-    lmc's), checked by :class:`lmc.events.config.EventsConfig`; null = off."""
+    lmc's), checked by :class:`lmc.events.events_config.EventsConfig`; null = off."""
     if v is None or v == "":
         return None
     out = parse_mapping(v, k)
-    from lmc.events.config import EventsConfig
+    from lmc.events.events_config import EventsConfig
     try:
         EventsConfig.from_mapping(out)
     except (TypeError, ValueError) as e:

@@ -9,7 +9,7 @@ the engine may already be copying it out), and layer l is in place once reads ``
 The value's last partial unit goes through the tier's aligned buffer, as in a whole read
 (``MemoryObj.io_spans``), so no pool byte past the object is touched.
 
-Every (chunk, layer) read is queued on the tier's I/O pool up front, layer-major, so its
+Every (chunk, layer) read is queued on the tier's I/O threads up front, layer-major, so its
 threads keep several requests in flight across layer boundaries; one coordinator thread per
 call waits for them in order, announces each layer, and feeds each chunk's xxh3 with the
 layer's bytes as they land (a streamed xxh3 equals the one-shot digest the header holds), so

@@ -1,4 +1,0 @@
-"""The ``lmc://`` tier: an engine's remote tier served by ``lmc server``. The protocol lives
-here with its client (``protocol``, ``client``, ``probe``: when to ask which values the daemon
-already holds), the tier itself is ``backend`` and its integrity tags ``tags``; the daemon
-(:mod:`lmc.server`) imports the protocol from here."""
