@@ -35,7 +35,7 @@ class CacheCliError(Exception):
 
 
 def register_cli(sub: Any) -> None:
-    from lmc.cli import add_command, float_in, int_in
+    from lmc.cli_args import add_command, float_in, int_in
     p = add_command(sub, "cache", "pin, prioritise, delete, clear or prefetch cached "
                     "prompts of a running server, router or daemon", __doc__)
     p.add_argument("op", choices=OPS)

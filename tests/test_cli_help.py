@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from lmc.cli import build_parser, help_text, main
+from lmc.cli import build_parser, main
+from lmc.cli_args import help_text
 from lmc.server.server_config import ServerConfig
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -304,7 +304,7 @@ def test_a_workload_written_over_a_directory_is_refused_by_name(tmp_path):
 def test_range_types_take_only_what_is_in_range(text, lo, width):
     """Any text either parses into the range or is an ArgumentTypeError naming what was
     given (argparse turns that into exit 2); never another exception, never out of range."""
-    from lmc.cli import float_in, int_in, positive_int
+    from lmc.cli_args import float_in, int_in, positive_int
 
     hi = lo + width
     for parse, ok in ((int_in(lo, hi), lambda v: type(v) is int and lo <= v <= hi),

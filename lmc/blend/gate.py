@@ -11,7 +11,7 @@ from typing import Any
 
 
 def register_cli(sub: Any) -> None:
-    from lmc.cli import add_command, int_in
+    from lmc.cli_args import add_command, int_in
     from lmc.quality.cli import add_arguments, main
 
     p = add_command(sub, "blend-check", "lmc quality --feature blend (the recompute ratios "

@@ -6,7 +6,7 @@ import argparse
 import sys
 from typing import Any
 
-from lmc.cli import int_in
+from lmc.cli_args import int_in
 
 
 def _cli(args: argparse.Namespace) -> int:
@@ -28,7 +28,7 @@ def _cli(args: argparse.Namespace) -> int:
 
 
 def register_cli(sub: Any) -> None:
-    from lmc.cli import add_command
+    from lmc.cli_args import add_command
     from lmc.demo import __doc__ as doc
     from lmc.demo.run import default_threads
 

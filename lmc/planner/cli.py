@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from lmc.cli import int_in, positive_int
+from lmc.cli_args import int_in, positive_int
 from lmc.settings import parse_size
 
 PLAN_SUMMARY = "size the cache tiers for a trace: hit rate and predicted TTFT per configuration"
@@ -88,7 +88,7 @@ def _lengths(text: str) -> list[int]:
 
 
 def register_cli(sub: Any) -> None:
-    from lmc.cli import add_command
+    from lmc.cli_args import add_command
 
     p = add_command(sub, "plan", PLAN_SUMMARY, __doc__)
     p.add_argument("trace", nargs="?", metavar="TRACE", help="JSONL trace (docs/workloads.md)")

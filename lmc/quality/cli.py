@@ -84,7 +84,7 @@ def settings_list(feature: LossyKVFeature, text: str | None) -> list[str]:
 
 
 def add_arguments(p: argparse.ArgumentParser, settings_flag: str = "--settings") -> None:
-    from lmc.cli import float_in, int_in
+    from lmc.cli_args import float_in, int_in
     from lmc.quality.check import DEFAULT_ANSWER_TOKENS
     from lmc.quality.check import DEFAULT_THRESHOLDS as T
 
@@ -129,7 +129,7 @@ def add_arguments(p: argparse.ArgumentParser, settings_flag: str = "--settings")
 
 
 def register_cli(sub: Any) -> None:
-    from lmc.cli import add_command
+    from lmc.cli_args import add_command
 
     p = add_command(sub, "quality", "judge a lossy KV feature (blending, a codec) on a model "
                     "against exact KV; write its verdicts", __doc__)

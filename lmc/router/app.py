@@ -197,7 +197,7 @@ class _Handler(RelayHandler):
 
 
 def register_cli(sub: Any) -> None:
-    from lmc.cli import add_command, float_in, int_in
+    from lmc.cli_args import add_command, float_in, int_in
     p = add_command(sub, "router", "route requests to the instance with the longest cached "
                     "prefix (KV events), balanced against load", __doc__)
     p.add_argument("--instance", action="append", required=True, metavar="SPEC",

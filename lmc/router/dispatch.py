@@ -221,7 +221,7 @@ class Front:
 
 def add_choice_args(p: Any, policy_default: str | None, policy_help: str) -> None:
     """The flags of the choosing, the same in ``lmc router`` and ``lmc pd-proxy``."""
-    from lmc.cli import float_in, int_in
+    from lmc.cli_args import float_in, int_in
     p.add_argument("--policy", choices=POLICIES, default=policy_default, help=policy_help)
     d = Weights()
     p.add_argument("--weight-gpu", type=float_in(0, 1), default=d.gpu,

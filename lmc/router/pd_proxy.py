@@ -355,7 +355,7 @@ _RELAYED = object()
 
 
 def register_cli(sub: Any) -> None:
-    from lmc.cli import add_command, float_in, int_in
+    from lmc.cli_args import add_command, float_in, int_in
     p = add_command(sub, "pd-proxy", "prefill on a kv_producer, decode on a kv_consumer, "
                     "behind one /v1/completions", __doc__)
     p.add_argument("--prefill", action="append", required=True, metavar="URL",

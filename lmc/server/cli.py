@@ -99,7 +99,7 @@ def _main(args: argparse.Namespace) -> int:
 
 
 def register_cli(subparsers: Any) -> None:
-    from lmc.cli import add_command
+    from lmc.cli_args import add_command
 
     p = add_command(subparsers, "server", "run the node-wide KV cache server daemon", __doc__)
     add_arguments(p)

@@ -215,11 +215,11 @@ def render(stats: Any, before: dict[str, Any] | None = None,
 
 def engine_funnel(url: str, timeout: float) -> dict[str, Any]:
     """An engine server's (or a router's) hit-rate funnel since it started, from its
-    ``/lmc/stats`` and ``/metrics`` (:mod:`lmc.workloads.funnel_report`)."""
+    ``/lmc/stats`` and ``/metrics`` (:mod:`lmc.storage.funnel_report`)."""
     import urllib.error
     import urllib.request
 
-    from lmc.workloads.funnel_report import http_reader, view
+    from lmc.storage.funnel_report import http_reader, view
 
     def get(path: str) -> tuple[int, bytes]:
         try:
@@ -240,7 +240,7 @@ def engine_funnel(url: str, timeout: float) -> dict[str, Any]:
 
 
 def _funnel_main(args: argparse.Namespace) -> int:
-    from lmc.workloads.funnel_report import format_funnel
+    from lmc.storage.funnel_report import format_funnel
     try:
         rows = engine_funnel(args.url, args.timeout)
     except StatsError as e:
@@ -303,7 +303,7 @@ def _positive_seconds(text: str) -> float:
 
 
 def register_cli(subparsers: Any) -> None:
-    from lmc.cli import add_command
+    from lmc.cli_args import add_command
 
     p = add_command(subparsers, "stats", "print a running lmc server's statistics", __doc__)
     p.add_argument("--url", default="lmc://127.0.0.1:7451", metavar="URL",

@@ -7,7 +7,7 @@ import inspect
 import sys
 from typing import Any
 
-from lmc.cli import int_in, positive_int
+from lmc.cli_args import int_in, positive_int
 from lmc.workloads.trace import write_trace
 
 WORKLOAD_DOC = """Write a workload trace (JSONL, see docs/workloads.md) for lmc replay and lmc plan.
@@ -143,7 +143,7 @@ def _workload(args: argparse.Namespace) -> int:
 
 
 def _register_workload(sub: Any) -> None:
-    from lmc.cli import add_command, help_text
+    from lmc.cli_args import add_command, help_text
     from lmc.workloads import generators as g
 
     p = add_command(sub, "workload", "write a workload trace (chat, prefix, docqa, rag, "

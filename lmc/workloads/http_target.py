@@ -35,7 +35,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from lmc.bounded_io import read_at_most
-from lmc.workloads import funnel_report
+from lmc.storage import funnel_report
 from lmc.workloads.dispatch import Dispatcher
 from lmc.workloads.inputs import InputError, parse_json, printable
 from lmc.workloads.replay import Progress, ReplayResult, RequestRecord, SessionHints

@@ -19,7 +19,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from lmc.workloads import funnel_report
+from lmc.storage import funnel_report
 from lmc.workloads.dispatch import Dispatcher
 from lmc.workloads.trace import TraceRequest
 
@@ -65,7 +65,7 @@ class ReplayResult:
     # and of those, the ones recomputed; None where the target does not blend
     blend_tokens: float | None = None
     blend_recomputed: float | None = None
-    # the hit-rate funnel over the replay (lmc.workloads.funnel_report.view's rows)
+    # the hit-rate funnel over the replay (lmc.storage.funnel_report.view's rows)
     funnel: dict[str, Any] | None = None
 
     @property

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from lmc.cli import float_in, int_in, positive_int
+from lmc.cli_args import float_in, int_in, positive_int
 from lmc.workloads.trace import TraceError, TraceRequest, read_trace
 
 MAX_CONCURRENCY = 1 << 16  # requests in flight (the dispatcher keeps a slot per request)
@@ -225,7 +225,7 @@ def _replay(args: argparse.Namespace) -> int:
 
 
 def _register_replay(sub: Any) -> None:
-    from lmc.cli import add_command
+    from lmc.cli_args import add_command
 
     p = add_command(sub, "replay", "replay a trace on the reference engine or an "
                     "OpenAI-compatible server: TTFT, throughput, hits per tier", REPLAY_DOC)

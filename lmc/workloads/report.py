@@ -14,7 +14,7 @@ from collections.abc import Callable
 from typing import Any, TextIO
 
 from lmc import units
-from lmc.workloads.funnel_report import format_funnel
+from lmc.storage.funnel_report import format_funnel
 from lmc.workloads.replay import ReplayResult, RequestRecord, percentile
 
 PLOT_EXTRA = "pip install 'lmc-kvcache[plot]'"

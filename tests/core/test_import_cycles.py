@@ -4,7 +4,9 @@ A cycle at module level means two modules need each other to exist: the coupling
 removed (the layer-wise copies calling the engine's private methods, the P2P directory ops
 calling the daemon session's). Imports under ``TYPE_CHECKING`` are annotations only and
 imports inside functions are deliberate late bindings (a plugin chosen at run time), so
-neither counts. Read from the source with ``ast``: nothing is imported to check it.
+neither counts for cycles. The direction of imports (the ranks below) counts both: a late
+binding that points up the ranks is a dependency all the same. Read from the source with
+``ast``: nothing is imported to check it.
 """
 
 from __future__ import annotations
@@ -35,6 +37,12 @@ def _is_type_checking(node: ast.If) -> bool:
 
 def _load_time_imports(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
     """The lmc modules ``name`` imports when it is loaded."""
+    return _imports(name, path, modules, late=False)
+
+
+def _imports(name: str, path: Path, modules: dict[str, Path], *, late: bool) -> set[str]:
+    """The lmc modules ``name`` imports when it is loaded and, with ``late``, also those its
+    functions and classes import when they run (not under ``TYPE_CHECKING``)."""
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     found: set[str] = set()
 
@@ -65,6 +73,12 @@ def _load_time_imports(name: str, path: Path, modules: dict[str, Path]) -> set[s
                     visit(handler.body)
                 visit(node.orelse)
                 visit(node.finalbody)
+            elif late and not isinstance(node, ast.If):
+                for child in ast.iter_child_nodes(node):  # function bodies, with, for, ...
+                    if isinstance(child, ast.stmt):
+                        visit([child])
+                    elif isinstance(child, (ast.excepthandler, ast.match_case)):
+                        visit(child.body)
 
     visit(ast.parse(path.read_text(encoding="utf-8")).body)
     found.discard(name)
@@ -131,33 +145,43 @@ def test_layerwise_copies_know_the_engine_only_through_their_protocol():
 
 
 # The direction of imports (docs/design.md, "Where things live"): a folder imports, at load
-# time, only folders of its own rank or below. Ranks, lowest first:
+# time or inside a function, only folders of its own rank or below. Ranks, lowest first:
 RANKS: list[tuple[str, ...]] = [
     ("lmc.units", "lmc.ratelog", "lmc.settings", "lmc.config", "lmc.metrics", "lmc.lazy_import",
      "lmc.token_database", "lmc._tokens", "lmc._kvcodecs", "lmc.strict_json", "lmc.bounded_io",
      "lmc.user_cache", "lmc.priority",
+     # the parser helpers and argparse types every subcommand's parser takes
+     "lmc.cli_args",
      # the kv_events setting's own schema, part of the config schema (no registry in it)
      "lmc.events.events_config", "lmc.events.endpoints",
      # what a component serving lossy KV asks before it turns it on: any tier may ask
      "lmc.quality.feature", "lmc.quality.verdict", "lmc.quality.gate"),
     ("lmc.memory",),
-    # the KV codec interface (torch only) ranks with transfer: its CUDA kernels
-    # (transfer/cuda_codecs.py) implement it beside the gather/scatter kernels
-    ("lmc.transfer", "lmc.storage.kvcodecs.base"),
+    # the KV codec interface (torch only) and its C kernels' binding rank with transfer: its
+    # CUDA kernels (transfer/cuda_codecs.py) implement it beside the gather/scatter kernels
+    ("lmc.transfer", "lmc.storage.kvcodecs.base", "lmc.storage.kvcodecs.native"),
     ("lmc.storage",),
     ("lmc.cache_engine", "lmc.cache_control", "lmc.layerwise", "lmc.events", "lmc.hybrid"),
-    ("lmc.http",),  # what every HTTP front shares
+    ("lmc.http",),  # plumbing: what every HTTP front shares
     # the built-in engine knows lmc only by name (connector_api.CONNECTOR_MODULES); its
     # segment blending builds on the API; the models it runs come from lmc.models (its
     # checkpoints and chat templates)
     ("lmc.reference", "lmc.blend", "lmc.models", "lmc.quality"),
     ("lmc.connectors",),
-    ("lmc.server", "lmc.router", "lmc.blend.gate", "lmc.blend.lossy",
-     "lmc.quality.check", "lmc.quality.cli", "lmc.planner",
-     "lmc.workloads", "lmc.testing", "lmc.demo", "lmc.cli", "lmc.config_cli", "lmc"),
+    # the apps, in three ranks. Services: processes that serve others (the daemon, the
+    # router and pd-proxy)
+    ("lmc.server", "lmc.router"),
+    # features: what a user runs once for an answer, built on engines and services (the
+    # planner replays the workloads' traces and runs the demo's model; the quality CLI and
+    # its blending gate; the contract suite a tier's tests compose)
+    ("lmc.blend.gate", "lmc.blend.lossy", "lmc.quality.check", "lmc.quality.cli",
+     "lmc.planner", "lmc.workloads", "lmc.testing", "lmc.demo"),
+    # entry points: the command line and the package's own names
+    ("lmc.cli", "lmc.config_cli", "lmc.control_cli", "lmc"),
 ]
-# imports that point up the ranks, each with the reason it must (none today: each protocol
-# lives with the tier that speaks it, the daemon imports it from there)
+# imports that point up the ranks (at load time or inside a function), each with the reason
+# it must (none today: each protocol lives with the tier that speaks it, the daemon imports
+# it from there; the subcommands' parser helpers live below them in lmc.cli_args)
 ALLOWED_UPWARD: set[tuple[str, str]] = set()
 
 
@@ -175,11 +199,29 @@ def test_imports_point_down_the_ranks():
     wrong = []
     for name, path in modules.items():
         r, _ = _rank(name)
-        for dep in _load_time_imports(name, path, modules):
+        loaded = _load_time_imports(name, path, modules)
+        for dep in _imports(name, path, modules, late=True):
             d, folder = _rank(dep)
             allowed = any(name.startswith(a) and (dep == b or dep.startswith(b + "."))
                           for a, b in ALLOWED_UPWARD)
             if d > r and not allowed:
-                wrong.append(f"{name} imports {dep} ({folder} ranks above)")
+                when = "" if dep in loaded else " inside a function"
+                wrong.append(f"{name} imports {dep}{when} ({folder} ranks above)")
     assert all(_rank(n)[0] >= 0 for n in modules), [n for n in modules if _rank(n)[0] < 0]
     assert not wrong, "; ".join(sorted(wrong))
+
+
+def test_the_rank_walk_sees_imports_inside_functions(tmp_path):
+    """A late binding counts for the direction: the walk finds an import in a method, a
+    ``with`` and an ``except`` block, and none under ``TYPE_CHECKING``."""
+    src = tmp_path / "m.py"
+    src.write_text(
+        "from typing import TYPE_CHECKING\n"
+        "if TYPE_CHECKING:\n    from lmc.cli import main\n"
+        "class C:\n    def f(self):\n        with open('x'):\n"
+        "            from lmc.router import app\n"
+        "        try:\n            pass\n        except OSError:\n"
+        "            import lmc.demo\n", encoding="utf-8")
+    modules = {"lmc.router.app": src, "lmc.demo": src, "lmc.cli": src, "lmc.m": src}
+    assert _imports("lmc.m", src, modules, late=False) == set()
+    assert _imports("lmc.m", src, modules, late=True) == {"lmc.router.app", "lmc.demo"}

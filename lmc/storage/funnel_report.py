@@ -1,8 +1,9 @@
-"""The hit-rate funnel in a replay's report: read before and after the replay from the
+"""The hit-rate funnel as a report (``lmc replay``'s, ``lmc stats --url``'s): read from a
 target's counters (an in-process engine's connector stats; a server's ``/lmc/stats``, else
 its ``/metrics`` ``lmc_funnel_*`` series; a router's predicted cached tokens from its own
 ``/metrics``), the difference put in the funnel's rows by
-:func:`lmc.storage.funnel.funnel_view`.
+:func:`lmc.storage.funnel.funnel_view`. Here, beside the funnel, rather than with the
+replay: the daemon's ``lmc stats`` prints it too, and a service does not import a feature.
 """
 
 from __future__ import annotations
