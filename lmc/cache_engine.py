@@ -25,6 +25,7 @@ from lmc.cache_control import CacheControl
 from lmc.config import CacheConfig
 from lmc.hybrid.engine import HybridCache
 from lmc.hybrid.rules import default_interval
+from lmc.keyed_chunks import KeyedChunks
 from lmc.layerwise import CopyLease, LayerwiseRetrieve, LayerwiseStore
 from lmc.memory.pool import LazyTensors, Lease, MemoryObj, MemoryPool, PoolArrays
 from lmc.metrics import EngineMetrics
@@ -89,6 +90,11 @@ class CacheEngine:
     ``(config, pool) -> StorageBackend`` handed the pool lower tiers allocate from). Stores
     reach lower tiers by write-behind (``write_policy``; ``flush`` waits for it); lower-tier
     hits are promoted into L1.
+
+    Adapters use this object's public calls only: by token prefix (``store``, ``lookup``,
+    ``retrieve`` and their layer-wise forms), by key (``chunks``: :class:`KeyedChunks`, for
+    an engine that keys its own pages), cache control (``pin``, ``delete``, ``clear``, ...),
+    ``flush``, ``stats``; never ``storage``, the tiers' manager.
     """
 
     def __init__(self, config: CacheConfig, spec: KVSpec, model_id: str, tp_rank: int = 0,
@@ -157,6 +163,8 @@ class CacheEngine:
                 lambda caches: self._bind(make_transfer(bound, caches, transfer)), capacity=4)
         self._pins = PinTable(config.max_pinned_chunks, config.pin_timeout)
         self.control = CacheControl(self)  # pin/set_priority/delete/clear (lmc.cache_control)
+        # the tiers by key, for an adapter whose engine keys its own pages (lmc.keyed_chunks)
+        self.chunks = KeyedChunks(self.storage)
         self.funnel: Funnel | None = None  # the hit-rate funnel (lmc.storage.funnel)
         if config.funnel:
             self.funnel = Funnel(self.control.namespace, self.tier_names, config.chunk_size,

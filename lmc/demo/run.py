@@ -128,7 +128,7 @@ def _counted(llm: Any, res: PassResult, run: Callable[[], None]) -> None:
     lower tiers drained first) in ``res.stats``."""
     before = llm.kv_connector.stats()
     run()
-    llm.kv_connector.engine.storage.flush(timeout=60)
+    llm.kv_connector.engine.flush(timeout=60)
     res.stats = _delta(llm.kv_connector.stats(), before)
 
 

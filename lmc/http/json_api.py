@@ -289,7 +289,7 @@ class JsonHandler(BaseHTTPRequestHandler):
                   getattr(self, "path", "?")[:100], type(e).__name__, str(e)[:200])
             if not getattr(self, "_answered", False):
                 with contextlib.suppress(OSError):
-                    self._error(500, f"internal error: {type(e).__name__}")
+                    self.answer_error(500, f"internal error: {type(e).__name__}")
 
     def log_message(self, fmt: str, *args: Any) -> None:
         log.debug("%s " + fmt, self.address_string(), *args)
@@ -339,7 +339,9 @@ class JsonHandler(BaseHTTPRequestHandler):
         self._answered = True
         super().end_headers()
 
-    def _json(self, status: int, obj: Any) -> None:
+    def answer_json(self, status: int, obj: Any) -> None:
+        """Answer ``obj`` as JSON with ``status`` (public: the fronts' parts answer through it,
+        e.g. the router's admin)."""
         data = json.dumps(obj).encode()
         self.send_response(status)
         self.send_header("Content-Type", "application/json")
@@ -347,6 +349,7 @@ class JsonHandler(BaseHTTPRequestHandler):
         self.end_headers()
         self.wfile.write(data)
 
-    def _error(self, status: int, msg: str) -> None:
+    def answer_error(self, status: int, msg: str) -> None:
+        """Answer an OpenAI-style error body naming ``msg``."""
         kind = "invalid_request_error" if 400 <= status < 500 else "server_error"
-        self._json(status, {"error": {"message": msg, "type": kind, "code": status}})
+        self.answer_json(status, {"error": {"message": msg, "type": kind, "code": status}})

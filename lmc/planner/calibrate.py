@@ -134,7 +134,7 @@ class LMCEngine:
         ttft = self.llm.generate([prompt], max_tokens=1)[0].ttft_s
         if ttft is None:
             raise RuntimeError("calibration: the request finished without a first token")
-        if not self.conn.cache.storage.flush(timeout=120):
+        if not self.conn.cache.flush(timeout=120):
             raise RuntimeError("calibration: lmc's tier writes did not finish in 120 s")
         after = self.conn.stats()
         loaded = {k[len("worker.tokens_from_"):]: after[k] - before.get(k, 0) for k in after

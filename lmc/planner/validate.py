@@ -140,7 +140,7 @@ def replay_pass(model: Path, reqs: Sequence[TraceRequest], point: GridPoint, *,
                 if ttft is None:
                     raise RuntimeError(f"replay: request {r.request_id} gave no first token")
                 ttfts.append(ttft)
-                if not conn.cache.storage.flush(timeout=60):
+                if not conn.cache.flush(timeout=60):
                     raise RuntimeError("replay: lmc's tier writes did not finish in 60 s")
                 after = conn.stats()
                 hits.append({t: after.get(f"worker.tokens_from_{c}", 0)

@@ -327,7 +327,7 @@ class _Handler(JsonHandler):
     def do_GET(self) -> None:
         if self.path == "/health":
             ready, detail = self.app.readiness()
-            self._json(200 if ready else 503, {"status": "ok"} if ready else
+            self.answer_json(200 if ready else 503, {"status": "ok"} if ready else
                        {"status": "starting", "detail": detail})
         elif self.path == "/metrics":
             data = prometheus_client.generate_latest(prometheus_client.REGISTRY)
@@ -337,14 +337,14 @@ class _Handler(JsonHandler):
             self.end_headers()
             self.wfile.write(data)
         elif self.app.loop is None:
-            self._error(503, "the model is still loading")
+            self.answer_error(503, "the model is still loading")
         elif self.path == "/v1/models":
-            self._json(200, {"object": "list", "data": [
+            self.answer_json(200, {"object": "list", "data": [
                 {"id": self.app.model_name, "object": "model", "owned_by": "lmc"}]})
         elif self.path == "/lmc/stats":
-            self._json(200, self.app.stats())
+            self.answer_json(200, self.app.stats())
         else:
-            self._error(404, f"no such path {self.path[:200]}")
+            self.answer_error(404, f"no such path {self.path[:200]}")
 
     def do_POST(self) -> None:
         if self.path.startswith(admin_api.PATH):
@@ -352,10 +352,10 @@ class _Handler(JsonHandler):
             return
         parse = ROUTES.get(self.path)
         if parse is None:
-            self._error(404, f"no such path {self.path[:200]} (POST {' or '.join(ROUTES)})")
+            self.answer_error(404, f"no such path {self.path[:200]} (POST {' or '.join(ROUTES)})")
             return
         if self.app.loop is None:
-            self._error(503, "the model is still loading")
+            self.answer_error(503, "the model is still loading")
             return
         try:
             req = parse(self.read_json())
@@ -363,14 +363,14 @@ class _Handler(JsonHandler):
             if req.messages is not None:  # the checkpoint's chat template, on this thread
                 req.prompt = self.app.llm.encode_chat(req.messages)
         except HttpError as e:
-            self._error(e.status, str(e))
+            self.answer_error(e.status, str(e))
             return
         except ValueError as e:  # BadRequest, SamplingParams' own checks, the template's
-            self._error(400, str(e))
+            self.answer_error(400, str(e))
             return
         limit = self.app.llm.max_model_len
         if isinstance(req.prompt, list) and len(req.prompt) > limit:  # before any copy of it
-            self._error(400, f"prompt of {len(req.prompt)} tokens exceeds max_model_len="
+            self.answer_error(400, f"prompt of {len(req.prompt)} tokens exceeds max_model_len="
                         f"{limit}")
             return
         job = _Job(req.prompt, params, req.kv_transfer_params, None)
@@ -391,12 +391,12 @@ class _Handler(JsonHandler):
                 raise HttpError(503, "the model is still loading")
             out = self.app.admin.run(req, grant, self.server.limits.read_timeout)
         except HttpError as e:
-            self._error(e.status, str(e))
+            self.answer_error(e.status, str(e))
             return
         except ControlError as e:
-            self._json(*admin_api.refusal(e))
+            self.answer_json(*admin_api.refusal(e))
             return
-        self._json(200, out)
+        self.answer_json(200, out)
 
     def _wait(self, event: threading.Event) -> bool:
         """Wait for the engine; False (and a 503 sent) if its thread is gone."""
@@ -404,7 +404,7 @@ class _Handler(JsonHandler):
         assert loop is not None  # requests reach here only once the engine is attached
         while not event.wait(1.0):
             if not loop.alive:
-                self._error(503, "the engine is not running")
+                self.answer_error(503, "the engine is not running")
                 return False
         return True
 
@@ -448,14 +448,14 @@ class _Handler(JsonHandler):
         if not self._wait(job.done):
             return
         if job.error is not None:
-            self._error(job.status, job.error)
+            self.answer_error(job.status, job.error)
             return
         out = job.output
         choice = self._choice(req, self._text(out.token_ids), out.finish_reason, whole=True)
         if req.return_token_ids:
             choice["prompt_token_ids"] = out.prompt_token_ids
             choice["token_ids"] = out.token_ids
-        self._json(200, {**self._head(req), "choices": [choice], "usage": self._usage(out),
+        self.answer_json(200, {**self._head(req), "choices": [choice], "usage": self._usage(out),
                          "kv_transfer_params": out.kv_transfer_params})
 
     def _stream(self, req: Completion, job: _Job) -> None:
@@ -465,7 +465,7 @@ class _Handler(JsonHandler):
         if not self._wait(job.admitted):
             return
         if job.error is not None:  # refused at admission: a status, not a stream
-            self._error(job.status, job.error)
+            self.answer_error(job.status, job.error)
             return
         self.send_response(200)
         self.send_header("Content-Type", "text/event-stream")

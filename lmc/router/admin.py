@@ -52,7 +52,7 @@ class RouterAdmin:
             req = parse_admin(op, body)
             self._scope(grant, req.namespace)
         except HttpError as e:
-            handler._error(e.status, str(e))
+            handler.answer_error(e.status, str(e))
             return
         data = json.dumps(body).encode()
         if op == "pin":
@@ -65,7 +65,7 @@ class RouterAdmin:
         out = {i.url: self._call(i, op, data) for i in targets}
         log.info("admin %s forwarded to %s", op,
                  ", ".join(f"{u} ({a['status']})" for u, a in out.items()) or "no instance")
-        handler._json(200 if targets else 503, {"op": op, "instances": out})
+        handler.answer_json(200 if targets else 503, {"op": op, "instances": out})
 
     @staticmethod
     def _scope(grant: AdminGrant, ns: str | None) -> None:

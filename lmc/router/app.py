@@ -130,16 +130,16 @@ class _Handler(RelayHandler):
         r = self.router
         if self.path == "/health":
             ok = any(i.healthy for i in r.instances)
-            self._json(200 if ok else 503, {"status": "ok" if ok else "no healthy instance"})
+            self.answer_json(200 if ok else 503, {"status": "ok" if ok else "no healthy instance"})
         elif self.path == "/metrics":
             self.relay_bytes(200, r.prometheus(), CONTENT_TYPE)
         elif self.path == "/lmc/router":
-            self._json(200, r.state())
+            self.answer_json(200, r.state())
         elif self.path == "/v1/models":
             live = [i for i in r.instances if i.healthy] or r.instances
             self.relay_get(live[0].upstream, "instance")
         else:
-            self._error(404, f"no such path {self.path[:200]}")
+            self.answer_error(404, f"no such path {self.path[:200]}")
 
     def do_POST(self) -> None:
         r = self.router
@@ -152,7 +152,7 @@ class _Handler(RelayHandler):
         try:
             data = encode(body)
         except HttpError as e:
-            self._error(e.status, str(e))
+            self.answer_error(e.status, str(e))
             return
         tokens = prompt_tokens(body, r.tokenizer) if self.path == "/v1/completions" else None
         salt = cache_salt(body)
@@ -161,7 +161,7 @@ class _Handler(RelayHandler):
             try:
                 p = r.pick(tokens, salt, tried)
             except HttpError as e:
-                self._error(e.status, str(e))
+                self.answer_error(e.status, str(e))
                 return
             inst = p.instance
             try:

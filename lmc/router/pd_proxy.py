@@ -214,18 +214,18 @@ class _Handler(RelayHandler):
         proxy = self.proxy
         if self.path == "/health":
             missing = proxy.missing()
-            self._json(503 if missing else 200, {"status": "ok"} if not missing else {
+            self.answer_json(503 if missing else 200, {"status": "ok"} if not missing else {
                 "status": "no healthy " + " and no healthy ".join(
                     f"{r} instance" for r in missing)})
         elif self.path == "/metrics":
             self.relay_bytes(200, proxy.prometheus(), CONTENT_TYPE)
         elif self.path == "/lmc/pd-proxy":
-            self._json(200, proxy.state())
+            self.answer_json(200, proxy.state())
         elif self.path == "/v1/models":
             live = [i for i in proxy.decode.instances if i.healthy] or proxy.decode.instances
             self.relay_get(live[0].upstream, "decode instance")
         else:
-            self._error(404, f"no such path {self.path[:200]}")
+            self.answer_error(404, f"no such path {self.path[:200]}")
 
     def do_POST(self) -> None:
         body = self.request_body()
@@ -234,7 +234,7 @@ class _Handler(RelayHandler):
         try:
             p_data = encode(prefill_body(body))
         except HttpError as e:
-            self._error(e.status, str(e))
+            self.answer_error(e.status, str(e))
             return
         proxy = self.proxy
         proxy.count("requests")
@@ -244,7 +244,7 @@ class _Handler(RelayHandler):
         try:
             p, d = proxy.pick(tokens, salt)
         except HttpError as e:  # no healthy instance of a role
-            self._error(e.status, str(e))
+            self.answer_error(e.status, str(e))
             return
         self._held = {"prefill": p, "decode": d}
         self._tokens, self._salt = tokens, salt
@@ -298,7 +298,7 @@ class _Handler(RelayHandler):
             params = self._prefill(p_data)
         except HttpError as e:
             self.proxy.count("prefill_failures")
-            self._error(e.status, str(e))
+            self.answer_error(e.status, str(e))
             return
         if params is _RELAYED:
             return
@@ -338,7 +338,7 @@ class _Handler(RelayHandler):
             up, conn, r = self._connect("decode", data)
         except HttpError as e:
             self.proxy.count("decode_failures")
-            self._error(e.status, str(e))
+            self.answer_error(e.status, str(e))
             return
         try:
             tail = self.relay_answer(r, f"decode instance {up.url}", TAIL_BYTES)

@@ -108,14 +108,14 @@ class RelayHandler(JsonHandler):
         """The client's completion request, or None once its mistake was answered (404 for
         another path, 4xx for a body that is no JSON object)."""
         if self.path not in POST_PATHS:
-            self._error(404, f"no such path {self.path[:200]}")
+            self.answer_error(404, f"no such path {self.path[:200]}")
             return None
         try:
             body = self.read_json()
             if not isinstance(body, dict):
                 raise HttpError(400, "bad request body: the body must be a JSON object")
         except HttpError as e:
-            self._error(e.status, str(e))
+            self.answer_error(e.status, str(e))
             return None
         return body
 
@@ -125,10 +125,10 @@ class RelayHandler(JsonHandler):
         try:
             status, data = up.get(self.path, self.server.limits.max_body)
         except HttpError as e:
-            self._error(e.status, f"{who} {up.url}: {e}")
+            self.answer_error(e.status, f"{who} {up.url}: {e}")
             return
         except UPSTREAM_ERRORS as e:
-            self._error(502, f"{who} {up.url}: {what(e)}")
+            self.answer_error(502, f"{who} {up.url}: {what(e)}")
             return
         self.relay_bytes(status if 100 <= status < 600 else 502, data)
 
@@ -140,7 +140,7 @@ class RelayHandler(JsonHandler):
         Never raises for the instance's or the client's failures."""
         try:
             if not 100 <= resp.status < 600:
-                self._error(502, f"{who} answered status {resp.status}")
+                self.answer_error(502, f"{who} answered status {resp.status}")
                 return None
             if resp.status != 200:  # a refusal: bounded, relayed as is
                 answer = read_bounded(resp, self.server.limits.max_body, who)
@@ -162,7 +162,7 @@ class RelayHandler(JsonHandler):
                         del tail[:-tail_bytes]
             return bytes(tail)
         except HttpError as e:
-            self._error(e.status, str(e))
+            self.answer_error(e.status, str(e))
         except UPSTREAM_ERRORS as e:  # either side went away mid-answer: nothing to add
             log.debug("answer from %s cut short: %s", who, what(e))
         return b""

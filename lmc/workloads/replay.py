@@ -153,7 +153,7 @@ def replay_reference(requests: Sequence[TraceRequest], llm: Any, *, fast: bool =
     blender = getattr(conn, "blender", None)
     blend_base = (blender.stats.tokens_reused, blender.stats.tokens_recomputed) \
         if blender is not None else (0, 0)
-    tiers = [t.name for t in conn.engine.storage.tiers] if conn is not None else []
+    tiers = list(conn.engine.tier_names) if conn is not None else []
     prompts: dict[str, list[int]] = {}
     spans: dict[str, list[tuple[int, int]] | None] = {}
     records: dict[str, RequestRecord] = {}
@@ -237,7 +237,7 @@ def replay_reference(requests: Sequence[TraceRequest], llm: Any, *, fast: bool =
         interrupted = True
     duration = time.perf_counter() - start
     if conn is not None:  # a lower tier's queued writes land (briefly when interrupted)
-        conn.engine.storage.flush(timeout=5 if interrupted else 60)
+        conn.engine.flush(timeout=5 if interrupted else 60)
     tier_tokens = tier_now() if conn is not None else None
     if tier_tokens:
         timeline.append((duration, sent_prompt, tier_tokens))

@@ -96,7 +96,7 @@ def _reference_llm(spec: str, args: argparse.Namespace, cleanup: list[Callable[[
     except BaseException:
         conn.shutdown()
         raise
-    tiers = ", ".join(t.name for t in conn.cache.storage.tiers)
+    tiers = ", ".join(conn.cache.tier_names)
     name = f"reference engine ({model_dir.name}) with lmc ({tiers})"
     if args.blend:
         blender = getattr(conn, "blender", None)

@@ -161,7 +161,8 @@ RANKS: list[tuple[str, ...]] = [
     # CUDA kernels (transfer/cuda_codecs.py) implement it beside the gather/scatter kernels
     ("lmc.transfer", "lmc.storage.kvcodecs.base", "lmc.storage.kvcodecs.native"),
     ("lmc.storage",),
-    ("lmc.cache_engine", "lmc.cache_control", "lmc.layerwise", "lmc.events", "lmc.hybrid"),
+    ("lmc.cache_engine", "lmc.cache_control", "lmc.keyed_chunks", "lmc.layerwise", "lmc.events",
+     "lmc.hybrid"),
     ("lmc.http",),  # plumbing: what every HTTP front shares
     # the built-in engine knows lmc only by name (connector_api.CONNECTOR_MODULES); its
     # segment blending builds on the API; the models it runs come from lmc.models (its

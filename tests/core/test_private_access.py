@@ -123,3 +123,63 @@ def test_the_check_sees_what_it_forbids():
            "        return self._mine, tier._buf('x')\n")
     assert [e for _, e in violations(src)] == ["from .backend import _io_all", "tier._lock",
                                                "tier._buf"]
+
+
+# ---------------------------------------------------------------- the engine's tier manager
+# ``CacheEngine.storage`` (the StorageManager) is the engine's own: the modules that are
+# parts of the engine may use it; adapters and apps use the engine's public calls (by
+# prefix, by key through ``engine.chunks``, flush, stats, tier_names).
+ENGINE_PARTS = ("cache_engine.py", "cache_control.py", "keyed_chunks.py", "layerwise.py",
+                "hybrid/", "events/")
+ENGINE_NAMES = ("engine", "eng", "cache")  # what an adapter or app calls a CacheEngine
+# (file under lmc/, the expression): why it must reach the manager
+STORAGE_EXCEPTIONS: dict[tuple[str, str], str] = {
+    ("planner/calibrate.py", "eng.conn.cache.storage"):
+        "calibration empties L1 alone to time a lower tier's hit; no engine call should "
+        "offer that (clear() empties every tier)",
+    ("demo/run.py", "llm.kv_connector.cache.storage"):
+        "the demo tells what each tier below L1 holds before its cold pass (a tier's len), "
+        "which no engine call counts",
+}
+
+
+def _tail(node: ast.expr) -> str | None:
+    """The last name of ``a.b.c`` (``c``), or of ``a`` alone."""
+    if isinstance(node, ast.Name):
+        return node.id
+    return node.attr if isinstance(node, ast.Attribute) else None
+
+
+def storage_reads(source: str) -> list[tuple[int, str]]:
+    """``(line, expression)`` of each ``<engine>.storage`` in ``source``."""
+    out = []
+    for n in ast.walk(ast.parse(source)):
+        if isinstance(n, ast.Attribute) and n.attr == "storage" and (
+                _tail(n.value) in ENGINE_NAMES):
+            out.append((n.lineno, ast.unparse(n)))
+    return out
+
+
+def test_adapters_and_apps_use_the_engines_calls_not_its_storage():
+    found: dict[tuple[str, str], int] = {}
+    for path in sorted(LMC.rglob("*.py")):
+        rel = path.relative_to(LMC).as_posix()
+        if rel.startswith(ENGINE_PARTS):
+            continue
+        for line, expr in storage_reads(path.read_text(encoding="utf-8")):
+            found.setdefault((rel, expr), line)
+    bad = [f"lmc/{rel}:{line}: {expr}" for (rel, expr), line in found.items()
+           if (rel, expr) not in STORAGE_EXCEPTIONS]
+    assert not bad, ("the engine's StorageManager used outside the engine (give CacheEngine "
+                     "the call, e.g. in lmc/keyed_chunks.py):\n" + "\n".join(bad))
+    stale = [f"lmc/{rel}: {expr}" for rel, expr in STORAGE_EXCEPTIONS if (rel, expr) not in found]
+    assert not stale, "exceptions no code needs any more:\n" + "\n".join(stale)
+
+
+def test_the_storage_check_sees_an_engines_storage():
+    src = ("def f(engine, conn, store):\n"
+           "    engine.storage.put([], [])\n"
+           "    conn.cache.storage.flush()\n"
+           "    store.storage.delete([])\n"
+           "    engine.chunks.put([], [])\n")
+    assert [e for _, e in storage_reads(src)] == ["engine.storage", "conn.cache.storage"]

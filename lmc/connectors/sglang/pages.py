@@ -36,7 +36,7 @@ from lmc.cache_engine import CacheEngine
 from lmc.config import CacheConfig
 from lmc.layerwise import CopyLease
 from lmc.memory.pool import Lease, MemoryObj
-from lmc.storage.integrity import Geometry, expect_geometry
+from lmc.storage.integrity import Geometry
 from lmc.storage.lookup import LookupResult
 from lmc.storage.tier import Key
 from lmc.transfer.kv_spec import KVSpec
@@ -240,12 +240,13 @@ class PageStore:
     """Keyed page copies between one SGLang pool and a :class:`CacheEngine`'s tiers.
 
     Pages are lmc chunks of ``page_size`` tokens; page ``i`` of a call covers
-    ``slots[i*page_size:(i+1)*page_size]``. Built on the engine's public parts: its cached
-    transfer for the pool's tensors, its storage tiers and pool, its metrics.
+    ``slots[i*page_size:(i+1)*page_size]``. Built on the engine's public parts only: its cached
+    transfer for the pool's tensors, its tiers by key (``engine.chunks``,
+    :class:`lmc.keyed_chunks.KeyedChunks`), its speeds and metrics.
 
     What another process may have written is checked before it is used: the lower tiers
     refuse (count, delete, miss) a value whose header is not a page of this pool's geometry
-    (:func:`lmc.storage.integrity.expect_geometry`), and a page of another shape or dtype met anyway
+    (``KeyedChunks.expect_geometry``), and a page of another shape or dtype met anyway
     is deleted and ends the prefix. What SGLang hands in is checked before it is stored: a
     page with an unmapped (negative) slot is refused, as ``CacheEngine.store`` refuses such a
     chunk (its KV would be partly missing), and a page tensor of another dtype than the
@@ -260,7 +261,7 @@ class PageStore:
         self.spec = engine.spec
         self.shape = self.spec.chunk_shape(page_size)
         # every value under these keys is exactly one page of this pool
-        expect_geometry(engine.storage.lower, Geometry.of(self.spec, page_size, page_size))
+        engine.chunks.expect_geometry(Geometry.of(self.spec, page_size, page_size))
 
     def transfer(self) -> KVTransfer:
         return self.engine.transfer_for(self.kv_caches)
@@ -276,7 +277,7 @@ class PageStore:
         if not hashes:
             return LookupResult.miss(ps, eng.tier_names)
         t0 = time.perf_counter()
-        sources = eng.storage.prefix_sources(self.keys(hashes))
+        sources = eng.chunks.sources(self.keys(hashes))
         eng.metrics.lookup(len(hashes) * ps, len(sources) * ps, time.perf_counter() - t0)
         return LookupResult(len(sources) * ps, ps, eng.tier_names, bytes(sources))
 
@@ -313,12 +314,12 @@ class PageStore:
         unmapped = self._unmapped(slots, len(hashes))
         if True in unmapped:
             eng.metrics.skipped("unmapped_slots", sum(unmapped))
-        present = eng.storage.l1_touch(keys)
+        present = eng.chunks.touch(keys)
         todo = [i for i, p in enumerate(present) if not p and not unmapped[i]]
         out = [p and not u for p, u in zip(present, unmapped)]
         if not todo:
             return out
-        objs = eng.storage.allocate_many(self.shape, self.spec.dtype, len(todo), self.page_size)
+        objs = eng.chunks.allocate(self.shape, self.spec.dtype, len(todo), self.page_size)
         if len(objs) < len(todo):
             eng.metrics.skipped("pool_full", len(todo) - len(objs))
             todo = todo[: len(objs)]
@@ -326,7 +327,7 @@ class PageStore:
             return out
         with CopyLease(objs) as lease:  # the gather owns objs until its handle is done
             lease.attach(tr.gather(self._plan(tr, slots, todo), [o.tensor for o in objs])).wait()
-            eng.storage.put([keys[i] for i in todo], objs)
+            eng.chunks.put([keys[i] for i in todo], objs)
         for i in todo:
             out[i] = True
         eng.metrics.transfer("store", len(todo) * self.page_size,
@@ -337,13 +338,13 @@ class PageStore:
         """The longest stored prefix of ``hashes`` as acquired chunks (release them); a chunk
         of another shape or dtype ends the prefix (never loaded as if it fitted)."""
         keys = self.keys(hashes)
-        objs = self.engine.storage.get_prefix(keys) if hashes else []
+        objs = self.engine.chunks.get_prefix(keys) if hashes else []
         for i, o in enumerate(objs):
             if tuple(o.shape) != self.shape or o.dtype != self.spec.dtype:
                 log.error("page %d holds %s %s, expected %s %s: deleted, treated as a miss", i,
                           tuple(o.shape), o.dtype, self.shape, self.spec.dtype)
                 Lease(objs[i:]).release()
-                self.engine.storage.delete(keys[i:i + 1])
+                self.engine.chunks.delete(keys[i:i + 1])
                 self.engine.metrics.skipped("bad_page", 1)
                 return objs[:i]
         return objs
@@ -394,17 +395,17 @@ class PageStore:
         for i in range(len(hashes)):  # all refused before any is stored
             self._check_page(i, chunks[i], "page")
         keys = self.keys(hashes)
-        present = eng.storage.l1_touch(keys)
+        present = eng.chunks.touch(keys)
         out = list(present)
         todo = [i for i, p in enumerate(present) if not p]
-        objs = eng.storage.allocate_many(self.shape, self.spec.dtype, len(todo),
-                                         self.page_size) if todo else []
+        objs = eng.chunks.allocate(self.shape, self.spec.dtype, len(todo),
+                                   self.page_size) if todo else []
         todo = todo[: len(objs)]
         with Lease(objs):
             for i, o in zip(todo, objs):
                 o.tensor.copy_(chunks[i])
             if todo:
-                eng.storage.put([keys[i] for i in todo], objs)
+                eng.chunks.put([keys[i] for i in todo], objs)
         for i in todo:
             out[i] = True
         return out
