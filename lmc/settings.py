@@ -1,8 +1,9 @@
 """One settings loader for every lmc schema: YAML file < ``LMC_*`` environment < overrides.
 
-The engine (``lmc.config.CacheConfig``), the daemon (``lmc.server.server_config.ServerConfig``) and
-the vLLM connector (``lmc.connectors.vllm.extra_config``) all read settings the same way and fail
-the same way, so that a person meets one set of messages wherever they configure lmc:
+The engine (``lmc.config.CacheConfig``), the daemon
+(``lmc.server.server_config.ServerConfig``) and the vLLM connector
+(``lmc.connectors.vllm.extra_config``) all read settings the same way and fail the same way,
+so that a person meets one set of messages wherever they configure lmc:
 
 * malformed YAML names the file, the line and the column (never a parser traceback);
 * an unknown key names where it was found and the closest valid key;

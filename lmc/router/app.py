@@ -84,8 +84,8 @@ class Router(Front):
         if not instances:
             raise ValueError("lmc router needs at least one --instance")
         self.fleet = Fleet(instances, policy=policy, weights=weights,
-                         upstream_timeout=upstream_timeout, stale_after=stale_after,
-                         max_blocks=max_blocks, shared=shared)
+                           upstream_timeout=upstream_timeout, stale_after=stale_after,
+                           max_blocks=max_blocks, shared=shared)
         self.policy = policy
         self.weights = self.fleet.weights
         self.instances = self.fleet.instances
@@ -130,7 +130,8 @@ class _Handler(RelayHandler):
         r = self.router
         if self.path == "/health":
             ok = any(i.healthy for i in r.instances)
-            self.answer_json(200 if ok else 503, {"status": "ok" if ok else "no healthy instance"})
+            self.answer_json(200 if ok else 503,
+                             {"status": "ok" if ok else "no healthy instance"})
         elif self.path == "/metrics":
             self.relay_bytes(200, r.prometheus(), CONTENT_TYPE)
         elif self.path == "/lmc/router":

@@ -413,8 +413,11 @@ def _load_plugins(name: str | None = None) -> None:
             eps = [ep for ep in eps if ep.name == name]
         for ep in eps:
             module = ep.value.split(":")[0]
-            if module in BUILTIN_BACKENDS.values():
-                continue  # imported above (an installed copy of our own entry points)
+            if module in BUILTIN_BACKENDS.values() or (
+                    ep.name in BUILTIN_BACKENDS and module.startswith("lmc.")):
+                # imported above: an installed copy of our own entry points, or one installed
+                # before a built-in module moved (metadata refreshed only by a reinstall)
+                continue
             try:
                 importlib.import_module(module)
             except Exception as e:  # a broken plugin must not take the others down

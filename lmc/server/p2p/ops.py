@@ -1,4 +1,5 @@
-"""The daemon's handlers for the directory ops (``P2P_*`` in :mod:`lmc.storage.backends.server.protocol`).
+"""The daemon's handlers for the directory ops (``P2P_*`` in
+:mod:`lmc.storage.backends.server.protocol`).
 
 Every field is checked before it touches the directory; a bad one is a ``bad_request`` answer
 and the connection stays. Every op names a namespace (``ns``) the connection's token must

@@ -1,10 +1,10 @@
 """Connections to the servers of the remote tier, and which server owns which key.
 
-One :class:`NodeConnections` per server keeps idle data connections (redis-py makes them: TCP or
-TLS, AUTH, SELECT, all replies of the handshake parsed by hiredis) and the server's circuit
-breaker, so that in a cluster one dead node costs only its own keys. :class:`Router` maps keys
-to nodes: trivially for one server, through the slot table (``CLUSTER SLOTS``) for a cluster,
-refreshed when a node answers MOVED/ASK or fails.
+One :class:`NodeConnections` per server keeps idle data connections (redis-py makes them:
+TCP or TLS, AUTH, SELECT, all replies of the handshake parsed by hiredis) and the server's
+circuit breaker, so that in a cluster one dead node costs only its own keys. :class:`Router`
+maps keys to nodes: trivially for one server, through the slot table (``CLUSTER SLOTS``) for a
+cluster, refreshed when a node answers MOVED/ASK or fails.
 
 A tier that cannot be reached says so: at start-up a thread PINGs each seed node (the
 handshake included: TLS, AUTH, SELECT) and logs one warning naming the URL and why when
@@ -219,8 +219,8 @@ class Router:
                 breaker = self._make_breaker(f"{host}:{port}")
                 breaker.on_first_failure = functools.partial(self._first_failure,
                                                              f"{host}:{port}")
-                node = self.nodes[(host, port)] = NodeConnections(host, port, self.target, breaker,
-                                                           self._max_idle)
+                node = NodeConnections(host, port, self.target, breaker, self._max_idle)
+                self.nodes[(host, port)] = node
             return node
 
     def _first_failure(self, label: str, error: BaseException | None) -> None:
