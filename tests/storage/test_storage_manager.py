@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 
@@ -248,3 +250,29 @@ def test_a_backend_is_found_by_module_path_without_entry_points(tmp_path, monkey
     cls = sb.backend_factory("toy-mod")
     assert cls.__name__ == "ModTier" and sb.backend_factory("toymod://h") is cls
     monkeypatch.delitem(sys.modules, mod)
+
+
+def test_an_entry_point_installed_before_a_builtin_moved_is_not_imported(monkeypatch, caplog):
+    """Package metadata from an install older than a move of lmc's own tier module (the
+    server tier's folder was ``daemon/``) names a module that is gone: it is not imported
+    (the built-in of that name is, by module path) and no "failed to import" warning is
+    logged; a third party's entry point is still imported."""
+    from importlib import metadata
+
+    import lmc.storage.tier as sb
+
+    eps = [metadata.EntryPoint(name="server", value="lmc.storage.backends.daemon.backend",
+                               group="lmc.storage.backends"),
+           metadata.EntryPoint(name="toy", value="toy_plugin_module",
+                               group="lmc.storage.backends")]
+    imported: list[str] = []
+    monkeypatch.setattr(metadata, "entry_points", lambda **_: eps)
+    monkeypatch.setattr(sb, "_import_builtin", imported.append)
+    monkeypatch.setattr(sb.importlib, "import_module", imported.append)
+    monkeypatch.setattr(sb, "_loaded", False)
+    with caplog.at_level(logging.WARNING, logger="lmc.storage.tier"):
+        sb._load_plugins()
+    assert "lmc.storage.backends.server.backend" in imported  # the built-in, by path
+    assert "lmc.storage.backends.daemon.backend" not in imported
+    assert imported[-1] == "toy_plugin_module"
+    assert not [r for r in caplog.records if "failed to import" in r.getMessage()]
