@@ -1,5 +1,5 @@
 """What the attack tests of both HTTP servers share (``tests/reference/test_serve_attacks.py``,
-``tests/p2p/test_pd_proxy_attacks.py``; threat model: docs/threats/http.md): the tiny model
+``tests/router/test_pd_proxy_attacks.py``; threat model: docs/threats/http.md): the tiny model
 and the answer it must keep giving, a reference server in this process, raw-socket requests,
 and the socket flood at RLIMIT_NOFILE 128."""
 

@@ -43,9 +43,9 @@ from tests.http_attack_kit import (
     running_server,
     tiny_model,
 )
-from tests.p2p.test_pd_proxy_attacks import Liar as PdLiar
-from tests.p2p.test_pd_proxy_attacks import http200
 from tests.reference.test_serve_attacks import BODIES, FIELD_ERRORS
+from tests.router.test_pd_proxy_attacks import Liar as PdLiar
+from tests.router.test_pd_proxy_attacks import http200
 from tests.server.daemon_proc import ROOT
 
 
