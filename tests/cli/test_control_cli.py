@@ -16,7 +16,7 @@ from lmc.cli import main
 from lmc.connectors.reference.connector import LMCReferenceConnector
 from lmc.reference import LLM
 from lmc.reference.serve import Server
-from tests.http_attack_kit import NORMAL, PATIENT, PROMPT, post, tiny_model
+from tests.http.kit import NORMAL, PATIENT, PROMPT, post, tiny_model
 from tests.server import wire as W
 from tests.server.daemon_proc import DaemonProc
 
