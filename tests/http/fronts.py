@@ -25,7 +25,8 @@ class FrontSpec:
     ``make(checkpoint, upstream_url, limits)`` returns the front, not yet serving: anything
     with ``serve_forever()``, ``close()``, ``port`` and ``httpd`` (its
     :class:`lmc.http.json_api.BoundedHTTPServer`). ``argv(checkpoint, upstream_url)`` is the
-    ``python`` command line running it as a process. ``alive(front)`` says whether what
+    ``python`` command line running it as a process (the suite appends the flags of
+    :func:`lmc.http.json_api.add_limit_args`, which every front takes). ``alive(front)`` says whether what
     serves behind the socket still runs (the reference server's engine loop)."""
 
     name: str
