@@ -48,7 +48,7 @@ sys.path.insert(0, str(ROOT))
 from lmc.config import CacheConfig  # noqa: E402
 from lmc.memory.pool import MemoryObj, MemoryPool  # noqa: E402
 from lmc.storage.tier import create_backend  # noqa: E402
-from tests.storage.backends.mooncake_cluster import (  # noqa: E402
+from tests.storage.backends.mooncake.mooncake_cluster import (  # noqa: E402
     MooncakeMaster,
     Peer,
     quiet_env,

@@ -60,12 +60,12 @@ def test_python_api_quick_start_runs(monkeypatch, capsys):
 # checkpoint path is a tiny random-weight checkpoint.
 NOT_RUN = {
     "make ": "the Makefile targets are checked; CI runs `make test` itself, `make demo` is "
-             "`lmc demo` (tests/test_cli_demo.py, tests/test_cli_plain_install.py)",
+             "`lmc demo` (tests/cli/test_cli_demo.py, tests/cli/test_cli_plain_install.py)",
     "python -m vllm.": "needs a model and a vLLM server; its JSON is checked here, the "
                        "connector runs in tests/connectors/vllm/test_vllm_integration.py",
     "python -m sglang.": "needs SGLang; its JSON is checked here, the adapters run in "
                          "tests/connectors/",
-    "python -m lmc.reference.serve ": "a long-running server; tests/p2p/test_pd_proxy.py runs "
+    "python -m lmc.reference.serve ": "a long-running server; tests/router/test_pd_proxy.py runs "
                                       "two of them behind lmc pd-proxy",
     "pip install ": "installs from a package registry",
     "python3 -m venv ~/venv-vllm": "the vLLM recipe: test_vllm_recipe_is_the_one_ci_builds",

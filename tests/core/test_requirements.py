@@ -12,7 +12,7 @@ import pytest
 from tests.requirements import missing, under_ci
 
 TESTS = Path(__file__).resolve().parents[1]
-# tests/p2p/conftest.py belongs to another change in flight; it is to call missing() too
+# tests/storage/backends/p2p/conftest.py belongs to another change in flight; it is to call missing() too
 NOT_YET: set[str] = set()
 
 

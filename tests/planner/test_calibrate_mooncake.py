@@ -19,7 +19,7 @@ from lmc.planner.sim import chain_point, simulate
 from lmc.planner.tiers import SimTier, chain_tiers
 from lmc.reference import make_tiny_checkpoint
 from lmc.workloads.trace import TraceRequest
-from tests.storage.backends.mooncake_cluster import MooncakeMaster, require_mooncake
+from tests.storage.backends.mooncake.mooncake_cluster import MooncakeMaster, require_mooncake
 
 pytestmark = pytest.mark.integration
 

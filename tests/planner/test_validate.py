@@ -49,7 +49,7 @@ def _trace() -> list[TraceRequest]:
 def _replay(reqs: list[TraceRequest], l1: int, disk: int, policy: str, tmp,
             step_tokens: int = 0) -> list[dict]:
     # load_all: the planner predicts where chunks are; the load policy's choice depends on
-    # the machine's speeds of the moment (tested in tests/connectors/test_load_policy_e2e.py)
+    # the machine's speeds of the moment (tested in tests/connectors/reference/test_load_policy_e2e.py)
     cfg = CacheConfig(local_cpu_size=l1, write_policy=policy, local_cpu_prefault="off",
                       load_policy="load_all")
     model = _model()

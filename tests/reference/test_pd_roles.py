@@ -1,5 +1,5 @@
 """Prefill/decode roles in the reference engine, in one process (two engines sharing one
-lmc ``CacheEngine``, so no NIXL is needed; ``tests/p2p`` runs them as two processes over
+lmc ``CacheEngine``, so no NIXL is needed; ``tests/storage/backends/p2p`` runs them as two processes over
 NIXL): a producer answers ``kv_transfer_params``, a consumer given them holds the request
 while its asynchronous load runs, then decodes exactly as a single instance would; a load
 that never comes is recomputed."""

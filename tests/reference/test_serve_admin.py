@@ -17,7 +17,7 @@ from lmc.connectors.reference.connector import LMCReferenceConnector
 from lmc.http.admin import AdminAuth, AdminToken
 from lmc.reference import LLM
 from lmc.reference.serve import Server
-from tests.http_attack_kit import NORMAL, PATIENT, PROMPT, exchange, post, tiny_model
+from tests.http.kit import NORMAL, PATIENT, PROMPT, exchange, post, tiny_model
 
 SECRETS = {"a": "team-a-secret-0123456789", "b": "team-b-secret-0123456789",
            "ops": "operator-secret-0123456789"}

@@ -25,7 +25,8 @@ from hypothesis import HealthCheck, given, settings
 from lmc.events import wire
 from lmc.router.dispatch import InstanceSpec
 from lmc.router.pd_proxy import Proxy
-from tests.http_attack_kit import (
+from tests.http.kit import (
+    BODIES,
     LIMITS,
     NORMAL,
     PROMPT,
@@ -35,7 +36,6 @@ from tests.http_attack_kit import (
     running_server,
     tiny_model,
 )
-from tests.reference.test_serve_attacks import BODIES
 from tests.router.helpers import free_port
 from tests.router.test_router_attacks import Forger
 from tests.server.daemon_proc import ROOT

@@ -27,7 +27,7 @@ from lmc.http.json_api import HttpLimits
 from lmc.reference import make_tiny_checkpoint
 from lmc.router.pd_proxy import Proxy
 from tests.deadlines import AT_ONCE_S, HANG_S, SLACK_S
-from tests.http_attack_kit import LIMITS, exchange, read_answer
+from tests.http.kit import LIMITS, exchange, read_answer
 from tests.router.helpers import ROOT, Instance, free_port, http, start, wait_ready
 
 pytestmark = pytest.mark.integration

@@ -16,7 +16,7 @@ import pytest
 
 from lmc.router.app import InstanceSpec, Router
 from lmc.router.pd_proxy import Proxy
-from tests.http_attack_kit import (
+from tests.http.kit import (
     LIMITS,
     NORMAL,
     exchange,

@@ -1,7 +1,8 @@
 """``lmc router`` attacked from all three sides (docs/threats/router.md):
 
-* clients: lying Content-Length, bad bodies, half-sent and trickled requests, a socket flood
-  at RLIMIT_NOFILE 128, random bodies -- each its own 4xx, and the next request is served;
+* clients: ``tests/http/test_attacks.py``, the suite every HTTP front runs (lying
+  Content-Length, bad bodies and values, half-sent and trickled requests, the connection
+  cap, a socket flood at RLIMIT_NOFILE 128, random bodies);
 * instances: garbage status lines, hang-ups, hangs, lying ``cached_tokens`` -- the request
   goes to the next instance when nothing was answered yet, else the answer is relayed as it
   came; the liar is marked unhealthy; nothing crashes the router;
@@ -14,39 +15,29 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import re
 import socket
-import subprocess
-import sys
 import threading
 import time
 
 import msgpack
 import pytest
 import zmq
-from hypothesis import HealthCheck, given, settings
 
 from lmc.events import wire
 from lmc.router.app import InstanceSpec, Router, cached_tokens
 from lmc.router.feed import EventFeed, Source
 from tests.deadlines import HANG_S, SLACK_S
-from tests.http_attack_kit import (
+from tests.http.kit import (
     LIMITS,
     NORMAL,
     expected_tokens,
-    flood_then_serve,
-    low_nofile,
-    message,
+    http200,
     post,
-    read_answer,
     running_server,
     tiny_model,
 )
-from tests.p2p.test_pd_proxy_attacks import Liar as PdLiar
-from tests.p2p.test_pd_proxy_attacks import http200
-from tests.reference.test_serve_attacks import BODIES, FIELD_ERRORS
-from tests.server.daemon_proc import ROOT
+from tests.http.kit import Liar as KitLiar
 
 
 @pytest.fixture(scope="module")
@@ -65,9 +56,9 @@ def honest(ckpt):
         yield srv
 
 
-class Liar(PdLiar):
-    """The pd-proxy tests' scripted upstream; a GET (the router's health check) is
-    answered 200: the instance looks healthy and fails the requests themselves."""
+class Liar(KitLiar):
+    """The kit's scripted upstream; a GET (the router's health check) is answered 200 even
+    when requests hang: the instance looks healthy and fails the requests themselves."""
 
     def _one(self, conn: socket.socket) -> None:
         with conn:
@@ -103,85 +94,10 @@ def start(r: Router) -> Router:
     return r
 
 
-@pytest.fixture(scope="module")
-def router(honest):
-    r = start(Router([InstanceSpec(honest.url)], limits=LIMITS))
-    yield r
-    r.close()
-
-
 def assert_served(port: int, want: list[int]) -> None:
     status, raw = post(port, NORMAL)
     assert status == 200, raw
     assert json.loads(raw)["choices"][0]["token_ids"] == want
-
-
-# -------------------------------------------------------------- clients
-
-@pytest.mark.parametrize("header,status,words", [
-    (b"Content-Length: -1\r\n", 400, "Content-Length"),
-    (b"Content-Length: x\r\n", 400, "Content-Length"),
-    (b"", 411, "Content-Length required"),
-    (b"Content-Length: 16777216\r\n", 413, "--max-body"),
-])
-def test_lying_content_length_is_answered_at_once(router, want, header, status, words):
-    with socket.create_connection(("127.0.0.1", router.port), timeout=5) as s:
-        s.sendall(b"POST /v1/completions HTTP/1.0\r\n" + header + b"\r\n")
-        got, raw = read_answer(s)
-    assert got == status and words in message(raw), raw
-    assert_served(router.port, want)
-
-
-@pytest.mark.parametrize("body,status,words", [
-    (b"[1, 2, 3]", 400, "JSON object"),
-    (b"{", 400, "not JSON"),
-    (b'{"prompt": [1], "x": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", 400, "nested"),
-])
-def test_bad_bodies_are_a_400(router, want, body, status, words):
-    got, raw = post(router.port, body)
-    assert got == status and words in message(raw), raw[:300]
-    assert_served(router.port, want)
-
-
-def test_field_errors_come_back_from_the_instance_naming_the_field(router, want):
-    for body, field in FIELD_ERRORS:
-        got, raw = post(router.port, body)
-        assert got == 400 and field in message(raw), raw[:300]
-    assert_served(router.port, want)
-
-
-def test_half_sent_and_trickled_requests_are_dropped_at_the_read_timeout(router, want):
-    t0 = time.monotonic()
-    with socket.create_connection(("127.0.0.1", router.port), timeout=HANG_S) as half:
-        half.sendall(b"POST /v1/completions HTTP/1.0\r\nContent-Length: 50\r\n\r\n{")
-        got = half.recv(4096)
-        assert got == b"" or got.startswith(b"HTTP/1.0 408"), got
-    assert time.monotonic() - t0 < LIMITS.read_timeout + SLACK_S  # not HANG_S
-    assert_served(router.port, want)
-
-
-def test_a_flood_at_nofile_128_leaves_the_router_serving_everyone(honest, want, tmp_path):
-    log = tmp_path / "router.log"
-    with open(log, "w") as err:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "lmc.cli", "router", "--port", "0", "--instance",
-             honest.url], cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
-            stdout=subprocess.PIPE, stderr=err, text=True, preexec_fn=low_nofile)
-        try:
-            port = int(re.search(r" at http://[\d.]+:(\d+)", proc.stdout.readline()).group(1))
-        except BaseException:
-            proc.kill()
-            raise
-        flood_then_serve(proc, port, log, want, [body for body, _ in FIELD_ERRORS])
-
-
-@settings(max_examples=40, deadline=None, derandomize=True,
-          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
-@given(BODIES)
-def test_fuzz_the_router_answers_200_or_a_4xx_with_a_message(router, body):
-    status, raw = post(router.port, json.dumps(body).encode())
-    if status != 200:
-        assert 400 <= status < 500 and message(raw), (status, raw[:300])
 
 
 # -------------------------------------------------------------- lying instances

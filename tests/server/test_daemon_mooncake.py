@@ -19,7 +19,7 @@ from tests.deadlines import SLACK_S
 from tests.kvutil import random_bits
 from tests.server.daemon_proc import client_pool
 from tests.server.test_engines import _engine, _keys, _wait
-from tests.storage.backends.mooncake_cluster import MooncakeMaster, Peer, require_mooncake
+from tests.storage.backends.mooncake.mooncake_cluster import MooncakeMaster, Peer, require_mooncake
 
 pytestmark = pytest.mark.integration
 TIMEOUT = 1.0  # the daemon's remote_timeout for its Mooncake tier

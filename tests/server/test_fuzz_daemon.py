@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from lmc.storage.backends.server import protocol as P
 from tests.deadlines import HANG_S
-from tests.server import fuzz_frames as F
+from tests.storage.backends.server import fuzz_frames as F
 
 pytestmark = pytest.mark.integration
 FRAMES_PER_EXAMPLE = 25

@@ -2,7 +2,7 @@
 with its own pytest project) runs ``lmc.testing``'s classes in a child pytest that can import
 lmc and the toy only (no lmc ``tests/``, no repository root on the path). The toy passes;
 each deliberate bug put into a copy of it fails the contract test written for it.
-docs/design.md ("Adding a tier") walks through it."""
+docs/extending.md ("A storage tier") walks through it."""
 
 from __future__ import annotations
 

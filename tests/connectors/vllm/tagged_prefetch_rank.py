@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 from lmc.connectors.core.lookup_service import LookupServer, engine_lookup, engine_prefetch
-from tests.connectors.test_tagged_prefetch import Stored
+from tests.connectors.core.test_tagged_prefetch import Stored
 
 
 def main(path: str, disk: str) -> None:

@@ -33,7 +33,7 @@ from lmc.connectors.vllm.scheduler import SchedulerSide
 from lmc.storage.lookup import LookupResult
 from lmc.token_database import request_root, request_tag
 from tests import lookup_sockets
-from tests.connectors.test_worker_side import step
+from tests.connectors.core.test_worker_side import step
 from tests.connectors.vllm.test_vllm_parts import FakeRequest, NewReq, Output
 from tests.kvutil import assert_bits_equal, make_caches, random_tokens, spec_for, token_kv
 

@@ -36,7 +36,7 @@ from lmc.connectors.vllm.scheduler import SchedulerSide
 from lmc.storage.speeds import PrefillRate, TierRate
 from lmc.token_database import request_root, request_tag
 from tests import lookup_sockets
-from tests.connectors.test_worker_side import step
+from tests.connectors.core.test_worker_side import step
 from tests.connectors.vllm.test_vllm_parts import FakeRequest, NewReq, Output
 from tests.kvutil import assert_bits_equal, make_caches, random_tokens, spec_for, token_kv
 
@@ -231,7 +231,7 @@ def test_a_rank_in_a_second_process_prefetches_the_tagged_chain(sock_dir, tmp_pa
     """The scheduler here, the rank's CacheEngine in a child process: the waiting salted
     request's prefetch crosses the socket as ``LMU2``, the child pulls salt A's chain only,
     and a load of it there is an L1 hit, bit-exact."""
-    from tests.connectors import test_tagged_prefetch as rank
+    from tests.connectors.core import test_tagged_prefetch as rank
 
     (path,) = socket_paths(sock_dir, "second-process", 0, 1)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(

@@ -24,9 +24,9 @@ from lmc.testing import (
     TierSpec,
 )
 
-from .test_contract_daemon import _forge, _signal, contract_server  # noqa: F401 (fixture)
-from .test_contract_disk import _flip_payload_byte
-from .test_contract_redis import _damage, contract_redis  # noqa: F401 (fixture)
+from .disk.test_contract_disk import _flip_payload_byte
+from .redis.test_contract_redis import _damage, contract_redis  # noqa: F401 (fixture)
+from .server.test_contract_server import _forge, _signal, contract_server  # noqa: F401 (fixture)
 
 SECRET = "contract-suite-secret-0123456789"
 

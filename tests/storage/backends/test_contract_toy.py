@@ -1,5 +1,5 @@
 """Adding a tier, shown on a toy: a dict of bytes, registered in this module, runs the whole
-contract classes it should pass (:mod:`lmc.testing`) with one fixture and one line. docs/design.md ("Adding a
+contract classes it should pass (:mod:`lmc.testing`) with one fixture and one line. docs/extending.md ("A storage
 tier") walks through it."""
 
 from __future__ import annotations

@@ -32,8 +32,8 @@ from lmc.testing import (
 )
 
 from .conftest import RedisServer, require_redis
-from .test_contract_disk import _flip_payload_byte
-from .test_contract_redis import _damage
+from .disk.test_contract_disk import _flip_payload_byte
+from .redis.test_contract_redis import _damage
 
 SECRET = "contract-suite-secret-0123456789"
 

@@ -24,7 +24,7 @@ from lmc.storage.serde import (
 )
 from tests.server.daemon_proc import DaemonProc
 
-from .test_redis import chunks, release, same_bytes
+from .redis.test_redis import chunks, release, same_bytes
 
 pytestmark = pytest.mark.integration
 SECRET = "integrity-test-secret-0123456789"
