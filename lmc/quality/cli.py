@@ -10,7 +10,8 @@ threshold; its verdict, bound to the weights' identity, the dtype, the feature a
 setting, is written to ``<model>/lmc_quality/`` (or ``--verdicts DIR``), signed when an
 integrity secret is configured (``--config``, ``LMC_INTEGRITY_SECRET``). A feature's gate
 turns it on only where a verdict passed. ``--list`` prints the verdicts already there.
-Features: blend (a setting is a recompute ratio), kv-cast (a float type); docs/quality.md.
+Features: blend (a setting is a recompute ratio), kv-cast (a float type), kv-codec (a codec
+and its parameters, docs/codecs.md); docs/quality.md.
 Exit status: 0 when a setting passed, 1 when none did, 2 bad input.
 """
 

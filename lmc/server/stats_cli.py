@@ -110,6 +110,26 @@ def _declared(media: Any, name: str) -> str:
     return f" [{safe(m.get('medium', '?'))}" + (f": {', '.join(caps)}]" if caps else "]")
 
 
+def _codec_line(t: dict[str, Any]) -> str:
+    """``  codec int8.h64 (on): wrote 4.00 MiB of KV as 2.13 MiB (0.53), ...``: a coded
+    tier's bytes before (raw) and after (stored) its codec stage (``lmc.storage.kvcodecs``),
+    and why it is off when its gate kept it off (values then pass through exact)."""
+    state = "on" if t.get("codec_active") else \
+        f"off: {safe(t.get('codec_gate', 'gate closed'), 200)}; values stored exact"
+    parts = []
+    for op, did, how in (("write", "wrote", "as"), ("read", "read", "from")):
+        raw, stored = t.get(f"codec_raw_bytes_{op}", 0), t.get(f"codec_stored_bytes_{op}", 0)
+        share = f" ({stored / raw:.2f})" if raw else ""
+        parts.append(f"{did} {units.size(raw)} of KV {how} {units.size(stored)}{share}")
+    spent = [f"{what} {units.seconds(t[k])}" for k, what in
+             (("codec_encode_seconds", "encode"), ("codec_decode_seconds", "decode"))
+             if t.get(k)]
+    odd = [f"{k.removeprefix('codec_')} {int(t[k]):,}" for k in
+           ("codec_corrupt", "codec_skipped", "codec_alloc_failures") if t.get(k)]
+    return (f"  codec {safe(t['codec'], 100)} ({state}): {', '.join(parts)}"
+            + (f"; {', '.join(spent)}" if spent else "") + (f"; {', '.join(odd)}" if odd else ""))
+
+
 def format_info(stats: dict[str, Any], before: dict[str, Any] | None = None,
                 interval: float | None = None) -> str:
     """``redis-cli INFO``-style sections: ``# Section`` then ``key: value`` lines, sizes and
@@ -184,6 +204,8 @@ def format_info(stats: dict[str, Any], before: dict[str, Any] | None = None,
                      f"{units.size(t.get('write_bytes', 0))}, queued "
                      f"{units.size(t.get('queue_bytes', 0))}"
                      + ("; " + ", ".join(extra) if extra else ""))
+        if "codec" in t:
+            lines.append(_codec_line(t))
     for name, t in others.items():
         lines += ["", f"# {safe(name)}"] + [f"{safe(k)}: {_plain_value(k, v)}"
                                            for k, v in sorted(t.items())]

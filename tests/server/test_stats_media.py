@@ -125,3 +125,59 @@ def test_lmc_stats_answers_without_importing_torch(shared_daemon):
     assert out.returncode == 0, out.stderr
     assert "# Tiers" in out.stdout
     assert "@torch False" in out.stdout, f"lmc stats imported torch (took {took:.1f} s)"
+
+
+# ---------------------------------------------------------------- a coded tier (issue 37)
+def test_a_coded_tier_says_its_bytes_before_and_after_the_codec():
+    answer = _answer()
+    answer["tiers"].update({"disk.codec": "int8.h64", "disk.codec_active": True,
+                            "disk.codec_raw_bytes_write": 4 << 20,
+                            "disk.codec_stored_bytes_write": 2 << 20,
+                            "disk.codec_raw_bytes_read": 1 << 20,
+                            "disk.codec_stored_bytes_read": 512 << 10,
+                            "disk.codec_corrupt": 1})
+    text = format_info(answer)
+    assert "\n  codec int8.h64 (on): wrote 4.00 MiB of KV as 2.00 MiB (0.50), read 1.00 MiB " \
+           "of KV from 512 KiB (0.50); corrupt 1" in text, text
+    answer["tiers"].update({"disk.codec_active": False, "disk.codec_gate": "no verdict"})
+    assert "codec int8.h64 (off: no verdict; values stored exact): wrote" in format_info(answer)
+    assert "codec" not in format_info(_answer()), "a tier without a codec grew a codec line"
+
+
+def test_a_daemon_with_a_coded_disk_reports_it_in_stats_and_prometheus(start_daemon, tmp_path):
+    """A daemon's ``tiers:`` chain with ``codec:`` on its disk entry: what the daemon
+    offloads is coded, and ``lmc stats`` and ``/metrics`` say how many bytes went in and
+    were stored."""
+    conf = tmp_path / "server.yaml"
+    conf.write_text(json.dumps({"cache": {"tiers": [
+        "memory", {"backend": "disk", "path": str(tmp_path / "disk"), "capacity": "64MiB",
+                   "codec": "int8", "gate": "off"}]}}))
+    d = start_daemon("--config", str(conf), "--size", "64MiB")
+    c = wire.RawClient(d.port)
+    try:
+        assert c.call(wire.hello(client="stats-codec"))[0] == P.OK
+        keys = [bytes([i]) * 16 for i in range(4)]
+        assert c.call(wire.put("ns", [wire.value_bytes("ns", k, tokens=16) for k in keys]))[0] \
+            == P.OK
+    finally:
+        c.close()
+    deadline = time.monotonic() + 30
+    while True:  # the write-behind to the disk
+        tiers = d.stats()["tiers"]
+        if tiers.get("disk.codec_raw_bytes_write", 0) == 4 * 2 * 16 * 64 * 2:
+            break
+        assert time.monotonic() < deadline, f"nothing coded to the disk in 30 s: {tiers}"
+        time.sleep(0.05)
+    stored = tiers["disk.codec_stored_bytes_write"]
+    # less than the fp16 chunks (the wire values' bytes include NaNs, which int8 keeps exact)
+    assert 0 < stored < 4 * 2 * 16 * 64 * 2, tiers
+    text = _lmc_stats(d.url).stdout
+    assert "  codec int8.h0 (on): wrote 16.0 KiB of KV as " in text, text
+    import urllib.request
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{d.info['metrics_port']}/metrics",
+                                timeout=10) as r:
+        metrics = r.read().decode()
+    assert f'lmc_codec_bytes_total{{form="stored",op="write",tier="disk"}} {float(stored)}' \
+        in metrics, [m for m in metrics.splitlines() if "codec" in m]
+    assert 'lmc_codec_bytes_total{form="raw",op="write",tier="disk"} 16384.0' in metrics

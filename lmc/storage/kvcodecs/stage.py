@@ -87,6 +87,12 @@ class CodecStage:
         inverse, so the tier below's evictions map back to the engine's keys)."""
         return (int.from_bytes(key, "little") ^ self.mask).to_bytes(len(key), "little")
 
+    def namespace_prefix(self, prefix: bytes) -> bytes:
+        """What every namespaced key of a key starting with ``prefix`` starts with: the
+        mask's XOR is byte for byte (little-endian), so a prefix maps on its own bytes."""
+        mask = self.mask.to_bytes(16, "little")
+        return bytes(b ^ mask[i] if i < 16 else b for i, b in enumerate(prefix))
+
     # ------------------------------------------------------------------ sizes
     def coded_bytes(self, shape: tuple[int, int, int, int], dtype: torch.dtype) -> int:
         """Body bytes of a coded chunk of ``shape`` (before lossless)."""

@@ -23,7 +23,7 @@ refused, the tier is its inner tier unchanged: exact values under the engine's o
 line says why). ``gate: off`` uses the codec without a verdict (benchmarks, or an operator who
 measured it elsewhere: logged). A lossless-only stage needs no verdict.
 
-What the tier holds shows in :meth:`stats` (``codec``, ``codec_active``,
+What the tier holds shows in :meth:`stats` (``codec``, ``codec_active``, ``codec_gate``,
 ``codec_raw_bytes_write`` / ``codec_stored_bytes_write`` and the same for reads) and in Prometheus
 (``lmc_codec_bytes{tier, op, form}``).
 """
@@ -215,6 +215,18 @@ class CodecTier(WrapperTier):
     def get_layers(self, keys: Sequence[Key]) -> LayeredRead | None:
         return None if self.active is not None else self.inner.get_layers(keys)
 
+    def set_priority(self, keys: Sequence[Key], priority: int) -> int:
+        return self.inner.set_priority(self._keys(keys), priority)
+
+    def clear_namespace(self, prefix: bytes = b"") -> list[Key] | None:
+        """The tier below clears the coded keys starting with ``prefix``'s image; the keys it
+        lists come back under the engine's names (the listeners' removal events)."""
+        stage = self.active
+        if stage is None:
+            return self.inner.clear_namespace(prefix)
+        got = self.inner.clear_namespace(stage.namespace_prefix(prefix))
+        return None if got is None else [stage.namespace(k) for k in got]
+
     def put(self, keys: Sequence[Key], objs: Sequence[MemoryObj]) -> int:
         if len(keys) != len(objs):
             raise ValueError(f"put of {len(keys)} keys with {len(objs)} objects")
@@ -335,4 +347,4 @@ class CodecTier(WrapperTier):
         with self._lock:
             mine = {f"codec_{k}": v for k, v in self.counts.items()}
         return {**self.inner.stats(), **mine, "codec": self.stage.ident,
-                "codec_active": self.active is not None}
+                "codec_active": self.active is not None, "codec_gate": self.gate_reason}

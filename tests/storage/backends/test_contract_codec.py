@@ -1,5 +1,7 @@
 """The tier contract (:mod:`lmc.testing`) through the ``codec`` wrapper, over every kind of
-tier that holds coded values: disk, Redis (keyed), the ``lmc://`` daemon (plain and keyed).
+tier that holds coded values: disk, Redis (keyed), the ``lmc://`` daemon (plain and keyed),
+Mooncake Store (plain and keyed). The memory tier (L1) stays exact, and a P2P peer serves
+what its L1 holds: neither holds coded values.
 The codec fixture (``TierSpec.lossy``): float chunks come back as the codec's own round trip
 of what was stored, bit for bit; other dtypes exactly. The damage hooks of each tier's own
 contract test reach the value under the codec's namespaced key."""
@@ -25,6 +27,9 @@ from lmc.testing import (
 )
 
 from .disk.test_contract_disk import _flip_payload_byte
+from .mooncake.test_contract_mooncake import _damage as _damage_mooncake
+from .mooncake.test_contract_mooncake import _revive, _unhang
+from .mooncake.test_contract_mooncake import cluster as mooncake_cluster  # noqa: F401 (fixture)
 from .redis.test_contract_redis import _damage, contract_redis  # noqa: F401 (fixture)
 from .server.test_contract_server import _forge, _signal, contract_server  # noqa: F401 (fixture)
 
@@ -102,3 +107,23 @@ class TestCodecOverDaemon(TierContract):
             other_tenants=lambda tier: [{"remote_key_prefix": f"o{uuid.uuid4().hex[:10]}"}],
             skip={"test_dead_backend_answers_misses_within_a_deadline":
                   "killed in the plain run"} if keyed else {})
+
+
+@pytest.mark.integration
+class TestCodecOverMooncake(TierContract):
+    """A Mooncake Store cluster on loopback (``test_contract_mooncake``'s), its values coded."""
+
+    @pytest.fixture(params=["plain", "keyed"])
+    def tier_spec(self, request, mooncake_cluster):  # noqa: F811
+        master, _holder, raw = mooncake_cluster
+        keyed = request.param == "keyed"
+        return coded(
+            "int8" if keyed else "int4-kivi+zstd", TierSpec(master.url, kwargs={"segment": 0}),
+            config=lambda: {"remote_key_prefix": f"z{uuid.uuid4().hex[:10]}",
+                            "remote_timeout": 1.0,
+                            **({"integrity_secret": SECRET} if keyed else {})},
+            corrupt=_below(_damage_mooncake(raw, keyed)),
+            kill=lambda tier: master.kill(), revive=_revive(master, raw),
+            hang=lambda tier: master.pause(), unhang=_unhang(master, raw),
+            reopen=lambda tier: {"remote_key_prefix": tier.prefix.rstrip("/")},
+            other_tenants=lambda tier: [{"remote_key_prefix": f"o{uuid.uuid4().hex[:10]}"}])

@@ -227,3 +227,28 @@ def test_a_bad_codec_in_config_is_named(pool, tmp_path):
                                          "codec": "int5"}])
     with pytest.raises(ConfigError, match=r"tiers\[1\].*unknown codec 'int5'"):
         build_tiers(cfg, pool)
+
+
+def test_priorities_and_prefix_clears_reach_the_coded_values(pool, tmp_path):
+    """``set_priority`` and ``clear_namespace(prefix)`` name the engine's keys: the codec maps
+    them to the keys it stored under (a prefix maps byte for byte), and the clear lists what
+    went under the engine's names."""
+    tier = disk_tier(pool, tmp_path, "int8")
+    doomed = [b"\x01\x02" + key_of(f"p{i}")[2:] for i in range(3)]
+    kept = [b"\x01\x03" + key_of(f"q{i}")[2:] for i in range(3)]
+    try:
+        put(tier, pool, doomed + kept)
+        assert tier.set_priority(kept, 5) == 3
+        assert tier.inner.priority_of(tier.active.namespace(kept[0])) == 5
+        assert sorted(tier.clear_namespace(b"\x01\x02")) == sorted(doomed)
+        assert tier.contains(doomed + kept) == [False] * 3 + [True] * 3
+        assert all(x is not None for x in read(tier, kept))
+    finally:
+        tier.close()
+
+
+@pytest.mark.parametrize("length", [1, 2, 16, 20])
+def test_a_prefix_maps_as_the_keys_it_starts(length):
+    stage = parse_stage("int4-kivi")
+    key = bytes(range(7, 7 + max(length, 16)))
+    assert stage.namespace(key).startswith(stage.namespace_prefix(key[:length]))
