@@ -125,6 +125,7 @@ class CacheEngine:
             [(t.name, tier_medium(t).value, i == 0 or tier_capabilities(t).layered_reads)
              for i, t in enumerate(self.storage.tiers)], config.load_policy_priors)
         self.storage.speeds = self.speeds
+        self.storage.chunk_tokens = config.chunk_size  # a lookup's deadline (timed_contains)
         self.events = None  # KV events for routers (config kv_events; lmc.events)
         self.hybrid = self._hybrid_cache() if spec.is_hybrid else None
         # one publisher per instance: tensor-parallel ranks hold the same chunks (rank 0

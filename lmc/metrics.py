@@ -204,6 +204,13 @@ class TierMetrics:
         self._secs["lookup"].observe(seconds)
         self._add(lookup_hits=hits, lookup_misses=misses, lookup_seconds=seconds)
 
+    def lookup_late(self, why: str, keys: int, seconds: float) -> None:
+        """A lookup's existence check that did not answer within the lookup's deadline
+        (``why``: ``late`` or ``busy``, :mod:`lmc.storage.timed_contains`): ``keys`` misses."""
+        self._miss["lookup"].inc(keys)
+        self._secs["lookup"].observe(seconds)
+        self._add(**{f"lookup_{why}": 1, "lookup_misses": keys, "lookup_seconds": seconds})
+
     def read(self, hits: int, misses: int, nbytes: int, seconds: float) -> None:
         self._hit["get"].inc(hits)
         self._miss["get"].inc(misses)

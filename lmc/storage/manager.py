@@ -63,6 +63,8 @@ from lmc.storage.tier import (
     TierListener,
     tier_medium,
 )
+from lmc.storage.timed_contains import MIN_S as MIN_LOOKUP_S
+from lmc.storage.timed_contains import TimedContains, budget_s
 from lmc.storage.write_behind import WriteBehind
 
 if TYPE_CHECKING:
@@ -185,6 +187,10 @@ class StorageManager:
         self.infos = [TierInfo(t.name, tier_medium(t), i) for i, t in enumerate(self.tiers)]
         self.speeds: Speeds | None = None
         """Load-speed estimates fed by every lower-tier read (set by the owner)."""
+        self.chunk_tokens = 0
+        """Tokens per key (set by the owner with ``speeds``): with the compute estimate, how
+        long a lookup may wait for the lower tiers (:mod:`lmc.storage.timed_contains`)."""
+        self._probes = [TimedContains(t) for t in self.lower]
         """What listeners are told of each tier (name, declared medium, level)."""
         self._fetch_pool: ThreadPoolExecutor | None = None
         self._fetch_lock = threading.Lock()
@@ -325,13 +331,23 @@ class StorageManager:
             if q.queued_chunks:
                 present = [p or w for p, w in zip(present, q.contains(keys))]
         where = [0 if p else -1 for p in present]
+        budget = self._lookup_budget(len(keys))
+        deadline = None if budget is None else time.monotonic() + budget
         for level, (tier, m) in enumerate(zip(self.lower, self.metrics), 1):
             todo = [i for i, w in enumerate(where) if w < 0]
             if not todo:
                 break
             t0 = time.perf_counter()
             try:
-                found = tier.contains([keys[i] for i in todo])
+                if deadline is None:
+                    found = tier.contains([keys[i] for i in todo])
+                else:
+                    left = max(MIN_LOOKUP_S, deadline - time.monotonic())
+                    answer = self._probes[level - 1].ask([keys[i] for i in todo], left)
+                    if isinstance(answer, str):  # too slow now: a miss for this lookup
+                        m.lookup_late(answer, len(todo), time.perf_counter() - t0)
+                        continue
+                    found = answer
             except Exception as e:  # a failing tier is a miss, never an error to the engine
                 log.warning("tier %s failed contains(): %s", tier.name, e)
                 m.error("lookup", type(e).__name__)
@@ -343,6 +359,14 @@ class StorageManager:
                     hits += 1
             m.lookup(hits, len(todo) - hits, time.perf_counter() - t0)
         return where
+
+    def _lookup_budget(self, num_keys: int) -> float | None:
+        """Seconds a lookup of ``num_keys`` keys may wait for the lower tiers (a share of
+        recomputing them, :func:`lmc.storage.timed_contains.budget_s`); ``None``: no
+        compute estimate, no deadline."""
+        if self.speeds is None or self.chunk_tokens <= 0:
+            return None
+        return budget_s(self.speeds.prefill.estimate(), num_keys * self.chunk_tokens)
 
     def get_prefix(self, keys: Sequence[Key]) -> list[MemoryObj]:
         """Objects for the longest present prefix of ``keys``, each acquired for the caller.
@@ -729,6 +753,8 @@ class StorageManager:
         tiers, lowest first, waiting (within the same bound) before L1 for reads abandoned by
         loads that stopped, which hold pool memory until they return."""
         deadline = time.monotonic() + self.close_timeout
+        for probe in self._probes:  # a lookup now asks no lower tier
+            probe.close()
         for q in self.queues:
             q.close(drain, max(0.0, deadline - time.monotonic()))
         for tier in reversed(self.lower):
