@@ -90,13 +90,16 @@ class EngineMetrics:
             for k, v in kv.items():
                 self.counts[k] += v
 
-    def lookup(self, query_tokens: int, hit_tokens: int, seconds: float) -> None:
+    def lookup(self, query_tokens: int, hit_tokens: int, seconds: float,
+               unanswered_tokens: int = 0) -> None:
         m = self._m
         m.lookups.inc()
         m.lookup_tokens.inc(query_tokens)
         m.hit_tokens.inc(hit_tokens)
         m.of("lookup")[2].observe(seconds)
         self._add(lookups=1, lookup_tokens=query_tokens, hit_tokens=hit_tokens)
+        if unanswered_tokens:  # past the hit, a lower tier did not answer in time
+            self._add(lookups_unanswered=1, lookup_unanswered_tokens=unanswered_tokens)
 
     def transfer(self, op: str, tokens: int, nbytes: int, seconds: float) -> None:
         b, t, s = self._m.of(op)

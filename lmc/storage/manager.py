@@ -73,6 +73,8 @@ else:  # imported at first use (lmc.lazy_import says why)
     torch = LazyModule("torch", globals())
 
 log = logging.getLogger(__name__)
+UNANSWERED = -2
+"""``sources``' value for a key no tier had and some lower tier did not answer for in time."""
 WRITE_POLICIES = ("write_through", "write_on_evict")
 
 
@@ -310,20 +312,26 @@ class StorageManager:
         """For each leading key present in some tier, the index in ``tiers`` of the first
         tier holding it (a chunk waiting in a write-behind queue counts as L1): the longest
         present prefix and where it lies, from one batched pass (each tier asked once)."""
+        return self.prefix_lookup(keys)[0]
+
+    def prefix_lookup(self, keys: Sequence[Key]) -> tuple[list[int], bool]:
+        """:meth:`prefix_sources`, and whether the prefix ended at a key a lower tier did
+        not answer for in time (:data:`UNANSWERED`): it may have held it."""
         if not keys:
-            return []
+            return [], False
         if len(self.tiers) == 1:
-            return [0] * self.l1.prefix_hits(keys)
+            return [0] * self.l1.prefix_hits(keys), False
         where = self.sources(keys)
         n = 0
         while n < len(where) and where[n] >= 0:
             n += 1
-        return where[:n]
+        return where[:n], n < len(where) and where[n] == UNANSWERED
 
     def sources(self, keys: Sequence[Key]) -> list[int]:
         """For every key, the index in ``tiers`` of the first tier holding it, -1 where no
         tier does (each tier asked once, batched, only for the keys the tiers above miss):
-        a hybrid model's lookup asks for parts that are not one prefix."""
+        a hybrid model's lookup asks for parts that are not one prefix. ``UNANSWERED``
+        (-2) where no tier had it and one did not answer in time (a miss all the same)."""
         if not keys:
             return []
         present = self.l1.contains(keys)
@@ -346,6 +354,8 @@ class StorageManager:
                     answer = self._probes[level - 1].ask([keys[i] for i in todo], left)
                     if isinstance(answer, str):  # too slow now: a miss for this lookup
                         m.lookup_late(answer, len(todo), time.perf_counter() - t0)
+                        for i in todo:
+                            where[i] = UNANSWERED
                         continue
                     found = answer
             except Exception as e:  # a failing tier is a miss, never an error to the engine

@@ -105,6 +105,11 @@ def test_a_tier_stuck_at_lookup_is_a_miss(tiny_dir: Path, tmp_path: Path, want) 
         assert_same(got, [want["P"]])
         assert got[0].num_cached_tokens == 0
         assert _stats(conn, "lookup_late") >= 1
+        # said as what it is: not "never seen" but a tier that did not answer
+        st = conn.stats()
+        assert st["cache.lookup_unanswered_tokens"] == len(P)
+        assert st["cache.funnel.miss.unanswered"] == len(P)
+        assert st["cache.funnel.miss.never_seen"] == 0
         # a second request: the stuck call holds one of the tier's threads; still a miss
         assert_same(finishes_while_blocked(llm, [Q]), [want["Q"]])
     finally:
