@@ -13,6 +13,11 @@ a new engine B and a prompt of its own, interleaved with the engine alone):
 * each with ``load_policy: load_all`` beside it (every load finishes: what lmc did before
   loads watched themselves).
 
+``--tier`` picks what sits behind the link: ``server`` (an ``lmc server``, the default),
+``redis`` (a ``redis-server``, the link shaped by ``tc`` alike) or ``disk`` (lmc's disk tier
+behind the ``rate_limit`` wrapper: the link is the wrapper's, so no namespace, root or ``tc``;
+the mid-load row lowers the wrapper's rate at ``--slow-after``).
+
 The engine alone is a fresh engine too (a new ``LLM``, its first request), so both pay the
 engine's own first-use costs (its KV cache's first touch); the warm engine's figure is
 printed beside it.
@@ -21,11 +26,14 @@ Bar: lmc's TTFT <= 1.25x the engine alone, tokens identical (checked every rep).
 
     python benchmarks/bench_fresh_link.py                 # needs root, ip, tc
     python benchmarks/bench_fresh_link.py --tokens 512 --reps 1 --layers 2   # quick
+    python benchmarks/bench_fresh_link.py --tier disk     # no root needed
+    python benchmarks/bench_fresh_link.py --tier redis
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
@@ -41,7 +49,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_load_or_recompute import shape_link  # noqa: E402
+from bench_load_or_recompute import free_port, shape_link, start_redis  # noqa: E402
 from bench_server import lmc_daemon  # noqa: E402
 from bench_ttft import model_dir, tokens  # noqa: E402
 
@@ -67,21 +75,66 @@ def first_token(llm: LLM, prompt: list[int]) -> tuple[float, int, int]:
     return out.ttft_s, out.num_cached_tokens, out.token_ids[0]
 
 
-def lmc_cfg(url: str, policy: str = "auto") -> dict[str, Any]:
-    return {"chunk_size": 256, "local_cpu_size": "512MiB", "remote_url": url + "?ns=fresh",
-            "remote_timeout": 120, "load_policy": policy}
+TIERS = ("server", "redis", "disk")
+UNSHAPED = float(1 << 40)  # the disk wrapper's rate when the link is "unshaped"
 
 
-def fresh_run(path: Path, url: str, n: int, prompt: list[int], policy: str,
-              slow_at: tuple[float, float] | None) -> dict[str, Any]:
-    """A new engine B asks for ``prompt``; ``slow_at``: (seconds, rate) the link drops to
-    during the request."""
+class Link:
+    """What engine B reaches its prompt through: a store behind loopback shaped by ``tc``
+    (``server``, ``redis``), or the disk tier behind a ``rate_limit`` wrapper (``disk``)."""
+
+    def __init__(self, kind: str, target: str) -> None:
+        self.kind, self.target = kind, target  # the store's URL, or the disk directory
+        self.conn: LMCReferenceConnector | None = None  # the engine whose wrapper is set
+
+    def cfg(self, policy: str = "auto", rate: float | None = None) -> dict[str, Any]:
+        base: dict[str, Any] = {"chunk_size": 256, "local_cpu_size": "512MiB",
+                                "load_policy": policy}
+        if self.kind == "disk":
+            return {**base, "tiers": ["memory", {
+                "wrap": "rate_limit", "bytes_per_second": int(rate or UNSHAPED),
+                "tier": {"backend": "disk", "path": self.target, "capacity": "8GiB"}}]}
+        url = self.target + ("?ns=fresh" if self.kind == "server" else "")
+        return {**base, "remote_url": url, "remote_timeout": 120}
+
+    def shape(self, rate: float | None) -> None:
+        """The link at ``rate`` bytes/s from now (``None``: unshaped)."""
+        if self.kind != "disk":
+            shape_link(rate)
+        elif self.conn is not None:
+            self.conn.cache.storage.lower[0].rate = rate or UNSHAPED
+
+
+@contextlib.contextmanager
+def open_store(kind: str, work: Path) -> Any:
+    """The store engine A fills and engine B reads, as a :class:`Link`."""
+    if kind == "server":
+        with lmc_daemon(4 << 30, work) as (url, _):
+            yield Link(kind, url)
+    elif kind == "redis":
+        port = free_port()
+        proc = start_redis(port, str(work))
+        try:
+            yield Link(kind, f"redis://127.0.0.1:{port}")
+        finally:
+            proc.kill()
+            proc.wait()
+    else:
+        yield Link(kind, str(work / "disk"))
+
+
+def fresh_run(path: Path, link: Link, n: int, prompt: list[int], policy: str,
+              start_rate: float, slow_at: tuple[float, float] | None) -> dict[str, Any]:
+    """A new engine B asks for ``prompt`` over a link at ``start_rate``; ``slow_at``:
+    (seconds, rate) the link drops to during the request."""
     compute_floor._RATES.clear()  # as a new process: the matmul rate measured again
-    conn = LMCReferenceConnector(lmc_cfg(url, policy), model_dir=path)
+    link.shape(start_rate)
+    conn = LMCReferenceConnector(link.cfg(policy, start_rate), model_dir=path)
+    link.conn = conn
     llm = engine(path, n, conn)
     timer = None
     if slow_at is not None:
-        timer = threading.Timer(slow_at[0], shape_link, args=(slow_at[1],))
+        timer = threading.Timer(slow_at[0], link.shape, args=(slow_at[1],))
         timer.start()
     try:
         ttft, cached, tok = first_token(llm, prompt)
@@ -89,9 +142,12 @@ def fresh_run(path: Path, url: str, n: int, prompt: list[int], policy: str,
     finally:
         if timer is not None:
             timer.cancel()
+        link.conn = None
         llm.close()  # waits for a read a stopped load abandoned
     return {"ttft_s": ttft, "cached": cached, "token": tok,
-            "stopped": stats.get("worker.loads_stopped", 0)}
+            "stopped": stats.get("worker.loads_stopped", 0),
+            "lookup_late": sum(v for k, v in stats.items()
+                               if k.endswith((".lookup_late", ".lookup_busy")))}
 
 
 def measure(args: argparse.Namespace) -> dict[str, Any]:
@@ -99,16 +155,17 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     n = args.tokens
     bpt = args.layers * 2 * args.kv_heads * (args.hidden // (args.hidden // 64)) * 4
     rows = {"slow from the start": None, "slows mid-load": args.slow_after}
-    res: dict[str, Any] = {"tokens": n, "kv_bytes": n * bpt, "slow": args.slow,
+    res: dict[str, Any] = {"tier": args.tier, "tokens": n, "kv_bytes": n * bpt,
+                           "slow": args.slow,
                            "fast": args.fast, "slow_after": args.slow_after, "rows": {}}
     plain = engine(path, n)
     for i in range(2):  # warm-up
         first_token(plain, [0] + tokens(7 + i, n - 1))
     work = Path(tempfile.mkdtemp(prefix="lmc-bench-fresh-"))
     try:
-        with lmc_daemon(4 << 30, work) as (url, _):
-            shape_link(None)
-            a = LMCReferenceConnector(lmc_cfg(url), model_dir=path)
+        with open_store(args.tier, work) as link:
+            link.shape(None)
+            a = LMCReferenceConnector(link.cfg(), model_dir=path)
             llm_a = engine(path, n, a)
             prompts = {(row, pol, r): [0] + tokens(1000 + 97 * r + 7 * k + len(pol), n - 1)
                        for k, row in enumerate(rows) for pol in ("auto", "load_all")
@@ -116,7 +173,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             want = {}
             for key, p in prompts.items():  # engine A computes and stores every prompt
                 want[key] = first_token(llm_a, p)[2]
-            assert a.cache.flush(120), "engine A's writes did not reach the server"
+            assert a.cache.flush(120), "engine A's writes did not reach the store"
             llm_a.close()
             log(f"{len(prompts)} prompts of {n} tokens stored ({n * bpt / MiB:.0f} MiB of KV "
                 "each)")
@@ -124,7 +181,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                 got: dict[str, list[dict[str, Any]]] = {"alone": [], "warm": [], "auto": [],
                                                         "load_all": []}
                 for r in range(args.reps):
-                    shape_link(None)
+                    link.shape(None)
                     # the engine alone, fresh as B is (its own first-use costs paid alike)
                     fresh = engine(path, n)
                     try:
@@ -135,8 +192,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                     got["warm"].append({"ttft_s": first_token(plain, prompts[(row, "auto",
                                                                               r)])[0]})
                     for pol in ("auto", "load_all"):
-                        shape_link(args.slow if after is None else args.fast)
-                        one = fresh_run(path, url, n, prompts[(row, pol, r)], pol,
+                        one = fresh_run(path, link, n, prompts[(row, pol, r)], pol,
+                                        args.slow if after is None else args.fast,
                                         None if after is None else (after, args.slow))
                         assert one["token"] == want[(row, pol, r)], "tokens differ"
                         got[pol].append(one)
@@ -147,8 +204,9 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                     "load_all_s": med["load_all"],
                     "auto_cached": [x["cached"] for x in got["auto"]],
                     "auto_stopped": [x["stopped"] for x in got["auto"]],
-                    "load_all_cached": [x["cached"] for x in got["load_all"]]}
-            shape_link(None)
+                    "load_all_cached": [x["cached"] for x in got["load_all"]],
+                    "auto_lookup_late": [x["lookup_late"] for x in got["auto"]]}
+            link.shape(None)
     finally:
         plain.close()
         shutil.rmtree(work, ignore_errors=True)
@@ -156,7 +214,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def report(res: dict[str, Any]) -> str:
-    lines = [f"Fresh engine behind a slow link: {res['tokens']} tokens "
+    lines = [f"Fresh engine behind a slow link to {res.get('tier', 'server')}: "
+             f"{res['tokens']} tokens "
              f"({res['kv_bytes'] / MiB:.0f} MiB of KV), link {res['slow'] / MiB:.1f} MiB/s "
              f"(mid-load: {res['fast'] / MiB:.0f} MiB/s for {res['slow_after']:.2f} s first)",
              "", "| link | engine alone, fresh (warm) | lmc (tokens loaded) | ratio | "
@@ -179,6 +238,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--kv-heads", type=int, default=8)
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--tier", choices=TIERS, default="server",
+                    help="what is behind the link (module doc)")
     ap.add_argument("--slow", type=float, default=3 * MiB, help="bytes/s of the slow link")
     ap.add_argument("--fast", type=float, default=200 * MiB,
                     help="bytes/s of the link before it slows (mid-load row)")
@@ -191,7 +252,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)  # one engine thread, as the other CPU TTFT benchmarks
     if args.verbose:
         logging.basicConfig(level=logging.INFO, format="%(relativeCreated)d %(name)s %(message)s")
-    if not args.inside:
+    if not args.inside and args.tier != "disk":  # the disk's link is the wrapper's
         return in_namespace(argv if argv is not None else sys.argv[1:])
     res = measure(args)
     print(report(res))

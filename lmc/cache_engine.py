@@ -131,6 +131,7 @@ class CacheEngine:
             [(t.name, tier_medium(t).value, i == 0 or tier_capabilities(t).layered_reads)
              for i, t in enumerate(self.storage.tiers)], config.load_policy_priors)
         self.storage.speeds = self.speeds
+        self.storage.chunk_tokens = config.chunk_size  # a lookup's deadline (timed_contains)
         self.events = None  # KV events for routers (config kv_events; lmc.events)
         self.hybrid = self._hybrid_cache() if spec.is_hybrid else None
         # one publisher per instance: tensor-parallel ranks hold the same chunks (rank 0
@@ -430,14 +431,16 @@ class CacheEngine:
             self.metrics.lookup(n, found.tokens, time.perf_counter() - t0)
             return found
         if pin:
-            sources, held = self._held_hits(keys)
+            sources, held, unanswered = self._held_hits(keys)
             self._pins.pin(self._pin_owner(tokens, keys, request_id), held)
         else:
-            sources = self.storage.prefix_sources(keys)
+            sources, unanswered = self.storage.prefix_lookup(keys)
         if self.funnel is not None and keys:
-            self.funnel.lookup(n, keys, self.db.keys(tokens, root=FUNNEL_ROOT), sources)
+            self.funnel.lookup(n, keys, self.db.keys(tokens, root=FUNNEL_ROOT), sources,
+                               unanswered)
         hit_tokens = min(len(sources) * self.config.chunk_size, n)
-        self.metrics.lookup(n, hit_tokens, time.perf_counter() - t0)
+        self.metrics.lookup(n, hit_tokens, time.perf_counter() - t0,
+                            n - hit_tokens if unanswered else 0)
         return LookupResult(hit_tokens, self.config.chunk_size, self.tier_names,
                             bytes(sources) if hit_tokens else b"")
 
@@ -462,15 +465,16 @@ class CacheEngine:
         """The tiers' names, L1 first (what a ``LookupResult``'s sources index)."""
         return tuple(t.name for t in self.storage.tiers)
 
-    def _held_hits(self, keys: Sequence[Key]) -> tuple[list[int], list[MemoryObj]]:
+    def _held_hits(self, keys: Sequence[Key]) -> tuple[list[int], list[MemoryObj], bool]:
         """A pinned lookup's hit sources and the L1 chunks in it, acquired *before* the
         answer is counted: a chunk evicted between counting and pinning was promised
-        unpinned."""
+        unpinned; and whether a lower tier left the rest unanswered."""
         objs = self.storage.l1.get(keys)
         lead = next((i for i, o in enumerate(objs) if o is None), len(objs))
-        sources = [0] * lead + self.storage.prefix_sources(keys[lead:])
+        rest, unanswered = self.storage.prefix_lookup(keys[lead:])
+        sources = [0] * lead + rest
         Lease(objs[len(sources):]).release()
-        return sources, [o for o in objs[:len(sources)] if o is not None]
+        return sources, [o for o in objs[:len(sources)] if o is not None], unanswered
 
     def unpin(self, tokens: Tokens = None, *, request_id: Hashable = None,
               session: str | None = None, salt: str | None = None,

@@ -90,13 +90,16 @@ class EngineMetrics:
             for k, v in kv.items():
                 self.counts[k] += v
 
-    def lookup(self, query_tokens: int, hit_tokens: int, seconds: float) -> None:
+    def lookup(self, query_tokens: int, hit_tokens: int, seconds: float,
+               unanswered_tokens: int = 0) -> None:
         m = self._m
         m.lookups.inc()
         m.lookup_tokens.inc(query_tokens)
         m.hit_tokens.inc(hit_tokens)
         m.of("lookup")[2].observe(seconds)
         self._add(lookups=1, lookup_tokens=query_tokens, hit_tokens=hit_tokens)
+        if unanswered_tokens:  # past the hit, a lower tier did not answer in time
+            self._add(lookups_unanswered=1, lookup_unanswered_tokens=unanswered_tokens)
 
     def transfer(self, op: str, tokens: int, nbytes: int, seconds: float) -> None:
         b, t, s = self._m.of(op)
@@ -203,6 +206,13 @@ class TierMetrics:
         self._miss["lookup"].inc(misses)
         self._secs["lookup"].observe(seconds)
         self._add(lookup_hits=hits, lookup_misses=misses, lookup_seconds=seconds)
+
+    def lookup_late(self, why: str, keys: int, seconds: float) -> None:
+        """A lookup's existence check that did not answer within the lookup's deadline
+        (``why``: ``late`` or ``busy``, :mod:`lmc.storage.timed_contains`): ``keys`` misses."""
+        self._miss["lookup"].inc(keys)
+        self._secs["lookup"].observe(seconds)
+        self._add(**{f"lookup_{why}": 1, "lookup_misses": keys, "lookup_seconds": seconds})
 
     def read(self, hits: int, misses: int, nbytes: int, seconds: float) -> None:
         self._hit["get"].inc(hits)

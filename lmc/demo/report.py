@@ -57,6 +57,9 @@ CAUSES = {  # cause -> (its name in the breakdown, what it means: said once belo
     "miss": ("held by no tier", "text no tier held: never seen before, or the rest of a "
              "chunk an earlier, shorter prompt ended in (a chunk is found only with all of its "
              "tokens)"),
+    "unanswered": ("tier too slow to answer", "a lower tier did not answer the lookup within "
+                   "a tenth of recomputing the prompt: lmc computed rather than wait (the "
+                   "tier may have held them)"),
     "choice": ("recomputed by choice", "lmc's load policy predicted computing them sooner "
                "than loading them from the tier that held them (load_policy: auto)"),
     "stopped": ("loads stopped", "a load stopped itself when finishing it was predicted "
@@ -83,6 +86,12 @@ def computed_causes(r: PassResult, tiers: list[str]) -> dict[str, int]:
         parts["other"] = computed - sum(parts.values())
     else:
         parts["miss"] = computed - sum(parts.values())
+    # of the misses, those past a hit a lower tier left unanswered (their last tokens are
+    # the "last" cause's already)
+    late = min(parts["miss"], int(s.get("cache.lookup_unanswered_tokens", 0))
+               - int(s.get("cache.lookups_unanswered", 0)))
+    if late > 0:
+        parts["unanswered"], parts["miss"] = late, parts["miss"] - late
     return {k: v for k, v in parts.items() if v}
 
 

@@ -17,7 +17,9 @@ down to the first missing chunk's fate, which a storage listener records as chun
 
 Past the best possible prefix the rest is ``other_salt`` where the same tokens were seen under
 another key chain of this engine (another ``cache_salt`` or LoRA adapter: a chain of the
-tokens alone, from a fixed root, tells), else ``never_seen``. What happens after the lookup
+tokens alone, from a fixed root, tells), else ``never_seen``. A lookup that a lower tier did
+not answer in time (:mod:`lmc.storage.timed_contains`) puts every token past its hit down to
+``unanswered``: that tier may have held them. What happens after the lookup
 is counted where it happens: ``recomputed_by_choice`` (the load policy, a load that stopped
 itself), ``failed_to_load`` (the worker), what was loaded (per tier) and what the engine used
 (its own prefix cache plus lmc's load): :func:`funnel_view` puts them together.
@@ -38,8 +40,8 @@ from typing import Any
 from lmc.metrics import FUNNEL_FOUND, FUNNEL_MISSES, FUNNEL_TOKENS
 from lmc.storage.tier import DELETED, EVICTED, Key, TierInfo, TierListener
 
-MISS_REASONS = ("capacity", "ttl", "write_queue_full", "deleted", "unknown", "other_salt",
-                "never_seen")
+MISS_REASONS = ("unanswered", "capacity", "ttl", "write_queue_full", "deleted", "unknown",
+                "other_salt", "never_seen")
 LATER_REASONS = ("recomputed_by_choice", "failed_to_load")
 STAGES = ("prompt", "best", "found")
 
@@ -126,9 +128,10 @@ class Funnel(TierListener):
         return max(0, min(b * self.cs, n) - min(a * self.cs, n))
 
     def lookup(self, n: int, keys: Sequence[Key], any_keys: Sequence[Key],
-               sources: Sequence[int]) -> dict[str, int]:
+               sources: Sequence[int], unanswered: bool = False) -> dict[str, int]:
         """Classify one lookup of an ``n``-token prompt (``keys``: its chain, ``any_keys``:
-        the tokens' chain from the fixed root, ``sources``: the tier of each hit chunk) and
+        the tokens' chain from the fixed root, ``sources``: the tier of each hit chunk;
+        ``unanswered``: the hit ended where a lower tier did not answer in time) and
         remember its chunks as seen. Returns this lookup's counts."""
         hit = len(sources)
         out: dict[str, int] = {}
@@ -140,13 +143,17 @@ class Funnel(TierListener):
             best_any = 0
             while best_any < len(any_keys) and (any_keys[best_any] in seen_any):
                 best_any += 1
-            if best > hit:
-                out[f"miss.{self._fate(keys[hit])}"] = self._tokens(hit, best, n)
-            if best_any > best:
-                out["miss.other_salt"] = self._tokens(best, best_any, n)
-            never = self._tokens(max(best, best_any), len(keys), n)
-            if never:
-                out["miss.never_seen"] = never
+            if unanswered:
+                if hit < len(keys):
+                    out["miss.unanswered"] = self._tokens(hit, len(keys), n)
+            else:
+                if best > hit:
+                    out[f"miss.{self._fate(keys[hit])}"] = self._tokens(hit, best, n)
+                if best_any > best:
+                    out["miss.other_salt"] = self._tokens(best, best_any, n)
+                never = self._tokens(max(best, best_any), len(keys), n)
+                if never:
+                    out["miss.never_seen"] = never
             for k in keys:
                 self.seen.put(k)
             for k in any_keys:

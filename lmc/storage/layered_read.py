@@ -209,14 +209,24 @@ class LayeredRead:
         with self._cond:
             self._cond.wait(max(0.0, timeout))
 
-    def wait_layer(self, layer: int, timeout: float | None = None) -> None:
-        """Block until ``layer`` of every kept hit is in place. :class:`LayerReadError` if
-        the read failed first (or ``timeout`` seconds passed)."""
+    def _none_kept(self, idxs: Sequence[int] | None) -> bool:
+        """Whether a cut left none of ``idxs`` (``None``: of the keys; an empty list waits
+        for the read to settle all the same) to wait for."""
+        if idxs is None:
+            return self.kept == 0
+        return bool(idxs) and all(i >= self.kept for i in idxs)
+
+    def wait_layer(self, layer: int, timeout: float | None = None,
+                   idxs: Sequence[int] | None = None) -> None:
+        """Block until ``layer`` of every kept hit is in place, or a cut keeps none of
+        ``idxs`` (default: of the keys; a waiter already blocked when a watch cuts the read
+        goes on at once instead of waiting for bytes no one will use).
+        :class:`LayerReadError` if the read failed first (or ``timeout`` seconds passed)."""
         with self._cond:
-            if not self._cond.wait_for(lambda: self._landed >= layer or self._error is not None,
-                                       timeout):
+            if not self._cond.wait_for(lambda: self._landed >= layer or self._error is not None
+                                       or self._none_kept(idxs), timeout):
                 raise LayerReadError(f"layer {layer} did not land within {timeout} s")
-            if self._landed < layer:
+            if self._landed < layer and not self._none_kept(idxs):
                 raise LayerReadError(f"reading layer {layer} failed: {self._error}")
 
     def wait_verified(self, idxs: Sequence[int] | None = None, timeout: float | None = None
@@ -225,10 +235,12 @@ class LayeredRead:
         hit) that was not cut verified: :class:`~lmc.storage.serde.CorruptValue` for a bad
         value, :class:`LayerReadError` for a failed read."""
         with self._cond:
-            if not self._cond.wait_for(lambda: self._ok is not None, timeout):
+            if not self._cond.wait_for(lambda: self._ok is not None or
+                                       self._none_kept(idxs), timeout):
                 raise LayerReadError(f"values not verified within {timeout} s")
             ok, error, kept = self._ok, self._error, self.kept
-        assert ok is not None
+            if ok is None:  # cut to none of ``idxs`` before it settled: nothing to verify
+                return
         if error is not None:
             raise LayerReadError(f"read failed: {error}")
         want = range(kept) if idxs is None else [i for i in idxs if i < kept]
@@ -299,8 +311,8 @@ class LayerGate:
     def wait_layer(self, layer: int, timeout: float | None = None) -> None:
         """Until ``layer`` of every chunk of the kept prefix is in place (read
         :meth:`kept` after: a cut meanwhile only shortens the prefix)."""
-        for read, _ in self._live():
-            read.wait_layer(layer, timeout)
+        for read, idxs in self._live():
+            read.wait_layer(layer, timeout, idxs)
 
     def wait_verified(self, timeout: float | None = None) -> None:
         """Until every chunk of the kept prefix verified (raises as

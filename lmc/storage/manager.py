@@ -63,6 +63,8 @@ from lmc.storage.tier import (
     TierListener,
     tier_medium,
 )
+from lmc.storage.timed_contains import MIN_S as MIN_LOOKUP_S
+from lmc.storage.timed_contains import TimedContains, budget_s
 from lmc.storage.write_behind import WriteBehind
 
 if TYPE_CHECKING:
@@ -71,6 +73,8 @@ else:  # imported at first use (lmc.lazy_import says why)
     torch = LazyModule("torch", globals())
 
 log = logging.getLogger(__name__)
+UNANSWERED = -2
+"""``sources``' value for a key no tier had and some lower tier did not answer for in time."""
 WRITE_POLICIES = ("write_through", "write_on_evict")
 
 
@@ -185,6 +189,10 @@ class StorageManager:
         self.infos = [TierInfo(t.name, tier_medium(t), i) for i, t in enumerate(self.tiers)]
         self.speeds: Speeds | None = None
         """Load-speed estimates fed by every lower-tier read (set by the owner)."""
+        self.chunk_tokens = 0
+        """Tokens per key (set by the owner with ``speeds``): with the compute estimate, how
+        long a lookup may wait for the lower tiers (:mod:`lmc.storage.timed_contains`)."""
+        self._probes = [TimedContains(t) for t in self.lower]
         """What listeners are told of each tier (name, declared medium, level)."""
         self._fetch_pool: ThreadPoolExecutor | None = None
         self._fetch_lock = threading.Lock()
@@ -304,20 +312,26 @@ class StorageManager:
         """For each leading key present in some tier, the index in ``tiers`` of the first
         tier holding it (a chunk waiting in a write-behind queue counts as L1): the longest
         present prefix and where it lies, from one batched pass (each tier asked once)."""
+        return self.prefix_lookup(keys)[0]
+
+    def prefix_lookup(self, keys: Sequence[Key]) -> tuple[list[int], bool]:
+        """:meth:`prefix_sources`, and whether the prefix ended at a key a lower tier did
+        not answer for in time (:data:`UNANSWERED`): it may have held it."""
         if not keys:
-            return []
+            return [], False
         if len(self.tiers) == 1:
-            return [0] * self.l1.prefix_hits(keys)
+            return [0] * self.l1.prefix_hits(keys), False
         where = self.sources(keys)
         n = 0
         while n < len(where) and where[n] >= 0:
             n += 1
-        return where[:n]
+        return where[:n], n < len(where) and where[n] == UNANSWERED
 
     def sources(self, keys: Sequence[Key]) -> list[int]:
         """For every key, the index in ``tiers`` of the first tier holding it, -1 where no
         tier does (each tier asked once, batched, only for the keys the tiers above miss):
-        a hybrid model's lookup asks for parts that are not one prefix."""
+        a hybrid model's lookup asks for parts that are not one prefix. ``UNANSWERED``
+        (-2) where no tier had it and one did not answer in time (a miss all the same)."""
         if not keys:
             return []
         present = self.l1.contains(keys)
@@ -325,13 +339,25 @@ class StorageManager:
             if q.queued_chunks:
                 present = [p or w for p, w in zip(present, q.contains(keys))]
         where = [0 if p else -1 for p in present]
+        budget = self._lookup_budget(len(keys))
+        deadline = None if budget is None else time.monotonic() + budget
         for level, (tier, m) in enumerate(zip(self.lower, self.metrics), 1):
             todo = [i for i, w in enumerate(where) if w < 0]
             if not todo:
                 break
             t0 = time.perf_counter()
             try:
-                found = tier.contains([keys[i] for i in todo])
+                if deadline is None:
+                    found = tier.contains([keys[i] for i in todo])
+                else:
+                    left = max(MIN_LOOKUP_S, deadline - time.monotonic())
+                    answer = self._probes[level - 1].ask([keys[i] for i in todo], left)
+                    if isinstance(answer, str):  # too slow now: a miss for this lookup
+                        m.lookup_late(answer, len(todo), time.perf_counter() - t0)
+                        for i in todo:
+                            where[i] = UNANSWERED
+                        continue
+                    found = answer
             except Exception as e:  # a failing tier is a miss, never an error to the engine
                 log.warning("tier %s failed contains(): %s", tier.name, e)
                 m.error("lookup", type(e).__name__)
@@ -343,6 +369,14 @@ class StorageManager:
                     hits += 1
             m.lookup(hits, len(todo) - hits, time.perf_counter() - t0)
         return where
+
+    def _lookup_budget(self, num_keys: int) -> float | None:
+        """Seconds a lookup of ``num_keys`` keys may wait for the lower tiers (a share of
+        recomputing them, :func:`lmc.storage.timed_contains.budget_s`); ``None``: no
+        compute estimate, no deadline."""
+        if self.speeds is None or self.chunk_tokens <= 0:
+            return None
+        return budget_s(self.speeds.prefill.estimate(), num_keys * self.chunk_tokens)
 
     def get_prefix(self, keys: Sequence[Key]) -> list[MemoryObj]:
         """Objects for the longest present prefix of ``keys``, each acquired for the caller.
@@ -729,6 +763,8 @@ class StorageManager:
         tiers, lowest first, waiting (within the same bound) before L1 for reads abandoned by
         loads that stopped, which hold pool memory until they return."""
         deadline = time.monotonic() + self.close_timeout
+        for probe in self._probes:  # a lookup now asks no lower tier
+            probe.close()
         for q in self.queues:
             q.close(drain, max(0.0, deadline - time.monotonic()))
         for tier in reversed(self.lower):

@@ -325,6 +325,7 @@ class PrefillSpeed:
                       else None)
         self.fit = LinearFit(4)
         self.save_s_per_token = 0.0  # c3 of the last rate(): stats
+        self._rate: tuple[int, PrefillRate | None] | None = None  # (fit.count, its rate)
         self.floor: PrefillRate | None = None
         """The fastest the engine could compute (its model's arithmetic at the device's
         measured matmul rate; set by a connector at registration). Only a load watching
@@ -348,6 +349,14 @@ class PrefillSpeed:
         n = self.fit.count
         if n == 0:
             return self.prior
+        cached = self._rate
+        if cached is not None and cached[0] == n:  # asked by every lookup and decision:
+            return cached[1]  # a fit (numpy, ~0.1-5 ms) only after a new step
+        out = self._fit_rate(n)
+        self._rate = (n, out)
+        return out
+
+    def _fit_rate(self, n: int) -> PrefillRate | None:
         obs = self.fit.observations()
         # prefill-sized steps that saved little (a decode's few tokens say nothing of c1)
         lean = {int(math.log2(x[1])) for x, _, _ in obs

@@ -15,8 +15,9 @@ from lmc.config import CacheConfig
 from lmc.memory.pool import MemoryPool
 from lmc.storage.backends.disk import disk_layered_read as disk_layers
 from lmc.storage.backends.disk.backend import DiskBackend
-from lmc.storage.layered_read import LayerGate
+from lmc.storage.layered_read import LayeredRead, LayerGate
 from lmc.storage.layered_watch import Progress, costs, decide, rate_bound
+from tests.deadlines import HANG_S
 
 MiB = 1 << 20
 
@@ -133,3 +134,44 @@ def test_a_cut_disk_read_lands_the_kept_chunks_whole_and_stops_reading_the_rest(
     disk.close()
     assert pool.outstanding() == []
     pool.close()
+
+
+def _waits(fn) -> threading.Thread:
+    t = threading.Thread(target=fn, daemon=True)
+    t.start()
+    return t
+
+
+def test_a_waiter_blocked_on_a_layer_goes_on_when_the_read_is_cut_to_none() -> None:
+    """The engine's I/O thread waits for a layer that will never land (a link stuck after
+    the decision); the watch cuts the read to nothing: the wait ends at once, with nothing
+    landed, instead of waiting for bytes no one will use (issue 36: a fresh engine behind
+    a 3 MiB/s Redis link took 2.0x the engine alone, the stop's recompute waiting for
+    each layer of the abandoned read)."""
+    read = LayeredRead([None, None, None], num_layers=4)
+    gate = LayerGate([(read, 0), (read, 1), (read, 2)])
+    errors: list[BaseException] = []
+
+    def wait() -> None:
+        try:
+            gate.wait_layer(2)
+            gate.wait_verified()
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    waiter = _waits(wait)
+    waiter.join(0.05)
+    assert waiter.is_alive(), "nothing landed: the waiter must be blocked"
+    assert read.cut(0)
+    waiter.join(HANG_S)
+    assert not waiter.is_alive(), "the wait did not end at the cut"
+    assert errors == [] and gate.kept() == 0 and not read.settled
+    # a cut that keeps some keys still waits for them
+    read2 = LayeredRead([None, None], num_layers=2)
+    w2 = _waits(lambda: read2.wait_layer(1, HANG_S, [0, 1]))
+    assert read2.cut(1)
+    w2.join(0.05)
+    assert w2.is_alive(), "key 0 is kept: its layer must land first"
+    read2.landed(1)
+    w2.join(HANG_S)
+    assert not w2.is_alive()
