@@ -20,8 +20,8 @@ import pytest
 from lmc.connectors.reference import LMCReferenceConnector
 from lmc.reference import LLM, RequestOutput
 from lmc.storage.wrappers import WrapperTier
-from tests.connectors.helpers import BLOCK, assert_same, plain_llm, prompt, run
-from tests.connectors.test_load_watch_e2e import fresh_engine
+from tests.connectors.reference.helpers import BLOCK, assert_same, plain_llm, prompt, run
+from tests.connectors.reference.test_load_watch_e2e import fresh_engine
 from tests.deadlines import HANG_S
 
 P = prompt(37, 150)
