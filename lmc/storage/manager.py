@@ -221,8 +221,15 @@ class StorageManager:
         stores = bool(self._store_listeners)
         self.l1.on_evict = self._l1_evicted if on else None
         sticky = bool(self.priorities)
+        rank = self.priorities.get if sticky else None
+        for tier in self.tiers:  # a chunk has its remembered rank as it lands in a tier
+            try:
+                tier.rank_arrivals(rank)
+            except Exception as e:  # noqa: BLE001 - a hint; set_priority after still runs
+                log.debug("tier %s: rank_arrivals failed: %s", tier.name, e)
         for level, (tier, q) in enumerate(zip(self.lower, self.queues), 1):
             q.on_written = partial(self._written, level) if stores or sticky else None
+            q.rank = rank  # a full queue drops the lowest priority first
             try:
                 tier.on_evicted = partial(self._lower_evicted, level) if on else None
             except AttributeError:  # a tier refusing attributes: its evictions go unseen

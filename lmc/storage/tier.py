@@ -206,6 +206,12 @@ class StorageBackend(abc.ABC):
         evicts by its own rules (Redis, a daemon) keeps none and answers 0."""
         return 0
 
+    def rank_arrivals(self, source: Callable[[Key], int | None] | None) -> None:  # noqa: B027
+        """Optional, for a tier that keeps priorities: a key stored from now on takes
+        ``source(key)`` as its priority as it arrives (``None``: 0, the default), so it is
+        never a victim at 0 before the manager's ``set_priority`` after the write
+        (:attr:`lmc.storage.eviction.EvictionPolicy.arrival`)."""
+
     def close(self) -> None:  # noqa: B027 - optional hook, most tiers hold nothing
         """Release resources, within the deadline; calls in flight return by themselves with
         what they completed, later calls are misses and 0 (module docstring: Close)."""

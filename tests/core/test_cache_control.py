@@ -227,7 +227,11 @@ def test_a_priority_follows_the_chunk_down_to_disk_and_back(tmp_path):
         eng.store(a, src, _slots(len(a)))
         assert eng.set_priority(a, -4) == 2  # the first to go
         for seed in range(82, 90):  # 16 more chunks: a leaves L1 for the disk
-            eng.store(random_tokens(2 * CHUNK, seed), src, _slots(2 * CHUNK, 16))
+            filler = random_tokens(2 * CHUNK, seed)
+            eng.store(filler, src, _slots(2 * CHUNK, 16))
+            # at a's level (recency decides within it): a full write queue drops a lower
+            # priority first, and one allocation may fill the queue with its victims
+            eng.set_priority(filler, -4)
             eng.flush()  # the queue (a quarter of the pool) drains between stores
         keys = eng.db.keys(a)
         disk, l1 = eng.storage.lower[0], eng.storage.l1

@@ -201,6 +201,10 @@ class CPUBackend(StorageBackend):
         with self._lock:
             return self._policy.priority_of(key)
 
+    def rank_arrivals(self, source: Callable[[Key], int | None] | None) -> None:
+        with self._lock:
+            self._policy.arrival = source
+
     def close(self) -> None:
         with self._lock:
             self._closed = True
