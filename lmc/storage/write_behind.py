@@ -123,9 +123,9 @@ class WriteBehind:
         return accepted
 
     def _ranked_locked(self, rank: Callable[[Key], int | None]) -> list[tuple[int, int, Key]]:
-        """The waiting chunks as (priority, -age, key), the first to give up last (a
-        list popped from its end): lowest priority, then oldest, first."""
-        out = [(rank(k) or 0, -i, k) for i, (k, _) in enumerate(self._q)]
+        """The waiting chunks as (priority, place in the queue, key), the first to give up
+        last (a list popped from its end): lowest priority, then oldest, first."""
+        out = [(rank(k) or 0, i, k) for i, (k, _) in enumerate(self._q)]
         out.sort(reverse=True)
         return out
 

@@ -66,6 +66,32 @@ def test_full_queue_drops_and_counts_and_store_never_waits(tmp_path):
         assert all(eng.lookup(_prompt(i)) == CHUNK for i in range(10))  # all still in L1
 
 
+def test_a_full_queue_drops_its_lowest_priority_chunks_first(tmp_path):
+    """A tier that writes nothing until released; a queue of 3 chunks (one taken by the
+    writer). A chunk offered to the full queue takes the room of a waiting one of a lower
+    priority (the lowest, then the oldest, dropped); one that ranks no higher than any
+    waiting chunk is dropped itself. Priorities are the manager's (``set_priority``)."""
+    eng, src, _ = _setup(tmp_path, delay=HANG_S, write_queue_size=3 * CHUNK_BYTES)
+    with eng:
+        disk = eng.storage.lower[0]
+        for i in range(3):  # p0 in flight, p1 and p2 waiting
+            assert eng.store(_prompt(i), src, _slots(i)) == CHUNK
+        eng.set_priority(_prompt(1), -2)
+        eng.set_priority(_prompt(2), -1)
+        eng.set_priority(_prompt(6), 3)  # remembered for a chunk not stored yet
+        for i in (3, 4, 5, 6):
+            assert eng.store(_prompt(i), src, _slots(i)) == CHUNK
+        # p3 displaced p1 (-2), p4 displaced p2 (-1), p5 (0) found nothing below it, p6 (3)
+        # displaced p3 (the older of the two at 0)
+        assert eng.stats()["disk.dropped_queue_full"] == 4
+        disk.release()
+        assert eng.flush(HANG_S)
+        keys = [eng.db.keys(_prompt(i))[0] for i in range(7)]
+        assert disk.contains(keys) == [True, False, False, False, True, False, True]
+        assert disk.priority_of(keys[6]) == 3  # ranked as it arrived
+        assert all(eng.lookup(_prompt(i)) == CHUNK for i in range(7))  # all still in L1
+
+
 def test_write_on_evict_moves_evicted_chunks_down(tmp_path):
     """128 KiB of pool = 16 chunks of L1. Chunks reach the disk only when evicted; an
     eviction holds the victim's memory until written, so a store under pressure moves up to a
