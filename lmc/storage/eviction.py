@@ -38,6 +38,9 @@ Primitives (what a tier may call; a policy is not thread-safe, the tier's lock c
   priority. A change of priority counts as a use (the key starts at the back of its new
   level, FIFO's too). A key that leaves forgets its priority; a re-inserted key starts at 0.
   ``priority_of(key)`` answers one key's.
+* ``demote(keys)`` - held keys of ``keys`` become the first victims of their priority (a
+  lower tier's copy of a chunk promoted into L1 under write-on-evict: L1 holds it and
+  writes it back when it evicts it, so among equals that copy is the cheapest to lose).
 * ``arrival`` - where a key's priority comes from when it is inserted (``None``: 0, the
   default): the storage manager's memory of the priorities it set
   (:mod:`lmc.storage.priorities`), so a chunk written down to the disk or promoted back into
@@ -131,6 +134,9 @@ class EvictionPolicy(ABC, Generic[K, V]):
     def priority_of(self, key: K) -> int:
         """``key``'s retention priority (0 when not held or never set)."""
         return 0
+
+    def demote(self, keys: Iterable[K]) -> None:  # noqa: B027 - optional: order unchanged
+        """Held keys of ``keys`` go first among their priority (module doc)."""
 
     def keys_in_order(self) -> list[K]:
         """Held keys, first to evict first (tests and the planner compare these)."""
@@ -257,6 +263,15 @@ class _OrderedPolicy(EvictionPolicy[K, V]):
 
     def priority_of(self, key: K) -> int:
         return self._prio.get(key, 0)
+
+    def demote(self, keys: Iterable[K]) -> None:
+        od, prio = self._od, self._prio
+        for k in keys:
+            if k in od:
+                od.move_to_end(k, last=False)
+                p = prio.get(k)
+                if p is not None:
+                    self._levels[p].move_to_end(k, last=False)
 
     def __len__(self) -> int:
         return len(self._od)

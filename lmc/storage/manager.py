@@ -9,7 +9,10 @@ writer thread per tier, so the engine's store never waits on them. ``write_polic
 
 * ``write_through``: every chunk stored in L1 is queued for every lower tier at once;
 * ``write_on_evict``: L1 queues a chunk when it evicts it (:class:`WriteOnEvict`, a listener). Chunks
-  still in L1 at ``close()`` are not written down. An evicted chunk keeps its pool memory
+  still in L1 at ``close()`` are not written down. A lower-tier hit promoted into L1 keeps
+  its copy below, demoted to the first victim of its priority there (``demote``): L1 will
+  write it back if it evicts it, so the two tiers hold different chunks as far as room
+  requires. An evicted chunk keeps its pool memory
   until written, so a store under memory pressure evicts further LRU chunks into the queue
   until the queue is full and only then frees memory by dropping a victim (as L1 alone would
   have): no store waits, but one allocation can move up to a queue's worth of cold chunks out
@@ -57,10 +60,12 @@ from lmc.storage.tier import (
     PROMOTED,
     STORED,
     Key,
+    Medium,
     MemoryTier,
     StorageBackend,
     TierInfo,
     TierListener,
+    tier_capabilities,
     tier_medium,
 )
 from lmc.storage.write_behind import WriteBehind
@@ -124,17 +129,32 @@ def tier_metrics(tier: StorageBackend) -> TierMetrics:
 class WriteOnEvict(TierListener):
     """Write-on-evict as a listener: L1's victims are queued for every lower tier. Runs
     under L1's lock, before the victims' memory is released, so it only queues (each queue
-    takes its own reference)."""
+    takes its own reference). A local tier that answers presence from its index (the disk)
+    is asked first, and the victims it holds already (promoted copies) are not queued: they
+    would take the queue's room (and their memory would stay held) only to be skipped by
+    the writer; a remote tier is never asked under L1's lock."""
 
     observes_stores = False
 
     def __init__(self, queues: Sequence[WriteBehind]) -> None:
         self.queues = list(queues)
+        self.local = [tier_medium(q.tier) is Medium.LOCAL_STORAGE
+                      and tier_capabilities(q.tier).existence_without_reading
+                      for q in self.queues]
 
     def on_removed(self, keys: Sequence[Key], tier: TierInfo, reason: str,
                    objs: Sequence[MemoryObj] | None = None) -> None:
         if tier.level == 0 and reason == EVICTED and objs:
-            for q in self.queues:
+            for q, local in zip(self.queues, self.local):
+                if local:
+                    try:
+                        held = q.tier.contains(keys)
+                    except Exception:  # noqa: BLE001 - then the writer asks again
+                        held = [False] * len(keys)
+                    if any(held):
+                        q.offer([k for k, h in zip(keys, held) if not h],
+                                [o for o, h in zip(objs, held) if not h])
+                        continue
                 q.offer(keys, objs)
 
 
@@ -612,6 +632,11 @@ class StorageManager:
         if self.write_policy == "write_through":
             for q in self.queues[:level]:  # the tiers above it missed these chunks
                 q.offer(keys, objs)
+        else:  # L1 writes them back when it evicts them: the copy below goes first
+            try:
+                self.lower[level].demote(keys)
+            except Exception as e:  # noqa: BLE001 - an eviction-order hint
+                log.debug("tier %s: demote failed: %s", self.lower[level].name, e)
 
     # ----------------------------------------------------------------- writes
     def put(self, keys: Sequence[Key], objs: Sequence[MemoryObj]) -> int:

@@ -74,8 +74,9 @@ def test_a_full_queue_drops_its_lowest_priority_chunks_first(tmp_path):
     eng, src, _ = _setup(tmp_path, delay=HANG_S, write_queue_size=3 * CHUNK_BYTES)
     with eng:
         disk = eng.storage.lower[0]
-        for i in range(3):  # p0 in flight, p1 and p2 waiting
+        for i in range(3):  # p0 soon in flight (the writer's), p1 and p2 waiting
             assert eng.store(_prompt(i), src, _slots(i)) == CHUNK
+        eng.set_priority(_prompt(0), 9)  # taken by the writer or not, it ranks above all
         eng.set_priority(_prompt(1), -2)
         eng.set_priority(_prompt(2), -1)
         eng.set_priority(_prompt(6), 3)  # remembered for a chunk not stored yet

@@ -806,6 +806,10 @@ class DiskBackend(StorageBackend):
         with self._lock:
             self.index.policy.arrival = source
 
+    def demote(self, keys: Sequence[Key]) -> None:
+        with self._lock:
+            self.index.policy.demote(keys)
+
     # ------------------------------------------------------------------- misc
     @property
     def used_bytes(self) -> int:
