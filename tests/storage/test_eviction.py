@@ -267,3 +267,14 @@ def test_a_new_key_takes_its_rank_from_arrival_before_it_can_be_a_victim(name):
     p.arrival = None  # off again: a plain insert
     p.insert("f", 6)
     assert p.priority_of("f") == 0 and p.keys_in_order()[-2:] == ["f", "b"]
+
+
+@pytest.mark.parametrize("name", ["lru", "fifo"])
+def test_demote_makes_keys_the_first_victims_of_their_priority(name):
+    """A lower tier's copy of a chunk promoted into L1 goes first among its equals."""
+    p = make_policy(name)
+    p.insert_many({k: 0 for k in "abcde"})
+    p.set_priority(["d", "e"], 5)
+    p.demote(["c", "e", "absent"])
+    assert p.keys_in_order() == ["c", "a", "b", "e", "d"]
+    assert p.priority_of("e") == 5 and len(p) == 5
