@@ -12,7 +12,11 @@ writer thread per tier, so the engine's store never waits on them. ``write_polic
   still in L1 at ``close()`` are not written down. A lower-tier hit promoted into L1 keeps
   its copy below, demoted to the first victim of its priority there (``demote``): L1 will
   write it back if it evicts it, so the two tiers hold different chunks as far as room
-  requires. An evicted chunk keeps its pool memory
+  requires. Write-ahead: once L1's pool has less free room than a queue's bound and that
+  (local) tier's queue is idle, a store queues copies of L1's next victims (half a queue's
+  worth) for it; L1 evicts them later without queueing them (the tier holds them), so its
+  memory comes back at once instead of one allocation filling the queue with victims and
+  dropping the rest. An evicted chunk keeps its pool memory
   until written, so a store under memory pressure evicts further LRU chunks into the queue
   until the queue is full and only then frees memory by dropping a victim (as L1 alone would
   have): no store waits, but one allocation can move up to a queue's worth of cold chunks out
@@ -214,8 +218,11 @@ class StorageManager:
         self._listeners: tuple[TierListener, ...] = ()
         self._store_listeners: tuple[TierListener, ...] = ()  # those that observe stores
         self.priorities = Sticky()  # priorities that follow chunks (lmc.storage.priorities)
+        self._ahead: list[WriteBehind] = []  # queues write-ahead feeds (write_on_evict)
         if self.queues and write_policy == "write_on_evict":
-            self.add_listener(WriteOnEvict(self.queues))
+            woe = WriteOnEvict(self.queues)
+            self._ahead = [q for q, local in zip(self.queues, woe.local) if local]
+            self.add_listener(woe)
 
     # -------------------------------------------------------------- listeners
     @property
@@ -623,6 +630,33 @@ class StorageManager:
                 out.append(k)
         return out
 
+    def write_ahead(self) -> int:
+        """Under ``write_on_evict``: for each local lower tier whose queue is idle while
+        L1's pool has less free room than the queue's bound, queue copies of L1's next
+        victims (up to half the bound) that the tier does not hold yet (module doc).
+        Returns the chunks queued."""
+        coldest = getattr(self.l1, "coldest", None)
+        if coldest is None:
+            return 0
+        n = 0
+        for q in self._ahead:
+            if q.queued_chunks or self._l1_pool.free_bytes >= q.max_bytes:
+                continue
+            cold = coldest(q.max_bytes // 2)
+            if not cold:
+                continue
+            try:
+                held = q.tier.contains([k for k, _ in cold])
+                todo = [(k, o) for (k, o), h in zip(cold, held) if not h]
+                if todo:
+                    n += q.offer([k for k, _ in todo], [o for _, o in todo])
+            except Exception as e:  # noqa: BLE001 - eviction writes them as before
+                log.debug("tier %s: write-ahead failed: %s", q.tier.name, e)
+            finally:
+                for _, o in cold:
+                    o.release()
+        return n
+
     def _promote(self, level: int, keys: list[Key], objs: list[MemoryObj]) -> None:
         if not keys:
             return
@@ -652,6 +686,8 @@ class StorageManager:
         if self.write_policy == "write_through":
             for q in self.queues:
                 q.offer(keys, objs)
+        elif self._ahead:
+            self.write_ahead()
         return n
 
     def delete(self, keys: Sequence[Key]) -> int:
