@@ -72,7 +72,7 @@ def tenants(tmp_path_factory):
         d.kill()
 
 
-def test_a_tenant_cannot_clear_pin_unpin_or_prioritise_another(tenants):
+def test_a_tenant_cannot_clear_pin_unpin_prioritise_or_delete_another(tenants):
     d, sec = tenants
     keys = _keys(1, 3)
     beta = _authed(d, sec["beta"])
@@ -82,6 +82,7 @@ def test_a_tenant_cannot_clear_pin_unpin_or_prioritise_another(tenants):
                 W.frame(P.PIN, {"ns": "beta", "keys": keys, "ttl": 10}),
                 W.frame(P.UNPIN, {"ns": "beta", "keys": keys}),
                 W.frame(P.PRIORITY, {"ns": "beta", "keys": keys, "priority": -10}),
+                W.frame(P.DELETE, {"ns": "beta", "keys": keys}),
                 W.frame(P.CLEAR, {"ns": ""})):
         status, meta, _ = alpha.call(req)
         assert status == P.FORBIDDEN and "does not grant namespace" in meta["error"], meta
