@@ -22,7 +22,8 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 from lmc.storage.control import PinLimitError, check_priority, check_ttl
@@ -36,10 +37,14 @@ log = logging.getLogger(__name__)
 
 
 class NamespacePins:
-    """One :class:`PinTable` per namespace that pins, each bounded (module doc)."""
+    """One :class:`PinTable` per namespace that pins, each bounded (module doc).
+    ``clock`` (seconds, monotonic) times the TTLs: a test moves it by hand, so expiry does
+    not depend on how fast the machine runs the test."""
 
-    def __init__(self, store: NamespacedStore, config: ServerConfig) -> None:
+    def __init__(self, store: NamespacedStore, config: ServerConfig,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.store = store
+        self.clock = clock
         self.max_pins = config.max_pins
         self.max_ttl = config.max_pin_ttl
         self.max_bytes = int(config.max_pin_share * config.size)
@@ -60,7 +65,8 @@ class NamespacePins:
                                         f"the daemon's bound")
                 quota = self.store.quota(ns)
                 limit = self.max_bytes if quota is None else min(self.max_bytes, quota)
-                t = self._tables[ns] = PinTable(self.max_pins, self.max_ttl, max_bytes=limit)
+                t = self._tables[ns] = PinTable(self.max_pins, self.max_ttl, self.clock,
+                                                max_bytes=limit)
             return t
 
     def _drop_empty_locked(self) -> None:

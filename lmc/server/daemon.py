@@ -94,7 +94,8 @@ def _unix_peer(conn: socket.socket) -> str:
 
 
 class Daemon:
-    def __init__(self, config: ServerConfig) -> None:
+    def __init__(self, config: ServerConfig,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.config = config
         self.auth = config.authenticator()
         self.listeners: list[tuple[socket.socket, str]] = []
@@ -132,7 +133,8 @@ class Daemon:
         self.store = NamespacedStore(self.storage, config.quotas, config.quota_default,
                                      config.max_namespaces,
                                      reserved=self.auth.granted_namespaces())
-        self.pins = NamespacePins(self.store, config)  # PIN/UNPIN (lmc.server.control)
+        # PIN/UNPIN (lmc.server.control); ``clock`` times their TTLs (a test's, moved by hand)
+        self.pins = NamespacePins(self.store, config, clock)
         self.offload = len(self.storage.tiers) > 1
         self.io = ThreadPoolExecutor(config.io_threads, thread_name_prefix="lmc-server-io")
         self.commit_bytes = max(1 << 20, min(64 << 20, self.pool.size // 8))

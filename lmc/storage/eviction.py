@@ -38,6 +38,15 @@ Primitives (what a tier may call; a policy is not thread-safe, the tier's lock c
   priority. A change of priority counts as a use (the key starts at the back of its new
   level, FIFO's too). A key that leaves forgets its priority; a re-inserted key starts at 0.
   ``priority_of(key)`` answers one key's.
+* ``demote(keys)`` - held keys of ``keys`` become the first victims of their priority (a
+  lower tier's copy of a chunk promoted into L1 under write-on-evict: L1 holds it and
+  writes it back when it evicts it, so among equals that copy is the cheapest to lose).
+* ``arrival`` - where a key's priority comes from when it is inserted (``None``: 0, the
+  default): the storage manager's memory of the priorities it set
+  (:mod:`lmc.storage.priorities`), so a chunk written down to the disk or promoted back into
+  L1 has its rank from its first moment in the tier. Set after the insert instead, a batch
+  of high-priority chunks arriving in a tier full of others of that priority would evict
+  its own first chunks (the only ones at 0) to make room for its last ones.
 
 ``victims()`` takes no argument: a tier evicts while it allocates, before it knows which key
 the room is for, so a policy that adapts to the incoming key (ARC's target on a ghost hit)
@@ -63,6 +72,8 @@ class EvictionPolicy(ABC, Generic[K, V]):
     for the primitives and their contracts)."""
 
     name: ClassVar[str]
+    arrival: Callable[[K], int | None] | None = None
+    """A new key's priority (module doc); ``None`` (the default): every insert gets 0."""
 
     @property
     @abstractmethod
@@ -124,6 +135,9 @@ class EvictionPolicy(ABC, Generic[K, V]):
         """``key``'s retention priority (0 when not held or never set)."""
         return 0
 
+    def demote(self, keys: Iterable[K]) -> None:  # noqa: B027 - optional: order unchanged
+        """Held keys of ``keys`` go first among their priority (module doc)."""
+
     def keys_in_order(self) -> list[K]:
         """Held keys, first to evict first (tests and the planner compare these)."""
         return [k for k, _ in self.victims()]
@@ -161,9 +175,20 @@ class _OrderedPolicy(EvictionPolicy[K, V]):
 
     def insert(self, key: K, value: V) -> None:
         self._od[key] = value
+        if self.arrival is not None:
+            self._rank(self.arrival, (key,))
 
     def insert_many(self, items: Mapping[K, V]) -> None:
         self._od.update(items)
+        if self.arrival is not None:
+            self._rank(self.arrival, items)
+
+    def _rank(self, get: Callable[[K], int | None], keys: Iterable[K]) -> None:
+        """New keys take the priority ``get`` says (0 where it says nothing)."""
+        for k in keys:
+            p = get(k)
+            if p:
+                self.set_priority((k,), p)
 
     def remove(self, key: K) -> V | None:
         if self._prio:
@@ -238,6 +263,15 @@ class _OrderedPolicy(EvictionPolicy[K, V]):
 
     def priority_of(self, key: K) -> int:
         return self._prio.get(key, 0)
+
+    def demote(self, keys: Iterable[K]) -> None:
+        od, prio = self._od, self._prio
+        for k in keys:
+            if k in od:
+                od.move_to_end(k, last=False)
+                p = prio.get(k)
+                if p is not None:
+                    self._levels[p].move_to_end(k, last=False)
 
     def __len__(self) -> int:
         return len(self._od)

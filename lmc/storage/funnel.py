@@ -3,10 +3,12 @@ have hit, how many lmc found (per tier), and why each of the rest was missed.
 
 Every lookup is classified before it is answered (:meth:`Funnel.lookup`). *Best possible* is
 what a cache that never dropped anything would have held: the longest prefix of the prompt
-whose chunks were found now or looked up before ("replaying what was seen": every chunk a
-lookup named was computed by the engine right after, and an unbounded cache would have kept
-it). The tokens between what was found and that prefix are the avoidable misses, all put
-down to the first missing chunk's fate, which a storage listener records as chunks leave:
+whose chunks were found now or stored before ("replaying what was seen": a storage listener
+notes every chunk as it lands in a tier, and an unbounded cache would have kept it). A chunk
+a lookup named that no tier has received yet is not in it: its request is still computing
+it (a sub-agent forking a context whose turn is in flight), and no cache could have had it.
+The tokens between what was found and that prefix are the avoidable misses, all put down to
+the first missing chunk's fate, which the listener records as chunks leave:
 
 * ``capacity``: evicted to make room (L1, the disk tier, a daemon namespace's quota);
 * ``ttl``: stored in a tier with a time to live (Redis ``ttl``) longer ago than it;
@@ -15,11 +17,13 @@ down to the first missing chunk's fate, which a storage listener records as chun
 * ``deleted``: removed by a delete or a clear;
 * ``unknown``: gone without lmc seeing why (another engine's store, Redis ``maxmemory``).
 
-Past the best possible prefix the rest is ``other_salt`` where the same tokens were seen under
-another key chain of this engine (another ``cache_salt`` or LoRA adapter: a chain of the
-tokens alone, from a fixed root, tells), else ``never_seen``. A lookup that a lower tier did
-not answer in time (:mod:`lmc.storage.timed_contains`) puts every token past its hit down to
-``unanswered``: that tier may have held them. What happens after the lookup
+Past the best possible prefix the rest is ``other_salt`` where the same tokens were stored
+under another key chain of this engine (another ``cache_salt`` or LoRA adapter: a chain of
+the tokens alone, from a fixed root, tells), then ``in_flight`` for chunks an earlier lookup
+named that were not stored yet (computing concurrently, or a save that never happened), else
+``never_seen``. A lookup that a lower tier did not answer in time
+(:mod:`lmc.storage.timed_contains`) puts every token past its hit down to ``unanswered``:
+that tier may have held them. What happens after the lookup
 is counted where it happens: ``recomputed_by_choice`` (the load policy, a load that stopped
 itself), ``failed_to_load`` (the worker), what was loaded (per tier) and what the engine used
 (its own prefix cache plus lmc's load): :func:`funnel_view` puts them together.
@@ -41,7 +45,7 @@ from lmc.metrics import FUNNEL_FOUND, FUNNEL_MISSES, FUNNEL_TOKENS
 from lmc.storage.tier import DELETED, EVICTED, Key, TierInfo, TierListener
 
 MISS_REASONS = ("unanswered", "capacity", "ttl", "write_queue_full", "deleted", "unknown",
-                "other_salt", "never_seen")
+                "other_salt", "in_flight", "never_seen")
 LATER_REASONS = ("recomputed_by_choice", "failed_to_load")
 STAGES = ("prompt", "best", "found")
 
@@ -73,11 +77,10 @@ class Funnel(TierListener):
         self.tiers = list(tiers)
         self.cs = chunk_size
         self.ttls = list(ttls) + [0.0] * (len(self.tiers) - len(ttls))
-        # stores are looked at only where a tier has a TTL (each costs a presence check)
-        self.observes_stores = any(t > 0 for t in self.ttls)  # type: ignore[misc]
         self.clock = clock
-        self.seen = _Bounded(max_keys)       # chunk keys looked up before (this chain)
-        self.seen_any = _Bounded(max_keys)   # the same prompts' chunks from a fixed root
+        self.seen = _Bounded(max_keys)       # chunk keys stored before (this chain)
+        self.seen_any = _Bounded(max_keys)   # the same chunks' keys from a fixed root
+        self.pending = _Bounded(max_keys)    # looked up, not stored yet: key -> its any-key
         self.fates = _Bounded(max_keys)      # key -> why it last left a tier
         self.dropped = _Bounded(max_keys)    # keys a full write-behind queue dropped
         self.expiry = _Bounded(max_keys)     # key -> when a TTL tier lets it go
@@ -104,10 +107,15 @@ class Funnel(TierListener):
 
     def on_stored(self, keys: Sequence[Key], tier: TierInfo, reason: str) -> None:
         ttl = self.ttls[tier.level] if tier.level < len(self.ttls) else 0.0
-        if ttl > 0:
-            until = self.clock() + ttl
-            with self._lock:
-                for k in keys:
+        until = self.clock() + ttl if ttl > 0 else None
+        with self._lock:
+            seen, pending = self.seen.put, self.pending.d
+            for k in keys:
+                seen(k)
+                a = pending.pop(k, None)
+                if a is not None:
+                    self.seen_any.put(a)
+                if until is not None:
                     self.expiry.put(k, until)
 
     def note_dropped(self, keys: Sequence[Key]) -> None:
@@ -131,12 +139,13 @@ class Funnel(TierListener):
                sources: Sequence[int], unanswered: bool = False) -> dict[str, int]:
         """Classify one lookup of an ``n``-token prompt (``keys``: its chain, ``any_keys``:
         the tokens' chain from the fixed root, ``sources``: the tier of each hit chunk;
-        ``unanswered``: the hit ended where a lower tier did not answer in time) and
-        remember its chunks as seen. Returns this lookup's counts."""
+        ``unanswered``: the hit ended where a lower tier did not answer in time); the chunks
+        found count as seen, the others as pending until a tier stores them. Returns this
+        lookup's counts."""
         hit = len(sources)
         out: dict[str, int] = {}
         with self._lock:
-            seen, seen_any = self.seen.d, self.seen_any.d
+            seen, seen_any, pending = self.seen.d, self.seen_any.d, self.pending.d
             best = hit
             while best < len(keys) and keys[best] in seen:
                 best += 1
@@ -151,13 +160,21 @@ class Funnel(TierListener):
                     out[f"miss.{self._fate(keys[hit])}"] = self._tokens(hit, best, n)
                 if best_any > best:
                     out["miss.other_salt"] = self._tokens(best, best_any, n)
-                never = self._tokens(max(best, best_any), len(keys), n)
+                first = waiting = max(best, best_any)
+                while waiting < len(keys) and keys[waiting] in pending:
+                    waiting += 1
+                if waiting > first:
+                    out["miss.in_flight"] = self._tokens(first, waiting, n)
+                never = self._tokens(waiting, len(keys), n)
                 if never:
                     out["miss.never_seen"] = never
-            for k in keys:
-                self.seen.put(k)
-            for k in any_keys:
-                self.seen_any.put(k)
+            for i, k in enumerate(keys):
+                if i < hit:  # found: stored somewhere, whoever stored it
+                    self.seen.put(k)
+                    if i < len(any_keys):
+                        self.seen_any.put(any_keys[i])
+                elif k not in seen:
+                    self.pending.put(k, any_keys[i] if i < len(any_keys) else None)
             out.update(prompt=n, best=self._tokens(0, best, n), found=self._tokens(0, hit, n))
             for i, level in enumerate(sources):
                 name = f"found.{self.tiers[level]}"

@@ -9,7 +9,14 @@ writer thread per tier, so the engine's store never waits on them. ``write_polic
 
 * ``write_through``: every chunk stored in L1 is queued for every lower tier at once;
 * ``write_on_evict``: L1 queues a chunk when it evicts it (:class:`WriteOnEvict`, a listener). Chunks
-  still in L1 at ``close()`` are not written down. An evicted chunk keeps its pool memory
+  still in L1 at ``close()`` are not written down. A lower-tier hit promoted into L1 keeps
+  its copy below, demoted to the first victim of its priority there (``demote``): L1 will
+  write it back if it evicts it, so the two tiers hold different chunks as far as room
+  requires. Write-ahead: once L1's pool has less free room than a queue's bound and that
+  (local) tier's queue is idle, a store queues copies of L1's next victims (half a queue's
+  worth) for it; L1 evicts them later without queueing them (the tier holds them), so its
+  memory comes back at once instead of one allocation filling the queue with victims and
+  dropping the rest. An evicted chunk keeps its pool memory
   until written, so a store under memory pressure evicts further LRU chunks into the queue
   until the queue is full and only then frees memory by dropping a victim (as L1 alone would
   have): no store waits, but one allocation can move up to a queue's worth of cold chunks out
@@ -57,10 +64,12 @@ from lmc.storage.tier import (
     PROMOTED,
     STORED,
     Key,
+    Medium,
     MemoryTier,
     StorageBackend,
     TierInfo,
     TierListener,
+    tier_capabilities,
     tier_medium,
 )
 from lmc.storage.timed_contains import MIN_S as MIN_LOOKUP_S
@@ -128,17 +137,32 @@ def tier_metrics(tier: StorageBackend) -> TierMetrics:
 class WriteOnEvict(TierListener):
     """Write-on-evict as a listener: L1's victims are queued for every lower tier. Runs
     under L1's lock, before the victims' memory is released, so it only queues (each queue
-    takes its own reference)."""
+    takes its own reference). A local tier that answers presence from its index (the disk)
+    is asked first, and the victims it holds already (promoted copies) are not queued: they
+    would take the queue's room (and their memory would stay held) only to be skipped by
+    the writer; a remote tier is never asked under L1's lock."""
 
     observes_stores = False
 
     def __init__(self, queues: Sequence[WriteBehind]) -> None:
         self.queues = list(queues)
+        self.local = [tier_medium(q.tier) is Medium.LOCAL_STORAGE
+                      and tier_capabilities(q.tier).existence_without_reading
+                      for q in self.queues]
 
     def on_removed(self, keys: Sequence[Key], tier: TierInfo, reason: str,
                    objs: Sequence[MemoryObj] | None = None) -> None:
         if tier.level == 0 and reason == EVICTED and objs:
-            for q in self.queues:
+            for q, local in zip(self.queues, self.local):
+                if local:
+                    try:
+                        held = q.tier.contains(keys)
+                    except Exception:  # noqa: BLE001 - then the writer asks again
+                        held = [False] * len(keys)
+                    if any(held):
+                        q.offer([k for k, h in zip(keys, held) if not h],
+                                [o for o, h in zip(objs, held) if not h])
+                        continue
                 q.offer(keys, objs)
 
 
@@ -202,8 +226,11 @@ class StorageManager:
         self._listeners: tuple[TierListener, ...] = ()
         self._store_listeners: tuple[TierListener, ...] = ()  # those that observe stores
         self.priorities = Sticky()  # priorities that follow chunks (lmc.storage.priorities)
+        self._ahead: list[WriteBehind] = []  # queues write-ahead feeds (write_on_evict)
         if self.queues and write_policy == "write_on_evict":
-            self.add_listener(WriteOnEvict(self.queues))
+            woe = WriteOnEvict(self.queues)
+            self._ahead = [q for q, local in zip(self.queues, woe.local) if local]
+            self.add_listener(woe)
 
     # -------------------------------------------------------------- listeners
     @property
@@ -229,8 +256,15 @@ class StorageManager:
         stores = bool(self._store_listeners)
         self.l1.on_evict = self._l1_evicted if on else None
         sticky = bool(self.priorities)
+        rank = self.priorities.get if sticky else None
+        for tier in self.tiers:  # a chunk has its remembered rank as it lands in a tier
+            try:
+                tier.rank_arrivals(rank)
+            except Exception as e:  # noqa: BLE001 - a hint; set_priority after still runs
+                log.debug("tier %s: rank_arrivals failed: %s", tier.name, e)
         for level, (tier, q) in enumerate(zip(self.lower, self.queues), 1):
             q.on_written = partial(self._written, level) if stores or sticky else None
+            q.rank = rank  # a full queue drops the lowest priority first
             try:
                 tier.on_evicted = partial(self._lower_evicted, level) if on else None
             except AttributeError:  # a tier refusing attributes: its evictions go unseen
@@ -630,6 +664,33 @@ class StorageManager:
                 out.append(k)
         return out
 
+    def write_ahead(self) -> int:
+        """Under ``write_on_evict``: for each local lower tier whose queue is idle while
+        L1's pool has less free room than the queue's bound, queue copies of L1's next
+        victims (up to half the bound) that the tier does not hold yet (module doc).
+        Returns the chunks queued."""
+        coldest = getattr(self.l1, "coldest", None)
+        if coldest is None:
+            return 0
+        n = 0
+        for q in self._ahead:
+            if q.queued_chunks or self._l1_pool.free_bytes >= q.max_bytes:
+                continue
+            cold = coldest(q.max_bytes // 2)
+            if not cold:
+                continue
+            try:
+                held = q.tier.contains([k for k, _ in cold])
+                todo = [(k, o) for (k, o), h in zip(cold, held) if not h]
+                if todo:
+                    n += q.offer([k for k, _ in todo], [o for _, o in todo])
+            except Exception as e:  # noqa: BLE001 - eviction writes them as before
+                log.debug("tier %s: write-ahead failed: %s", q.tier.name, e)
+            finally:
+                for _, o in cold:
+                    o.release()
+        return n
+
     def _promote(self, level: int, keys: list[Key], objs: list[MemoryObj]) -> None:
         if not keys:
             return
@@ -639,6 +700,11 @@ class StorageManager:
         if self.write_policy == "write_through":
             for q in self.queues[:level]:  # the tiers above it missed these chunks
                 q.offer(keys, objs)
+        else:  # L1 writes them back when it evicts them: the copy below goes first
+            try:
+                self.lower[level].demote(keys)
+            except Exception as e:  # noqa: BLE001 - an eviction-order hint
+                log.debug("tier %s: demote failed: %s", self.lower[level].name, e)
 
     # ----------------------------------------------------------------- writes
     def put(self, keys: Sequence[Key], objs: Sequence[MemoryObj]) -> int:
@@ -654,6 +720,8 @@ class StorageManager:
         if self.write_policy == "write_through":
             for q in self.queues:
                 q.offer(keys, objs)
+        elif self._ahead:
+            self.write_ahead()
         return n
 
     def delete(self, keys: Sequence[Key]) -> int:

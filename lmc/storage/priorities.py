@@ -43,6 +43,11 @@ class Sticky:
             while len(d) > self.max_keys:
                 d.popitem(last=False)
 
+    def get(self, key: Key) -> int | None:
+        """``key``'s remembered priority (None: 0). Lock-free: one dict lookup, called by a
+        tier's eviction policy as each chunk arrives (``rank_arrivals``)."""
+        return self._by_key.get(key)
+
     def forget(self, keys: Sequence[Key]) -> None:
         if self._by_key:
             with self._lock:

@@ -206,6 +206,17 @@ class StorageBackend(abc.ABC):
         evicts by its own rules (Redis, a daemon) keeps none and answers 0."""
         return 0
 
+    def demote(self, keys: Sequence[Key]) -> None:  # noqa: B027 - optional hint
+        """Optional, for a tier that orders its own evictions: held ``keys`` go first among
+        their priority (L1 has just taken a copy of each and, under write-on-evict, writes it
+        back when it evicts it: :meth:`lmc.storage.eviction.EvictionPolicy.demote`)."""
+
+    def rank_arrivals(self, source: Callable[[Key], int | None] | None) -> None:  # noqa: B027
+        """Optional, for a tier that keeps priorities: a key stored from now on takes
+        ``source(key)`` as its priority as it arrives (``None``: 0, the default), so it is
+        never a victim at 0 before the manager's ``set_priority`` after the write
+        (:attr:`lmc.storage.eviction.EvictionPolicy.arrival`)."""
+
     def close(self) -> None:  # noqa: B027 - optional hook, most tiers hold nothing
         """Release resources, within the deadline; calls in flight return by themselves with
         what they completed, later calls are misses and 0 (module docstring: Close)."""

@@ -7,7 +7,11 @@ thread; ``offer`` only appends and never blocks (beyond a short lock).
 The queue is bounded in **bytes** (the pool memory it keeps alive), not in items: chunk sizes
 vary by model. When an offer would pass the bound the chunk is dropped and counted: it stays
 in L1 (write-through) or is simply gone (write-on-evict), which costs a later recompute, never
-a stall. The queue holds one reference on each object it carries, so L1 eviction cannot free
+a stall. With retention priorities (``rank``: the storage manager's,
+:mod:`lmc.storage.priorities`) a full queue drops by the eviction rule instead: a chunk
+offered takes the room of waiting chunks of a lower priority (the lowest, then the oldest,
+first), which are dropped in its place; it is dropped itself only when nothing waiting ranks
+below it. So a burst of low-priority traffic cannot keep a session's chunks off the disk. The queue holds one reference on each object it carries, so L1 eviction cannot free
 memory the writer is still reading. Chunks waiting here can be served to readers
 (:meth:`lookup`): under write-on-evict an evicted chunk is otherwise invisible until written.
 
@@ -67,6 +71,8 @@ class WriteBehind:
         self.on_dropped: Callable[[list[Key]], None] | None = None
         """Called with the keys a full queue refused (the hit-rate funnel's
         ``write_queue_full``: :mod:`lmc.storage.funnel`)."""
+        self.rank: Callable[[Key], int | None] | None = None
+        """A key's retention priority (None: 0), or None: no priorities (module doc)."""
         self.on_written: Callable[[list[Key]], None] | None = None
         """Called from the writer thread with the keys a ``put`` stored, once it returned
         (they are readable from the tier): the storage manager's listeners hook in here."""
@@ -79,6 +85,8 @@ class WriteBehind:
         already waiting counts as accepted). The rest are dropped and counted."""
         accepted = dropped = 0
         refused: list[Key] | None = [] if self.on_dropped is not None else None
+        displaced: list[MemoryObj] = []
+        below: list[tuple[int, int, Key]] | None = None  # waiting chunks, by rank
         with self._cv:
             if self._closed:
                 self.metrics.dropped("closed", len(keys))
@@ -87,6 +95,11 @@ class WriteBehind:
                 if k in self._pending:
                     accepted += 1
                     continue
+                if self._bytes + o.nbytes > self.max_bytes and self.rank is not None:
+                    if below is None:
+                        below = self._ranked_locked(self.rank)
+                    self._displace_locked(below, self.rank(k) or 0, o.nbytes, displaced,
+                                          refused)
                 if self._bytes + o.nbytes > self.max_bytes:
                     dropped += 1
                     if refused is not None:
@@ -101,11 +114,39 @@ class WriteBehind:
                 self._start_locked()
                 self._cv.notify()
             depth = (self._bytes, len(self._pending))
-        self.metrics.dropped("queue_full", dropped)
+        for o in displaced:
+            o.release()
+        self.metrics.dropped("queue_full", dropped + len(displaced))
         self.metrics.queue(*depth)
         if refused:
             self.on_dropped(refused)  # type: ignore[misc]  # set when refused is a list
         return accepted
+
+    def _ranked_locked(self, rank: Callable[[Key], int | None]) -> list[tuple[int, int, Key]]:
+        """The waiting chunks as (priority, place in the queue, key), the first to give up
+        last (a list popped from its end): lowest priority, then oldest, first."""
+        out = [(rank(k) or 0, i, k) for i, (k, _) in enumerate(self._q)]
+        out.sort(reverse=True)
+        return out
+
+    def _displace_locked(self, below: list[tuple[int, int, Key]], prio: int, need: int,
+                         displaced: list[MemoryObj], refused: list[Key] | None) -> None:
+        """Drop waiting chunks of a priority below ``prio``, lowest first, until ``need``
+        more bytes fit (or none is left below it); their objects go to ``displaced`` (the
+        caller releases them outside the lock), their keys to ``refused``."""
+        gone: set[Key] = set()
+        while below and below[-1][0] < prio and self._bytes + need > self.max_bytes:
+            k = below.pop()[2]
+            o = self._pending.pop(k, None)
+            if o is None:  # taken by the writer since the list was made
+                continue
+            self._bytes -= o.nbytes
+            displaced.append(o)
+            gone.add(k)
+            if refused is not None:
+                refused.append(k)
+        if gone:
+            self._q = deque(item for item in self._q if item[0] not in gone)
 
     def lookup(self, keys: Sequence[Key]) -> list[MemoryObj | None]:
         """Chunks still waiting to be written, acquired for the caller; ``None`` elsewhere."""

@@ -227,7 +227,11 @@ def test_a_priority_follows_the_chunk_down_to_disk_and_back(tmp_path):
         eng.store(a, src, _slots(len(a)))
         assert eng.set_priority(a, -4) == 2  # the first to go
         for seed in range(82, 90):  # 16 more chunks: a leaves L1 for the disk
-            eng.store(random_tokens(2 * CHUNK, seed), src, _slots(2 * CHUNK, 16))
+            filler = random_tokens(2 * CHUNK, seed)
+            eng.store(filler, src, _slots(2 * CHUNK, 16))
+            # at a's level (recency decides within it): a full write queue drops a lower
+            # priority first, and one allocation may fill the queue with its victims
+            eng.set_priority(filler, -4)
             eng.flush()  # the queue (a quarter of the pool) drains between stores
         keys = eng.db.keys(a)
         disk, l1 = eng.storage.lower[0], eng.storage.l1
@@ -238,3 +242,25 @@ def test_a_priority_follows_the_chunk_down_to_disk_and_back(tmp_path):
         eng.delete(a)
         eng.store(a, src, _slots(len(a)))  # stored afresh after a delete: an ordinary chunk
         assert [l1.priority_of(k) for k in keys] == [0, 0]
+
+
+def test_a_prioritised_batch_written_to_a_full_disk_keeps_itself_not_the_older(tmp_path):
+    """A disk of 8 chunks full of priority-5 chunks (a); 8 more at priority 5 (b) are
+    written down in batches: within one priority recency decides, so the disk ends holding
+    b. (Ranked only after their batch was written, b's chunks arrived at 0 and each batch's
+    later chunks evicted its earlier ones, not a's.)"""
+    from lmc.storage.backends.disk.index import BLOCK, round_up
+
+    entry = BLOCK + round_up(_chunk_bytes())
+    src, _, eng = _engine(chunks=32, local_disk=str(tmp_path / "d"),
+                          local_disk_size=8 * entry)
+    with eng:
+        a, b = random_tokens(8 * CHUNK, 91), random_tokens(8 * CHUNK, 92)
+        for p, first in ((a, 0), (b, 32)):
+            eng.set_priority(p, 5)  # remembered before the chunks exist: they arrive at 5
+            assert eng.store(p, src, _slots(len(p), first)) == len(p)
+            assert eng.flush()
+        disk = eng.storage.lower[0]
+        assert disk.contains(eng.db.keys(b)) == [True] * 8, "the disk dropped its newest"
+        assert not any(disk.contains(eng.db.keys(a)))
+        assert {disk.priority_of(k) for k in eng.db.keys(b)} == {5}

@@ -6,17 +6,23 @@ docs/threats/daemon.md."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import os
+import threading
 import time
+from collections.abc import Iterator
 
 import pytest
 import yaml
 
+from lmc.server.daemon import Daemon
+from lmc.server.server_config import ServerConfig
 from lmc.storage.backends.server import protocol as P
 from lmc.storage.control import PinLimitError, TTLError
 from tests.deadlines import HANG_S
 from tests.server import wire as W
-from tests.server.daemon_proc import DaemonProc
+from tests.server.daemon_proc import DaemonProc, free_port
 
 pytestmark = pytest.mark.integration
 BIG = dict(tokens=64, width=1024)  # 256 KiB values: a few fill a small pool
@@ -66,7 +72,7 @@ def tenants(tmp_path_factory):
         d.kill()
 
 
-def test_a_tenant_cannot_clear_pin_unpin_or_prioritise_another(tenants):
+def test_a_tenant_cannot_clear_pin_unpin_prioritise_or_delete_another(tenants):
     d, sec = tenants
     keys = _keys(1, 3)
     beta = _authed(d, sec["beta"])
@@ -76,6 +82,7 @@ def test_a_tenant_cannot_clear_pin_unpin_or_prioritise_another(tenants):
                 W.frame(P.PIN, {"ns": "beta", "keys": keys, "ttl": 10}),
                 W.frame(P.UNPIN, {"ns": "beta", "keys": keys}),
                 W.frame(P.PRIORITY, {"ns": "beta", "keys": keys, "priority": -10}),
+                W.frame(P.DELETE, {"ns": "beta", "keys": keys}),
                 W.frame(P.CLEAR, {"ns": ""})):
         status, meta, _ = alpha.call(req)
         assert status == P.FORBIDDEN and "does not grant namespace" in meta["error"], meta
@@ -151,39 +158,73 @@ def test_the_client_raises_the_named_errors(tenants):
         c.close()
 
 
-def test_pins_outlive_eviction_pressure_until_their_ttl(tmp_path):
-    """A 4 MiB daemon (16 values of 256 KiB), no disk: pinned values stay through a flood of
-    64 others until their TTL; after it the watchdog releases them and a flood evicts them."""
-    d = DaemonProc(tmp_path / "d", ["--size", "4MiB", "--max-pin-ttl", "30s"]).start()
+@contextlib.contextmanager
+def _daemon_with_clock(now: list[float], **cfg) -> Iterator[Daemon]:
+    """A daemon in this process (its asyncio loop on a thread, a real TCP listener) whose
+    pins' TTLs run on ``now[0]``, moved by the test: expiry is whatever the test says,
+    never how fast a loaded machine gets through the flood."""
+    d = Daemon(ServerConfig(port=free_port(), prefault=False, hugepages=False,
+                            metrics_port=None, **cfg), clock=lambda: now[0])
+    loops: list[asyncio.AbstractEventLoop] = []
+
+    def main() -> None:
+        async def run() -> None:
+            loops.append(asyncio.get_running_loop())
+            await d.serve()
+        asyncio.run(run())
+
+    t = threading.Thread(target=main, daemon=True, name="daemon-under-test")
+    t.start()
+    end = time.monotonic() + HANG_S
+    while not loops:
+        assert t.is_alive() and time.monotonic() < end, "the daemon's loop did not start"
+        time.sleep(0.01)
     try:
-        c = _authed(d, None)
+        yield d
+    finally:
+        loops[0].call_soon_threadsafe(d.request_stop)
+        t.join(HANG_S)
+        assert not t.is_alive(), "the daemon did not stop"
+        assert d.pool.leaks == [], "the daemon leaked pool objects"
+
+
+def test_pins_outlive_eviction_pressure_until_their_ttl_and_not_after():
+    """A 4 MiB daemon (16 values of 256 KiB), no disk: pinned values stay through a flood of
+    64 others while the pins' clock stays short of the TTL; once it passes, the watchdog
+    releases them and a flood evicts them."""
+    now = [0.0]
+    with _daemon_with_clock(now, size="4MiB", max_pin_ttl="30s") as d:
+        c = W.RawClient(d.config.port)
+        status, meta, _ = c.call(W.hello(None))
+        assert status == P.OK, meta
         pinned = _keys(6, 4)
         _put(c, "p", pinned, **BIG)
-        status, meta, _ = c.call(W.frame(P.PIN, {"ns": "p", "keys": pinned, "ttl": 3.0}))
+        status, meta, _ = c.call(W.frame(P.PIN, {"ns": "p", "keys": pinned, "ttl": 10.0}))
         assert status == P.OK and meta["pinned"] == 4, meta
-        t_pin = time.monotonic()
-        for i in range(8):
+        for i in range(8):  # 64 values through 16 slots, the clock moving up to 9.6 s
+            now[0] += 1.2
             _put(c, "p", _keys(100 + i, 8), **BIG)
-            if time.monotonic() - t_pin < 2.5:  # surely before the TTL, on any machine
-                assert _present(c, "p", pinned) == [1] * 4, f"evicted in flood {i}"
-        assert d.stats()["namespaces"]["p"]["pinned_chunks"] in (0, 4)
+            assert _present(c, "p", pinned) == [1] * 4, f"evicted at t={now[0]:.1f} s"
+        assert d.pins.stats()["p"]["pinned_chunks"] == 4
+        assert d.stats()["tiers"]["cpu.evictions"] >= 48, "the flood evicted nothing"
+        now[0] = 10.5  # past the TTL: the watchdog's next sweep (each second) releases them
         end = time.monotonic() + HANG_S
-        while d.stats()["namespaces"]["p"]["pinned_chunks"]:  # the watchdog's sweep
-            assert time.monotonic() < end, "pins never expired"
-            time.sleep(0.1)
+        while d.pins.stats()["p"]["pinned_chunks"]:
+            assert time.monotonic() < end, "the watchdog never released the expired pins"
+            time.sleep(0.05)
+        assert d.pins.stats()["p"]["pins_expired"] == 4
         for i in range(8):
             _put(c, "p", _keys(120 + i, 8), **BIG)
         assert _present(c, "p", pinned) == [0] * 4, "expired pins still held their values"
         c.close()
-        d.audit()
-    finally:
-        d.kill()
 
 
-def test_pins_are_never_evicted_for_the_namespace_quota(tmp_path):
-    d = DaemonProc(tmp_path / "d", ["--size", "16MiB", "--quota-default", "2MiB"]).start()
-    try:
-        c = _authed(d, None)
+def test_pins_are_never_evicted_for_the_namespace_quota():
+    now = [0.0]  # the pins' clock stays put: they hold for the whole test, however slow
+    with _daemon_with_clock(now, size="16MiB", quota_default="2MiB") as d:
+        c = W.RawClient(d.config.port)
+        status, meta, _ = c.call(W.hello(None))
+        assert status == P.OK, meta
         pinned = _keys(7, 3)
         _put(c, "q", pinned, **BIG)
         status, meta, _ = c.call(W.frame(P.PIN, {"ns": "q", "keys": pinned, "ttl": 60}))
@@ -195,8 +236,5 @@ def test_pins_are_never_evicted_for_the_namespace_quota(tmp_path):
         assert _present(c, "q", pinned) == [1] * 3, "the quota evicted pinned values"
         status, meta, _ = c.call(W.frame(P.DELETE, {"ns": "q", "keys": pinned}))
         assert status == P.OK and meta["deleted"] == 3
-        assert d.stats()["namespaces"]["q"]["pinned_chunks"] == 0  # gone with the values
+        assert d.pins.stats()["q"]["pinned_chunks"] == 0  # gone with the values
         c.close()
-        d.audit()
-    finally:
-        d.kill()

@@ -174,6 +174,33 @@ def test_removed_on_eviction_and_delete_stays_on_disk(tmp_path):
         d.kill()
 
 
+def test_a_clear_is_published_and_spares_other_namespaces(tmp_path):
+    """``CacheEngine.clear()`` sends CLEAR for its namespace: the daemon publishes every block
+    of it as removed (memory and disk), and another namespace's blocks stay published."""
+    d = start(tmp_path / "d", "--disk", str(tmp_path / "disk"), "--disk-size", "64MiB")
+    try:
+        sub = Collector(endpoints(d)[0])
+        index = PrefixIndex()
+        with engine(d.url, ns="mine") as (eng, caches), \
+                engine(d.url, ns="theirs") as (other, other_caches):
+            prompt = random_tokens(2 * CHUNK, seed=300)
+            store(eng, caches, prompt)
+            store(other, other_caches, prompt)
+            got = wait_for(sub, lambda g: len(stored(g, wire.STORAGE)) >= 4)
+            index.apply(got)
+            assert cached(index, prompt, "mine") == (0, 2 * CHUNK, 2 * CHUNK)
+            assert cached(index, prompt, "theirs") == (0, 2 * CHUNK, 2 * CHUNK)
+            eng.clear()
+            got = wait_for(sub, lambda g: {e.medium for e in g if isinstance(e, wire.Removed)}
+                           >= {wire.CPU, wire.STORAGE})
+            index.apply(got)
+            assert cached(index, prompt, "mine") == (0, 0, 0), got
+            assert cached(index, prompt, "theirs") == (0, 2 * CHUNK, 2 * CHUNK)
+        sub.close()
+    finally:
+        d.kill()
+
+
 def test_a_wrapped_lmc_tier_sends_block_info_too(tmp_path):
     d = start(tmp_path / "d")
     try:

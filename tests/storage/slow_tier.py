@@ -17,12 +17,14 @@ class SlowDisk(DiskBackend):
         super().__init__(*args, **kw)
         self.delay = delay
         self.released = threading.Event()
+        self.entered = threading.Event()  # a write has started (and waits for release)
 
     def release(self) -> None:
         """No delay from now on (values held in one finish at once)."""
         self.released.set()
 
     def _write(self, key, obj):
+        self.entered.set()
         self.released.wait(self.delay)
         return super()._write(key, obj)
 

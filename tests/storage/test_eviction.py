@@ -250,3 +250,31 @@ def test_a_policy_of_another_shape_works_through_the_abc_defaults():
     p.clear()
     with pytest.raises(KeyError):
         p.pop_victim()
+
+
+@pytest.mark.parametrize("name", ["lru", "fifo"])
+def test_a_new_key_takes_its_rank_from_arrival_before_it_can_be_a_victim(name):
+    """``arrival`` (the storage manager's remembered priorities) ranks a key as it is
+    inserted, one at a time or in a batch; keys it says nothing of start at 0."""
+    p = make_policy(name)
+    ranks = {"b": 5, "c": -1}
+    p.arrival = ranks.get
+    p.insert("a", 1)
+    p.insert("b", 2)
+    p.insert_many({"c": 3, "d": 4, "e": 5})
+    assert p.keys_in_order() == ["c", "a", "d", "e", "b"]
+    assert [p.priority_of(k) for k in "abcde"] == [0, 5, -1, 0, 0]
+    p.arrival = None  # off again: a plain insert
+    p.insert("f", 6)
+    assert p.priority_of("f") == 0 and p.keys_in_order()[-2:] == ["f", "b"]
+
+
+@pytest.mark.parametrize("name", ["lru", "fifo"])
+def test_demote_makes_keys_the_first_victims_of_their_priority(name):
+    """A lower tier's copy of a chunk promoted into L1 goes first among its equals."""
+    p = make_policy(name)
+    p.insert_many({k: 0 for k in "abcde"})
+    p.set_priority(["d", "e"], 5)
+    p.demote(["c", "e", "absent"])
+    assert p.keys_in_order() == ["c", "a", "b", "e", "d"]
+    assert p.priority_of("e") == 5 and len(p) == 5

@@ -201,6 +201,26 @@ class CPUBackend(StorageBackend):
         with self._lock:
             return self._policy.priority_of(key)
 
+    def rank_arrivals(self, source: Callable[[Key], int | None] | None) -> None:
+        with self._lock:
+            self._policy.arrival = source
+
+    def coldest(self, nbytes: int) -> list[tuple[Key, MemoryObj]]:
+        """What this tier evicts next: its first unreferenced victims, in the policy's
+        order, at most ``nbytes`` (at least one), each acquired for the caller (write-ahead
+        under ``write_on_evict``: :meth:`lmc.storage.manager.StorageManager.write_ahead`)."""
+        out: list[tuple[Key, MemoryObj]] = []
+        got = 0
+        with self._lock:
+            for k, obj in self._policy.victims():
+                if out and got + obj.nbytes > nbytes:
+                    break
+                if obj.ref_count == 1:
+                    obj.acquire()
+                    out.append((k, obj))
+                    got += obj.nbytes
+        return out
+
     def close(self) -> None:
         with self._lock:
             self._closed = True

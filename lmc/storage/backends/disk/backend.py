@@ -72,7 +72,7 @@ import stat
 import threading
 import time
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import CancelledError, ThreadPoolExecutor
 from typing import Any
 
@@ -801,6 +801,14 @@ class DiskBackend(StorageBackend):
     def priority_of(self, key: Key) -> int:
         with self._lock:
             return self.index.policy.priority_of(key)
+
+    def rank_arrivals(self, source: Callable[[Key], int | None] | None) -> None:
+        with self._lock:
+            self.index.policy.arrival = source
+
+    def demote(self, keys: Sequence[Key]) -> None:
+        with self._lock:
+            self.index.policy.demote(keys)
 
     # ------------------------------------------------------------------- misc
     @property

@@ -562,20 +562,22 @@ class MooncakeBackend(StorageBackend):
         self._count(delete_calls=1, deleted=len(present))
         return len(present)
 
-    def clear_namespace(self, prefix: bytes = b"") -> None:
+    def clear_namespace(self, prefix: bytes = b"") -> list[Key] | None:
         """Every value under this tier's ``remote_key_prefix`` (or whose key starts with
         ``prefix``), leased ones too, by the library's regex removal within
-        ``remote_timeout``; the library answers a count, not the keys (``None``)."""
+        ``remote_timeout``; the library answers a count, not the keys (``None``). A clear
+        that failed removed nothing as far as anyone can tell: ``[]`` (so no listener
+        publishes a removal of values that are still there)."""
         end = time.monotonic() + self.timeout
         if not self._may_call(end):
-            return None
+            return []
         pattern = "^" + re.escape(self.prefix + prefix.hex())
         r = self.guard.call(lambda s: s.remove_by_regex(pattern, True), end)
         if self._answered(r) and isinstance(r, int) and r >= 0:
             self._count(cleared=r)
-        else:
-            log.warning("mooncake tier %s: clearing %r failed (%s)", self.url, pattern, r)
-        return None
+            return None
+        log.warning("mooncake tier %s: clearing %r failed (%s)", self.url, pattern, r)
+        return []
 
     def _remove(self, names: list[str], end: float) -> list[str]:
         """Remove ``names`` even while leased (any read leases a value for 10 s); the names

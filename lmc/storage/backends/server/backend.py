@@ -426,16 +426,18 @@ class ServerBackend(StorageBackend):
             self._call("delete", lambda c: c.delete(self.namespace, tags), 0)
         return n
 
-    def clear_namespace(self, prefix: bytes = b"") -> None:
+    def clear_namespace(self, prefix: bytes = b"") -> list[Key] | None:
         """CLEAR this tier's daemon namespace (its tags go with it: they live there too);
-        the daemon counts, never lists, so ``None``. The daemon keys a namespace by its
-        own tag, not by the engine's keys: a ``prefix`` cannot be honoured."""
+        the daemon counts, never lists, so ``None``; ``[]`` when the CLEAR failed (nothing
+        is known to be gone: no listener publishes a removal). The daemon keys a namespace
+        by its own tag, not by the engine's keys: a ``prefix`` cannot be honoured."""
         if prefix:
             raise NotImplementedError(f"tier {self.name!r} clears whole daemon namespaces "
                                       "only, not a key prefix")
         n = self._call("clear", lambda c: c.clear(self.namespace), -1)
-        if n >= 0:
-            self._count(cleared=n)
+        if n < 0:
+            return []
+        self._count(cleared=n)
         return None
 
     def set_priority(self, keys: Sequence[Key], priority: int) -> int:
