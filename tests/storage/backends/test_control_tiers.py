@@ -28,7 +28,7 @@ from tests.kvutil import make_caches, random_tokens, spec_for
 from tests.server.daemon_proc import DaemonProc
 
 from .conftest import RedisServer, require_redis
-from .mooncake_cluster import MooncakeMaster, Peer, require_mooncake
+from .mooncake.mooncake_cluster import MooncakeMaster, Peer, require_mooncake
 
 pytestmark = pytest.mark.integration
 CHUNK, BLOCK = 64, 16
