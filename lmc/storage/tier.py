@@ -359,11 +359,17 @@ BUILTIN_BACKENDS: dict[str, str] = {
 metadata (a source checkout, an ``lmc`` copied into a container), unlike entry points.
 :func:`register_backend_module` adds to it."""
 
+WRAPPER_BACKENDS = frozenset({"counting", "rate_limit", "codec"})
+"""Built-in wrapper tiers: built by name only (a ``tiers:`` entry's ``wrap:``), claiming no URL
+scheme, so a URL lookup does not import their modules (the codec's imports torch, which a
+lookup such as ``lmc config``'s must not pay for)."""
+
 
 def register_backend_module(name: str, module: str) -> None:
     """Make backend ``name`` importable on demand from ``module`` (which registers it with
     :func:`register_backend` when imported): no package metadata, no reinstall. Its URL
-    schemes are found too, since a URL lookup imports every module listed here."""
+    schemes are found too, since a URL lookup imports every module listed here (but the
+    built-in wrappers')."""
     global _loaded
     with _load_lock:
         BUILTIN_BACKENDS[name] = module
@@ -408,17 +414,19 @@ def _import_builtin(module: str) -> None:
 def _load_plugins(name: str | None = None) -> None:
     """Import backend modules: for a backend asked for by ``name``, the built-in module or
     the entry point of that name; for a URL (``name=None``), every built-in module and every
-    entry point (any module may claim the scheme)."""
+    entry point (any module may claim the scheme) but the built-in wrappers' (which claim
+    none)."""
     global _loaded
     with _load_lock:
-        if _loaded:
-            return
-        if name is not None and name in BUILTIN_BACKENDS:
+        if name is not None and name in BUILTIN_BACKENDS:  # a wrapper's, even after a URL's
             _import_builtin(BUILTIN_BACKENDS[name])
             return
+        if _loaded:
+            return
         if name is None:
-            for module in BUILTIN_BACKENDS.values():
-                _import_builtin(module)
+            for n, module in BUILTIN_BACKENDS.items():
+                if n not in WRAPPER_BACKENDS:
+                    _import_builtin(module)
         eps = list(metadata.entry_points(group="lmc.storage.backends"))
         if name is not None:
             eps = [ep for ep in eps if ep.name == name]

@@ -276,3 +276,26 @@ def test_an_entry_point_installed_before_a_builtin_moved_is_not_imported(monkeyp
     assert "lmc.storage.backends.daemon.backend" not in imported
     assert imported[-1] == "toy_plugin_module"
     assert not [r for r in caplog.records if "failed to import" in r.getMessage()]
+
+
+def test_a_url_lookup_imports_no_wrapper_module_and_wrappers_still_resolve(monkeypatch):
+    """A URL lookup (``lmc config``'s remote_url) imports every module that may claim a
+    scheme but not the built-in wrappers' (the codec's imports torch); a wrapper is still
+    found by name after it, and no wrapper claims a scheme (so skipping them loses none)."""
+    from importlib import metadata
+
+    import lmc.storage.tier as sb
+
+    imported: list[str] = []
+    real = sb._import_builtin
+    monkeypatch.setattr(metadata, "entry_points", lambda **_: [])
+    monkeypatch.setattr(sb, "_import_builtin", lambda m: (imported.append(m), real(m)))
+    monkeypatch.setattr(sb, "_loaded", False)
+    sb._load_plugins()
+    wrapper_modules = {sb.BUILTIN_BACKENDS[n] for n in sb.WRAPPER_BACKENDS}
+    assert imported and not wrapper_modules & set(imported), imported
+    assert "lmc.storage.backends.redis.backend" in imported
+    for name in sorted(sb.WRAPPER_BACKENDS):
+        cls = sb.backend_factory(name)
+        assert getattr(cls, "wraps", False), name
+        assert cls not in sb._by_scheme.values(), f"wrapper {name} claims a URL scheme"
