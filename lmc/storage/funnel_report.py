@@ -8,29 +8,31 @@ replay: the daemon's ``lmc stats`` prints it too, and a service does not import 
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Callable, Mapping
 from typing import Any
 
 from lmc import units
+from lmc.remote_counters import counter, counters, json_page
 from lmc.storage.funnel import funnel_view
 
 _SAMPLE = re.compile(r'^(lmc_funnel_\w+|lmc_router_predicted_cached_tokens)_total\{([^}]*)\}'
-                     r'\s+([0-9.eE+-]+)\s*$')
+                     r'\s+(\S+)\s*$')
 _LABEL = re.compile(r'(\w+)="([^"]*)"')
 STAGE_KEYS = {"prompt": "funnel.prompt", "best": "funnel.best", "found": "funnel.found",
               "used": "scheduler.used_tokens", "local": "scheduler.engine_local_tokens"}
 
 
 def from_metrics(text: str) -> dict[str, float]:
-    """Funnel figures from a Prometheus page, keyed as the connector's stats are."""
+    """Funnel figures from a Prometheus page, keyed as the connector's stats are; a sample
+    whose value is not a counter's (:func:`lmc.remote_counters.counter`) is left out."""
     out: dict[str, float] = {}
     for line in text.splitlines():
         m = _SAMPLE.match(line)
-        if not m:
+        value = counter(m.group(3)) if m else None
+        if m is None or value is None:
             continue
-        name, labels, value = m.group(1), dict(_LABEL.findall(m.group(2))), float(m.group(3))
+        name, labels = m.group(1), dict(_LABEL.findall(m.group(2)))
         if name == "lmc_router_predicted_cached_tokens":
             key = "router.predicted_tokens"
         elif name == "lmc_funnel_tokens":
@@ -49,13 +51,16 @@ def from_metrics(text: str) -> dict[str, float]:
 
 
 def numbers(stats: Mapping[str, Any]) -> dict[str, float]:
-    return {k: float(v) for k, v in stats.items()
-            if isinstance(v, (int, float)) and not isinstance(v, bool)}
+    """The counters of a stats map (a connector's, or a server's ``/lmc/stats`` page):
+    finite, in a counter's range; any other value is unknown, left out."""
+    return counters(stats)
 
 
 def http_reader(get: Callable[[str], tuple[int, bytes]]) -> Callable[[], dict[str, float]]:
     """A reader of a server's funnel figures: ``/lmc/stats`` (lmc's reference server),
-    plus ``/metrics`` (vLLM's lmc series, a router's predictions); ``{}`` when neither."""
+    plus ``/metrics`` (vLLM's lmc series, a router's predictions); ``{}`` when neither.
+    ``get`` bounds a page's bytes; a page that lies (nested too deep, a number no counter
+    holds) is unknown, in whole or in the figures it lied about, never an exception."""
     def read() -> dict[str, float]:
         out: dict[str, float] = {}
         for path in ("/metrics", "/lmc/stats"):
@@ -69,11 +74,8 @@ def http_reader(get: Callable[[str], tuple[int, bytes]]) -> Callable[[], dict[st
             if path == "/metrics":
                 out.update(from_metrics(text))
             else:
-                try:
-                    page = json.loads(text)
-                except ValueError:
-                    continue
-                if isinstance(page, dict):
+                page = json_page(text, path)
+                if page is not None:
                     out.update(numbers(page))
         return out
     return read

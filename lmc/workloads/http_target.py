@@ -23,7 +23,6 @@ from __future__ import annotations
 import contextlib
 import http.client
 import json
-import math
 import queue
 import re
 import socket
@@ -35,9 +34,10 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from lmc.bounded_io import read_at_most
+from lmc.remote_counters import counter, counters, json_page
 from lmc.storage import funnel_report
 from lmc.workloads.dispatch import Dispatcher
-from lmc.workloads.inputs import InputError, parse_json, printable
+from lmc.workloads.inputs import parse_json, printable
 from lmc.workloads.replay import Progress, ReplayResult, RequestRecord, SessionHints
 from lmc.workloads.trace import TraceRequest
 
@@ -110,7 +110,7 @@ def parse_tier_metrics(text: str) -> tuple[dict[str, float], float | None] | Non
         stat = _STAT.search(m.group(2) or "")
         if stat is None:
             continue
-        value = _finite(m.group(3))
+        value = counter(m.group(3))
         if value is None:
             continue
         name = stat.group(1)
@@ -127,20 +127,10 @@ def parse_lmc_stats(stats: Any) -> tuple[dict[str, float], float | None] | None:
     its connector's flat counters, ``worker.tokens_from_<tier>``); None if not such a page."""
     if not isinstance(stats, dict):
         return None
-    tiers = {k.removeprefix("worker.tokens_from_"): v for k, raw in stats.items()
-             if k.startswith("worker.tokens_from_") and (v := _finite(raw)) is not None}
-    return tiers, _finite(stats.get("worker.load_failures"))
-
-
-def _finite(value: Any) -> float | None:
-    """A counter's value as a finite float, or None (a string, a bool, 1e999, 10**400)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
-        return None
-    try:
-        x = float(value)
-    except (ValueError, OverflowError):
-        return None
-    return x if math.isfinite(x) else None
+    known = counters(stats)  # a value no counter holds is unknown, left out
+    tiers = {k.removeprefix("worker.tokens_from_"): v for k, v in known.items()
+             if k.startswith("worker.tokens_from_")}
+    return tiers, known.get("worker.load_failures")
 
 
 class _Scraper:
@@ -176,10 +166,7 @@ class _Scraper:
                     problems.append(f"{path} has no {METRIC}")
                     continue
             else:
-                try:
-                    page = parse_json(text, path)
-                except InputError:
-                    page = None
+                page = json_page(text, path)
                 got = parse_lmc_stats(page) if page else None
                 if got is None:
                     problems.append(f"{path} is empty (no lmc connector)" if page == {}

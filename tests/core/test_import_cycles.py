@@ -148,7 +148,8 @@ def test_layerwise_copies_know_the_engine_only_through_their_protocol():
 # time or inside a function, only folders of its own rank or below. Ranks, lowest first:
 RANKS: list[tuple[str, ...]] = [
     ("lmc.units", "lmc.ratelog", "lmc.settings", "lmc.config", "lmc.metrics", "lmc.lazy_import",
-     "lmc.token_database", "lmc._tokens", "lmc._kvcodecs", "lmc.strict_json", "lmc.bounded_io",
+     "lmc.token_database", "lmc._tokens", "lmc._kvcodecs", "lmc.strict_json", "lmc.remote_counters",
+     "lmc.bounded_io",
      "lmc.user_cache", "lmc.priority",
      # the parser helpers and argparse types every subcommand's parser takes
      "lmc.cli_args",
