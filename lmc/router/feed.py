@@ -230,6 +230,7 @@ class EventFeed:
             s.counts["restarts"] += 1
             log.info("events from %s: the publisher restarted (seq %d after %d); syncing "
                      "anew", s.name, seq, s.last_pub)
+            self._lost.discard(id(s))  # the sync its reconnection would ask for: this one
             if s.replay_endpoint is None:  # no replay socket: from here on
                 s.next_seq = seq
             else:
@@ -250,7 +251,9 @@ class EventFeed:
                 poller.register(sync.sock, zmq.POLLIN)
                 asking[sync.sock] = sync
         ready = dict(poller.poll(timeout_ms))
-        for sock in ready:
+        # connection events first: a reconnection's sync is asked before the batches that
+        # came over the new connection are taken, so they are not seen as a second restart
+        for sock in sorted(ready, key=lambda k: k not in self._mons):
             if sock in asking:
                 asking[sock].on_readable(time.monotonic())
                 continue
@@ -276,14 +279,25 @@ class EventFeed:
         from zmq.utils.monitor import recv_monitor_message
 
         s = self._mons[mon]
-        event = recv_monitor_message(mon, flags=self.zmq.NOBLOCK)["event"]
-        if event == self.zmq.EVENT_DISCONNECTED:
+        for _ in range(64):  # what is queued (a drop and its reconnection come together)
+            try:
+                event = recv_monitor_message(mon, flags=self.zmq.NOBLOCK)["event"]
+            except self.zmq.Again:
+                return
+            self.on_connection(s, connected=event != self.zmq.EVENT_DISCONNECTED)
+
+    def on_connection(self, s: Source, connected: bool) -> None:
+        """``s``'s SUB connection dropped, or is up (also the tests' way in)."""
+        if not connected:
             self._lost.add(id(s))
         elif id(s) in self._lost:
             self._lost.discard(id(s))
-            if s.replay_endpoint is not None and s.last_pub is not None:
+            if s.replay_endpoint is not None and (s.last_pub is not None or s.synced):
                 log.info("events from %s: reconnected; syncing anew", s.name)
                 s.counts["reconnects"] += 1
+                # the batches from here on may be a restarted publisher's, numbered from 0
+                # again: not a restart of their own once this sync is asked
+                s.last_pub = None
                 self.syncs[id(s)].restarted(time.monotonic())
 
     def _run(self) -> None:

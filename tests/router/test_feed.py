@@ -112,3 +112,43 @@ def test_medium_weights_and_load_decide_between_instances():
     assert [choose(stale, 64, w, t, "prefix").index for t in range(3)] == [1, 1, 2]
     assert choose(stale, 64, w, 0, "prefix").reason == "stale"
     assert [choose(cands, 64, w, t, "round_robin").index for t in range(4)] == [0, 1, 2, 0]
+
+
+def test_a_restart_seen_both_by_its_seq_and_its_reconnection_is_synced_once(tmp_path):
+    """A publisher restarted behind the same endpoint shows twice: its SUB connection drops
+    and comes back, and its batches are numbered from 0 again (at or below the last seq
+    seen). Whichever the feed sees first syncs the source anew; the other is the same restart
+    and must not sync it again (the source would go unscored for another dump, or for
+    ``RETRY`` seconds when that dump is refused as the second within a second)."""
+    with engine_with_events(tmp_path / "disk", heartbeat=60) as (eng, ev, caches):
+        store(eng, caches, random_tokens(2 * CHUNK, seed=41))
+        src = Source("engine", f"tcp://127.0.0.1:{free_port()}", ev.replay_endpoint, 1 << 16)
+        feed = EventFeed([src])
+        sync = feed.syncs[id(src)]
+        try:
+            drive(feed, lambda: src.synced, timeout=HANG_S)
+            assert src.next_seq is not None
+            old = src.next_seq - 1  # a batch the dump covered: applying it changes nothing
+
+            def batch(seq: int) -> list[bytes]:
+                return [b"t", wire.seq_bytes(seq), wire.encode_batch([])]
+
+            # the reconnection first, then the restarted publisher's batches (seq <= last)
+            src.last_pub = old + 40
+            feed.on_connection(src, connected=False)
+            feed.on_connection(src, connected=True)
+            assert src.counts["reconnects"] == 1 and not src.synced
+            feed.on_message(src, batch(old))
+            drive(feed, lambda: sync.request is None and src.synced, timeout=HANG_S)
+            feed.on_message(src, batch(old + 1))  # the new publisher's next one
+            assert src.counts["restarts"] == 0 and src.synced, src.counts
+            # the batches first, then the reconnection's event
+            src.last_pub = old + 40
+            feed.on_connection(src, connected=False)
+            feed.on_message(src, batch(old))
+            asked = sync.request
+            assert src.counts["restarts"] == 1 and asked is not None and not src.synced
+            feed.on_connection(src, connected=True)
+            assert src.counts["reconnects"] == 1 and sync.request is asked, src.counts
+        finally:
+            feed.close()

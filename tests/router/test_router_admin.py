@@ -101,7 +101,7 @@ def test_a_prompt_held_only_on_disk_is_prefetched_where_it_is_routed(pair):
         prompt = [t % 512 for t in random_tokens(512, seed=902)]
         complete(r, prompt)
         holder = max(pair, key=lambda i: stats(i.url).get("cache.cpu.chunks", 0)).url
-        wait_indexed(r, holder, 512 // 16)
+        wait_indexed(r, holder, prompt)
         before = stats(holder)["cache.prefetches"]
         for seed in range(6):  # straight to the holder: 6 x 12 chunks push it out of memory
             status, _ = http(holder + "/v1/completions",
