@@ -20,6 +20,7 @@ from lmc.router import sync
 from lmc.router.app import InstanceSpec
 from lmc.router.feed import EventFeed, Source
 from lmc.router.index import block_keys
+from tests.deadlines import HANG_S
 from tests.kvutil import random_tokens
 from tests.router.helpers import ROOT, free_port, http, instances
 from tests.router.test_router import complete, routed, running, wait_indexed
@@ -61,13 +62,14 @@ class Mute(Forger):
 def test_a_mute_source_leaves_the_honest_one_fresh_and_routed_by_prefix(pair):
     honest, other = pair
     mute = Mute()
+    t0 = time.monotonic()
     r = running([honest.spec, InstanceSpec(other.url, mute.endpoint, mute.replay)],
                 stale_after=2.0)
     try:
         a = next(i for i in r.instances if i.url == honest.url)
         m = next(i for i in r.instances if i.url == other.url)
         assert a.source is not None and m.source is not None
-        end = time.monotonic() + 30
+        end = time.monotonic() + HANG_S
         while not a.source.synced:
             assert time.monotonic() < end, r.state()
             time.sleep(0.1)
@@ -75,7 +77,11 @@ def test_a_mute_source_leaves_the_honest_one_fresh_and_routed_by_prefix(pair):
         now = time.monotonic()
         assert a.source.fresh(2.0, now), (now - a.source.last_heard, r.state())
         assert not m.source.synced
-        assert m.source.counts["dumps"] <= 8.0 / sync.RETRY + 2  # not one per batch
+        # asked every RETRY seconds since the router started (a loaded machine's slow sync
+        # of the honest one included), not once per batch (every 50 ms)
+        asked_for = time.monotonic() - t0
+        assert m.source.counts["dumps"] <= asked_for / sync.RETRY + 2, (m.source.counts,
+                                                                          asked_for)
         # a prompt the honest instance cached (asked of it directly) goes back to it
         base = [t % 512 for t in random_tokens(256, seed=900)]
         status, _ = http(honest.url + "/v1/completions",
@@ -95,6 +101,7 @@ def test_a_mute_source_leaves_the_honest_one_fresh_and_routed_by_prefix(pair):
 PUBLISHER = """
 import sys, torch
 from tests.events.helpers import engine_with_events, store
+from tests.deadlines import HANG_S
 from tests.kvutil import random_tokens
 block, pub, rep = int(sys.argv[1]), sys.argv[2], sys.argv[3]
 with engine_with_events(None, endpoint=pub, replay_endpoint=rep, block_size=block,
@@ -121,15 +128,15 @@ def test_a_publisher_restarted_with_another_block_size_is_indexed_again():
     feed.start()
     proc = publisher(16, pub, rep)
     try:
-        end = time.monotonic() + 30
+        end = time.monotonic() + HANG_S
         while src.index.blocks < 8:  # 128 tokens in blocks of 16
             assert time.monotonic() < end, (src.counts, src.index.counts)
             time.sleep(0.05)
         assert src.index.block_size == 16
         proc.stdin.close()  # type: ignore[union-attr]
-        proc.wait(30)
+        proc.wait(HANG_S)
         proc = publisher(32, pub, rep)
-        end = time.monotonic() + 30
+        end = time.monotonic() + HANG_S
         # synced too: an index at the new block size is not yet a sync that ended (a second
         # sync, asked meanwhile, would leave the index as it is but unscored)
         while not src.synced or src.index.block_size != 32 or src.index.blocks < 4:
