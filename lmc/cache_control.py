@@ -15,8 +15,9 @@ in [-10, 10]; a refusal is a named error (:mod:`lmc.storage.control`) and change
   new chain contains the old) or else to the exact prompt; pinning again replaces the
   owner's pins and restarts its TTL.
 * **A priority** is kept by every tier that orders its own evictions (L1, disk): a chunk of
-  a higher priority goes after every lower one (:mod:`lmc.storage.eviction`). Only chunks
-  held now take it; a chunk stored later starts at 0.
+  a higher priority goes after every lower one (:mod:`lmc.storage.eviction`). It is
+  remembered by key (:mod:`lmc.storage.priorities`, bounded) until set to 0, deleted or
+  cleared, so a chunk stored later, or again after an eviction, arrives with it.
 * **A delete** removes the prompt's chunks from every tier and write-behind queue and
   drops the pins on them; **a clear** removes everything of the namespace from every tier
   (:meth:`lmc.storage.manager.StorageManager.clear_namespace`) and every pin taken here.

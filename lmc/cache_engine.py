@@ -523,7 +523,9 @@ class CacheEngine:
         """Retention ``priority`` (an int in [-10, 10], default 0; higher is kept longer)
         for the prompt's chunks in every tier that orders its own evictions (L1, disk):
         eviction takes lower priorities first, the least recently used first within one.
-        Returns how many of the chunks L1 holds; chunks stored later start at 0."""
+        Returns how many of the chunks L1 holds. The priority is remembered for the
+        prompt's chunks (bounded, :mod:`lmc.storage.priorities`) until set to 0, deleted or
+        cleared: a chunk stored later, or again after an eviction, takes it as it arrives."""
         self._check_open()
         return self.control.set_priority(tokens, priority, salt=salt, lora=lora,
                                          namespace=namespace)

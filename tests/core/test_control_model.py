@@ -7,6 +7,8 @@ must hold exactly the model's chunks and pins:
 * a pinned chunk is never evicted before its TTL, and after it is an ordinary chunk;
 * eviction takes the lowest priority first, the least recently used first within one;
 * a pin past the bound is refused (``PinLimitError``) and changes nothing;
+* a priority is remembered for the prompt (held or not, evicted or not: the storage
+  manager's ``Sticky``) until set to 0, deleted or cleared; a chunk stored takes it;
 * delete removes a chunk and its pins; clear removes everything and every pin."""
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ class ControlMachine(RuleBasedStateMachine):
         self.stamp = 0
         self.held: dict[int, list[int]] = {}  # prompt -> [priority, recency stamp]
         self.pins: dict[int, float] = {}  # prompt -> deadline
+        self.remembered: dict[int, int] = {}  # prompt -> priority set (not 0)
 
     def teardown(self) -> None:
         self.eng.close()
@@ -79,7 +82,7 @@ class ControlMachine(RuleBasedStateMachine):
                 return
             del self.held[v]
         assert n == CHUNK
-        self.held[p] = [0, 0]
+        self.held[p] = [self.remembered.get(p, 0), 0]
         self._use(p)
 
     @rule(p=P)
@@ -112,6 +115,10 @@ class ControlMachine(RuleBasedStateMachine):
     def set_priority(self, p: int, priority: int) -> None:
         self._expire()
         assert self.eng.set_priority(PROMPTS[p], priority) == (p in self.held)
+        if priority:
+            self.remembered[p] = priority
+        else:
+            self.remembered.pop(p, None)
         if p in self.held and self.held[p][0] != priority:
             self.held[p][0] = priority
             self._use(p)  # a change of priority is a fresh start in its level
@@ -128,6 +135,7 @@ class ControlMachine(RuleBasedStateMachine):
         assert self.eng.delete(PROMPTS[p]) == (1 if p in self.held else 0)
         self.held.pop(p, None)
         self.pins.pop(p, None)
+        self.remembered.pop(p, None)
 
     @rule()
     def clear(self) -> None:
@@ -135,6 +143,7 @@ class ControlMachine(RuleBasedStateMachine):
         assert self.eng.clear() == {"cpu": len(self.held)}
         self.held.clear()
         self.pins.clear()
+        self.remembered.clear()
 
     @rule(dt=st.sampled_from([0.5, 2.0, 10.0]))
     def wait(self, dt: float) -> None:
