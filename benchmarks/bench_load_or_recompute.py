@@ -153,10 +153,14 @@ class Bench:
     def run(self, prompt: list[int], where: str, policy: LoadPolicy | None) -> tuple[float, int]:
         self.place(prompt, where)
         self.conn.scheduler.policy = policy
+        # a forced load (all, or the sweep's N) runs to its end: the worker's watch, which
+        # cuts a load slower than recomputing, judges only the chosen one
+        self.conn.worker.watch_loads = policy is self.auto
         try:
             return ttft(self.llm, prompt)
         finally:
             self.conn.scheduler.policy = self.auto
+            self.conn.worker.watch_loads = True
 
     def close(self) -> None:
         self.llm.close()

@@ -283,6 +283,9 @@ class WorkerConnector:
         self.chunk_size = engine.config.chunk_size
         self.device = engine.transfer_for(kv_caches).device  # validates the tensors once
         self.stats = WorkerStats()
+        # False: every load finishes, as under load_policy: load_all (a benchmark timing a
+        # forced load beside the chosen one sets it while its scheduler's policy is swapped)
+        self.watch_loads = True
         self._lock = threading.Lock()
         self._meta: ConnectorMetadata | None = None
         self._loads: list[_ActiveLoad] = []
@@ -340,8 +343,8 @@ class WorkerConnector:
         request, so that step cancels out); ``None`` under ``load_policy: load_all``. While
         nothing says how fast the engine computes, recomputing costs "infinitely much": the
         load goes on."""
-        if self.engine.config.load_policy != "auto":  # load_all: every load finishes
-            return None
+        if self.engine.config.load_policy != "auto" or not self.watch_loads:
+            return None  # load_all: every load finishes
         speeds = getattr(self.engine, "speeds", None)
         if speeds is None:
             return None
