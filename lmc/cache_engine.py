@@ -132,6 +132,7 @@ class CacheEngine:
              for i, t in enumerate(self.storage.tiers)], config.load_policy_priors)
         self.storage.speeds = self.speeds
         self.storage.chunk_tokens = config.chunk_size  # a lookup's deadline (timed_contains)
+        self.storage.lookup_min_s = config.lookup_min_wait
         self.events = None  # KV events for routers (config kv_events; lmc.events)
         self.hybrid = self._hybrid_cache() if spec.is_hybrid else None
         # one publisher per instance: tensor-parallel ranks hold the same chunks (rank 0

@@ -216,6 +216,9 @@ class StorageManager:
         self.chunk_tokens = 0
         """Tokens per key (set by the owner with ``speeds``): with the compute estimate, how
         long a lookup may wait for the lower tiers (:mod:`lmc.storage.timed_contains`)."""
+        self.lookup_min_s = MIN_LOOKUP_S
+        """The least a lookup waits for each lower tier's ``contains`` (set by the owner from
+        the config's ``lookup_min_wait``; :mod:`lmc.storage.timed_contains`)."""
         self._probes = [TimedContains(t) for t in self.lower]
         """What listeners are told of each tier (name, declared medium, level)."""
         self._fetch_pool: ThreadPoolExecutor | None = None
@@ -384,7 +387,7 @@ class StorageManager:
                 if deadline is None:
                     found = tier.contains([keys[i] for i in todo])
                 else:
-                    left = max(MIN_LOOKUP_S, deadline - time.monotonic())
+                    left = max(self.lookup_min_s, deadline - time.monotonic())
                     answer = self._probes[level - 1].ask([keys[i] for i in todo], left)
                     if isinstance(answer, str):  # too slow now: a miss for this lookup
                         m.lookup_late(answer, len(todo), time.perf_counter() - t0)
@@ -410,7 +413,8 @@ class StorageManager:
         compute estimate, no deadline."""
         if self.speeds is None or self.chunk_tokens <= 0:
             return None
-        return budget_s(self.speeds.prefill.estimate(), num_keys * self.chunk_tokens)
+        return budget_s(self.speeds.prefill.estimate(), num_keys * self.chunk_tokens,
+                        self.lookup_min_s)
 
     def get_prefix(self, keys: Sequence[Key]) -> list[MemoryObj]:
         """Objects for the longest present prefix of ``keys``, each acquired for the caller.
