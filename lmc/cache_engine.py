@@ -793,6 +793,13 @@ class CacheEngine:
         self._check_open()
         return self.storage.flush(timeout)
 
+    def wait_reads(self, timeout: float | None = None) -> bool:
+        """Wait until the pieces a stopped load abandoned in flight have landed: the speed
+        they measured is in :attr:`speeds` and their chunks are in L1 (a load returns
+        without waiting for them); False if ``timeout`` seconds passed first."""
+        self._check_open()
+        return self.storage.wait_reads(timeout)
+
     def close(self) -> None:
         """Finish background work, drain the write-behind queues (bounded), close the tiers."""
         if self._closed:

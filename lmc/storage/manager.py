@@ -55,7 +55,7 @@ from lmc.memory.pool import MemoryObj, MemoryPool
 from lmc.metrics import TierMetrics
 from lmc.storage.layered_read import Coordinators, LayeredRead, LayerGate
 from lmc.storage.layered_watch import watch_layered
-from lmc.storage.load_watch import LoadWatch, read_watched
+from lmc.storage.load_watch import LoadWatch, Running, read_watched
 from lmc.storage.priorities import Sticky
 from lmc.storage.speeds import Speeds
 from lmc.storage.tier import (
@@ -223,8 +223,7 @@ class StorageManager:
         """What listeners are told of each tier (name, declared medium, level)."""
         self._fetch_pool: ThreadPoolExecutor | None = None
         self._fetch_lock = threading.Lock()
-        self._fetch_cv = threading.Condition()
-        self._fetching = 0  # watched reads' pieces running (abandoned ones included)
+        self._running = Running()  # watched reads' pieces running, or abandoned and landing
         self._watchers = Coordinators("lmc-watch")  # one per watched layered read
         self._listeners: tuple[TierListener, ...] = ()
         self._store_listeners: tuple[TierListener, ...] = ()  # those that observe stores
@@ -503,7 +502,8 @@ class StorageManager:
                                    partial(self._abandoned, level),
                                    [keys[i] for i in todo], todo, watch, self._fetcher(),
                                    tier.name, learn=not self._measured(level),
-                                   observe=partial(self._observe, level))
+                                   observe=partial(self._observe, level),
+                                   running=self._running)
             hit = [(i, o) for i, o in zip(todo, got) if o is not None]
             for i, o in hit:
                 found[i] = o
@@ -515,14 +515,11 @@ class StorageManager:
     def _get_piece(self, level: int, tier: StorageBackend, keys: list[Key]
                    ) -> list[MemoryObj | None]:
         """One piece of a watched read (on a fetch thread; ``close`` waits for these)."""
-        with self._fetch_cv:
-            self._fetching += 1
+        self._running.enter()
         try:
             return self._get_lower(level, tier, keys, observe=False)
         finally:
-            with self._fetch_cv:
-                self._fetching -= 1
-                self._fetch_cv.notify_all()
+            self._running.leave()
 
     def _measured(self, level: int) -> bool:
         """Whether lower tier ``level`` has been read since the speeds were made (a watched
@@ -822,6 +819,12 @@ class StorageManager:
             ok = q.flush(left) and ok
         return ok
 
+    def wait_reads(self, timeout: float | None = None) -> bool:
+        """Wait until no whole-chunk watched read is running and every piece a stopped load
+        abandoned has landed, been observed (the tier's speed) and promoted into L1; False
+        if ``timeout`` seconds passed first. Nothing waits for this on a request's path."""
+        return self._running.wait_idle(timeout)
+
     def stats(self) -> dict[str, float]:
         """Per lower tier: the manager's counts and queue state, keys ``<tier>.<name>``."""
         out: dict[str, float] = {}
@@ -847,9 +850,7 @@ class StorageManager:
         with self._fetch_lock:
             pool, self._fetch_pool = self._fetch_pool, None
         if pool is not None:
-            with self._fetch_cv:
-                idle = self._fetch_cv.wait_for(lambda: self._fetching == 0,
-                                               max(0.0, deadline - time.monotonic()))
+            idle = self._running.wait_idle(max(0.0, deadline - time.monotonic()))
             pool.shutdown(wait=idle)
         self._close_tier(self.tiers[0])
 
