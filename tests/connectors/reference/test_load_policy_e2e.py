@@ -280,7 +280,7 @@ def test_chunked_prefill_budget_reaches_the_rule(tiny_dir: Path, tmp_path: Path,
                                                  want: list) -> None:
     """The engine's per-step budget is the policy's (only the first chunk hides a load),
     and a prompt prefilled over several steps after a split decision is still the same."""
-    cfg = {"chunk_size": CS, "local_cpu_size": "32MiB",
+    cfg = {"chunk_size": CS, "local_cpu_size": "32MiB", "lookup_min_wait": HANG_S,
            "tiers": ["memory", {"wrap": "rate_limit", "bytes_per_second": LINK,
                                 "tier": {"backend": "disk", "path": str(tmp_path / "d")}}]}
     conn = LMCReferenceConnector(cfg, model_dir=tiny_dir)
