@@ -295,10 +295,16 @@ def test_chunked_prefill_budget_reaches_the_rule(tiny_dir: Path, tmp_path: Path,
     drop_from_l1(conn, P, 2)
     decisions = Decisions(conn.policy)
     got = run(llm, [P])
-    # the rule was told the budget: its prediction is the one with 48-token steps, which
-    # differs from one long step's (the later steps wait for the load to finish)
+    # the rule was told the budget: the decision is the rule's with 48-token steps on the
+    # very costs it read (check_last; policy.step_tokens is 48, asserted above). Whether that
+    # prediction differs from one long step's depends on the measured fit: each later step
+    # pays its fixed cost c0, which a loaded machine's fit may put at 0 -- then chunking
+    # costs nothing more and the two agree; with c0 > 0 they must differ
     split = decisions.check_last()
-    assert split.ttft_s != decisions.rule(step_tokens=0).ttft_s
+    costs = decisions.seen[-1][0]
+    assert costs is not None
+    if costs.prefill.c0 > 0:
+        assert split.ttft_s != decisions.rule(step_tokens=0).ttft_s
     assert got[0].num_cached_tokens == split.end == 2 * CS  # the rest recomputed, in steps
     assert_same(got, want)
     llm.close()
