@@ -45,8 +45,8 @@ same bytes per hit at a fraction of the checkpoint), or ``smollm2-135m``, the re
     python benchmarks/bench_ttft.py --lower         # per-layer waits on disk and Redis hits
     python benchmarks/bench_ttft.py --device cuda --model 8b-kv --tokens 16384
     python benchmarks/bench_ttft.py --model smollm2-135m --threads 1   # the real model
-    python benchmarks/bench_ttft.py --cold-only [--no-disk] [--gc-freeze]  # where a cold
-        # prefill's time goes: with and without the disk tier's write-behind beside it
+    python benchmarks/bench_ttft.py --cold-only [--no-disk | --write-quiet-ms 50] [--gc-freeze]
+        # where a cold prefill's time goes: with, without or after the disk tier's writes
 
 Every cold prefill and L1 hit also records the CPU seconds of each thread (the engine's and
 lmc's) and the garbage-collection passes that ran meanwhile (count and seconds per
@@ -246,6 +246,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-disk", action="store_true",
                     help="L1 alone: no disk tier (so no write-behind beside the cold prefills); "
                          "implies --cold-only")
+    ap.add_argument("--write-quiet-ms", type=int, default=0,
+                    help="lmc's write_quiet_ms: lower-tier writes wait until the engine has "
+                         "not saved for this long (0: write at once)")
     ap.add_argument("--gc-freeze", action="store_true",
                     help="gc.freeze() once the engines are built (what vLLM does after start-up): "
                          "full collections no longer walk the model's and torch's objects")
@@ -341,7 +344,8 @@ def main(argv: list[str] | None = None) -> int:
                                              local_disk_size=(args.cold_reps + 3) * kv_bytes)
         cfg = CacheConfig(chunk_size=args.chunk_size, local_cpu_size=max(256 << 20, 3 * kv_bytes),
                           **tier, write_queue_size=max(1 << 30, kv_bytes + kv_bytes // 4),
-                          load_policy="load_all")  # the whole hit: what a tier's load costs
+                          load_policy="load_all",  # the whole hit: what a tier's load costs
+                          write_quiet_ms=args.write_quiet_ms)
         conn = LMCReferenceConnector(cfg, model_dir=path)
         llm = engine(path, n, conn)
         pool = conn.engine.pool
