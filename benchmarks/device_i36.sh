@@ -4,8 +4,9 @@
 # first L1 hit on a GPU"), then, as long as time is left, two cold-only variants that say
 # where a cold prefill's extra time goes:
 #
-#   1. pytest -m gpu: the CUDA transfer (per-layer calls now reuse one table per plan), the
-#      warm-up at binding, the cache engine's layer-wise round trip;
+#   1. pytest -m gpu: the CUDA transfer's layer-subset, random-shape and side-stream tests
+#      (per-layer calls now reuse one table per plan), the warm-up at binding, the cache
+#      engine's layer-wise round trip;
 #   2. bench_ttft --device cuda --model 8b-kv --tokens 16384 (engine alone, lmc cold x3,
 #      L1 hits, disk hit) -> $OUT/ttft.json; it now also prints the CPU seconds of every
 #      thread and the garbage-collection passes of each cold prefill and L1 hit;
@@ -45,7 +46,11 @@ $PY -c "import sys, torch; print(sys.version.split()[0], 'torch', torch.__versio
 torch.version.cuda, torch.cuda.get_device_name() if torch.cuda.is_available() else 'no CUDA')"
 nproc; uptime
 
+# the whole-model comparisons (test_gpu_matches_torch: all-layer calls, a path this branch
+# leaves as it was) are left out for time; the per-layer ones, random shapes and side-stream
+# events are the path that changed
 step "gpu tests" 45 $PY -m pytest -q -m gpu -p no:cacheprovider -x \
+    -k "not test_gpu_matches_torch" \
     tests/transfer/test_cuda_transfer.py tests/transfer/test_warm.py \
     tests/core/test_cache_engine.py
 BENCH=(benchmarks/bench_ttft.py --device cuda --model 8b-kv --tokens 16384)
