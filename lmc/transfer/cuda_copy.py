@@ -795,10 +795,11 @@ class CudaTransfer(KVTransfer):
         return self._run(plan, bufs, layers, stream, after, to_cache=True)
 
     def record_event(self, stream: torch.cuda.Stream | None = None) -> Completion:
-        """A point on ``stream`` (default: the current one) after everything issued to it."""
+        """A point on ``stream`` (default: the current one) after everything issued to it.
+        No device context is entered: an event records on its stream's own device, and this
+        runs on the engine's thread once per layer saved (three context managers a call)."""
         stream = self.backend.stream(stream)
-        with self.backend.context(stream):
-            return EventCompletion(self.backend.event(stream))
+        return EventCompletion(self.backend.event(stream))
 
     def path_stats(self) -> dict[str, Any]:
         """The copy path per (direction, shape) and the calls made on each, for stats."""
