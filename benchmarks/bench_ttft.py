@@ -57,8 +57,11 @@ launches.
 from __future__ import annotations
 
 import argparse
+import cProfile
 import gc
+import io
 import json
+import pstats
 import random
 import re
 import shutil
@@ -249,6 +252,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--write-quiet-ms", type=int, default=0,
                     help="lmc's write_quiet_ms: lower-tier writes wait until the engine has "
                          "not saved for this long (0: write at once)")
+    ap.add_argument("--profile-first-hit", action="store_true",
+                    help="cProfile the first L1 hit on the engine's thread and print the top "
+                         "30 calls (that hit's figure is inflated by the profiler)")
     ap.add_argument("--gc-freeze", action="store_true",
                     help="gc.freeze() once the engines are built (what vLLM does after start-up): "
                          "full collections no longer walk the model's and torch's objects")
@@ -381,11 +387,20 @@ def main(argv: list[str] | None = None) -> int:
 
         log("L1 hits ...")
         l1, l1_wait, l1_load, l1_calls, l1_threads = [], [], [], [], []
-        for _ in range(args.reps):  # where a hit's time goes: the forward's waits on loads
+        for rep in range(args.reps):  # where a hit's time goes: the forward's waits on loads
             w0, l0 = worker_stat(conn, "load_wait_seconds"), worker_stat(conn, "load_seconds")
             calls.take()
+            prof = cProfile.Profile() if args.profile_first_hit and rep == 0 else None
             with CpuTimes() as cpu:
+                if prof is not None:
+                    prof.enable()
                 l1.append(ttft(llm, prompt))
+                if prof is not None:
+                    prof.disable()
+            if prof is not None:  # the engine thread's calls (this figure is then inflated)
+                out = io.StringIO()
+                pstats.Stats(prof, stream=out).sort_stats("cumulative").print_stats(30)
+                res["first_hit_profile"] = out.getvalue()
             l1_calls.append({**calls.take(), **cpu.times})
             l1_threads.append(cpu.threads)
             l1_wait.append(worker_stat(conn, "load_wait_seconds") - w0)
@@ -735,6 +750,8 @@ def report(r: dict[str, Any]) -> None:
     if r.get("pool_pinned_bytes"):
         print(f"pinned pool: {r['pool_pinned_bytes'] / GiB:.3f} GiB page-locked for "
               f"{r['pool_asked_bytes'] / GiB:.3f} GiB asked")
+    if r.get("first_hit_profile"):
+        print("\nFirst L1 hit, engine thread (cProfile):\n" + r["first_hit_profile"])
     if not r["overlap"]:
         return
     print("\nLayer-wise overlap (medians; load and compute measured apart with loads done "

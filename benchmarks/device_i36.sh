@@ -13,7 +13,11 @@
 #   3. the same cold prefills with write_quiet_ms=50 (disk writes wait until the engine has
 #      stopped saving) -> $OUT/ttft_quiet.json;
 #   4. the same cold prefills with L1 alone (no disk tier, so no writes at all beside them)
-#      -> $OUT/ttft_nodisk.json.
+#      -> $OUT/ttft_nodisk.json;
+#   5. one cold prefill and one L1 hit whose engine thread is profiled (cProfile, top 30
+#      calls: where a first hit's time goes) -> $OUT/ttft_profiled.json.
+# Each step is cut to what is left of the budget (I36_BUDGET, default 150 s) and skipped
+# when less than 15 s are left: the later steps are the optional ones.
 #
 # Run from the checkout (lmc from it: PYTHONPATH=$PWD; its C helpers built for another
 # Python are not loaded, the pure-Python fallbacks are). Prints everything; exits non-zero
@@ -61,5 +65,8 @@ step "cold prefills, write_quiet_ms=50" 30 \
     --json "$RES/ttft_quiet.json"
 step "cold prefills, L1 alone (no disk tier)" 30 \
     $PY "${BENCH[@]}" --cold-reps 3 --no-disk --no-baseline --json "$RES/ttft_nodisk.json"
+step "first L1 hit, engine thread profiled" 30 \
+    $PY "${BENCH[@]}" --cold-reps 1 --reps 1 --suffixes "" --no-baseline --profile-first-hit \
+    --json "$RES/ttft_profiled.json"
 echo "== done in $(( $(date +%s) - T0 ))s; results in $RES"; ls -l "$RES"
 exit $FAIL
