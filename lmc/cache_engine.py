@@ -274,7 +274,12 @@ class CacheEngine:
         return self.spec.num_layers
 
     def commit_chunks(self, keys: Sequence[ChunkKey], objs: Sequence[MemoryObj]) -> None:
+        self.storage.note_saving()
         self.storage.put(keys, objs)
+
+    def note_saving(self) -> None:
+        """A layer-wise store saved a layer: lower-tier writes hold off (``write_quiet_ms``)."""
+        self.storage.note_saving()
 
     def record_transfer(self, kind: str, tokens: int, nbytes: int, seconds: float) -> None:
         self.metrics.transfer(kind, tokens, nbytes, seconds)

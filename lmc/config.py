@@ -398,6 +398,12 @@ class CacheConfig(Settings):
         "1GiB", parse_size,
         "bytes of chunks waiting to be written to lower tiers, per tier, at most half the pool "
         "(a quarter under write_on_evict); beyond it writes are dropped", unit="size")
+    write_quiet_ms: int = setting(
+        0, lambda v, k: parse_int(v, k, minimum=0),
+        "milliseconds the engine must have stopped saving before lower-tier writes start "
+        "(a GPU engine's cold prefill then runs without disk or network writes beside it); "
+        "a write still waits at most 2 s at a time, and never once its queue is half full; "
+        "0 = write at once", hashed=False)
     hybrid_checkpoint_interval: int = setting(
         0, lambda v, k: parse_int(v, k, minimum=0),
         "hybrid models (sliding-window or state-space layers beside full attention): tokens "

@@ -74,7 +74,7 @@ from lmc.storage.tier import (
 )
 from lmc.storage.timed_contains import MIN_S as MIN_LOOKUP_S
 from lmc.storage.timed_contains import TimedContains, budget_s
-from lmc.storage.write_behind import WriteBehind
+from lmc.storage.write_behind import QuietWindow, WriteBehind
 
 if TYPE_CHECKING:
     import torch
@@ -187,7 +187,8 @@ class StorageManager:
     """``tiers[0]`` is L1, a :class:`lmc.storage.tier.MemoryTier` over the pool."""
 
     def __init__(self, tiers: Sequence[StorageBackend], *, write_policy: str = "write_through",
-                 queue_bytes: int = 1 << 30, close_timeout: float = 30.0) -> None:
+                 queue_bytes: int = 1 << 30, close_timeout: float = 30.0,
+                 write_quiet_s: float = 0.0) -> None:
         if not tiers:
             raise ValueError("StorageManager needs at least one tier")
         l1 = tiers[0]
@@ -210,6 +211,13 @@ class StorageManager:
         share = 4 if write_policy == "write_on_evict" else 2
         queue_bytes = min(queue_bytes, self._l1_pool.size // share)
         self.queues = [WriteBehind(t, queue_bytes, m) for t, m in zip(self.lower, self.metrics)]
+        self.quiet: QuietWindow | None = None
+        """The engine's saves, which the writers hold off for (``write_quiet_ms``; None: off):
+        :meth:`note_saving`."""
+        if write_quiet_s > 0:
+            self.quiet = QuietWindow(write_quiet_s)
+            for q in self.queues:
+                q.hold = self.quiet
         self.infos = [TierInfo(t.name, tier_medium(t), i) for i, t in enumerate(self.tiers)]
         self.speeds: Speeds | None = None
         """Load-speed estimates fed by every lower-tier read (set by the owner)."""
@@ -810,6 +818,13 @@ class StorageManager:
         self._emit_cleared(0)
 
     # -------------------------------------------------------------- lifecycle
+    def note_saving(self) -> None:
+        """The engine is saving now (a layer-wise store's layer, a commit): with
+        ``write_quiet_ms`` set, lower-tier writes wait for it to be quiet
+        (:mod:`lmc.storage.write_behind`)."""
+        if self.quiet is not None:
+            self.quiet.touch()
+
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every queued write has reached its tier (or failed); False on timeout."""
         deadline = None if timeout is None else time.monotonic() + timeout
