@@ -45,17 +45,30 @@ same bytes per hit at a fraction of the checkpoint), or ``smollm2-135m``, the re
     python benchmarks/bench_ttft.py --lower         # per-layer waits on disk and Redis hits
     python benchmarks/bench_ttft.py --device cuda --model 8b-kv --tokens 16384
     python benchmarks/bench_ttft.py --model smollm2-135m --threads 1   # the real model
+    python benchmarks/bench_ttft.py --cold-only [--no-disk | --write-quiet-ms 50] [--gc-freeze]
+        # where a cold prefill's time goes: with, without or after the disk tier's writes
+
+Every cold prefill and L1 hit also records the CPU seconds of each thread (the engine's and
+lmc's) and the garbage-collection passes that ran meanwhile (count and seconds per
+generation): on a GPU a thread holding the GIL, or a full collection, delays the engine's
+launches.
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
+import gc
+import io
 import json
+import pstats
 import random
+import re
 import shutil
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -231,6 +244,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--suffixes", default="1,256", help="uncached suffix lengths for overlap")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch default)")
     ap.add_argument("--no-baseline", action="store_true", help="skip the engine-alone prefill")
+    ap.add_argument("--cold-only", action="store_true",
+                    help="stop after the cold prefills (no hits, no overlap)")
+    ap.add_argument("--no-disk", action="store_true",
+                    help="L1 alone: no disk tier (so no write-behind beside the cold prefills); "
+                         "implies --cold-only")
+    ap.add_argument("--write-quiet-ms", type=int, default=0,
+                    help="lmc's write_quiet_ms: lower-tier writes wait until the engine has "
+                         "not saved for this long (0: write at once)")
+    ap.add_argument("--profile-first-hit", action="store_true",
+                    help="cProfile the first L1 hit on the engine's thread and print the top "
+                         "30 calls (that hit's figure is inflated by the profiler)")
+    ap.add_argument("--gc-freeze", action="store_true",
+                    help="gc.freeze() once the engines are built (what vLLM does after start-up): "
+                         "full collections no longer walk the model's and torch's objects")
     ap.add_argument("--quick", action="store_true", help="hidden 512, 4 layers, 4k tokens")
     ap.add_argument("--json", help="also write the figures to this file")
     ap.add_argument("--lower", action="store_true",
@@ -249,6 +276,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.cold_reps < 1 or args.reps < 1:
         ap.error("--reps and --cold-reps must be >= 1")
+    args.cold_only = args.cold_only or args.no_disk
     if args.quick:
         args.tokens, args.hidden, args.layers, args.kv_heads = 4096, 512, 4, 4
     args.dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
@@ -316,21 +344,28 @@ def main(argv: list[str] | None = None) -> int:
     try:
         # the disk's write queue holds the whole prompt (the default 1 GiB dropped 8 of the
         # 64 chunks of a 16k-token Llama-8B prompt on an H100: the disk hit was partial)
+        # --no-disk: L1 alone (a cold prefill without write-behind beside it: what the disk
+        # tier's writes cost the engine)
+        tier = {} if args.no_disk else dict(local_disk=disk,
+                                             local_disk_size=(args.cold_reps + 3) * kv_bytes)
         cfg = CacheConfig(chunk_size=args.chunk_size, local_cpu_size=max(256 << 20, 3 * kv_bytes),
-                          local_disk=disk, local_disk_size=(args.cold_reps + 3) * kv_bytes,
-                          write_queue_size=max(1 << 30, kv_bytes + kv_bytes // 4),
-                          load_policy="load_all")  # the whole hit: what a tier's load costs
+                          **tier, write_queue_size=max(1 << 30, kv_bytes + kv_bytes // 4),
+                          load_policy="load_all",  # the whole hit: what a tier's load costs
+                          write_quiet_ms=args.write_quiet_ms)
         conn = LMCReferenceConnector(cfg, model_dir=path)
         llm = engine(path, n, conn)
         pool = conn.engine.pool
         pool.wait_ready(600)  # a real engine pins while it loads its model: not timed here
+        if args.gc_freeze:
+            gc.collect()
+            gc.freeze()
         res["pool_pinned_bytes"] = int(pool.stats().get("pinned_bytes", 0))
         res["pool_asked_bytes"] = int(cfg.local_cpu_size)
         calls = EngineThreadCalls(conn)
         ttft(llm, prompt[:64])
         # cold prefills of fresh prompts first (the last one is the prompt the hits reuse):
         # the first pays every first-use cost left after registration, the next ones do not
-        cold, cold_calls = [], []
+        cold, cold_calls, cold_threads = [], [], []
         for r in range(args.cold_reps):
             p = prompt if r == args.cold_reps - 1 else [0] + tokens(500 + r, n - 1)
             log(f"lmc cold (prefill + saves), {r + 1} of {args.cold_reps} ...")
@@ -338,22 +373,40 @@ def main(argv: list[str] | None = None) -> int:
             with CpuTimes() as cpu:
                 cold.append(ttft(llm, p)[0])
             cold_calls.append({**calls.take(), **cpu.times})
+            cold_threads.append(cpu.threads)
             conn.engine.storage.flush(timeout=120)  # the disk's queue holds one prompt
         res["lmc_cold_s"] = statistics.median(cold)
         res["lmc_cold_reps"] = cold
         res["lmc_cold_calls"] = cold_calls
+        res["lmc_cold_threads"] = cold_threads
+        if args.cold_only:
+            res["l1_hit_s"] = res["disk_hit_s"] = None
+            res["overlap"] = []
+            llm.close()
+            return finish(res, args)
 
         log("L1 hits ...")
-        l1, l1_wait, l1_load, l1_calls = [], [], [], []
-        for _ in range(args.reps):  # where a hit's time goes: the forward's waits on loads
+        l1, l1_wait, l1_load, l1_calls, l1_threads = [], [], [], [], []
+        for rep in range(args.reps):  # where a hit's time goes: the forward's waits on loads
             w0, l0 = worker_stat(conn, "load_wait_seconds"), worker_stat(conn, "load_seconds")
             calls.take()
+            prof = cProfile.Profile() if args.profile_first_hit and rep == 0 else None
             with CpuTimes() as cpu:
+                if prof is not None:
+                    prof.enable()
                 l1.append(ttft(llm, prompt))
+                if prof is not None:
+                    prof.disable()
+            if prof is not None:  # the engine thread's calls (this figure is then inflated)
+                out = io.StringIO()
+                pstats.Stats(prof, stream=out).sort_stats("cumulative").print_stats(30)
+                res["first_hit_profile"] = out.getvalue()
             l1_calls.append({**calls.take(), **cpu.times})
+            l1_threads.append(cpu.threads)
             l1_wait.append(worker_stat(conn, "load_wait_seconds") - w0)
             l1_load.append(worker_stat(conn, "load_seconds") - l0)
         res["l1_hit_calls"] = l1_calls
+        res["l1_hit_threads"] = l1_threads
         assert all(c == n - 1 for _, c in l1), l1
         res["l1_hit_s"] = statistics.median(t for t, _ in l1)
         res["l1_hit_reps"] = [t for t, _ in l1]
@@ -417,27 +470,90 @@ def main(argv: list[str] | None = None) -> int:
         sync_llm.close()
     finally:
         shutil.rmtree(disk, ignore_errors=True)
+    return finish(res, args)
 
+
+def finish(res: dict[str, Any], args: Any) -> int:
     report(res)
     if args.json:
         Path(args.json).write_text(json.dumps(res, indent=2) + "\n")
     return 0
 
 
+def thread_cpu() -> dict[str, float]:
+    """CPU seconds so far of each live Python thread, by name (a pool's numbered threads,
+    ``lmc-disk-w_0`` ..., summed under one name)."""
+    out: dict[str, float] = {}
+    for t in threading.enumerate():
+        if t.ident is None:
+            continue
+        try:
+            secs = time.clock_gettime(time.pthread_getcpuclockid(t.ident))
+        except (OSError, AttributeError):  # ended meanwhile; no per-thread clocks here
+            continue
+        name = re.sub(r"_\d+$", "", t.name)
+        out[name] = out.get(name, 0.0) + secs
+    return out
+
+
+class GcPasses:
+    """Garbage-collection passes while ``on``: count and seconds per generation, and which
+    thread ran them (a pass runs on whichever thread allocated past the threshold, holding
+    the GIL: on a GPU engine's thread, or beside it, it delays launches)."""
+
+    def __init__(self) -> None:
+        self.on = False
+        self.passes: list[tuple[int, float, str]] = []
+        self._t0: dict[int, float] = {}
+        gc.callbacks.append(self._cb)
+
+    def _cb(self, phase: str, info: dict[str, Any]) -> None:
+        if not self.on:
+            return
+        tid = threading.get_ident()
+        if phase == "start":
+            self._t0[tid] = time.perf_counter()
+        elif tid in self._t0:
+            self.passes.append((int(info.get("generation", -1)),
+                                time.perf_counter() - self._t0.pop(tid),
+                                threading.current_thread().name))
+
+    def take(self) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for gen, secs, _ in self.passes:
+            out[f"gc.gen{gen}.n"] = out.get(f"gc.gen{gen}.n", 0) + 1
+            out[f"gc.gen{gen}.s"] = out.get(f"gc.gen{gen}.s", 0.0) + secs
+        self.passes = []
+        return out
+
+
+GC = GcPasses()
+
+
 class CpuTimes:
     """CPU seconds of the engine's thread and of the whole process over a ``with`` block
     (keys ``cpu.engine_thread`` and ``cpu.process``): where the engine's thread spent less
     CPU than its wall time it waited (the device, a lock, the GIL held by another thread);
-    the process's minus the engine's is what lmc's background threads ran meanwhile."""
+    the process's minus the engine's is what lmc's background threads ran meanwhile
+    (``threads``: CPU seconds per thread name; ``gc``: the collections that ran)."""
 
     def __enter__(self) -> CpuTimes:
+        self.threads0 = thread_cpu()
+        GC.take()
+        GC.on = True
         self.t0, self.p0 = time.thread_time(), time.process_time()
         self.times: dict[str, float] = {}
+        self.threads: dict[str, float] = {}
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.times = {"cpu.engine_thread": time.thread_time() - self.t0,
                       "cpu.process": time.process_time() - self.p0}
+        GC.on = False
+        self.times.update(GC.take())
+        now = thread_cpu()
+        self.threads = {k: round(v - self.threads0.get(k, 0.0), 4) for k, v in now.items()
+                        if v - self.threads0.get(k, 0.0) >= 0.0005}
 
 
 class EngineThreadCalls:
@@ -472,7 +588,7 @@ class EngineThreadCalls:
 def describe_calls(calls: dict[str, float], top: int = 3) -> str:
     """``12.3 ms (save_kv_layer 8.1, wait_for_save 3.0, ...; CPU: engine thread 40.2,
     process 51.0)``: the calls' total, the largest, and the run's CPU times."""
-    own = {k: v for k, v in calls.items() if not k.startswith("cpu.")}
+    own = {k: v for k, v in calls.items() if not k.startswith(("cpu.", "gc."))}
     parts = sorted(own.items(), key=lambda kv: -kv[1])[:top]
     cpu = ""
     if "cpu.engine_thread" in calls:
@@ -609,17 +725,33 @@ def report(r: dict[str, Any]) -> None:
     if len(r.get("lmc_cold_reps", ())) > 1:
         first, rest = r["lmc_cold_reps"][0], statistics.median(r["lmc_cold_reps"][1:])
         print(f"lmc cold: first {first * 1e3:.1f} ms, then {rest * 1e3:.1f} ms (median of "
-              f"{len(r['lmc_cold_reps']) - 1}); L1 hits: "
-              + ", ".join(f"{t * 1e3:.1f}" for t in r["l1_hit_reps"]) + " ms")
+              f"{len(r['lmc_cold_reps']) - 1})" + ("; L1 hits: " + ", ".join(
+                  f"{t * 1e3:.1f}" for t in r["l1_hit_reps"]) + " ms"
+                  if r.get("l1_hit_reps") else ""))
     for what, key in (("cold", "lmc_cold_calls"), ("L1 hit", "l1_hit_calls")):
         runs = r.get(key) or []
         if runs:
             print(f"engine thread inside lmc's calls, {what}: first "
                   f"{describe_calls(runs[0])}" + (f"; last {describe_calls(runs[-1])}"
                                                    if len(runs) > 1 else ""))
+    for what, key in (("cold", "lmc_cold_threads"), ("L1 hit", "l1_hit_threads")):
+        for i, th in enumerate(r.get(key) or []):
+            top = sorted(th.items(), key=lambda kv: -kv[1])[:6]
+            print(f"CPU by thread, {what} {i + 1}: " + ", ".join(
+                f"{k} {v * 1e3:.1f} ms" for k, v in top))
+    for what, key in (("cold", "lmc_cold_calls"), ("L1 hit", "l1_hit_calls"),
+                      ("engine alone", "prefill_cpu")):
+        runs = r.get(key) or []
+        runs = [runs] if isinstance(runs, dict) else runs
+        gcs = [", ".join(f"gen{g} {int(c[f'gc.gen{g}.n'])}x {c[f'gc.gen{g}.s'] * 1e3:.1f} ms"
+                         for g in (0, 1, 2) if f"gc.gen{g}.n" in c) or "none" for c in runs]
+        if gcs:
+            print(f"GC passes, {what}: " + " | ".join(gcs))
     if r.get("pool_pinned_bytes"):
         print(f"pinned pool: {r['pool_pinned_bytes'] / GiB:.3f} GiB page-locked for "
               f"{r['pool_asked_bytes'] / GiB:.3f} GiB asked")
+    if r.get("first_hit_profile"):
+        print("\nFirst L1 hit, engine thread (cProfile):\n" + r["first_hit_profile"])
     if not r["overlap"]:
         return
     print("\nLayer-wise overlap (medians; load and compute measured apart with loads done "

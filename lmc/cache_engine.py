@@ -132,6 +132,7 @@ class CacheEngine:
              for i, t in enumerate(self.storage.tiers)], config.load_policy_priors)
         self.storage.speeds = self.speeds
         self.storage.chunk_tokens = config.chunk_size  # a lookup's deadline (timed_contains)
+        self.storage.lookup_min_s = config.lookup_min_wait
         self.events = None  # KV events for routers (config kv_events; lmc.events)
         self.hybrid = self._hybrid_cache() if spec.is_hybrid else None
         # one publisher per instance: tensor-parallel ranks hold the same chunks (rank 0
@@ -273,7 +274,12 @@ class CacheEngine:
         return self.spec.num_layers
 
     def commit_chunks(self, keys: Sequence[ChunkKey], objs: Sequence[MemoryObj]) -> None:
+        self.storage.note_saving()
         self.storage.put(keys, objs)
+
+    def note_saving(self) -> None:
+        """A layer-wise store saved a layer: lower-tier writes hold off (``write_quiet_ms``)."""
+        self.storage.note_saving()
 
     def record_transfer(self, kind: str, tokens: int, nbytes: int, seconds: float) -> None:
         self.metrics.transfer(kind, tokens, nbytes, seconds)
@@ -791,6 +797,13 @@ class CacheEngine:
         False if ``timeout`` seconds passed first. ``store`` never waits for this itself."""
         self._check_open()
         return self.storage.flush(timeout)
+
+    def wait_reads(self, timeout: float | None = None) -> bool:
+        """Wait until the pieces a stopped load abandoned in flight have landed: the speed
+        they measured is in :attr:`speeds` and their chunks are in L1 (a load returns
+        without waiting for them); False if ``timeout`` seconds passed first."""
+        self._check_open()
+        return self.storage.wait_reads(timeout)
 
     def close(self) -> None:
         """Finish background work, drain the write-behind queues (bounded), close the tiers."""

@@ -398,6 +398,12 @@ class CacheConfig(Settings):
         "1GiB", parse_size,
         "bytes of chunks waiting to be written to lower tiers, per tier, at most half the pool "
         "(a quarter under write_on_evict); beyond it writes are dropped", unit="size")
+    write_quiet_ms: int = setting(
+        0, lambda v, k: parse_int(v, k, minimum=0),
+        "milliseconds the engine must have stopped saving before lower-tier writes start "
+        "(a GPU engine's cold prefill then runs without disk or network writes beside it); "
+        "a write still waits at most 2 s at a time, and never once its queue is half full; "
+        "0 = write at once", hashed=False)
     hybrid_checkpoint_interval: int = setting(
         0, lambda v, k: parse_int(v, k, minimum=0),
         "hybrid models (sliding-window or state-space layers beside full attention): tokens "
@@ -409,6 +415,13 @@ class CacheConfig(Settings):
         "how much of a hit the connector loads: auto = the part that beats recomputing at "
         "the measured tier and engine speeds (the rest is recomputed), load_all = the whole "
         "hit (for comparison, and for engines whose step times lmc cannot see)", hashed=False)
+    lookup_min_wait: float = setting(
+        0.02, lambda v, k: parse_duration(v, k, minimum=0.001),
+        "seconds (or '20ms') a lookup waits at least for each lower tier's existence check; "
+        "it waits the larger of this and a tenth of recomputing the looked-up tokens, then "
+        "that tier's keys are misses for the lookup (lookup_late); raise it for a far remote "
+        "tier, or where hits must not depend on a loaded host's scheduling (tests)",
+        unit="duration")
     load_policy_priors: dict[str, float] = setting(
         None, _speed_priors,
         "speeds assumed before they are measured: bytes per second by tier name or medium "

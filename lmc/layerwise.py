@@ -145,7 +145,15 @@ class _Layerwise:
 
 
 class LayerwiseStore(_Layerwise):
-    """``save(layer)`` for each layer (any order, each once), then ``commit()``."""
+    """``save(layer)`` for each layer (any order, each once), then ``commit()``.
+
+    A host with a ``note_saving()`` method (a ``CacheEngine``) hears of each layer saved:
+    its lower-tier writes can hold off while the engine saves (``write_quiet_ms``)."""
+
+    def __init__(self, host: LayerwiseHost, tr: KVTransfer, plan: TransferPlan | None,
+                 chunks: list[Chunk], objs: list[MemoryObj]) -> None:
+        super().__init__(host, tr, plan, chunks, objs)
+        self._saving: Callable[[], None] | None = getattr(host, "note_saving", None)
 
     def save(self, layer: int, sync: bool = False, after: Completion | None = None) -> None:
         """Gather ``layer``'s new chunks once the engine's stream reaches ``after`` (default:
@@ -158,6 +166,8 @@ class LayerwiseStore(_Layerwise):
             self._record(layer, DONE)
             return
         after = self.tr.record_event() if after is None else after
+        if self._saving is not None:
+            self._saving()
         if sync:
             h = self.tr.gather(self._plan(), self.bufs, [layer], after=after, stream=self.stream,
                                arrays=self.arrays)

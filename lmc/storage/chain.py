@@ -284,7 +284,8 @@ def build_storage(config: CacheConfig, pool: MemoryPool, extra: Sequence[TierSpe
     tiers = build_tiers(config, pool, extra)
     try:
         return StorageManager(tiers, write_policy=config.write_policy,
-                              queue_bytes=config.write_queue_size)
+                              queue_bytes=config.write_queue_size,
+                              write_quiet_s=config.write_quiet_ms / 1e3)
     except BaseException:
         for t in reversed(tiers):
             t.close()

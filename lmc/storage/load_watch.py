@@ -112,6 +112,32 @@ def piece_size(remaining: int, first: bool, depth: int = DEPTH) -> int:
     return 1 if first else max(1, remaining // (4 * depth))
 
 
+class Running:
+    """Pieces of watched reads not done with yet: running, or abandoned in flight and not
+    yet handed over (observed, then given to ``abandon``). A stopped load returns before
+    its abandoned pieces land; what they do then (a speed observed, chunks promoted) is
+    waited for here, by a close and by whoever needs that aftermath settled (a test reading
+    the speeds a stopped load measured, a benchmark placing chunks)."""
+
+    def __init__(self) -> None:
+        self._cv = threading.Condition()
+        self._n = 0
+
+    def enter(self) -> None:
+        with self._cv:
+            self._n += 1
+
+    def leave(self) -> None:
+        with self._cv:
+            self._n -= 1
+            self._cv.notify_all()
+
+    def wait_idle(self, timeout: float | None = None) -> bool:
+        """Wait until none is running or landing; False if ``timeout`` seconds passed first."""
+        with self._cv:
+            return self._cv.wait_for(lambda: self._n == 0, timeout)
+
+
 @dataclass
 class _Piece:
     """One ``get`` of a watched read: keys ``[first, first + size)``, submitted at ``start``."""
@@ -128,10 +154,11 @@ class _Flight:
 
     def __init__(self, get: Callable[[list[Key]], list[MemoryObj | None]], keys: list[Key],
                  executor: ThreadPoolExecutor, depth: int, learn: bool,
-                 observe: Observe | None = None) -> None:
+                 observe: Observe | None = None, running: Running | None = None) -> None:
         self.get, self.keys, self.executor, self.depth = get, keys, executor, depth
         self.learn = learn
         self.observe = observe
+        self.running = running
         self.t0 = time.monotonic()
         self.nbytes = 0  # landed so far
         self.last = 0.0  # when the last piece landed
@@ -196,7 +223,8 @@ class _Flight:
         """Every piece still in flight goes, once it lands, to ``abandon`` (and is
         observed: its bytes over the time since it started)."""
         for p in self.pieces:
-            _abandon_when_done(p, self.keys[p.first: p.first + p.size], abandon, self.observe)
+            _abandon_when_done(p, self.keys[p.first: p.first + p.size], abandon, self.observe,
+                               self.running)
         self.pieces.clear()
 
 
@@ -204,18 +232,19 @@ def read_watched(get: Callable[[list[Key]], list[MemoryObj | None]],
                  abandon: Callable[[list[Key], list[MemoryObj | None]], None],
                  keys: list[Key], chunk_index: Sequence[int], watch: LoadWatch,
                  executor: ThreadPoolExecutor, tier: str, depth: int = DEPTH,
-                 learn: bool = True, observe: Observe | None = None
-                 ) -> list[MemoryObj | None]:
+                 learn: bool = True, observe: Observe | None = None,
+                 running: Running | None = None) -> list[MemoryObj | None]:
     """Read ``keys`` (chunks ``chunk_index`` of the fetch, ascending) in pieces through
     ``get`` on ``executor`` (``depth`` in flight; ``learn``: the first piece, one chunk,
     alone), stopping by ``watch``'s rule; a miss also ends the read (the fetch keeps only a prefix). Answers an object or
     ``None`` per key. Pieces abandoned in flight are handed, once each returns, to
     ``abandon(keys, objs)`` (which owns them). ``observe(nbytes, seconds)``: what the read
     moved and how long it took, once (pieces share the link, so one piece's time says
-    little), and each abandoned piece's once it lands."""
+    little), and each abandoned piece's once it lands. ``running``: counts each abandoned
+    piece from its abandonment until ``abandon`` has returned (:class:`Running`)."""
     if not keys or math.isinf(watch.limit(chunk_index[0])):
         return get(keys)  # compute unknown: nothing to stop for, one read as unwatched
-    flight = _Flight(get, keys, executor, depth, learn, observe)
+    flight = _Flight(get, keys, executor, depth, learn, observe, running)
     try:
         return _read(flight, abandon, chunk_index, watch, tier)
     finally:
@@ -272,18 +301,24 @@ def _wait(fut: Future, deadline: float) -> list[MemoryObj | None] | None:
 
 
 def _abandon_when_done(piece: _Piece, keys: list[Key], abandon: Abandon,
-                       observe: Observe | None) -> None:
+                       observe: Observe | None, running: Running | None = None) -> None:
     def landed(f: Future) -> None:
         try:
-            objs = f.result()
-        except Exception:  # the read's own error handling counted it
-            return
-        if observe is not None:
-            nbytes = sum(o.nbytes for o in objs if o is not None)
-            if nbytes:
-                observe(nbytes, time.monotonic() - piece.start)
-        abandon(keys, objs)
+            try:
+                objs = f.result()
+            except Exception:  # the read's own error handling counted it
+                return
+            if observe is not None:
+                nbytes = sum(o.nbytes for o in objs if o is not None)
+                if nbytes:
+                    observe(nbytes, time.monotonic() - piece.start)
+            abandon(keys, objs)
+        finally:
+            if running is not None:
+                running.leave()
 
+    if running is not None:
+        running.enter()  # before the callback, which runs at once if the piece has landed
     piece.fut.add_done_callback(landed)
 
 

@@ -55,7 +55,7 @@ from lmc.memory.pool import MemoryObj, MemoryPool
 from lmc.metrics import TierMetrics
 from lmc.storage.layered_read import Coordinators, LayeredRead, LayerGate
 from lmc.storage.layered_watch import watch_layered
-from lmc.storage.load_watch import LoadWatch, read_watched
+from lmc.storage.load_watch import LoadWatch, Running, read_watched
 from lmc.storage.priorities import Sticky
 from lmc.storage.speeds import Speeds
 from lmc.storage.tier import (
@@ -74,7 +74,7 @@ from lmc.storage.tier import (
 )
 from lmc.storage.timed_contains import MIN_S as MIN_LOOKUP_S
 from lmc.storage.timed_contains import TimedContains, budget_s
-from lmc.storage.write_behind import WriteBehind
+from lmc.storage.write_behind import QuietWindow, WriteBehind
 
 if TYPE_CHECKING:
     import torch
@@ -187,7 +187,8 @@ class StorageManager:
     """``tiers[0]`` is L1, a :class:`lmc.storage.tier.MemoryTier` over the pool."""
 
     def __init__(self, tiers: Sequence[StorageBackend], *, write_policy: str = "write_through",
-                 queue_bytes: int = 1 << 30, close_timeout: float = 30.0) -> None:
+                 queue_bytes: int = 1 << 30, close_timeout: float = 30.0,
+                 write_quiet_s: float = 0.0) -> None:
         if not tiers:
             raise ValueError("StorageManager needs at least one tier")
         l1 = tiers[0]
@@ -210,18 +211,27 @@ class StorageManager:
         share = 4 if write_policy == "write_on_evict" else 2
         queue_bytes = min(queue_bytes, self._l1_pool.size // share)
         self.queues = [WriteBehind(t, queue_bytes, m) for t, m in zip(self.lower, self.metrics)]
+        self.quiet: QuietWindow | None = None
+        """The engine's saves, which the writers hold off for (``write_quiet_ms``; None: off):
+        :meth:`note_saving`."""
+        if write_quiet_s > 0:
+            self.quiet = QuietWindow(write_quiet_s)
+            for q in self.queues:
+                q.hold = self.quiet
         self.infos = [TierInfo(t.name, tier_medium(t), i) for i, t in enumerate(self.tiers)]
         self.speeds: Speeds | None = None
         """Load-speed estimates fed by every lower-tier read (set by the owner)."""
         self.chunk_tokens = 0
         """Tokens per key (set by the owner with ``speeds``): with the compute estimate, how
         long a lookup may wait for the lower tiers (:mod:`lmc.storage.timed_contains`)."""
+        self.lookup_min_s = MIN_LOOKUP_S
+        """The least a lookup waits for each lower tier's ``contains`` (set by the owner from
+        the config's ``lookup_min_wait``; :mod:`lmc.storage.timed_contains`)."""
         self._probes = [TimedContains(t) for t in self.lower]
         """What listeners are told of each tier (name, declared medium, level)."""
         self._fetch_pool: ThreadPoolExecutor | None = None
         self._fetch_lock = threading.Lock()
-        self._fetch_cv = threading.Condition()
-        self._fetching = 0  # watched reads' pieces running (abandoned ones included)
+        self._running = Running()  # watched reads' pieces running, or abandoned and landing
         self._watchers = Coordinators("lmc-watch")  # one per watched layered read
         self._listeners: tuple[TierListener, ...] = ()
         self._store_listeners: tuple[TierListener, ...] = ()  # those that observe stores
@@ -384,7 +394,7 @@ class StorageManager:
                 if deadline is None:
                     found = tier.contains([keys[i] for i in todo])
                 else:
-                    left = max(MIN_LOOKUP_S, deadline - time.monotonic())
+                    left = max(self.lookup_min_s, deadline - time.monotonic())
                     answer = self._probes[level - 1].ask([keys[i] for i in todo], left)
                     if isinstance(answer, str):  # too slow now: a miss for this lookup
                         m.lookup_late(answer, len(todo), time.perf_counter() - t0)
@@ -410,7 +420,8 @@ class StorageManager:
         compute estimate, no deadline."""
         if self.speeds is None or self.chunk_tokens <= 0:
             return None
-        return budget_s(self.speeds.prefill.estimate(), num_keys * self.chunk_tokens)
+        return budget_s(self.speeds.prefill.estimate(), num_keys * self.chunk_tokens,
+                        self.lookup_min_s)
 
     def get_prefix(self, keys: Sequence[Key]) -> list[MemoryObj]:
         """Objects for the longest present prefix of ``keys``, each acquired for the caller.
@@ -499,7 +510,8 @@ class StorageManager:
                                    partial(self._abandoned, level),
                                    [keys[i] for i in todo], todo, watch, self._fetcher(),
                                    tier.name, learn=not self._measured(level),
-                                   observe=partial(self._observe, level))
+                                   observe=partial(self._observe, level),
+                                   running=self._running)
             hit = [(i, o) for i, o in zip(todo, got) if o is not None]
             for i, o in hit:
                 found[i] = o
@@ -511,14 +523,11 @@ class StorageManager:
     def _get_piece(self, level: int, tier: StorageBackend, keys: list[Key]
                    ) -> list[MemoryObj | None]:
         """One piece of a watched read (on a fetch thread; ``close`` waits for these)."""
-        with self._fetch_cv:
-            self._fetching += 1
+        self._running.enter()
         try:
             return self._get_lower(level, tier, keys, observe=False)
         finally:
-            with self._fetch_cv:
-                self._fetching -= 1
-                self._fetch_cv.notify_all()
+            self._running.leave()
 
     def _measured(self, level: int) -> bool:
         """Whether lower tier ``level`` has been read since the speeds were made (a watched
@@ -809,6 +818,13 @@ class StorageManager:
         self._emit_cleared(0)
 
     # -------------------------------------------------------------- lifecycle
+    def note_saving(self) -> None:
+        """The engine is saving now (a layer-wise store's layer, a commit): with
+        ``write_quiet_ms`` set, lower-tier writes wait for it to be quiet
+        (:mod:`lmc.storage.write_behind`)."""
+        if self.quiet is not None:
+            self.quiet.touch()
+
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every queued write has reached its tier (or failed); False on timeout."""
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -817,6 +833,12 @@ class StorageManager:
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
             ok = q.flush(left) and ok
         return ok
+
+    def wait_reads(self, timeout: float | None = None) -> bool:
+        """Wait until no whole-chunk watched read is running and every piece a stopped load
+        abandoned has landed, been observed (the tier's speed) and promoted into L1; False
+        if ``timeout`` seconds passed first. Nothing waits for this on a request's path."""
+        return self._running.wait_idle(timeout)
 
     def stats(self) -> dict[str, float]:
         """Per lower tier: the manager's counts and queue state, keys ``<tier>.<name>``."""
@@ -843,9 +865,7 @@ class StorageManager:
         with self._fetch_lock:
             pool, self._fetch_pool = self._fetch_pool, None
         if pool is not None:
-            with self._fetch_cv:
-                idle = self._fetch_cv.wait_for(lambda: self._fetching == 0,
-                                               max(0.0, deadline - time.monotonic()))
+            idle = self._running.wait_idle(max(0.0, deadline - time.monotonic()))
             pool.shutdown(wait=idle)
         self._close_tier(self.tiers[0])
 

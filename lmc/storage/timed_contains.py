@@ -11,7 +11,8 @@ gains nothing: a lookup's wait is paid whether the hit is then loaded or recompu
 
 So the manager (:meth:`lmc.storage.manager.StorageManager.sources`) asks each lower tier on
 that tier's own threads and waits at most a share of what recomputing the prompt costs
-(:func:`budget_s`); past that the tier's keys are misses for this lookup (counted,
+(:func:`budget_s`; at least ``lookup_min_wait`` in the config, 20 ms by default, from the
+call's start); past that the tier's keys are misses for this lookup (counted,
 ``lookup_late``), and its answer, when it comes, is dropped. At most ``MAX_IN_FLIGHT`` calls
 per tier run at once (a tier that keeps them all past their deadlines is a miss at once,
 ``lookup_busy``): a stuck tier holds a few threads, never one per request. Where nothing
@@ -37,22 +38,24 @@ SHARE = 0.1
 """A lookup may cost at most this share of recomputing the prompt (issue 36's bar is 1.25x
 the engine alone; the load, watched, has the rest)."""
 MIN_S = 0.02
-"""Every tier gets at least this long from its call's start: a healthy tier (a disk index,
-a Redis ``EXISTS``, an ``lmc server``'s round trip) answers well within it even on a loaded
-host, so a short prompt still finds its hits; a tier that takes longer costs a short
-prompt at most this."""
+"""Every tier gets at least this long from its call's start (the default of the config's
+``lookup_min_wait``): a healthy tier (a disk index, a Redis ``EXISTS``, an ``lmc server``'s
+round trip) usually answers within it, so a short prompt still finds its hits; a tier that
+takes longer costs a short prompt at most this. A host stalled for longer than this (a
+loaded machine descheduling the tier's thread) makes a healthy tier late too: where hits
+must not depend on that (tests, a far remote tier), ``lookup_min_wait`` raises it."""
 START_GUARD_S = 5.0
 """How long a call handed to a free thread may wait to start (a hang guard: only a host
 stalled for seconds reaches it; the call is then a miss)."""
 
 
-def budget_s(rate: PrefillRate | None, tokens: int) -> float | None:
+def budget_s(rate: PrefillRate | None, tokens: int, min_s: float = MIN_S) -> float | None:
     """How long a lookup of ``tokens`` prompt tokens may wait for the lower tiers: ``SHARE``
-    of computing them at ``rate`` (at least ``MIN_S``); ``None`` (no deadline) without a
+    of computing them at ``rate`` (at least ``min_s``); ``None`` (no deadline) without a
     rate."""
     if rate is None or tokens <= 0:
         return None
-    return max(MIN_S, SHARE * rate.seconds(0, tokens))
+    return max(min_s, SHARE * rate.seconds(0, tokens))
 
 
 class TimedContains:

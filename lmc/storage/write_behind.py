@@ -25,6 +25,15 @@ its reference and its bytes in the queue and is written again after a doubling b
 transient failure (EMFILE while a connection flood holds the fds, a tier restarting) does not
 lose a value the memory tier held, and the byte bound still caps what waits. Only when the
 window has passed is it dropped and counted.
+
+Holding off while the engine saves (``hold``, off by default: ``write_quiet_ms``). On a GPU
+the engine's one Python thread launches every kernel, and each write's Python work (the
+writer's and the tier's threads taking the GIL between their system calls) delays those
+launches; a cold prefill saves layer by layer for its whole length, so writes started during
+it are paid by its TTFT. With a :class:`QuietWindow` the writer waits, before each batch,
+until the engine has not saved for ``quiet_s``, bounded three ways so nothing is lost to it:
+never longer than ``max_hold`` seconds at a time on a non-empty queue, never while the queue
+is more than half full (which would drop offers), never during ``flush`` or ``close``.
 """
 
 from __future__ import annotations
@@ -42,6 +51,21 @@ from lmc.priority import lower_thread_priority
 from lmc.storage.tier import Key, StorageBackend
 
 log = logging.getLogger(__name__)
+
+
+class QuietWindow:
+    """When the engine last saved (``touch``, from its thread: one clock read), and how long
+    the writers should still hold off (:meth:`left`) for it to have been quiet ``quiet_s``."""
+
+    def __init__(self, quiet_s: float) -> None:
+        self.quiet_s = float(quiet_s)
+        self._last = float("-inf")
+
+    def touch(self) -> None:
+        self._last = time.monotonic()
+
+    def left(self) -> float:
+        return self._last + self.quiet_s - time.monotonic()
 
 
 class WriteBehind:
@@ -78,6 +102,12 @@ class WriteBehind:
         (they are readable from the tier): the storage manager's listeners hook in here."""
         self._put_thread: int | None = None  # the writer's ident while inside tier.put()
         self._evicted_in_put: set[Key] = set()  # touched by the writer thread only
+        self.hold: QuietWindow | None = None
+        """Hold off while the engine saves (module doc); None: write at once."""
+        self.max_hold = 2.0  # seconds the writer may stay idle on a non-empty queue
+        self.held = 0  # times the writer held off (stats: write_held)
+        self._waiting_since = 0.0  # when the queue's head started waiting for the writer
+        self._flushing = 0
 
     # ----------------------------------------------------------------- producer side
     def offer(self, keys: Sequence[Key], objs: Sequence[MemoryObj]) -> int:
@@ -106,6 +136,8 @@ class WriteBehind:
                         refused.append(k)
                     continue
                 o.acquire()  # before the lock is released: the writer may run at once
+                if not self._q:
+                    self._waiting_since = time.monotonic()
                 self._pending[k] = o
                 self._q.append((k, o))
                 self._bytes += o.nbytes
@@ -217,7 +249,19 @@ class WriteBehind:
             batch.append(item)
             nbytes += item[1].nbytes
         self._inflight += len(batch)
+        self._waiting_since = time.monotonic()  # the next head's wait starts now
         return batch
+
+    def _held_locked(self) -> float:
+        """Seconds to hold off before the next batch (0: write now): the engine is saving,
+        within the bounds of the module doc."""
+        hold = self.hold
+        if hold is None or self._closed or self._flushing or self._bytes * 2 > self.max_bytes:
+            return 0.0
+        left = hold.left()
+        if left <= 0:
+            return 0.0
+        return max(0.0, min(left, self._waiting_since + self.max_hold - time.monotonic()))
 
     def _run(self) -> None:
         lower_thread_priority()  # no request waits for a write-behind (lmc.priority)
@@ -231,6 +275,11 @@ class WriteBehind:
                         self._cv.wait()
                 if not self._q:
                     return
+                wait = self._held_locked()
+                if wait > 0:
+                    self.held += 1
+                    self._cv.wait(wait)  # an offer, a flush or a close wakes it early
+                    continue
                 batch = self._next_batch_locked()
                 self._writing = [o for _, o in batch]
             self._write(batch)
@@ -370,7 +419,12 @@ class WriteBehind:
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until everything offered so far is written (or failed); False on timeout."""
         with self._cv:
-            return self._cv.wait_for(lambda: not self._q and not self._inflight, timeout)
+            self._flushing += 1  # a held writer writes now
+            self._cv.notify_all()
+            try:
+                return self._cv.wait_for(lambda: not self._q and not self._inflight, timeout)
+            finally:
+                self._flushing -= 1
 
     def close(self, drain: bool = True, timeout: float | None = None) -> None:
         """Stop accepting; write what is queued (``drain``, up to ``timeout`` seconds), then
@@ -411,4 +465,6 @@ class WriteBehind:
                "queue_limit_bytes": self.max_bytes}
         if self.retry_for > 0:
             out.update(write_retries=self.retried, retry_chunks=len(self._retry))
+        if self.hold is not None:
+            out["write_held"] = self.held
         return out

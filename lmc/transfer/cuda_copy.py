@@ -255,6 +255,12 @@ class CudaPlan(TransferPlan):
     bad_slots: Any = None               # device slots: device flag, a slot past the cache
     places: dict[int, tuple[str, int]] = dataclasses.field(default_factory=dict)
     windows: dict[int, tuple[int, int]] = dataclasses.field(default_factory=dict)
+    # per-layer calls of one plan (a layer-wise save or load) repeat the same buffers:
+    # the last call's checked buffers and their places, and the call tables of every layer
+    # uploaded once per (direction, stream, buffers) (CudaTransfer._layer_tables)
+    checked: tuple[list[Any], list[tuple[str, int]]] | None = None
+    layer_tables: dict[tuple[Any, ...], tuple[Any, np.ndarray]] = dataclasses.field(
+        default_factory=dict)
 
 
 def _or_reduce(values: np.ndarray) -> int:
@@ -789,10 +795,11 @@ class CudaTransfer(KVTransfer):
         return self._run(plan, bufs, layers, stream, after, to_cache=True)
 
     def record_event(self, stream: torch.cuda.Stream | None = None) -> Completion:
-        """A point on ``stream`` (default: the current one) after everything issued to it."""
+        """A point on ``stream`` (default: the current one) after everything issued to it.
+        No device context is entered: an event records on its stream's own device, and this
+        runs on the engine's thread once per layer saved (three context managers a call)."""
         stream = self.backend.stream(stream)
-        with self.backend.context(stream):
-            return EventCompletion(self.backend.event(stream))
+        return EventCompletion(self.backend.event(stream))
 
     def path_stats(self) -> dict[str, Any]:
         """The copy path per (direction, shape) and the calls made on each, for stats."""
@@ -861,18 +868,82 @@ class CudaTransfer(KVTransfer):
             calls = (*key, mode)
             self.path_calls[calls] = self.path_calls.get(calls, 0) + 1
         with self.backend.context(stream):
-            places = [self._place(plan, i, b) for i, b in enumerate(bufs)]
+            places = self._places(plan, bufs)
             if after is not None:
                 after.wait(stream)
             if plan.n_tokens and lids:
                 self.backend.wait(stream, plan)
                 staged = [kind == "host" or (kind == "mapped" and mode == "staged")
                           for kind, _ in places]
-                self._launch(plan, bufs, lids, places, staged, stream, to_cache)
+                if len(lids) == 1 and not any(staged):
+                    self._launch_layer(plan, lids[0], places, stream, to_cache)
+                else:
+                    self._launch(plan, bufs, lids, places, staged, stream, to_cache)
             ev = self.backend.event(stream)
         with self._lock:
             self._pending[getattr(stream, "cuda_stream", 0)] = ev
         return EventCompletion(ev, plan.bad_slots)
+
+    def _places(self, plan: CudaPlan, bufs: list[torch.Tensor]) -> list[tuple[str, int]]:
+        """Each buffer checked and located (:meth:`_place`); a call with the very tensor
+        objects of the plan's previous call (the layers of one layer-wise copy) reuses that
+        call's answer instead of checking every chunk again on every layer."""
+        last = plan.checked
+        if last is not None and len(last[0]) == len(bufs) and all(
+                a is b for a, b in zip(last[0], bufs)):
+            return last[1]
+        places = [self._place(plan, i, b) for i, b in enumerate(bufs)]
+        plan.checked = (bufs, places)  # references: the ids compared stay theirs
+        return places
+
+    def _layer_tables(self, plan: CudaPlan, places: list[tuple[str, int]], stream: Any,
+                      to_cache: bool) -> tuple[Any, np.ndarray]:
+        """The call table of every layer for one layer's call on buffers the kernel reaches
+        itself (no staging), uploaded once: ``([layers, width] device table, vector width
+        per layer)``. Why: a layer-wise copy makes a call per layer with the same plan and
+        buffers; building and uploading a table each time held lmc's I/O thread (and the
+        GIL) for work that differs between layers only by two addresses. Kept per stream:
+        the upload is ordered on the stream of the calls that read it."""
+        key = (to_cache, getattr(stream, "cuda_stream", 0), tuple(ptr for _, ptr in places))
+        got = plan.layer_tables.get(key)
+        if got is not None:
+            return got
+        P, rb, L = self.num_planes, self.row_bytes, self.spec.num_layers
+        counts = np.array(plan.counts, dtype=np.int64)
+        base = np.array([ptr for _, ptr in places], dtype=np.int64)
+        # dst[layer, chunk, plane]: a direct buffer holds every layer of its chunk
+        lp = np.arange(L)[:, None, None] * P + np.arange(P)[None, None, :]
+        dst = base[None, :, None] + lp * counts[None, :, None] * rb
+        table = np.concatenate([np.broadcast_to(self.geom.ravel(), (L, self.geom.size)),
+                                self.cache_ptrs.reshape(L, P), dst.reshape(L, -1)], axis=1)
+        align = np.bitwise_or.reduce(dst.reshape(L, -1), axis=1) if dst.size else \
+            np.zeros(L, dtype=np.int64)
+        vecs = np.array([vector_bytes(self._static_align | int(a)) for a in align])
+        got = (self.backend.upload(np.ascontiguousarray(table)), vecs)
+        if len(plan.layer_tables) >= 4:  # a plan is used with one set of buffers or two
+            plan.layer_tables.clear()
+        plan.layer_tables[key] = got
+        return got
+
+    def _launch_layer(self, plan: CudaPlan, lid: int, places: list[tuple[str, int]],
+                      stream: Any, to_cache: bool) -> None:
+        """One layer on buffers the kernel reads or writes itself: the same launch as
+        :meth:`_launch`, from the plan's table of every layer."""
+        tables, vecs = self._layer_tables(plan, places, stream, to_cache)
+        P, rb = self.num_planes, self.row_bytes
+        vec = int(vecs[lid])
+        lanes = lanes_for(rb, vec)
+        assert plan.tokens is not None  # planned calls always carry their tokens
+        row_bytes = tables.shape[1] * tables.element_size()
+        args = KVCopyArgs(tokens=plan.tokens.data_ptr(),
+                          table=tables.data_ptr() + lid * row_bytes,
+                          n_tokens=plan.n_tokens, block_size=self.spec.block_size,
+                          n_layers=1, n_planes=P, head_size=self.spec.head_size,
+                          row_bytes=rb, lanes=lanes, reserved=0)
+        rows = plan.n_tokens * P
+        blocks = max(1, min(-(-rows * lanes // THREADS), self.max_blocks))
+        self.backend.launch(f"lmc_kv_{'scatter' if to_cache else 'gather'}_v{vec}", blocks,
+                            args, stream)
 
     def _memcpy(self, copy: tuple[int, int, int, int, int, int], stream: Any) -> None:
         """One (2D where ``height > 1``) copy: ``(dst, dpitch, src, spitch, width, height)``."""

@@ -14,8 +14,9 @@ import torch
 from lmc.config import CacheConfig
 from lmc.memory.pool import MemoryPool
 from lmc.storage.backends.disk.backend import DiskBackend
-from lmc.storage.load_watch import LoadWatch, piece_size, read_watched
+from lmc.storage.load_watch import LoadWatch, Running, piece_size, read_watched
 from lmc.storage.wrappers import RateLimitTier
+from tests.deadlines import HANG_S
 
 SHAPE = (2, 2, 32, 64)  # one chunk: 32 KiB of float32
 
@@ -69,6 +70,38 @@ def test_a_slow_link_gives_a_prefix_of_whole_chunks(tmp_path: Path) -> None:
         assert got == [None] * 6  # the first chunk was still on the link: nothing counted
         assert landed.wait(60)  # hang guard: the abandoned piece lands, to its owner
     assert [o.tensor[0, 0, 0, 0].item() for o in abandoned] == [0.0]
+    for o in abandoned:
+        o.release()
+    link.close()
+    assert pool.outstanding() == []
+    pool.close()
+
+
+def test_an_abandoned_piece_is_running_until_its_owner_has_it(tmp_path: Path) -> None:
+    """A stopped read returns before its abandoned piece lands; ``Running`` says when that
+    piece has landed, been observed and handed over (what ``StorageManager.wait_reads`` and
+    its close wait for). The piece is held on an event, not a clock: it cannot land early."""
+    pool, link, keys = _tier(tmp_path, 1 << 30)
+    go = threading.Event()
+
+    def held_get(ks):
+        assert go.wait(HANG_S), "never released"
+        return link.get(ks)
+
+    w = LoadWatch(lambda pos: (192 - pos) / 32 * 1e-3, positions=[32 * i for i in range(6)])
+    running = Running()
+    abandoned: list = []
+    observed: list = []
+    with ThreadPoolExecutor(2) as ex:
+        got = read_watched(held_get, lambda ks, objs: abandoned.extend(
+            o for o in objs if o is not None), keys, range(6), w, ex, "disk",
+            observe=lambda n, s: observed.append(n), running=running)
+        assert w.stopped_at == 0 and got == [None] * 6
+        assert not running.wait_idle(0) and abandoned == [] and observed == []
+        go.set()
+        assert running.wait_idle(HANG_S)  # hang guard: only the release lets it land
+        assert [o.tensor[0, 0, 0, 0].item() for o in abandoned] == [0.0]
+        assert observed == [abandoned[0].nbytes]
     for o in abandoned:
         o.release()
     link.close()

@@ -9,6 +9,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from lmc import CacheConfig, CacheEngine
+from lmc.cache_engine import FUNNEL_ROOT
 from lmc.storage.lookup import LookupResult, minimum
 from tests.kvutil import make_caches, random_tokens, spec_for
 
@@ -84,11 +85,13 @@ def _count_calls(monkeypatch, tier) -> dict[str, list[int]]:
 
 
 @pytest.fixture
-def split_engine(tmp_path):
-    """An engine whose prompt has chunks 0-1 in L1 and chunks 2-4 only on disk."""
+def split_engine(tmp_path, request):
+    """An engine whose prompt has chunks 0-1 in L1 and chunks 2-4 only on disk (its hit-rate
+    funnel on unless the test's indirect parameter says ``False``)."""
     src = make_caches("vllm_flash", blocks=64, block_size=4, seed=5)
     spec = spec_for("vllm_flash", src)
-    cfg = CacheConfig(chunk_size=CHUNK, local_cpu_size="2MiB", local_disk=str(tmp_path))
+    cfg = CacheConfig(chunk_size=CHUNK, local_cpu_size="2MiB", local_disk=str(tmp_path),
+                      funnel=getattr(request, "param", True))
     toks = random_tokens(N)
     with CacheEngine(cfg, spec, "m") as eng:
         eng.store(toks, src, SLOTS)
@@ -115,13 +118,23 @@ def test_engine_lookup_attributes_each_chunk_from_one_pass(split_engine, monkeyp
     assert eng.lookup_result(toks[: N - 3]).tokens == 4 * CHUNK
 
 
+@pytest.mark.parametrize("split_engine", [True, False], ids=["funnel", "no_funnel"],
+                         indirect=True)
 def test_precomputed_keys_skip_the_hash(split_engine, monkeypatch):
+    """The request's own chain is never hashed again; the funnel's chain of the tokens
+    alone (its documented extra hash, ``funnel`` in the config) is the only one left."""
     eng, toks = split_engine
     keys = eng.db.request_keys().keys(toks)
-    hashed = []
-    monkeypatch.setattr(eng.db, "keys", lambda *a, **k: hashed.append(1) or [])
+    hashed: list[bytes | None] = []
+    real = eng.db.keys
+
+    def recorded(tokens, limit=None, root=None):
+        hashed.append(root)
+        return real(tokens, limit, root)
+
+    monkeypatch.setattr(eng.db, "keys", recorded)
     assert eng.lookup_result(toks, keys=keys).tokens == N
-    assert not hashed
+    assert hashed == ([FUNNEL_ROOT] if eng.config.funnel else [])
     with pytest.raises(ValueError, match="precomputed keys"):
         eng.lookup(toks, keys=keys[:-1])
 

@@ -261,3 +261,69 @@ def test_a_writer_left_inside_put_at_close_is_not_a_leak_and_frees_on_return(tmp
     q._thread.join(10)
     assert not q._thread.is_alive()
     assert all(o._refs == 0 for o in held), "the writer did not release its batch"
+
+
+def _until(cond, what: str, limit: float = HANG_S) -> None:
+    """Wait for ``cond()`` (a success path: only a hang reaches ``limit``)."""
+    deadline = time.monotonic() + limit
+    while not cond():
+        assert time.monotonic() < deadline, f"never happened: {what}"
+        time.sleep(0.005)
+
+
+def _save_layerwise(eng: CacheEngine, i: int, src) -> None:
+    st = eng.store_layer(_prompt(i), src, _slots(i))
+    for layer in range(eng.num_layers):
+        st.save(layer)
+    assert st.commit() == CHUNK
+
+
+def test_writes_hold_off_while_the_engine_saves_until_a_flush(tmp_path):
+    """write_quiet_ms: the writer does not start while the engine has saved within the
+    window (an hour here, and no time cap: nothing but a flush can release it), and a flush
+    writes what was held, bit for bit."""
+    eng, src, spec = _setup(tmp_path, write_quiet_ms=3_600_000)
+    with eng:
+        q = eng.storage.queues[0]
+        q.max_hold = 10 * HANG_S
+        _save_layerwise(eng, 1, src)
+        _until(lambda: q.held >= 1, "the writer held off")
+        assert len(eng.storage.lower[0]) == 0 and eng.stats()["disk.queue_chunks"] == 1
+        assert eng.stats()["disk.write_held"] >= 1
+        assert eng.flush(HANG_S)
+        assert len(eng.storage.lower[0]) == 1
+    cfg = CacheConfig(chunk_size=CHUNK, local_cpu_size="1MiB", local_disk=str(tmp_path))
+    with CacheEngine(cfg, spec, "m") as eng2:  # read back from the disk alone
+        dst = make_caches("vllm_flash", blocks=64, block_size=4, zeros=True)
+        assert eng2.retrieve(_prompt(1), dst, _slots(1)) == CHUNK
+        assert_bits_equal(token_kv(spec, dst, _slots(1)), token_kv(spec, src, _slots(1)),
+                          "a held write, flushed")
+
+
+def test_held_writes_go_after_max_hold_and_when_the_queue_is_half_full(tmp_path):
+    """The hold is bounded: a queue idle for ``max_hold`` writes while the engine still
+    saves, and a queue past half its bytes writes at once (else offers would be dropped)."""
+    eng, src, _ = _setup(tmp_path / "a", write_quiet_ms=3_600_000)
+    with eng:
+        eng.storage.queues[0].max_hold = 0.2
+        _save_layerwise(eng, 1, src)
+        eng.storage.note_saving()  # still saving
+        _until(lambda: len(eng.storage.lower[0]) == 1, "written after max_hold")
+    eng, src, _ = _setup(tmp_path / "b", write_quiet_ms=3_600_000,
+                         write_queue_size=3 * CHUNK_BYTES)
+    with eng:
+        q = eng.storage.queues[0]
+        q.max_hold = 10 * HANG_S
+        _save_layerwise(eng, 1, src)
+        _until(lambda: q.held >= 1, "the writer held off")
+        _save_layerwise(eng, 2, src)  # 2 of 3 chunks' bytes queued: past half
+        _until(lambda: len(eng.storage.lower[0]) == 2, "written once half full")
+
+
+def test_no_hold_by_default(tmp_path):
+    eng, src, _ = _setup(tmp_path)
+    with eng:
+        assert eng.storage.quiet is None and eng.storage.queues[0].hold is None
+        _save_layerwise(eng, 1, src)
+        _until(lambda: len(eng.storage.lower[0]) == 1, "written without a flush")
+        assert "disk.write_held" not in eng.stats()

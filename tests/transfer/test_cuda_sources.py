@@ -642,6 +642,71 @@ def test_emulated_staging_never_copies_across_registrations(emu_lib):
         pr.remove(cut)
 
 
+class CountingBackend(emu.HostBackend):
+    """The host emulation, counting the tables uploaded."""
+
+    def __init__(self, *a, **kw) -> None:
+        super().__init__(*a, **kw)
+        self.uploads = 0
+
+    def upload(self, arr: np.ndarray) -> torch.Tensor:
+        self.uploads += 1
+        return super().upload(arr)
+
+
+@pytest.mark.parametrize("layout", ["vllm_flash", "vllm_gpu", "vllm_mla"])
+def test_emulated_per_layer_calls_reuse_one_table(emu_lib, layout):
+    """A layer-wise save and load (a call per layer, one plan, the same buffers) upload the
+    call table of every layer once, not once a layer, and move the same bits as the torch
+    path; new buffers on the same plan get a table of their own (a misaligned set, so a
+    narrower vector), and a staged path still builds its table per call."""
+    caches = make_caches(layout, layers=4, blocks=16, block_size=4)
+    spec = spec_for(layout, caches)
+    ranges = [(0, 16), (16, 32), (32, 44)]
+    slots = torch.randperm(64)[:44]
+    ref = TorchTransfer(spec, caches)
+    want = [torch.empty(spec.chunk_shape(e - s)) for s, e in ranges]
+    ref.gather(ref.plan(slots, ranges), want)
+    backend = CountingBackend(emu_lib, caches=list(caches))
+    tr = ct.CudaTransfer(spec, caches, backend=backend, gather_mode="direct",
+                         scatter_mode="direct")
+    plan = tr.plan(slots, ranges)
+    bufs = [torch.full(spec.chunk_shape(e - s), -1.0) for s, e in ranges]
+    before = backend.uploads
+    for layer in (2, 0, 3, 1):
+        tr.gather(plan, bufs, layers=[layer])
+    assert backend.uploads - before == 1, "one table for every layer of the plan"
+    for b, w in zip(bufs, want, strict=True):
+        assert_bits_equal(b, w, f"{layout}: per-layer gathers")
+    # other buffers, one of them misaligned by an element: their own table, right bytes
+    raw = torch.empty(spec.chunk_nbytes(16) // spec.element_size + 1, dtype=spec.dtype)
+    odd = [raw[1:].view(spec.chunk_shape(16)), *(torch.empty_like(w) for w in want[1:])]
+    before = backend.uploads
+    for layer in range(4):
+        tr.gather(plan, odd, layers=[layer])
+    assert backend.uploads - before == 1
+    assert backend.launches[-1][0].endswith(f"_v{spec.element_size}"), backend.launches[-1]
+    for b, w in zip(odd, want, strict=True):
+        assert_bits_equal(b, w, f"{layout}: per-layer gathers into misaligned buffers")
+    # and back: per-layer scatters into an empty cache
+    zeros = make_caches(layout, layers=4, blocks=16, block_size=4, zeros=True)
+    back_backend = CountingBackend(emu_lib, caches=list(zeros))
+    back = ct.CudaTransfer(spec, zeros, backend=back_backend, scatter_mode="direct")
+    p2 = back.plan(slots, ranges)
+    before = back_backend.uploads
+    for layer in range(4):
+        back.scatter(p2, bufs, layers=[layer])
+    assert back_backend.uploads - before == 1
+    assert_bits_equal(token_kv(spec, zeros, slots), token_kv(spec, caches, slots),
+                      f"{layout}: per-layer scatters")
+    staged = ct.CudaTransfer(spec, caches, backend=backend, gather_mode="staged")
+    sp = staged.plan(slots, ranges)
+    before = backend.uploads
+    for layer in range(4):
+        staged.gather(sp, bufs, layers=[layer])
+    assert backend.uploads - before == 4, "staging is per call: so is its table"
+
+
 def test_helpers():
     assert ct.vector_bytes(0) == 16 and ct.vector_bytes(1024 | 8) == 8
     assert ct.vector_bytes(6) == 2 and ct.vector_bytes(3) == 1

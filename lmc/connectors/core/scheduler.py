@@ -525,9 +525,13 @@ class SchedulerConnector:
 
     @property
     def num_tracked_requests(self) -> int:
-        return (len(self._hits) + len(self._pending) + len(self._held)
-                + len(self._prefetching) + len(self._redone) + len(self._hints)
-                + len(self._chosen))
+        """Requests this side holds any state for (each counted once, whatever it holds): 0
+        once every request has finished or been forgotten, else a leak."""
+        held: set[str] = set()
+        for d in (self._hits, self._ends, self._held, self._pending, self._prefetching,
+                  self._redone, self._hints, self._chosen):
+            held.update(d)
+        return len(held | self._remote)
 
     def policy_stats(self) -> dict[str, float]:
         """The load policy's counters (``policy.*``), empty without a policy."""

@@ -271,6 +271,10 @@ class WorkerConnector:
         self._async_failed: set[str] = set()  # finished with positions left to recompute
         self._closing = threading.Event()
         self.engine = engine
+        self.watch_loads = engine.config.load_policy == "auto"
+        """Whether a lower tier's load stops itself once recomputing would be faster
+        (:meth:`_watch`); off under ``load_policy: load_all``, and where a caller forces
+        the split itself (a benchmark's "load all" and sweep rows)."""
         self.kv_caches = kv_caches
         self.block_size = block_size
         self.layerwise = layerwise
@@ -337,10 +341,11 @@ class WorkerConnector:
         """The stop rule of a load of a ``total``-token prompt (:mod:`lmc.storage.load_watch`):
         recomputing from a position costs the engine's compute from there to the end (the
         step already running computes past the hit either way, then is discarded for the
-        request, so that step cancels out); ``None`` under ``load_policy: load_all``. While
+        request, so that step cancels out); ``None`` under ``load_policy: load_all`` (or with
+        :attr:`watch_loads` off). While
         nothing says how fast the engine computes, recomputing costs "infinitely much": the
         load goes on."""
-        if self.engine.config.load_policy != "auto":  # load_all: every load finishes
+        if not self.watch_loads:  # load_all: every load finishes
             return None
         speeds = getattr(self.engine, "speeds", None)
         if speeds is None:

@@ -25,6 +25,7 @@ from lmc.reference import LLM
 from lmc.storage.backends.disk.backend import DiskBackend
 from lmc.storage.wrappers import RateLimitTier
 from tests.connectors.reference.helpers import BLOCK, assert_same, plain_llm, prompt, run
+from tests.deadlines import HANG_S
 
 P = prompt(37, 150)
 CS = 32  # a chunk of the tiny model: 32 tokens x 4 layers, 32 KiB a layer
@@ -58,13 +59,14 @@ def store_on_disk(tiny_dir: Path, path: Path) -> None:
 
 def fresh_engine(tiny_dir: Path, path: Path, link, priors=None
                  ) -> tuple[LLM, LMCReferenceConnector]:
-    """Engine B: a new process's view -- empty L1, the disk behind ``link``."""
+    """Engine B: a new process's view -- empty L1, the disk behind ``link``; its lookups hear
+    the disk however loaded the host (the load is the subject, not the lookup's deadline)."""
 
     def tier(config, pool):
         return link(config, pool, DiskBackend(config=config, pool=pool, path=str(path),
                                               size="64MiB"))
 
-    cfg = {"chunk_size": CS, "local_cpu_size": "32MiB"}
+    cfg: dict = {"chunk_size": CS, "local_cpu_size": "32MiB", "lookup_min_wait": HANG_S}
     if priors:
         cfg["load_policy_priors"] = priors
     conn = LMCReferenceConnector(cfg, model_dir=tiny_dir, tiers=[tier])

@@ -71,9 +71,12 @@ def store_on_disk(tiny_dir: Path, path: Path, chunk_size: int) -> None:
     llm.close()
 
 
-def fresh_engine(tiny_dir: Path, path: Path, chunk_size: int, link, priors=None
+def fresh_engine(tiny_dir: Path, path: Path, chunk_size: int, link, priors=None,
+                 lookup_min_wait: float | None = HANG_S
                  ) -> tuple[LLM, LMCReferenceConnector]:
-    """Engine B: a new process's view -- empty L1, the disk behind ``link``."""
+    """Engine B: a new process's view -- empty L1, the disk behind ``link``. Its lookups
+    hear the disk however loaded the host (``lookup_min_wait``; ``None``: the default
+    20 ms, for a test of that deadline): the load is the subject."""
     made = []
 
     def tier(config, pool):
@@ -81,7 +84,9 @@ def fresh_engine(tiny_dir: Path, path: Path, chunk_size: int, link, priors=None
         made.append(link(config, pool, disk))
         return made[-1]
 
-    cfg = {"chunk_size": chunk_size, "local_cpu_size": "32MiB"}
+    cfg: dict = {"chunk_size": chunk_size, "local_cpu_size": "32MiB"}
+    if lookup_min_wait is not None:
+        cfg["lookup_min_wait"] = lookup_min_wait
     if priors:
         cfg["load_policy_priors"] = priors
     conn = LMCReferenceConnector(cfg, model_dir=tiny_dir, tiers=[tier])

@@ -16,6 +16,7 @@ from lmc.reference import LLM, make_tiny_checkpoint
 from lmc.token_database import key_hex
 from lmc.transfer.kv_groups import FULL, SLIDING
 from tests.connectors.reference.helpers import BLOCK, assert_same, prompt, run, stat
+from tests.deadlines import HANG_S
 from tests.late_transfer import (
     copies,  # noqa: F401 - the fixture below
 )
@@ -41,8 +42,9 @@ def hybrid_llm(model_dir: Path, disk: Path | None = None, budget: int = 2048, **
                ) -> tuple[LLM, LMCReferenceConnector]:
     config = {"chunk_size": CS, "local_cpu_size": "32MiB", "hybrid_checkpoint_interval": 64,
               **cfg}
-    if disk is not None:
-        config |= {"local_disk": str(disk), "local_disk_size": "256MiB"}
+    if disk is not None:  # always heard, however loaded the host (the deadline: elsewhere)
+        config |= {"local_disk": str(disk), "local_disk_size": "256MiB",
+                   "lookup_min_wait": HANG_S}
     conn = LMCReferenceConnector(config, model_dir=model_dir)
     llm = LLM(model_dir, kv_connector=conn, num_blocks=128, block_size=BLOCK,
               max_num_batched_tokens=budget)

@@ -19,6 +19,7 @@ import torch
 
 from lmc.reference import LLM, make_tiny_checkpoint
 from tests.connectors.reference.helpers import ATOL, RTOL, prompt, run, stat
+from tests.deadlines import HANG_S
 
 P = prompt(3, 150)
 
@@ -44,8 +45,11 @@ def fine_tuned_copy(src: Path, where: Path) -> Path:
 
 
 def lmc_engine(model: Path, disk: Path) -> LLM:
+    # a hit is loaded whole and the disk always heard: which chunks an identity finds is
+    # the subject, not whether a loaded host reads them faster than a tiny model computes
+    # (the load watch) or answers the lookup within 20 ms (its deadline)
     cfg = {"chunk_size": 32, "local_cpu_size": "32MiB", "local_disk": str(disk),
-           "local_disk_size": "64MiB"}
+           "local_disk_size": "64MiB", "load_policy": "load_all", "lookup_min_wait": HANG_S}
     return LLM(model, lmc_config=cfg, num_blocks=128, block_size=16)
 
 

@@ -11,14 +11,17 @@ from lmc.connectors.reference import LMCReferenceConnector
 from lmc.reference import LLM
 from lmc.storage.lookup import LookupResult
 from tests.connectors.reference.helpers import BLOCK, assert_same, plain_llm, prompt, run, stat
+from tests.deadlines import HANG_S
 
 P = prompt(7, 150)  # chunks of 32: 0-1 stay in L1, 2-4 only on disk
 
 
 def test_a_load_split_over_tiers_is_counted_from_the_single_lookup(tiny_dir: Path,
                                                                    tmp_path: Path) -> None:
+    # the disk always heard (a loaded host may make its answer late, a miss: that deadline
+    # is tests/connectors/reference/test_slow_tier_lookup_e2e.py's subject)
     cfg = {"chunk_size": 32, "local_cpu_size": "32MiB", "local_disk": str(tmp_path / "disk"),
-           "local_disk_size": "64MiB"}
+           "local_disk_size": "64MiB", "lookup_min_wait": HANG_S}
     conn = LMCReferenceConnector(cfg, model_dir=tiny_dir)
     llm = LLM(tiny_dir, num_blocks=128, block_size=BLOCK, kv_connector=conn)
     want = run(llm, [P])                                  # cold: stored in L1 and on disk
@@ -29,7 +32,7 @@ def test_a_load_split_over_tiers_is_counted_from_the_single_lookup(tiny_dir: Pat
 
     answers: list[LookupResult] = []
     passes: list[int] = []
-    real_lookup, real_sources = conn.scheduler._lookup, engine.storage.prefix_sources
+    real_lookup, real_sources = conn.scheduler._lookup, engine.storage.sources
     sources_at_alloc: list[dict[str, int]] = []
     real_alloc = conn.update_state_after_alloc
 
@@ -37,7 +40,7 @@ def test_a_load_split_over_tiers_is_counted_from_the_single_lookup(tiny_dir: Pat
         answers.append(real_lookup(tokens))
         return answers[-1]
 
-    def prefix_sources(keys):
+    def sources(keys):  # the pass over the tiers, whichever lookup method asks for it
         passes.append(len(keys))
         return real_sources(keys)
 
@@ -49,7 +52,7 @@ def test_a_load_split_over_tiers_is_counted_from_the_single_lookup(tiny_dir: Pat
         raise AssertionError("the connector asked engine.lookup(): a second, untyped path")
 
     conn.scheduler._lookup = lookup
-    engine.storage.prefix_sources = prefix_sources
+    engine.storage.sources = sources
     conn.update_state_after_alloc = alloc
     engine.lookup = no_int_lookup
     got = run(llm, [P])

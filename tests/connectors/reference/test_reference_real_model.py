@@ -15,6 +15,7 @@ import torch
 
 from lmc.models.texts import bundled_text
 from lmc.reference import LLM, RequestOutput
+from tests.deadlines import HANG_S
 from tests.real_model import real_model_dir
 
 ENGINE = {"max_model_len": 2048, "num_blocks": 160, "block_size": 16}
@@ -48,7 +49,8 @@ def answer(llm: LLM, conversation: list[dict[str, str]]) -> RequestOutput:
 
 def lmc_config(disk: Path) -> dict[str, Any]:
     return {"chunk_size": 256, "local_cpu_size": "128MiB", "local_disk": str(disk),
-            "local_disk_size": "256MiB", "load_policy": "load_all"}
+            "local_disk_size": "256MiB", "load_policy": "load_all",
+            "lookup_min_wait": HANG_S}  # the disk always heard, however loaded the host
 
 
 def assert_same(got: RequestOutput, want: RequestOutput) -> None:

@@ -97,7 +97,8 @@ def test_a_tier_stuck_at_lookup_is_a_miss(tiny_dir: Path, tmp_path: Path, want) 
     engine computes the prompt."""
     store_on_disk(tiny_dir, tmp_path / "d")
     llm, conn = fresh_engine(tiny_dir, tmp_path / "d", 32, lambda c, p, inner: BlockedLink(
-        config=c, pool=p, inner=inner, stuck_from_start=True))
+        config=c, pool=p, inner=inner, stuck_from_start=True),
+        lookup_min_wait=None)  # the deadline under test: the default
     link = conn.cache.storage.lower[0]
     try:
         got = finishes_while_blocked(llm, [P])
@@ -127,7 +128,8 @@ def test_recompute_by_choice_does_not_wait_for_the_prefetch(tiny_dir: Path, tmp_
         tiny_dir, tmp_path / "d", 32, lambda c, p, inner: BlockedLink(
             config=c, pool=p, inner=inner, stuck_from_start=False),
         # the disk at 1 KiB/s, the engine at a million tokens/s: recomputing always wins
-        priors={"local_storage": 1024, "prefill": 1_000_000})
+        priors={"local_storage": 1024, "prefill": 1_000_000},
+        lookup_min_wait=None)  # the deadline under test: the default
     link = conn.cache.storage.lower[0]
     try:
         got = finishes_while_blocked(llm, [P])

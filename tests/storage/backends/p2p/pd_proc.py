@@ -16,6 +16,7 @@ import os
 import sys
 
 from lmc.reference import LLM
+from tests.deadlines import HANG_S
 from tests.reference.prompts import random_prompt
 
 MAX_TOKENS = 8
@@ -27,8 +28,14 @@ def _answer(obj: dict) -> None:
 
 def main(role: str, url: str, ckpt: str, n: int) -> None:
     prompt = random_prompt(7, n)
+    # the pull is the subject, not whether pulling beats recomputing: the tiny model
+    # recomputes 300 tokens faster than a loaded host's first NIXL read lands, so the auto
+    # policy's load watch may stop the read (tests/connectors/reference/
+    # test_load_policy_e2e.py tests that choice); and the P2P tier's lookup (a directory
+    # round trip) must count however late a loaded host schedules it
     cfg = {"chunk_size": 64, "local_cpu_size": "64MiB", "pin_memory": "false",
-           "remote_url": url, "remote_timeout": 5.0}
+           "remote_url": url, "remote_timeout": 5.0, "load_policy": "load_all",
+           "lookup_min_wait": HANG_S}
     if role == "decode":
         with LLM(ckpt, num_blocks=64) as ref:
             want = ref.generate([prompt], max_tokens=MAX_TOKENS, ignore_eos=True)[0]
