@@ -279,13 +279,16 @@ class Prefaulter:
                 break
 
     def _work(self, start: int, n: int, fallback_touch: bool) -> bool:
-        """Do one claimed step ``[start, start + n)``; False when it could not be done."""
+        """Do one claimed step ``[start, start + n)``; False when it could not be done.
+        ``fallback_touch`` (``run()`` before anything is handed out): a step the kernel
+        would not populate now (ENOMEM) is zeroed instead, so "now" means every page."""
         if self.method == "populate":
             if populate(self.addr + start, n):
                 return True
-            if _populate_ok is not False:
+            if _populate_ok is False:
+                self.method = "zero"  # the kernel cannot populate: zeroing is as safe (ensure)
+            elif not fallback_touch:
                 return False  # ENOMEM/EFAULT: this step is left to the copies
-            self.method = "zero"  # the kernel cannot populate: zeroing is as safe (ensure)
         _c().memset(self.addr + start, 0, n)
         return True
 

@@ -81,9 +81,10 @@ class Collector:
 
     def events(self, wait: float = 1.0, after: int = 0) -> list[wire.Event]:
         """Events of the batches arriving until a heartbeat numbered ``after`` or later
-        (or ``wait`` seconds of silence)."""
+        (or ``wait`` seconds of silence; ``HANG_S`` in all, should batches never stop)."""
         out, self._pending = self._pending, []
-        while self.sock.poll(int(wait * 1000)):
+        end = time.monotonic() + HANG_S
+        while time.monotonic() < end and self.sock.poll(int(wait * 1000)):
             n, evs = self._take()
             out += evs
             if not evs and n >= after:  # a heartbeat sent after what we wait for

@@ -39,11 +39,12 @@ def test_lmc_quality_judges_blending_and_the_connector_obeys(
         caplog: pytest.LogCaptureFixture) -> None:
     """Ratio 0 (no token recomputed) fails on the text's perplexity (measured +7.5% against
     a +1% bound), ratio 1 equals full prefill; the gate then blends only where asked for a
-    ratio a passing verdict covers."""
+    ratio a passing verdict covers. The answers get the default 20 tokens, the length the
+    bundled set's promise is made at: 12 cut both first answers before their fact ("...by the
+    astronomer Edith C", "...was built in 191"), so none counted as correct."""
     verdicts = tmp_path / "v"
     rc = main(["quality", "--model", str(model), "--feature", "blend", "--settings", "0,1",
-               "--questions", "2", "--answer-tokens", "12", "--verdicts", str(verdicts),
-               "--threads", "1"])
+               "--questions", "2", "--verdicts", str(verdicts), "--threads", "1"])
     out = capsys.readouterr().out
     assert rc == 1 and "verdict: blend FAIL (passed only at 1)" in out, out
     zero = json.loads((verdicts / "blend@0@float32.json").read_text())

@@ -16,6 +16,7 @@ from typing import Any
 from lmc.config import CacheConfig
 from lmc.memory.pool import MemoryPool
 from lmc.storage.backends.server.client import Address, ClientConnection
+from tests.deadlines import HANG_S
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -133,8 +134,9 @@ class DaemonProc:
     def connect(self, token: str | None = None, timeout: float = 5.0) -> ClientConnection:
         return ClientConnection(Address.parse(self.url), token, timeout, "test")
 
-    def stats(self, token: str | None = None) -> dict[str, Any]:
-        c = self.connect(token)
+    def stats(self, token: str | None = None, timeout: float = HANG_S) -> dict[str, Any]:
+        """The daemon's STATS: a success path, so only a hang reaches ``timeout``."""
+        c = self.connect(token, timeout)
         try:
             return c.stats()
         finally:

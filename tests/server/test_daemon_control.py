@@ -33,7 +33,7 @@ def _keys(tag: int, n: int) -> list[bytes]:
 
 
 def _authed(d: DaemonProc, secret: str | None) -> W.RawClient:
-    c = W.RawClient(d.port)
+    c = W.RawClient(d.port, timeout=HANG_S)
     status, meta, _ = c.call(W.hello(secret))
     assert status == P.OK, meta
     return c
@@ -194,7 +194,7 @@ def test_pins_outlive_eviction_pressure_until_their_ttl_and_not_after():
     releases them and a flood evicts them."""
     now = [0.0]
     with _daemon_with_clock(now, size="4MiB", max_pin_ttl="30s") as d:
-        c = W.RawClient(d.config.port)
+        c = W.RawClient(d.config.port, timeout=HANG_S)
         status, meta, _ = c.call(W.hello(None))
         assert status == P.OK, meta
         pinned = _keys(6, 4)
@@ -222,7 +222,7 @@ def test_pins_outlive_eviction_pressure_until_their_ttl_and_not_after():
 def test_pins_are_never_evicted_for_the_namespace_quota():
     now = [0.0]  # the pins' clock stays put: they hold for the whole test, however slow
     with _daemon_with_clock(now, size="16MiB", quota_default="2MiB") as d:
-        c = W.RawClient(d.config.port)
+        c = W.RawClient(d.config.port, timeout=HANG_S)
         status, meta, _ = c.call(W.hello(None))
         assert status == P.OK, meta
         pinned = _keys(7, 3)

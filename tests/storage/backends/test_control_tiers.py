@@ -28,7 +28,7 @@ from tests.kvutil import make_caches, random_tokens, spec_for
 from tests.server.daemon_proc import DaemonProc
 
 from .conftest import RedisServer, require_redis
-from .mooncake.mooncake_cluster import MooncakeMaster, Peer, require_mooncake
+from .mooncake.mooncake_cluster import MooncakeMaster, Peer, require_mooncake, wait_client_closes
 
 pytestmark = pytest.mark.integration
 CHUNK, BLOCK = 64, 16
@@ -50,15 +50,20 @@ def shared(request, tmp_path_factory):
         import lmc.storage.backends.mooncake  # noqa: F401  (registers mooncake://)
         master = MooncakeMaster(tmp, client_ttl=60).start()
         holder = None
+        closing: list[str] = []
         try:
             holder = Peer("holder", master, segment=64 << 20)
             yield "mooncake", lambda: {"remote_url": master.url,
                                        "remote_key_prefix": f"k{uuid.uuid4().hex[:10]}",
                                        "remote_options": {"segment": 0}}
         finally:
+            # the engines' clients close on threads of their own, talking to the master
+            # with the GIL held: the master outlives them, or the whole run stalls
+            closing = wait_client_closes(HANG_S)
             if holder is not None:
                 holder.stop()
             master.stop()
+        assert not closing, f"Mooncake clients still closing after {HANG_S:.0f} s"
     else:
         d = DaemonProc(tmp / "d", ["--size", "64MiB"]).start()
         try:

@@ -121,6 +121,20 @@ class MooncakeMaster(ServerProcess):
         return self
 
 
+def wait_client_closes(timeout: float) -> list[str]:
+    """Wait (at most ``timeout`` s) for this process's Mooncake clients to finish closing;
+    the threads still closing. Call before stopping the master: a client's close talks to
+    it, holding the GIL (lmc.storage.backends.mooncake.client), so a close that meets a
+    dead master stalls the whole test process."""
+    import threading
+    end = time.monotonic() + timeout
+    for t in threading.enumerate():
+        if t.name == "lmc-mooncake-close":
+            t.join(max(0.0, end - time.monotonic()))
+    return [t.name for t in threading.enumerate()
+            if t.name == "lmc-mooncake-close" and t.is_alive()]
+
+
 class Peer:
     """Another process of the cluster (see the module docstring), one command at a time."""
 
@@ -132,7 +146,11 @@ class Peer:
              master.address, json.dumps(settings)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
             env=env, cwd=ROOT, text=True, bufsize=1)
-        ready = self._reply(START_TIMEOUT)
+        try:
+            ready = self._reply(START_TIMEOUT)
+        except BaseException:  # silent or dead: never left running behind the test
+            self.kill()
+            raise
         if not ready.get("ready"):
             self.kill()
             raise RuntimeError(f"mooncake {role} peer did not start: {ready}")
