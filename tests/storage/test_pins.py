@@ -278,7 +278,7 @@ def test_a_pinned_lookup_never_promises_a_chunk_evicted_before_it_was_pinned(mon
     with eng:
         toks = random_tokens(64, 30)
         eng.store(toks, src, _slots(64))
-        count = eng.storage.prefix_sources
+        count = eng.storage.prefix_lookup
         counted = []
 
         def count_then_evict(keys):
@@ -288,7 +288,7 @@ def test_a_pinned_lookup_never_promises_a_chunk_evicted_before_it_was_pinned(mon
             counted.append(len(keys))
             return n
 
-        monkeypatch.setattr(eng.storage, "prefix_sources", count_then_evict)
+        monkeypatch.setattr(eng.storage, "prefix_lookup", count_then_evict)
         assert eng.lookup(toks, pin=True) == 64
         monkeypatch.undo()
         assert counted, "the lookup did not count through the patched step"
