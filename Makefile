@@ -1,5 +1,7 @@
 # The README's two commands are `make demo` and `make test`; both install what they need.
 PY ?= python3
+# pytest-xdist workers for `make test` (whole files per worker; 1 runs the suite in one process)
+TEST_WORKERS ?= 2
 
 .PHONY: install demo test bench lint gpu-check
 
@@ -14,7 +16,7 @@ demo: install
 	$(PY) -m lmc.cli demo
 
 test: install
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 bench: install
 	$(PY) benchmarks/bench_core.py
