@@ -389,7 +389,7 @@ def test_replay_example_is_sized_to_finish_in_about_a_minute(tmp_path):
 
 
 def test_readme_says_what_make_test_skips_and_the_folder_name_trap():
-    assert "50 minutes on a busy 2-core" in README
+    assert "45 minutes on a busy 2-core" in README
     for what in ("vLLM", "SGLang", "NIXL", "redis-server", "CI=true"):
         assert what in README.split("**What `make test` runs.**", 1)[1].split("\n\n", 1)[0]
     note = README.split("**The folder name.**", 1)[1].split("\n\n", 1)[0]

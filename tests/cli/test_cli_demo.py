@@ -23,6 +23,7 @@ from lmc.demo import Headline, PassResult, Workload, default_threads, resolve_mo
 from lmc.demo import passes as demo_passes
 from lmc.demo.report import computed_causes
 from lmc.reference import make_tiny_checkpoint
+from tests.deadlines import HANG_S
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = Workload(system_tokens=300, sessions=1, rounds=2, turn_tokens=20, doc_tokens=300,
@@ -144,7 +145,10 @@ def test_every_lmc_pass_says_why_its_tokens_were_computed(tiny_dir, tmp_path):
     what the disk holds (then named as such, never left unexplained)."""
     torch.set_num_threads(1)
     cfg = tmp_path / "slow-disk.yaml"
+    # lookups wait for the disk's answer (lookup_min_wait): a loaded machine's slow answer
+    # would otherwise be named "tier too slow to answer", a cause this test is not about
     cfg.write_text("chunk_size: 256\nlocal_cpu_size: 256MiB\nsave_unfull_chunk: true\n"
+                   f"lookup_min_wait: {HANG_S}\n"
                    "write_policy: write_through\ntiers:\n  - memory\n"
                    f"  - {{wrap: rate_limit, bytes_per_second: 2MiB, tier: {{backend: disk, "
                    f"path: '{tmp_path / 'disk'}', capacity: 512MiB}}}}\n")
