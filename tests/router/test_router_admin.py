@@ -30,9 +30,12 @@ def pair(tmp_path_factory):
     work = tmp_path_factory.mktemp("admin-fleet")
     ckpt = make_tiny_checkpoint(work / "tiny", hidden=64, layers=2, vocab=512,
                                 max_position_embeddings=2048)
-    # a 2 MiB pool holds ~40 chunks of 64 tokens; the disk keeps what memory evicts
-    with instances(ckpt, work, 2, pool="2MiB",
-                   extra=f"local_disk: {work}/disk-{{name}}\nlocal_disk_size: 64MiB\n") as insts:
+    # a 2 MiB pool holds ~40 chunks of 64 tokens; the disk keeps what memory evicts. Lookups
+    # wait for the disk's answer and hits load whole: what a prompt's hit is then depends on
+    # what the tiers hold, not on how a loaded host schedules the disk's answers and reads
+    extra = (f"local_disk: {work}/disk-{{name}}\nlocal_disk_size: 64MiB\n"
+             f"lookup_min_wait: {HANG_S}\nload_policy: load_all\n")
+    with instances(ckpt, work, 2, pool="2MiB", extra=extra) as insts:
         yield insts
 
 
@@ -59,6 +62,9 @@ def test_admin_ops_fan_out_and_pins_go_where_the_prompt_goes(pair):
         synced(r)
         prompt = [t % 512 for t in random_tokens(256, seed=901)]
         complete(r, prompt)
+        # the pin goes where the router's index says the prompt is: once its events are in
+        holder = max(pair, key=lambda i: stats(i.url).get("cache.cpu.chunks", 0)).url
+        wait_indexed(r, holder, prompt)
         status, out = admin(r.url, "pin", {"prompt": prompt, "ttl": 30})
         assert status == 200 and len(out["instances"]) == 1, out
         (url, ans), = out["instances"].items()
