@@ -41,6 +41,7 @@ from tests.core.model_kv import (
     slots_for,
     tempdir,
 )
+from tests.deadlines import HANG_S
 
 Prefix = tuple[int, ...]
 
@@ -143,6 +144,9 @@ class EngineMachine(RuleBasedStateMachine):
         mask = mask_for(n, masked)
         slots = slots_for(n, *slot_args)
         self.cache.write(tokens, slots)
+        # a load that stopped itself left pieces in flight that put their chunks in L1 when
+        # they land: let them land first, or they would count as this store's
+        assert self.eng.wait_reads(HANG_S), "a stopped load's pieces never landed"
         before = self._present(tokens)
         stats0 = self._stats()
         l1_exc0 = excuses(stats0, False)
