@@ -39,6 +39,11 @@ def pair(tmp_path_factory):
         yield insts
 
 
+def memory_holder(pair) -> str:
+    """The instance holding the most chunks in memory: where the last prompt was computed."""
+    return max(pair, key=lambda i: stats(i.url).get("cache.cpu.chunks", 0)).url
+
+
 def stats(url: str) -> dict[str, Any]:
     with urllib.request.urlopen(url + "/lmc/stats", timeout=60) as r:
         return json.loads(r.read())
@@ -63,7 +68,7 @@ def test_admin_ops_fan_out_and_pins_go_where_the_prompt_goes(pair):
         prompt = [t % 512 for t in random_tokens(256, seed=901)]
         complete(r, prompt)
         # the pin goes where the router's index says the prompt is: once its events are in
-        holder = max(pair, key=lambda i: stats(i.url).get("cache.cpu.chunks", 0)).url
+        holder = memory_holder(pair)
         wait_indexed(r, holder, prompt)
         status, out = admin(r.url, "pin", {"prompt": prompt, "ttl": 30})
         assert status == 200 and len(out["instances"]) == 1, out
@@ -106,7 +111,7 @@ def test_a_prompt_held_only_on_disk_is_prefetched_where_it_is_routed(pair):
         admin(r.url, "clear", {})
         prompt = [t % 512 for t in random_tokens(512, seed=902)]
         complete(r, prompt)
-        holder = max(pair, key=lambda i: stats(i.url).get("cache.cpu.chunks", 0)).url
+        holder = memory_holder(pair)
         wait_indexed(r, holder, prompt)
         before = stats(holder)["cache.prefetches"]
         for seed in range(6):  # straight to the holder: 6 x 12 chunks push it out of memory
