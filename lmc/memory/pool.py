@@ -366,12 +366,18 @@ class MemoryPool:
                 size, align, hugepages, registrar, pin_step, prefault)
         else:
             check_fits(size, prefault != "off")
+            # a mapping of its own, not the allocator's heap: untouched until a prefault or a
+            # store writes it (a heap block can come back resident from an earlier owner),
+            # 2 MiB-aligned for huge pages, returned to the host when the pool goes
             try:
-                raw = torch.empty(size + align, dtype=torch.uint8)
-            except RuntimeError as e:  # the allocator's own refusal: a line, not 24
+                if HUGE % align == 0:
+                    raw, pages = host_alloc(size, huge=hugepages)
+                    huge = pages != "4k"
+                else:
+                    raw = torch.empty(size + align, dtype=torch.uint8)
+                    huge = hugepages and advise_hugepages(raw)
+            except (RuntimeError, OSError) as e:  # the host's refusal: a line, not 24
                 raise PoolTooLarge(_too_large(size, "the allocator refused it")) from e
-            # 2 MiB pages: fewer faults and TLB misses on chunk copies
-            huge = hugepages and advise_hugepages(raw)
             skew = (-raw.data_ptr()) % align  # start on an aligned address (O_DIRECT-ready)
             self.buffer = raw[skew: skew + size]
             if prefault != "off":
