@@ -56,16 +56,28 @@ static int row_finite(const float *x, long w) {
 static inline float min_(float a, float b) { return a < b ? a : b; }
 
 /* fp16 <-> fp32 by bits (x86 without -mf16c would call a library routine per value).
- * Widening is exact; narrowing rounds half to even, as a cast does. */
+ * Widening is exact and by integer steps alone: a float trick would pass a subnormal half
+ * through a denormal float, which a thread flushing denormals (torch.set_flush_denormal)
+ * reads as zero. Narrowing rounds half to even, as a cast does. */
 static inline float h2f(uint16_t h) {
-    uint32_t em = (uint32_t)(h & 0x7fffu), bits = em << 13;
+    uint32_t sign = (uint32_t)(h & 0x8000u) << 16, e = (h >> 10) & 0x1fu, m = h & 0x3ffu;
+    uint32_t bits;
     float f;
-    memcpy(&f, &bits, 4);
-    f *= 0x1p112f; /* rebias 15 -> 127: exact, subnormals included */
-    memcpy(&bits, &f, 4);
-    if (em >= 0x7c00u)
-        bits = (em << 13) | 0x7f800000u;
-    bits |= (uint32_t)(h & 0x8000u) << 16;
+    if (e == 0x1fu) {
+        bits = sign | 0x7f800000u | (m << 13); /* inf, NaN (its payload) */
+    } else if (e == 0 && m == 0) {
+        bits = sign;
+    } else {
+        if (e == 0) { /* subnormal: m * 2^-24, normalised into 1.f * 2^x */
+            e = 1;
+            while (!(m & 0x400u)) {
+                m <<= 1;
+                e--; /* wraps below 0: e + 112 stays right */
+            }
+            m &= 0x3ffu;
+        }
+        bits = sign | ((e + 112u) << 23) | (m << 13);
+    }
     memcpy(&f, &bits, 4);
     return f;
 }

@@ -39,12 +39,19 @@ __host__ __device__ __forceinline__ bool lmc_finite(float f) {
     return (lmc_f_bits(f) & 0x7f800000u) != 0x7f800000u;
 }
 
+// by integer steps alone: a float trick (h's bits times 2^112) passes a subnormal half
+// through a denormal float, which a device that flushes denormals (FTZ/DAZ) reads as zero
 __host__ __device__ __forceinline__ float lmc_h2f(lmc_u16 h) {
-    lmc_u32 em = h & 0x7fffu;
-    float f = lmc_bits_f(em << 13) * 5.192296858534828e33f;  // 2^112: rebias, exact
-    lmc_u32 bits = lmc_f_bits(f);
-    if (em >= 0x7c00u) bits = (em << 13) | 0x7f800000u;
-    return lmc_bits_f(bits | ((lmc_u32)(h & 0x8000u) << 16));
+    lmc_u32 sign = (lmc_u32)(h & 0x8000u) << 16;
+    lmc_u32 e = (h >> 10) & 0x1fu, m = h & 0x3ffu;
+    if (e == 0x1fu) return lmc_bits_f(sign | 0x7f800000u | (m << 13));  // inf, NaN (payload)
+    if (e == 0) {
+        if (m == 0) return lmc_bits_f(sign);
+        e = 1;  // subnormal: m * 2^-24, normalised into a float's 1.f * 2^x
+        while (!(m & 0x400u)) { m <<= 1; e--; }  // e may wrap below 0: 112 + e stays right
+        m &= 0x3ffu;
+    }
+    return lmc_bits_f(sign | ((e + 112u) << 23) | (m << 13));
 }
 
 __host__ __device__ __forceinline__ lmc_u16 lmc_f2h(float f) {

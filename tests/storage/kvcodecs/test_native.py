@@ -81,3 +81,29 @@ def test_every_finite_fp16_value_codes_as_torch_does(monkeypatch, codec):
 
     fast, slow = both(monkeypatch, enc)
     assert torch.equal(fast, slow)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("codec", ["fp8-e4m3", "int8", "int4-kivi"])
+def test_a_thread_flushing_denormals_codes_the_same_bytes(codec, dtype):
+    """``torch.set_flush_denormal(True)`` (a user's choice for speed) makes this thread read
+    denormal floats as zero: the kernels' fp16 widening must not pass through one (it did:
+    subnormal fp16 values and scales came out as zero)."""
+    c = parse_stage(codec, head_size=64).codec
+    x = kv_like((2, 2, 16, 128), dtype, seed=5)
+    x.view(-1)[::7] = torch.tensor(2.0 ** -20).to(dtype)  # fp16 subnormals
+    x[1] = (x[1].float() * 2.0 ** -18).to(dtype)  # a layer of tiny values: subnormal scales
+    n = c.encoded_bytes(tuple(x.shape))
+    want, got = torch.zeros(n, dtype=torch.uint8), torch.zeros(n, dtype=torch.uint8)
+    c.encode(x, want)
+    back_want, back_got = torch.empty_like(x), torch.empty_like(x)
+    c.decode(want, back_want)
+    if not torch.set_flush_denormal(True):
+        pytest.skip("this processor cannot flush denormals")
+    try:
+        c.encode(x, got)
+        c.decode(want, back_got)
+    finally:
+        torch.set_flush_denormal(False)
+    assert torch.equal(got, want), f"{int((got != want).sum())} of {n} bytes differ"
+    assert torch.equal(back_got.view(torch.uint8), back_want.view(torch.uint8))
