@@ -140,7 +140,9 @@ class WriteOnEvict(TierListener):
     takes its own reference). A local tier that answers presence from its index (the disk)
     is asked first, and the victims it holds already (promoted copies) are not queued: they
     would take the queue's room (and their memory would stay held) only to be skipped by
-    the writer; a remote tier is never asked under L1's lock."""
+    the writer; the tier counts its copies as just written instead (``refresh``: left
+    demoted, they were its first victims the moment L1 let go of them, and the chunk was
+    lost from both). A remote tier is never asked under L1's lock."""
 
     observes_stores = False
 
@@ -162,6 +164,10 @@ class WriteOnEvict(TierListener):
                     if any(held):
                         q.offer([k for k, h in zip(keys, held) if not h],
                                 [o for o, h in zip(objs, held) if not h])
+                        try:  # the copy below stands for the write-back: no longer demoted
+                            q.tier.refresh([k for k, h in zip(keys, held) if h])
+                        except Exception as e:  # noqa: BLE001 - an eviction-order hint
+                            log.debug("tier %s: refresh failed: %s", q.tier.name, e)
                         continue
                 q.offer(keys, objs)
 

@@ -211,6 +211,12 @@ class StorageBackend(abc.ABC):
         their priority (L1 has just taken a copy of each and, under write-on-evict, writes it
         back when it evicts it: :meth:`lmc.storage.eviction.EvictionPolicy.demote`)."""
 
+    def refresh(self, keys: Sequence[Key]) -> None:  # noqa: B027 - optional hint
+        """Optional, for a tier that orders its own evictions: held ``keys`` count as just
+        written (L1 evicted its copy of each under write-on-evict and skipped the write this
+        tier would have taken, since it holds one: that copy stands for the write-back, so it
+        must not stay demoted to the first victim)."""
+
     def rank_arrivals(self, source: Callable[[Key], int | None] | None) -> None:  # noqa: B027
         """Optional, for a tier that keeps priorities: a key stored from now on takes
         ``source(key)`` as its priority as it arrives (``None``: 0, the default), so it is

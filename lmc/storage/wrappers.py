@@ -34,7 +34,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from lmc.settings import parse_bool, parse_duration, parse_opt_str, parse_positive_size
@@ -120,6 +120,16 @@ class WrapperTier(StorageBackend):
 
     def set_priority(self, keys: Sequence[Key], priority: int) -> int:
         return self.inner.set_priority(keys, priority)
+
+    # the eviction-order hints too: the base class's no-ops would end them here
+    def demote(self, keys: Sequence[Key]) -> None:
+        self.inner.demote(keys)
+
+    def refresh(self, keys: Sequence[Key]) -> None:
+        self.inner.refresh(keys)
+
+    def rank_arrivals(self, source: Callable[[Key], int | None] | None) -> None:
+        self.inner.rank_arrivals(source)
 
     def close(self) -> None:
         self.inner.close()

@@ -130,6 +130,35 @@ def test_write_on_evict_moves_evicted_chunks_down(tmp_path):
         assert eng.contains_chunks(_prompt(first)).all()  # promoted back into L1
 
 
+def test_a_promoted_chunk_evicted_again_is_the_disks_newest_not_its_first_victim(tmp_path):
+    """Write-on-evict: a disk hit promoted into L1 leaves its disk copy demoted (L1 will
+    write it back). When L1 evicts it again it skips that write (the disk holds it), so the
+    copy must count as just written: left first in line, the disk's next eviction took it
+    and the chunk was gone from both tiers (the agentic replay lost session chunks so)."""
+    eng, src, _ = _setup(tmp_path, local_cpu_size="128KiB", write_policy="write_on_evict")
+    disk = eng.storage.lower[0]
+    key = lambda i: eng.db.keys(_prompt(i))[0]  # noqa: E731
+    with eng:
+        for i in range(24):
+            eng.store(_prompt(i), src, _slots(i))
+            assert eng.flush(5)
+        assert disk.contains([key(0)]) == [True] and not eng.storage.l1_contains([key(0)])[0]
+        dst = make_caches("vllm_flash", blocks=64, block_size=4, zeros=True)
+        assert eng.retrieve(_prompt(0), dst, torch.arange(CHUNK)) == CHUNK  # promoted
+        order = disk.index.policy.keys_in_order()
+        assert order[0] == key(0)  # demoted: L1 holds it now
+        before = set(order)
+        for i in range(24, 48):  # L1 evicts p0 again
+            eng.store(_prompt(i), src, _slots(i))
+            assert eng.flush(5)
+        assert not eng.storage.l1_contains([key(0)])[0]
+        assert eng.stats().get("disk.put_skipped_present", 0) == 0  # never queued again
+        order = disk.index.policy.keys_in_order()
+        assert key(0) in order
+        older = [k for k in order[:order.index(key(0))] if k in before]
+        assert len(older) == len(before) - 1, "p0 kept its place before older disk chunks"
+
+
 def test_chunks_waiting_in_the_queue_are_served(tmp_path):
     """Write-on-evict with a slow disk: an evicted chunk still waiting to be written is found
     by lookup and retrieve (and goes back into L1), not lost in the gap."""

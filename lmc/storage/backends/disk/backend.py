@@ -810,6 +810,17 @@ class DiskBackend(StorageBackend):
         with self._lock:
             self.index.policy.demote(keys)
 
+    def refresh(self, keys: Sequence[Key]) -> None:
+        with self._lock:
+            policy = self.index.policy
+            held = [k for k in keys if k in policy.entries]
+            policy.touch_many(held)
+            if policy.arrival is not None:  # the rank L1 gave it since, as a write would
+                for k in held:
+                    p = policy.arrival(k)
+                    if p is not None and p != policy.priority_of(k):
+                        policy.set_priority((k,), p)
+
     # ------------------------------------------------------------------- misc
     @property
     def used_bytes(self) -> int:
