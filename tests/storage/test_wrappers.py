@@ -138,6 +138,30 @@ def test_listeners_see_the_wrapped_disks_evictions(tmp_path):
         sm.close()
 
 
+def test_the_eviction_order_hints_reach_the_wrapped_disk(tmp_path):
+    """``demote``, ``refresh`` and ``rank_arrivals`` are optional no-ops on the base class:
+    a wrapper must pass them on, or a codec-wrapped disk never hears them."""
+    pool = MemoryPool(1 << 20, pin_memory=False)
+    cfg = CacheConfig(local_cpu_size="1MiB", local_disk=str(tmp_path))
+    tier = create_backend("counting", cfg, pool, tier="disk")
+    try:
+        keys = [bytes([j]) * 16 for j in range(3)]
+        objs = pool.allocate_many(SHAPE, torch.bfloat16, 3, 16)
+        assert tier.put(keys, objs) == 3
+        for o in objs:
+            o.release()
+        policy = tier.inner.index.policy
+        tier.demote([keys[2]])
+        assert policy.keys_in_order()[0] == keys[2]
+        tier.refresh([keys[2]])
+        assert policy.keys_in_order()[-1] == keys[2]
+        tier.rank_arrivals(lambda k: 4)
+        assert policy.arrival is not None and policy.arrival(keys[0]) == 4
+    finally:
+        tier.close()
+        pool.close()
+
+
 @pytest.mark.parametrize("tiers, message", [
     (["memory", "counting"], r"tiers\[1\]: 'counting' is a wrapper tier: write \{wrap"),
     (["memory", {"wrap": "disk", "tier": "redis://127.0.0.1:9"}],
