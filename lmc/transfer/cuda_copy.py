@@ -594,11 +594,13 @@ def forward_slowdown(copy: Callable[[], object], copy_seconds: float, device: in
 
 
 def measure_paths(index: int, *, tokens: int = 2048, layers: int = 8, heads: int = 8,
-                  head_size: int = 128, iters: int = 5, interference: bool = True
+                  head_size: int = 128, iters: int = 5, interference: bool = True,
+                  gather_blocks: int | None = None
                   ) -> dict[tuple[str, str, str], PathTiming]:
     """Time every (direction, shape, mode) on device ``index`` over a scratch bf16 cache
     (vLLM's flash layout, shuffled whole blocks, 256-token chunks of one pinned buffer);
-    with ``interference``, also each path's slowdown of a concurrent forward."""
+    with ``interference``, also each path's slowdown of a concurrent forward.
+    ``gather_blocks``: the gathers' grid cap (:class:`CudaTransfer`)."""
     dev = torch.device("cuda", index)
     bs, chunk = 16, 256
     nb = 2 * tokens // bs + 8
@@ -616,7 +618,8 @@ def measure_paths(index: int, *, tokens: int = 2048, layers: int = 8, heads: int
                 for i in range(len(ranges))]
         out: dict[tuple[str, str, str], PathTiming] = {}
         for mode in MODES:
-            tr = CudaTransfer(spec, caches, gather_mode=mode, scatter_mode=mode)
+            tr = CudaTransfer(spec, caches, gather_mode=mode, scatter_mode=mode,
+                              gather_blocks=gather_blocks)
             plan = tr.plan(slots, ranges)
             for direction in DIRECTIONS:
                 run = tr.scatter if direction == "scatter" else tr.gather
@@ -662,14 +665,16 @@ class CudaTransfer(KVTransfer):
     ``gather_mode`` / ``scatter_mode``: how pinned host buffers are reached, "direct" or
     "staged" (default: ``LMC_CUDA_GATHER_MODE`` / ``LMC_CUDA_SCATTER_MODE``, else the module
     defaults). ``max_blocks``: grid cap, default 4 per SM; lower it to leave SMs to the model
-    while layer-wise copies overlap compute. ``backend``: the CUDA runtime shim (the tests pass
-    a host emulation).
+    while layer-wise copies overlap compute. ``gather_blocks``: the gathers' own cap (saves
+    run beside the forward that computed the KV; a load is what the forward waits for),
+    default ``LMC_CUDA_GATHER_BLOCKS`` else ``max_blocks``. ``backend``: the CUDA runtime
+    shim (the tests pass a host emulation).
     """
 
     def __init__(self, spec: KVSpec, kv_caches: KVCaches, *, gather_mode: str | None = None,
                  scatter_mode: str | None = None, max_blocks: int | None = None,
-                 backend: Any = None, paths: Mapping[tuple[str, str], str] | None = None
-                 ) -> None:
+                 backend: Any = None, paths: Mapping[tuple[str, str], str] | None = None,
+                 gather_blocks: int | None = None) -> None:
         super().__init__(spec, kv_caches)
         calibrate = backend is None
         if backend is None:
@@ -690,6 +695,16 @@ class CudaTransfer(KVTransfer):
         self.max_blocks = max_blocks or BLOCKS_PER_SM * backend.sm_count
         if self.max_blocks < 1:
             raise ValueError(f"max_blocks must be >= 1, got {self.max_blocks}")
+        env = os.environ.get("LMC_CUDA_GATHER_BLOCKS")
+        if gather_blocks is None and env:
+            try:
+                gather_blocks = int(env)
+            except ValueError:
+                raise ValueError(f"LMC_CUDA_GATHER_BLOCKS must be a whole number of thread "
+                                 f"blocks, got {env!r}") from None
+        self.gather_blocks = gather_blocks or self.max_blocks
+        if self.gather_blocks < 1:
+            raise ValueError(f"gather_blocks must be >= 1, got {self.gather_blocks}")
         self.esize = spec.element_size
         self.row_bytes = spec.row_width * self.esize
         self.num_planes = spec.num_planes
@@ -941,7 +956,8 @@ class CudaTransfer(KVTransfer):
                           n_layers=1, n_planes=P, head_size=self.spec.head_size,
                           row_bytes=rb, lanes=lanes, reserved=0)
         rows = plan.n_tokens * P
-        blocks = max(1, min(-(-rows * lanes // THREADS), self.max_blocks))
+        cap = self.max_blocks if to_cache else self.gather_blocks
+        blocks = max(1, min(-(-rows * lanes // THREADS), cap))
         self.backend.launch(f"lmc_kv_{'scatter' if to_cache else 'gather'}_v{vec}", blocks,
                             args, stream)
 
@@ -1014,7 +1030,8 @@ class CudaTransfer(KVTransfer):
                           n_layers=n_layers, n_planes=P, head_size=self.spec.head_size,
                           row_bytes=rb, lanes=lanes, reserved=0)
         rows = plan.n_tokens * n_layers * P
-        blocks = max(1, min(-(-rows * lanes // THREADS), self.max_blocks))
+        cap = self.max_blocks if to_cache else self.gather_blocks
+        blocks = max(1, min(-(-rows * lanes // THREADS), cap))
         name = f"lmc_kv_{'scatter' if to_cache else 'gather'}_v{vec}"
         # Scatter fills the staging area first. Gather copies it back whole, so a chunk with
         # skipped rows (slot < 0) is first loaded too: those rows must come back unchanged.

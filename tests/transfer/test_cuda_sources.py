@@ -266,6 +266,52 @@ def test_thread_orders_and_grid_sizes_agree(emu_lib):
         assert_bits_equal(o, outs[0], "orders / grid sizes")
 
 
+class _GridBackend(emu.HostBackend):
+    """The emulation, noting each launch's kernel and grid."""
+
+    def __init__(self, *a, **kw) -> None:
+        super().__init__(*a, **kw)
+        self.grids: list[tuple[str, int]] = []
+
+    def launch(self, name, blocks, args, stream):
+        self.grids.append((name.split("_")[2], blocks))
+        super().launch(name, blocks, args, stream)
+
+
+@pytest.mark.parametrize("mode", ct.MODES)
+def test_gathers_take_their_own_grid_cap_and_copy_the_same(emu_lib, monkeypatch, mode):
+    """``gather_blocks`` (or ``LMC_CUDA_GATHER_BLOCKS``) caps the saves' grid, whole-model
+    and per layer, and leaves the loads' at ``max_blocks``; the bytes are the same."""
+    caches = make_caches("vllm_flash", layers=2, heads=3, dim=16, dtype=torch.bfloat16)
+    spec = spec_for("vllm_flash", caches)
+    slots = torch.arange(48)
+    outs = []
+    for env, kw in ((None, {}), ("2", {}), (None, {"gather_blocks": 1})):
+        if env is None:
+            monkeypatch.delenv("LMC_CUDA_GATHER_BLOCKS", raising=False)
+        else:
+            monkeypatch.setenv("LMC_CUDA_GATHER_BLOCKS", env)
+        be = _GridBackend(emu_lib, caches=list(caches))
+        tr = ct.CudaTransfer(spec, caches, backend=be, gather_mode=mode, scatter_mode=mode,
+                             max_blocks=5, **kw)
+        plan = tr.plan(slots, [(0, 24), (24, 48)])
+        bufs = [torch.zeros(spec.chunk_shape(24), dtype=spec.dtype) for _ in range(2)]
+        tr.gather(plan, bufs)
+        tr.gather(plan, bufs, [1])
+        tr.scatter(plan, bufs)
+        tr.synchronize()
+        cap = {None: 5, "2": 2}[env] if not kw else 1
+        assert max(b for k, b in be.grids if k == "gather") == cap  # the whole-model call
+        assert max(b for k, b in be.grids if k == "scatter") == 5
+        outs.append(bufs)
+    for o in outs[1:]:
+        for a, b in zip(o, outs[0]):
+            assert_bits_equal(a, b, "grid caps")
+    monkeypatch.setenv("LMC_CUDA_GATHER_BLOCKS", "many")
+    with pytest.raises(ValueError, match="LMC_CUDA_GATHER_BLOCKS must be a whole number"):
+        ct.CudaTransfer(spec, caches, backend=_GridBackend(emu_lib, caches=list(caches)))
+
+
 # ------------------------------------------------------------ the checker itself can fail
 def test_duplicate_slots_in_a_scatter_are_a_race(emu_lib):
     caches = make_caches("vllm_flash")
