@@ -12,7 +12,7 @@ export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 PY=${PY:-python3}
 RES=${OUT:-$(mktemp -d -t lmc-grid.XXXXXX)}
 FAIL=0
-timeout -k 5 50 $PY benchmarks/print_copy_paths.py --grids 8,16,33,66,132 2>&1 \
+timeout -k 5 70 $PY benchmarks/print_copy_paths.py --grids 8,16,33,66,132 2>&1 \
     | tee "$RES/paths.txt" || FAIL=1
 for g in default 66 33; do
     echo "== cold prefill, gathers direct, grid cap $g"
