@@ -37,6 +37,9 @@ How a call runs (all on one CUDA stream, the caller's or the current one):
    when the two are within 5% in speed (:func:`choose_paths`). The choice and the calls per
    path show in ``CacheEngine.stats()`` (``copy_path.*``, ``copy_calls.*``).
    Pageable host buffers always take the staged path; device buffers always the direct one.
+   Grids: a call takes at most 4 thread blocks per SM, but a per-layer gather (a save, which
+   runs beside the forward that computed its KV) 1/16 of the SMs (at least 8): PCIe, not the
+   SMs, bounds it, and every SM it holds is one the forward waits for.
 
 Waiting: ``gather``/``scatter`` return an :class:`~lmc.transfer.completion.EventCompletion` on an event
 recorded after the call's work, and start only after their ``after`` handle, so layer-wise
@@ -83,6 +86,11 @@ NVRTC_OPTIONS: tuple[str, ...] = ("--std=c++17",)
 THREADS = 256  # = LMC_THREADS in the .cu (__launch_bounds__)
 GEOM = 6       # = LMC_GEOM: int64 values per plane at the head of the call table
 BLOCKS_PER_SM = 4  # default grid cap; enough bytes in flight, leaves SMs for the model
+# a per-layer gather's grid cap: 1/16 of the SMs, at least 8 blocks. Measured on an H200
+# (132 SMs; 16k tokens, 8 KV heads of 128: 64 MiB a layer): 8 blocks gather as fast as 528
+# (0.167 vs 0.164 ms a call: PCIe, not the SMs, is the limit) and slow a concurrent forward
+# by +30% instead of +89% (benchmarks/print_copy_paths.py --grids)
+LAYER_GATHER_MIN_BLOCKS, LAYER_GATHER_SM_SHARE = 8, 16
 
 log = logging.getLogger(__name__)
 
@@ -702,9 +710,13 @@ class CudaTransfer(KVTransfer):
             except ValueError:
                 raise ValueError(f"LMC_CUDA_GATHER_BLOCKS must be a whole number of thread "
                                  f"blocks, got {env!r}") from None
+        if gather_blocks is not None and gather_blocks < 1:
+            raise ValueError(f"gather_blocks must be >= 1, got {gather_blocks}")
         self.gather_blocks = gather_blocks or self.max_blocks
-        if self.gather_blocks < 1:
-            raise ValueError(f"gather_blocks must be >= 1, got {self.gather_blocks}")
+        # a per-layer save needs few SMs (module doc): that cap unless one was given
+        self.layer_gather_blocks = min(
+            self.max_blocks, gather_blocks or max(LAYER_GATHER_MIN_BLOCKS,
+                                                  backend.sm_count // LAYER_GATHER_SM_SHARE))
         self.esize = spec.element_size
         self.row_bytes = spec.row_width * self.esize
         self.num_planes = spec.num_planes
@@ -956,7 +968,7 @@ class CudaTransfer(KVTransfer):
                           n_layers=1, n_planes=P, head_size=self.spec.head_size,
                           row_bytes=rb, lanes=lanes, reserved=0)
         rows = plan.n_tokens * P
-        cap = self.max_blocks if to_cache else self.gather_blocks
+        cap = self.max_blocks if to_cache else self.layer_gather_blocks
         blocks = max(1, min(-(-rows * lanes // THREADS), cap))
         self.backend.launch(f"lmc_kv_{'scatter' if to_cache else 'gather'}_v{vec}", blocks,
                             args, stream)
@@ -1030,7 +1042,8 @@ class CudaTransfer(KVTransfer):
                           n_layers=n_layers, n_planes=P, head_size=self.spec.head_size,
                           row_bytes=rb, lanes=lanes, reserved=0)
         rows = plan.n_tokens * n_layers * P
-        cap = self.max_blocks if to_cache else self.gather_blocks
+        cap = (self.max_blocks if to_cache else self.layer_gather_blocks
+               if call_shape(n_layers, len(self.layers)) == "per_layer" else self.gather_blocks)
         blocks = max(1, min(-(-rows * lanes // THREADS), cap))
         name = f"lmc_kv_{'scatter' if to_cache else 'gather'}_v{vec}"
         # Scatter fills the staging area first. Gather copies it back whole, so a chunk with

@@ -307,6 +307,11 @@ def test_gathers_take_their_own_grid_cap_and_copy_the_same(emu_lib, monkeypatch,
     for o in outs[1:]:
         for a, b in zip(o, outs[0]):
             assert_bits_equal(a, b, "grid caps")
+    monkeypatch.delenv("LMC_CUDA_GATHER_BLOCKS", raising=False)
+    big = _GridBackend(emu_lib, caches=list(caches))
+    big.sm_count = 132  # an H200's: saves a layer at a time on 8 blocks, the rest on 528
+    tr = ct.CudaTransfer(spec, caches, backend=big, gather_mode=mode, scatter_mode=mode)
+    assert (tr.max_blocks, tr.gather_blocks, tr.layer_gather_blocks) == (528, 528, 8)
     monkeypatch.setenv("LMC_CUDA_GATHER_BLOCKS", "many")
     with pytest.raises(ValueError, match="LMC_CUDA_GATHER_BLOCKS must be a whole number"):
         ct.CudaTransfer(spec, caches, backend=_GridBackend(emu_lib, caches=list(caches)))
