@@ -44,6 +44,10 @@ from lmc.ratelog import RateLimitedWarnings
 from lmc.router.index import Match, PrefixIndex, block_keys, match_union, root_key
 from lmc.router.sync import MAX_MESSAGE, SourceSync
 
+# a restart its seq showed covers the reconnection that comes with it for this long: the
+# connection's event, queued on another socket, may be taken after the batches
+COVERED_S = 10.0
+
 log = logging.getLogger(__name__)
 _warn = RateLimitedWarnings(limit=10, window=10.0, logger=log)
 
@@ -194,6 +198,8 @@ class EventFeed:
         self._subs: dict[Any, Source] = {}
         self._mons: dict[Any, Source] = {}
         self._lost: set[int] = set()  # sources whose connection dropped since
+        self._connected: set[int] = set()  # sources whose SUB has had a connection
+        self._covered: dict[int, float] = {}  # a restart's sync, asked until then
         self.syncs = {id(s): SourceSync(s, zmq, self.ctx) for s in self.sources}
         for s in self.sources:
             sock = self.ctx.socket(zmq.SUB)
@@ -231,6 +237,7 @@ class EventFeed:
             log.info("events from %s: the publisher restarted (seq %d after %d); syncing "
                      "anew", s.name, seq, s.last_pub)
             self._lost.discard(id(s))  # the sync its reconnection would ask for: this one
+            self._covered[id(s)] = now + COVERED_S
             if s.replay_endpoint is None:  # no replay socket: from here on
                 s.next_seq = seq
             else:
@@ -287,18 +294,27 @@ class EventFeed:
             self.on_connection(s, connected=event != self.zmq.EVENT_DISCONNECTED)
 
     def on_connection(self, s: Source, connected: bool) -> None:
-        """``s``'s SUB connection dropped, or is up (also the tests' way in)."""
+        """``s``'s SUB connection dropped, or is up (also the tests' way in). A connection
+        after the first is a reconnection even when its drop went unseen (the feed once
+        kept a restarted publisher's stale index for a minute: no drop noted, the new
+        one's first batches lost, its next seq the old one's next); one that follows a
+        restart its seq showed (a sync already asked) is not."""
+        key = id(s)
         if not connected:
-            self._lost.add(id(s))
-        elif id(s) in self._lost:
-            self._lost.discard(id(s))
-            if s.replay_endpoint is not None and (s.last_pub is not None or s.synced):
-                log.info("events from %s: reconnected; syncing anew", s.name)
-                s.counts["reconnects"] += 1
-                # the batches from here on may be a restarted publisher's, numbered from 0
-                # again: not a restart of their own once this sync is asked
-                s.last_pub = None
-                self.syncs[id(s)].restarted(time.monotonic())
+            self._lost.add(key)
+            return
+        again = key in self._connected or key in self._lost
+        self._connected.add(key)
+        self._lost.discard(key)
+        covered = self._covered.pop(key, 0.0) > time.monotonic()
+        if again and not covered and s.replay_endpoint is not None \
+                and (s.last_pub is not None or s.synced):
+            log.info("events from %s: reconnected; syncing anew", s.name)
+            s.counts["reconnects"] += 1
+            # the batches from here on may be a restarted publisher's, numbered from 0
+            # again: not a restart of their own once this sync is asked
+            s.last_pub = None
+            self.syncs[key].restarted(time.monotonic())
 
     def _run(self) -> None:
         while not self._stop.is_set():

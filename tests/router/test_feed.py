@@ -150,5 +150,10 @@ def test_a_restart_seen_both_by_its_seq_and_its_reconnection_is_synced_once(tmp_
             assert src.counts["restarts"] == 1 and asked is not None and not src.synced
             feed.on_connection(src, connected=True)
             assert src.counts["reconnects"] == 1 and sync.request is asked, src.counts
+            drive(feed, lambda: sync.request is None and src.synced, timeout=HANG_S)
+            # a new connection whose drop went unseen (no event for it): a reconnection too
+            src.last_pub = old + 40
+            feed.on_connection(src, connected=True)
+            assert src.counts["reconnects"] == 2 and not src.synced, src.counts
         finally:
             feed.close()
