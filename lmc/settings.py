@@ -305,6 +305,8 @@ OTHER_ENV: dict[str, str] = {
     "LMC_STRICT_COPIES": "strict copy completion checks (lmc.transfer.completion)",
     "LMC_CUDA_GATHER_MODE": "the CUDA gather kernel variant (lmc.transfer.cuda_copy)",
     "LMC_CUDA_SCATTER_MODE": "the CUDA scatter kernel variant (lmc.transfer.cuda_copy)",
+    "LMC_CUDA_GATHER_BLOCKS": "the CUDA gathers' grid cap in thread blocks "
+                              "(lmc.transfer.cuda_copy)",
     "LMC_FUZZ_SEED": "the daemon's stateful fuzz test",
     "LMC_FUZZ_SECONDS": "the daemon's stateful fuzz test",
     "LMC_CONTRACT_SEED": "the tier contract suite",

@@ -29,6 +29,20 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def free_ports(n: int) -> list[int]:
+    """``n`` distinct free ports, all held while choosing: a server started on port 0 after
+    a lone ``free_port()`` may be given that same port back (an instance's HTTP port once
+    took its events port, and its events publisher could not bind)."""
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [int(s.getsockname()[1]) for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
 @dataclass
 class Instance:
     proc: subprocess.Popen
@@ -64,14 +78,14 @@ def lmc_config(path: Path, pub: int, rep: int, pool: str = "64MiB",
 
 def start(ckpt: Path, work: Path, name: str, pool: str = "64MiB", extra: str = "",
           num_blocks: int = 256, serve_args: Sequence[str] = ()) -> Instance:
-    pub, rep = free_port(), free_port()
+    port, pub, rep = free_ports(3)
     # "{name}" in extra is the instance's own (a disk directory each)
     cfg = lmc_config(work / f"{name}.yaml", pub, rep, pool, extra.replace("{name}", name))
     ready = work / f"{name}.json"
     log = work / f"{name}.log"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "lmc.reference.serve", "--model", str(ckpt), "--port", "0",
+        [sys.executable, "-m", "lmc.reference.serve", "--model", str(ckpt), "--port", str(port),
          "--lmc-config", str(cfg), "--num-blocks", str(num_blocks), "--ready-file", str(ready),
          *serve_args],
         cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=open(log, "w"))  # noqa: SIM115
