@@ -2,7 +2,10 @@
 the measured hit rate and mean TTFT beside the planner's prediction for the same tiers.
 
 Requests run one at a time, each followed by draining lmc's write-behind queues (the
-planner's model of the writer threads). A warm-up request (a process's first prefill pays
+planner's model of the writer threads); under ``step_tokens`` the queues are also drained
+after each step, as the simulation does: how far a writer falls behind within one request
+is this machine's load of the moment, which the planner does not model (a chunked replay on
+a loaded CI host once dropped a write the other passes made, and the passes disagreed). A warm-up request (a process's first prefill pays
 page faults and kernel set-up) is sent first and is part of the trace both sides see, so
 the cache state stays identical; it is left out of both figures. TTFT on a shared machine
 is noisy, so the trace is replayed ``passes`` times, each on a fresh engine, cache and disk
@@ -100,6 +103,20 @@ def warmup_request(length: int, vocab: int, seed: int = 99) -> TraceRequest:
                         [rng.randrange(2, vocab) for _ in range(length)], None, 1)
 
 
+def _drained_connector() -> type:
+    from lmc.connectors.reference import LMCReferenceConnector
+
+    class StepDrained(LMCReferenceConnector):
+        """lmc's connector whose lower-tier queues drain after each step (module doc)."""
+
+        def wait_for_save(self) -> None:
+            super().wait_for_save()
+            if not self.cache.flush(timeout=60):
+                raise RuntimeError("replay: lmc's tier writes did not finish in 60 s")
+
+    return StepDrained
+
+
 def replay_pass(model: Path, reqs: Sequence[TraceRequest], point: GridPoint, *,
                 disk_tier: Callable[[str, int], TierFactory] | None = None,
                 max_model_len: int = 2048, step_tokens: int = 0
@@ -126,7 +143,8 @@ def replay_pass(model: Path, reqs: Sequence[TraceRequest], point: GridPoint, *,
             tiers = [disk_tier(d, point.disk)]
         elif point.disk:
             kw.update(local_disk=d, local_disk_size=point.disk)
-        conn = LMCReferenceConnector(CacheConfig(**kw), model_dir=model, tiers=tiers)
+        factory = _drained_connector() if step_tokens else LMCReferenceConnector
+        conn = factory(CacheConfig(**kw), model_dir=model, tiers=tiers)
         # the engine's scheduler passes its budget to the connector (set_step_budget)
         llm = LLM(model, block_size=16, max_num_batched_tokens=step_tokens or max_model_len,
                   max_num_seqs=1, max_model_len=max_model_len, kv_connector=conn)
