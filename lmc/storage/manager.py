@@ -640,18 +640,24 @@ class StorageManager:
             return None
 
         def ended(r: LayeredRead) -> None:
-            ok = r.ok or []
-            good = [(k, o) for k, o, g in zip(keys, r.objs, ok) if g and o is not None]
-            nbytes = sum(o.nbytes for _, o in good)
-            dt = time.perf_counter() - t0
-            m.read(len(good), len(keys) - len(good), nbytes, dt)
-            if r.error is not None:  # (values failing a check are the tier's to count)
-                m.error("get", "layered_read", sum(o is not None for o in r.objs))
-                self._observe(level, 0, dt, failed=True)
-            elif good:
-                self._observe(level, nbytes, dt)
-            self._promote(level, [k for k, _ in good], [o for _, o in good])
+            try:
+                ok = r.ok or []
+                good = [(k, o) for k, o, g in zip(keys, r.objs, ok) if g and o is not None]
+                nbytes = sum(o.nbytes for _, o in good)
+                dt = time.perf_counter() - t0
+                m.read(len(good), len(keys) - len(good), nbytes, dt)
+                if r.error is not None:  # (values failing a check are the tier's to count)
+                    m.error("get", "layered_read", sum(o is not None for o in r.objs))
+                    self._observe(level, 0, dt, failed=True)
+                elif good:
+                    self._observe(level, nbytes, dt)
+                self._promote(level, [k for k, _ in good], [o for _, o in good])
+            finally:
+                self._running.leave()
 
+        # its promotion lands when the whole read ends, which may be after the load that
+        # used its layers returned: wait_reads (and close) wait for it
+        self._running.enter()
         read.add_done_callback(ended)
         return read
 
