@@ -5,11 +5,11 @@ Requests run one at a time, each followed by draining lmc's write-behind queues 
 planner's model of the writer threads). Within a request (``step_tokens``) the simulation
 drains them after each step; the engine's writer may fall behind under this machine's load
 of the moment, so passes can differ by a dropped write, and the pass that loaded the most
-is compared (draining inside the replay instead put its waits into the measured TTFT). A warm-up request (a process's first prefill pays
-page faults and kernel set-up) is sent first and is part of the trace both sides see, so
-the cache state stays identical; it is left out of both figures. TTFT on a shared machine
-is noisy, so the trace is replayed ``passes`` times, each on a fresh engine, cache and disk
-directory (the hits repeat exactly), and each request's median TTFT is kept: a burst of load
+is compared (draining inside the replay instead put its waits into the measured TTFT).
+A warm-up request (a process's first prefill pays page faults and kernel set-up) is sent
+first and is part of the trace both sides see, so the cache state stays identical; it is
+left out of both figures. TTFT on a shared machine is noisy, so the trace is replayed
+``passes`` times, each on a fresh engine, cache and disk directory, and each request's median TTFT is kept: a burst of load
 from elsewhere then moves a request's figure only if it lands on most passes. The
 calibration's rounds are taken between the passes, so the profile and the replay are
 measured under the same conditions (on a shared machine the load from elsewhere drifts by

@@ -87,9 +87,10 @@ THREADS = 256  # = LMC_THREADS in the .cu (__launch_bounds__)
 GEOM = 6       # = LMC_GEOM: int64 values per plane at the head of the call table
 BLOCKS_PER_SM = 4  # default grid cap; enough bytes in flight, leaves SMs for the model
 # a per-layer gather's grid cap: 1/16 of the SMs, at least 8 blocks. Measured on an H200
-# (132 SMs; 16k tokens, 8 KV heads of 128: 64 MiB a layer): 8 blocks gather as fast as 528
-# (0.167 vs 0.164 ms a call: PCIe, not the SMs, is the limit) and slow a concurrent forward
-# by +30% instead of +89% (benchmarks/print_copy_paths.py --grids)
+# (132 SMs; the calibration's shape, 2,048 tokens of 8 KV heads of 128: 8 MiB a layer): 8
+# blocks gather as fast as 528 (0.167 vs 0.176 ms a call: PCIe, not the SMs, is the limit)
+# and slow a concurrent forward by +30% instead of +85% (benchmarks/print_copy_paths.py
+# --grids)
 LAYER_GATHER_MIN_BLOCKS, LAYER_GATHER_SM_SHARE = 8, 16
 
 log = logging.getLogger(__name__)
@@ -968,10 +969,18 @@ class CudaTransfer(KVTransfer):
                           n_layers=1, n_planes=P, head_size=self.spec.head_size,
                           row_bytes=rb, lanes=lanes, reserved=0)
         rows = plan.n_tokens * P
-        cap = self.max_blocks if to_cache else self.layer_gather_blocks
-        blocks = max(1, min(-(-rows * lanes // THREADS), cap))
+        blocks = max(1, min(-(-rows * lanes // THREADS), self._grid_cap(to_cache, 1)))
         self.backend.launch(f"lmc_kv_{'scatter' if to_cache else 'gather'}_v{vec}", blocks,
                             args, stream)
+
+    def _grid_cap(self, to_cache: bool, n_call_layers: int) -> int:
+        """The most thread blocks a call may take: loads ``max_blocks``, a per-layer gather
+        (a save beside the forward) ``layer_gather_blocks``, other gathers ``gather_blocks``."""
+        if to_cache:
+            return self.max_blocks
+        if call_shape(n_call_layers, len(self.layers)) == "per_layer":
+            return self.layer_gather_blocks
+        return self.gather_blocks
 
     def _memcpy(self, copy: tuple[int, int, int, int, int, int], stream: Any) -> None:
         """One (2D where ``height > 1``) copy: ``(dst, dpitch, src, spitch, width, height)``."""
@@ -1042,9 +1051,7 @@ class CudaTransfer(KVTransfer):
                           n_layers=n_layers, n_planes=P, head_size=self.spec.head_size,
                           row_bytes=rb, lanes=lanes, reserved=0)
         rows = plan.n_tokens * n_layers * P
-        cap = (self.max_blocks if to_cache else self.layer_gather_blocks
-               if call_shape(n_layers, len(self.layers)) == "per_layer" else self.gather_blocks)
-        blocks = max(1, min(-(-rows * lanes // THREADS), cap))
+        blocks = max(1, min(-(-rows * lanes // THREADS), self._grid_cap(to_cache, n_layers)))
         name = f"lmc_kv_{'scatter' if to_cache else 'gather'}_v{vec}"
         # Scatter fills the staging area first. Gather copies it back whole, so a chunk with
         # skipped rows (slot < 0) is first loaded too: those rows must come back unchanged.
