@@ -53,8 +53,19 @@ class IsolationContract(TierHarness):
                 release(got)
         got = mine.get(keys)
         try:
+            missed = [k.hex()[:12] for k, o in zip(keys[:3], got) if o is None]
+            assert not missed, (f"this tier missed its own values {missed} after the other "
+                                f"tenants ran; its stats: {_stats(mine)}")
             for k, o in zip(keys[:3], got):
                 check_hit(o, k)
             assert got[3] is None
         finally:
             release(got)
+
+
+def _stats(tier: object) -> dict:
+    """The tier's counters, for a failure message (a tier without them says so)."""
+    try:
+        return tier.stats()  # type: ignore[attr-defined]
+    except Exception as e:  # the message must not fail
+        return {"stats": repr(e)}
