@@ -69,6 +69,10 @@ class LayeredRead:
         self._cut_hooks: list[Callable[[int], None]] = []
         self.kept = len(self.objs)
         """Keys ``[0, kept)`` are read; the rest were cut (:meth:`cut`) and never verify."""
+        self.stops_on_cut = True
+        """Whether the producer stops reading the keys cut (the disk tier's does): if not (a
+        Redis read keeps its connections' order, layer 0 of every key first), the kept keys'
+        last layers land only after everyone's, so a watch cuts to none or to nothing."""
         self.t0 = time.monotonic()
         self.landed_bytes = [0] * len(self.objs)  # per key, bytes of whole reads in place
         self.landed_total = 0

@@ -13,9 +13,9 @@ Which ``k``: finishing the first ``k`` chunks costs the bytes of theirs not yet 
 at the best rate the read has shown, plus recomputing from chunk ``k`` (nothing when ``k``
 is every chunk); the watch keeps the ``k`` with the least cost, and cuts when the chunks
 kept now cost more than that (by ``margin`` and ``slack_s``: near-ties go to the load).
-What moved counts the bytes of reads in flight (the disk tier's windows, Redis's replies
-being received) as arrived, so the rate is an upper bound of the link's, taken the lower
-of two ways: since the read started, and over its latter half (since the last read that
+What moved counts the bytes of reads in flight (the disk tier's windows, the Redis piece
+being received on each connection) as arrived, so the rate is an upper bound of the link's,
+taken the lower of two ways: since the read started, and over its latter half (since the last read that
 landed before the midpoint), which a link slowing mid-read shows soon. The cost of
 finishing is then a lower bound, whatever the link does next (unless it speeds up again),
 as the whole-chunk watch's is. And as there, a read waited for with nothing landing as
@@ -88,32 +88,37 @@ class Decision:
     why: str = ""
 
 
-def decide(p: Progress, recompute: Sequence[float], margin: float, slack_s: float
-           ) -> Decision:
+def decide(p: Progress, recompute: Sequence[float], margin: float, slack_s: float,
+           partial: bool = True) -> Decision:
     """The watch's rule (module doc) on ``p``: whether to cut, and to how many chunks.
     ``recompute[k]``: seconds to recompute from chunk ``k`` (0 at ``k = len(sizes)`` when
-    no cut happened yet)."""
+    no cut happened yet). ``partial`` False: the read does not stop for a cut
+    (``LayeredRead.stops_on_cut``), so keeping some chunks costs as much waiting as keeping
+    all of them; the only cut is to none."""
     n = len(p.sizes)
     rate = rate_bound(p)
     total = costs(p, rate, recompute)
-    best = min(range(n + 1), key=lambda k: (total[k], -k))
+    best = min(range(n + 1) if partial else (0, n), key=lambda k: (total[k], -k))
     if best < n and total[n] > total[best] * (1 + margin) + slack_s:
         return Decision(best, math.inf, f"the {n - best} chunk(s) from chunk {best} would "
                         f"take >= {units.seconds(total[n] - recompute[n])} at the rate shown "
                         f"(<= {units.size(rate)}/s), recomputing them "
                         f"~{units.seconds(recompute[best])}")
     whole = next((k for k in range(n) if p.landed[k] < p.sizes[k]), n)
+    if not partial and whole < n:
+        whole = 0
     waited = p.now - p.last
     stall = p.last + recompute[whole] * (1 + margin) + slack_s if whole < n else math.inf
     if p.now > stall:
         return Decision(whole, math.inf, f"nothing landed for {units.seconds(waited)}, "
                         f"recomputing from chunk {whole} ~{units.seconds(recompute[whole])}")
-    wake = min(_when_cut(p, recompute, margin, slack_s), stall,
+    wake = min(_when_cut(p, recompute, margin, slack_s, partial), stall,
                p.now + max(MIN_WAKE_S, (p.now - p.t0) / 4))
     return Decision(None, wake)
 
 
-def _when_cut(p: Progress, recompute: Sequence[float], margin: float, slack_s: float) -> float:
+def _when_cut(p: Progress, recompute: Sequence[float], margin: float, slack_s: float,
+              partial: bool = True) -> float:
     """The earliest time the first rule cuts by the rate since the start if nothing more
     moves (that rate then falls as ``1 / (t - t0)``, so each ``k`` solves linearly)."""
     n = len(p.sizes)
@@ -125,7 +130,7 @@ def _when_cut(p: Progress, recompute: Sequence[float], margin: float, slack_s: f
         left.append(left[-1] + p.sizes[k] - p.landed[k])
     need = [max(0.0, x - extra) for x in left]
     out = math.inf
-    for k in range(n):
+    for k in range(n) if partial else range(min(n, 1)):
         gain = need[n] - (1 + margin) * need[k]  # bytes: finishing all vs k chunks
         if gain > 0:
             cost = (1 + margin) * recompute[k] + slack_s - recompute[n]  # seconds
@@ -154,7 +159,8 @@ def watch_layered(read: LayeredRead, watch: LoadWatch, index: Sequence[int],
         cut = read.kept < hits  # a cut already commits to recomputing from chunk n
         recompute = [watch.recompute_from(index[k]) for k in range(n)]
         recompute.append(watch.recompute_from(index[n]) if cut else 0.0)
-        d = decide(progress(read, n), recompute, watch.margin, watch.slack_s)
+        d = decide(progress(read, n), recompute, watch.margin, watch.slack_s,
+                   read.stops_on_cut)
         if d.cut_to is not None:
             if read.cut(d.cut_to):
                 at = index[d.cut_to] if d.cut_to < len(index) else index[-1]

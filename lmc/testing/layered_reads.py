@@ -58,6 +58,14 @@ class LayeredReadContract(TierHarness):
                 for k, o in zip(asked[::2] + asked[3:], read.objs[::2] + read.objs[3:]):
                     check_hit(o, k, shape, dtype)
                     assert o.ref_count == 1, f"{case}: a hit holds {o.ref_count} references"
+                # progress for a load watch (lmc.storage.layered_watch): every byte of every
+                # hit was noted as it landed (a disk's aligned reads count what they moved:
+                # more), a miss none; a read that notes nothing leaves the watch blind (no
+                # rate, no landing: only its stall rule)
+                sizes = [o.nbytes if o is not None else 0 for o in read.objs]
+                noted = list(read.landed_bytes)
+                assert all(n >= s and (n == 0) == (s == 0) for n, s in zip(noted, sizes)), \
+                    f"{case}: progress noted {noted} bytes of {sizes}"
             finally:
                 release(read.objs)
         assert self.used(tier) == 0, "the read kept pool memory after it ended"

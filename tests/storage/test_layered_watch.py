@@ -16,8 +16,9 @@ from lmc.memory.pool import MemoryPool
 from lmc.storage.backends.disk import disk_layered_read as disk_layers
 from lmc.storage.backends.disk.backend import DiskBackend
 from lmc.storage.layered_read import LayeredRead, LayerGate
-from lmc.storage.layered_watch import Progress, costs, decide, rate_bound
+from lmc.storage.layered_watch import Progress, _when_cut, costs, decide, rate_bound
 from tests.deadlines import HANG_S
+from tests.storage.backends.conftest import redis_server  # noqa: F401 - real redis-server
 
 MiB = 1 << 20
 
@@ -68,6 +69,61 @@ def test_the_wake_time_is_when_the_rule_would_cut() -> None:
     # later, at 5 MiB/s at best, keeping chunk 0 only costs least: 0 s left + 0.4 s
     later = decide(progress(0.2, MiB, [0] * 4), rc, 0.03, 1e-3)
     assert later.cut_to == 1
+
+
+def test_a_read_that_goes_on_after_a_cut_is_cut_to_none_or_left_alone() -> None:
+    """A producer that does not stop for a cut (Redis: its connections go on in layer order)
+    lands the kept chunks' last layers after everyone's, so keeping some costs as much as
+    keeping all: the rule weighs none against all only. Where the partial rule keeps chunk 0
+    (above: at 5 MiB/s, 0 s left + 0.4 s), it cuts to none (0.5 s), and it wakes for that
+    choice alone."""
+    rc = [0.5, 0.4, 0.25, 0.1, 0.0]
+    assert decide(progress(0.2, MiB, [0] * 4), rc, 0.03, 1e-3).cut_to == 1
+    d = decide(progress(0.2, MiB, [0] * 4), rc, 0.03, 1e-3, partial=False)
+    assert d.cut_to == 0 and "chunk 0" in d.why
+    # the wake: 1 MiB / t makes all 4 MiB (3 left after the one in flight) cost more than
+    # 1.03 * rc[0] + 1 ms when 3 MiB * t / 1 MiB = 1.03 * 0.5 + 1e-3
+    early = progress(0.1, MiB, [0] * 4)
+    assert decide(early, rc, 0.03, 1e-3, partial=False).cut_to is None
+    assert _when_cut(early, rc, 0.03, 1e-3, False) == pytest.approx((1.03 * 0.5 + 1e-3) / 3)
+    assert _when_cut(early, rc, 0.03, 1e-3) < 0.172  # the partial rule: keeping 3 chunks
+    # a stall keeps nothing either, though chunks 0 and 1 are whole: after as long as
+    # recomputing from chunk 0 costs (2 s; the partial rule cut at 1 s, from chunk 2)
+    stalled = progress(3.5, 4 * MiB, [MiB, MiB, 0, 0], sizes=[MiB] * 4, last=1.0,
+                       ref=(1.0, 2 * MiB))
+    d = decide(stalled, [2.0, 1.5, 1.0, 0.5, 0.0], 0.03, 1e-3, partial=False)
+    assert d.cut_to == 0 and "nothing landed" in d.why
+
+
+def test_a_redis_read_reports_progress_and_goes_on_after_a_cut(redis_server) -> None:  # noqa: F811
+    """What the rule above is for: a Redis layered read says it goes on after a cut, and
+    notes each piece as it lands (without that the watch saw nothing until the end)."""
+    from lmc.storage.backends.redis.backend import RedisBackend
+
+    pool = MemoryPool(32 << 20, False)
+    url = redis_server.url
+    cfg = CacheConfig(chunk_size=32, local_cpu_size=32 << 20, remote_url=url,
+                      remote_timeout=5.0, remote_key_prefix="watch-progress")
+    tier = RedisBackend(url, config=cfg, pool=pool, get_piece=4096)
+    try:
+        keys = [bytes([0x70 + i]) * 16 for i in range(3)]
+        objs = [pool.allocate((4, 2, 32, 64), torch.float32, 32) for _ in keys]
+        for i, o in enumerate(objs):
+            o.tensor.fill_(i)
+        assert tier.put(keys, objs) == 3
+        for o in objs:
+            o.release()
+        read = tier.get_layers(keys)
+        assert read is not None and not read.stops_on_cut
+        read.wait_verified(timeout=HANG_S)
+        assert read.landed_bytes == [o.nbytes for o in read.objs]  # 16 pieces each
+        assert read.in_flight == 0
+        for o in read.objs:
+            o.release()
+        read.wait_ended(timeout=HANG_S)
+    finally:
+        tier.close()
+        pool.close()
 
 
 def test_a_stalled_read_is_cut_to_the_chunks_already_whole() -> None:

@@ -11,7 +11,11 @@ order: over each connection (the hits split across ``remote_connections`` as for
 layer 0 of its chunks, then layer 1, ..., each layer's range cut into pieces of at most
 ``get_piece`` bytes with about ``get_window`` bytes requested ahead (the same reasons as
 ``fetch``: the server reuses a few hot buffers). Each reply lands straight in its slice
-of the pool object. When every connection has received layer l, the read announces it; each
+of the pool object and is noted as it lands, the reply being received counted as moving
+until then (``LayeredRead.note``/``moving``: a load watch's rate, an upper bound, and last
+landing, :mod:`lmc.storage.layered_watch`; without them the watch saw nothing until the read
+ended and could only stop on its stall rule). When every connection has received layer
+l, the read announces it; each
 connection feeds its chunks' xxh3 with a layer's bytes as soon as it has them (a streamed
 xxh3 equals the one-shot digest in the header), so at the end only the keyed tag (when
 configured; it covers the whole payload in one pass) is left to check. The whole read has one
@@ -76,12 +80,17 @@ class HeadJob(Job):
 
 
 class _Landing:
-    """Which layer every connection of the call has received: the read's ``landed``."""
+    """Which layer every connection of the call has received: the read's ``landed``; and
+    each piece as it lands (``note``: a load watch's progress, its rate and last landing)."""
 
-    def __init__(self, read: LayeredRead) -> None:
+    def __init__(self, read: LayeredRead, index: Sequence[int]) -> None:
         self.read = read
+        self.index = index  # a job's key j is the read's key index[j]
         self.parts: dict[int, int] = {}
         self.lock = threading.Lock()
+
+    def note(self, j: int, nbytes: int) -> None:
+        self.read.note(self.index[j], nbytes)
 
     def join(self, part: int) -> None:
         with self.lock:
@@ -161,7 +170,13 @@ class LayerJob(StreamJob):
                     return None
                 return self._views[i][off: off + n]
 
-            r = wc.read_value(dl, 0, sink)
+            self.landing.read.moving(n)  # the reply being received counts as moved
+            try:
+                r = wc.read_value(dl, 0, sink)
+                if not short and not isinstance(r, ReplyError) and r is not None:
+                    self.landing.note(i, n)  # before the in-flight count drops: an upper bound
+            finally:
+                self.landing.read.moving(-n)
             if isinstance(r, ReplyError):
                 self.call.reply_errors.append(r)
                 short.append(f"reply error {r.message}")
@@ -201,6 +216,7 @@ class RedisLayeredRead:
         objs = self._open()
         self.layers = next(iter(self.opened.values()))[1].shape[0] if self.opened else 1
         self.read = LayeredRead(objs, self.layers)
+        self.read.stops_on_cut = False  # the connections go on in layer order (a watch's rule)
 
     def _open(self) -> list[MemoryObj | None]:
         tier = self.tier
@@ -248,11 +264,10 @@ class RedisLayeredRead:
     def _run(self) -> None:
         tier = self.tier
         jobs: list[LayerJob] = []
-        landing = _Landing(self.read)
+        sub = sorted(self.opened)  # the hits only, split over the connections as get() does
+        landing = _Landing(self.read, sub)
         err: BaseException | None = None
         try:
-            # the hits only, split over the connections as get() does
-            sub = sorted(self.opened)
             sub_call = Call("get", [self.keys[i] for i in sub], [self.rkeys[i] for i in sub],
                             [None] * len(sub))
             opened = {j: self.opened[i] for j, i in enumerate(sub)}
