@@ -11,10 +11,10 @@ order: over each connection (the hits split across ``remote_connections`` as for
 layer 0 of its chunks, then layer 1, ..., each layer's range cut into pieces of at most
 ``get_piece`` bytes with about ``get_window`` bytes requested ahead (the same reasons as
 ``fetch``: the server reuses a few hot buffers). Each reply lands straight in its slice
-of the pool object and is noted as it lands, the reply being received counted as moving
-until then (``LayeredRead.note``/``moving``: a load watch's rate, an upper bound, and last
-landing, :mod:`lmc.storage.layered_watch`; without them the watch saw nothing until the read
-ended and could only stop on its stall rule). When every connection has received layer
+of the pool object and is noted as it lands, its bytes counted as moving while they arrive
+(``WireConn.on_fill``; ``LayeredRead.note``/``moving``: a load watch's rate and last landing,
+:mod:`lmc.storage.layered_watch`; without them the watch saw nothing until the read ended and
+could only stop on its stall rule). When every connection has received layer
 l, the read announces it; each
 connection feeds its chunks' xxh3 with a layer's bytes as soon as it has them (a streamed
 xxh3 equals the one-shot digest in the header), so at the end only the keyed tag (when
@@ -160,6 +160,23 @@ class LayerJob(StreamJob):
 
     def recv(self, wc: WireConn, dl: Deadline) -> None:
         short: list[str] = []
+        read = self.landing.read
+        arrived = [0]  # bytes of the piece being received, told to the read as they land
+
+        def fill(nbytes: int) -> None:
+            arrived[0] += nbytes
+            read.moving(nbytes)
+
+        wc.on_fill = fill
+        try:
+            self._recv(wc, dl, short, arrived)
+        finally:
+            wc.on_fill = None
+        self.complete = not self.broken
+
+    def _recv(self, wc: WireConn, dl: Deadline, short: list[str], arrived: list[int]
+              ) -> None:
+        read = self.landing.read
         while self._pending:
             layer, i, off, n = self._pending.popleft()
 
@@ -170,13 +187,13 @@ class LayerJob(StreamJob):
                     return None
                 return self._views[i][off: off + n]
 
-            self.landing.read.moving(n)  # the reply being received counts as moved
             try:
                 r = wc.read_value(dl, 0, sink)
                 if not short and not isinstance(r, ReplyError) and r is not None:
-                    self.landing.note(i, n)  # before the in-flight count drops: an upper bound
+                    self.landing.note(i, n)  # before the in-flight count drops
             finally:
-                self.landing.read.moving(-n)
+                read.moving(-arrived[0])
+                arrived[0] = 0
             if isinstance(r, ReplyError):
                 self.call.reply_errors.append(r)
                 short.append(f"reply error {r.message}")
@@ -195,7 +212,6 @@ class LayerJob(StreamJob):
                     self.hashers[j].update(self._views[j][lyr * lb:(lyr + 1) * lb])
                 self._next_layer += 1
                 self.landing.landed(id(self), lyr)
-        self.complete = not self.broken
 
     def abort(self) -> None:
         self.complete = False

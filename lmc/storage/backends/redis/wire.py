@@ -135,6 +135,9 @@ class WireConn:
         self._armed = -1.0  # the socket's current timeout, as last set by _arm
         self.bytes_in = 0
         self.bytes_out = 0
+        self.on_fill: Callable[[int], None] | None = None
+        """Told each slice of a value as it lands in its sink's target (a load watch's
+        progress, counted while the value is still arriving; None: nobody listens)."""
 
     def _arm(self, dl: Deadline) -> None:
         """Bound the next socket operation by the time left. ``settimeout`` is a syscall, so
@@ -267,9 +270,12 @@ class WireConn:
         """Fill ``target``: first from what is buffered, then straight from the socket."""
         n = target.nbytes
         k = min(self.hi - self.lo, n)
+        tell = self.on_fill
         if k:
             target[:k] = self.mv[self.lo: self.lo + k]
             self.lo += k
+            if tell is not None:
+                tell(k)
         sock = self.sock
         while k < n:
             self._arm(dl)
@@ -278,6 +284,8 @@ class WireConn:
                 raise ConnectionError("server closed the connection mid-value")
             k += got
             self.bytes_in += got
+            if tell is not None:
+                tell(got)
 
     def _skip(self, n: int, dl: Deadline) -> None:
         """Read and drop ``n`` bytes (a value we will not keep), staying in sync."""
