@@ -46,6 +46,7 @@ same bytes per hit at a fraction of the checkpoint), or ``smollm2-135m``, the re
     python benchmarks/bench_ttft.py --device cuda --model 8b-kv --tokens 16384
     python benchmarks/bench_ttft.py --model smollm2-135m --threads 1   # the real model
     python benchmarks/bench_ttft.py --cold-only [--no-disk | --write-quiet-ms 50] [--gc-freeze]
+    python benchmarks/bench_ttft.py --cold-only --interleave --cold-reps 9   # cold vs alone, per pair
         # where a cold prefill's time goes: with, without or after the disk tier's writes
 
 Every cold prefill and L1 hit also records the CPU seconds of each thread (the engine's and
@@ -244,6 +245,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--suffixes", default="1,256", help="uncached suffix lengths for overlap")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch default)")
     ap.add_argument("--no-baseline", action="store_true", help="skip the engine-alone prefill")
+    ap.add_argument("--interleave", action="store_true",
+                    help="each cold prefill follows an engine-alone prefill of another fresh "
+                         "prompt (both engines live): lmc cold over the engine alone per pair, "
+                         "which a slow minute of the machine moves alike")
     ap.add_argument("--cold-only", action="store_true",
                     help="stop after the cold prefills (no hits, no overlap)")
     ap.add_argument("--no-disk", action="store_true",
@@ -335,8 +340,14 @@ def main(argv: list[str] | None = None) -> int:
         res["prefill_cpu"] = cpu.times
         log("one-token step over the prompt, engine alone ...")
         res["step_s"] = one_token_step(llm, prompt)
-        del llm
+        if args.interleave:
+            alone_llm: LLM | None = llm
+        else:
+            alone_llm = None
+            del llm
         sync(args.device)
+    else:
+        alone_llm = None
     log("host -> device copy bandwidth ...")
     res["copy_gib_s"] = copy_bandwidth(args.device, kv_bytes) / GiB
 
@@ -365,9 +376,11 @@ def main(argv: list[str] | None = None) -> int:
         ttft(llm, prompt[:64])
         # cold prefills of fresh prompts first (the last one is the prompt the hits reuse):
         # the first pays every first-use cost left after registration, the next ones do not
-        cold, cold_calls, cold_threads = [], [], []
+        cold, cold_calls, cold_threads, alone = [], [], [], []
         for r in range(args.cold_reps):
             p = prompt if r == args.cold_reps - 1 else [0] + tokens(500 + r, n - 1)
+            if alone_llm is not None:  # the pair's engine-alone half, a prompt of its own
+                alone.append(ttft(alone_llm, [0] + tokens(900 + r, n - 1))[0])
             log(f"lmc cold (prefill + saves), {r + 1} of {args.cold_reps} ...")
             calls.take()
             with CpuTimes() as cpu:
@@ -379,6 +392,10 @@ def main(argv: list[str] | None = None) -> int:
         res["lmc_cold_reps"] = cold
         res["lmc_cold_calls"] = cold_calls
         res["lmc_cold_threads"] = cold_threads
+        if alone:
+            res["alone_reps"] = alone
+            alone_llm.close()  # type: ignore[union-attr]
+            alone_llm = None
         if args.cold_only:
             res["l1_hit_s"] = res["disk_hit_s"] = None
             res["overlap"] = []
@@ -728,6 +745,14 @@ def report(r: dict[str, Any]) -> None:
               f"{len(r['lmc_cold_reps']) - 1})" + ("; L1 hits: " + ", ".join(
                   f"{t * 1e3:.1f}" for t in r["l1_hit_reps"]) + " ms"
                   if r.get("l1_hit_reps") else ""))
+    if r.get("alone_reps"):
+        pairs = list(zip(r["alone_reps"], r["lmc_cold_reps"]))
+        ratios = [c / a for a, c in pairs]
+        later = ratios[1:] or ratios
+        print("interleaved (engine alone, lmc cold) per pair: " + ", ".join(
+            f"({a * 1e3:,.0f}, {c * 1e3:,.0f} ms)" for a, c in pairs))
+        print(f"lmc cold / engine alone, per pair: {', '.join(f'{x:.2f}' for x in ratios)}; "
+              f"median after the first {statistics.median(later):.2f}x (bar <= 1.05x)")
     for what, key in (("cold", "lmc_cold_calls"), ("L1 hit", "l1_hit_calls")):
         runs = r.get(key) or []
         if runs:
