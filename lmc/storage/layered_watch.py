@@ -15,12 +15,15 @@ is every chunk); the watch keeps the ``k`` with the least cost, and cuts when th
 kept now cost more than that (by ``margin`` and ``slack_s``: near-ties go to the load).
 What moved counts the bytes of reads in flight (the disk tier's windows, the Redis piece
 being received on each connection) as arrived, so the rate is an upper bound of the link's,
-taken the lower of two ways: since the read started, and over its latter half (since the last read that
-landed before the midpoint), which a link slowing mid-read shows soon. The cost of
-finishing is then a lower bound, whatever the link does next (unless it speeds up again),
-as the whole-chunk watch's is. And as there, a read waited for with nothing landing as
-long as recomputing costs is cut to the chunks already whole (rent-or-buy: at most twice
-the better choice), which matters once every byte still missing is in flight.
+taken the lower of two ways: since the read started, and over its latter half (since the
+last read that landed before the midpoint), which a link slowing mid-read shows soon. The
+cost of finishing is then a lower bound, whatever the link does next (unless it speeds up
+again), as the whole-chunk watch's is. And as there, a read waited for with nothing landing
+as long as recomputing costs is cut to the chunks already whole (rent-or-buy: at most twice
+the better choice), which matters once every byte still missing is in flight. A read that
+goes on after a cut (``LayeredRead.stops_on_cut`` False: Redis's connections keep layer
+order) would land a kept chunk's last layer after everyone's, so for it the rule weighs
+keeping none against keeping all, and a stall cuts to none.
 
 The watch runs on a thread of its own per read, waking at the time its first rule would
 cut if nothing more landed, at the stall rule's time, every quarter of the time elapsed
