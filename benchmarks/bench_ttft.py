@@ -46,8 +46,8 @@ same bytes per hit at a fraction of the checkpoint), or ``smollm2-135m``, the re
     python benchmarks/bench_ttft.py --device cuda --model 8b-kv --tokens 16384
     python benchmarks/bench_ttft.py --model smollm2-135m --threads 1   # the real model
     python benchmarks/bench_ttft.py --cold-only [--no-disk | --write-quiet-ms 50] [--gc-freeze]
-    python benchmarks/bench_ttft.py --cold-only --interleave --cold-reps 9   # cold vs alone, per pair
         # where a cold prefill's time goes: with, without or after the disk tier's writes
+    python benchmarks/bench_ttft.py --cold-only --interleave --cold-reps 9   # cold vs alone, per pair
 
 Every cold prefill and L1 hit also records the CPU seconds of each thread (the engine's and
 lmc's) and the garbage-collection passes that ran meanwhile (count and seconds per
@@ -328,6 +328,7 @@ def main(argv: list[str] | None = None) -> int:
             Path(args.json).write_text(json.dumps(res, indent=2) + "\n")
         return 0
 
+    alone_llm: LLM | None = None  # --interleave: the engine alone, kept for the cold pairs
     if not args.no_baseline:
         llm = engine(path, n)
         # Warm-up at full length: the process's first long prefill also pays for page faults
@@ -341,13 +342,9 @@ def main(argv: list[str] | None = None) -> int:
         log("one-token step over the prompt, engine alone ...")
         res["step_s"] = one_token_step(llm, prompt)
         if args.interleave:
-            alone_llm: LLM | None = llm
-        else:
-            alone_llm = None
-            del llm
+            alone_llm = llm
+        del llm
         sync(args.device)
-    else:
-        alone_llm = None
     log("host -> device copy bandwidth ...")
     res["copy_gib_s"] = copy_bandwidth(args.device, kv_bytes) / GiB
 
@@ -392,9 +389,9 @@ def main(argv: list[str] | None = None) -> int:
         res["lmc_cold_reps"] = cold
         res["lmc_cold_calls"] = cold_calls
         res["lmc_cold_threads"] = cold_threads
-        if alone:
+        if alone_llm is not None:
             res["alone_reps"] = alone
-            alone_llm.close()  # type: ignore[union-attr]
+            alone_llm.close()
             alone_llm = None
         if args.cold_only:
             res["l1_hit_s"] = res["disk_hit_s"] = None

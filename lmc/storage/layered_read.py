@@ -72,7 +72,7 @@ class LayeredRead:
         self.stops_on_cut = True
         """Whether the producer stops reading the keys cut (the disk tier's does): if not (a
         Redis read keeps its connections' order, layer 0 of every key first), the kept keys'
-        last layers land only after everyone's, so a watch cuts to none or to nothing."""
+        last layers land only after everyone's, so a watch cuts to none or not at all."""
         self.t0 = time.monotonic()
         self.landed_bytes = [0] * len(self.objs)  # per key, bytes of whole reads in place
         self.landed_total = 0

@@ -95,9 +95,11 @@ def test_a_read_that_goes_on_after_a_cut_is_cut_to_none_or_left_alone() -> None:
     assert d.cut_to == 0 and "nothing landed" in d.why
 
 
-def test_a_redis_read_reports_progress_and_goes_on_after_a_cut(redis_server) -> None:  # noqa: F811
-    """What the rule above is for: a Redis layered read says it goes on after a cut, and
-    notes each piece as it lands (without that the watch saw nothing until the end)."""
+def test_a_redis_read_notes_its_progress_and_says_it_goes_on_after_a_cut(
+        redis_server) -> None:  # noqa: F811
+    """What the rule above is for: a Redis layered read declares that it goes on after a cut
+    (``stops_on_cut`` False), and notes each piece as it lands, nothing left counted as in
+    flight once it verified (without that the watch saw nothing until the end)."""
     from lmc.storage.backends.redis.backend import RedisBackend
 
     pool = MemoryPool(32 << 20, False)

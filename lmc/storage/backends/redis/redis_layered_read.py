@@ -14,9 +14,8 @@ layer 0 of its chunks, then layer 1, ..., each layer's range cut into pieces of 
 of the pool object and is noted as it lands, its bytes counted as moving while they arrive
 (``WireConn.on_fill``; ``LayeredRead.note``/``moving``: a load watch's rate and last landing,
 :mod:`lmc.storage.layered_watch`; without them the watch saw nothing until the read ended and
-could only stop on its stall rule). When every connection has received layer
-l, the read announces it; each
-connection feeds its chunks' xxh3 with a layer's bytes as soon as it has them (a streamed
+could only stop on its stall rule). When every connection has received layer l, the read
+announces it; each connection feeds its chunks' xxh3 with a layer's bytes as soon as it has them (a streamed
 xxh3 equals the one-shot digest in the header), so at the end only the keyed tag (when
 configured; it covers the whole payload in one pass) is left to check. The whole read has one
 deadline, ``remote_timeout``, as ``get`` does; a connection that fails or times out fails the
@@ -122,6 +121,7 @@ class LayerJob(StreamJob):
         landing.join(id(self))
         self.complete = False
         self.hashers: dict[int, Any] = {}
+        self._arrived = 0  # bytes of the piece being received (``_arriving``)
         self._reset()
 
     def _reset(self) -> None:
@@ -158,24 +158,22 @@ class LayerJob(StreamJob):
         if out:
             wc.send([b"".join(out)], dl)
 
+    def _arriving(self, nbytes: int) -> None:
+        """``WireConn.on_fill``: bytes of the piece being received, moving until it lands."""
+        self._arrived += nbytes
+        self.landing.read.moving(nbytes)
+
     def recv(self, wc: WireConn, dl: Deadline) -> None:
-        short: list[str] = []
-        read = self.landing.read
-        arrived = [0]  # bytes of the piece being received, told to the read as they land
-
-        def fill(nbytes: int) -> None:
-            arrived[0] += nbytes
-            read.moving(nbytes)
-
-        wc.on_fill = fill
+        self._arrived = 0
+        wc.on_fill = self._arriving
         try:
-            self._recv(wc, dl, short, arrived)
+            self._recv(wc, dl)
         finally:
             wc.on_fill = None
         self.complete = not self.broken
 
-    def _recv(self, wc: WireConn, dl: Deadline, short: list[str], arrived: list[int]
-              ) -> None:
+    def _recv(self, wc: WireConn, dl: Deadline) -> None:
+        short: list[str] = []
         read = self.landing.read
         while self._pending:
             layer, i, off, n = self._pending.popleft()
@@ -192,8 +190,8 @@ class LayerJob(StreamJob):
                 if not short and not isinstance(r, ReplyError) and r is not None:
                     self.landing.note(i, n)  # before the in-flight count drops
             finally:
-                read.moving(-arrived[0])
-                arrived[0] = 0
+                read.moving(-self._arrived)
+                self._arrived = 0
             if isinstance(r, ReplyError):
                 self.call.reply_errors.append(r)
                 short.append(f"reply error {r.message}")
